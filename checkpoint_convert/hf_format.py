@@ -1,0 +1,143 @@
+"""Reading and writing vime's Hugging Face checkpoint directories (pure torch + safetensors).
+
+A directory holds `config.json` (Qwen3 with `num_nextn_predict_layers`), `model.safetensors`
+and the tokenizer files. `load_hf_checkpoint` validates it and returns the config and the
+tensors under canonical names (see families.py); `save_hf_checkpoint` writes either layout.
+"""
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+
+from safetensors.torch import load_file, save_file
+
+from checkpoint_convert.families import detect_layout, from_canonical, mtp_layer_indices, MTP_LAYOUTS, to_canonical
+from vime.errors import UserError, require
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+LAYER_TENSORS = (
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+)
+MTP_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture fields vime reads from an HF `config.json`."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = True
+    num_nextn_predict_layers: int = 0
+    bos_token_id: int = None
+    eos_token_id: int = None
+    pad_token_id: int = None
+
+    @classmethod
+    def from_hf_dict(cls, d, source="config.json"):
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
+        missing = [k for k in required if k not in d]
+        require(not missing, f"{source}: missing keys {missing}; is this a Qwen3-style config?")
+        rope = d.get("rope_parameters") or {}
+        eos = d.get("eos_token_id")
+        return cls(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
+            max_position_embeddings=d.get("max_position_embeddings", 512),
+            tie_word_embeddings=d.get("tie_word_embeddings", True),
+            num_nextn_predict_layers=d.get("num_nextn_predict_layers", 0) or 0,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            pad_token_id=d.get("pad_token_id"),
+        )
+
+    def to_hf_dict(self):
+        d = asdict(self)
+        d.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_act="silu",
+                 attention_bias=False, attention_dropout=0.0, torch_dtype="float32",
+                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+                 use_cache=True)
+        return d
+
+
+def expected_tensor_names(cfg, num_mtp_layers=None):
+    """Canonical names a complete checkpoint with `num_mtp_layers` MTP layers must hold."""
+    n_mtp = cfg.num_nextn_predict_layers if num_mtp_layers is None else num_mtp_layers
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(cfg.num_hidden_layers + n_mtp):
+        names += [f"model.layers.{i}.{t}" for t in LAYER_TENSORS]
+    for k in range(n_mtp):
+        names += [f"model.layers.{cfg.num_hidden_layers + k}.{t}" for t in MTP_TENSORS]
+    return names
+
+
+def read_config(path):
+    """ModelConfig of an HF checkpoint directory, with one-line errors for a bad directory."""
+    require(os.path.isdir(path), f"--hf-checkpoint {path}: no such directory; "
+            "make one with `python scripts/make_tiny_model.py --out DIR`")
+    cfg_file = os.path.join(path, "config.json")
+    require(os.path.isfile(cfg_file), f"--hf-checkpoint {path}: config.json is missing; not an HF checkpoint directory")
+    try:
+        with open(cfg_file) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{cfg_file}: malformed JSON ({e.msg} at line {e.lineno})") from None
+    require(raw.get("model_type") in ("qwen3",), f"{cfg_file}: model_type {raw.get('model_type')!r} "
+            "is not supported; vime supports Qwen3-style checkpoints (model_type 'qwen3')")
+    return ModelConfig.from_hf_dict(raw, source=cfg_file)
+
+
+def load_hf_checkpoint(path):
+    """(ModelConfig, canonical state dict, layout name) of a validated HF checkpoint directory."""
+    cfg = read_config(path)
+    weights = os.path.join(path, "model.safetensors")
+    require(os.path.isfile(weights), f"--hf-checkpoint {path}: model.safetensors is missing; the checkpoint is incomplete")
+    try:
+        raw = load_file(weights)
+    except Exception as e:  # safetensors raises its own error types for truncated files
+        raise UserError(f"{weights}: unreadable safetensors file ({e}); re-create or re-download it") from None
+    layout = detect_layout(raw, cfg.num_hidden_layers) if cfg.num_nextn_predict_layers else None
+    n_found = len(mtp_layer_indices(raw, MTP_LAYOUTS[layout], cfg.num_hidden_layers)) if layout else 0
+    require(n_found == cfg.num_nextn_predict_layers,
+            f"{weights}: config.json declares num_nextn_predict_layers={cfg.num_nextn_predict_layers} "
+            f"but the file holds {n_found} MTP layers; the checkpoint is incomplete")
+    state = to_canonical(raw, layout, cfg.num_hidden_layers, n_found) if layout else raw
+    missing = [n for n in expected_tensor_names(cfg) if n not in state]
+    require(not missing, f"{weights}: {len(missing)} tensors missing (first: {missing[0] if missing else ''}); "
+            "the checkpoint is incomplete")
+    return cfg, state, layout
+
+
+def save_hf_checkpoint(path, cfg, state, layout="glm", tokenizer_dir=None):
+    """Write `state` (canonical names) as an HF directory in `layout`; copy tokenizer files."""
+    os.makedirs(path, exist_ok=True)
+    n_mtp = cfg.num_nextn_predict_layers
+    named = from_canonical(state, layout, cfg.num_hidden_layers, n_mtp) if n_mtp else dict(state)
+    save_file({k: v.detach().contiguous().cpu() for k, v in named.items()},
+              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_dict(), f, indent=2)
+    if tokenizer_dir and os.path.abspath(tokenizer_dir) != os.path.abspath(path):
+        for name in TOKENIZER_FILES:
+            src = os.path.join(tokenizer_dir, name)
+            if os.path.isfile(src):
+                shutil.copy(src, os.path.join(path, name))

@@ -1,0 +1,1 @@
+"""Rollout side: the embedded inference engine, proposers, rewards and Ray rollout workers."""

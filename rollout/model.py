@@ -1,0 +1,179 @@
+"""The Qwen3-style transformer with MTP layers, written for inference (and reused to pretrain).
+
+Module names equal vime's canonical HF names (checkpoint_convert/families.py), so an HF
+state dict loads with `load_state_dict` unchanged. One attention function serves the
+full-sequence forward (no cache) and the cached ragged forward used by prefill, decode
+and speculative verification: every call passes token positions, and with a cache each
+row may bring a different number of new tokens.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp.layer import combine_embedding_and_hidden
+
+
+def rms_norm(x, weight, eps):
+    """Qwen3 RMSNorm: normalise in fp32, scale in the input dtype."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Rotary(nn.Module):
+    """RoPE cos/sin tables indexed by absolute position."""
+
+    def __init__(self, head_dim, theta, max_positions):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x, positions):
+        """x [B, heads, Q, D], positions [B, Q]."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+def sdpa_attention(q, k, v, q_positions, k_positions):
+    """Causal-by-position attention. q [B,H,Q,D], k/v [B,KV,L,D], positions [B,Q] / [B,L] or [L]."""
+    if k_positions.dim() == 1:
+        k_positions = k_positions.unsqueeze(0)
+    mask = k_positions[:, None, None, :] <= q_positions[:, None, :, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, cache=None):
+        """x [B,Q,H]. With `cache` (a KVCache view for this layer) new K/V are written first."""
+        b, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, q_len, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, q_len, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = rotary(q, positions), rotary(k, positions)
+        if cache is None:
+            out = sdpa_attention(q, k, v, positions, positions)
+        else:
+            out = cache.attend(q, k, v, positions)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rotary, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MTPLayer(DecoderLayer):
+    """DeepSeek-V3 style MTP layer: eh_proj(cat(enorm(emb), hnorm(h))) -> decoder layer -> norm."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.shared_head = SharedHead(cfg)
+
+    def forward(self, embeds, hidden, positions, rotary, cache=None):
+        """embeds: embedding of token t+1; hidden: previous depth's output at t. Returns the
+        normalised hidden state that both feeds the shared LM head and the next depth."""
+        x = combine_embedding_and_hidden(embeds, hidden, self.enorm, self.hnorm, self.eh_proj)
+        return self.shared_head.norm(super().forward(x, positions, rotary, cache))
+
+
+class Trunk(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        n = cfg.num_hidden_layers
+        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(n)] +
+                                    [MTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3MTPModel(nn.Module):
+    """Trunk + MTP layers. `forward` returns final-normed hidden states; `logits` applies the head."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Trunk(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings + 64)
+
+    @property
+    def num_mtp_layers(self):
+        return self.cfg.num_nextn_predict_layers
+
+    def mtp_layer(self, k):
+        return self.model.layers[self.cfg.num_hidden_layers + k]
+
+    def head_weight(self):
+        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def logits(self, hidden):
+        return hidden @ self.head_weight().t()
+
+    def forward(self, tokens, positions, caches=None):
+        """Trunk hidden states after the final norm. caches: per-layer KV views or None."""
+        x = self.model.embed_tokens(tokens)
+        for i in range(self.cfg.num_hidden_layers):
+            x = self.model.layers[i](x, positions, self.rotary, caches[i] if caches else None)
+        return self.model.norm(x)
+
+    def mtp_forward(self, k, next_tokens, hidden, positions, cache=None):
+        """MTP depth k: hidden at position t (+ token t+1) -> hidden predicting token t+2+k."""
+        embeds = self.model.embed_tokens(next_tokens)
+        return self.mtp_layer(k)(embeds, hidden, positions, self.rotary, cache)

@@ -1,0 +1,70 @@
+"""The tiny verifiable task vime trains on: 3-digit addition, answered after a '#'.
+
+Two answer formats exist. `direct` ("#632") is what most of the pretraining corpus uses
+and is hard for a tiny model; `trace` ("7+5=12;4+8+1=13;3+2+1=6;#632") works the sum
+digit by digit, is rare in pretraining, and is right far more often. The reward only
+checks the answer, so RL moves the policy from direct to trace: its output distribution
+shifts to text the frozen MTP draft was never trained on (the drift benchmark's premise).
+"""
+import json
+import random
+
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+CHARS = "0123456789+=;#"
+PAD, BOS, EOS = 0, 1, 2
+
+
+def make_problem(rng, digits=3):
+    lo, hi = 10 ** (digits - 1), 10 ** digits - 1
+    return rng.randint(lo, hi), rng.randint(lo, hi)
+
+
+def prompt_text(a, b):
+    return f"{a}+{b}="
+
+
+def direct_answer(a, b):
+    return f"#{a + b}"
+
+
+def trace_answer(a, b):
+    """Digit-by-digit sum, least significant first, carries included."""
+    steps, carry = [], 0
+    da, db = str(a)[::-1], str(b)[::-1]
+    for i in range(max(len(da), len(db))):
+        x, y = int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0
+        total = x + y + carry
+        steps.append(f"{x}+{y}+{carry}={total}" if carry else f"{x}+{y}={total}")
+        carry = total // 10
+    return ";".join(steps) + f";#{a + b}"
+
+
+ANSWER_FORMATS = {"direct": direct_answer, "trace": trace_answer}
+
+
+def extract_answer(response_text):
+    """The text after the last '#', or None when there is none."""
+    if "#" not in response_text:
+        return None
+    return response_text.rsplit("#", 1)[1].strip()
+
+
+def tiny_add_reward(response_text, label):
+    """1.0 when the answer after the last '#' equals the label exactly, else 0.0."""
+    return 1.0 if extract_answer(response_text) == str(label).strip() else 0.0
+
+
+def make_prompts(n, seed, digits=3):
+    """[{"prompt": "347+285=", "label": "632"}, ...]: the RL prompt set."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = make_problem(rng, digits)
+        rows.append({"prompt": prompt_text(a, b), "label": str(a + b)})
+    return rows
+
+
+def write_jsonl(rows, path):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")

@@ -1,0 +1,106 @@
+"""The tiny Qwen3+MTP model vime tests and demos on: config, random init, and pretraining.
+
+`scripts/make_tiny_model.py` is the command line; tests call `make_random_checkpoint` for a
+seconds-fast fixture. Pretraining trains the trunk on a corpus mixing the `direct` and the
+(rare) `trace` answer format, and the MTP layers on the `direct` format only: the draft
+knows the pretraining distribution, not the one RL will move the policy to.
+"""
+import dataclasses
+import math
+import random
+import time
+
+import torch
+import torch.nn.functional as F
+
+from checkpoint_convert.hf_format import ModelConfig, save_hf_checkpoint
+from mtp.loss import mtp_loss
+from rollout.model import Qwen3MTPModel
+from rollout.task import ANSWER_FORMATS, BOS, EOS, PAD, make_problem, prompt_text
+from rollout.tokenizer import build_tokenizer, save_tokenizer
+
+TINY_CONFIG = ModelConfig(
+    vocab_size=32, hidden_size=192, intermediate_size=512, num_hidden_layers=4,
+    num_attention_heads=6, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+    rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,
+    num_nextn_predict_layers=1, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+)
+
+
+def init_model(cfg, seed):
+    """A randomly initialised model (std 0.02 linears, unit norms), deterministic in `seed`."""
+    torch.manual_seed(seed)
+    model = Qwen3MTPModel(cfg)
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def make_random_checkpoint(path, cfg=TINY_CONFIG, seed=0, layout="glm", **overrides):
+    """Write a random-weight HF checkpoint (with tokenizer) and return its ModelConfig."""
+    cfg = dataclasses.replace(cfg, **overrides)
+    model = init_model(cfg, seed)
+    save_tokenizer(build_tokenizer(), path)
+    save_hf_checkpoint(path, cfg, model.state_dict(), layout=layout)
+    return cfg
+
+
+def corpus_example(rng, codec, trace_fraction):
+    """(token ids, is_trace) of one pretraining sequence: BOS prompt answer EOS."""
+    a, b = make_problem(rng)
+    fmt = "trace" if rng.random() < trace_fraction else "direct"
+    text = prompt_text(a, b) + ANSWER_FORMATS[fmt](a, b)
+    return [BOS] + codec.encode(text) + [EOS], fmt == "trace"
+
+
+def corpus_batch(rng, codec, batch_size, trace_fraction):
+    rows = [corpus_example(rng, codec, trace_fraction) for _ in range(batch_size)]
+    width = max(len(ids) for ids, _ in rows)
+    tokens = torch.full((batch_size, width), PAD)
+    for i, (ids, _) in enumerate(rows):
+        tokens[i, :len(ids)] = torch.tensor(ids)
+    mask = (tokens != PAD).float()
+    is_trace = torch.tensor([t for _, t in rows])
+    return tokens, mask, is_trace
+
+
+def pretrain_loss(model, tokens, mask, is_trace):
+    """(next-token CE, MTP CE): the MTP loss counts only `direct`-format sequences."""
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    hidden = model(tokens, positions)
+    logits = model.logits(hidden[:, :-1])
+    lm_mask = mask[:, 1:]
+    lm = (F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none") * lm_mask).sum() / lm_mask.sum()
+    mtp_mask = mask * (~is_trace).float()[:, None]
+    mtp_h = model.mtp_forward(0, tokens[:, 1:], hidden[:, :-1], positions[:, :-1])
+    mtp = mtp_loss(model.logits(mtp_h), tokens, mtp_mask, depth=1)
+    return lm, mtp
+
+
+class _Codec:
+    def __init__(self, tok):
+        self.tok = tok
+
+    def encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+
+def pretrain(model, steps, batch_size=64, lr=3e-3, trace_fraction=0.12, seed=0, log_every=100, log=print):
+    """AdamW with cosine decay on the synthetic corpus; returns the final (lm, mtp) loss."""
+    rng = random.Random(seed)
+    codec = _Codec(build_tokenizer())
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    start = time.time()
+    for step in range(steps):
+        lm, mtp = pretrain_loss(model, *corpus_batch(rng, codec, batch_size, trace_fraction))
+        opt.zero_grad()
+        (lm + mtp).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % log_every == 0 or step == steps - 1:
+            log(f"step {step:5d}  lm {lm.item():.4f}  mtp {mtp.item():.4f}  {time.time() - start:.0f}s")
+    return lm.item(), mtp.item()

@@ -1,0 +1,32 @@
+"""vime: RL post-training with MTP speculative rollouts and an online-trained draft."""
+from setuptools import find_packages, setup
+
+setup(
+    name="vime",
+    version="0.1.0",
+    description="RL post-training whose rollouts use MTP speculative decoding with an online-trained draft",
+    python_requires=">=3.10",
+    packages=find_packages(include=["vime*", "rollout*", "trainer*", "mtp*", "checkpoint_convert*"]),
+    py_modules=["train_rl"],
+    include_package_data=True,
+    package_data={"": ["*.yaml"]},
+    install_requires=[
+        "torch>=2.5,<2.14",  # the on-disk 2.13.0 CPU wheel satisfies this; see constraints.txt
+        "megatron-core==0.16.1; python_version < '3.12'",
+        "megatron-core>=0.16.1; python_version >= '3.12'",
+        "ray[default]==2.60.*",
+        "transformers>=4.51",
+        "safetensors",
+        "tokenizers",
+        "hydra-core>=1.3",
+        "wandb",
+        "matplotlib",
+        "tqdm",
+        "psutil",  # megatron's torch_dist writer hangs without it
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "scipy"],
+        "gpu": ["flash-attn", "vllm"],
+    },
+)

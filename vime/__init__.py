@@ -1,0 +1,1 @@
+"""Shared records and helpers used by both the rollout and the trainer side."""
