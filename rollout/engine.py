@@ -1,0 +1,289 @@
+"""The embedded inference engine: continuous batching over a slot KV cache, exact log-probs.
+
+One mutable `Request` per sample flows through the loop. Each iteration prefills newly
+admitted requests into free slots (one ragged forward), then runs one verify forward for
+the running ones: the last token plus that request's drafts (none for plain decoding, so
+plain and speculative decoding share this path and differ only in the proposer).
+Accepted tokens are appended, rejected KV entries are dropped by resetting the slot
+length. Sampling is driven by per-request generators, so a request's output does not
+depend on which others share the batch.
+"""
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from checkpoint_convert.hf_format import load_hf_checkpoint
+from mtp.rejection import verify
+from mtp.sampling import processed_logprobs
+from rollout.kv_cache import KVCache, pick_attention_backend
+from rollout.model import Qwen3MTPModel
+from rollout.proposers import ForwardOutput, Proposer
+from vime.errors import UserError, require
+from vime.sample import Sample
+
+
+@dataclass
+class EngineConfig:
+    max_batch_size: int = 64
+    max_len: int = None  # context length in tokens; default: the model's max_position_embeddings
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    attention_backend: str = "auto"  # auto | sdpa | flash
+    rejection_sample_method: str = "probabilistic"
+    synthetic_acceptance_rate: float = None
+
+
+class Request:
+    """One sample being generated: its Sample record plus the engine's per-request state."""
+
+    def __init__(self, sample, sampling, generator):
+        self.sample, self.sampling, self.generator = sample, sampling, generator
+        self.slot = -1
+        self.num_cached = 0  # target KV entries that hold accepted tokens
+        self.drafts, self.draft_probs = [], None
+        self.finish_reason = None
+
+    @property
+    def all_ids(self):
+        return self.sample.prompt_ids + self.sample.response_ids
+
+    @property
+    def num_tokens(self):
+        return len(self.sample.prompt_ids) + len(self.sample.response_ids)
+
+    @property
+    def num_generated(self):
+        return len(self.sample.response_ids)
+
+    @property
+    def finished(self):
+        return self.finish_reason is not None
+
+    def uniforms(self, n):
+        return torch.rand(n, generator=self.generator)
+
+
+class Engine:
+    def __init__(self, model, config=None, codec=None, proposer=None):
+        self.config = config or EngineConfig()
+        self.model = model.to(self.config.device, self.config.dtype).eval()
+        self.model.requires_grad_(False)
+        self.cfg = model.cfg
+        self.max_len = self.config.max_len or self.cfg.max_position_embeddings
+        self.codec = codec
+        self.backend = pick_attention_backend(self.config.device, self.config.attention_backend)
+        self.cache = KVCache(self.cfg.num_hidden_layers, self.config.max_batch_size, self.max_len + 1,
+                             self.cfg.num_key_value_heads, self.cfg.head_dim, self.config.dtype, self.config.device)
+        self.stop_ids = {self.cfg.eos_token_id} - {None}
+        self.weight_version = 0
+        self.paused = False
+        self.last_stats = {}
+        self.set_proposer(proposer or Proposer())
+
+    @classmethod
+    def from_checkpoint(cls, path, config=None, proposer=None):
+        from rollout.tokenizer import TextCodec  # tokenizers is only needed with text I/O
+
+        cfg, state, _ = load_hf_checkpoint(path)
+        model = Qwen3MTPModel(cfg)
+        model.load_state_dict(state, strict=True)
+        codec = TextCodec(path) if _has_tokenizer(path) else None
+        return cls(model, config, codec, proposer)
+
+    def set_proposer(self, proposer):
+        self.proposer = proposer
+        proposer.attach(self)
+
+    # ---------------------------------------------------------------- public API
+    def generate(self, samples, sampling):
+        """Fill response_ids / response / rollout_logprobs / finish_reason / spec of `samples`."""
+        require(not self.paused, "the engine is paused (a weight update is in progress); call resume() first")
+        for s in samples:
+            self._check_prompt(s)
+        requests = [Request(s, sampling, self._generator(sampling, s)) for s in samples]
+        for s in samples:
+            s.response_ids, s.rollout_logprobs, s.weight_version = [], [], self.weight_version
+            s.spec.__init__()
+        start = time.perf_counter()
+        self._run(requests, sampling)
+        elapsed = time.perf_counter() - start
+        for r in requests:
+            r.sample.finish_reason = r.finish_reason
+            if self.codec:
+                r.sample.response = self.codec.decode(r.sample.response_ids)
+        generated = sum(r.num_generated for r in requests)
+        self.last_stats = {"generated_tokens": generated, "seconds": elapsed,
+                           "tokens_per_s": generated / max(elapsed, 1e-9)}
+        return samples
+
+    def load_weights(self, named_tensors, version):
+        """Copy (canonical HF name, tensor) pairs into the model; every name must exist."""
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in params:
+                    raise UserError(f"load_weights: unknown tensor {name!r}; expected canonical HF names")
+                params[name].copy_(tensor.to(params[name].dtype))
+        self.weight_version = version
+
+    def pause(self):
+        self.paused = True
+
+    def resume(self):
+        self.paused = False
+
+    def stats(self):
+        return dict(self.last_stats, weight_version=self.weight_version)
+
+    # ---------------------------------------------------------------- the loop
+    def _run(self, requests, sampling):
+        waiting, running = deque(requests), []
+        free_slots = list(range(self.config.max_batch_size))[::-1]
+        while waiting or running:
+            admitted = []
+            while waiting and free_slots:
+                r = waiting.popleft()
+                r.slot = free_slots.pop()
+                admitted.append(r)
+            decoding = list(running)
+            if admitted:
+                self._prefill(admitted, sampling)
+                running += admitted
+            if decoding:
+                self._verify_step(decoding, sampling)
+            for r in [r for r in running if r.finished]:
+                running.remove(r)
+                free_slots.append(r.slot)
+                self.proposer.release(r)
+
+    def _prefill(self, reqs, sampling):
+        lengths = [len(r.sample.prompt_ids) for r in reqs]
+        tokens = _pad([r.sample.prompt_ids for r in reqs], self.config.device)
+        n_new = torch.tensor(lengths, device=self.config.device)
+        starts = torch.zeros_like(n_new)
+        hidden = self._forward(reqs, tokens, starts, n_new)
+        last = hidden[torch.arange(len(reqs)), n_new - 1]
+        logprobs = processed_logprobs(self.model.logits(last), sampling.temperature, sampling.top_k, sampling.top_p)
+        empty = torch.zeros(len(reqs), 0, dtype=torch.long, device=self.config.device)
+        self._accept(reqs, logprobs.unsqueeze(1), empty, [0] * len(reqs), sampling, None)
+        for r, n in zip(reqs, lengths):
+            r.num_cached = n
+        self._propose(reqs, hidden, starts, n_new)
+
+    def _verify_step(self, reqs, sampling):
+        counts = [self._draft_budget(r) for r in reqs]
+        rows = [[r.all_ids[-1]] + list(r.drafts[:c]) for r, c in zip(reqs, counts)]
+        tokens = _pad(rows, self.config.device)
+        starts = torch.tensor([r.num_cached for r in reqs], device=self.config.device)
+        n_new = torch.tensor([len(x) for x in rows], device=self.config.device)
+        hidden = self._forward(reqs, tokens, starts, n_new)
+        logprobs = processed_logprobs(self.model.logits(hidden), sampling.temperature, sampling.top_k, sampling.top_p)
+        drafts = tokens[:, 1:]
+        draft_probs = self._stack_draft_probs(reqs, drafts.shape[1], logprobs.shape[-1])
+        n_acc = self._accept(reqs, logprobs, drafts, counts, sampling, draft_probs)
+        for r, a in zip(reqs, n_acc):
+            r.num_cached += 1 + a
+        self._propose(reqs, hidden, starts, torch.tensor([1 + a for a in n_acc], device=self.config.device))
+
+    def _accept(self, reqs, logprobs, drafts, counts, sampling, draft_probs):
+        """Verify drafts, append the emitted tokens (cut at stop / budget), update stats."""
+        k = drafts.shape[1]
+        uniforms = torch.stack([r.uniforms(k + 2) for r in reqs]).to(logprobs.device) if not sampling.greedy \
+            else torch.zeros(len(reqs), k + 2, device=logprobs.device)
+        res = verify(logprobs, drafts, torch.tensor(counts, device=logprobs.device), uniforms, sampling.greedy,
+                     self.config.rejection_sample_method, draft_probs, self.config.synthetic_acceptance_rate)
+        n_acc = res.num_accepted.tolist()
+        emitted, emitted_lp = res.emitted.tolist(), res.emitted_logprobs.tolist()
+        for i, r in enumerate(reqs):
+            self._append(r, emitted[i][:n_acc[i] + 1], emitted_lp[i][:n_acc[i] + 1])
+            _record_spec(r.sample.spec, counts[i], n_acc[i])
+        return n_acc
+
+    def _append(self, r, tokens, logprobs):
+        stops = self.stop_ids | set(r.sampling.stop_token_ids)
+        for tok, lp in zip(tokens, logprobs):
+            r.sample.response_ids.append(tok)
+            r.sample.rollout_logprobs.append(lp)
+            if tok in stops:
+                r.finish_reason = "stop"
+            elif r.num_generated >= r.sampling.max_new_tokens or r.num_tokens >= self.max_len:
+                r.finish_reason = "length"
+            if r.finished:
+                return
+
+    def _draft_budget(self, r):
+        """Drafts this request may verify: never past max_new_tokens or the context."""
+        remaining = r.sampling.max_new_tokens - r.num_generated
+        return max(0, min(len(r.drafts), remaining - 1, self.max_len - r.num_tokens))
+
+    def _stack_draft_probs(self, reqs, k, vocab):
+        if k == 0 or all(r.draft_probs is None for r in reqs):
+            return None
+        out = torch.zeros(len(reqs), k, vocab, device=self.config.device)
+        for i, r in enumerate(reqs):
+            if r.draft_probs is not None:
+                n = min(k, r.draft_probs.shape[0])
+                out[i, :n] = r.draft_probs[:n, :vocab]
+        return out
+
+    def _forward(self, reqs, tokens, starts, n_new):
+        slots = torch.tensor([r.slot for r in reqs], device=self.config.device)
+        positions = (starts[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :])
+        positions = positions.clamp(max=self.max_len)
+        view = self.cache.step(slots, starts, n_new, self.backend)
+        with torch.inference_mode():
+            return self.model(tokens, positions, view.layers(self.cfg.num_hidden_layers))
+
+    def _propose(self, reqs, hidden, starts, n_valid):
+        live = [i for i, r in enumerate(reqs) if not r.finished]
+        if not live:
+            return
+        idx = torch.tensor(live, device=hidden.device)
+        with torch.inference_mode():
+            self.proposer.propose(ForwardOutput([reqs[i] for i in live], hidden[idx], starts[idx], n_valid[idx]))
+
+    # ---------------------------------------------------------------- checks and helpers
+    def _check_prompt(self, s):
+        require(len(s.prompt_ids) > 0, f"prompt {s.index} is empty")
+        require(len(s.prompt_ids) < self.max_len,
+                f"prompt {s.index} has {len(s.prompt_ids)} tokens; the context is {self.max_len} "
+                "(shorten the prompt or raise the engine's max_len)")
+        bad = [t for t in s.prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        require(not bad, f"prompt {s.index} has token id {bad[0] if bad else ''} outside the vocabulary "
+                f"[0, {self.cfg.vocab_size})")
+
+    def _generator(self, sampling, sample):
+        g = torch.Generator()
+        g.manual_seed(hash((sampling.seed, sample.index, sample.sample_index)) & 0x7FFFFFFF)
+        return g
+
+
+def _record_spec(spec, drafted, accepted):
+    spec.verify_steps += 1
+    spec.draft_tokens += drafted
+    spec.accepted_tokens += accepted
+    for i in range(drafted):
+        if i >= len(spec.drafted_per_pos):
+            spec.drafted_per_pos.append(0)
+            spec.accepted_per_pos.append(0)
+        spec.drafted_per_pos[i] += 1
+        spec.accepted_per_pos[i] += int(i < accepted)
+
+
+def _pad(rows, device, value=0):
+    width = max(len(x) for x in rows)
+    return torch.tensor([list(x) + [value] * (width - len(x)) for x in rows], dtype=torch.long, device=device)
+
+
+def _has_tokenizer(path):
+    import os
+
+    return os.path.isfile(os.path.join(path, "tokenizer.json"))
+
+
+def make_samples(prompt_ids_list, n=1):
+    """Samples for each prompt, n per prompt (index = prompt position, sample_index = 0..n-1)."""
+    return [Sample(prompt_ids=list(ids), index=i, sample_index=j) for i, ids in enumerate(prompt_ids_list)
+            for j in range(n)]

@@ -1,0 +1,86 @@
+"""Preallocated per-slot KV cache and the per-step view that attention writes and reads.
+
+Layout [layers, slots, max_len, kv_heads, head_dim]. A slot's valid length lives with its
+request; rolling back rejected speculative entries is just setting that length back, the
+stale entries are overwritten by the next write. One `StepView` per forward precomputes the
+ragged write indices once and hands every layer a `LayerView` with `attend`.
+"""
+import torch
+
+from rollout.model import sdpa_attention
+
+
+class KVCache:
+    def __init__(self, num_layers, num_slots, max_len, num_kv_heads, head_dim, dtype=torch.float32, device="cpu"):
+        shape = (num_layers, num_slots, max_len, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+    def step(self, slots, starts, n_new, backend="sdpa"):
+        """A view for one forward: row b writes n_new[b] tokens at positions starts[b]..."""
+        return StepView(self, slots, starts, n_new, backend)
+
+
+class StepView:
+    def __init__(self, cache, slots, starts, n_new, backend):
+        self.cache, self.slots, self.backend = cache, slots, backend
+        q_len = int(n_new.max())
+        offsets = torch.arange(q_len, device=slots.device)
+        self.valid = offsets[None, :] < n_new[:, None]
+        self.rows = slots[:, None].expand(-1, q_len)[self.valid]
+        self.cols = (starts[:, None] + offsets[None, :])[self.valid]
+        self.k_len = int((starts + n_new).max())
+        self.starts = starts
+
+    def layers(self, n):
+        return [LayerView(self, i) for i in range(n)]
+
+
+class LayerView:
+    def __init__(self, step, layer):
+        self.step, self.layer = step, layer
+
+    def attend(self, q, k, v, positions):
+        """q [B,H,Q,D], k/v [B,KV,Q,D] for the new tokens; returns [B,H,Q,D]."""
+        return ATTENTION_BACKENDS[self.step.backend](self, q, k, v, positions)
+
+
+def _sdpa_cached(view, q, k, v, positions):
+    s, cache = view.step, view.step.cache
+    k_layer, v_layer = cache.k[view.layer], cache.v[view.layer]
+    k_layer[s.rows, s.cols] = k.transpose(1, 2)[s.valid]
+    v_layer[s.rows, s.cols] = v.transpose(1, 2)[s.valid]
+    keys = k_layer[s.slots, :s.k_len].transpose(1, 2)
+    values = v_layer[s.slots, :s.k_len].transpose(1, 2)
+    k_positions = torch.arange(s.k_len, device=q.device)
+    return sdpa_attention(q, keys, values, positions, k_positions)
+
+
+def _flash_cached(view, q, k, v, positions):
+    """flash-attn path (CUDA only): writes the new K/V into the cache and attends causally."""
+    from flash_attn import flash_attn_with_kvcache
+
+    s, cache = view.step, view.step.cache
+    out = flash_attn_with_kvcache(
+        q.transpose(1, 2), cache.k[view.layer], cache.v[view.layer],
+        k=k.transpose(1, 2), v=v.transpose(1, 2), cache_seqlens=s.starts.int(),
+        cache_batch_idx=s.slots.int(), causal=True)
+    return out.transpose(1, 2)
+
+
+ATTENTION_BACKENDS = {"sdpa": _sdpa_cached, "flash": _flash_cached}
+
+
+def pick_attention_backend(device, requested="auto"):
+    """'flash' when CUDA and flash_attn are present (or asked for), else 'sdpa'."""
+    if requested != "auto":
+        return requested
+    if torch.device(device).type != "cuda":
+        return "sdpa"
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return "sdpa"
+    return "flash"
+

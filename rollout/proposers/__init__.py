@@ -1,0 +1,39 @@
+"""Draft proposers for speculative decoding, one registry for all methods.
+
+A proposer sees every target forward (`ForwardOutput`: the final-normed hidden states of
+the new positions and how many of them are now followed by a known token) and leaves on
+each request the drafts for its next verify step (`request.drafts`, and
+`request.draft_probs` [k, V] when it has a draft distribution). The engine verifies them.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardOutput:
+    """One target forward over a ragged batch."""
+
+    requests: list
+    hidden: torch.Tensor  # [B, Q, H] final-normed hidden states of the new positions
+    starts: torch.Tensor  # [B] position of hidden[:, 0]
+    n_valid: torch.Tensor  # [B] leading positions whose next token is now known
+
+
+class Proposer:
+    """No speculation: plain decoding is verification with zero drafts."""
+
+    num_speculative_tokens = 0
+
+    def attach(self, engine):
+        """Called once the engine exists (allocate caches, read the model)."""
+
+    def propose(self, out):
+        for r in out.requests:
+            r.drafts, r.draft_probs = [], None
+
+    def release(self, request):
+        """The request finished: drop its per-request state."""
+
+
+PROPOSERS = {"none": lambda spec_config: Proposer()}

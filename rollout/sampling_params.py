@@ -1,0 +1,24 @@
+"""Sampling parameters of a generate call, validated with one-line errors naming the flag."""
+from dataclasses import dataclass, field
+
+from vime.errors import require
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 64
+    stop_token_ids: tuple = field(default_factory=tuple)  # in addition to the model's EOS
+    seed: int = 0
+
+    def __post_init__(self):
+        require(self.max_new_tokens > 0, f"--max-new-tokens must be > 0 (got {self.max_new_tokens})")
+        require(self.temperature >= 0, f"--temperature must be >= 0 (got {self.temperature}); use 0 for greedy")
+        require(0 < self.top_p <= 1, f"--top-p must be in (0, 1] (got {self.top_p})")
+        require(self.top_k >= 0, f"--top-k must be >= 0 (got {self.top_k}); 0 turns it off")
+
+    @property
+    def greedy(self):
+        return self.temperature == 0
