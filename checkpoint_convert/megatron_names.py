@@ -1,0 +1,122 @@
+"""Declarative HF-canonical <-> megatron-core name maps for Qwen3 + MTP (pure torch).
+
+Both directions work on full (TP-unsharded) tensors. The same tables drive the
+HF <-> torch_dist converter and `Trainer.named_hf_weights()` (online weight sync).
+
+Megatron fuses q/k/v into `linear_qkv` (rows per query group: [q heads of the group, k, v])
+and gate/up into `linear_fc1` (rows: [gate; up]). MTP layer k lives under
+`mtp.layers.{k}` with its decoder layer in the submodule named `MTP_INNER_LAYER`.
+"""
+import re
+
+import torch
+
+# megatron-core 0.16.1 names the MTP layer's decoder layer `transformer_layer`; newer releases
+# renamed it. This is the one place that knows.
+MTP_INNER_LAYER = "transformer_layer"
+
+TOP_LEVEL = {  # megatron name -> canonical HF name
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+
+LAYER = {  # decoder-layer suffix, megatron -> HF (1:1 renames)
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+FUSED = {  # decoder-layer suffix, megatron -> (fusion kind, HF parts in order)
+    "self_attention.linear_qkv.weight": ("qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                  "self_attn.v_proj.weight")),
+    "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+}
+
+MTP_OWN = {  # MTP-layer suffix, megatron -> HF
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "final_layernorm.weight": "shared_head.norm.weight",
+}
+
+_DECODER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+
+
+def _layer_targets(suffix, hf_prefix):
+    """(fusion kind or None, HF names) of a decoder-layer suffix."""
+    if suffix in LAYER:
+        return None, (hf_prefix + LAYER[suffix],)
+    if suffix in FUSED:
+        kind, parts = FUSED[suffix]
+        return kind, tuple(hf_prefix + p for p in parts)
+    raise KeyError(suffix)
+
+
+def hf_targets(megatron_name, num_hidden_layers):
+    """(fusion kind or None, canonical HF names) a megatron parameter name maps to."""
+    if megatron_name in TOP_LEVEL:
+        return None, (TOP_LEVEL[megatron_name],)
+    m = _DECODER.match(megatron_name)
+    if m:
+        return _layer_targets(m.group(2), f"model.layers.{m.group(1)}.")
+    m = _MTP.match(megatron_name)
+    if m:
+        hf_prefix = f"model.layers.{num_hidden_layers + int(m.group(1))}."
+        suffix = m.group(2)
+        if suffix in MTP_OWN:
+            return None, (hf_prefix + MTP_OWN[suffix],)
+        inner = MTP_INNER_LAYER + "."
+        if suffix.startswith(inner):
+            return _layer_targets(suffix[len(inner):], hf_prefix)
+    raise KeyError(f"no HF name for megatron parameter {megatron_name}")
+
+
+def fuse_qkv(q, k, v, num_kv_heads):
+    """q [nh*d, H], k/v [nkv*d, H] -> megatron linear_qkv [(nh + 2 nkv) d, H]."""
+    hidden = q.shape[1]
+    qg, kg, vg = (t.reshape(num_kv_heads, -1, hidden) for t in (q, k, v))
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, hidden)
+
+
+def split_qkv(qkv, num_kv_heads, num_heads, head_dim):
+    """Inverse of fuse_qkv."""
+    per_group = num_heads // num_kv_heads * head_dim
+    grouped = qkv.reshape(num_kv_heads, per_group + 2 * head_dim, qkv.shape[1])
+    q, k, v = grouped.split([per_group, head_dim, head_dim], dim=1)
+    return tuple(t.reshape(-1, qkv.shape[1]).contiguous() for t in (q, k, v))
+
+
+def _fuse(kind, parts, cfg):
+    if kind == "qkv":
+        return fuse_qkv(*parts, cfg.num_key_value_heads)
+    return torch.cat(parts, dim=0)
+
+
+def _split(kind, tensor, cfg):
+    if kind == "qkv":
+        return split_qkv(tensor, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim)
+    return tuple(t.contiguous() for t in tensor.chunk(2, dim=0))
+
+
+def megatron_to_hf(name, tensor, cfg):
+    """[(canonical HF name, tensor)] for one full megatron tensor. cfg: a ModelConfig."""
+    kind, targets = hf_targets(name, cfg.num_hidden_layers)
+    if kind is None:
+        return [(targets[0], tensor)]
+    return list(zip(targets, _split(kind, tensor, cfg)))
+
+
+def hf_to_megatron(name, hf_state, cfg):
+    """The full megatron tensor for megatron parameter `name`, built from canonical HF tensors."""
+    kind, targets = hf_targets(name, cfg.num_hidden_layers)
+    missing = [t for t in targets if t not in hf_state]
+    if missing:
+        raise KeyError(f"HF tensor {missing[0]} (for megatron {name}) is missing")
+    if kind is None:
+        return hf_state[targets[0]]
+    return _fuse(kind, [hf_state[t] for t in targets], cfg)

@@ -1,0 +1,1 @@
+"""megatron-core trainer: policy loss, online MTP training, torch_dist checkpoints."""

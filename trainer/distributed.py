@@ -1,0 +1,78 @@
+"""torch.distributed + megatron parallel_state setup and teardown for one trainer process.
+
+`init_distributed` is what a Ray actor calls (it gets rank, world size and the master
+address from the group that spawned it); `init_single_process` serves tests and tools.
+Both are safe to call again in the same process (parallel_state is rebuilt).
+"""
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from trainer.cpu_patches import apply_cpu_patches
+from vime.errors import require
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_parallel_sizes(world_size, tp, pp):
+    """One-line errors for parallel sizes vime cannot run."""
+    require(pp == 1, f"--pipeline-model-parallel-size {pp}: pipeline parallelism is not supported "
+            "by the vime trainer yet; use --pipeline-model-parallel-size 1")
+    require(tp >= 1 and world_size % tp == 0,
+            f"--tensor-model-parallel-size {tp} does not divide the {world_size} trainer processes")
+
+
+def init_distributed(rank, world_size, master_addr, master_port, tp=1, pp=1):
+    """Join the process group (gloo on CPU, nccl on GPU) and build megatron's TP/PP/DP groups."""
+    check_parallel_sizes(world_size, tp, pp)
+    apply_cpu_patches()
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(minutes=10))
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def init_single_process(tp=1, pp=1):
+    """A one-process group (reused if one already exists) for tests, tools and converters."""
+    init_distributed(0, 1, "127.0.0.1", free_port(), tp, pp)
+
+
+def teardown():
+    """Destroy megatron's groups and the process group."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def tp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group()
+
+
+def tp_rank_and_size():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def dp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group()

@@ -1,0 +1,179 @@
+"""The megatron-core Qwen3 (+MTP) model and the only code that knows megatron's private names.
+
+`build_model(model_cfg, mtp_num_layers, ...)` builds a `VimeGPTModel`: a `GPTModel` whose
+`_postprocess` returns the policy logits (TP-gathered, [b, s, V]) and the inputs the MTP
+block needs, instead of running megatron's own MTP loss. The trainer then calls
+`mtp_logits(...)`, which runs the MTP block on detached trunk outputs by default, and adds
+the MTP loss itself (see DESIGN §4).
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from vime.errors import require
+
+
+@dataclass
+class ForwardOutput:
+    """What one forward hands to the losses: logits and the MTP block's inputs."""
+
+    logits: torch.Tensor  # [b, s, V] full vocabulary
+    hidden: torch.Tensor  # [s, b, H] final-normed trunk output
+    mtp_inputs: dict
+
+
+def _use_transformer_engine():
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _local_spec():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+
+
+def _te_spec():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
+
+
+LAYER_SPECS = {"local": _local_spec, "te": _te_spec}
+
+
+def spec_name():
+    """'te' with CUDA and Transformer Engine present, else 'local' (CPU / gloo)."""
+    return "te" if _use_transformer_engine() else "local"
+
+
+def check_tensor_parallel(model_cfg, tp):
+    """One-line errors for a TP size that does not divide the heads / vocabulary."""
+    for what, n in (("attention heads", model_cfg.num_attention_heads),
+                    ("key/value heads", model_cfg.num_key_value_heads),
+                    ("vocabulary size", model_cfg.vocab_size)):
+        require(n % tp == 0, f"--tensor-model-parallel-size {tp} does not divide the model's "
+                f"{n} {what}; choose a divisor of {n}")
+
+
+def transformer_config(model_cfg, mtp_num_layers, tp=1, pp=1, params_dtype=torch.float32):
+    """megatron TransformerConfig of a Qwen3 dense model (RMSNorm, RoPE, GQA, SwiGLU, qk-norm)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=model_cfg.num_hidden_layers, hidden_size=model_cfg.hidden_size,
+        ffn_hidden_size=model_cfg.intermediate_size, num_attention_heads=model_cfg.num_attention_heads,
+        num_query_groups=model_cfg.num_key_value_heads, kv_channels=model_cfg.head_dim,
+        layernorm_epsilon=model_cfg.rms_norm_eps, normalization="RMSNorm", qk_layernorm=True,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, mtp_num_layers=mtp_num_layers or None,
+        mtp_loss_scaling_factor=0.0, use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+    )
+
+
+def _import_gpt_model():
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel
+
+
+class _Lazy:
+    """Defers subclassing GPTModel until megatron is imported (after the CPU patches)."""
+
+    cls = None
+
+
+def _vime_gpt_model_class():
+    if _Lazy.cls is not None:
+        return _Lazy.cls
+    GPTModel = _import_gpt_model()
+
+    class VimeGPTModel(GPTModel):
+        """GPTModel whose postprocess yields policy logits; the MTP block is run by the trainer."""
+
+        def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb,
+                         rotary_pos_cos, rotary_pos_sin, attention_mask=None, packed_seq_params=None,
+                         sequence_len_offset=None, **unused):
+            logits = self._logits(hidden_states, self.output_weight())
+            mtp_inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                              rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
+                              rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
+                              sequence_len_offset=sequence_len_offset)
+            return ForwardOutput(logits=logits, hidden=hidden_states, mtp_inputs=mtp_inputs)
+
+        def output_weight(self):
+            if self.share_embeddings_and_output_weights:
+                return self.shared_embedding_or_output_weight()
+            return self.output_layer.weight
+
+        def _logits(self, hidden_states, weight):
+            logits, _ = self.output_layer(hidden_states, weight=weight, runtime_gather_output=True)
+            return logits.transpose(0, 1).float()
+
+        def mtp_logits(self, out, detach_trunk=True):
+            """[b, s, V] logits of every MTP depth. detach_trunk: the MTP loss reaches only mtp.*"""
+            hidden = out.hidden.detach() if detach_trunk else out.hidden
+
+            def embed(input_ids, position_ids):
+                emb = self.embedding(input_ids=input_ids, position_ids=position_ids)
+                return emb.detach() if detach_trunk else emb
+
+            stacked = self.mtp(hidden_states=hidden, embedding=embed, **out.mtp_inputs)
+            weight = self.output_weight()
+            weight = weight.detach() if detach_trunk else weight
+            depths = torch.chunk(stacked, 1 + self.config.mtp_num_layers, dim=0)[1:]
+            return [self._logits(h, weight) for h in depths]
+
+    _Lazy.cls = VimeGPTModel
+    return VimeGPTModel
+
+
+def build_model(model_cfg, mtp_num_layers, tp=1, pp=1, seed=1234):
+    """A VimeGPTModel for `model_cfg` (a ModelConfig) on this rank's TP shard."""
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    check_tensor_parallel(model_cfg, tp)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    config = transformer_config(model_cfg, mtp_num_layers, tp, pp)
+    name = spec_name()
+    layer_spec = LAYER_SPECS[name]()
+    mtp_spec = (get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=name == "te")
+                if mtp_num_layers else None)
+    model = _vime_gpt_model_class()(
+        config=config, transformer_layer_spec=layer_spec, vocab_size=model_cfg.vocab_size,
+        max_sequence_length=model_cfg.max_position_embeddings, mtp_block_spec=mtp_spec,
+        position_embedding_type="rope", rotary_base=model_cfg.rope_theta, rotary_percent=1.0,
+        share_embeddings_and_output_weights=model_cfg.tie_word_embeddings,
+    )
+    if torch.cuda.is_available():
+        model = model.cuda()
+    return model
+
+
+def causal_mask(seq_len, device=None):
+    """megatron's attention mask convention: True = masked out."""
+    return torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)
+
+
+def forward(model, tokens):
+    """ForwardOutput of `tokens` [b, s] (right-padded; positions 0..s-1)."""
+    seq = tokens.shape[1]
+    positions = torch.arange(seq, device=tokens.device).unsqueeze(0).expand_as(tokens)
+    return model(tokens, positions, causal_mask(seq, tokens.device))
+
+
+def is_mtp_param(name):
+    return name.startswith("mtp.")
