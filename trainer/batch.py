@@ -1,0 +1,60 @@
+"""The training batch: built from `Sample` records in one place (right padding).
+
+Every per-token tensor is [B, S] aligned with `tokens`; position j of `rollout_logprobs`
+holds the rollout log-prob of token j (0 on prompt and padding). The loss uses the
+label-aligned slices `[:, 1:]`.
+"""
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, S] long
+    loss_mask: torch.Tensor  # [B, S] float, 1 on response tokens
+    rollout_logprobs: torch.Tensor  # [B, S] float
+    advantages: torch.Tensor  # [B, S] float, the sample's advantage on its response tokens
+    ref_logprobs: Optional[torch.Tensor] = None  # [B, S] for the KL loss
+
+    @property
+    def size(self):
+        return self.tokens.shape[0]
+
+    @property
+    def label_mask(self):
+        """[B, S-1]: loss mask of the predicted tokens."""
+        return self.loss_mask[:, 1:]
+
+    def num_response_tokens(self):
+        return self.label_mask.sum()
+
+    def rows(self, start, end):
+        return replace(self, **{f.name: getattr(self, f.name)[start:end] for f in fields(self)
+                                if getattr(self, f.name) is not None})
+
+    def micro_batches(self, micro_batch_size):
+        size = micro_batch_size if micro_batch_size and micro_batch_size > 0 else self.size
+        return [self.rows(i, i + size) for i in range(0, self.size, size)]
+
+
+def _row(values, offset, width, dtype, fill=0):
+    row = torch.full((width,), fill, dtype=dtype)
+    if values:
+        row[offset:offset + len(values)] = torch.as_tensor(values, dtype=dtype)
+    return row
+
+
+def build_batch(samples, pad_token_id=0, ref_logprobs=None):
+    """Batch of `samples` (vime.sample.Sample), right-padded to the longest."""
+    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+
+    def stack(fn, dtype, fill=0):
+        return torch.stack([fn(s, dtype, fill) for s in samples])
+
+    tokens = stack(lambda s, d, f: _row(s.tokens, 0, width, d, f), torch.long, pad_token_id)
+    mask = stack(lambda s, d, f: _row(s.loss_mask, 0, width, d), torch.float32)
+    lps = stack(lambda s, d, f: _row(s.rollout_logprobs, len(s.prompt_ids), width, d), torch.float32)
+    adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)[:, None] * mask
+    return Batch(tokens=tokens, loss_mask=mask, rollout_logprobs=lps, advantages=adv, ref_logprobs=ref_logprobs)

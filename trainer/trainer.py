@@ -1,0 +1,178 @@
+"""`Trainer`: one megatron-core policy (+ MTP) trainer process, usable in-process or in a Ray actor.
+
+Call `trainer.distributed.init_distributed(...)` first in multi-process setups; a lone
+Trainer starts a one-process group itself. Per step:
+policy loss (PPO-clip on the rollout log-probs) + factor/num_layers * MTP loss, where the
+MTP block reads detached trunk outputs (DESIGN §4) and has its own grad-norm clip.
+"""
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from checkpoint_convert.hf_format import load_hf_checkpoint, read_config
+from mtp.loss import mtp_loss, mtp_loss_mask
+from mtp.sampling import effective_temperature, token_logprobs
+from trainer import checkpoint, grads
+from trainer.distributed import init_single_process
+from trainer.losses import entropy_from_logits, policy_loss, token_mean
+from trainer.model import build_model, forward, is_mtp_param
+from trainer.weights import load_hf_state, named_hf_weights
+from vime.errors import require
+
+
+def resolve_mtp_layers(requested, available):
+    """MTP layers to build: the checkpoint's count by default; more than it has is refused."""
+    n = available if requested is None else requested
+    require(0 <= n <= available, f"--mtp-num-layers {n}: the HF checkpoint has only {available} MTP layers")
+    return n
+
+
+def _dp_sum(value):
+    t = torch.as_tensor(value, dtype=torch.float64).clone()
+    from trainer.distributed import dp_group
+
+    if dist.get_world_size(dp_group()) > 1:
+        dist.all_reduce(t, group=dp_group())
+    return t
+
+
+class Trainer:
+    """Policy + MTP trainer on this rank's TP shard. See module docstring."""
+
+    def __init__(self, cfg, hf_checkpoint, load=None):
+        """cfg: TrainerConfig; hf_checkpoint: HF dir (architecture, and weights unless `load`);
+        load: a torch_dist checkpoint dir to resume from (weights + optimizer state)."""
+        self.cfg = cfg
+        if not dist.is_initialized():
+            init_single_process(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
+        hf_cfg = read_config(hf_checkpoint)
+        self.mtp_num_layers = resolve_mtp_layers(cfg.mtp_num_layers, hf_cfg.num_nextn_predict_layers)
+        require(not cfg.enable_mtp_training or self.mtp_num_layers > 0,
+                "--enable-mtp-training needs MTP layers; the HF checkpoint has none or --mtp-num-layers is 0")
+        self.model_cfg = dataclasses.replace(hf_cfg, num_nextn_predict_layers=self.mtp_num_layers)
+        self.model = build_model(self.model_cfg, self.mtp_num_layers, cfg.tensor_model_parallel_size,
+                                 cfg.pipeline_model_parallel_size, cfg.seed)
+        if load is None:
+            _, hf_state, _ = load_hf_checkpoint(hf_checkpoint)
+            load_hf_state(self.model, hf_state, self.model_cfg)
+        self._freeze_mtp_unless_trained()
+        self.optimizer = self._build_optimizer()
+        if load is not None:
+            self.load(load)
+
+    # ---- parameters -------------------------------------------------------------------
+    def _freeze_mtp_unless_trained(self):
+        for name, p in self.model.named_parameters():
+            if is_mtp_param(name):
+                p.requires_grad_(self.cfg.enable_mtp_training)
+
+    def policy_params(self):
+        return [p for n, p in self.model.named_parameters() if not is_mtp_param(n)]
+
+    def mtp_params(self):
+        return [p for n, p in self.model.named_parameters() if is_mtp_param(n)]
+
+    def _build_optimizer(self):
+        groups = [{"params": self.policy_params()}]
+        if self.cfg.enable_mtp_training:
+            groups.append({"params": self.mtp_params()})
+        return torch.optim.AdamW(groups, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+
+    # ---- forward pieces ---------------------------------------------------------------
+    def _token_logprobs(self, out, tokens):
+        """[b, s-1] log-probs of tokens 1.. under softmax(logits / T)."""
+        return token_logprobs(out.logits[:, :-1], tokens[:, 1:], self.cfg.temperature)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch):
+        """[B, S] log-prob of each token given its prefix (0 at position 0), at the rollout temperature."""
+        self.model.eval()
+        rows = []
+        for mb in batch.micro_batches(self.cfg.micro_batch_size):
+            lp = self._token_logprobs(forward(self.model, mb.tokens), mb.tokens)
+            rows.append(torch.nn.functional.pad(lp, (1, 0)))
+        return torch.cat(rows)
+
+    def _mtp_losses(self, out, mb, mtp_counts):
+        """Per-depth MTP CE, each a share of the step's token mean (sums to it over micro-batches)."""
+        logits = self.model.mtp_logits(out, detach_trunk=self.cfg.mtp_detach_trunk)
+        losses = []
+        for d, lg in enumerate(logits, start=1):
+            local = mtp_loss_mask(mb.loss_mask, d).sum()
+            losses.append(mtp_loss(lg, mb.tokens, mb.loss_mask, d) * local / mtp_counts[d - 1].clamp(min=1))
+        return losses
+
+    def _micro_batch_loss(self, mb, num_tokens, mtp_counts):
+        out = forward(self.model, mb.tokens)
+        lp = self._token_logprobs(out, mb.tokens)
+        mask = mb.label_mask
+        ref = mb.ref_logprobs[:, 1:] if mb.ref_logprobs is not None else None
+        require(not self.cfg.use_kl_loss or ref is not None, "--use-kl-loss needs reference log-probs in the batch")
+        loss, m = policy_loss(lp, mb.rollout_logprobs[:, 1:], mb.advantages[:, 1:], mask, self.cfg, ref, num_tokens)
+        with torch.no_grad():
+            temp = effective_temperature(self.cfg.temperature)
+            m["entropy"] = token_mean(entropy_from_logits(out.logits[:, :-1], temp), mask, num_tokens)
+            m["logprob_abs_diff"] = token_mean((lp - mb.rollout_logprobs[:, 1:]).abs(), mask, num_tokens)
+        if self.cfg.enable_mtp_training:
+            per_depth = self._mtp_losses(out, mb, mtp_counts)
+            scale = self.cfg.mtp_loss_scaling_factor / len(per_depth)
+            loss = loss + scale * torch.stack(per_depth).sum()
+            for i, l in enumerate(per_depth, start=1):
+                m[f"mtp_{i}_loss"] = l.detach()
+        return loss, m
+
+    # ---- step -------------------------------------------------------------------------
+    def backward(self, batch):
+        """Forward + backward over micro-batches; grads left on the parameters. Returns metrics."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        num_tokens = _dp_sum(batch.num_response_tokens()).float()
+        mtp_counts = [_dp_sum(mtp_loss_mask(batch.loss_mask, d).sum()).float()
+                      for d in range(1, self.mtp_num_layers + 1)]
+        totals = {}
+        for mb in batch.micro_batches(self.cfg.micro_batch_size):
+            loss, m = self._micro_batch_loss(mb, num_tokens, mtp_counts)
+            loss.backward()
+            for k, v in m.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        grads.reduce_gradients(self.model.named_parameters())
+        return self._metrics(totals)
+
+    def _metrics(self, totals):
+        out = {f"train/{k}": _dp_sum(v).item() for k, v in totals.items()}
+        out["train/policy_loss"] = out.pop("train/pg_loss") + self.cfg.kl_loss_coef * out.get("train/kl", 0.0) \
+            if self.cfg.use_kl_loss else out.pop("train/pg_loss")
+        depths = [out[f"train/mtp_{i}_loss"] for i in range(1, self.mtp_num_layers + 1) if f"train/mtp_{i}_loss" in out]
+        if depths:
+            out["train/mtp_loss"] = sum(depths) / len(depths)
+        return out
+
+    def train_step(self, batch):
+        """One optimiser step on `batch` (this DP rank's share). Returns the train/* metrics."""
+        metrics = self.backward(batch)
+        metrics["train/grad_norm"] = grads.clip_by_norm(self.policy_params(), self.cfg.clip_grad)
+        if self.cfg.enable_mtp_training:
+            metrics["train/mtp_grad_norm"] = grads.clip_by_norm(self.mtp_params(), self.cfg.effective_mtp_clip_grad)
+        self.optimizer.step()
+        return metrics
+
+    # ---- weights and checkpoints ------------------------------------------------------
+    def named_hf_weights(self):
+        """Yield (canonical HF name, full tensor) of every weight, trunk and MTP, on every TP rank."""
+        yield from named_hf_weights(self.model, self.model_cfg)
+
+    def _meta(self):
+        return {"model_config": dataclasses.asdict(self.model_cfg), "mtp_num_layers": self.mtp_num_layers}
+
+    def save(self, path):
+        """torch_dist checkpoint of weights + optimizer state (collective: every rank calls it)."""
+        checkpoint.save(path, self.model, self.optimizer, self._meta())
+
+    def load(self, path):
+        """Load a torch_dist checkpoint saved at any TP size (collective)."""
+        meta = checkpoint.read_meta(path)
+        require(meta.get("mtp_num_layers", 0) >= self.mtp_num_layers,
+                f"--load {path}: the checkpoint has {meta.get('mtp_num_layers', 0)} MTP layers, "
+                f"fewer than --mtp-num-layers {self.mtp_num_layers}")
+        checkpoint.load(path, self.model, self.optimizer)
