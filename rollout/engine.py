@@ -181,7 +181,7 @@ class Engine:
         hidden = self._forward(reqs, tokens, starts, n_new)
         logprobs = processed_logprobs(self.model.logits(hidden), sampling.temperature, sampling.top_k, sampling.top_p)
         drafts = tokens[:, 1:]
-        draft_probs = self._stack_draft_probs(reqs, drafts.shape[1], logprobs.shape[-1])
+        draft_probs = self._stack_draft_probs(reqs, drafts, logprobs.shape[-1])
         n_acc = self._accept(reqs, logprobs, drafts, counts, sampling, draft_probs)
         for r, a in zip(reqs, n_acc):
             r.num_cached += 1 + a
@@ -190,7 +190,7 @@ class Engine:
     def _accept(self, reqs, logprobs, drafts, counts, sampling, draft_probs):
         """Verify drafts, append the emitted tokens (cut at stop / budget), update stats."""
         k = drafts.shape[1]
-        uniforms = torch.stack([r.uniforms(k + 2) for r in reqs]).to(logprobs.device) if not sampling.greedy \
+        uniforms = self._uniforms(reqs, counts, k).to(logprobs.device) if not sampling.greedy \
             else torch.zeros(len(reqs), k + 2, device=logprobs.device)
         res = verify(logprobs, drafts, torch.tensor(counts, device=logprobs.device), uniforms, sampling.greedy,
                      self.config.rejection_sample_method, draft_probs, self.config.synthetic_acceptance_rate)
@@ -218,10 +218,23 @@ class Engine:
         remaining = r.sampling.max_new_tokens - r.num_generated
         return max(0, min(len(r.drafts), remaining - 1, self.max_len - r.num_tokens))
 
-    def _stack_draft_probs(self, reqs, k, vocab):
+    @staticmethod
+    def _uniforms(reqs, counts, k):
+        """[B, k+2]: each request draws only what its own drafts need (c+1 for the verify
+        positions, 1 for the residual, stored last), so its random stream does not depend
+        on how many drafts other requests in the batch brought."""
+        out = torch.zeros(len(reqs), k + 2)
+        for i, (r, c) in enumerate(zip(reqs, counts)):
+            u = r.uniforms(c + 2)
+            out[i, :c + 1], out[i, -1] = u[:c + 1], u[-1]
+        return out
+
+    def _stack_draft_probs(self, reqs, drafts, vocab):
+        k = drafts.shape[1]
         if k == 0 or all(r.draft_probs is None for r in reqs):
             return None
-        out = torch.zeros(len(reqs), k, vocab, device=self.config.device)
+        # a request without q drafted deterministically: its q is one-hot at its drafts
+        out = torch.nn.functional.one_hot(drafts, vocab).to(torch.float32)
         for i, r in enumerate(reqs):
             if r.draft_probs is not None:
                 n = min(k, r.draft_probs.shape[0])

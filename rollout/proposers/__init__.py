@@ -36,4 +36,21 @@ class Proposer:
         """The request finished: drop its per-request state."""
 
 
-PROPOSERS = {"none": lambda spec_config: Proposer()}
+def _lazy(module, name):
+    """Import a proposer module only when that method is asked for."""
+
+    def make(spec_config):
+        import importlib
+
+        return getattr(importlib.import_module(f"rollout.proposers.{module}"), name)(spec_config)
+
+    return make
+
+
+PROPOSERS = {
+    "none": lambda spec_config: Proposer(),
+    "mtp": _lazy("mtp", "MTPProposer"),
+    "ngram": _lazy("ngram", "NgramProposer"),
+    "suffix": _lazy("suffix", "SuffixProposer"),
+    "draft_model": _lazy("draft_model", "DraftModelProposer"),
+}

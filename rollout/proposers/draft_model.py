@@ -1,0 +1,91 @@
+"""Draft-model proposer: a separate small HF checkpoint (same vocabulary) drafts k tokens
+autoregressively with its own slot KV cache.
+
+Per request we remember where the last drafting started (`base`) and what it drafted.
+Draft-cache entries at positions < base are true tokens; drafts 1..k-1 were written at
+base..base+k-2, so after verification the cache stays valid up to base + (number of those
+drafts that were accepted). Each propose feeds the remaining true tokens in one ragged
+forward (at least the newest token, whose logits give draft 1), then k-1 one-token steps.
+"""
+import torch
+
+from checkpoint_convert.hf_format import load_hf_checkpoint
+from rollout.kv_cache import KVCache
+from rollout.model import Qwen3MTPModel
+from rollout.proposers import Proposer
+from rollout.proposers.drafting import assign_drafts, draft_uniforms, pad_rows, pick_drafts, samples_drafts
+from vime.errors import require
+
+
+def load_draft_model(path, dtype, device):
+    cfg, state, _ = load_hf_checkpoint(path)
+    model = Qwen3MTPModel(cfg)
+    model.load_state_dict(state, strict=True)
+    return model.to(device, dtype).eval().requires_grad_(False)
+
+
+def valid_prefix(base, drafted, ids):
+    """Draft-cache entries still valid: those before base plus accepted written drafts."""
+    written = drafted[:-1]  # the last draft is never fed back
+    a = 0
+    while a < len(written) and base + a < len(ids) and ids[base + a] == written[a]:
+        a += 1
+    return base + a
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, spec, model=None):
+        self.spec, self.model = spec, model
+        self.num_speculative_tokens = spec.num_speculative_tokens
+        self.state = {}  # id(request) -> (base, drafted tokens)
+
+    def attach(self, engine):
+        self.engine = engine
+        ec = engine.config
+        if self.model is None:
+            self.model = load_draft_model(self.spec.model, ec.dtype, ec.device)
+        cfg = self.model.cfg
+        require(cfg.vocab_size == engine.cfg.vocab_size,
+                f"--vllm-speculative-config: draft model vocab_size {cfg.vocab_size} differs from the target's "
+                f"{engine.cfg.vocab_size}; the draft must share the target's tokenizer")
+        self.cache = KVCache(cfg.num_hidden_layers, ec.max_batch_size, engine.max_len + self.num_speculative_tokens + 2,
+                             cfg.num_key_value_heads, cfg.head_dim, ec.dtype, ec.device)
+
+    def propose(self, out):
+        reqs, k = out.requests, self.num_speculative_tokens
+        sampling = reqs[0].sampling
+        uniforms = draft_uniforms(reqs, k) if samples_drafts(self.spec, sampling) else None
+        device = out.hidden.device
+        ids = [r.all_ids for r in reqs]
+        valid = [min(self._valid(r, x), len(x) - 1) for r, x in zip(reqs, ids)]
+        slots = torch.tensor([r.slot for r in reqs], device=device)
+        starts = torch.tensor(valid, device=device)
+        n_new = torch.tensor([len(x) - v for x, v in zip(ids, valid)], device=device)
+        logits = self._forward(slots, pad_rows([x[v:] for x, v in zip(ids, valid)], device), starts, n_new)
+        logits = logits[torch.arange(len(reqs), device=device), n_new - 1]
+        pos = starts + n_new
+        tokens, probs = [], []
+        for i in range(k):
+            tok, q = pick_drafts(logits, sampling, None if uniforms is None else uniforms[:, i])
+            tokens.append(tok)
+            probs.append(q)
+            if i + 1 < k:
+                logits = self._forward(slots, tok[:, None], pos + i, torch.ones_like(pos))[:, 0]
+        drafts = torch.stack(tokens, 1)
+        assign_drafts(reqs, drafts, torch.stack(probs, 1) if uniforms is not None else None)
+        for r, x, row in zip(reqs, ids, drafts.tolist()):
+            self.state[id(r)] = (len(x), row)
+
+    def _valid(self, r, ids):
+        if id(r) not in self.state:
+            return 0
+        base, drafted = self.state[id(r)]
+        return valid_prefix(base, drafted, ids)
+
+    def _forward(self, slots, tokens, starts, n_new):
+        positions = starts[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+        view = self.cache.step(slots, starts, n_new, self.engine.backend)
+        return self.model.logits(self.model(tokens, positions, view.layers(self.model.cfg.num_hidden_layers)))
+
+    def release(self, request):
+        self.state.pop(id(request), None)

@@ -1,0 +1,211 @@
+"""The speculative-decoding config: vLLM's SpeculativeConfig schema, parsed and validated.
+
+Accepts the JSON string of `--vllm-speculative-config` or a mapping (a YAML subtree) and
+returns a frozen `SpecConfig`. Every bad input is a one-line `UserError` that names the
+flag and says what to do. Checks that need the target checkpoint (MTP layers present,
+draft vocabulary) live in `check_against_checkpoint`. `build_proposer` turns a config
+into a proposer through the `PROPOSERS` registry; `engine_config_for` gives the engine
+its slice (rejection method).
+"""
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass
+
+from mtp.rejection import REJECTION_METHODS
+from vime.errors import UserError, require
+
+FLAG = "--vllm-speculative-config"
+
+METHOD_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "mimo_mtp": "mtp", "glm4_moe_mtp": "mtp",
+                  "ngram": "ngram", "suffix": "suffix", "draft_model": "draft_model"}
+UNSUPPORTED_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "dflash", "ngram_gpu")
+
+# keys users reach for that belong elsewhere: key -> what to say instead
+MISPLACED_KEYS = {
+    "tensor_parallel_size": "is not a speculative-config key; use draft_tensor_parallel_size",
+    "temperature": "is a sampling parameter, not a speculative-config key; set it with the sampling flags",
+    "top_p": "is a sampling parameter, not a speculative-config key; set it with the sampling flags",
+    "top_k": "is a sampling parameter, not a speculative-config key; set it with the sampling flags",
+    "seed": "is a sampling parameter, not a speculative-config key; set it with the sampling flags",
+}
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str
+    num_speculative_tokens: int
+    model: str = None
+    draft_tensor_parallel_size: int = 1
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    rejection_sample_method: str = "strict"
+    synthetic_acceptance_rate: float = None
+
+    @property
+    def is_lossy(self):
+        """True when outputs no longer follow the target distribution (synthetic acceptance):
+        benchmark-only; training must refuse it."""
+        return self.rejection_sample_method == "synthetic"
+
+
+# key -> (accepted python types, type name for the error)
+_TYPES = {
+    "method": ((str,), "a string"),
+    "num_speculative_tokens": ((int,), "an integer"),
+    "model": ((str,), "a string (a checkpoint directory)"),
+    "draft_tensor_parallel_size": ((int,), "an integer"),
+    "prompt_lookup_min": ((int,), "an integer"),
+    "prompt_lookup_max": ((int,), "an integer"),
+    "suffix_decoding_max_tree_depth": ((int,), "an integer"),
+    "suffix_decoding_max_cached_requests": ((int,), "an integer"),
+    "suffix_decoding_max_spec_factor": ((int, float), "a number"),
+    "suffix_decoding_min_token_prob": ((int, float), "a number"),
+    "rejection_sample_method": ((str,), "a string"),
+    "synthetic_acceptance_rate": ((int, float), "a number"),
+}
+
+# key -> (predicate, wording of the allowed range)
+_RANGES = {
+    "num_speculative_tokens": (lambda v: v > 0, "> 0"),
+    "draft_tensor_parallel_size": (lambda v: v >= 1, ">= 1"),
+    "prompt_lookup_min": (lambda v: v >= 1, ">= 1"),
+    "prompt_lookup_max": (lambda v: v >= 1, ">= 1"),
+    "suffix_decoding_max_tree_depth": (lambda v: v >= 1, ">= 1"),
+    "suffix_decoding_max_cached_requests": (lambda v: v >= 0, ">= 0 (0 disables the cache)"),
+    "suffix_decoding_max_spec_factor": (lambda v: v > 0, "> 0"),
+    "suffix_decoding_min_token_prob": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "synthetic_acceptance_rate": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+}
+
+
+def parse_spec_config(value):
+    """SpecConfig from a JSON string, a mapping, or None (-> None: no speculation)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    raw = _load_json(value) if isinstance(value, str) else value
+    require(isinstance(raw, dict), f"{FLAG} must be a JSON object like "
+            '\'{"method":"mtp","num_speculative_tokens":3}\' (got ' + type(raw).__name__ + ")")
+    _check_keys(raw)
+    for key, val in raw.items():
+        _check_type(key, val)
+        _check_range(key, val)
+    return _finish(dict(raw))
+
+
+def _load_json(text):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{FLAG}: malformed JSON ({e.msg} at column {e.colno}); pass an object like "
+                        '\'{"method":"mtp","num_speculative_tokens":3}\'') from None
+
+
+def _check_keys(raw):
+    known = set(_TYPES)
+    for key in raw:
+        if key in MISPLACED_KEYS:
+            raise UserError(f"{FLAG}: {key!r} {MISPLACED_KEYS[key]}")
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(known))}"
+            raise UserError(f"{FLAG}: unknown key {key!r}{hint}")
+    require("method" in raw, f"{FLAG}: 'method' is required (one of {', '.join(sorted(METHOD_ALIASES))})")
+    require("num_speculative_tokens" in raw, f"{FLAG}: 'num_speculative_tokens' is required (an integer > 0)")
+
+
+def _check_type(key, val):
+    types, name = _TYPES[key]
+    if key in ("model", "synthetic_acceptance_rate") and val is None:
+        return
+    ok = isinstance(val, types) and not isinstance(val, bool)
+    require(ok, f"{FLAG}: {key} must be {name} (got {json.dumps(val)})")
+
+
+def _check_range(key, val):
+    if key not in _RANGES or val is None:
+        return
+    pred, wording = _RANGES[key]
+    require(pred(val), f"{FLAG}: {key} must be {wording} (got {val})")
+
+
+def _finish(raw):
+    method = raw["method"]
+    require(method not in UNSUPPORTED_METHODS,
+            f"{FLAG}: method {method!r} is not supported yet; use one of mtp, ngram, suffix, draft_model")
+    require(method in METHOD_ALIASES, f"{FLAG}: unknown method {method!r}; use one of "
+            f"{', '.join(sorted(METHOD_ALIASES))}")
+    raw["method"] = METHOD_ALIASES[method]
+    _lookup_bounds(raw)
+    _rejection(raw)
+    require(raw.get("draft_tensor_parallel_size", 1) == 1,
+            f"{FLAG}: draft_tensor_parallel_size must be 1 for the embedded engine "
+            f"(got {raw.get('draft_tensor_parallel_size')})")
+    require(raw["method"] != "draft_model" or raw.get("model"),
+            f"{FLAG}: method 'draft_model' needs \"model\": \"/path/to/draft/hf/checkpoint\"")
+    return SpecConfig(**raw)
+
+
+def _lookup_bounds(raw):
+    lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+    lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
+    require(lo <= hi, f"{FLAG}: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+    raw["prompt_lookup_min"], raw["prompt_lookup_max"] = lo, hi
+
+
+def _rejection(raw):
+    method = raw.setdefault("rejection_sample_method", "strict")
+    require(method in REJECTION_METHODS,
+            f"{FLAG}: rejection_sample_method must be one of {', '.join(REJECTION_METHODS)} (got {method!r})")
+    rate = raw.get("synthetic_acceptance_rate")
+    require(method != "synthetic" or rate is not None,
+            f"{FLAG}: rejection_sample_method 'synthetic' needs synthetic_acceptance_rate in [0, 1]")
+
+
+# ------------------------------------------------------------------ checkpoint-dependent checks
+def check_against_checkpoint(spec, target_cfg):
+    """Checks that need the target's ModelConfig: MTP layers, draft vocabulary."""
+    if spec is None:
+        return
+    if spec.method == "mtp":
+        require(target_cfg.num_nextn_predict_layers > 0,
+                f"{FLAG}: method 'mtp' needs a checkpoint with MTP layers, but this one has "
+                "num_nextn_predict_layers=0; use ngram/suffix/draft_model or a checkpoint with MTP weights")
+    if spec.method == "draft_model":
+        from checkpoint_convert.hf_format import read_config
+
+        draft_cfg = read_config(spec.model)
+        require(draft_cfg.vocab_size == target_cfg.vocab_size,
+                f"{FLAG}: draft model {spec.model} has vocab_size {draft_cfg.vocab_size} but the target has "
+                f"{target_cfg.vocab_size}; the draft must share the target's tokenizer")
+
+
+def engine_config_for(spec, engine_config):
+    """The engine's slice of the spec config: how drafts are verified."""
+    if spec is None:
+        return engine_config
+    return dataclasses.replace(engine_config, rejection_sample_method=spec.rejection_sample_method,
+                               synthetic_acceptance_rate=spec.synthetic_acceptance_rate)
+
+
+def build_proposer(spec):
+    """A proposer for `spec` (None: plain decoding) from the registry."""
+    from rollout.proposers import PROPOSERS
+
+    return PROPOSERS["none" if spec is None else spec.method](spec)
+
+
+def build_engine(checkpoint, spec=None, engine_config=None):
+    """An Engine on `checkpoint` with speculation per `spec` (SpecConfig, JSON string, mapping or None)."""
+    from rollout.engine import Engine, EngineConfig
+
+    spec = spec if isinstance(spec, SpecConfig) or spec is None else parse_spec_config(spec)
+    from checkpoint_convert.hf_format import read_config
+
+    check_against_checkpoint(spec, read_config(checkpoint))
+    config = engine_config_for(spec, engine_config or EngineConfig())
+    return Engine.from_checkpoint(checkpoint, config, build_proposer(spec))

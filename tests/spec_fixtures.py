@@ -1,0 +1,65 @@
+"""Models for the speculative-decoding tests, built in well under a second.
+
+`markov_model`: a random model that mostly follows a fixed token permutation (next =
+perm(t)) with context-dependent noise from its random layers, and MTP weights crafted to
+predict perm(t+1) from the embedding of t+1 alone. Its greedy outputs vary, and its MTP
+draft is right often but not always, so speculative tests see both acceptances and
+rejections. `tiny_vocab_model`: 5-token vocabulary, no EOS, peaked-but-random
+distributions for exact distribution tests.
+"""
+import dataclasses
+
+import torch
+
+from checkpoint_convert.hf_format import save_hf_checkpoint
+from rollout.model import Qwen3MTPModel
+from rollout.tiny_model import TINY_CONFIG
+from rollout.tokenizer import build_tokenizer, save_tokenizer
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16)
+
+
+def random_model(cfg, seed, std):
+    torch.manual_seed(seed)
+    model = Qwen3MTPModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, std)
+    return model
+
+
+def markov_model(seed=0, noise=0.12, **overrides):
+    cfg = dataclasses.replace(TINY_CONFIG, tie_word_embeddings=False, **{**SMALL, **overrides})
+    model = random_model(cfg, seed, noise)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        emb = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+        model.model.embed_tokens.weight.copy_(emb)
+        # one long cycle over the non-special tokens, so outputs neither loop early nor stop
+        order = 3 + torch.randperm(cfg.vocab_size - 3, generator=g)
+        perm = torch.full((cfg.vocab_size,), int(order[0]))
+        perm[order] = order.roll(-1)
+        head = torch.zeros(cfg.vocab_size, cfg.hidden_size)
+        head.index_add_(0, perm, emb)  # logit j is high when perm(t) = j
+        model.lm_head.weight.copy_(head * 0.3)
+        for k in range(cfg.num_nextn_predict_layers):
+            layer = model.mtp_layer(k)
+            eye = torch.eye(cfg.hidden_size)
+            layer.eh_proj.weight.copy_(torch.cat([eye, torch.zeros_like(eye)], 1))
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return model
+
+
+def tiny_vocab_model(seed=0, vocab=5):
+    cfg = dataclasses.replace(TINY_CONFIG, vocab_size=vocab, eos_token_id=None, bos_token_id=0, pad_token_id=0,
+                              **SMALL)
+    return random_model(cfg, seed, 0.35)
+
+
+def save_checkpoint(model, path):
+    save_tokenizer(build_tokenizer(), path)
+    save_hf_checkpoint(path, model.cfg, model.state_dict(), layout="glm")
+    return path
