@@ -4,6 +4,7 @@
 address from the group that spawned it); `init_single_process` serves tests and tools.
 Both are safe to call again in the same process (parallel_state is rebuilt).
 """
+import contextlib
 import socket
 from datetime import timedelta
 
@@ -48,6 +49,31 @@ def init_distributed(rank, world_size, master_addr, master_port, tp=1, pp=1):
 def init_single_process(tp=1, pp=1):
     """A one-process group (reused if one already exists) for tests, tools and converters."""
     init_distributed(0, 1, "127.0.0.1", free_port(), tp, pp)
+
+
+def ensure_distributed(tp=1, pp=1):
+    """Reuse a multi-process group set up by the caller; otherwise (re)build a one-process one."""
+    from megatron.core import parallel_state as ps
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        require(ps.model_parallel_is_initialized(), "call trainer.distributed.init_distributed first")
+        return
+    if (dist.is_initialized() and ps.model_parallel_is_initialized()
+            and ps.get_tensor_model_parallel_world_size() == tp):
+        return
+    init_single_process(tp, pp)
+
+
+@contextlib.contextmanager
+def owned_single_process():
+    """A TP=1 one-process group for a tool; torn down after unless the caller already had one."""
+    had_group = dist.is_initialized()
+    init_single_process()
+    try:
+        yield
+    finally:
+        if not had_group:
+            teardown()
 
 
 def teardown():

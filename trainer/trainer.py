@@ -14,7 +14,7 @@ from checkpoint_convert.hf_format import load_hf_checkpoint, read_config
 from mtp.loss import mtp_loss, mtp_loss_mask
 from mtp.sampling import effective_temperature, token_logprobs
 from trainer import checkpoint, grads
-from trainer.distributed import init_single_process
+from trainer.distributed import ensure_distributed
 from trainer.losses import entropy_from_logits, policy_loss, token_mean
 from trainer.model import build_model, forward, is_mtp_param
 from trainer.weights import load_hf_state, named_hf_weights
@@ -44,8 +44,7 @@ class Trainer:
         """cfg: TrainerConfig; hf_checkpoint: HF dir (architecture, and weights unless `load`);
         load: a torch_dist checkpoint dir to resume from (weights + optimizer state)."""
         self.cfg = cfg
-        if not dist.is_initialized():
-            init_single_process(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
+        ensure_distributed(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
         hf_cfg = read_config(hf_checkpoint)
         self.mtp_num_layers = resolve_mtp_layers(cfg.mtp_num_layers, hf_cfg.num_nextn_predict_layers)
         require(not cfg.enable_mtp_training or self.mtp_num_layers > 0,

@@ -1,0 +1,73 @@
+"""HF checkpoint -> megatron torch_dist checkpoint (trunk and MTP layers).
+
+Builds the megatron model in one gloo process at TP=1, fills it through the declarative
+name maps (megatron_names.py) and saves `model.sharded_state_dict()` with
+dist_checkpointing. torch_dist is TP-independent (megatron reshards on load), so a
+checkpoint written at TP=1 loads at any `--tensor-model-parallel-size`; the flag is
+validated here (it must divide the heads) and recorded in vime_meta.json.
+"""
+import argparse
+import dataclasses
+import os
+
+from checkpoint_convert.hf_format import load_hf_checkpoint
+from vime.errors import exit_on_user_error, require
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hf-checkpoint", required=True)
+    ap.add_argument("--save", required=True)
+    ap.add_argument("--mtp-num-layers", type=int, default=None)
+    ap.add_argument("--drop-mtp", action="store_true", help="convert the trunk only, on purpose")
+    ap.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    ap.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    return ap.parse_args(argv)
+
+
+def mtp_layers_to_convert(args, available):
+    """How many MTP layers to keep, with one-line refusals for dropping them by accident."""
+    if args.drop_mtp:
+        require(args.mtp_num_layers in (None, 0), "--drop-mtp and --mtp-num-layers "
+                f"{args.mtp_num_layers} contradict each other; pass one of them")
+        return 0
+    if args.mtp_num_layers is None:
+        require(available == 0, f"--hf-checkpoint {args.hf_checkpoint} has {available} MTP layers but "
+                "--mtp-num-layers is not set: the MTP weights would be dropped; pass "
+                f"--mtp-num-layers {available} to keep them or --drop-mtp to drop them on purpose")
+        return 0
+    require(args.mtp_num_layers <= available, f"--mtp-num-layers {args.mtp_num_layers} is larger than the "
+            f"{available} MTP layers in --hf-checkpoint {args.hf_checkpoint}")
+    require(args.mtp_num_layers >= 0, f"--mtp-num-layers {args.mtp_num_layers} must be >= 0")
+    return args.mtp_num_layers
+
+
+def convert(args):
+    from trainer import checkpoint
+    from trainer.distributed import check_parallel_sizes, owned_single_process
+    from trainer.model import build_model, check_tensor_parallel
+    from trainer.weights import load_hf_state
+
+    cfg, state, layout = load_hf_checkpoint(args.hf_checkpoint)
+    n_mtp = mtp_layers_to_convert(args, cfg.num_nextn_predict_layers)
+    tp = args.tensor_model_parallel_size
+    check_parallel_sizes(tp, tp, args.pipeline_model_parallel_size)
+    check_tensor_parallel(cfg, tp)
+    cfg = dataclasses.replace(cfg, num_nextn_predict_layers=n_mtp)
+    with owned_single_process():
+        model = build_model(cfg, n_mtp)
+        load_hf_state(model, state, cfg)
+        checkpoint.save(args.save, model, meta={"model_config": dataclasses.asdict(cfg), "mtp_num_layers": n_mtp,
+                                                "hf_layout": layout, "tensor_model_parallel_size": tp})
+    return n_mtp
+
+
+@exit_on_user_error
+def main(argv=None):
+    args = parse_args(argv)
+    n_mtp = convert(args)
+    print(f"saved torch_dist checkpoint to {os.path.abspath(args.save)} ({n_mtp} MTP layers)")
+
+
+if __name__ == "__main__":
+    main()

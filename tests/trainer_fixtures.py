@@ -1,0 +1,30 @@
+"""Shared helpers for the trainer tests: tiny checkpoints and hand-made batches."""
+import torch
+
+from rollout.tiny_model import make_random_checkpoint
+from trainer.batch import build_batch
+from vime.sample import Sample
+
+TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+
+
+def make_tiny(path, **overrides):
+    return make_random_checkpoint(str(path), **{**TINY, **overrides})
+
+
+def make_samples(n=4, prompt_len=4, seed=0, vocab=32, advantages=None):
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        resp_len = 5 + i
+        samples.append(Sample(
+            prompt_ids=torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
+            response_ids=torch.randint(0, vocab, (resp_len,), generator=g).tolist(),
+            rollout_logprobs=(-3.0 + 0.1 * torch.randn(resp_len, generator=g)).tolist(),
+            advantage=(advantages[i] if advantages is not None else float(i) - 1.5), index=0, sample_index=i))
+    return samples
+
+
+def make_batch(**kw):
+    return build_batch(make_samples(**kw))
