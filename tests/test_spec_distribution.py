@@ -1,0 +1,107 @@
+"""Sampling with speculation follows the target distribution exactly.
+
+A 5-token model at temperature 1: the joint distribution of the first 3 generated tokens
+(125 cells) is computed exactly by enumerating prefixes with the model, and 20k
+speculative samples (random MTP layer as draft, k=2, so drafts are often rejected) are
+compared with it by a chi-square goodness-of-fit test at false-alarm rate 1e-3 per test.
+A deliberately wrong sampler (on rejection, resample from p instead of the residual
+max(p - q, 0)) must fail the same test.
+"""
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import mtp.rejection as rejection
+from mtp.sampling import processed_logprobs
+from rollout.engine import Engine, EngineConfig, make_samples
+from rollout.sampling_params import SamplingParams
+from rollout.spec_config import build_proposer, parse_spec_config
+from spec_fixtures import tiny_vocab_model
+
+N, PROMPT, ALPHA = 20000, [0, 3, 1], 1e-3
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_vocab_model(seed=1)
+
+
+def exact_joint(model, steps=3):
+    v = model.cfg.vocab_size
+    probs = {}
+    with torch.inference_mode():
+        for prefix in itertools.chain.from_iterable(itertools.product(range(v), repeat=n) for n in range(steps)):
+            ids = torch.tensor([PROMPT + list(prefix)])
+            logits = model.logits(model(ids, torch.arange(ids.shape[1])[None]))[0, -1]
+            probs[prefix] = processed_logprobs(logits, 1.0).exp()
+    return {cell: float(probs[()][cell[0]] * probs[cell[:1]][cell[1]] * probs[cell[:2]][cell[2]])
+            for cell in itertools.product(range(v), repeat=steps)}
+
+
+def sampled_joint(model, method):
+    spec = parse_spec_config({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": method})
+    engine = Engine(model, EngineConfig(max_batch_size=N, max_len=16, rejection_sample_method=method),
+                    proposer=build_proposer(spec))
+    samples = engine.generate(make_samples([PROMPT] * N), SamplingParams(temperature=1.0, max_new_tokens=3, seed=7))
+    counts = {}
+    for s in samples:
+        counts[tuple(s.response_ids[:3])] = counts.get(tuple(s.response_ids[:3]), 0) + 1
+    drafted = sum(s.spec.draft_tokens for s in samples)
+    accepted = sum(s.spec.accepted_tokens for s in samples)
+    return counts, accepted / drafted
+
+
+def p_value(counts, exact):
+    """Chi-square GOF; cells expected < 5 are pooled into one."""
+    small = [c for c in exact if exact[c] * N < 5]
+    big = [c for c in exact if c not in small]
+    obs = [counts.get(c, 0) for c in big] + [sum(counts.get(c, 0) for c in small)]
+    exp = [exact[c] * N for c in big] + [sum(exact[c] for c in small) * N]
+    total = sum(exp)
+    return chisquare(obs, [e * N / total for e in exp]).pvalue
+
+
+@pytest.mark.parametrize("method", ["probabilistic", "strict"])
+def test_speculative_sampling_matches_the_target_joint_distribution(model, method):
+    exact = exact_joint(model)
+    counts, rate = sampled_joint(model, method)
+    assert 0.1 < rate < 0.9  # drafts are both accepted and rejected, so both paths are exercised
+    assert p_value(counts, exact) > ALPHA
+
+
+def test_distribution_test_rejects_a_sampler_that_resamples_from_p(model, monkeypatch):
+    def wrong_residual(probs, drafts, draft_probs, n_acc, draft_counts, u):
+        return rejection.sample_with_uniforms(rejection._row_select(probs, n_acc), u)
+
+    monkeypatch.setattr(rejection, "_residual_sample", wrong_residual)
+    exact = exact_joint(model)
+    counts, _ = sampled_joint(model, "probabilistic")
+    assert p_value(counts, exact) < ALPHA
+
+
+def test_rejection_sampler_keeps_drafts_up_to_each_rows_own_count():
+    lp = torch.log_softmax(torch.tensor([[[5.0, 0, 0], [0, 5.0, 0], [0, 0, 5.0]]] * 2), -1)
+    drafts = torch.tensor([[0, 1], [0, 1]])
+    res = rejection.verify(lp, drafts, torch.tensor([2, 1]), torch.zeros(2, 4), greedy=True)
+    assert res.num_accepted.tolist() == [2, 1]
+    assert res.emitted[0].tolist() == [0, 1, 2] and res.emitted[1, :2].tolist() == [0, 1]
+
+
+def test_deterministic_rows_get_one_hot_q_when_the_batch_mixes_them_with_sampled_drafts():
+    """A row without q next to a row with q must still be tested as u < p(d), not always kept."""
+    from rollout.engine import Engine as E
+
+    class R:
+        def __init__(self, q):
+            self.draft_probs = q
+
+    drafts = torch.tensor([[2], [1]])
+    engine = E.__new__(E)
+    engine.config = EngineConfig()
+    q = engine._stack_draft_probs([R(torch.tensor([[0.2, 0.3, 0.5]])), R(None)], drafts, 3)
+    assert q[1, 0].tolist() == [0.0, 1.0, 0.0]
+    lp = torch.log(torch.tensor([[[0.3, 0.3, 0.4], [1 / 3] * 3]] * 2))
+    res = rejection.verify(lp, drafts, torch.tensor([1, 1]), torch.full((2, 3), 0.9), False, "probabilistic", q)
+    assert res.num_accepted.tolist() == [0, 0]  # 0.9 * 0.5 >= 0.4 and 0.9 >= 0.3: both rejected
