@@ -1,0 +1,107 @@
+"""--vllm-speculative-config parsing: vLLM defaults, aliases, and a one-line error for every
+bad input (naming the flag and what to do)."""
+import dataclasses
+import json
+
+import pytest
+
+from rollout.engine import EngineConfig
+from rollout.spec_config import (SpecConfig, build_proposer, check_against_checkpoint, engine_config_for,
+                                 parse_spec_config)
+from rollout.tiny_model import TINY_CONFIG
+from vime.errors import UserError
+from spec_fixtures import markov_model, save_checkpoint
+
+
+def error_of(value):
+    with pytest.raises(UserError) as e:
+        parse_spec_config(value)
+    msg = str(e.value)
+    assert "\n" not in msg and "--vllm-speculative-config" in msg
+    return msg
+
+
+def test_defaults_follow_vllm_schema():
+    s = parse_spec_config('{"method": "ngram", "num_speculative_tokens": 4}')
+    assert (s.prompt_lookup_min, s.prompt_lookup_max) == (5, 5)
+    assert (s.suffix_decoding_max_tree_depth, s.suffix_decoding_max_cached_requests) == (24, 10000)
+    assert (s.suffix_decoding_max_spec_factor, s.suffix_decoding_min_token_prob) == (1.0, 0.1)
+    assert s.rejection_sample_method == "strict" and not s.is_lossy
+    assert parse_spec_config(None) is None and parse_spec_config("") is None
+
+
+def test_lookup_bounds_mirror_each_other_when_one_is_given():
+    assert parse_spec_config({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}) \
+        .prompt_lookup_max == 2
+    assert parse_spec_config({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}) \
+        .prompt_lookup_min == 3
+
+
+@pytest.mark.parametrize("alias", ["deepseek_mtp", "mimo_mtp", "glm4_moe_mtp", "mtp"])
+def test_mtp_aliases_map_to_mtp(alias):
+    assert parse_spec_config({"method": alias, "num_speculative_tokens": 1}).method == "mtp"
+
+
+def test_synthetic_is_flagged_lossy_and_the_engine_gets_the_rejection_method():
+    s = parse_spec_config({"method": "mtp", "num_speculative_tokens": 1, "rejection_sample_method": "synthetic",
+                           "synthetic_acceptance_rate": 0.7})
+    assert s.is_lossy
+    ec = engine_config_for(s, EngineConfig())
+    assert (ec.rejection_sample_method, ec.synthetic_acceptance_rate) == ("synthetic", 0.7)
+
+
+@pytest.mark.parametrize("value, expected", [
+    ('{"method": "mtp", ', "malformed JSON"),
+    ('[1, 2]', "must be a JSON object"),
+    ('{"method": "mtp", "num_speculative_token": 3}', "did you mean 'num_speculative_tokens'"),
+    ('{"method": "mtp", "num_speculative_tokens": "3"}', "num_speculative_tokens must be an integer"),
+    ('{"method": "mtp", "num_speculative_tokens": true}', "num_speculative_tokens must be an integer"),
+    ('{"method": "mtp", "num_speculative_tokens": 0}', "num_speculative_tokens must be > 0"),
+    ('{"method": "mtp"}', "'num_speculative_tokens' is required"),
+    ('{"num_speculative_tokens": 2}', "'method' is required"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "not supported yet"),
+    ('{"method": "eagle3", "num_speculative_tokens": 2}', "not supported yet"),
+    ('{"method": "magic", "num_speculative_tokens": 2}', "unknown method 'magic'"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "tensor_parallel_size": 2}', "use draft_tensor_parallel_size"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "temperature": 0.7}', "is a sampling parameter"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "top_p": 0.9}', "is a sampling parameter"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}', "must be 1"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}', "prompt_lookup_min must be >= 1"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+     "must be <= prompt_lookup_max"),
+    ('{"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 1.5}', "in [0, 1]"),
+    ('{"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 0}', ">= 1"),
+    ('{"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_cached_requests": -1}', ">= 0"),
+    ('{"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_spec_factor": 0}', "> 0"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "lossy"}', "must be one of"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"}',
+     "needs synthetic_acceptance_rate"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", '
+     '"synthetic_acceptance_rate": 1.2}', "synthetic_acceptance_rate must be in [0, 1]"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs \"model\""),
+    ('{"method": "draft_model", "num_speculative_tokens": 2, "model": 5}', "model must be a string"),
+])
+def test_bad_config_gives_one_line_actionable_error(value, expected):
+    assert expected in error_of(value)
+
+
+def test_mtp_on_a_checkpoint_without_mtp_layers_is_refused():
+    with pytest.raises(UserError, match="needs a checkpoint with MTP layers"):
+        check_against_checkpoint(parse_spec_config({"method": "mtp", "num_speculative_tokens": 1}),
+                                 dataclasses.replace(TINY_CONFIG, num_nextn_predict_layers=0))
+
+
+def test_draft_model_with_a_different_vocabulary_is_refused(tmp_path):
+    draft = save_checkpoint(markov_model(vocab_size=40), str(tmp_path / "draft"))
+    spec = parse_spec_config({"method": "draft_model", "num_speculative_tokens": 2, "model": draft})
+    with pytest.raises(UserError, match="vocab_size 40 but the target has 32"):
+        check_against_checkpoint(spec, TINY_CONFIG)
+
+
+def test_every_method_builds_a_proposer_through_the_registry(tmp_path):
+    draft = save_checkpoint(markov_model(), str(tmp_path / "d"))
+    for method in ["mtp", "ngram", "suffix", "draft_model"]:
+        spec = parse_spec_config({"method": method, "num_speculative_tokens": 2, "model": draft})
+        assert build_proposer(spec).num_speculative_tokens == 2
+    assert build_proposer(None).num_speculative_tokens == 0
+    assert isinstance(parse_spec_config(json.dumps({"method": "suffix", "num_speculative_tokens": 3})), SpecConfig)
