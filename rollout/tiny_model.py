@@ -20,27 +20,29 @@ from rollout.task import ANSWER_FORMATS, BOS, EOS, PAD, make_problem, prompt_tex
 from rollout.tokenizer import build_tokenizer, save_tokenizer
 
 TINY_CONFIG = ModelConfig(
-    vocab_size=32, hidden_size=192, intermediate_size=512, num_hidden_layers=4,
-    num_attention_heads=6, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+    vocab_size=32, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
     rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,
     num_nextn_predict_layers=1, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
 )
 
 
-def init_model(cfg, seed):
-    """A randomly initialised model (std 0.02 linears, unit norms), deterministic in `seed`."""
+def init_model(cfg, seed, std=0.02):
+    """A randomly initialised model (normal(std) matrices, unit norms), deterministic in `seed`."""
     torch.manual_seed(seed)
     model = Qwen3MTPModel(cfg)
     for name, p in model.named_parameters():
         if p.dim() == 2:
-            torch.nn.init.normal_(p, std=0.02)
+            torch.nn.init.normal_(p, std=std)
     return model
 
 
-def make_random_checkpoint(path, cfg=TINY_CONFIG, seed=0, layout="glm", **overrides):
-    """Write a random-weight HF checkpoint (with tokenizer) and return its ModelConfig."""
+def make_random_checkpoint(path, cfg=TINY_CONFIG, seed=0, layout="glm", std=0.02, **overrides):
+    """Write a random-weight HF checkpoint (with tokenizer) and return its ModelConfig.
+
+    A larger `std` gives peaked, varied next-token distributions (useful in tests)."""
     cfg = dataclasses.replace(cfg, **overrides)
-    model = init_model(cfg, seed)
+    model = init_model(cfg, seed, std)
     save_tokenizer(build_tokenizer(), path)
     save_hf_checkpoint(path, cfg, model.state_dict(), layout=layout)
     return cfg
@@ -86,7 +88,7 @@ class _Codec:
         return self.tok.encode(text, add_special_tokens=False).ids
 
 
-def pretrain(model, steps, batch_size=64, lr=3e-3, trace_fraction=0.12, seed=0, log_every=100, log=print):
+def pretrain(model, steps, batch_size=64, lr=3e-3, trace_fraction=0.2, seed=0, log_every=100, log=print):
     """AdamW with cosine decay on the synthetic corpus; returns the final (lm, mtp) loss."""
     rng = random.Random(seed)
     codec = _Codec(build_tokenizer())

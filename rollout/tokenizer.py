@@ -34,6 +34,10 @@ class TextCodec:
     def encode(self, text):
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def encode_prompt(self, text, bos_token_id):
+        """Prompt ids as the model was trained on them: BOS (when the model has one) + text."""
+        return ([bos_token_id] if bos_token_id is not None else []) + self.encode(text)
+
     def decode(self, ids):
         return self.tok.decode(ids, skip_special_tokens=True)
 

@@ -1,0 +1,116 @@
+"""`python -m rollout.generate`: batch generation from a JSONL prompt file with the embedded engine.
+
+Input lines hold "prompt" (text; BOS is prepended when the model has one) or "prompt_ids".
+Output: one line per sample with prompt_index, sample_index, response_ids, response,
+logprobs, finish_reason. Prints a summary with tokens/s.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from rollout.engine import Engine, EngineConfig
+from rollout.sampling_params import SamplingParams
+from vime.errors import UserError, exit_on_user_error, require
+from vime.sample import Sample
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m rollout.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf-checkpoint", required=True)
+    p.add_argument("--prompts", required=True, help="JSONL with 'prompt' or 'prompt_ids' per line")
+    p.add_argument("--output", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--device", default="cpu")
+    return p.parse_args(argv)
+
+
+def read_prompt_rows(path):
+    """Parsed JSONL rows; a bad line raises a UserError naming the file and the line."""
+    require(os.path.isfile(path), f"--prompts {path}: no such file")
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"--prompts {path}: line {lineno} is not valid JSON ({e.msg})") from None
+            require(isinstance(row, dict), f"--prompts {path}: line {lineno} must be a JSON object")
+            rows.append((lineno, row))
+    require(rows, f"--prompts {path}: the file holds no prompts")
+    return rows
+
+
+def prompt_ids_of(row, lineno, path, codec, bos_token_id):
+    if "prompt_ids" in row:
+        ids = row["prompt_ids"]
+        require(isinstance(ids, list) and all(isinstance(t, int) for t in ids),
+                f"--prompts {path}: line {lineno}: 'prompt_ids' must be a list of ints")
+    else:
+        require("prompt" in row, f"--prompts {path}: line {lineno} has neither 'prompt' nor 'prompt_ids'")
+        require(isinstance(row["prompt"], str), f"--prompts {path}: line {lineno}: 'prompt' must be a string")
+        require(codec is not None, f"--prompts {path}: line {lineno} is text but the checkpoint has no tokenizer.json; "
+                "give 'prompt_ids' instead")
+        ids = codec.encode(row["prompt"]) if row["prompt"] else []
+        ids = ([bos_token_id] if ids and bos_token_id is not None else []) + ids
+    require(len(ids) > 0, f"--prompts {path}: line {lineno}: the prompt is empty")
+    return ids
+
+
+def build_samples(rows, path, engine, n):
+    samples = []
+    for index, (lineno, row) in enumerate(rows):
+        ids = prompt_ids_of(row, lineno, path, engine.codec, engine.cfg.bos_token_id)
+        require(len(ids) < engine.max_len, f"--prompts {path}: line {lineno}: the prompt has {len(ids)} tokens; "
+                f"the context is {engine.max_len}")
+        samples += [Sample(prompt_ids=ids, index=index, sample_index=j, prompt=row.get("prompt", ""))
+                    for j in range(n)]
+    return samples
+
+
+def write_outputs(samples, path):
+    with open(path, "w") as f:
+        for s in samples:
+            f.write(json.dumps({"prompt_index": s.index, "sample_index": s.sample_index,
+                                "response_ids": s.response_ids, "response": s.response,
+                                "logprobs": s.rollout_logprobs, "finish_reason": s.finish_reason,
+                                "spec": s.spec.to_dict()}) + "\n")
+
+
+def make_sampling(args):
+    require(args.n >= 1, f"--n must be >= 1 (got {args.n})")
+    require(args.max_batch_size >= 1, f"--max-batch-size must be >= 1 (got {args.max_batch_size})")
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_new_tokens=args.max_new_tokens, seed=args.seed)
+
+
+@exit_on_user_error
+def main(argv=None):
+    args = parse_args(argv)
+    sampling = make_sampling(args)
+    rows = read_prompt_rows(args.prompts)
+    engine = Engine.from_checkpoint(args.hf_checkpoint, EngineConfig(max_batch_size=args.max_batch_size,
+                                                                     device=args.device))
+    samples = build_samples(rows, args.prompts, engine, args.n)
+    engine.generate(samples, sampling)
+    write_outputs(samples, args.output)
+    st = engine.stats()
+    print(f"generated {len(samples)} samples, {st['generated_tokens']} tokens in {st['seconds']:.2f}s "
+          f"({st['tokens_per_s']:.1f} tokens/s) -> {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The embedded engine against transformers and against its own naive (full-forward) path."""
+import pytest
+import torch
+
+from checkpoint_convert.hf_format import load_hf_checkpoint
+from mtp.sampling import token_logprobs
+from rollout.engine import Engine, EngineConfig, make_samples
+from rollout.kv_cache import KVCache
+from rollout.model import Qwen3MTPModel
+from rollout.sampling_params import SamplingParams
+
+
+def load_model(path):
+    cfg, state, _ = load_hf_checkpoint(path)
+    model = Qwen3MTPModel(cfg)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_model(small_ckpt):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(small_ckpt, dtype=torch.float32).eval()
+
+
+def greedy(engine, prompts, n_new=24, **kw):
+    return engine.generate(make_samples(prompts), SamplingParams(temperature=0, max_new_tokens=n_new, **kw))
+
+
+def test_engine_logits_equal_transformers_logits(small_ckpt, hf_model, task_prompt_ids):
+    model = load_model(small_ckpt)
+    tokens = torch.tensor([task_prompt_ids[0] * 3])
+    positions = torch.arange(tokens.shape[1])[None]
+    with torch.no_grad():
+        ours = model.logits(model(tokens, positions))
+        theirs = hf_model(tokens).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+def test_greedy_engine_output_equals_transformers_generate(small_ckpt, hf_model, task_prompt_ids):
+    engine = Engine.from_checkpoint(small_ckpt, EngineConfig(max_batch_size=8))
+    samples = greedy(engine, task_prompt_ids, n_new=20)
+    varied = set()
+    for s in samples:
+        out = hf_model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=20, do_sample=False,
+                                eos_token_id=2, pad_token_id=0)
+        expected = out[0, len(s.prompt_ids):].tolist()
+        assert s.response_ids == expected
+        varied.update(expected)
+    assert len(varied) > 3  # the comparison is not between two constant outputs
+
+
+def test_kv_cached_decoding_equals_full_sequence_forward(small_ckpt, task_prompt_ids):
+    engine = Engine.from_checkpoint(small_ckpt, EngineConfig(max_batch_size=4))
+    samples = engine.generate(make_samples(task_prompt_ids[:6]),
+                              SamplingParams(temperature=0.8, max_new_tokens=20, seed=1))
+    model = load_model(small_ckpt)
+    for s in samples:
+        tokens = torch.tensor([s.tokens])
+        with torch.no_grad():
+            logits = model.logits(model(tokens, torch.arange(tokens.shape[1])[None]))
+        full = token_logprobs(logits[:, len(s.prompt_ids) - 1:-1], tokens[:, len(s.prompt_ids):], 0.8)[0]
+        assert torch.allclose(full, torch.tensor(s.rollout_logprobs), atol=1e-5)
+
+
+def test_mtp_layer_cached_forward_equals_full_sequence_forward(small_ckpt, task_prompt_ids):
+    model = load_model(small_ckpt)
+    tokens = torch.tensor([task_prompt_ids[0] + task_prompt_ids[1]])
+    s = tokens.shape[1]
+    positions = torch.arange(s)[None]
+    with torch.no_grad():
+        hidden = model(tokens, positions)
+        full = model.mtp_forward(0, tokens[:, 1:], hidden[:, :-1], positions[:, :-1])
+        cache = KVCache(1, 2, 64, model.cfg.num_key_value_heads, model.cfg.head_dim)
+        pieces, start = [], 0
+        for width in (5, 1, 1, 3, s - 1 - 10):  # ragged chunks, as prefill then decode/verify
+            view = cache.step(torch.tensor([1]), torch.tensor([start]), torch.tensor([width]))
+            pos = positions[:, start:start + width]
+            pieces.append(model.mtp_forward(0, tokens[:, start + 1:start + 1 + width],
+                                            hidden[:, start:start + width], pos, view.layers(1)[0]))
+            start += width
+    assert (torch.cat(pieces, 1) - full).abs().max().item() <= 1e-5
+
+
+def test_mimo_and_glm_layout_copies_give_identical_outputs(tmp_path, small_ckpt, task_prompt_ids):
+    from checkpoint_convert.hf_format import save_hf_checkpoint
+
+    cfg, state, layout = load_hf_checkpoint(small_ckpt)
+    mimo_dir = str(tmp_path / "mimo")
+    save_hf_checkpoint(mimo_dir, cfg, state, layout="mimo", tokenizer_dir=small_ckpt)
+    _, mimo_state, mimo_layout = load_hf_checkpoint(mimo_dir)
+    assert (layout, mimo_layout) == ("glm", "mimo")
+    assert all(torch.equal(state[k], mimo_state[k]) for k in state)
+    a, b = load_model(small_ckpt), load_model(mimo_dir)
+    tokens = torch.tensor([task_prompt_ids[2]])
+    positions = torch.arange(tokens.shape[1])[None]
+    with torch.no_grad():
+        outs = [m.logits(m.mtp_forward(0, tokens[:, 1:], m(tokens, positions)[:, :-1], positions[:, :-1]))
+                for m in (a, b)]
+    assert torch.equal(outs[0], outs[1])
+    e1 = Engine.from_checkpoint(small_ckpt)
+    e2 = Engine.from_checkpoint(mimo_dir)
+    assert [s.response_ids for s in greedy(e1, task_prompt_ids[:4])] == \
+           [s.response_ids for s in greedy(e2, task_prompt_ids[:4])]
+
+
+def test_greedy_output_does_not_depend_on_batch_companions(small_ckpt, task_prompt_ids):
+    engine = Engine.from_checkpoint(small_ckpt, EngineConfig(max_batch_size=16))
+    alone = [greedy(engine, [p])[0].response_ids for p in task_prompt_ids[:5]]
+    together = [s.response_ids for s in greedy(engine, task_prompt_ids)][:5]
+    reordered = [s.response_ids for s in greedy(engine, task_prompt_ids[::-1])][::-1][:5]
+    assert alone == together == reordered
+
+
+def test_continuous_batching_with_few_slots_equals_one_big_batch(small_ckpt, task_prompt_ids):
+    small = Engine.from_checkpoint(small_ckpt, EngineConfig(max_batch_size=3))
+    big = Engine.from_checkpoint(small_ckpt, EngineConfig(max_batch_size=32))
+    kw = dict(temperature=1.0, max_new_tokens=16, seed=4)
+    a = small.generate(make_samples(task_prompt_ids, n=2), SamplingParams(**kw))
+    b = big.generate(make_samples(task_prompt_ids, n=2), SamplingParams(**kw))
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    assert all(len(s.response_ids) > 0 for s in a)
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(small_ckpt, task_prompt_ids):
+    engine = Engine.from_checkpoint(small_ckpt)
+
+    def run(seed):
+        return [s.response_ids for s in engine.generate(make_samples(task_prompt_ids[:8], n=2),
+                                                        SamplingParams(temperature=1.0, max_new_tokens=12, seed=seed))]
+    first = run(7)
+    assert first == run(7)
+    assert first != run(8)
+    assert first[0] != first[1]  # the n samples of one prompt are distinct draws
+
+
+def test_eos_and_stop_tokens_end_generation_and_max_new_tokens_is_honoured(small_ckpt, task_prompt_ids):
+    engine = Engine.from_checkpoint(small_ckpt)
+    free = greedy(engine, task_prompt_ids[:6], n_new=30)
+    assert all(len(s.response_ids) <= 30 for s in free)
+    assert all(s.finish_reason == ("stop" if s.response_ids[-1] == 2 else "length") for s in free)
+    target = free[0].response_ids[3]
+    stopped = greedy(engine, task_prompt_ids[:1], n_new=30, stop_token_ids=(target,))[0]
+    assert stopped.response_ids == free[0].response_ids[:free[0].response_ids.index(target) + 1]
+    assert stopped.finish_reason == "stop"
+    short = greedy(engine, task_prompt_ids[:3], n_new=4)
+    assert all(len(s.response_ids) <= 4 for s in short)
+    assert all(s.finish_reason == "length" for s in short if 2 not in s.response_ids)
+
+
+def test_eos_token_stops_a_request(tmp_path, task_prompt_ids):
+    from rollout.tiny_model import make_random_checkpoint
+    from tests.conftest import SMALL
+
+    path = str(tmp_path / "ck")
+    make_random_checkpoint(path, seed=3, std=0.3, **SMALL)
+    engine = Engine.from_checkpoint(path)
+    first = greedy(engine, task_prompt_ids[:1], n_new=30)[0].response_ids
+    engine.stop_ids = {first[2]}  # pretend the model's EOS is the token it emits third
+    out = greedy(engine, task_prompt_ids[:1], n_new=30)[0]
+    assert out.response_ids == first[:first.index(first[2]) + 1] and out.finish_reason == "stop"
+
+
+def test_generation_stops_at_the_context_length(small_ckpt, task_prompt_ids):
+    engine = Engine.from_checkpoint(small_ckpt, EngineConfig(max_len=20))
+    s = greedy(engine, [task_prompt_ids[0]], n_new=100)[0]
+    assert len(s.tokens) <= 20
+    assert s.finish_reason in ("length", "stop")
+
+
+def test_load_weights_changes_outputs_and_records_the_version(small_ckpt, task_prompt_ids):
+    engine = Engine.from_checkpoint(small_ckpt)
+    before = [s.response_ids for s in greedy(engine, task_prompt_ids[:4])]
+    new = {n: p * 1.5 for n, p in engine.model.named_parameters()}
+    engine.load_weights(new.items(), version=3)
+    after = greedy(engine, task_prompt_ids[:4])
+    assert engine.weight_version == 3 and after[0].weight_version == 3
+    assert [s.response_ids for s in after] != before
+    assert all(torch.equal(p, new[n]) for n, p in engine.model.named_parameters())
+
+
+def test_top_k_one_equals_greedy(small_ckpt, task_prompt_ids):
+    engine = Engine.from_checkpoint(small_ckpt)
+    g = [s.response_ids for s in greedy(engine, task_prompt_ids[:6])]
+    k1 = engine.generate(make_samples(task_prompt_ids[:6]),
+                         SamplingParams(temperature=1.0, top_k=1, max_new_tokens=24, seed=3))
+    assert [s.response_ids for s in k1] == g
+    assert all(abs(lp) < 1e-6 for s in k1 for lp in s.rollout_logprobs)  # point mass after top-k
+
+
+def test_paused_engine_refuses_to_generate(small_ckpt, task_prompt_ids):
+    from vime.errors import UserError
+
+    engine = Engine.from_checkpoint(small_ckpt)
+    engine.pause()
+    with pytest.raises(UserError, match="paused"):
+        greedy(engine, task_prompt_ids[:1])
+    engine.resume()
+    assert greedy(engine, task_prompt_ids[:1])[0].response_ids
+

@@ -1,0 +1,57 @@
+"""The tiny task's formats and reward, the MTP-layout registry, and the sampling filters."""
+import torch
+
+from checkpoint_convert.families import from_canonical, swap_halves, to_canonical
+from mtp.sampling import filter_top_k_top_p, processed_logprobs, sample_with_uniforms
+from rollout.task import direct_answer, extract_answer, make_prompts, tiny_add_reward, trace_answer
+
+
+def test_trace_answer_works_the_sum_digit_by_digit_with_carries():
+    assert trace_answer(347, 285) == "7+5=12;4+8+1=13;3+2+1=6;#632"
+    assert trace_answer(100, 200) == "0+0=0;0+0=0;1+2=3;#300"
+    assert direct_answer(347, 285) == "#632"
+
+
+def test_reward_checks_only_the_answer_after_the_last_hash():
+    assert tiny_add_reward("#632", "632") == 1.0
+    assert tiny_add_reward("7+5=12;#632", "632") == 1.0
+    assert tiny_add_reward("#631", "632") == 0.0
+    assert tiny_add_reward("632", "632") == 0.0  # no '#': no answer
+    assert tiny_add_reward("#6#632", "632") == 1.0
+    assert extract_answer("no answer") is None
+
+
+def test_prompt_sets_are_seeded_and_labels_are_correct():
+    rows = make_prompts(50, seed=3)
+    assert rows == make_prompts(50, seed=3) and rows != make_prompts(50, seed=4)
+    for r in rows:
+        a, b = r["prompt"].rstrip("=").split("+")
+        assert int(r["label"]) == int(a) + int(b)
+
+
+def test_layout_renames_round_trip_and_swap_the_eh_proj_halves():
+    w = torch.arange(12.0).view(2, 6)
+    state = {"model.layers.2.eh_proj.weight": torch.arange(8.0).view(2, 4), "model.layers.2.enorm.weight": w[0],
+             "model.layers.2.mlp.up_proj.weight": w, "model.layers.1.mlp.up_proj.weight": w}
+    mimo = from_canonical(state, "mimo", num_hidden_layers=2, num_mtp_layers=1)
+    assert set(mimo) == {"model.mtp_layers.0.input_proj.weight", "model.mtp_layers.0.token_layernorm.weight",
+                         "model.mtp_layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"}
+    assert torch.equal(mimo["model.mtp_layers.0.input_proj.weight"], swap_halves(state["model.layers.2.eh_proj.weight"]))
+    back = to_canonical(mimo, "mimo", 2, 1)
+    assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(filter_top_k_top_p(logits, 2, 1.0)).tolist() == [[False, False, True, True]]
+    assert torch.isinf(filter_top_k_top_p(logits, 0, 0.8)).tolist() == [[False, False, True, True]]
+    assert torch.isinf(filter_top_k_top_p(logits, 0, 0.81)).tolist() == [[False, False, False, True]]
+    lp = processed_logprobs(logits, 1.0, 2, 1.0)
+    assert torch.allclose(lp[0, :2].exp(), torch.tensor([0.625, 0.375]))
+
+
+def test_inverse_cdf_sampling_follows_the_probabilities():
+    probs = torch.tensor([[0.2, 0.0, 0.5, 0.3]]).expand(20000, -1)
+    draws = sample_with_uniforms(probs, torch.rand(20000, generator=torch.Generator().manual_seed(0)))
+    freq = torch.bincount(draws, minlength=4).float() / 20000
+    assert freq[1] == 0 and torch.allclose(freq, probs[0], atol=0.015)
