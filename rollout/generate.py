@@ -11,8 +11,10 @@ import sys
 
 import torch
 
-from rollout.engine import Engine, EngineConfig
+from rollout.engine import EngineConfig
 from rollout.sampling_params import SamplingParams
+from rollout.spec_config import build_engine, parse_spec_config
+from rollout.spec_stats import aggregate_spec_stats, format_spec_stats
 from vime.errors import UserError, exit_on_user_error, require
 from vime.sample import Sample
 
@@ -31,6 +33,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--vllm-speculative-config", default=None,
+                   help='speculative decoding, vLLM JSON schema, e.g. \'{"method":"mtp","num_speculative_tokens":3}\'')
     return p.parse_args(argv)
 
 
@@ -100,14 +104,17 @@ def main(argv=None):
     args = parse_args(argv)
     sampling = make_sampling(args)
     rows = read_prompt_rows(args.prompts)
-    engine = Engine.from_checkpoint(args.hf_checkpoint, EngineConfig(max_batch_size=args.max_batch_size,
-                                                                     device=args.device))
+    spec = parse_spec_config(args.vllm_speculative_config)
+    engine = build_engine(args.hf_checkpoint, spec, EngineConfig(max_batch_size=args.max_batch_size,
+                                                                 device=args.device))
     samples = build_samples(rows, args.prompts, engine, args.n)
     engine.generate(samples, sampling)
     write_outputs(samples, args.output)
     st = engine.stats()
     print(f"generated {len(samples)} samples, {st['generated_tokens']} tokens in {st['seconds']:.2f}s "
           f"({st['tokens_per_s']:.1f} tokens/s) -> {args.output}")
+    if spec is not None:
+        print(format_spec_stats(aggregate_spec_stats(samples)))
     return 0
 
 

@@ -105,3 +105,35 @@ def test_every_method_builds_a_proposer_through_the_registry(tmp_path):
         assert build_proposer(spec).num_speculative_tokens == 2
     assert build_proposer(None).num_speculative_tokens == 0
     assert isinstance(parse_spec_config(json.dumps({"method": "suffix", "num_speculative_tokens": 3})), SpecConfig)
+
+
+def run_cli(args, tmp_path):
+    import subprocess
+    import sys
+
+    root = __import__("os").path.dirname(__import__("os").path.dirname(__file__))
+    return subprocess.run([sys.executable, "-m", "rollout.generate", *args], cwd=root, capture_output=True, text=True)
+
+
+def test_cli_bad_speculative_config_exits_2_with_one_line_and_no_traceback(tmp_path):
+    ckpt = save_checkpoint(markov_model(), str(tmp_path / "m"))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "12+34="}\n')
+    res = run_cli(["--hf-checkpoint", ckpt, "--prompts", str(tmp_path / "p.jsonl"), "--output",
+                   str(tmp_path / "o.jsonl"), "--vllm-speculative-config", '{"method": "mtp", "num_spec": 2}'],
+                  tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().count("\n") == 0 and "--vllm-speculative-config" in res.stderr
+
+
+def test_cli_with_speculation_writes_per_sample_spec_and_prints_the_aggregate(tmp_path):
+    ckpt = save_checkpoint(markov_model(), str(tmp_path / "m"))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "12+34="}\n{"prompt": "567+89="}\n')
+    res = run_cli(["--hf-checkpoint", ckpt, "--prompts", str(tmp_path / "p.jsonl"), "--output",
+                   str(tmp_path / "o.jsonl"), "--temperature", "0", "--max-new-tokens", "12",
+                   "--vllm-speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
+                   '"prompt_lookup_min": 1}'], tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "spec: accept_rate" in res.stdout
+    rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["spec"]["verify_steps"] >= 1 for r in rows)
+    assert sum(r["spec"]["draft_tokens"] for r in rows) > 0

@@ -1,0 +1,82 @@
+"""Speculative-decoding benchmark on the tiny model and its task prompts.
+
+For each method (none, mtp k=1..3, ngram, suffix, draft_model) and batch size, generate
+greedy responses to the same prompts and report tokens/s, tokens per target forward
+(acceptance length), acceptance rate per draft position and speedup vs `none` measured in
+the same run. Usage:
+  python scripts/bench/spec_decode.py --hf-checkpoint artifacts/tiny-qwen3-mtp [--num-prompts 64]
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from rollout.engine import EngineConfig, make_samples  # noqa: E402
+from rollout.sampling_params import SamplingParams  # noqa: E402
+from rollout.spec_config import build_engine  # noqa: E402
+from rollout.spec_stats import aggregate_spec_stats  # noqa: E402
+from rollout.task import make_prompts  # noqa: E402
+from rollout.tokenizer import TextCodec  # noqa: E402
+
+
+def methods(draft):
+    return {
+        "none": None,
+        "mtp k=1": {"method": "mtp", "num_speculative_tokens": 1},
+        "mtp k=2": {"method": "mtp", "num_speculative_tokens": 2},
+        "mtp k=3": {"method": "mtp", "num_speculative_tokens": 3},
+        "ngram k=3": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+        "suffix k=3": {"method": "suffix", "num_speculative_tokens": 3},
+        "draft_model k=3": {"method": "draft_model", "num_speculative_tokens": 3, "model": draft},
+    }
+
+
+def run(ckpt, spec, prompts, batch, sampling, repeats):
+    engine = build_engine(ckpt, spec, EngineConfig(max_batch_size=batch))
+    engine.generate(make_samples(prompts[:batch]), sampling)  # warm-up
+    best, samples = None, None
+    for _ in range(repeats):
+        samples = make_samples(prompts)
+        start = time.perf_counter()
+        engine.generate(samples, sampling)
+        elapsed = time.perf_counter() - start
+        best = elapsed if best is None else min(best, elapsed)
+    tokens = sum(len(s.response_ids) for s in samples)
+    return tokens / best, aggregate_spec_stats(samples)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf-checkpoint", default="artifacts/tiny-qwen3-mtp")
+    p.add_argument("--draft-model", default=None, help="draft_model checkpoint (default: the target itself)")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--methods", default=None, help="comma-separated subset of the method names")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    codec = TextCodec(args.hf_checkpoint)
+    prompts = [[1] + codec.encode(r["prompt"]) for r in make_prompts(args.num_prompts, seed=1234)]
+    sampling = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens)
+    table = methods(args.draft_model or args.hf_checkpoint)
+    wanted = args.methods.split(",") if args.methods else list(table)
+    print("| batch | method | tokens/s | speedup | tokens/forward | accept rate | per position |")
+    print("|---|---|---|---|---|---|---|")
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        base = None
+        for name in wanted:
+            tps, st = run(args.hf_checkpoint, table[name], prompts, batch, sampling, args.repeats)
+            base = base or tps
+            pos = " / ".join(f"{st[k]:.2f}" for k in sorted(st) if k.startswith("spec_accept_rate_pos_"))
+            print(f"| {batch} | {name} | {tps:.0f} | {tps / base:.2f}x | {st['spec_accept_length']:.2f} | "
+                  f"{st['spec_accept_rate']:.2f} | {pos or '-'} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
