@@ -140,8 +140,10 @@ class Trainer:
 
     def _metrics(self, totals):
         out = {f"train/{k}": _dp_sum(v).item() for k, v in totals.items()}
-        out["train/policy_loss"] = out.pop("train/pg_loss") + self.cfg.kl_loss_coef * out.get("train/kl", 0.0) \
-            if self.cfg.use_kl_loss else out.pop("train/pg_loss")
+        policy = out.pop("train/pg_loss")
+        if self.cfg.use_kl_loss:
+            policy += self.cfg.kl_loss_coef * out["train/kl"]
+        out["train/policy_loss"] = policy
         depths = [out[f"train/mtp_{i}_loss"] for i in range(1, self.mtp_num_layers + 1) if f"train/mtp_{i}_loss" in out]
         if depths:
             out["train/mtp_loss"] = sum(depths) / len(depths)
