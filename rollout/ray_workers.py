@@ -1,0 +1,141 @@
+"""Ray rollout actors: `RolloutWorker` (one embedded engine) and `RolloutManager`
+(prompts -> n samples each across the workers -> rewards -> advantages -> metrics)."""
+import time
+
+import ray
+import torch
+
+from rollout.advantages import assign_advantages
+from rollout.data import PromptDataset, read_prompt_file
+from rollout.rewards import get_reward_fn
+from rollout.sampling_params import SamplingParams
+from rollout.spec_stats import aggregate_spec_stats
+from vime import weight_sync
+from vime.sample import Sample
+
+
+class RolloutWorkerImpl:
+    """An engine plus its end of the weight-sync group."""
+
+    def __init__(self, hf_checkpoint, spec_config, max_batch_size, device="cpu", threads=1):
+        from rollout.engine import EngineConfig
+        from rollout.spec_config import build_engine
+
+        torch.set_num_threads(threads)
+        self.engine = build_engine(hf_checkpoint, spec_config, EngineConfig(max_batch_size=max_batch_size,
+                                                                            device=device))
+        self.group, self.layout = None, None
+
+    def generate(self, samples, sampling):
+        return self.engine.generate(samples, sampling)
+
+    def join_weight_sync(self, master_addr, master_port, rank, world_size, layout, backend="gloo"):
+        self.layout = layout
+        self.group = weight_sync.make_group(master_addr, master_port, rank, world_size, backend)
+        return rank
+
+    def receive_weights(self, version):
+        """pause -> load every bucket -> resume; returns the draft checksum and seconds."""
+        start = time.perf_counter()
+        self.engine.pause()
+        self.engine.load_weights(weight_sync.receive(self.group, self.layout), version)
+        self.engine.resume()
+        return {"mtp_checksum": self.checksum(mtp_only=True), "trunk_checksum": self.checksum(mtp_only=False),
+                "seconds": time.perf_counter() - start}
+
+    def _named(self, mtp_only):
+        from checkpoint_convert.families import is_mtp_name
+
+        n = self.engine.cfg.num_hidden_layers
+        return [(k, v) for k, v in self.engine.model.named_parameters() if is_mtp_name(k, n) == mtp_only]
+
+    def checksum(self, mtp_only=True):
+        return weight_sync.checksum(self._named(mtp_only))
+
+    def digests(self):
+        return weight_sync.digests(self.engine.model.named_parameters())
+
+    def weight_version(self):
+        return self.engine.weight_version
+
+
+RolloutWorker = ray.remote(RolloutWorkerImpl)
+
+
+def sampling_for(rollout_cfg, step):
+    """The step's sampling parameters; the seed moves with the step so resumed runs repeat."""
+    return SamplingParams(temperature=rollout_cfg.rollout_temperature, top_p=rollout_cfg.rollout_top_p,
+                          top_k=rollout_cfg.rollout_top_k, max_new_tokens=rollout_cfg.rollout_max_response_len,
+                          seed=rollout_cfg.rollout_seed * 1000003 + step)
+
+
+class RolloutManagerImpl:
+    """Owns the prompt data, the rollout workers, the reward and the advantage estimator."""
+
+    def __init__(self, rollout_cfg, hf_checkpoint, advantage_estimator, worker_options=None):
+        from checkpoint_convert.hf_format import read_config
+        from rollout.tokenizer import TextCodec
+
+        self.cfg = rollout_cfg
+        self.advantage_estimator = advantage_estimator
+        self.codec = TextCodec(hf_checkpoint)
+        self.bos = read_config(hf_checkpoint).bos_token_id
+        rows = read_prompt_file(rollout_cfg.prompt_data, rollout_cfg.input_key, rollout_cfg.label_key)
+        self.data = PromptDataset(rows, rollout_cfg.rollout_batch_size, rollout_cfg.rollout_seed,
+                                  rollout_cfg.rollout_shuffle)
+        self.reward_fn = get_reward_fn(rollout_cfg.rm_type, rollout_cfg.custom_rm_path)
+        opts = worker_options or {}
+        self.workers = [RolloutWorker.options(**opts).remote(
+            hf_checkpoint, rollout_cfg.vllm_speculative_config, rollout_cfg.rollout_max_batch_size)
+            for _ in range(rollout_cfg.rollout_num_workers)]
+
+    def get_workers(self):
+        return self.workers
+
+    def data_cursor(self):
+        return self.data.cursor
+
+    def set_data_cursor(self, cursor):
+        self.data.cursor = cursor
+
+    def _samples(self, prompts, version):
+        n = self.cfg.n_samples_per_prompt
+        return [Sample(prompt_ids=self.codec.encode_prompt(p, self.bos), index=i, sample_index=j, prompt=p,
+                       label=label, weight_version=version)
+                for i, (p, label) in enumerate(prompts) for j in range(n)]
+
+    def generate(self, step):
+        """One step's samples with rewards and advantages, and the rollout/* + perf/* metrics."""
+        prompts = self.data.next_batch()
+        samples = self._samples(prompts, version=step)
+        shards = [samples[i::len(self.workers)] for i in range(len(self.workers))]
+        start = time.perf_counter()
+        done = ray.get([w.generate.remote(shard, sampling_for(self.cfg, step)) for w, shard in zip(self.workers, shards)])
+        elapsed = time.perf_counter() - start
+        samples = sorted([s for shard in done for s in shard], key=lambda s: (s.index, s.sample_index))
+        for s in samples:
+            s.reward = float(self.reward_fn(s.response, s.label))
+        assign_advantages(samples, self.advantage_estimator)
+        return samples, self._metrics(samples, elapsed)
+
+    def _metrics(self, samples, elapsed):
+        tokens = sum(len(s.response_ids) for s in samples)
+        m = {f"rollout/{k}": v for k, v in aggregate_spec_stats(samples).items()}
+        m.update({
+            "rollout/reward": sum(s.reward for s in samples) / len(samples),
+            "rollout/response_len": tokens / len(samples),
+            "perf/rollout_time": elapsed,
+            "perf/rollout_tokens_per_s": tokens / max(elapsed, 1e-9),
+            "rollout/weight_version": min(s.weight_version for s in samples),
+        })
+        return m
+
+
+RolloutManager = ray.remote(RolloutManagerImpl)
+
+
+def worker_resources():
+    """Ray options for a rollout worker: one GPU when the cluster has GPUs, else one CPU."""
+    gpus = ray.cluster_resources().get("GPU", 0)
+    return {"num_gpus": 1} if gpus else {"num_cpus": 1}
+

@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""vime: RL post-training with MTP-speculative rollouts and an online-trained draft.
+
+    python train_rl.py --enable-mtp-training --mtp-num-layers 1 \
+        --vllm-speculative-config '{"method":"mtp","num_speculative_tokens":2}' [hydra.key=value ...]
+
+Each step: generate (speculative) -> rewards/advantages -> train policy (+ MTP) -> push the
+weights, MTP layers included, to every rollout worker and verify them -> log -> save.
+`python train_rl.py --help` lists every flag and the config field it sets.
+"""
+import os
+import pickle
+import sys
+import time
+
+from vime.errors import UserError, require
+
+
+def preflight(cfg):
+    """Every check that needs no actor: config, files, reward, speculative config vs checkpoint."""
+    from checkpoint_convert.hf_format import read_config
+    from rollout.advantages import ADVANTAGE_ESTIMATORS
+    from rollout.data import read_prompt_file
+    from rollout.rewards import get_reward_fn
+    from rollout.spec_config import check_against_checkpoint, parse_spec_config
+    from vime.config import validate
+
+    validate(cfg)
+    ensure_model(cfg.model)
+    hf = read_config(cfg.model.hf_checkpoint)
+    require(cfg.mtp.num_layers is None or cfg.mtp.num_layers <= hf.num_nextn_predict_layers,
+            f"--mtp-num-layers {cfg.mtp.num_layers}: {cfg.model.hf_checkpoint} has only "
+            f"{hf.num_nextn_predict_layers} MTP layers")
+    require(cfg.train.advantage_estimator in ADVANTAGE_ESTIMATORS,
+            f"--advantage-estimator {cfg.train.advantage_estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
+    spec = parse_spec_config(cfg.rollout.vllm_speculative_config)
+    check_against_checkpoint(spec, hf)
+    require(spec is None or not spec.is_lossy, "--vllm-speculative-config: rejection_sample_method 'synthetic' "
+            "changes the output distribution and is for benchmarks only; use strict or probabilistic for training")
+    if cfg.rollout.prompt_data is None:
+        cfg.rollout.prompt_data = os.path.join(cfg.model.hf_checkpoint, "train.jsonl")
+    if not cfg.run.debug_train_only:
+        read_prompt_file(cfg.rollout.prompt_data, cfg.rollout.input_key, cfg.rollout.label_key)
+        get_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
+    if cfg.run.load:
+        from vime.checkpointing import latest
+
+        require(latest(cfg.run.load) is not None, f"--load {cfg.run.load}: no complete checkpoint there")
+
+
+def ensure_model(model_cfg):
+    """Pretrain the tiny model into the default path on first use (only that path)."""
+    from vime.config import DEFAULT_TINY_MODEL
+
+    path = model_cfg.hf_checkpoint
+    if os.path.isdir(path) or not model_cfg.make_tiny_model_if_missing:
+        return
+    require(os.path.abspath(path) == os.path.abspath(DEFAULT_TINY_MODEL),
+            f"--hf-checkpoint {path}: no such directory")
+    import subprocess
+
+    print(f"[vime] first run: making the tiny model in {path} (a few minutes, once)", flush=True)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "make_tiny_model.py")
+    subprocess.run([sys.executable, script, "--out", path], check=True)
+
+
+class RLRun:
+    """The actors of one run and the per-step stages."""
+
+    def __init__(self, cfg):
+        from rollout.ray_workers import RolloutManager
+        from vime import checkpointing
+        from vime.orchestration import TrainerGroup, WeightSync
+
+        self.cfg = cfg
+        self.start_step, state, model_load = 0, None, None
+        if cfg.run.load:
+            self.start_step, iteration = checkpointing.latest(cfg.run.load)
+            state, model_load = checkpointing.load_loop_state(iteration), os.path.join(iteration, "model")
+        self.rollout = None if cfg.run.debug_train_only else RolloutManager.options(num_cpus=0).remote(
+            cfg.rollout, cfg.model.hf_checkpoint, cfg.train.advantage_estimator)
+        self.trainers = None if cfg.run.debug_rollout_only else TrainerGroup(cfg, load=model_load)
+        self.sync = None
+        if self.rollout and self.trainers:
+            self.sync = WeightSync(self.trainers, ray_get(self.rollout.get_workers.remote()), cfg.run)
+        if state and self.rollout:
+            ray_get(self.rollout.set_data_cursor.remote(state["data_cursor"]))
+
+    def generate(self, step):
+        if self.rollout is None:
+            with open(os.path.join(self.cfg.run.load_debug_rollout_data, f"step_{step:07d}.pkl"), "rb") as f:
+                return pickle.load(f), {}
+        samples, metrics = ray_get(self.rollout.generate.remote(step))
+        if self.cfg.run.save_debug_rollout_data:
+            os.makedirs(self.cfg.run.save_debug_rollout_data, exist_ok=True)
+            with open(os.path.join(self.cfg.run.save_debug_rollout_data, f"step_{step:07d}.pkl"), "wb") as f:
+                pickle.dump(samples, f)
+        return samples, metrics
+
+    def train(self, samples):
+        return self.trainers.train(samples) if self.trainers else {}
+
+    def push_weights(self, version):
+        return self.sync.push(version) if self.sync else {}
+
+    def save(self, step):
+        from vime import checkpointing
+
+        run = self.cfg.run
+        if not (run.save and run.save_interval and (step + 1) % run.save_interval == 0 and self.trainers):
+            return
+        cursor = ray_get(self.rollout.data_cursor.remote()) if self.rollout else 0
+        checkpointing.save(run.save, step + 1, self.trainers.save, {"step": step + 1, "data_cursor": cursor})
+
+
+def ray_get(ref):
+    import ray
+
+    return ray.get(ref)
+
+
+def run_loop(cfg):
+    from tqdm import tqdm
+
+    from vime.cli_config import describe
+    from vime.run_logger import RunLogger
+
+    run = RLRun(cfg)
+    logger = RunLogger(cfg.run, {"config": describe(cfg)}, resume_step=run.start_step)
+    run.push_weights(version=run.start_step)  # workers start from the trainer's (maybe resumed) weights
+    steps = tqdm(range(run.start_step, cfg.run.num_rollout), desc="RL steps", disable=not cfg.run.progress)
+    for step in steps:
+        start = time.perf_counter()
+        samples, rollout_metrics = run.generate(step)
+        train_metrics = run.train(samples)
+        sync_metrics = run.push_weights(version=step + 1)
+        metrics = {**rollout_metrics, **train_metrics, **sync_metrics, "perf/step_time": time.perf_counter() - start}
+        logger.log(step, metrics)
+        steps.set_postfix(reward=f"{metrics.get('rollout/reward', 0):.3f}",
+                          accept_len=f"{metrics.get('rollout/spec_accept_length', 0):.2f}")
+        run.save(step)
+    logger.finish()
+    return logger.history
+
+
+def main(argv=None):
+    from vime.cli_config import help_text, load_config
+    from vime.orchestration import WeightSyncError, init_ray
+
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        return 0
+    try:
+        cfg = load_config(argv)
+        preflight(cfg)
+        t = cfg.train
+        init_ray(cfg.run, cfg.rollout.rollout_num_workers + t.tensor_model_parallel_size * t.data_parallel_size)
+        run_loop(cfg)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except WeightSyncError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        _shutdown_ray()
+    return 0
+
+
+def _shutdown_ray():
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

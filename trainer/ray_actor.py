@@ -1,0 +1,94 @@
+"""`TrainerActor`: one rank of the TP x PP x DP trainer group as a Ray actor.
+
+Every actor joins torch.distributed (gloo on CPU, NCCL on GPU) and holds a `Trainer`.
+Trainer rank 0 is also rank 0 of the weight-sync broadcast group to the rollout workers.
+"""
+import time
+
+import ray
+import torch
+
+from trainer.batch import build_batch
+from vime import weight_sync
+
+
+class TrainerActorImpl:
+    def __init__(self, rank, world_size, master_addr, master_port, trainer_cfg, hf_checkpoint, load=None, threads=1):
+        from trainer.distributed import init_distributed
+        from trainer.trainer import Trainer
+
+        torch.set_num_threads(threads)
+        init_distributed(rank, world_size, master_addr, master_port, trainer_cfg.tensor_model_parallel_size,
+                         trainer_cfg.pipeline_model_parallel_size)
+        self.rank = rank
+        self.cfg = trainer_cfg
+        self.trainer = Trainer(trainer_cfg, hf_checkpoint, load=load)
+        self.ref_state = self._snapshot() if trainer_cfg.use_kl_loss else None
+        self.group, self.layout = None, None
+
+    def _snapshot(self):
+        return {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items() if torch.is_tensor(v)}
+
+    def _ref_logprobs(self, batch):
+        """Log-probs under the initial (reference) weights, for the KL loss."""
+        current = self._snapshot()
+        self.trainer.model.load_state_dict(self.ref_state, strict=False)
+        ref = self.trainer.compute_logprobs(batch)
+        self.trainer.model.load_state_dict(current, strict=False)
+        return ref
+
+    def train(self, samples, num_steps):
+        """`num_steps` optimizer steps over this rank's `samples`; metrics averaged over them."""
+        start = time.perf_counter()
+        per_step = len(samples) // num_steps
+        totals = {}
+        for i in range(num_steps):
+            batch = build_batch(samples[i * per_step:(i + 1) * per_step])
+            if self.ref_state is not None:
+                batch.ref_logprobs = self._ref_logprobs(batch)
+            for k, v in self.trainer.train_step(batch).items():
+                totals[k] = totals.get(k, 0.0) + v / num_steps
+        totals["perf/train_time"] = time.perf_counter() - start
+        return totals
+
+    def weight_layout(self, buffer_size):
+        return weight_sync.bucket_layout(self.trainer.named_hf_weights(), buffer_size)
+
+    def join_weight_sync(self, master_addr, master_port, world_size, layout, backend="gloo"):
+        self.layout = layout
+        self.group = weight_sync.make_group(master_addr, master_port, 0, world_size, backend)
+        return 0
+
+    def send_weights(self):
+        """Collective over the trainer group (TP gather); rank 0 broadcasts to the workers."""
+        named = [(k, v.detach().cpu()) for k, v in self.trainer.named_hf_weights()]
+        if self.rank != 0:
+            return None
+        start = time.perf_counter()
+        sent = weight_sync.send(self.group, self.layout, named)
+        return {"bytes": sent, "seconds": time.perf_counter() - start,
+                "mtp_checksum": weight_sync.checksum(_mtp_only(named, self.trainer.model_cfg, True)),
+                "trunk_checksum": weight_sync.checksum(_mtp_only(named, self.trainer.model_cfg, False))}
+
+    def digests(self):
+        named = [(k, v.detach().cpu()) for k, v in self.trainer.named_hf_weights()]
+        return weight_sync.digests(named) if self.rank == 0 else None
+
+    def save(self, path):
+        self.trainer.save(path)
+        return path
+
+    def rng_state(self):
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state):
+        torch.set_rng_state(state)
+
+
+def _mtp_only(named, model_cfg, mtp):
+    from checkpoint_convert.families import is_mtp_name
+
+    return [(k, v) for k, v in named if is_mtp_name(k, model_cfg.num_hidden_layers) == mtp]
+
+
+TrainerActor = ray.remote(TrainerActorImpl)

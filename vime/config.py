@@ -1,0 +1,142 @@
+"""The config tree of train_rl.py: dataclasses are the schema, Hydra YAML mirrors them.
+
+Every `--kebab-flag` maps to exactly one field (declared in the field's metadata), so
+`--mtp-num-layers 1` and the Hydra override `mtp.num_layers=1` are the same thing.
+`validate` checks the whole tree before any actor starts.
+"""
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+from vime.errors import require
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TINY_MODEL = os.path.join(REPO_ROOT, "artifacts", "tiny-qwen3-mtp")
+
+
+def flag(name, help_text=""):
+    return {"flag": name, "help": help_text}
+
+
+@dataclass
+class ModelSection:
+    hf_checkpoint: str = field(default=DEFAULT_TINY_MODEL, metadata=flag("--hf-checkpoint", "HF checkpoint dir"))
+    make_tiny_model_if_missing: bool = field(default=True, metadata=flag(
+        "--make-tiny-model-if-missing", "pretrain the tiny model into --hf-checkpoint when it does not exist"))
+
+
+@dataclass
+class RolloutSection:
+    prompt_data: Optional[str] = field(default=None, metadata=flag("--prompt-data", "JSONL prompts (default: the tiny model's train.jsonl)"))
+    input_key: str = field(default="prompt", metadata=flag("--input-key"))
+    label_key: str = field(default="label", metadata=flag("--label-key"))
+    rollout_batch_size: int = field(default=16, metadata=flag("--rollout-batch-size", "prompts per step"))
+    n_samples_per_prompt: int = field(default=8, metadata=flag("--n-samples-per-prompt"))
+    rollout_max_response_len: int = field(default=40, metadata=flag("--rollout-max-response-len"))
+    rollout_temperature: float = field(default=1.0, metadata=flag("--rollout-temperature"))
+    rollout_top_p: float = field(default=1.0, metadata=flag("--rollout-top-p"))
+    rollout_top_k: int = field(default=0, metadata=flag("--rollout-top-k"))
+    rollout_num_workers: int = field(default=1, metadata=flag("--rollout-num-workers"))
+    rollout_max_batch_size: int = field(default=128, metadata=flag("--rollout-max-batch-size", "engine slots"))
+    vllm_speculative_config: Any = field(default=None, metadata=flag(
+        "--vllm-speculative-config", "vLLM SpeculativeConfig JSON, e.g. '{\"method\":\"mtp\",\"num_speculative_tokens\":2}'"))
+    rm_type: str = field(default="tiny_add", metadata=flag("--rm-type"))
+    custom_rm_path: Optional[str] = field(default=None, metadata=flag("--custom-rm-path", "module:function"))
+    rollout_seed: int = field(default=42, metadata=flag("--rollout-seed"))
+    rollout_shuffle: bool = field(default=True, metadata=flag("--rollout-shuffle"))
+
+
+@dataclass
+class TrainSection:
+    lr: float = field(default=1e-4, metadata=flag("--lr"))
+    weight_decay: float = field(default=0.0, metadata=flag("--weight-decay"))
+    clip_grad: float = field(default=1.0, metadata=flag("--clip-grad"))
+    eps_clip: float = field(default=0.2, metadata=flag("--eps-clip"))
+    eps_clip_high: Optional[float] = field(default=None, metadata=flag("--eps-clip-high"))
+    use_kl_loss: bool = field(default=False, metadata=flag("--use-kl-loss"))
+    kl_loss_coef: float = field(default=0.0, metadata=flag("--kl-loss-coef"))
+    kl_loss_type: str = field(default="k3", metadata=flag("--kl-loss-type", "k1 | k3"))
+    advantage_estimator: str = field(default="grpo", metadata=flag("--advantage-estimator"))
+    global_batch_size: int = field(default=128, metadata=flag("--global-batch-size", "samples per optimizer step"))
+    micro_batch_size: int = field(default=32, metadata=flag("--micro-batch-size"))
+    tensor_model_parallel_size: int = field(default=1, metadata=flag("--tensor-model-parallel-size"))
+    pipeline_model_parallel_size: int = field(default=1, metadata=flag("--pipeline-model-parallel-size"))
+    data_parallel_size: int = field(default=1, metadata=flag("--data-parallel-size"))
+    seed: int = field(default=1234, metadata=flag("--seed"))
+
+
+@dataclass
+class MTPSection:
+    num_layers: Optional[int] = field(default=None, metadata=flag("--mtp-num-layers"))
+    enable_training: bool = field(default=False, metadata=flag("--enable-mtp-training"))
+    loss_scaling_factor: float = field(default=0.2, metadata=flag("--mtp-loss-scaling-factor"))
+    detach_trunk: bool = field(default=True, metadata=flag("--mtp-detach-trunk", "--no-mtp-detach-trunk trains jointly"))
+    clip_grad: Optional[float] = field(default=None, metadata=flag("--mtp-clip-grad"))
+
+
+@dataclass
+class RunSection:
+    num_rollout: int = field(default=20, metadata=flag("--num-rollout", "RL steps"))
+    output_dir: str = field(default="runs/latest", metadata=flag("--output-dir", "metrics.jsonl, plots, wandb"))
+    save: Optional[str] = field(default=None, metadata=flag("--save"))
+    save_interval: int = field(default=0, metadata=flag("--save-interval"))
+    load: Optional[str] = field(default=None, metadata=flag("--load"))
+    ray_address: Optional[str] = field(default=None, metadata=flag("--ray-address"))
+    use_wandb: bool = field(default=True, metadata=flag("--use-wandb"))
+    wandb_project: str = field(default="vime", metadata=flag("--wandb-project"))
+    wandb_group: Optional[str] = field(default=None, metadata=flag("--wandb-group"))
+    wandb_mode: Optional[str] = field(default=None, metadata=flag("--wandb-mode", "offline | online"))
+    check_weight_update_equal: bool = field(default=False, metadata=flag("--check-weight-update-equal"))
+    update_weight_buffer_size: int = field(default=16 * 1024 * 1024, metadata=flag("--update-weight-buffer-size", "bytes"))
+    debug_rollout_only: bool = field(default=False, metadata=flag("--debug-rollout-only"))
+    debug_train_only: bool = field(default=False, metadata=flag("--debug-train-only"))
+    save_debug_rollout_data: Optional[str] = field(default=None, metadata=flag("--save-debug-rollout-data"))
+    load_debug_rollout_data: Optional[str] = field(default=None, metadata=flag("--load-debug-rollout-data"))
+    progress: bool = field(default=True, metadata=flag("--progress", "tqdm progress bars"))
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    mtp: MTPSection = field(default_factory=MTPSection)
+    run: RunSection = field(default_factory=RunSection)
+
+
+def flag_table():
+    """{'--flag': ('section.field', type-default)} for every field of the tree."""
+    table = {}
+    for section in fields(Config):
+        for f in fields(section.default_factory):
+            table[f.metadata["flag"]] = (f"{section.name}.{f.name}", f)
+    return table
+
+
+def validate(cfg):
+    """One-line errors for bad combinations, before any actor starts."""
+    r, t, m, run = cfg.rollout, cfg.train, cfg.mtp, cfg.run
+    require(not m.enable_training or (m.num_layers or 0) > 0,
+            "--enable-mtp-training needs --mtp-num-layers N (N >= 1, the MTP layers to train)")
+    for name, value in (("--rollout-batch-size", r.rollout_batch_size), ("--n-samples-per-prompt", r.n_samples_per_prompt),
+                        ("--global-batch-size", t.global_batch_size), ("--micro-batch-size", t.micro_batch_size),
+                        ("--num-rollout", run.num_rollout), ("--rollout-num-workers", r.rollout_num_workers),
+                        ("--rollout-max-response-len", r.rollout_max_response_len)):
+        require(value >= 1, f"{name} must be >= 1 (got {value})")
+    per_step = r.rollout_batch_size * r.n_samples_per_prompt
+    require(per_step % t.global_batch_size == 0,
+            f"--global-batch-size {t.global_batch_size} must divide --rollout-batch-size x --n-samples-per-prompt "
+            f"= {per_step} samples per step")
+    local = t.global_batch_size // t.data_parallel_size
+    require(t.global_batch_size % t.data_parallel_size == 0 and local % t.micro_batch_size == 0,
+            f"--micro-batch-size {t.micro_batch_size} x --data-parallel-size {t.data_parallel_size} must divide "
+            f"--global-batch-size {t.global_batch_size}")
+    require(not (run.debug_rollout_only and run.debug_train_only),
+            "--debug-rollout-only and --debug-train-only exclude each other")
+    require(not run.debug_train_only or run.load_debug_rollout_data,
+            "--debug-train-only trains on saved rollouts: give --load-debug-rollout-data DIR "
+            "(written by a run with --save-debug-rollout-data DIR)")
+    require(run.save_interval >= 0, f"--save-interval must be >= 0 (got {run.save_interval})")
+    require(not run.save_interval or run.save, "--save-interval needs --save DIR")
+    require(run.wandb_mode in (None, "offline", "online", "disabled"),
+            f"--wandb-mode {run.wandb_mode!r}: use offline, online or disabled")

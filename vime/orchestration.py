@@ -1,0 +1,121 @@
+"""Driver-side handles of the Ray actors: the trainer group, the rollout side, the weight sync.
+
+train_rl.py's loop calls one method of these per stage; everything here runs in the driver.
+"""
+import os
+import socket
+
+import ray
+
+
+
+class WeightSyncError(RuntimeError):
+    """A rollout worker's weights differ from the trainer's after a sync."""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer_config(cfg):
+    """The trainer's slice of the tree (trainer/config.py's TrainerConfig)."""
+    from trainer.config import TrainerConfig
+
+    t, m = cfg.train, cfg.mtp
+    return TrainerConfig(
+        lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad, mtp_clip_grad=m.clip_grad,
+        eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high, use_kl_loss=t.use_kl_loss, kl_loss_coef=t.kl_loss_coef,
+        kl_estimator=t.kl_loss_type, advantage_estimator=t.advantage_estimator,
+        temperature=cfg.rollout.rollout_temperature, enable_mtp_training=m.enable_training,
+        mtp_num_layers=m.num_layers, mtp_loss_scaling_factor=m.loss_scaling_factor, mtp_detach_trunk=m.detach_trunk,
+        tensor_model_parallel_size=t.tensor_model_parallel_size,
+        pipeline_model_parallel_size=t.pipeline_model_parallel_size, micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size, seed=t.seed)
+
+
+class TrainerGroup:
+    """TP x PP x DP TrainerActors joined by torch.distributed."""
+
+    def __init__(self, cfg, load=None):
+        from trainer.ray_actor import TrainerActor
+
+        t = cfg.train
+        self.world = t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.data_parallel_size
+        self.dp = t.data_parallel_size
+        self.steps_per_rollout = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt // t.global_batch_size
+        port = free_port()
+        gpus = ray.cluster_resources().get("GPU", 0)
+        opts = {"num_gpus": 1} if gpus else {"num_cpus": 1}
+        tcfg = trainer_config(cfg)
+        self.actors = [TrainerActor.options(**opts).remote(rank, self.world, "127.0.0.1", port, tcfg,
+                                                           cfg.model.hf_checkpoint, load)
+                       for rank in range(self.world)]
+        self.tp_pp = self.world // self.dp
+
+    def train(self, samples):
+        """Each DP rank trains on its share; returns rank 0's metrics (already DP-reduced)."""
+        shards = [samples[d::self.dp] for d in range(self.dp)]
+        futures = [a.train.remote(shards[rank // self.tp_pp], self.steps_per_rollout)
+                   for rank, a in enumerate(self.actors)]
+        return ray.get(futures)[0]
+
+    def save(self, path):
+        ray.get([a.save.remote(path) for a in self.actors])
+
+
+class WeightSync:
+    """Trainer rank 0 -> every rollout worker, versioned and verified after each push."""
+
+    def __init__(self, trainers, workers, run_cfg):
+        self.trainers, self.workers = trainers, workers
+        self.check_all = run_cfg.check_weight_update_equal
+        layouts = ray.get([a.weight_layout.remote(run_cfg.update_weight_buffer_size) for a in trainers.actors])
+        layout, port, world = layouts[0], free_port(), 1 + len(workers)
+        backend = "nccl" if ray.cluster_resources().get("GPU", 0) else "gloo"
+        joins = [trainers.actors[0].join_weight_sync.remote("127.0.0.1", port, world, layout, backend)]
+        joins += [w.join_weight_sync.remote("127.0.0.1", port, i + 1, world, layout, backend)
+                  for i, w in enumerate(workers)]
+        ray.get(joins)
+
+    def push(self, version):
+        """Broadcast all weights, then prove every worker holds the trainer's (stop if not)."""
+        sent = [a.send_weights.remote() for a in self.trainers.actors]
+        received = ray.get([w.receive_weights.remote(version) for w in self.workers])
+        trainer = ray.get(sent)[0]
+        for i, got in enumerate(received):
+            for part in ("mtp", "trunk"):
+                if got[f"{part}_checksum"] != trainer[f"{part}_checksum"]:
+                    raise WeightSyncError(
+                        f"weight sync v{version}: rollout worker {i}'s {part} weights differ from the trainer's "
+                        f"(checksum {got[f'{part}_checksum']} vs {trainer[f'{part}_checksum']}); stopping")
+        if self.check_all:
+            self._compare_every_tensor(version)
+        return {"weight_sync/bytes": trainer["bytes"], "weight_sync/seconds": max(r["seconds"] for r in received),
+                "weight_sync/bytes_per_s": trainer["bytes"] / max(max(r["seconds"] for r in received), 1e-9),
+                "weight_sync/mtp_checksum": trainer["mtp_checksum"][0],
+                "weight_sync/trunk_checksum": trainer["trunk_checksum"][0],
+                "rollout/weight_version_synced": version}
+
+    def _compare_every_tensor(self, version):
+        reference = ray.get([a.digests.remote() for a in self.trainers.actors])[0]
+        for i, got in enumerate(ray.get([w.digests.remote() for w in self.workers])):
+            bad = sorted(k for k in reference if got.get(k) != reference[k])
+            if bad:
+                raise WeightSyncError(f"--check-weight-update-equal: after sync v{version} rollout worker {i} differs "
+                                      f"from the trainer in {len(bad)} tensors (first: {bad[0]}); stopping")
+
+
+def init_ray(run_cfg, needed_cpus):
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from vime.config import REPO_ROOT
+
+    env = {"env_vars": {"PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                        "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}}
+    if run_cfg.ray_address:
+        ray.init(address=run_cfg.ray_address, runtime_env=env, log_to_driver=True)
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 1, needed_cpus), include_dashboard=False, runtime_env=env,
+                 log_to_driver=True, configure_logging=False)
+

@@ -1,0 +1,74 @@
+"""Run monitoring: wandb (offline unless a key or --wandb-mode online), metrics.jsonl,
+tqdm progress, and at the end a PNG of reward and acceptance length plus a summary table."""
+import json
+import os
+
+SUMMARY_KEYS = ("rollout/reward", "rollout/spec_accept_length", "rollout/spec_accept_rate",
+                "perf/rollout_tokens_per_s", "train/policy_loss", "train/mtp_loss")
+
+
+def wandb_mode(run_cfg):
+    if run_cfg.wandb_mode:
+        return run_cfg.wandb_mode
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+class RunLogger:
+    def __init__(self, run_cfg, config_dict, resume_step=0):
+        self.cfg = run_cfg
+        self.dir = run_cfg.output_dir
+        os.makedirs(self.dir, exist_ok=True)
+        self.jsonl_path = os.path.join(self.dir, "metrics.jsonl")
+        if resume_step == 0 and os.path.exists(self.jsonl_path):
+            os.remove(self.jsonl_path)
+        self.history = []
+        self.wandb = self._init_wandb(config_dict) if run_cfg.use_wandb else None
+
+    def _init_wandb(self, config_dict):
+        import wandb
+
+        run = wandb.init(project=self.cfg.wandb_project, group=self.cfg.wandb_group, dir=self.dir,
+                         mode=wandb_mode(self.cfg), config=config_dict, reinit="finish_previous")
+        run.define_metric("rollout/step")
+        run.define_metric("*", step_metric="rollout/step")
+        return run
+
+    def log(self, step, metrics):
+        row = dict(metrics, **{"rollout/step": step})
+        self.history.append(row)
+        with open(self.jsonl_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb:
+            self.wandb.log(row)
+
+    def finish(self):
+        if self.history:
+            self._plot()
+            print(self.summary())
+        if self.wandb:
+            self.wandb.finish()
+
+    def _plot(self):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps = [r["rollout/step"] for r in self.history]
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+        for ax, key in zip(axes, ("rollout/reward", "rollout/spec_accept_length")):
+            ax.plot(steps, [r.get(key, float("nan")) for r in self.history], marker="o")
+            ax.set_xlabel("step")
+            ax.set_title(key)
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(os.path.join(self.dir, "reward_and_accept_length.png"), dpi=100)
+        plt.close(fig)
+
+    def summary(self):
+        first, last = self.history[0], self.history[-1]
+        lines = [f"{'metric':<30} {'first step':>12} {'last step':>12}"]
+        for key in SUMMARY_KEYS:
+            if key in last:
+                lines.append(f"{key:<30} {first.get(key, float('nan')):>12.4f} {last[key]:>12.4f}")
+        return "\n".join(lines)

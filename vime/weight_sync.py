@@ -1,0 +1,108 @@
+"""Weight sync trainer -> rollout workers: buckets of HF-named tensors over a broadcast group.
+
+The group is a standalone torch.distributed process group (gloo on CPU, NCCL on GPU)
+between trainer rank 0 (rank 0 of the group) and every rollout worker; it does not touch
+the trainer's own default group. Names and shapes never change during a run, so the
+bucket layout is sent once (`bucket_layout`); each sync then broadcasts flat buffers.
+Checksums let the loop prove that a worker's weights equal the trainer's after a sync.
+"""
+import datetime
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT = datetime.timedelta(minutes=5)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+
+    @property
+    def numel(self):
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def bucket_layout(named_tensors, buffer_size):
+    """[[TensorSpec]]: consecutive tensors of one dtype, at most `buffer_size` bytes a bucket
+    (a larger tensor gets a bucket of its own)."""
+    buckets, current, used = [], [], 0
+    for name, t in named_tensors:
+        size = t.numel() * t.element_size()
+        if current and (used + size > buffer_size or current[-1].dtype != t.dtype):
+            buckets.append(current)
+            current, used = [], 0
+        current.append(TensorSpec(name, tuple(t.shape), t.dtype))
+        used += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def flatten_bucket(bucket, tensors_by_name):
+    return torch.cat([tensors_by_name[s.name].reshape(-1).to(s.dtype) for s in bucket])
+
+
+def unflatten_bucket(bucket, flat):
+    out, offset = [], 0
+    for s in bucket:
+        out.append((s.name, flat[offset:offset + s.numel].view(s.shape)))
+        offset += s.numel
+    return out
+
+
+def make_group(master_addr, master_port, rank, world_size, backend="gloo"):
+    """A standalone process group for the broadcast (every member calls this at once)."""
+    store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=TIMEOUT)
+    prefix = dist.PrefixStore("vime_weight_sync", store)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(prefix, rank, world_size)
+    return dist.ProcessGroupGloo(prefix, rank, world_size, TIMEOUT)
+
+
+def broadcast(group, tensor):
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([tensor], opts).wait()
+    return tensor
+
+
+def send(group, layout, named_tensors):
+    """Trainer rank 0: broadcast every bucket. Returns bytes sent."""
+    by_name = dict(named_tensors)
+    sent = 0
+    for bucket in layout:
+        flat = flatten_bucket(bucket, by_name)
+        broadcast(group, flat)
+        sent += flat.numel() * flat.element_size()
+    return sent
+
+
+def receive(group, layout):
+    """Rollout worker: yield (name, tensor) for every bucket as it arrives."""
+    for bucket in layout:
+        flat = torch.empty(sum(s.numel for s in bucket), dtype=bucket[0].dtype)
+        broadcast(group, flat)
+        yield from unflatten_bucket(bucket, flat)
+
+
+def checksum(named_tensors):
+    """Cheap order-independent fingerprint: float64 sums of values and squares per tensor."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for name, t in sorted(named_tensors, key=lambda x: x[0]):
+        td = t.detach().double()
+        total += torch.stack([td.sum(), (td * td).sum()])
+    return total.tolist()
+
+
+def digests(named_tensors):
+    """{name: sha256 of the bytes}: the full comparison of --check-weight-update-equal."""
+    return {name: hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
+            for name, t in named_tensors}
