@@ -80,7 +80,7 @@ class _Checked:
         self.inner.release(r)
 
 
-@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("layers", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_cached_mtp_drafting_equals_drafting_recomputed_without_cache(tmp_path, layers):
     model = markov_model(noise=0.2, num_nextn_predict_layers=layers)
     proposer = _Checked(build_proposer(parse_spec_config({"method": "mtp", "num_speculative_tokens": 3})))

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 from rollout.engine import EngineConfig, make_samples  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
-from rollout.spec_config import build_engine  # noqa: E402
+from rollout.spec_config import build_engine, build_proposer, parse_spec_config  # noqa: E402
 from rollout.spec_stats import aggregate_spec_stats  # noqa: E402
 from rollout.task import make_prompts  # noqa: E402
 from rollout.tokenizer import TextCodec  # noqa: E402
@@ -37,9 +37,12 @@ def methods(draft):
 
 def run(ckpt, spec, prompts, batch, sampling, repeats):
     engine = build_engine(ckpt, spec, EngineConfig(max_batch_size=batch))
+    engine_spec = parse_spec_config(spec) if spec is not None else None
     engine.generate(make_samples(prompts[:batch]), sampling)  # warm-up
     best, samples = None, None
     for _ in range(repeats):
+        # a fresh proposer per repeat: suffix decoding would otherwise replay the previous repeat
+        engine.set_proposer(build_proposer(engine_spec))
         samples = make_samples(prompts)
         start = time.perf_counter()
         engine.generate(samples, sampling)
