@@ -12,12 +12,16 @@ def aggregate_spec_stats(samples):
     accepted = sum(s.spec.accepted_tokens for s in samples)
     steps = sum(s.spec.verify_steps for s in samples)
     generated = sum(len(s.response_ids) for s in samples)
+    # the prefill forward of each sample emits exactly one token and verifies nothing; leave
+    # it out so the length measures decode steps only (1.0 = no speculation gain)
+    prefills = sum(1 for s in samples if s.spec.verify_steps > 0)
+    decode_steps, decode_tokens = steps - prefills, generated - prefills
     out = {
         "spec_draft_tokens": drafted,
         "spec_accepted_tokens": accepted,
         "spec_accept_rate": accepted / drafted if drafted else 0.0,
         # every verify forward emits its accepted drafts plus one bonus/correction token
-        "spec_accept_length": generated / steps if steps else 0.0,
+        "spec_accept_length": decode_tokens / decode_steps if decode_steps > 0 else 1.0,
     }
     width = max((len(s.spec.drafted_per_pos) for s in samples), default=0)
     for i in range(width):
