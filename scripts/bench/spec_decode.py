@@ -23,8 +23,8 @@ from rollout.task import make_prompts  # noqa: E402
 from rollout.tokenizer import TextCodec  # noqa: E402
 
 
-def methods(draft):
-    return {
+def methods(draft, rejection):
+    table = {
         "none": None,
         "mtp k=1": {"method": "mtp", "num_speculative_tokens": 1},
         "mtp k=2": {"method": "mtp", "num_speculative_tokens": 2},
@@ -33,6 +33,7 @@ def methods(draft):
         "suffix k=3": {"method": "suffix", "num_speculative_tokens": 3},
         "draft_model k=3": {"method": "draft_model", "num_speculative_tokens": 3, "model": draft},
     }
+    return {name: spec and dict(spec, rejection_sample_method=rejection) for name, spec in table.items()}
 
 
 def run(ckpt, spec, prompts, batch, sampling, repeats):
@@ -61,14 +62,19 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; RL rollouts use 1")
+    p.add_argument("--rejection-sample-method", default="probabilistic", choices=["strict", "probabilistic"])
     p.add_argument("--methods", default=None, help="comma-separated subset of the method names")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     codec = TextCodec(args.hf_checkpoint)
     prompts = [[1] + codec.encode(r["prompt"]) for r in make_prompts(args.num_prompts, seed=1234)]
-    sampling = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens)
-    table = methods(args.draft_model or args.hf_checkpoint)
+    print(f"checkpoint {args.hf_checkpoint}")
+    sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    table = methods(args.draft_model or args.hf_checkpoint, args.rejection_sample_method)
     wanted = args.methods.split(",") if args.methods else list(table)
+    print(f"temperature {args.temperature}, {args.num_prompts} prompts, max {args.max_new_tokens} new tokens, "
+          f"{args.threads} thread(s), best of {args.repeats}")
     print("| batch | method | tokens/s | speedup | tokens/forward | accept rate | per position |")
     print("|---|---|---|---|---|---|---|")
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
