@@ -96,6 +96,7 @@ class WeightSync:
                 "weight_sync/bytes_per_s": trainer["bytes"] / max(max(r["seconds"] for r in received), 1e-9),
                 "weight_sync/mtp_checksum": trainer["mtp_checksum"][0],
                 "weight_sync/trunk_checksum": trainer["trunk_checksum"][0],
+                "weight_sync/worker_mtp_checksum": received[0]["mtp_checksum"][0],
                 "rollout/weight_version_synced": version}
 
     def _compare_every_tensor(self, version):

@@ -1,0 +1,174 @@
+"""train_rl.py end to end on CPU: real Ray actors, megatron trainer on gloo, wandb offline."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from rollout.task import make_prompts, write_jsonl
+from rollout.tiny_model import make_random_checkpoint
+from tests.conftest import SMALL
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMING_KEYS = ("perf/", "weight_sync/seconds", "weight_sync/bytes_per_s")
+
+
+def run_train(*args, timeout=600):
+    env = dict(os.environ, PYTHONPATH=REPO, RAY_AUTH_MODE="disabled", WANDB_MODE="offline",
+               WANDB_SILENT="true", WANDB_API_KEY="")
+    env.pop("WANDB_API_KEY")
+    return subprocess.run([sys.executable, "train_rl.py", *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=timeout)
+
+
+def base_args(ckpt, out, steps=3, *extra):
+    return ["--hf-checkpoint", ckpt, "--num-rollout", steps, "--rollout-batch-size", 4, "--n-samples-per-prompt", 4,
+            "--global-batch-size", 16, "--micro-batch-size", 8, "--rollout-max-response-len", 12, "--lr", 1e-3,
+            "--custom-rm-path", "tests.rewards_for_tests:parity_reward", "--output-dir", out, "--progress", "false",
+            "--vllm-speculative-config", '{"method":"mtp","num_speculative_tokens":2}', *extra]
+
+
+def metrics(out):
+    return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("rl_ckpt"))
+    make_random_checkpoint(path, seed=5, std=0.3, **SMALL)
+    write_jsonl(make_prompts(64, seed=1), os.path.join(path, "train.jsonl"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def online_run(ckpt, tmp_path_factory):
+    out, save = tmp_path_factory.mktemp("online"), tmp_path_factory.mktemp("save")
+    proc = run_train(*base_args(ckpt, out, 3, "--enable-mtp-training", "--mtp-num-layers", 1,
+                                "--save", save, "--save-interval", 2, "--check-weight-update-equal"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(out), str(save)
+
+
+def initial_mtp_checksum(ckpt):
+    from checkpoint_convert.families import is_mtp_name
+    from checkpoint_convert.hf_format import load_hf_checkpoint
+    from vime.weight_sync import checksum
+
+    cfg, state, _ = load_hf_checkpoint(ckpt)
+    return checksum([(k, v) for k, v in state.items() if is_mtp_name(k, cfg.num_hidden_layers)])[0]
+
+
+def test_online_run_logs_metrics_and_the_draft_follows_the_trainer_every_step(online_run, ckpt):
+    out, _ = online_run
+    rows = metrics(out)
+    assert [r["rollout/step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        for key in ("rollout/spec_accept_rate", "rollout/spec_accept_length", "rollout/spec_accept_rate_pos_0",
+                    "train/policy_loss", "train/mtp_loss", "train/mtp_grad_norm", "perf/rollout_tokens_per_s"):
+            assert key in r and math.isfinite(r[key])
+        assert r["weight_sync/worker_mtp_checksum"] == r["weight_sync/mtp_checksum"]
+        assert r["train/logprob_abs_diff"] < 1e-4  # trainer and rollout agree on log-probs
+    mtp = [initial_mtp_checksum(ckpt)] + [r["weight_sync/mtp_checksum"] for r in rows]
+    assert len(set(mtp)) == len(mtp)  # the draft changed at every step
+    wandb_runs = [d for d in os.listdir(os.path.join(out, "wandb")) if d.startswith("offline-run")]
+    assert len(wandb_runs) == 1
+    assert any(f.endswith(".wandb") for f in os.listdir(os.path.join(out, "wandb", wandb_runs[0])))
+    assert os.path.getsize(os.path.join(out, "reward_and_accept_length.png")) > 1000
+
+
+def test_frozen_mtp_stays_bitwise_initial_while_the_trunk_trains(ckpt, tmp_path):
+    proc = run_train(*base_args(ckpt, tmp_path, 3, "--check-weight-update-equal"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert {r["weight_sync/worker_mtp_checksum"] for r in rows} == {initial_mtp_checksum(ckpt)}
+    trunk = [r["weight_sync/trunk_checksum"] for r in rows]
+    assert len(set(trunk)) == 3
+    assert all("train/mtp_loss" not in r for r in rows)
+
+
+def test_resume_from_the_step2_checkpoint_reproduces_step3_metrics(online_run, ckpt, tmp_path):
+    out, save = online_run
+    proc = run_train(*base_args(ckpt, tmp_path, 3, "--enable-mtp-training", "--mtp-num-layers", 1, "--load", save))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = metrics(tmp_path)
+    assert [r["rollout/step"] for r in resumed] == [2]
+    original = metrics(out)[2]
+    for key, value in original.items():
+        if not key.startswith(TIMING_KEYS):
+            assert resumed[0][key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+
+
+def test_killing_the_process_during_a_save_leaves_the_previous_checkpoint_loadable(online_run, ckpt, tmp_path):
+    import shutil
+
+    from vime import checkpointing
+
+    _, save = online_run
+    root = str(tmp_path / "ckpts")
+    shutil.copytree(save, root)
+    script = textwrap.dedent(f"""
+        import os, time, sys
+        sys.path.insert(0, {REPO!r})
+        from vime import checkpointing
+        def slow_writer(path):
+            os.makedirs(path)
+            open(os.path.join(path, "partial.bin"), "wb").write(b"x" * 1000)
+            print("writing", flush=True)
+            time.sleep(60)
+        checkpointing.save({root!r}, 4, slow_writer, {{"step": 4}})
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    step, iteration = checkpointing.latest(root)
+    assert step == 2 and checkpointing.load_loop_state(iteration)["step"] == 2
+    assert os.path.isdir(os.path.join(root, "iter_0000004.tmp"))
+    # the surviving checkpoint still loads into a trainer
+    from trainer.config import TrainerConfig
+    from trainer.trainer import Trainer
+
+    trainer = Trainer(TrainerConfig(enable_mtp_training=True, mtp_num_layers=1),
+                      ckpt, load=os.path.join(iteration, "model"))
+    assert sum(p.numel() for p in trainer.model.parameters()) > 0
+
+
+def no_model_ckpt(tmp_path):
+    path = str(tmp_path / "no_mtp")
+    make_random_checkpoint(path, seed=5, num_nextn_predict_layers=0, **SMALL)
+    write_jsonl(make_prompts(8, seed=1), os.path.join(path, "train.jsonl"))
+    return path
+
+
+def assert_refused_before_actors(proc, needle):
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0], proc.stderr[-2000:]
+    assert "Ray" not in proc.stdout + proc.stderr.replace(errors[0], "")
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--enable-mtp-training"], "--enable-mtp-training needs --mtp-num-layers"),
+    (["--global-batch-size", 5], "--global-batch-size 5 must divide"),
+    (["--rm-type", "nope"], "--rm-type 'nope' is unknown"),
+    (["--custom-rm-path", "no_such_module:f"], "--custom-rm-path"),
+    (["--prompt-data", "/nonexistent.jsonl"], "--prompt-data /nonexistent.jsonl: no such file"),
+    (["--input-key", "question"], "line 1 has no key 'question'"),
+    (["--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 0}'], "num_speculative_tokens"),
+])
+def test_bad_input_is_a_one_line_error_before_any_actor_starts(ckpt, tmp_path, extra, needle):
+    args = base_args(ckpt, tmp_path, 1)
+    cut = args.index("--custom-rm-path")
+    args = args[:cut] + args[cut + 2:]
+    assert_refused_before_actors(run_train(*args, *extra, timeout=120), needle)
+
+
+def test_mtp_speculation_on_a_checkpoint_without_mtp_layers_is_refused(tmp_path):
+    assert_refused_before_actors(run_train(*base_args(no_model_ckpt(tmp_path), tmp_path, 1), timeout=120), "mtp")
