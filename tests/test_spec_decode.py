@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rollout.engine import Engine, EngineConfig, make_samples
-from rollout.proposers.mtp import reference_mtp_drafts
+from rollout.proposers.mtp import MTPProposer, reference_mtp_drafts
 from rollout.sampling_params import SamplingParams
 from rollout.spec_config import build_engine, build_proposer, parse_spec_config
 from rollout.spec_stats import aggregate_spec_stats
@@ -97,7 +97,7 @@ def test_sampled_mtp_drafts_carry_their_draft_distribution(tmp_path):
     model = markov_model(noise=0.2)
     spec = parse_spec_config({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "probabilistic"})
     engine = Engine(model, EngineConfig(max_batch_size=4, rejection_sample_method="probabilistic"),
-                    proposer=build_proposer(spec))
+                    proposer=MTPProposer(spec, sample_drafts=True))
     seen = []
     inner = engine.proposer.propose
 
@@ -119,3 +119,16 @@ def test_speculation_never_runs_past_max_new_tokens(markov_ckpt, prompts):
     engine = build_engine(markov_ckpt, spec_for("ngram", 3, markov_ckpt), EngineConfig(max_batch_size=100))
     out = engine.generate(make_samples(prompts[:20]), SamplingParams(temperature=0, max_new_tokens=5))
     assert all(len(s.response_ids) <= 5 for s in out)
+
+
+def test_sampled_draft_model_equal_to_the_target_is_accepted_at_temperature_one(markov_ckpt, prompts):
+    """Sampled drafts carry q; with q == p the probabilistic test min(1, p/q) keeps every draft."""
+    from rollout.proposers.draft_model import DraftModelProposer
+
+    spec = parse_spec_config({"method": "draft_model", "num_speculative_tokens": 3, "model": markov_ckpt,
+                              "rejection_sample_method": "probabilistic"})
+    engine = build_engine(markov_ckpt, spec, EngineConfig(max_batch_size=50, rejection_sample_method="probabilistic"))
+    engine.set_proposer(DraftModelProposer(spec, sample_drafts=True))
+    stats = aggregate_spec_stats(engine.generate(make_samples(prompts[:50]), SamplingParams(temperature=1.0,
+                                                                                            max_new_tokens=16)))
+    assert stats["spec_accept_rate"] >= 0.98

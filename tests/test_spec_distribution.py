@@ -4,6 +4,7 @@ A 5-token model at temperature 1: the joint distribution of the first 3 generate
 (125 cells) is computed exactly by enumerating prefixes with the model, and 20k
 speculative samples (random MTP layer as draft, k=2, so drafts are often rejected) are
 compared with it by a chi-square goodness-of-fit test at false-alarm rate 1e-3 per test.
+Both draft modes are covered: sampled drafts with their q, and argmax drafts (q one-hot).
 A deliberately wrong sampler (on rejection, resample from p instead of the residual
 max(p - q, 0)) must fail the same test.
 """
@@ -17,7 +18,8 @@ import mtp.rejection as rejection
 from mtp.sampling import processed_logprobs
 from rollout.engine import Engine, EngineConfig, make_samples
 from rollout.sampling_params import SamplingParams
-from rollout.spec_config import build_proposer, parse_spec_config
+from rollout.proposers.mtp import MTPProposer
+from rollout.spec_config import parse_spec_config
 from spec_fixtures import tiny_vocab_model
 
 N, PROMPT, ALPHA = 20000, [0, 3, 1], 1e-3
@@ -40,10 +42,10 @@ def exact_joint(model, steps=3):
             for cell in itertools.product(range(v), repeat=steps)}
 
 
-def sampled_joint(model, method):
+def sampled_joint(model, method, sample_drafts=True):
     spec = parse_spec_config({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": method})
     engine = Engine(model, EngineConfig(max_batch_size=N, max_len=16, rejection_sample_method=method),
-                    proposer=build_proposer(spec))
+                    proposer=MTPProposer(spec, sample_drafts=sample_drafts))
     samples = engine.generate(make_samples([PROMPT] * N), SamplingParams(temperature=1.0, max_new_tokens=3, seed=7))
     counts = {}
     for s in samples:
@@ -63,10 +65,11 @@ def p_value(counts, exact):
     return chisquare(obs, [e * N / total for e in exp]).pvalue
 
 
-@pytest.mark.parametrize("method", ["probabilistic", "strict"])
-def test_speculative_sampling_matches_the_target_joint_distribution(model, method):
+@pytest.mark.parametrize("method, sample_drafts", [("probabilistic", True), ("probabilistic", False),
+                                                   ("strict", False)])
+def test_speculative_sampling_matches_the_target_joint_distribution(model, method, sample_drafts):
     exact = exact_joint(model)
-    counts, rate = sampled_joint(model, method)
+    counts, rate = sampled_joint(model, method, sample_drafts)
     assert 0.1 < rate < 0.9  # drafts are both accepted and rejected, so both paths are exercised
     assert p_value(counts, exact) > ALPHA
 

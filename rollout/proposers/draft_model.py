@@ -34,8 +34,8 @@ def valid_prefix(base, drafted, ids):
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, spec, model=None):
-        self.spec, self.model = spec, model
+    def __init__(self, spec, model=None, sample_drafts=False):
+        self.spec, self.model, self.sample_drafts = spec, model, sample_drafts  # see drafting.py
         self.num_speculative_tokens = spec.num_speculative_tokens
         self.state = {}  # id(request) -> (base, drafted tokens)
 
@@ -54,7 +54,7 @@ class DraftModelProposer(Proposer):
     def propose(self, out):
         reqs, k = out.requests, self.num_speculative_tokens
         sampling = reqs[0].sampling
-        uniforms = draft_uniforms(reqs, k) if samples_drafts(self.spec, sampling) else None
+        uniforms = draft_uniforms(reqs, k) if samples_drafts(self.spec, sampling, self.sample_drafts) else None
         device = out.hidden.device
         ids = [r.all_ids for r in reqs]
         valid = [min(self._valid(r, x), len(x) - 1) for r, x in zip(reqs, ids)]

@@ -3,17 +3,21 @@
 A draft is either deterministic (argmax; the verifier then treats q as one-hot, which is
 exact for any deterministic proposer) or sampled from q = the draft's distribution
 processed exactly like the target's (temperature, top-k, top-p), in which case q is
-returned so probabilistic verification can use min(1, p/q). Sampling pays off only with
-`probabilistic` verification (strict ignores q and accepts a sampled draft less often than
-the argmax), so proposers sample iff that is the rejection method and the request samples.
+returned so probabilistic verification can use min(1, p/q).
+
+Default: argmax drafts with q = None, as vLLM's MTP/EAGLE proposers do. Sampled drafts
+are accepted with probability sum_x min(p, q) = 1 - TV(p, q), argmax drafts with p(argmax q);
+on the tiny model at temperature 1 the MTP head is flatter than the target and argmax wins
+(0.33 vs 0.25 acceptance, see BENCHMARKS.md). `sample_drafts=True` switches to sampled
+drafts; it only applies with `probabilistic` verification (strict ignores q).
 """
 import torch
 
 from mtp.sampling import processed_logprobs, sample_with_uniforms
 
 
-def samples_drafts(spec, sampling):
-    return spec.rejection_sample_method == "probabilistic" and not sampling.greedy
+def samples_drafts(spec, sampling, enabled):
+    return enabled and spec.rejection_sample_method == "probabilistic" and not sampling.greedy
 
 
 def draft_uniforms(reqs, k):

@@ -21,8 +21,8 @@ from rollout.proposers.drafting import assign_drafts, draft_uniforms, pad_rows, 
 
 
 class MTPProposer(Proposer):
-    def __init__(self, spec):
-        self.spec = spec
+    def __init__(self, spec, sample_drafts=False):
+        self.spec, self.sample_drafts = spec, sample_drafts  # see drafting.py for the choice
         self.num_speculative_tokens = spec.num_speculative_tokens
 
     def attach(self, engine):
@@ -35,7 +35,7 @@ class MTPProposer(Proposer):
     def propose(self, out):
         reqs, k = out.requests, self.num_speculative_tokens
         sampling = reqs[0].sampling
-        uniforms = draft_uniforms(reqs, k) if samples_drafts(self.spec, sampling) else None
+        uniforms = draft_uniforms(reqs, k) if samples_drafts(self.spec, sampling, self.sample_drafts) else None
         slots = torch.tensor([r.slot for r in reqs], device=out.hidden.device)
         hidden, pos = self.catch_up(reqs, slots, out)
         tokens, probs = [], []
