@@ -159,3 +159,18 @@ def test_mtp_training_metrics_are_reported(hf_dir):
         assert key in m and m[key] == m[key], key
     assert m["train/mtp_loss"] == m["train/mtp_1_loss"] > 0
     assert 0 < m["train/entropy"] <= torch.log(torch.tensor(32.0)).item() + 1e-5
+
+
+def test_mtp_lr_sets_the_draft_step_size_independently_of_the_policy(hf_dir):
+    def mtp_change(mtp_lr):
+        trainer = Trainer(TrainerConfig(lr=1e-3, enable_mtp_training=True, mtp_lr=mtp_lr), hf_dir)
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer.train_step(make_batch())
+        delta = {n: (p.detach() - before[n]).abs().max().item() for n, p in trainer.model.named_parameters()}
+        return (max(v for n, v in delta.items() if n.startswith("mtp.")),
+                max(v for n, v in delta.items() if not n.startswith("mtp.")))
+
+    frozen_draft, policy_a = mtp_change(0.0)
+    fast_draft, policy_b = mtp_change(1e-2)
+    assert frozen_draft == 0.0 and fast_draft > 5e-3
+    assert policy_a == policy_b > 0  # the policy update does not depend on the draft's lr

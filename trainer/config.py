@@ -11,6 +11,7 @@ class TrainerConfig:
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     mtp_clip_grad: Optional[float] = None  # None: same as clip_grad
+    mtp_lr: Optional[float] = None  # None: same as lr (Adam is scale-free: the loss factor barely moves a detached draft)
     eps_clip: float = 0.2
     eps_clip_high: Optional[float] = None  # None: same as eps_clip
     use_kl_loss: bool = False

@@ -75,7 +75,8 @@ class Trainer:
     def _build_optimizer(self):
         groups = [{"params": self.policy_params()}]
         if self.cfg.enable_mtp_training:
-            groups.append({"params": self.mtp_params()})
+            groups.append({"params": self.mtp_params(),
+                           "lr": self.cfg.lr if self.cfg.mtp_lr is None else self.cfg.mtp_lr})
         return torch.optim.AdamW(groups, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
 
     # ---- forward pieces ---------------------------------------------------------------

@@ -72,6 +72,8 @@ class MTPSection:
     loss_scaling_factor: float = field(default=0.2, metadata=flag("--mtp-loss-scaling-factor"))
     detach_trunk: bool = field(default=True, metadata=flag("--mtp-detach-trunk", "--no-mtp-detach-trunk trains jointly"))
     clip_grad: Optional[float] = field(default=None, metadata=flag("--mtp-clip-grad"))
+    lr: Optional[float] = field(default=None, metadata=flag(
+        "--mtp-lr", "learning rate of the MTP layers (default: --lr); Adam makes the loss factor nearly scale-free"))
 
 
 @dataclass
