@@ -184,6 +184,13 @@ def check_against_checkpoint(spec, target_cfg):
                 f"{target_cfg.vocab_size}; the draft must share the target's tokenizer")
 
 
+def require_lossless(spec, where="training"):
+    """Refuse synthetic acceptance where samples must follow the policy (RL training)."""
+    require(spec is None or not spec.is_lossy,
+            f"{FLAG}: rejection_sample_method 'synthetic' is benchmark-only (its outputs do not follow the "
+            f"policy), so {where} refuses it; use 'strict' or 'probabilistic'")
+
+
 def engine_config_for(spec, engine_config):
     """The engine's slice of the spec config: how drafts are verified."""
     if spec is None:

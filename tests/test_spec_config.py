@@ -7,6 +7,7 @@ import pytest
 
 from rollout.engine import EngineConfig
 from rollout.spec_config import (SpecConfig, build_proposer, check_against_checkpoint, engine_config_for,
+                                 require_lossless,
                                  parse_spec_config)
 from rollout.tiny_model import TINY_CONFIG
 from vime.errors import UserError
@@ -46,6 +47,9 @@ def test_synthetic_is_flagged_lossy_and_the_engine_gets_the_rejection_method():
     s = parse_spec_config({"method": "mtp", "num_speculative_tokens": 1, "rejection_sample_method": "synthetic",
                            "synthetic_acceptance_rate": 0.7})
     assert s.is_lossy
+    with pytest.raises(UserError, match="benchmark-only"):
+        require_lossless(s)
+    require_lossless(parse_spec_config({"method": "mtp", "num_speculative_tokens": 1}))
     ec = engine_config_for(s, EngineConfig())
     assert (ec.rejection_sample_method, ec.synthetic_acceptance_rate) == ("synthetic", 0.7)
 
