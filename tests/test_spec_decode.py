@@ -132,3 +132,11 @@ def test_sampled_draft_model_equal_to_the_target_is_accepted_at_temperature_one(
     stats = aggregate_spec_stats(engine.generate(make_samples(prompts[:50]), SamplingParams(temperature=1.0,
                                                                                             max_new_tokens=16)))
     assert stats["spec_accept_rate"] >= 0.98
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_model", "suffix"])
+def test_speculation_with_reused_slots_equals_plain_decoding(method, markov_ckpt, prompts, plain):
+    """Few slots: finished requests hand their slot (and the proposer's cache rows) to new ones."""
+    engine = build_engine(markov_ckpt, spec_for(method, 3, markov_ckpt), EngineConfig(max_batch_size=7))
+    spec = engine.generate(make_samples(prompts[:40]), GREEDY)
+    assert [s.response_ids for s in spec] == [s.response_ids for s in plain[:40]]
