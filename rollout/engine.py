@@ -17,6 +17,7 @@ import torch
 from checkpoint_convert.hf_format import load_hf_checkpoint
 from mtp.rejection import verify
 from mtp.sampling import processed_logprobs
+from rollout.fast_model import FastForward
 from rollout.kv_cache import KVCache, pick_attention_backend
 from rollout.model import Qwen3MTPModel
 from rollout.proposers import ForwardOutput, Proposer
@@ -71,6 +72,7 @@ class Engine:
         self.model = model.to(self.config.device, self.config.dtype).eval()
         self.model.requires_grad_(False)
         self.cfg = model.cfg
+        self.fast = FastForward(self.model)
         self.max_len = self.config.max_len or self.cfg.max_position_embeddings
         self.codec = codec
         self.backend = pick_attention_backend(self.config.device, self.config.attention_backend)
@@ -126,6 +128,7 @@ class Engine:
                 if name not in params:
                     raise UserError(f"load_weights: unknown tensor {name!r}; expected canonical HF names")
                 params[name].copy_(tensor.to(params[name].dtype))
+        self.fast.refresh()
         self.weight_version = version
 
     def pause(self):
@@ -247,7 +250,7 @@ class Engine:
         positions = positions.clamp(max=self.max_len)
         view = self.cache.step(slots, starts, n_new, self.backend)
         with torch.inference_mode():
-            return self.model(tokens, positions, view.layers(self.cfg.num_hidden_layers))
+            return self.fast(tokens, positions, view.layers(self.cfg.num_hidden_layers))
 
     def _propose(self, reqs, hidden, starts, n_valid):
         live = [i for i, r in enumerate(reqs) if not r.finished]

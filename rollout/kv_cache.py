@@ -7,6 +7,7 @@ ragged write indices once and hands every layer a `LayerView` with `attend`.
 """
 import torch
 
+from rollout.fast_model import gqa_attention
 from rollout.model import sdpa_attention
 
 
@@ -32,6 +33,22 @@ class StepView:
         self.cols = (starts[:, None] + offsets[None, :])[self.valid]
         self.k_len = int((starts + n_new).max())
         self.starts = starts
+        self._mask = None
+        lo = int(slots.min())
+        # running rows in consecutive slots read the cache through a view instead of a gather
+        self.contiguous = bool((slots == torch.arange(lo, lo + len(slots), device=slots.device)).all())
+        self.slot_range = slice(lo, lo + len(slots))
+
+    def mask(self, q_len):
+        """[B, Q, L] key j visible to the query at offset i: j <= start + i (built once per step)."""
+        if self._mask is None:
+            q_pos = self.starts[:, None] + torch.arange(q_len, device=self.starts.device)[None, :]
+            self._mask = torch.arange(self.k_len, device=self.starts.device)[None, None, :] <= q_pos[:, :, None]
+        return self._mask
+
+    def read(self, layer_cache):
+        rows = self.slot_range if self.contiguous else self.slots
+        return layer_cache[rows, :self.k_len]
 
     def layers(self, n):
         return [LayerView(self, i) for i in range(n)]
@@ -44,6 +61,16 @@ class LayerView:
     def attend(self, q, k, v, positions):
         """q [B,H,Q,D], k/v [B,KV,Q,D] for the new tokens; returns [B,H,Q,D]."""
         return ATTENTION_BACKENDS[self.step.backend](self, q, k, v, positions)
+
+    def attend_bqhd(self, q, k, v):
+        """The fast path's layout: q [B,Q,H,D], k/v [B,Q,KV,D] -> [B,Q,H,D]."""
+        s, cache = self.step, self.step.cache
+        if s.backend == "flash":
+            return _flash_cached(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None).transpose(1, 2)
+        k_layer, v_layer = cache.k[self.layer], cache.v[self.layer]
+        k_layer[s.rows, s.cols] = k[s.valid]
+        v_layer[s.rows, s.cols] = v[s.valid]
+        return gqa_attention(q, s.read(k_layer), s.read(v_layer), s.mask(q.shape[1]))
 
 
 def _sdpa_cached(view, q, k, v, positions):

@@ -1,0 +1,102 @@
+"""The engine's fast forward: the same math as rollout/model.py on fused plain tensors.
+
+Per decoder layer it runs 4 matmuls instead of 7 (q|k|v and gate|up fused), no nn.Module
+dispatch, and a grouped-query attention written as two batched matmuls that read the KV
+cache without expanding it per head. The module forward in model.py stays the reference;
+tests check this path against it. Fused weights are rebuilt after every weight load.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class LayerWeights:
+    ln1: torch.Tensor
+    qkv: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o: torch.Tensor
+    ln2: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def fuse_layer(layer):
+    a, m = layer.self_attn, layer.mlp
+    return LayerWeights(
+        ln1=layer.input_layernorm.weight.detach(),
+        qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),
+        q_norm=a.q_norm.weight.detach(), k_norm=a.k_norm.weight.detach(), o=a.o_proj.weight.detach(),
+        ln2=layer.post_attention_layernorm.weight.detach(),
+        gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), down=m.down_proj.weight.detach())
+
+
+class FastForward:
+    """Callable like `Qwen3MTPModel.forward(tokens, positions, caches)` for cached ragged batches."""
+
+    def __init__(self, model):
+        self.model = model
+        cfg = model.cfg
+        self.eps, self.n_heads, self.n_kv, self.head_dim = (cfg.rms_norm_eps, cfg.num_attention_heads,
+                                                           cfg.num_key_value_heads, cfg.head_dim)
+        self.refresh()
+
+    def refresh(self):
+        """Re-fuse after the model's weights changed."""
+        self.layers = [fuse_layer(l) for l in self.model.model.layers]
+
+    def norm(self, x, w):
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+
+    def rope(self, x, cos, sin):
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+    def layer(self, w, x, cos, sin, cache):
+        b, q_len, _ = x.shape
+        nq, nkv, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
+        q, k, v = (self.norm(x, w.ln1) @ w.qkv.t()).split([nq, nkv, nkv], dim=-1)
+        q = self.rope(self.norm(q.view(b, q_len, self.n_heads, d), w.q_norm), cos, sin)
+        k = self.rope(self.norm(k.view(b, q_len, self.n_kv, d), w.k_norm), cos, sin)
+        attn = cache.attend_bqhd(q, k, v.view(b, q_len, self.n_kv, d))
+        x = x + attn.reshape(b, q_len, nq) @ w.o.t()
+        gate, up = (self.norm(x, w.ln2) @ w.gate_up.t()).chunk(2, dim=-1)
+        return x + (F.silu(gate) * up) @ w.down.t()
+
+    def __call__(self, tokens, positions, caches):
+        m = self.model
+        x = F.embedding(tokens, m.model.embed_tokens.weight)
+        cos = m.rotary.cos[positions].unsqueeze(2)
+        sin = m.rotary.sin[positions].unsqueeze(2)
+        for i in range(m.cfg.num_hidden_layers):
+            x = self.layer(self.layers[i], x, cos, sin, caches[i])
+        return self.norm(x, m.model.norm.weight)
+
+    def mtp(self, k, next_tokens, hidden, positions, cache):
+        """Fast twin of `Qwen3MTPModel.mtp_forward` (same inputs and output)."""
+        m = self.model
+        layer = m.mtp_layer(k)
+        embeds = F.embedding(next_tokens, m.model.embed_tokens.weight)
+        x = torch.cat([self.norm(embeds, layer.enorm.weight), self.norm(hidden, layer.hnorm.weight)], -1)
+        x = x @ layer.eh_proj.weight.t()
+        cos = m.rotary.cos[positions].unsqueeze(2)
+        sin = m.rotary.sin[positions].unsqueeze(2)
+        x = self.layer(self.layers[m.cfg.num_hidden_layers + k], x, cos, sin, cache)
+        return self.norm(x, layer.shared_head.norm.weight)
+
+
+def gqa_attention(q, keys, values, mask):
+    """q [B,Q,H,D]; keys/values [B,L,KV,D] (any strides); mask [B,Q,L] bool -> [B,Q,H,D].
+
+    Heads of one KV group share the K/V reads: q is viewed as [B,KV,G*Q,D], no K/V copies."""
+    b, q_len, h, d = q.shape
+    kv = keys.shape[2]
+    g = h // kv
+    qg = q.view(b, q_len, kv, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv, g * q_len, d)
+    scores = (qg @ keys.permute(0, 2, 3, 1)) * (d ** -0.5)  # [B, KV, G*Q, L]
+    scores = scores.view(b, kv, g, q_len, -1).masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(b, kv, g * q_len, -1)
+    out = probs @ values.permute(0, 2, 1, 3)  # [B, KV, G*Q, D]
+    return out.view(b, kv, g, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, h, d)
