@@ -57,7 +57,7 @@ class MTPProposer(Proposer):
         positions = starts[:, None] + torch.arange(q_len, device=slots.device)[None, :]
         views = self.cache.step(slots, starts, n_valid, self.engine.backend).layers(self.num_layers)
         hidden = out.hidden[:, :q_len]
-        results = [self.model.mtp_forward(j, next_tokens, hidden, positions, views[j]) for j in range(self.num_layers)]
+        results = [self.engine.fast.mtp(j, next_tokens, hidden, positions, views[j]) for j in range(self.num_layers)]
         last = n_valid - 1
         rows = torch.arange(len(reqs), device=slots.device)
         return results[0][rows, last], starts + last
@@ -65,7 +65,7 @@ class MTPProposer(Proposer):
     def chain_step(self, layer, slots, tokens, hidden, positions):
         """One speculative MTP step per request at `positions` [B]: (previous output, draft)."""
         view = self.cache.step(slots, positions, torch.ones_like(positions), self.engine.backend)
-        out = self.model.mtp_forward(layer, tokens[:, None], hidden[:, None], positions[:, None],
+        out = self.engine.fast.mtp(layer, tokens[:, None], hidden[:, None], positions[:, None],
                                      view.layers(self.num_layers)[layer])
         return out[:, 0]
 
