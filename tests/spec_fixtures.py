@@ -9,6 +9,7 @@ distributions for exact distribution tests.
 """
 import dataclasses
 
+import pytest
 import torch
 
 from checkpoint_convert.hf_format import save_hf_checkpoint
@@ -63,3 +64,13 @@ def save_checkpoint(model, path):
     save_tokenizer(build_tokenizer(), path)
     save_hf_checkpoint(path, model.cfg, model.state_dict(), layout="glm")
     return path
+
+
+@pytest.fixture(scope="module", autouse=False)
+def one_thread():
+    """These models are tiny: one intra-op thread is as fast and does not collapse when the
+    machine's cores are shared with other jobs (spinning OpenMP threads did, 100x)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -11,7 +11,9 @@ from rollout.spec_config import (SpecConfig, build_proposer, check_against_check
                                  parse_spec_config)
 from rollout.tiny_model import TINY_CONFIG
 from vime.errors import UserError
-from spec_fixtures import markov_model, save_checkpoint
+from spec_fixtures import markov_model, save_checkpoint, one_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def error_of(value):

@@ -11,9 +11,11 @@ from rollout.spec_config import build_engine, build_proposer, parse_spec_config
 from rollout.spec_stats import aggregate_spec_stats
 from rollout.task import make_prompts
 from rollout.tokenizer import TextCodec
-from spec_fixtures import markov_model, save_checkpoint
+from spec_fixtures import markov_model, save_checkpoint, one_thread  # noqa: F401
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=20)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,11 @@ from rollout.engine import Engine, EngineConfig, make_samples
 from rollout.sampling_params import SamplingParams
 from rollout.proposers.mtp import MTPProposer
 from rollout.spec_config import parse_spec_config
-from spec_fixtures import tiny_vocab_model
+from spec_fixtures import tiny_vocab_model, one_thread  # noqa: F401
 
 N, PROMPT, ALPHA = 20000, [0, 3, 1], 1e-3
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
