@@ -36,21 +36,29 @@ def methods(draft, rejection):
     return {name: spec and dict(spec, rejection_sample_method=rejection) for name, spec in table.items()}
 
 
-def run(ckpt, spec, prompts, batch, sampling, repeats):
-    engine = build_engine(ckpt, spec, EngineConfig(max_batch_size=batch))
-    engine_spec = parse_spec_config(spec) if spec is not None else None
-    engine.generate(make_samples(prompts[:batch]), sampling)  # warm-up
-    best, samples = None, None
+def timed_generate(engine, spec, prompts, sampling):
+    # a fresh proposer per repeat: suffix decoding would otherwise replay the previous repeat
+    engine.set_proposer(build_proposer(parse_spec_config(spec) if spec is not None else None))
+    samples = make_samples(prompts)
+    start = time.perf_counter()
+    engine.generate(samples, sampling)
+    return time.perf_counter() - start, samples
+
+
+def bench_batch(ckpt, table, names, prompts, batch, sampling, repeats):
+    """Best-of-`repeats` seconds per method, methods interleaved within each repeat so that
+    load from other jobs on a shared machine hits every method alike."""
+    engines = {name: build_engine(ckpt, table[name], EngineConfig(max_batch_size=batch)) for name in names}
+    for name in names:
+        engines[name].generate(make_samples(prompts[:batch]), sampling)  # warm-up
+    best, stats = {}, {}
     for _ in range(repeats):
-        # a fresh proposer per repeat: suffix decoding would otherwise replay the previous repeat
-        engine.set_proposer(build_proposer(engine_spec))
-        samples = make_samples(prompts)
-        start = time.perf_counter()
-        engine.generate(samples, sampling)
-        elapsed = time.perf_counter() - start
-        best = elapsed if best is None else min(best, elapsed)
-    tokens = sum(len(s.response_ids) for s in samples)
-    return tokens / best, aggregate_spec_stats(samples)
+        for name in names:
+            seconds, samples = timed_generate(engines[name], table[name], prompts, sampling)
+            best[name] = min(best.get(name, seconds), seconds)
+            tokens = sum(len(s.response_ids) for s in samples)
+            stats[name] = (tokens, aggregate_spec_stats(samples))
+    return {name: (stats[name][0] / best[name], stats[name][1]) for name in names}
 
 
 def main():
@@ -74,18 +82,17 @@ def main():
     table = methods(args.draft_model or args.hf_checkpoint, args.rejection_sample_method)
     wanted = args.methods.split(",") if args.methods else list(table)
     print(f"temperature {args.temperature}, {args.num_prompts} prompts, max {args.max_new_tokens} new tokens, "
-          f"{args.threads} thread(s), best of {args.repeats}")
+          f"{args.threads} thread(s), best of {args.repeats} (methods interleaved)")
     print("| batch | method | tokens/s | speedup | tokens/forward | accept rate | per position |")
     print("|---|---|---|---|---|---|---|")
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        base = None
+        results = bench_batch(args.hf_checkpoint, table, wanted, prompts, batch, sampling, args.repeats)
+        base = results[wanted[0]][0]
         for name in wanted:
-            tps, st = run(args.hf_checkpoint, table[name], prompts, batch, sampling, args.repeats)
-            base = base or tps
+            tps, st = results[name]
             pos = " / ".join(f"{st[k]:.2f}" for k in sorted(st) if k.startswith("spec_accept_rate_pos_"))
             print(f"| {batch} | {name} | {tps:.0f} | {tps / base:.2f}x | {st['spec_accept_length']:.2f} | "
                   f"{st['spec_accept_rate']:.2f} | {pos or '-'} |", flush=True)
-
 
 if __name__ == "__main__":
     main()
