@@ -22,7 +22,7 @@ def preflight(cfg):
     from rollout.advantages import ADVANTAGE_ESTIMATORS
     from rollout.data import read_prompt_file
     from rollout.rewards import get_reward_fn
-    from rollout.spec_config import check_against_checkpoint, parse_spec_config
+    from rollout.spec_config import check_against_checkpoint, parse_spec_config, require_lossless
     from vime.config import validate
 
     validate(cfg)
@@ -35,8 +35,7 @@ def preflight(cfg):
             f"--advantage-estimator {cfg.train.advantage_estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
     spec = parse_spec_config(cfg.rollout.vllm_speculative_config)
     check_against_checkpoint(spec, hf)
-    require(spec is None or not spec.is_lossy, "--vllm-speculative-config: rejection_sample_method 'synthetic' "
-            "changes the output distribution and is for benchmarks only; use strict or probabilistic for training")
+    require_lossless(spec, where="train_rl.py")
     if cfg.rollout.prompt_data is None:
         cfg.rollout.prompt_data = os.path.join(cfg.model.hf_checkpoint, "train.jsonl")
     if not cfg.run.debug_train_only:

@@ -162,6 +162,8 @@ def assert_refused_before_actors(proc, needle):
     (["--prompt-data", "/nonexistent.jsonl"], "--prompt-data /nonexistent.jsonl: no such file"),
     (["--input-key", "question"], "line 1 has no key 'question'"),
     (["--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 0}'], "num_speculative_tokens"),
+    (["--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 1, '
+      '"rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.5}'], "benchmark-only"),
 ])
 def test_bad_input_is_a_one_line_error_before_any_actor_starts(ckpt, tmp_path, extra, needle):
     args = base_args(ckpt, tmp_path, 1)
