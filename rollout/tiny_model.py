@@ -48,16 +48,31 @@ def make_random_checkpoint(path, cfg=TINY_CONFIG, seed=0, layout="glm", std=0.02
     return cfg
 
 
-def corpus_example(rng, codec, trace_fraction):
-    """(token ids, is_trace) of one pretraining sequence: BOS prompt answer EOS."""
+def slip_one_digit(rng, answer):
+    """`answer` with one digit replaced by a different one (an arithmetic slip)."""
+    digits = list(answer)
+    i = rng.randrange(len(digits))
+    digits[i] = rng.choice([d for d in "0123456789" if d != digits[i] and not (i == 0 and d == "0")] or ["1"])
+    return "".join(digits)
+
+
+def corpus_example(rng, codec, trace_fraction, direct_error_rate):
+    """(token ids, is_trace) of one pretraining sequence: BOS prompt answer EOS.
+
+    Direct answers in the corpus are often wrong (`direct_error_rate`): like unverified web
+    text, they teach the format but not reliable sums, so sampled direct answers stay right
+    only about (1 - rate) of the time, however long the model trains; trace answers are
+    always right. This leaves RL room to improve and a reason to change format."""
     a, b = make_problem(rng)
     fmt = "trace" if rng.random() < trace_fraction else "direct"
-    text = prompt_text(a, b) + ANSWER_FORMATS[fmt](a, b)
-    return [BOS] + codec.encode(text) + [EOS], fmt == "trace"
+    answer = ANSWER_FORMATS[fmt](a, b)
+    if fmt == "direct" and rng.random() < direct_error_rate:
+        answer = "#" + slip_one_digit(rng, answer[1:])
+    return [BOS] + codec.encode(prompt_text(a, b) + answer) + [EOS], fmt == "trace"
 
 
-def corpus_batch(rng, codec, batch_size, trace_fraction):
-    rows = [corpus_example(rng, codec, trace_fraction) for _ in range(batch_size)]
+def corpus_batch(rng, codec, batch_size, trace_fraction, direct_error_rate):
+    rows = [corpus_example(rng, codec, trace_fraction, direct_error_rate) for _ in range(batch_size)]
     width = max(len(ids) for ids, _ in rows)
     tokens = torch.full((batch_size, width), PAD)
     for i, (ids, _) in enumerate(rows):
@@ -88,7 +103,8 @@ class _Codec:
         return self.tok.encode(text, add_special_tokens=False).ids
 
 
-def pretrain(model, steps, batch_size=64, lr=3e-3, trace_fraction=0.2, seed=0, log_every=100, log=print):
+def pretrain(model, steps, batch_size=64, lr=3e-3, trace_fraction=0.2, seed=0, log_every=100, log=print,
+             direct_error_rate=0.6):
     """AdamW with cosine decay on the synthetic corpus; returns the final (lm, mtp) loss."""
     rng = random.Random(seed)
     codec = _Codec(build_tokenizer())
@@ -97,7 +113,7 @@ def pretrain(model, steps, batch_size=64, lr=3e-3, trace_fraction=0.2, seed=0, l
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     start = time.time()
     for step in range(steps):
-        lm, mtp = pretrain_loss(model, *corpus_batch(rng, codec, batch_size, trace_fraction))
+        lm, mtp = pretrain_loss(model, *corpus_batch(rng, codec, batch_size, trace_fraction, direct_error_rate))
         opt.zero_grad()
         (lm + mtp).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Make vime's tiny Qwen3+MTP model: tokenizer, pretraining on the synthetic task, HF directory.
 
-    python scripts/make_tiny_model.py --out artifacts/tiny-qwen3-mtp [--steps 1200] [--layout glm|mimo]
+    python scripts/make_tiny_model.py --out artifacts/tiny-qwen3-mtp [--steps 3000] [--layout glm|mimo]
 
 Also writes the task's prompt files next to the model: train.jsonl and eval.jsonl.
 """
@@ -24,11 +24,13 @@ from vime.errors import exit_on_user_error, require  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--trace-fraction", type=float, default=0.2,
                    help="share of pretraining sequences in the step-by-step format")
+    p.add_argument("--direct-error-rate", type=float, default=0.6,
+                   help="share of direct-format corpus answers with a one-digit slip")
     p.add_argument("--layout", default="glm", choices=sorted(MTP_LAYOUTS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
@@ -44,7 +46,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     model = init_model(TINY_CONFIG, args.seed)
     print(f"tiny model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
-    pretrain(model, args.steps, args.batch_size, args.lr, args.trace_fraction, args.seed)
+    pretrain(model, args.steps, args.batch_size, args.lr, args.trace_fraction, args.seed,
+             direct_error_rate=args.direct_error_rate)
     save_tokenizer(build_tokenizer(), args.out)
     save_hf_checkpoint(args.out, TINY_CONFIG, model.state_dict(), layout=args.layout)
     write_jsonl(make_prompts(args.num_train_prompts, seed=args.seed + 1), os.path.join(args.out, "train.jsonl"))

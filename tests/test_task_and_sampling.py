@@ -55,3 +55,37 @@ def test_inverse_cdf_sampling_follows_the_probabilities():
     draws = sample_with_uniforms(probs, torch.rand(20000, generator=torch.Generator().manual_seed(0)))
     freq = torch.bincount(draws, minlength=4).float() / 20000
     assert freq[1] == 0 and torch.allclose(freq, probs[0], atol=0.015)
+
+
+def test_corpus_slips_change_exactly_one_digit_and_only_direct_answers_are_noisy():
+    import random
+
+    from rollout.task import BOS, EOS
+    from rollout.tiny_model import corpus_example, slip_one_digit
+    from rollout.tokenizer import build_tokenizer
+
+    rng = random.Random(0)
+    for _ in range(200):
+        slipped = slip_one_digit(rng, "1632")
+        assert len(slipped) == 4 and sum(a != b for a, b in zip(slipped, "1632")) == 1 and slipped[0] != "0"
+
+    class Codec:
+        tok = build_tokenizer()
+
+        def encode(self, text):
+            return self.tok.encode(text, add_special_tokens=False).ids
+
+    decode = {i: t for t, i in Codec.tok.get_vocab().items()}
+    right = {"direct": 0, "trace": 0}
+    total = {"direct": 0, "trace": 0}
+    for _ in range(2000):
+        ids, is_trace = corpus_example(rng, Codec(), trace_fraction=0.2, direct_error_rate=0.6)
+        assert ids[0] == BOS and ids[-1] == EOS
+        text = "".join(decode[i] for i in ids[1:-1])
+        a, b = text.split("=")[0].split("+")
+        fmt = "trace" if is_trace else "direct"
+        total[fmt] += 1
+        right[fmt] += tiny_add_reward(text.split("=", 1)[1], int(a) + int(b))
+    assert right["trace"] == total["trace"]
+    assert abs(right["direct"] / total["direct"] - 0.4) < 0.05
+    assert abs(total["trace"] / 2000 - 0.2) < 0.03
