@@ -17,11 +17,12 @@ from vime.sample import Sample
 class RolloutWorkerImpl:
     """An engine plus its end of the weight-sync group."""
 
-    def __init__(self, hf_checkpoint, spec_config, max_batch_size, device="cpu", threads=1):
+    def __init__(self, hf_checkpoint, spec_config, max_batch_size, threads=1):
         from rollout.engine import EngineConfig
         from rollout.spec_config import build_engine
 
         torch.set_num_threads(threads)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
         self.engine = build_engine(hf_checkpoint, spec_config, EngineConfig(max_batch_size=max_batch_size,
                                                                             device=device))
         self.group, self.layout = None, None
@@ -72,7 +73,7 @@ def sampling_for(rollout_cfg, step):
 class RolloutManagerImpl:
     """Owns the prompt data, the rollout workers, the reward and the advantage estimator."""
 
-    def __init__(self, rollout_cfg, hf_checkpoint, advantage_estimator, worker_options=None):
+    def __init__(self, rollout_cfg, hf_checkpoint, advantage_estimator):
         from checkpoint_convert.hf_format import read_config
         from rollout.tokenizer import TextCodec
 
@@ -84,7 +85,7 @@ class RolloutManagerImpl:
         self.data = PromptDataset(rows, rollout_cfg.rollout_batch_size, rollout_cfg.rollout_seed,
                                   rollout_cfg.rollout_shuffle)
         self.reward_fn = get_reward_fn(rollout_cfg.rm_type, rollout_cfg.custom_rm_path)
-        opts = worker_options or {}
+        opts = worker_resources()
         self.workers = [RolloutWorker.options(**opts).remote(
             hf_checkpoint, rollout_cfg.vllm_speculative_config, rollout_cfg.rollout_max_batch_size)
             for _ in range(rollout_cfg.rollout_num_workers)]

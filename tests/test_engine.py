@@ -199,3 +199,16 @@ def test_paused_engine_refuses_to_generate(small_ckpt, task_prompt_ids):
     engine.resume()
     assert greedy(engine, task_prompt_ids[:1])[0].response_ids
 
+
+
+def test_autotokenizer_loads_the_checkpoint_tokenizer_and_agrees_with_the_engine(small_ckpt):
+    from transformers import AutoTokenizer
+
+    from rollout.tokenizer import TextCodec
+
+    hf_tok = AutoTokenizer.from_pretrained(small_ckpt)
+    codec = TextCodec(small_ckpt)
+    text = "347+285=7+5=12;#632"
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == codec.encode(text)
+    assert hf_tok.decode(codec.encode(text)) == codec.decode(codec.encode(text)) == text
+    assert hf_tok.eos_token_id == 2

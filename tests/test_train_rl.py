@@ -174,3 +174,19 @@ def test_bad_input_is_a_one_line_error_before_any_actor_starts(ckpt, tmp_path, e
 
 def test_mtp_speculation_on_a_checkpoint_without_mtp_layers_is_refused(tmp_path):
     assert_refused_before_actors(run_train(*base_args(no_model_ckpt(tmp_path), tmp_path, 1), timeout=120), "mtp")
+
+
+def test_debug_rollout_only_saves_rollouts_that_debug_train_only_trains_on(ckpt, tmp_path):
+    data = tmp_path / "rollouts"
+    proc = run_train(*base_args(ckpt, tmp_path / "r", 2, "--debug-rollout-only", "--save-debug-rollout-data", data,
+                                "--use-wandb", "false"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rollout_rows = metrics(tmp_path / "r")
+    assert len(rollout_rows) == 2 and all("rollout/reward" in r and "train/policy_loss" not in r for r in rollout_rows)
+    assert sorted(os.listdir(data)) == ["step_0000000.pkl", "step_0000001.pkl"]
+    proc = run_train(*base_args(ckpt, tmp_path / "t", 2, "--debug-train-only", "--load-debug-rollout-data", data,
+                                "--use-wandb", "false"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_rows = metrics(tmp_path / "t")
+    assert len(train_rows) == 2 and all("train/policy_loss" in r and "rollout/reward" not in r for r in train_rows)
+    assert train_rows[0]["train/logprob_abs_diff"] < 1e-4  # trained on exactly the saved rollouts

@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""Weight-sync throughput: vime's bucketed broadcast (trainer rank 0 -> rollout workers) vs an
+in-process copy of the same tensors, as a ratio measured in one run.
+
+    python scripts/bench/weight_sync.py [--hidden 512] [--layers 8] [--workers 1] [--buffer-mb 16]
+
+Two real processes per worker pair over gloo on loopback: rank 0 holds the named tensors
+(policy + MTP, canonical HF names) and `weight_sync.send`s them; each worker `receive`s and
+copies them into its model parameters (what `Engine.load_weights` does). The baseline is
+`param.copy_(tensor)` of the same tensors inside one process.
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from rollout.model import Qwen3MTPModel  # noqa: E402
+from rollout.tiny_model import TINY_CONFIG  # noqa: E402
+from vime import weight_sync  # noqa: E402
+
+REPEATS = 5
+
+
+def make_model(args):
+    import dataclasses
+
+    cfg = dataclasses.replace(TINY_CONFIG, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                              num_hidden_layers=args.layers, num_attention_heads=args.hidden // 32,
+                              num_key_value_heads=max(1, args.hidden // 128), head_dim=32)
+    torch.manual_seed(0)
+    return Qwen3MTPModel(cfg)
+
+
+def run(rank, args, port, results):
+    torch.set_num_threads(1)
+    model = make_model(args)
+    named = [(k, v.detach()) for k, v in model.named_parameters()]
+    layout = weight_sync.bucket_layout(named, args.buffer_mb * 2 ** 20)
+    group = weight_sync.make_group("127.0.0.1", port, rank, 1 + args.workers)
+    params = dict(model.named_parameters())
+    times = []
+    for _ in range(REPEATS):
+        group.barrier().wait()
+        start = time.perf_counter()
+        if rank == 0:
+            weight_sync.send(group, layout, named)
+        else:
+            with torch.no_grad():
+                for name, tensor in weight_sync.receive(group, layout):
+                    params[name].copy_(tensor)
+        group.barrier().wait()
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        results["sync"] = min(times)
+        results["bytes"] = sum(t.numel() * t.element_size() for _, t in named)
+        results["buckets"] = len(layout)
+
+
+def in_process_copy_seconds(args):
+    model, target = make_model(args), make_model(args)
+    params = dict(target.named_parameters())
+    named = [(k, v.detach().clone()) for k, v in model.named_parameters()]
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            for name, tensor in named:
+                params[name].copy_(tensor)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--buffer-mb", type=int, default=16)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    from vime.orchestration import free_port
+
+    results = mp.Manager().dict()
+    mp.spawn(run, args=(args, free_port(), results), nprocs=1 + args.workers)
+    copy_s = in_process_copy_seconds(args)
+    mb = results["bytes"] / 2 ** 20
+    print(f"tensors: {mb:.1f} MiB in {results['buckets']} buckets of <= {args.buffer_mb} MiB, "
+          f"{args.workers} worker(s), best of {REPEATS}")
+    print(f"broadcast sync : {results['sync'] * 1e3:8.1f} ms  {mb / results['sync']:8.1f} MiB/s")
+    print(f"in-process copy: {copy_s * 1e3:8.1f} ms  {mb / copy_s:8.1f} MiB/s")
+    print(f"ratio sync / in-process copy throughput: {copy_s / results['sync']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
