@@ -80,8 +80,10 @@ class RLRun:
             cfg.rollout, cfg.model.hf_checkpoint, cfg.train.advantage_estimator)
         self.trainers = None if cfg.run.debug_rollout_only else TrainerGroup(cfg, load=model_load)
         self.sync = None
+        workers = ray_get(self.rollout.get_workers.remote()) if self.rollout else []
+        ray_get([w.weight_version.remote() for w in workers])  # started: step 0 times no actor start-up
         if self.rollout and self.trainers:
-            self.sync = WeightSync(self.trainers, ray_get(self.rollout.get_workers.remote()), cfg.run)
+            self.sync = WeightSync(self.trainers, workers, cfg.run)
         if state and self.rollout:
             ray_get(self.rollout.set_data_cursor.remote(state["data_cursor"]))
 
