@@ -6,9 +6,9 @@ import random
 from vime.errors import UserError, require
 
 
-def read_prompt_file(path, input_key, label_key):
-    """[(prompt, label)] with one-line errors naming the file and line."""
-    require(path and os.path.isfile(path), f"--prompt-data {path}: no such file")
+def read_jsonl_rows(path, flag):
+    """[(line number, dict)] of a JSONL file; a bad line is a one-line error naming `flag`, file and line."""
+    require(path and os.path.isfile(path), f"{flag} {path}: no such file")
     rows = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -17,13 +17,21 @@ def read_prompt_file(path, input_key, label_key):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise UserError(f"--prompt-data {path}: line {lineno} is not valid JSON ({e.msg})") from None
-            require(isinstance(row, dict) and input_key in row,
-                    f"--prompt-data {path}: line {lineno} has no key {input_key!r} (set --input-key)")
-            require(isinstance(row[input_key], str) and row[input_key],
-                    f"--prompt-data {path}: line {lineno}: {input_key!r} must be a non-empty string")
-            rows.append((row[input_key], row.get(label_key)))
-    require(rows, f"--prompt-data {path}: the file holds no prompts")
+                raise UserError(f"{flag} {path}: line {lineno} is not valid JSON ({e.msg})") from None
+            require(isinstance(row, dict), f"{flag} {path}: line {lineno} must be a JSON object")
+            rows.append((lineno, row))
+    require(rows, f"{flag} {path}: the file holds no prompts")
+    return rows
+
+
+def read_prompt_file(path, input_key, label_key):
+    """[(prompt, label)] of the RL prompt file, with one-line errors naming the file and line."""
+    rows = []
+    for lineno, row in read_jsonl_rows(path, "--prompt-data"):
+        require(input_key in row, f"--prompt-data {path}: line {lineno} has no key {input_key!r} (set --input-key)")
+        require(isinstance(row[input_key], str) and row[input_key],
+                f"--prompt-data {path}: line {lineno}: {input_key!r} must be a non-empty string")
+        rows.append((row[input_key], row.get(label_key)))
     return rows
 
 

@@ -11,11 +11,12 @@ import sys
 
 import torch
 
+from rollout.data import read_jsonl_rows
 from rollout.engine import EngineConfig
 from rollout.sampling_params import SamplingParams
 from rollout.spec_config import build_engine, parse_spec_config
 from rollout.spec_stats import aggregate_spec_stats, format_spec_stats
-from vime.errors import UserError, exit_on_user_error, require
+from vime.errors import exit_on_user_error, require
 from vime.sample import Sample
 
 
@@ -36,24 +37,6 @@ def parse_args(argv=None):
     p.add_argument("--vllm-speculative-config", default=None,
                    help='speculative decoding, vLLM JSON schema, e.g. \'{"method":"mtp","num_speculative_tokens":3}\'')
     return p.parse_args(argv)
-
-
-def read_prompt_rows(path):
-    """Parsed JSONL rows; a bad line raises a UserError naming the file and the line."""
-    require(os.path.isfile(path), f"--prompts {path}: no such file")
-    rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"--prompts {path}: line {lineno} is not valid JSON ({e.msg})") from None
-            require(isinstance(row, dict), f"--prompts {path}: line {lineno} must be a JSON object")
-            rows.append((lineno, row))
-    require(rows, f"--prompts {path}: the file holds no prompts")
-    return rows
 
 
 def prompt_ids_of(row, lineno, path, codec, bos_token_id):
@@ -103,7 +86,7 @@ def make_sampling(args):
 def main(argv=None):
     args = parse_args(argv)
     sampling = make_sampling(args)
-    rows = read_prompt_rows(args.prompts)
+    rows = read_jsonl_rows(args.prompts, "--prompts")
     spec = parse_spec_config(args.vllm_speculative_config)
     engine = build_engine(args.hf_checkpoint, spec, EngineConfig(max_batch_size=args.max_batch_size,
                                                                  device=args.device))

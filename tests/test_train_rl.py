@@ -6,10 +6,8 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
-import torch
 
 from rollout.task import make_prompts, write_jsonl
 from rollout.tiny_model import make_random_checkpoint

@@ -1,6 +1,4 @@
 """Trainer: log-probs vs the engine model, and the online MTP loss (detach, scale, mask, clip, freeze)."""
-import dataclasses
-
 import pytest
 import torch
 
