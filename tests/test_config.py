@@ -1,0 +1,53 @@
+"""train_rl.py's config: YAML defaults, Hydra overrides and --kebab-flags land on one dataclass tree."""
+import pytest
+
+from vime.cli_config import load_config
+from vime.config import flag_table, validate
+from vime.errors import UserError
+
+
+def test_every_flag_maps_to_one_field_and_equals_its_hydra_override():
+    table = flag_table()
+    assert len({path for path, _ in table.values()}) == len(table)
+    a = load_config(["--mtp-num-layers", "1", "--enable-mtp-training", "--mtp-loss-scaling-factor", "0.5", "--lr", "3e-5"])
+    b = load_config(["mtp.num_layers=1", "mtp.enable_training=true", "mtp.loss_scaling_factor=0.5", "train.lr=3e-5"])
+    assert a == b
+    assert (a.mtp.num_layers, a.mtp.enable_training, a.mtp.loss_scaling_factor, a.train.lr) == (1, True, 0.5, 3e-5)
+
+
+def test_flags_override_hydra_which_overrides_yaml_and_presets_apply():
+    cfg = load_config(["train.lr=1e-3", "--lr", "2e-3"])
+    assert cfg.train.lr == 2e-3
+    assert load_config([]).rollout.vllm_speculative_config == {"method": "mtp", "num_speculative_tokens": 2}
+    assert load_config(["experiment=drift_none"]).rollout.vllm_speculative_config is None
+    assert load_config(["--no-mtp-detach-trunk"]).mtp.detach_trunk is False
+    spec = '{"method":"ngram","num_speculative_tokens":3}'
+    assert load_config(["--vllm-speculative-config", spec]).rollout.vllm_speculative_config == spec
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--mtp-num-layer", "1"], "did you mean --mtp-num-layers"),
+    (["foo"], "unexpected argument 'foo'"),
+    (["train.lr=abc"], "could not be converted"),
+    (["--lr", "fast"], "--lr expects float"),
+    (["--num-rollout"], "--num-rollout needs a value"),
+    (["--use-wandb", "maybe"], None),  # 'maybe' is not a bool value: the flag means true, 'maybe' is an argument
+])
+def test_bad_flags_are_one_line_user_errors(argv, needle):
+    with pytest.raises(UserError) as err:
+        load_config(argv)
+    assert "\n" not in str(err.value)
+    if needle:
+        assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--enable-mtp-training"], "--enable-mtp-training needs --mtp-num-layers"),
+    (["--global-batch-size", "48"], "--global-batch-size 48 must divide"),
+    (["--micro-batch-size", "48"], "--micro-batch-size 48"),
+    (["--save-interval", "2"], "--save-interval needs --save"),
+    (["--debug-train-only"], "--load-debug-rollout-data"),
+])
+def test_validation_refuses_inconsistent_settings(argv, needle):
+    with pytest.raises(UserError, match=needle.replace("-", r"\-")):
+        validate(load_config(argv))
