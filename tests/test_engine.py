@@ -212,3 +212,14 @@ def test_autotokenizer_loads_the_checkpoint_tokenizer_and_agrees_with_the_engine
     assert hf_tok(text, add_special_tokens=False)["input_ids"] == codec.encode(text)
     assert hf_tok.decode(codec.encode(text)) == codec.decode(codec.encode(text)) == text
     assert hf_tok.eos_token_id == 2
+
+
+def test_fast_path_logits_equal_transformers_logits(small_ckpt, hf_model, task_prompt_ids):
+    engine = Engine.from_checkpoint(small_ckpt, EngineConfig(max_batch_size=2))
+    tokens = torch.tensor([task_prompt_ids[0] * 3, task_prompt_ids[1] * 3])[:, :20]
+    n = tokens.shape[1]
+    view = engine.cache.step(torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long), torch.tensor([n, n]))
+    with torch.no_grad():
+        ours = engine.model.logits(engine.fast(tokens, torch.arange(n).expand(2, n), view.layers(engine.cfg.num_hidden_layers)))
+        theirs = hf_model(tokens).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5
