@@ -188,3 +188,14 @@ def test_debug_rollout_only_saves_rollouts_that_debug_train_only_trains_on(ckpt,
     train_rows = metrics(tmp_path / "t")
     assert len(train_rows) == 2 and all("train/policy_loss" in r and "rollout/reward" not in r for r in train_rows)
     assert train_rows[0]["train/logprob_abs_diff"] < 1e-4  # trained on exactly the saved rollouts
+
+
+def test_tensor_parallel_trainers_sync_full_weights_to_the_rollout(ckpt, tmp_path):
+    proc = run_train(*base_args(ckpt, tmp_path, 2, "--tensor-model-parallel-size", 2, "--enable-mtp-training",
+                                "--mtp-num-layers", 1, "--check-weight-update-equal", "--use-wandb", "false"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert len(rows) == 2
+    for r in rows:  # TP-sharded trainer, gathered weights: the rollout computes the same log-probs
+        assert r["train/logprob_abs_diff"] < 1e-5
+        assert r["weight_sync/worker_mtp_checksum"] == r["weight_sync/mtp_checksum"]
