@@ -8,6 +8,7 @@ Accepted tokens are appended, rejected KV entries are dropped by resetting the s
 length. Sampling is driven by per-request generators, so a request's output does not
 depend on which others share the batch.
 """
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -294,8 +295,6 @@ def _pad(rows, device, value=0):
 
 
 def _has_tokenizer(path):
-    import os
-
     return os.path.isfile(os.path.join(path, "tokenizer.json"))
 
 
