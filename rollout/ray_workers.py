@@ -28,7 +28,9 @@ class RolloutWorkerImpl:
         self.group, self.layout = None, None
 
     def generate(self, samples, sampling):
-        return self.engine.generate(samples, sampling)
+        """(samples, seconds the engine spent generating them)."""
+        self.engine.generate(samples, sampling)
+        return samples, self.engine.stats()["seconds"]
 
     def join_weight_sync(self, master_addr, master_port, rank, world_size, layout, backend="gloo"):
         self.layout = layout
@@ -113,11 +115,12 @@ class RolloutManagerImpl:
         start = time.perf_counter()
         done = ray.get([w.generate.remote(shard, sampling_for(self.cfg, step)) for w, shard in zip(self.workers, shards)])
         elapsed = time.perf_counter() - start
-        samples = sorted([s for shard in done for s in shard], key=lambda s: (s.index, s.sample_index))
+        engine_time = max(seconds for _, seconds in done)
+        samples = sorted([s for shard, _ in done for s in shard], key=lambda s: (s.index, s.sample_index))
         for s in samples:
             s.reward = float(self.reward_fn(s.response, s.label))
         assign_advantages(samples, self.advantage_estimator)
-        return samples, self._metrics(samples, elapsed)
+        return samples, dict(self._metrics(samples, elapsed), **{"perf/rollout_engine_time": engine_time})
 
     def _metrics(self, samples, elapsed):
         tokens = sum(len(s.response_ids) for s in samples)
