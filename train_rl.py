@@ -58,7 +58,8 @@ def ensure_model(model_cfg):
             f"--hf-checkpoint {path}: no such directory")
     import subprocess
 
-    print(f"[vime] first run: making the tiny model in {path} (a few minutes, once)", flush=True)
+    print(f"[vime] first run: pretraining the tiny model into {path} (once; about 10-15 minutes on 2 cores)",
+          flush=True)
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "make_tiny_model.py")
     subprocess.run([sys.executable, script, "--out", path], check=True)
 
