@@ -199,3 +199,17 @@ def test_tensor_parallel_trainers_sync_full_weights_to_the_rollout(ckpt, tmp_pat
     for r in rows:  # TP-sharded trainer, gathered weights: the rollout computes the same log-probs
         assert r["train/logprob_abs_diff"] < 1e-5
         assert r["weight_sync/worker_mtp_checksum"] == r["weight_sync/mtp_checksum"]
+
+
+def test_two_data_parallel_trainers_train_like_one(ckpt, tmp_path):
+    common = ("--enable-mtp-training", "--mtp-num-layers", 1, "--use-wandb", "false")
+    runs = {}
+    for dp in (1, 2):
+        out = tmp_path / f"dp{dp}"
+        proc = run_train(*base_args(ckpt, out, 2, "--data-parallel-size", dp, *common))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[dp] = metrics(out)
+    for one, two in zip(runs[1], runs[2]):  # same samples; DP splits them and all-reduces the gradients
+        for key in ("train/policy_loss", "train/mtp_loss", "train/grad_norm", "weight_sync/trunk_checksum",
+                    "weight_sync/mtp_checksum"):
+            assert two[key] == pytest.approx(one[key], rel=1e-5), key
