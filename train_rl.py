@@ -23,6 +23,8 @@ def preflight(cfg):
     from rollout.data import read_prompt_file
     from rollout.rewards import get_reward_fn
     from rollout.spec_config import check_against_checkpoint, parse_spec_config, require_lossless
+    from trainer.distributed import check_parallel_sizes
+    from trainer.model import check_tensor_parallel
     from vime.config import validate
 
     validate(cfg)
@@ -31,6 +33,10 @@ def preflight(cfg):
     require(cfg.mtp.num_layers is None or cfg.mtp.num_layers <= hf.num_nextn_predict_layers,
             f"--mtp-num-layers {cfg.mtp.num_layers}: {cfg.model.hf_checkpoint} has only "
             f"{hf.num_nextn_predict_layers} MTP layers")
+    t = cfg.train
+    check_parallel_sizes(t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.data_parallel_size,
+                         t.tensor_model_parallel_size, t.pipeline_model_parallel_size)
+    check_tensor_parallel(hf, t.tensor_model_parallel_size)
     require(cfg.train.advantage_estimator in ADVANTAGE_ESTIMATORS,
             f"--advantage-estimator {cfg.train.advantage_estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
     spec = parse_spec_config(cfg.rollout.vllm_speculative_config)

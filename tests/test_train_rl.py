@@ -160,6 +160,8 @@ def assert_refused_before_actors(proc, needle):
     (["--prompt-data", "/nonexistent.jsonl"], "--prompt-data /nonexistent.jsonl: no such file"),
     (["--input-key", "question"], "line 1 has no key 'question'"),
     (["--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 0}'], "num_speculative_tokens"),
+    (["--tensor-model-parallel-size", 3], "--tensor-model-parallel-size 3 does not divide"),
+    (["--pipeline-model-parallel-size", 2], "--pipeline-model-parallel-size 2: pipeline parallelism is not supported"),
     (["--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 1, '
       '"rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.5}'], "benchmark-only"),
 ])

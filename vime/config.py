@@ -133,6 +133,10 @@ def validate(cfg):
     require(t.global_batch_size % t.data_parallel_size == 0 and local % t.micro_batch_size == 0,
             f"--micro-batch-size {t.micro_batch_size} x --data-parallel-size {t.data_parallel_size} must divide "
             f"--global-batch-size {t.global_batch_size}")
+    for name, value in (("--tensor-model-parallel-size", t.tensor_model_parallel_size),
+                        ("--pipeline-model-parallel-size", t.pipeline_model_parallel_size),
+                        ("--data-parallel-size", t.data_parallel_size)):
+        require(value >= 1, f"{name} must be >= 1 (got {value})")
     require(not (run.debug_rollout_only and run.debug_train_only),
             "--debug-rollout-only and --debug-train-only exclude each other")
     require(not run.debug_train_only or run.load_debug_rollout_data,
