@@ -18,7 +18,7 @@ from vime.errors import UserError, require
 
 def preflight(cfg):
     """Every check that needs no actor: config, files, reward, speculative config vs checkpoint."""
-    from checkpoint_convert.hf_format import read_config
+    from checkpoint_convert.hf_format import inspect_hf_checkpoint
     from rollout.advantages import ADVANTAGE_ESTIMATORS
     from rollout.data import read_prompt_file
     from rollout.rewards import get_reward_fn
@@ -29,7 +29,7 @@ def preflight(cfg):
 
     validate(cfg)
     ensure_model(cfg.model)
-    hf = read_config(cfg.model.hf_checkpoint)
+    hf, _ = inspect_hf_checkpoint(cfg.model.hf_checkpoint)
     require(cfg.mtp.num_layers is None or cfg.mtp.num_layers <= hf.num_nextn_predict_layers,
             f"--mtp-num-layers {cfg.mtp.num_layers}: {cfg.model.hf_checkpoint} has only "
             f"{hf.num_nextn_predict_layers} MTP layers")

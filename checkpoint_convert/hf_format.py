@@ -9,6 +9,8 @@ import os
 import shutil
 from dataclasses import asdict, dataclass
 
+import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from checkpoint_convert.families import detect_layout, from_canonical, mtp_layer_indices, MTP_LAYOUTS, to_canonical
@@ -106,24 +108,49 @@ def read_config(path):
     return ModelConfig.from_hf_dict(raw, source=cfg_file)
 
 
-def load_hf_checkpoint(path):
-    """(ModelConfig, canonical state dict, layout name) of a validated HF checkpoint directory."""
-    cfg = read_config(path)
+def _weights_file(path):
     weights = os.path.join(path, "model.safetensors")
     require(os.path.isfile(weights), f"--hf-checkpoint {path}: model.safetensors is missing; the checkpoint is incomplete")
+    return weights
+
+
+def _check_names(cfg, names, weights):
+    """The layout of `names` (tensor names of `weights`); one-line errors when tensors are missing."""
+    layout = detect_layout(names, cfg.num_hidden_layers) if cfg.num_nextn_predict_layers else None
+    n_found = len(mtp_layer_indices(names, MTP_LAYOUTS[layout], cfg.num_hidden_layers)) if layout else 0
+    require(n_found == cfg.num_nextn_predict_layers,
+            f"{weights}: config.json declares num_nextn_predict_layers={cfg.num_nextn_predict_layers} "
+            f"but the file holds {n_found} MTP layers; the checkpoint is incomplete")
+    # names only: a 2-D placeholder lets the layout rename (and its eh_proj half swap) run without data
+    placeholder = {n: torch.zeros(1, 2) for n in names}
+    canonical = to_canonical(placeholder, layout, cfg.num_hidden_layers, n_found) if layout else placeholder
+    missing = [n for n in expected_tensor_names(cfg) if n not in canonical]
+    require(not missing, f"{weights}: {len(missing)} tensors missing (first: {missing[0] if missing else ''}); "
+            "the checkpoint is incomplete")
+    return layout
+
+
+def inspect_hf_checkpoint(path):
+    """(ModelConfig, layout) of an HF checkpoint, validated from the safetensors header alone."""
+    cfg = read_config(path)
+    weights = _weights_file(path)
+    try:
+        with safe_open(weights, framework="pt") as f:
+            names = list(f.keys())
+    except Exception as e:  # safetensors raises its own error types for truncated files
+        raise UserError(f"{weights}: unreadable safetensors file ({e}); re-create or re-download it") from None
+    return cfg, _check_names(cfg, names, weights)
+
+
+def load_hf_checkpoint(path):
+    """(ModelConfig, canonical state dict, layout name) of a validated HF checkpoint directory."""
+    cfg, layout = inspect_hf_checkpoint(path)
+    weights = _weights_file(path)
     try:
         raw = load_file(weights)
     except Exception as e:  # safetensors raises its own error types for truncated files
         raise UserError(f"{weights}: unreadable safetensors file ({e}); re-create or re-download it") from None
-    layout = detect_layout(raw, cfg.num_hidden_layers) if cfg.num_nextn_predict_layers else None
-    n_found = len(mtp_layer_indices(raw, MTP_LAYOUTS[layout], cfg.num_hidden_layers)) if layout else 0
-    require(n_found == cfg.num_nextn_predict_layers,
-            f"{weights}: config.json declares num_nextn_predict_layers={cfg.num_nextn_predict_layers} "
-            f"but the file holds {n_found} MTP layers; the checkpoint is incomplete")
-    state = to_canonical(raw, layout, cfg.num_hidden_layers, n_found) if layout else raw
-    missing = [n for n in expected_tensor_names(cfg) if n not in state]
-    require(not missing, f"{weights}: {len(missing)} tensors missing (first: {missing[0] if missing else ''}); "
-            "the checkpoint is incomplete")
+    state = to_canonical(raw, layout, cfg.num_hidden_layers, cfg.num_nextn_predict_layers) if layout else raw
     return cfg, state, layout
 
 

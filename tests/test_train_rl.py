@@ -172,6 +172,19 @@ def test_bad_input_is_a_one_line_error_before_any_actor_starts(ckpt, tmp_path, e
     assert_refused_before_actors(run_train(*args, *extra, timeout=120), needle)
 
 
+def test_an_incomplete_checkpoint_is_refused_before_any_actor_starts(ckpt, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = str(tmp_path / "broken")
+    shutil.copytree(ckpt, broken)
+    state = load_file(os.path.join(broken, "model.safetensors"))
+    state.pop("model.layers.2.eh_proj.weight")
+    save_file(state, os.path.join(broken, "model.safetensors"))
+    assert_refused_before_actors(run_train(*base_args(broken, tmp_path, 1), timeout=120), "tensors missing")
+
+
 def test_mtp_speculation_on_a_checkpoint_without_mtp_layers_is_refused(tmp_path):
     assert_refused_before_actors(run_train(*base_args(no_model_ckpt(tmp_path), tmp_path, 1), timeout=120), "mtp")
 
