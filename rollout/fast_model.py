@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mtp.layer import combine_embedding_and_hidden
+
 
 @dataclass
 class LayerWeights:
@@ -79,8 +81,9 @@ class FastForward:
         m = self.model
         layer = m.mtp_layer(k)
         embeds = F.embedding(next_tokens, m.model.embed_tokens.weight)
-        x = torch.cat([self.norm(embeds, layer.enorm.weight), self.norm(hidden, layer.hnorm.weight)], -1)
-        x = x @ layer.eh_proj.weight.t()
+        x = combine_embedding_and_hidden(embeds, hidden, lambda e: self.norm(e, layer.enorm.weight),
+                                         lambda h: self.norm(h, layer.hnorm.weight),
+                                         lambda eh: eh @ layer.eh_proj.weight.t())
         cos = m.rotary.cos[positions].unsqueeze(2)
         sin = m.rotary.sin[positions].unsqueeze(2)
         x = self.layer(self.layers[m.cfg.num_hidden_layers + k], x, cos, sin, cache)
