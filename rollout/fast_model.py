@@ -17,8 +17,7 @@ from mtp.layer import combine_embedding_and_hidden
 class LayerWeights:
     ln1: torch.Tensor
     qkv: torch.Tensor
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
+    qk_norm: torch.Tensor  # [heads + kv_heads, head_dim]: q_norm rows, then k_norm rows
     o: torch.Tensor
     ln2: torch.Tensor
     gate_up: torch.Tensor
@@ -27,10 +26,11 @@ class LayerWeights:
 
 def fuse_layer(layer):
     a, m = layer.self_attn, layer.mlp
+    qk_norm = torch.cat([a.q_norm.weight.expand(a.n_heads, -1), a.k_norm.weight.expand(a.n_kv, -1)])
     return LayerWeights(
         ln1=layer.input_layernorm.weight.detach(),
         qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),
-        q_norm=a.q_norm.weight.detach(), k_norm=a.k_norm.weight.detach(), o=a.o_proj.weight.detach(),
+        qk_norm=qk_norm.detach(), o=a.o_proj.weight.detach(),
         ln2=layer.post_attention_layernorm.weight.detach(),
         gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), down=m.down_proj.weight.detach())
 
@@ -58,12 +58,15 @@ class FastForward:
 
     def layer(self, w, x, cos, sin, cache):
         b, q_len, _ = x.shape
-        nq, nkv, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
-        q, k, v = (self.norm(x, w.ln1) @ w.qkv.t()).split([nq, nkv, nkv], dim=-1)
-        q = self.rope(self.norm(q.view(b, q_len, self.n_heads, d), w.q_norm), cos, sin)
-        k = self.rope(self.norm(k.view(b, q_len, self.n_kv, d), w.k_norm), cos, sin)
-        attn = cache.attend_bqhd(q, k, v.view(b, q_len, self.n_kv, d))
-        x = x + attn.reshape(b, q_len, nq) @ w.o.t()
+        h, d = self.n_heads, self.head_dim
+        nqk = (h + self.n_kv) * d
+        qkv = self.norm(x, w.ln1) @ w.qkv.t()
+        # q and k heads side by side: one norm and one rotary call serve both
+        qk = F.rms_norm(qkv[..., :nqk].unflatten(-1, (-1, d)), (d,), eps=self.eps) * w.qk_norm
+        qk = self.rope(qk, cos, sin)
+        v = qkv[..., nqk:].unflatten(-1, (self.n_kv, d))
+        attn = cache.attend_bqhd(qk[:, :, :h], qk[:, :, h:], v)
+        x = x + attn.reshape(b, q_len, h * d) @ w.o.t()
         gate, up = (self.norm(x, w.ln2) @ w.gate_up.t()).chunk(2, dim=-1)
         return x + (F.silu(gate) * up) @ w.down.t()
 
