@@ -167,6 +167,13 @@ def _rejection(raw):
 
 
 # ------------------------------------------------------------------ checkpoint-dependent checks
+def check_draft_vocab(draft_path, draft_vocab, target_vocab):
+    """The draft must share the target's vocabulary (one-line error otherwise)."""
+    require(draft_vocab == target_vocab,
+            f"{FLAG}: draft model {draft_path} has vocab_size {draft_vocab} but the target has "
+            f"{target_vocab}; the draft must share the target's tokenizer")
+
+
 def check_against_checkpoint(spec, target_cfg):
     """Checks that need the target's ModelConfig: MTP layers, draft vocabulary."""
     if spec is None:
@@ -179,9 +186,7 @@ def check_against_checkpoint(spec, target_cfg):
         from checkpoint_convert.hf_format import read_config
 
         draft_cfg = read_config(spec.model)
-        require(draft_cfg.vocab_size == target_cfg.vocab_size,
-                f"{FLAG}: draft model {spec.model} has vocab_size {draft_cfg.vocab_size} but the target has "
-                f"{target_cfg.vocab_size}; the draft must share the target's tokenizer")
+        check_draft_vocab(spec.model, draft_cfg.vocab_size, target_cfg.vocab_size)
 
 
 def require_lossless(spec, where="training"):

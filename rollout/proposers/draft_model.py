@@ -10,11 +10,10 @@ forward (at least the newest token, whose logits give draft 1), then k-1 one-tok
 import torch
 
 from checkpoint_convert.hf_format import load_hf_checkpoint
-from rollout.kv_cache import KVCache
 from rollout.model import Qwen3MTPModel
 from rollout.proposers import Proposer
-from rollout.proposers.drafting import assign_drafts, draft_uniforms, pad_rows, pick_drafts, samples_drafts
-from vime.errors import require
+from rollout.proposers.drafting import assign_drafts, draft_cache, pad_rows, pick_drafts, uniforms_if_sampling
+from rollout.spec_config import check_draft_vocab
 
 
 def load_draft_model(path, dtype, device):
@@ -41,20 +40,16 @@ class DraftModelProposer(Proposer):
 
     def attach(self, engine):
         self.engine = engine
-        ec = engine.config
         if self.model is None:
-            self.model = load_draft_model(self.spec.model, ec.dtype, ec.device)
+            self.model = load_draft_model(self.spec.model, engine.config.dtype, engine.config.device)
         cfg = self.model.cfg
-        require(cfg.vocab_size == engine.cfg.vocab_size,
-                f"--vllm-speculative-config: draft model vocab_size {cfg.vocab_size} differs from the target's "
-                f"{engine.cfg.vocab_size}; the draft must share the target's tokenizer")
-        self.cache = KVCache(cfg.num_hidden_layers, ec.max_batch_size, engine.max_len + self.num_speculative_tokens + 2,
-                             cfg.num_key_value_heads, cfg.head_dim, ec.dtype, ec.device)
+        check_draft_vocab(self.spec.model, cfg.vocab_size, engine.cfg.vocab_size)
+        self.cache = draft_cache(engine, cfg.num_hidden_layers, cfg, self.num_speculative_tokens)
 
     def propose(self, out):
         reqs, k = out.requests, self.num_speculative_tokens
         sampling = reqs[0].sampling
-        uniforms = draft_uniforms(reqs, k) if samples_drafts(self.spec, sampling, self.sample_drafts) else None
+        uniforms = uniforms_if_sampling(self.spec, reqs, k, self.sample_drafts)
         device = out.hidden.device
         ids = [r.all_ids for r in reqs]
         valid = [min(self._valid(r, x), len(x) - 1) for r, x in zip(reqs, ids)]

@@ -14,6 +14,7 @@ drafts; it only applies with `probabilistic` verification (strict ignores q).
 import torch
 
 from mtp.sampling import processed_logprobs, sample_with_uniforms
+from rollout.kv_cache import KVCache
 
 
 def samples_drafts(spec, sampling, enabled):
@@ -23,6 +24,18 @@ def samples_drafts(spec, sampling, enabled):
 def draft_uniforms(reqs, k):
     """[B, k] uniforms from each request's own generator (batch-independent draws)."""
     return torch.stack([r.uniforms(k) for r in reqs])
+
+
+def uniforms_if_sampling(spec, reqs, k, sample_drafts):
+    """Draft uniforms when this step samples its drafts from q, else None (argmax drafts)."""
+    return draft_uniforms(reqs, k) if samples_drafts(spec, reqs[0].sampling, sample_drafts) else None
+
+
+def draft_cache(engine, num_layers, model_cfg, num_speculative_tokens):
+    """A proposer's own KV cache: one slot per engine slot, room for the drafts past the context."""
+    ec = engine.config
+    return KVCache(num_layers, ec.max_batch_size, engine.max_len + num_speculative_tokens + 2,
+                   model_cfg.num_key_value_heads, model_cfg.head_dim, ec.dtype, ec.device)
 
 
 def pick_drafts(logits, sampling, uniforms=None):

@@ -15,9 +15,8 @@ With several MTP layers every layer's cache is caught up on the same true inputs
 """
 import torch
 
-from rollout.kv_cache import KVCache
 from rollout.proposers import Proposer
-from rollout.proposers.drafting import assign_drafts, draft_uniforms, pad_rows, pick_drafts, samples_drafts
+from rollout.proposers.drafting import assign_drafts, draft_cache, pad_rows, pick_drafts, uniforms_if_sampling
 
 
 class MTPProposer(Proposer):
@@ -28,14 +27,12 @@ class MTPProposer(Proposer):
     def attach(self, engine):
         self.engine, self.model = engine, engine.model
         self.num_layers = self.model.num_mtp_layers
-        cfg, ec = engine.cfg, engine.config
-        self.cache = KVCache(self.num_layers, ec.max_batch_size, engine.max_len + self.num_speculative_tokens + 2,
-                             cfg.num_key_value_heads, cfg.head_dim, ec.dtype, ec.device)
+        self.cache = draft_cache(engine, self.num_layers, engine.cfg, self.num_speculative_tokens)
 
     def propose(self, out):
         reqs, k = out.requests, self.num_speculative_tokens
         sampling = reqs[0].sampling
-        uniforms = draft_uniforms(reqs, k) if samples_drafts(self.spec, sampling, self.sample_drafts) else None
+        uniforms = uniforms_if_sampling(self.spec, reqs, k, self.sample_drafts)
         slots = torch.tensor([r.slot for r in reqs], device=out.hidden.device)
         hidden, pos = self.catch_up(reqs, slots, out)
         tokens, probs = [], []
