@@ -49,8 +49,7 @@ def prompt_ids_of(row, lineno, path, codec, bos_token_id):
         require(isinstance(row["prompt"], str), f"--prompts {path}: line {lineno}: 'prompt' must be a string")
         require(codec is not None, f"--prompts {path}: line {lineno} is text but the checkpoint has no tokenizer.json; "
                 "give 'prompt_ids' instead")
-        ids = codec.encode(row["prompt"]) if row["prompt"] else []
-        ids = ([bos_token_id] if ids and bos_token_id is not None else []) + ids
+        ids = codec.encode_prompt(row["prompt"], bos_token_id) if row["prompt"] else []
     require(len(ids) > 0, f"--prompts {path}: line {lineno}: the prompt is empty")
     return ids
 

@@ -17,7 +17,7 @@ from checkpoint_convert.hf_format import ModelConfig, save_hf_checkpoint
 from mtp.loss import mtp_loss
 from rollout.model import Qwen3MTPModel
 from rollout.task import ANSWER_FORMATS, BOS, EOS, PAD, make_problem, prompt_text
-from rollout.tokenizer import build_tokenizer, save_tokenizer
+from rollout.tokenizer import TextCodec, build_tokenizer, save_tokenizer
 
 TINY_CONFIG = ModelConfig(
     vocab_size=32, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
@@ -95,19 +95,11 @@ def pretrain_loss(model, tokens, mask, is_trace):
     return lm, mtp
 
 
-class _Codec:
-    def __init__(self, tok):
-        self.tok = tok
-
-    def encode(self, text):
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-
 def pretrain(model, steps, batch_size=64, lr=3e-3, trace_fraction=0.2, seed=0, log_every=100, log=print,
              direct_error_rate=0.6):
     """AdamW with cosine decay on the synthetic corpus; returns the final (lm, mtp) loss."""
     rng = random.Random(seed)
-    codec = _Codec(build_tokenizer())
+    codec = TextCodec(tokenizer=build_tokenizer())
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))

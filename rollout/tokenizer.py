@@ -28,8 +28,9 @@ def save_tokenizer(tok, path):
 class TextCodec:
     """Encode/decode text with a checkpoint's tokenizer.json (the engine's only tokenizer use)."""
 
-    def __init__(self, checkpoint_dir):
-        self.tok = Tokenizer.from_file(os.path.join(checkpoint_dir, "tokenizer.json"))
+    def __init__(self, checkpoint_dir=None, tokenizer=None):
+        """From a checkpoint's tokenizer.json, or from a `tokenizers.Tokenizer` in memory."""
+        self.tok = tokenizer or Tokenizer.from_file(os.path.join(checkpoint_dir, "tokenizer.json"))
 
     def encode(self, text):
         return self.tok.encode(text, add_special_tokens=False).ids

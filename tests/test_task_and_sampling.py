@@ -62,26 +62,20 @@ def test_corpus_slips_change_exactly_one_digit_and_only_direct_answers_are_noisy
 
     from rollout.task import BOS, EOS
     from rollout.tiny_model import corpus_example, slip_one_digit
-    from rollout.tokenizer import build_tokenizer
+    from rollout.tokenizer import TextCodec, build_tokenizer
 
     rng = random.Random(0)
     for _ in range(200):
         slipped = slip_one_digit(rng, "1632")
         assert len(slipped) == 4 and sum(a != b for a, b in zip(slipped, "1632")) == 1 and slipped[0] != "0"
 
-    class Codec:
-        tok = build_tokenizer()
-
-        def encode(self, text):
-            return self.tok.encode(text, add_special_tokens=False).ids
-
-    decode = {i: t for t, i in Codec.tok.get_vocab().items()}
+    codec = TextCodec(tokenizer=build_tokenizer())
     right = {"direct": 0, "trace": 0}
     total = {"direct": 0, "trace": 0}
     for _ in range(2000):
-        ids, is_trace = corpus_example(rng, Codec(), trace_fraction=0.2, direct_error_rate=0.6)
+        ids, is_trace = corpus_example(rng, codec, trace_fraction=0.2, direct_error_rate=0.6)
         assert ids[0] == BOS and ids[-1] == EOS
-        text = "".join(decode[i] for i in ids[1:-1])
+        text = codec.decode(ids[1:-1])
         a, b = text.split("=")[0].split("+")
         fmt = "trace" if is_trace else "direct"
         total[fmt] += 1

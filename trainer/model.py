@@ -7,7 +7,6 @@ block needs, instead of running megatron's own MTP loss. The trainer then calls
 the MTP loss itself (see DESIGN §4).
 """
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F

@@ -78,12 +78,6 @@ class TrainerActorImpl:
         self.trainer.save(path)
         return path
 
-    def rng_state(self):
-        return torch.get_rng_state()
-
-    def set_rng_state(self, state):
-        torch.set_rng_state(state)
-
 
 def _mtp_only(named, model_cfg, mtp):
     from checkpoint_convert.families import is_mtp_name

@@ -51,14 +51,13 @@ def _require_known(name, table):
 
 
 def _is_bool(f):
-    return f.type in (bool, "bool")
+    return f.type is bool
 
 
 def _convert(name, f, text):
     """The flag's string value as the field's type."""
-    kind = f.type if not isinstance(f.type, str) else eval(f.type, vars(typing))  # noqa: S307 (own annotations)
-    args = [a for a in typing.get_args(kind) if a is not type(None)]
-    kind = args[0] if args else kind
+    args = [a for a in typing.get_args(f.type) if a is not type(None)]
+    kind = args[0] if args else f.type
     if text.lower() in ("none", "null") and f.default is None:
         return None
     try:
