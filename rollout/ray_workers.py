@@ -127,6 +127,7 @@ class RolloutManagerImpl:
         m = {f"rollout/{k}": v for k, v in aggregate_spec_stats(samples).items()}
         m.update({
             "rollout/reward": sum(s.reward for s in samples) / len(samples),
+            "rollout/num_samples": len(samples),
             "rollout/response_len": tokens / len(samples),
             "perf/rollout_time": elapsed,
             "perf/rollout_tokens_per_s": tokens / max(elapsed, 1e-9),

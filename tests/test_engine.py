@@ -149,13 +149,8 @@ def test_eos_and_stop_tokens_end_generation_and_max_new_tokens_is_honoured(small
     assert all(s.finish_reason == "length" for s in short if 2 not in s.response_ids)
 
 
-def test_eos_token_stops_a_request(tmp_path, task_prompt_ids):
-    from rollout.tiny_model import make_random_checkpoint
-    from tests.conftest import SMALL
-
-    path = str(tmp_path / "ck")
-    make_random_checkpoint(path, seed=3, std=0.3, **SMALL)
-    engine = Engine.from_checkpoint(path)
+def test_eos_token_stops_a_request(small_ckpt, task_prompt_ids):
+    engine = Engine.from_checkpoint(small_ckpt)
     first = greedy(engine, task_prompt_ids[:1], n_new=30)[0].response_ids
     engine.stop_ids = {first[2]}  # pretend the model's EOS is the token it emits third
     out = greedy(engine, task_prompt_ids[:1], n_new=30)[0]

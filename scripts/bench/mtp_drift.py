@@ -23,7 +23,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARMS = ("online", "frozen", "none")
 ARM_FLAGS = {"online": ["--enable-mtp-training", "--mtp-num-layers", "1"], "frozen": [], "none": []}
-COLUMNS = ("arm", "step", "reward", "response_len", "spec_accept_length", "tokens_per_target_forward",
+COLUMNS = ("arm", "step", "num_samples", "reward", "response_len", "spec_accept_length", "tokens_per_target_forward",
            "spec_accept_rate", "spec_accept_rate_pos_0", "spec_accept_rate_pos_1", "spec_accept_rate_pos_2",
            "rollout_tokens_per_s", "rollout_time", "mtp_loss")
 
@@ -65,7 +65,7 @@ def row(arm, m):
             "tokens_per_target_forward": accept_len, "spec_accept_rate": m.get("rollout/spec_accept_rate", 0.0),
             **{f"spec_accept_rate_pos_{i}": m.get(f"rollout/spec_accept_rate_pos_{i}", "") for i in range(3)},
             "rollout_tokens_per_s": m["perf/rollout_tokens_per_s"], "rollout_time": m["perf/rollout_time"],
-            "mtp_loss": m.get("train/mtp_loss", "")}
+            "mtp_loss": m.get("train/mtp_loss", ""), "num_samples": m["rollout/num_samples"]}
 
 
 def mean(xs):
@@ -96,12 +96,13 @@ def plot(rows_by_arm, path):
     fig.savefig(path, dpi=100)
 
 
-def reward_agreement(rows_by_arm, size, samples_per_step):
+def reward_agreement(rows_by_arm, size):
     """Mean reward over the last `size` steps per arm, and whether every pair agrees within 3 SE."""
     stats = {}
     for arm, rows in rows_by_arm.items():
         p = window(rows, "reward", False, size)
-        stats[arm] = (p, math.sqrt(max(p * (1 - p), 1e-12) / (size * samples_per_step)))
+        samples = sum(r["num_samples"] for r in rows[-size:])
+        stats[arm] = (p, math.sqrt(max(p * (1 - p), 1e-12) / samples))
     arms = list(stats)
     ok = all(abs(stats[a][0] - stats[b][0]) <= 3 * math.hypot(stats[a][1], stats[b][1])
              for i, a in enumerate(arms) for b in arms[i + 1:])
@@ -136,7 +137,7 @@ def main():
         floor = online[0]["spec_accept_length"]
         print(f"online acceptance length never below its step-0 value ({floor:.3f}): "
               f"{all(r['spec_accept_length'] >= floor for r in online)} (min {min(r['spec_accept_length'] for r in online):.3f})")
-    stats, ok = reward_agreement(rows_by_arm, w, samples_per_step=128)
+    stats, ok = reward_agreement(rows_by_arm, w)
     print("end reward (mean over last steps ± SE): " + ", ".join(f"{a} {p:.3f}±{se:.3f}" for a, (p, se) in stats.items()))
     print("rewards agree within noise (3 SE): " + ("yes" if ok else "NO — speculation should not change rewards"))
     print(f"wrote {os.path.join(args.out, 'drift.csv')} and {os.path.join(args.out, 'drift.png')}")
