@@ -228,3 +228,11 @@ def test_two_data_parallel_trainers_train_like_one(ckpt, tmp_path):
         for key in ("train/policy_loss", "train/mtp_loss", "train/grad_norm", "weight_sync/trunk_checksum",
                     "weight_sync/mtp_checksum"):
             assert two[key] == pytest.approx(one[key], rel=1e-5), key
+
+
+def test_kl_loss_is_zero_against_the_reference_at_the_start_and_grows_after(ckpt, tmp_path):
+    proc = run_train(*base_args(ckpt, tmp_path, 2, "--use-kl-loss", "--kl-loss-coef", 0.1, "--use-wandb", "false"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert abs(rows[0]["train/kl"]) < 1e-7  # the policy is the reference before its first update
+    assert rows[1]["train/kl"] > 1e-5
