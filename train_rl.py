@@ -165,8 +165,8 @@ def main(argv=None):
         t = cfg.train
         init_ray(cfg.run, cfg.rollout.rollout_num_workers + t.tensor_model_parallel_size * t.data_parallel_size)
         run_loop(cfg)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except UserError as e:  # raised in an actor it arrives wrapped by Ray: report the cause's line
+        print(f"error: {str(getattr(e, 'cause', None) or e).splitlines()[0]}", file=sys.stderr)
         return 2
     except WeightSyncError as e:
         print(f"error: {e}", file=sys.stderr)
