@@ -12,6 +12,7 @@ import pytest
 from rollout.task import make_prompts, write_jsonl
 from rollout.tiny_model import make_random_checkpoint
 from tests.conftest import SMALL
+from tests.fp32_bounds import close, reduction_rtol
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING_KEYS = ("perf/", "weight_sync/seconds", "weight_sync/bytes_per_s")
@@ -217,7 +218,9 @@ def test_tensor_parallel_trainers_sync_full_weights_to_the_rollout(ckpt, tmp_pat
 
 
 def test_two_data_parallel_trainers_train_like_one(ckpt, tmp_path):
-    common = ("--enable-mtp-training", "--mtp-num-layers", 1, "--use-wandb", "false")
+    # --adam-eps = --lr keeps Adam from amplifying DP's different fp32 summation order (see the TP test)
+    common = ("--enable-mtp-training", "--mtp-num-layers", 1, "--use-wandb", "false", "--adam-eps", 1e-3)
+    rtol = reduction_rtol(SMALL["intermediate_size"], 3 * 2 * 2 * SMALL["num_hidden_layers"] + 4)
     runs = {}
     for dp in (1, 2):
         out = tmp_path / f"dp{dp}"
@@ -227,7 +230,7 @@ def test_two_data_parallel_trainers_train_like_one(ckpt, tmp_path):
     for one, two in zip(runs[1], runs[2]):  # same samples; DP splits them and all-reduces the gradients
         for key in ("train/policy_loss", "train/mtp_loss", "train/grad_norm", "weight_sync/trunk_checksum",
                     "weight_sync/mtp_checksum"):
-            assert two[key] == pytest.approx(one[key], rel=1e-5), key
+            assert close(two[key], one[key], rtol, scale=max(abs(one[key]), 1.0)), key
 
 
 def test_kl_loss_is_zero_against_the_reference_at_the_start_and_grows_after(ckpt, tmp_path):

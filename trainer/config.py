@@ -9,6 +9,7 @@ class TrainerConfig:
 
     lr: float = 1e-6
     weight_decay: float = 0.0
+    adam_eps: float = 1e-8
     clip_grad: float = 1.0
     mtp_clip_grad: Optional[float] = None  # None: same as clip_grad
     mtp_lr: Optional[float] = None  # None: same as lr (Adam is scale-free: the loss factor barely moves a detached draft)

@@ -77,7 +77,7 @@ class Trainer:
         if self.cfg.enable_mtp_training:
             groups.append({"params": self.mtp_params(),
                            "lr": self.cfg.lr if self.cfg.mtp_lr is None else self.cfg.mtp_lr})
-        return torch.optim.AdamW(groups, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        return torch.optim.AdamW(groups, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, eps=self.cfg.adam_eps)
 
     # ---- forward pieces ---------------------------------------------------------------
     def _token_logprobs(self, out, tokens):

@@ -50,6 +50,7 @@ class RolloutSection:
 class TrainSection:
     lr: float = field(default=1e-4, metadata=flag("--lr"))
     weight_decay: float = field(default=0.0, metadata=flag("--weight-decay"))
+    adam_eps: float = field(default=1e-8, metadata=flag("--adam-eps", "Adam's epsilon (Megatron's --adam-eps)"))
     clip_grad: float = field(default=1.0, metadata=flag("--clip-grad"))
     eps_clip: float = field(default=0.2, metadata=flag("--eps-clip"))
     eps_clip_high: Optional[float] = field(default=None, metadata=flag("--eps-clip-high"))
@@ -142,6 +143,7 @@ def validate(cfg):
     require(not run.debug_train_only or run.load_debug_rollout_data,
             "--debug-train-only trains on saved rollouts: give --load-debug-rollout-data DIR "
             "(written by a run with --save-debug-rollout-data DIR)")
+    require(t.adam_eps > 0, f"--adam-eps must be > 0 (got {t.adam_eps})")
     require(run.save_interval >= 0, f"--save-interval must be >= 0 (got {run.save_interval})")
     require(not run.save_interval or run.save, "--save-interval needs --save DIR")
     require(run.wandb_mode in (None, "offline", "online", "disabled"),

@@ -25,7 +25,7 @@ def trainer_config(cfg):
 
     t, m = cfg.train, cfg.mtp
     return TrainerConfig(
-        lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad, mtp_clip_grad=m.clip_grad, mtp_lr=m.lr,
+        lr=t.lr, weight_decay=t.weight_decay, adam_eps=t.adam_eps, clip_grad=t.clip_grad, mtp_clip_grad=m.clip_grad, mtp_lr=m.lr,
         eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high, use_kl_loss=t.use_kl_loss, kl_loss_coef=t.kl_loss_coef,
         kl_estimator=t.kl_loss_type, advantage_estimator=t.advantage_estimator,
         temperature=cfg.rollout.rollout_temperature, enable_mtp_training=m.enable_training,
