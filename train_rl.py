@@ -29,7 +29,7 @@ def preflight(cfg):
 
     validate(cfg)
     ensure_model(cfg.model)
-    hf, _ = inspect_hf_checkpoint(cfg.model.hf_checkpoint)
+    hf = inspect_hf_checkpoint(cfg.model.hf_checkpoint)
     require(cfg.mtp.num_layers is None or cfg.mtp.num_layers <= hf.num_nextn_predict_layers,
             f"--mtp-num-layers {cfg.mtp.num_layers}: {cfg.model.hf_checkpoint} has only "
             f"{hf.num_nextn_predict_layers} MTP layers")
@@ -54,7 +54,7 @@ def preflight(cfg):
 
 
 def ensure_model(model_cfg):
-    """Pretrain the tiny model into the default path on first use (only that path)."""
+    """Re-make the tiny model if its shipped copy (the default path) was deleted (only that path)."""
     from vime.config import DEFAULT_TINY_MODEL
 
     path = model_cfg.hf_checkpoint
@@ -64,7 +64,7 @@ def ensure_model(model_cfg):
             f"--hf-checkpoint {path}: no such directory")
     import subprocess
 
-    print(f"[vime] first run: pretraining the tiny model into {path} (once; about 10-15 minutes on 2 cores)",
+    print(f"[vime] {path} is missing: pretraining the tiny model into it (once; about 25 minutes on 2 cores)",
           flush=True)
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "make_tiny_model.py")
     subprocess.run([sys.executable, script, "--out", path], check=True)

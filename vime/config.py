@@ -11,7 +11,8 @@ from typing import Any, Optional
 from vime.errors import require
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_TINY_MODEL = os.path.join(REPO_ROOT, "artifacts", "tiny-qwen3-mtp")
+# shipped with the repository (`scripts/make_tiny_model.py --out DIR` reproduces it)
+DEFAULT_TINY_MODEL = os.path.join(REPO_ROOT, "checkpoints", "tiny-mimo-mtp")
 
 
 def flag(name, help_text=""):

@@ -4,7 +4,7 @@ For each method (none, mtp k=1..3, ngram, suffix, draft_model) and batch size, g
 greedy responses to the same prompts and report tokens/s, tokens per target forward
 (acceptance length), acceptance rate per draft position and speedup vs `none` measured in
 the same run. Usage:
-  python scripts/bench/spec_decode.py --hf-checkpoint artifacts/tiny-qwen3-mtp [--num-prompts 64]
+  python scripts/bench/spec_decode.py --hf-checkpoint checkpoints/tiny-mimo-mtp [--num-prompts 64]
 """
 import argparse
 import os
@@ -63,7 +63,7 @@ def bench_batch(ckpt, table, names, prompts, batch, sampling, repeats):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hf-checkpoint", default="artifacts/tiny-qwen3-mtp")
+    p.add_argument("--hf-checkpoint", default="checkpoints/tiny-mimo-mtp")
     p.add_argument("--draft-model", default=None, help="draft_model checkpoint (default: the target itself)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--batch-sizes", default="1,16")
