@@ -33,6 +33,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     attention_backend: str = "auto"  # auto | sdpa | flash
+    linear_backend: str = "auto"  # auto | mkldnn | dense (rollout/linear.py)
     rejection_sample_method: str = "probabilistic"
     synthetic_acceptance_rate: float = None
 
@@ -73,7 +74,7 @@ class Engine:
         self.model = model.to(self.config.device, self.config.dtype).eval()
         self.model.requires_grad_(False)
         self.cfg = model.cfg
-        self.fast = FastForward(self.model)
+        self.fast = FastForward(self.model, self.config.linear_backend)
         self.max_len = self.config.max_len or self.cfg.max_position_embeddings
         self.codec = codec
         self.backend = pick_attention_backend(self.config.device, self.config.attention_backend)
@@ -169,7 +170,7 @@ class Engine:
         starts = torch.zeros_like(n_new)
         hidden = self._forward(reqs, tokens, starts, n_new)
         last = hidden[torch.arange(len(reqs)), n_new - 1]
-        logprobs = processed_logprobs(self.model.logits(last), sampling.temperature, sampling.top_k, sampling.top_p)
+        logprobs = processed_logprobs(self.fast.logits(last), sampling.temperature, sampling.top_k, sampling.top_p)
         empty = torch.zeros(len(reqs), 0, dtype=torch.long, device=self.config.device)
         self._accept(reqs, logprobs.unsqueeze(1), empty, [0] * len(reqs), sampling, None)
         for r, n in zip(reqs, lengths):
@@ -183,7 +184,7 @@ class Engine:
         starts = torch.tensor([r.num_cached for r in reqs], device=self.config.device)
         n_new = torch.tensor([len(x) for x in rows], device=self.config.device)
         hidden = self._forward(reqs, tokens, starts, n_new)
-        logprobs = processed_logprobs(self.model.logits(hidden), sampling.temperature, sampling.top_k, sampling.top_p)
+        logprobs = processed_logprobs(self.fast.logits(hidden), sampling.temperature, sampling.top_k, sampling.top_p)
         drafts = tokens[:, 1:]
         draft_probs = self._stack_draft_probs(reqs, drafts, logprobs.shape[-1])
         n_acc = self._accept(reqs, logprobs, drafts, counts, sampling, draft_probs)

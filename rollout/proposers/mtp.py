@@ -37,7 +37,7 @@ class MTPProposer(Proposer):
         hidden, pos = self.catch_up(reqs, slots, out)
         tokens, probs = [], []
         for i in range(k):
-            tok, q = pick_drafts(self.model.logits(hidden), sampling, None if uniforms is None else uniforms[:, i])
+            tok, q = pick_drafts(self.engine.fast.logits(hidden), sampling, None if uniforms is None else uniforms[:, i])
             tokens.append(tok)
             probs.append(q)
             if i + 1 < k:
