@@ -22,7 +22,7 @@ def preflight(cfg):
     from rollout.advantages import ADVANTAGE_ESTIMATORS
     from rollout.data import read_prompt_file
     from rollout.rewards import get_reward_fn
-    from rollout.spec_config import check_against_checkpoint, parse_spec_config, require_lossless
+    from rollout.spec_config import check_against_checkpoint, check_spec_adaptive, parse_spec_config, require_lossless
     from trainer.distributed import check_parallel_sizes
     from trainer.model import check_tensor_parallel
     from vime.config import validate
@@ -40,6 +40,7 @@ def preflight(cfg):
     require(cfg.train.advantage_estimator in ADVANTAGE_ESTIMATORS,
             f"--advantage-estimator {cfg.train.advantage_estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
     spec = parse_spec_config(cfg.rollout.vllm_speculative_config)
+    check_spec_adaptive(spec, cfg.rollout.spec_adaptive)
     check_against_checkpoint(spec, hf)
     require_lossless(spec, where="train_rl.py")
     if cfg.rollout.prompt_data is None:

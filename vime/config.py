@@ -40,6 +40,8 @@ class RolloutSection:
     rollout_max_batch_size: int = field(default=128, metadata=flag("--rollout-max-batch-size", "engine slots"))
     vllm_speculative_config: Any = field(default=None, metadata=flag(
         "--vllm-speculative-config", "vLLM SpeculativeConfig JSON, e.g. '{\"method\":\"mtp\",\"num_speculative_tokens\":2}'"))
+    spec_adaptive: bool = field(default=False, metadata=flag(
+        "--spec-adaptive", "choose k in 0..num_speculative_tokens per step from measured cost and acceptance"))
     rm_type: str = field(default="tiny_add", metadata=flag("--rm-type"))
     custom_rm_path: Optional[str] = field(default=None, metadata=flag("--custom-rm-path", "module:function"))
     rollout_seed: int = field(default=42, metadata=flag("--rollout-seed"))
