@@ -292,7 +292,7 @@ class Engine:
         """Seconds of one verify forward (trunk + head + log-probs) of batch_size rows x q_len
         tokens after `context` cached ones; writes only into free slots (call between generates)."""
         dev = self.config.device
-        context = min(context, self.max_len - q_len)
+        context = max(0, min(context, self.max_len - q_len))
         slots = torch.arange(batch_size, device=dev)
         tokens = torch.zeros(batch_size, q_len, dtype=torch.long, device=dev)
         starts = torch.full((batch_size,), context, device=dev)

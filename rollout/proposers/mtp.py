@@ -81,7 +81,8 @@ class MTPProposer(Proposer):
         positions, k-1 chain steps, k heads) on dummy inputs in slots 0..batch_size-1."""
         dev, hidden_size = self.engine.config.device, self.engine.cfg.hidden_size
         slots = torch.arange(batch_size, device=dev)
-        starts = torch.full((batch_size,), 32, device=dev)
+        context = max(0, min(32, self.engine.max_len - new_tokens - k))
+        starts = torch.full((batch_size,), context, device=dev)
         n_valid = torch.full((batch_size,), new_tokens, device=dev)
         hidden = torch.zeros(batch_size, new_tokens, hidden_size, device=dev, dtype=self.engine.config.dtype)
         tokens = torch.zeros(batch_size, new_tokens, dtype=torch.long, device=dev)
