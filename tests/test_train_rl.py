@@ -165,7 +165,7 @@ def assert_refused_before_actors(proc, needle):
     (["--pipeline-model-parallel-size", 2], "--pipeline-model-parallel-size 2: pipeline parallelism is not supported"),
     (["--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 1, '
       '"rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.5}'], "benchmark-only"),
-    (["--spec-adaptive", "maybe"], "--spec-adaptive takes true or false"),
+    (["--spec-adaptive=maybe"], "--spec-adaptive takes true or false"),
     (["--spec-adaptive", "--vllm-speculative-config", "null"], "--spec-adaptive chooses how many tokens to draft"),
     (["--spec-adaptive", "--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 2, '
       '"num_speculative_tokens_per_batch_size": [[1, 4, 2]]}'], "give one of them"),
