@@ -166,6 +166,7 @@ def assert_refused_before_actors(proc, needle):
     (["--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 1, '
       '"rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.5}'], "benchmark-only"),
     (["--spec-adaptive=maybe"], "--spec-adaptive takes true or false"),
+    (["--task-variant", "nope"], "--task-variant 'nope': choose one of add, longtail"),
     (["--spec-adaptive", "--vllm-speculative-config", "null"], "--spec-adaptive chooses how many tokens to draft"),
     (["--spec-adaptive", "--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 2, '
       '"num_speculative_tokens_per_batch_size": [[1, 4, 2]]}'], "give one of them"),

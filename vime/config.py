@@ -28,6 +28,9 @@ class ModelSection:
 @dataclass
 class RolloutSection:
     prompt_data: Optional[str] = field(default=None, metadata=flag("--prompt-data", "JSONL prompts (default: the tiny model's train.jsonl)"))
+    task_variant: Optional[str] = field(default=None, metadata=flag(
+        "--task-variant", "generate the prompts of a tiny-task variant (rollout/task.py TASK_VARIANTS, e.g. longtail)"))
+    task_variant_prompts: int = field(default=4096, metadata=flag("--task-variant-prompts", "prompts --task-variant makes"))
     input_key: str = field(default="prompt", metadata=flag("--input-key"))
     label_key: str = field(default="label", metadata=flag("--label-key"))
     rollout_batch_size: int = field(default=16, metadata=flag("--rollout-batch-size", "prompts per step"))
