@@ -14,7 +14,8 @@ drafts are verified, so every policy keeps the output exact.
               acceptance at draft position j, and the step costs from a profile taken at the
               first generate (per batch size on a power-of-two grid, interpolated) refined
               online by the measured times (an EMA per exact (B, k), and one global
-              measured/profiled correction for the points not seen yet).
+              measured/profiled correction for the points not seen yet). Every
+              EXPLORE_EVERY steps one step runs another k, round robin.
 """
 import bisect
 import math
@@ -23,7 +24,9 @@ import math
 ACCEPT_EMA = 0.1  # weight of one step's per-position acceptance
 COST_EMA = 0.2  # weight of one step's measured time
 ACCEPT_PRIOR = 0.5  # acceptance assumed before a position was ever drafted
-EXPLORE_EVERY = 32  # steps between one-off k+1 probes, so a draft that improves gets noticed
+EXPLORE_EVERY = 40  # steps between one-off probes of another k (round robin), so costs and
+#                     acceptance of the k not chosen stay measured (a draft that improves, a
+#                     profile taken during a load spike)
 
 
 class FixedK:
@@ -129,8 +132,9 @@ class AdaptiveK(FixedK):
     def __init__(self, k_max):
         super().__init__(k_max)
         self.acceptance = [ACCEPT_PRIOR] * k_max
+        self.observations = [0] * k_max  # steps that measured each position
         self.verify, self.draft = None, None
-        self.steps_since_probe = 0
+        self.steps_since_probe, self.next_probe = 0, 0
         self.begin()
 
     # ------------------------------------------------------------ profile
@@ -158,9 +162,10 @@ class AdaptiveK(FixedK):
     def choose(self, batch_size):
         k = self.best_k(batch_size)
         self.steps_since_probe += 1
-        if k < self.k and self.steps_since_probe >= EXPLORE_EVERY:
-            # one probe of a deeper position keeps its acceptance estimate alive
-            k, self.steps_since_probe = k + 1, 0
+        if self.k and self.steps_since_probe >= EXPLORE_EVERY:
+            self.next_probe = (self.next_probe + 1) % (self.k + 1)
+            k = self.next_probe if self.next_probe != k else (k + 1) % (self.k + 1)
+            self.steps_since_probe = 0
         self.trace["k_rows"] += k * batch_size
         self.trace["rows"] += batch_size
         return k
@@ -173,7 +178,11 @@ class AdaptiveK(FixedK):
             self.draft.update(b, step.k_drafted, step.draft_s)
         for i, (d, a) in enumerate(zip(step.drafted_per_pos, step.accepted_per_pos)):
             if d and i < self.k:
-                self.acceptance[i] = (1 - ACCEPT_EMA) * self.acceptance[i] + ACCEPT_EMA * (a / d)
+                # a running mean until 1/ACCEPT_EMA observations, then an EMA: the prior is
+                # forgotten at the first measurement, later ones track a draft that changes
+                self.observations[i] += 1
+                w = max(ACCEPT_EMA, 1.0 / self.observations[i])
+                self.acceptance[i] = (1 - w) * self.acceptance[i] + w * (a / d)
         plain_per_token = self.step_time(b, 0) / b
         k = step.k_verified
         self.trace["plain_s_pred"] += step.emitted * plain_per_token

@@ -32,18 +32,18 @@ class MTPProposer(Proposer):
         self.engine, self.model = engine, engine.model
         self.num_layers = self.model.num_mtp_layers
         self.cache = draft_cache(engine, self.num_layers, engine.cfg, self.num_speculative_tokens)
-        self.pending = {}  # slot -> (first position not caught up, hidden states since) for k = 0 steps
+        self.pending = {}  # slot -> (first position not caught up, [hidden states since]) for k = 0 steps
 
     def release(self, request):
         self.pending.pop(request.slot, None)
 
     def propose(self, out):
         k = min(self.num_speculative_tokens, self.engine.step_k)
-        out = self.with_pending(out)
-        reqs = out.requests
         if k == 0:
             self.defer(out)
             return
+        out = self.with_pending(out)
+        reqs = out.requests
         sampling = reqs[0].sampling
         uniforms = uniforms_if_sampling(self.spec, reqs, k, self.sample_drafts)
         slots = torch.tensor([r.slot for r in reqs], device=out.hidden.device)
@@ -63,17 +63,19 @@ class MTPProposer(Proposer):
             return out
         rows, starts = [], []
         for i, r in enumerate(out.requests):
-            new = out.hidden[i, :int(out.n_valid[i])]
-            start, old = self.pending.pop(r.slot, (int(out.starts[i]), new[:0]))
-            rows.append(torch.cat([old, new]))
+            start, parts = self.pending.pop(r.slot, (int(out.starts[i]), []))
+            rows.append(torch.cat(parts + [out.hidden[i, :int(out.n_valid[i])]]))
             starts.append(start)
         hidden = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
         lengths = torch.tensor([len(x) for x in rows], device=hidden.device)
         return ForwardOutput(out.requests, hidden, torch.tensor(starts, device=hidden.device), lengths)
 
     def defer(self, out):
+        """Keep this step's hidden states for the next drafting step (views: each forward's
+        output is a fresh tensor, never written again)."""
+        starts, n_valid = out.starts.tolist(), out.n_valid.tolist()
         for i, r in enumerate(out.requests):
-            self.pending[r.slot] = (int(out.starts[i]), out.hidden[i, :int(out.n_valid[i])].clone())
+            self.pending.setdefault(r.slot, (starts[i], []))[1].append(out.hidden[i, :n_valid[i]])
             r.drafts, r.draft_probs = [], None
 
     def profile_draft(self, batch_size, k, new_tokens=2):
