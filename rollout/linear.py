@@ -4,9 +4,10 @@ Why: torch's default fp32 GEMM on CPU costs about M times a GEMV for M = 2-4 row
 verify forward of 1 + k tokens cost (1 + k) plain steps even where decoding streams its
 weights from memory — exactly the regime where speculation should be nearly free. oneDNN
 with the weight reordered once into its blocked layout reads each weight once for all rows
-(scripts/bench/gemm_rows.py prints the curve). A packed weight also gives every row the same
-result whatever the number of rows beside it, which keeps greedy verification bit-identical
-to plain decoding.
+(scripts/bench/gemm_rows.py prints the curve). For a single row the plain GEMV is still
+10-40 % faster than oneDNN's packed kernel on this CPU, so "mkldnn" sends one-row inputs
+there; rows then differ from the packed ones only by reduction order (the fp32 bound of
+tests/fp32_bounds.py), as plain and batched matmuls always did.
 
 Backends are a registry keyed by name; `pick_backend` chooses "mkldnn" for fp32 on a CPU with
 oneDNN and "dense" (the plain matmul) otherwise. Packed weights are snapshots: the caller
@@ -43,6 +44,8 @@ def _pack_mkldnn(weight):
 
 
 def _apply_mkldnn(x, w):
+    if x.numel() == x.shape[-1]:  # one row: the GEMV on the plain weight is faster
+        return x @ w.dense.t()
     return torch.ops.mkldnn._linear_pointwise(x, w.packed, None, "none", [], "")
 
 
