@@ -313,4 +313,5 @@ def build_engine(checkpoint, spec=None, engine_config=None, adaptive=False):
     config = engine_config_for(spec, engine_config or EngineConfig())
     engine = Engine.from_checkpoint(checkpoint, config, build_proposer(spec))
     engine.k_policy = build_k_policy(spec, adaptive, config.max_batch_size)
+    engine.k_policy.prepare(engine)  # the adaptive cost profile, here rather than inside the first generate
     return engine
