@@ -1,5 +1,8 @@
 """The engine's fast forward: the same math as rollout/model.py on fused plain tensors.
 
+Every family's trunk runs here: the q/k/v bias (Qwen2, MiMo) and the per-head q/k norm
+(Qwen3) are optional parts of a layer's weights.
+
 Per decoder layer it runs 4 matmuls instead of 7 (q|k|v and gate|up fused), no nn.Module
 dispatch, and a grouped-query attention written as two batched matmuls that read the KV
 cache without expanding it per head. The module forward in model.py stays the reference;
@@ -8,11 +11,12 @@ Every matmul against a weight (trunk, MTP layers, eh_proj, LM head) goes through
 rollout/linear.py, whose prepacked backend costs about the same for 1 or 4 rows.
 """
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from mtp.layer import combine_embedding_and_hidden
+from mtp.layer import combine_embedding_and_hidden, zero_embedding_at_position_0
 from rollout.linear import linear, pack, pick_backend
 
 
@@ -20,27 +24,35 @@ from rollout.linear import linear, pack, pick_backend
 class LayerWeights:
     ln1: torch.Tensor
     qkv: "PackedWeight"  # rollout.linear.PackedWeight, like o, gate_up and down
-    qk_norm: torch.Tensor  # [heads + kv_heads, head_dim]: q_norm rows, then k_norm rows
+    qkv_bias: Optional[torch.Tensor]  # families with q/k/v bias
+    qk_norm: Optional[torch.Tensor]  # [heads + kv_heads, head_dim]: q_norm rows, then k_norm rows
     o: "PackedWeight"
     ln2: torch.Tensor
     gate_up: "PackedWeight"
     down: "PackedWeight"
 
 
+def _cat_or_none(tensors):
+    return None if tensors[0] is None else torch.cat(tensors).detach()
+
+
 def fuse_layer(layer, backend="dense"):
     a, m = layer.self_attn, layer.mlp
-    qk_norm = torch.cat([a.q_norm.weight.expand(a.n_heads, -1), a.k_norm.weight.expand(a.n_kv, -1)])
+    qk_norm = None
+    if hasattr(a.q_norm, "weight"):  # nn.Identity in families without q/k norm
+        qk_norm = torch.cat([a.q_norm.weight.expand(a.n_heads, -1), a.k_norm.weight.expand(a.n_kv, -1)]).detach()
     return LayerWeights(
         ln1=layer.input_layernorm.weight.detach(),
         qkv=pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), backend),
-        qk_norm=qk_norm.detach(), o=pack(a.o_proj.weight, backend),
+        qkv_bias=_cat_or_none([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
+        qk_norm=qk_norm, o=pack(a.o_proj.weight, backend),
         ln2=layer.post_attention_layernorm.weight.detach(),
         gate_up=pack(torch.cat([m.gate_proj.weight, m.up_proj.weight]), backend),
         down=pack(m.down_proj.weight, backend))
 
 
 class FastForward:
-    """Callable like `Qwen3MTPModel.forward(tokens, positions, caches)` for cached ragged batches."""
+    """Callable like `CausalLMWithMTP.forward(tokens, positions, caches)` for cached ragged batches."""
 
     def __init__(self, model, linear_backend="auto"):
         self.model = model
@@ -60,7 +72,7 @@ class FastForward:
         self.eh_proj = [pack(m.mtp_layer(k).eh_proj.weight, self.backend) for k in range(m.num_mtp_layers)]
 
     def logits(self, hidden):
-        """Twin of `Qwen3MTPModel.logits` on the packed LM head."""
+        """Twin of `CausalLMWithMTP.logits` on the packed LM head."""
         return linear(hidden, self.head)
 
     def norm(self, x, w):
@@ -75,8 +87,12 @@ class FastForward:
         h, d = self.n_heads, self.head_dim
         nqk = (h + self.n_kv) * d
         qkv = linear(self.norm(x, w.ln1), w.qkv)
+        if w.qkv_bias is not None:
+            qkv = qkv + w.qkv_bias
         # q and k heads side by side: one norm and one rotary call serve both
-        qk = F.rms_norm(qkv[..., :nqk].unflatten(-1, (-1, d)), (d,), eps=self.eps) * w.qk_norm
+        qk = qkv[..., :nqk].unflatten(-1, (-1, d))
+        if w.qk_norm is not None:
+            qk = F.rms_norm(qk, (d,), eps=self.eps) * w.qk_norm
         qk = self.rope(qk, cos, sin)
         v = qkv[..., nqk:].unflatten(-1, (self.n_kv, d))
         attn = cache.attend_bqhd(qk[:, :, :h], qk[:, :, h:], v)
@@ -85,19 +101,26 @@ class FastForward:
         return x + linear(F.silu(gate) * up, w.down)
 
     def __call__(self, tokens, positions, caches):
+        return self.states(tokens, positions, caches)[0]
+
+    def states(self, tokens, positions, caches):
+        """Fast twin of `CausalLMWithMTP.forward_states`: (final-normed hidden, MTP input hidden)."""
         m = self.model
         x = F.embedding(tokens, m.model.embed_tokens.weight)
         cos = m.rotary.cos[positions].unsqueeze(2)
         sin = m.rotary.sin[positions].unsqueeze(2)
         for i in range(m.cfg.num_hidden_layers):
             x = self.layer(self.layers[i], x, cos, sin, caches[i])
-        return self.norm(x, m.model.norm.weight)
+        normed = self.norm(x, m.model.norm.weight)
+        return normed, (x if m.cfg.model_family.mtp_reads_pre_norm_hidden else normed)
 
     def mtp(self, k, next_tokens, hidden, positions, cache):
-        """Fast twin of `Qwen3MTPModel.mtp_forward` (same inputs and output)."""
+        """Fast twin of `CausalLMWithMTP.mtp_forward` (same inputs and output)."""
         m = self.model
         layer = m.mtp_layer(k)
         embeds = F.embedding(next_tokens, m.model.embed_tokens.weight)
+        if layer.zero_first_embedding:
+            embeds = zero_embedding_at_position_0(embeds, positions)
         x = combine_embedding_and_hidden(embeds, hidden, lambda e: self.norm(e, layer.enorm.weight),
                                          lambda h: self.norm(h, layer.hnorm.weight),
                                          lambda eh: linear(eh, self.eh_proj[k]))
