@@ -113,8 +113,9 @@ class CostTable:
     def update(self, b, k, seconds):
         old = self.measured.get((b, k))
         self.measured[(b, k)] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
-        ratio = seconds / max(self.profile_at(b, k), 1e-9)
-        self.correction = (1 - COST_EMA) * self.correction + COST_EMA * ratio
+        profiled = self.profile_at(b, k)
+        if profiled > 0:  # a phase profiled as free (no drafting at k = 0) says nothing about load
+            self.correction = (1 - COST_EMA) * self.correction + COST_EMA * seconds / profiled
 
 
 def expected_tokens(acceptance, k):

@@ -70,3 +70,9 @@ def test_acceptance_estimate_forgets_its_prior_at_the_first_measurement():
 
 def test_batch_grid_covers_the_engine_slots():
     assert batch_grid(1) == [1] and batch_grid(16) == [1, 2, 4, 8, 16] and batch_grid(100)[-1] == 100
+
+
+def test_a_phase_profiled_as_free_does_not_skew_the_load_correction():
+    t = CostTable([1, 4], {0: [0.0, 0.0], 1: [1.0, 2.0]})
+    t.update(4, 0, 0.1)  # k = 0 drafting measured at a tenth of a millisecond: fine, no ratio to take
+    assert t.correction == 1.0 and t.predict(4, 0) == 0.1 and t.predict(2, 1) == pytest.approx(4 / 3)
