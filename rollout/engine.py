@@ -203,8 +203,13 @@ class Engine:
             r.num_cached += 1 + a
         verified = time.perf_counter()
         drafted = self._propose(reqs, mtp_hidden, starts, torch.tensor([1 + a for a in n_acc], device=self.config.device))
+        if self.k_policy.observes:
+            self._observe_step(reqs, drafts.shape[1], counts, n_acc, drafted, start, verified, generated_before)
+
+    def _observe_step(self, reqs, k_verified, counts, n_acc, drafted, start, verified, generated_before):
+        """Tell the k policy what this step cost and what got accepted."""
         self.k_policy.observe(StepRecord(
-            len(reqs), drafts.shape[1], verified - start, self.step_k if drafted else None,
+            len(reqs), k_verified, verified - start, self.step_k if drafted else None,
             time.perf_counter() - verified, sum(r.num_generated for r in reqs) - generated_before,
             *_per_position(counts, n_acc)))
 

@@ -32,6 +32,8 @@ EXPLORE_EVERY = 40  # steps between one-off probes of another k (round robin), s
 class FixedK:
     """Always draft `k` (the proposer's num_speculative_tokens)."""
 
+    observes = False  # the engine builds StepRecords only for policies that learn from them
+
     def __init__(self, k):
         self.k = k
 
@@ -129,6 +131,8 @@ def expected_tokens(acceptance, k):
 
 class AdaptiveK(FixedK):
     """k maximising expected tokens/s from measured costs and live acceptance (see module doc)."""
+
+    observes = True
 
     def __init__(self, k_max):
         super().__init__(k_max)

@@ -150,6 +150,8 @@ class CyclingK:
     """A k policy that walks 0, 1, ..., K, 0, ... across steps: every k, and every switch
     between them (deferred MTP catch-up included), gets exercised."""
 
+    observes = False
+
     def __init__(self, k_max):
         self.k_max, self.step = k_max, -1
 
