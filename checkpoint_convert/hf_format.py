@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from checkpoint_convert.config_checks import check_finite_state, check_no_undeclared_mtp, check_raw_config
 from checkpoint_convert.families import detect_layout, from_canonical, mtp_layer_indices, MTP_LAYOUTS, to_canonical
 from vime.errors import UserError, require
 
@@ -105,6 +106,7 @@ def read_config(path):
         raise UserError(f"{cfg_file}: malformed JSON ({e.msg} at line {e.lineno})") from None
     require(raw.get("model_type") in ("qwen3",), f"{cfg_file}: model_type {raw.get('model_type')!r} "
             "is not supported; vime supports Qwen3-style checkpoints (model_type 'qwen3')")
+    check_raw_config(raw, cfg_file)
     return ModelConfig.from_hf_dict(raw, source=cfg_file)
 
 
@@ -139,6 +141,7 @@ def inspect_hf_checkpoint(path):
             names = list(f.keys())
     except Exception as e:  # safetensors raises its own error types for truncated files
         raise UserError(f"{weights}: unreadable safetensors file ({e}); re-create or re-download it") from None
+    check_no_undeclared_mtp(names, cfg.num_hidden_layers, cfg.num_nextn_predict_layers, weights)
     return cfg, _check_names(cfg, names, weights)
 
 
@@ -150,6 +153,7 @@ def load_hf_checkpoint(path):
         raw = load_file(weights)
     except Exception as e:  # safetensors raises its own error types for truncated files
         raise UserError(f"{weights}: unreadable safetensors file ({e}); re-create or re-download it") from None
+    check_finite_state(raw, weights)
     state = to_canonical(raw, layout, cfg.num_hidden_layers, cfg.num_nextn_predict_layers) if layout else raw
     return cfg, state, layout
 

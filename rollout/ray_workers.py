@@ -28,8 +28,11 @@ class RolloutWorkerImpl:
         self.group, self.layout = None, None
 
     def generate(self, samples, sampling):
-        """(samples, seconds the engine spent generating them)."""
+        """(samples, seconds the engine spent generating them); each sample is stamped with the
+        version of the weights that generated it (the driver compares it with the trainer's step)."""
         self.engine.generate(samples, sampling)
+        for s in samples:
+            s.weight_version = self.engine.weight_version
         return samples, self.engine.stats()["seconds"]
 
     def join_weight_sync(self, master_addr, master_port, rank, world_size, layout, backend="gloo"):

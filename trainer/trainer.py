@@ -165,7 +165,8 @@ class Trainer:
         yield from named_hf_weights(self.model, self.model_cfg)
 
     def _meta(self):
-        return {"model_config": dataclasses.asdict(self.model_cfg), "mtp_num_layers": self.mtp_num_layers}
+        return {"model_config": dataclasses.asdict(self.model_cfg), "mtp_num_layers": self.mtp_num_layers,
+                "mtp_trained": bool(self.cfg.enable_mtp_training)}
 
     def save(self, path):
         """torch_dist checkpoint of weights + optimizer state (collective: every rank calls it)."""

@@ -84,7 +84,23 @@ def compose(overrides):
         return OmegaConf.to_object(merged)
     except Exception as e:  # Hydra/OmegaConf report bad overrides with their own exception types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"config override {overrides}: {first}") from None
+        raise UserError(f"config override {overrides}: {first}{_closest_key_hint(overrides)}") from None
+
+
+def config_keys():
+    """Every `section.field` of the tree (the keys Hydra overrides may set)."""
+    return [path for path, _ in flag_table().values()]
+
+
+def _closest_key_hint(overrides):
+    """'; did you mean rollout.rollout_temperature?' for the first override whose key is unknown."""
+    keys = config_keys()
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if "." in key and key.split(".")[0] in {k.split(".")[0] for k in keys} and key not in keys:
+            close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
+            return f"; did you mean {close[0]}?" if close else "; see --help for the keys"
+    return ""
 
 
 def load_config(argv):

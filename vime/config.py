@@ -148,3 +148,35 @@ def validate(cfg):
     require(not run.save_interval or run.save, "--save-interval needs --save DIR")
     require(run.wandb_mode in (None, "offline", "online", "disabled"),
             f"--wandb-mode {run.wandb_mode!r}: use offline, online or disabled")
+    _validate_rl_sampling(r)
+    _validate_optimisation(t, m)
+
+
+def _validate_rl_sampling(r):
+    """RL samples must come from the policy the trainer scores: full softmax at T > 0."""
+    require(r.rollout_temperature > 0,
+            f"--rollout-temperature {r.rollout_temperature}: RL needs sampling (> 0); at 0 every sample of a "
+            "prompt is the same greedy answer, so the group advantage and the gradient are zero")
+    # the trainer computes log-probs under the full softmax; top-p/top-k samples come from a
+    # truncated one, which would bias the PPO ratio silently
+    require(r.rollout_top_p == 1.0,
+            f"--rollout-top-p {r.rollout_top_p}: RL samples from the full softmax (the trainer's log-probs "
+            "do not truncate); leave --rollout-top-p at 1.0")
+    require(r.rollout_top_k == 0,
+            f"--rollout-top-k {r.rollout_top_k}: RL samples from the full softmax (the trainer's log-probs "
+            "do not truncate); leave --rollout-top-k at 0")
+
+
+def _validate_optimisation(t, m):
+    from rollout.advantages import ADVANTAGE_ESTIMATORS, REFUSED_ESTIMATORS
+    from trainer.losses import KL_ESTIMATORS
+
+    require(t.lr >= 0, f"--lr {t.lr}: a learning rate must be >= 0 (a negative one ascends the loss)")
+    require(m.lr is None or m.lr >= 0, f"--mtp-lr {m.lr}: a learning rate must be >= 0 (a negative one ascends the loss)")
+    require(t.kl_loss_type in KL_ESTIMATORS,
+            f"--kl-loss-type {t.kl_loss_type!r}: choose one of {', '.join(sorted(KL_ESTIMATORS))}")
+    require(t.advantage_estimator not in REFUSED_ESTIMATORS,
+            f"--advantage-estimator {t.advantage_estimator}: {REFUSED_ESTIMATORS.get(t.advantage_estimator)}")
+    require(t.advantage_estimator in ADVANTAGE_ESTIMATORS,
+            f"--advantage-estimator {t.advantage_estimator!r}: choose one of {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
+    require(t.clip_grad >= 0, f"--clip-grad {t.clip_grad} must be >= 0 (0 disables clipping)")
