@@ -53,6 +53,8 @@ def preflight(cfg):
         get_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
     if cfg.run.load:
         check_resume(cfg)
+    from vime.paths import require_writable_dir
+
     for flag, path in (("--save", cfg.run.save), ("--output-dir", cfg.run.output_dir)):
         if path:
             require_writable_dir(path, flag)
@@ -101,39 +103,6 @@ def check_resume(cfg):
     require(n is None or n <= meta.get("mtp_num_layers", 0),
             f"--load {cfg.run.load}: the checkpoint has {meta.get('mtp_num_layers', 0)} MTP layers, "
             f"fewer than --mtp-num-layers {n}")
-
-
-def require_writable_dir(path, flag):
-    """The directory (or the nearest existing parent it will be created in) accepts a new file."""
-    import tempfile
-
-    probe_dir = os.path.abspath(path)
-    while not os.path.isdir(probe_dir):
-        require(not os.path.exists(probe_dir), f"{flag} {path}: {probe_dir} exists and is not a directory")
-        probe_dir = os.path.dirname(probe_dir)
-    try:  # a real write: permission bits do not tell for root or read-only mounts
-        with tempfile.TemporaryFile(dir=probe_dir):
-            pass
-    except OSError as e:
-        raise UserError(f"{flag} {path}: cannot write in {probe_dir} ({e.strerror}); choose a writable "
-                        "directory") from None
-
-
-def ensure_model(model_cfg):
-    """Pretrain the tiny model into the default path on first use (only that path)."""
-    from vime.config import DEFAULT_TINY_MODEL
-
-    path = model_cfg.hf_checkpoint
-    if os.path.isdir(path) or not model_cfg.make_tiny_model_if_missing:
-        return
-    require(os.path.abspath(path) == os.path.abspath(DEFAULT_TINY_MODEL),
-            f"--hf-checkpoint {path}: no such directory")
-    import subprocess
-
-    print(f"[vime] first run: pretraining the tiny model into {path} (once; about 10-15 minutes on 2 cores)",
-          flush=True)
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "make_tiny_model.py")
-    subprocess.run([sys.executable, script, "--out", path], check=True)
 
 
 class RLRun:
