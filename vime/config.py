@@ -38,7 +38,7 @@ class RolloutSection:
     rollout_top_k: int = field(default=0, metadata=flag("--rollout-top-k"))
     rollout_num_workers: int = field(default=1, metadata=flag("--rollout-num-workers"))
     rollout_max_batch_size: int = field(default=128, metadata=flag("--rollout-max-batch-size", "engine slots"))
-    vllm_speculative_config: Any = field(default=None, metadata=flag(
+    vllm_speculative_config: Any = field(default_factory=lambda: {"method": "mtp", "num_speculative_tokens": 2}, metadata=flag(
         "--vllm-speculative-config", "vLLM SpeculativeConfig JSON, e.g. '{\"method\":\"mtp\",\"num_speculative_tokens\":2}'"))
     rm_type: str = field(default="tiny_add", metadata=flag("--rm-type"))
     custom_rm_path: Optional[str] = field(default=None, metadata=flag("--custom-rm-path", "module:function"))
@@ -48,7 +48,7 @@ class RolloutSection:
 
 @dataclass
 class TrainSection:
-    lr: float = field(default=1e-4, metadata=flag("--lr"))
+    lr: float = field(default=2e-4, metadata=flag("--lr"))
     weight_decay: float = field(default=0.0, metadata=flag("--weight-decay"))
     adam_eps: float = field(default=1e-8, metadata=flag("--adam-eps", "Adam's epsilon (Megatron's --adam-eps)"))
     clip_grad: float = field(default=1.0, metadata=flag("--clip-grad"))
@@ -59,7 +59,7 @@ class TrainSection:
     kl_loss_type: str = field(default="k3", metadata=flag("--kl-loss-type", "k1 | k3"))
     advantage_estimator: str = field(default="grpo", metadata=flag("--advantage-estimator"))
     global_batch_size: int = field(default=128, metadata=flag("--global-batch-size", "samples per optimizer step"))
-    micro_batch_size: int = field(default=32, metadata=flag("--micro-batch-size"))
+    micro_batch_size: int = field(default=64, metadata=flag("--micro-batch-size"))
     tensor_model_parallel_size: int = field(default=1, metadata=flag("--tensor-model-parallel-size"))
     pipeline_model_parallel_size: int = field(default=1, metadata=flag("--pipeline-model-parallel-size"))
     data_parallel_size: int = field(default=1, metadata=flag("--data-parallel-size"))
@@ -73,13 +73,13 @@ class MTPSection:
     loss_scaling_factor: float = field(default=0.2, metadata=flag("--mtp-loss-scaling-factor"))
     detach_trunk: bool = field(default=True, metadata=flag("--mtp-detach-trunk", "--no-mtp-detach-trunk trains jointly"))
     clip_grad: Optional[float] = field(default=None, metadata=flag("--mtp-clip-grad"))
-    lr: Optional[float] = field(default=None, metadata=flag(
-        "--mtp-lr", "learning rate of the MTP layers (default: --lr); Adam makes the loss factor nearly scale-free"))
+    lr: Optional[float] = field(default=5e-3, metadata=flag(
+        "--mtp-lr", "learning rate of the MTP layers (none: --lr); Adam makes the loss factor nearly scale-free"))
 
 
 @dataclass
 class RunSection:
-    num_rollout: int = field(default=20, metadata=flag("--num-rollout", "RL steps"))
+    num_rollout: int = field(default=40, metadata=flag("--num-rollout", "RL steps"))
     output_dir: str = field(default="runs/latest", metadata=flag("--output-dir", "metrics.jsonl, plots, wandb"))
     save: Optional[str] = field(default=None, metadata=flag("--save"))
     save_interval: int = field(default=0, metadata=flag("--save-interval"))
