@@ -105,6 +105,23 @@ def check_resume(cfg):
             f"fewer than --mtp-num-layers {n}")
 
 
+def ensure_model(model_cfg):
+    """Pretrain the tiny model into the default path on first use (only that path)."""
+    from vime.config import DEFAULT_TINY_MODEL
+
+    path = model_cfg.hf_checkpoint
+    if os.path.isdir(path) or not model_cfg.make_tiny_model_if_missing:
+        return
+    require(os.path.abspath(path) == os.path.abspath(DEFAULT_TINY_MODEL),
+            f"--hf-checkpoint {path}: no such directory")
+    import subprocess
+
+    print(f"[vime] first run: pretraining the tiny model into {path} (once; about 10-15 minutes on 2 cores)",
+          flush=True)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "make_tiny_model.py")
+    subprocess.run([sys.executable, script, "--out", path], check=True)
+
+
 class RLRun:
     """The actors of one run and the per-step stages."""
 
