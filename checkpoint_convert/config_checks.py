@@ -3,13 +3,9 @@
 `read_config` parses the file; these checks make sure what it parsed can build a model, so a
 wrong value is one line naming the file and the key instead of a traceback inside an actor:
 - `check_raw_config(raw, source)`: types and ranges of the architecture keys;
-- `check_no_undeclared_mtp(names, num_hidden_layers, num_nextn, source)`: MTP tensors present
-  while config.json declares none (they would be ignored silently);
 - `check_finite_weights(path)`: NaN/inf in model.safetensors (a corrupted file loads fine
   otherwise and generates garbage).
 """
-import re
-
 from vime.errors import UserError, require
 
 # key -> smallest allowed value; every one must be a JSON integer
@@ -19,7 +15,6 @@ POSITIVE_INT_KEYS = {
     "num_nextn_predict_layers": 0,
 }
 POSITIVE_FLOAT_KEYS = ("rms_norm_eps", "rope_theta")
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def _is_int(value):
@@ -47,16 +42,6 @@ def check_raw_config(raw, source="config.json"):
     if raw.get("head_dim") is None and _is_int(heads) and _is_int(raw.get("hidden_size")):
         require(raw["hidden_size"] % heads == 0, f"{source}: hidden_size {raw['hidden_size']} is not a multiple of "
                 f"num_attention_heads {heads} and there is no head_dim; fix config.json")
-
-
-def check_no_undeclared_mtp(names, num_hidden_layers, num_nextn_predict_layers, source):
-    """MTP tensors (layers past the trunk, or `mtp` in the name) need num_nextn_predict_layers > 0."""
-    if num_nextn_predict_layers:
-        return
-    extra = [n for n in names if "mtp" in n.split(".")[:3] or "mtp_layers" in n
-             or int((_LAYER_INDEX.search(n) or [None, -1])[1]) >= num_hidden_layers]
-    require(not extra, f"{source}: holds MTP tensors ({len(extra)}, first: {sorted(extra)[0] if extra else ''}) "
-            "but config.json declares num_nextn_predict_layers=0; set it to the number of MTP layers")
 
 
 def check_finite_state(state, weights_file):

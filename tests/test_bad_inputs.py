@@ -99,7 +99,7 @@ def test_weights_with_nan_or_inf_are_an_error_naming_the_file(ckpt, tmp_path, va
     ({"num_hidden_layers": -1}, ["'num_hidden_layers' must be an integer >= 1", "-1"]),
     ({"num_attention_heads": 0}, ["'num_attention_heads'"]),
     ({"rms_norm_eps": "tiny"}, ["'rms_norm_eps' must be a number"]),
-    ({"num_nextn_predict_layers": 0}, ["MTP tensors", "num_nextn_predict_layers=0"]),
+    ({"num_nextn_predict_layers": 0}, ["holds 1 MTP layers", "num_nextn_predict_layers=0"]),
 ])
 def test_bad_config_json_values_name_the_file_and_key(ckpt, tmp_path, edit, needles):
     broken = copy_ckpt(ckpt, tmp_path)
