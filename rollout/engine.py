@@ -76,7 +76,7 @@ class Engine:
         self.fast = FastForward(self.model)
         self.max_len = self.config.max_len or self.cfg.max_position_embeddings
         self.codec = codec
-        self.backend = pick_attention_backend(self.config.device, self.config.attention_backend)
+        self.backend = pick_attention_backend(self.config.device, self.config.attention_backend, self.config.dtype)
         self.cache = KVCache(self.cfg.num_hidden_layers, self.config.max_batch_size, self.max_len + 1,
                              self.cfg.num_key_value_heads, self.cfg.head_dim, self.config.dtype, self.config.device)
         self.stop_ids = {self.cfg.eos_token_id} - {None}

@@ -36,7 +36,7 @@ class RolloutWorkerImpl:
         return samples, self.engine.stats()["seconds"]
 
     def join_weight_sync(self, master_addr, master_port, rank, world_size, layout, backend="gloo"):
-        self.layout = layout
+        self.layout, self.sync_device = layout, weight_sync.device_for(backend)
         self.group = weight_sync.make_group(master_addr, master_port, rank, world_size, backend)
         return rank
 
@@ -44,7 +44,7 @@ class RolloutWorkerImpl:
         """pause -> load every bucket -> resume; returns the draft checksum and seconds."""
         start = time.perf_counter()
         self.engine.pause()
-        self.engine.load_weights(weight_sync.receive(self.group, self.layout), version)
+        self.engine.load_weights(weight_sync.receive(self.group, self.layout, self.sync_device), version)
         self.engine.resume()
         return {"mtp_checksum": self.checksum(mtp_only=True), "trunk_checksum": self.checksum(mtp_only=False),
                 "seconds": time.perf_counter() - start}

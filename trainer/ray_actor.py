@@ -93,7 +93,7 @@ class TrainerActorImpl:
         return weight_sync.bucket_layout(self.trainer.named_hf_weights(), buffer_size)
 
     def join_weight_sync(self, master_addr, master_port, world_size, layout, backend="gloo"):
-        self.layout = layout
+        self.layout, self.sync_device = layout, weight_sync.device_for(backend)
         self.group = weight_sync.make_group(master_addr, master_port, 0, world_size, backend)
         return 0
 
@@ -103,7 +103,7 @@ class TrainerActorImpl:
         if self.rank != 0:
             return None
         start = time.perf_counter()
-        sent = weight_sync.send(self.group, self.layout, named)
+        sent = weight_sync.send(self.group, self.layout, named, self.sync_device)
         return {"bytes": sent, "seconds": time.perf_counter() - start,
                 "mtp_checksum": weight_sync.checksum(_mtp_only(named, self.trainer.model_cfg, True)),
                 "trunk_checksum": weight_sync.checksum(_mtp_only(named, self.trainer.model_cfg, False))}
