@@ -72,7 +72,6 @@ def test_online_run_logs_metrics_and_the_draft_follows_the_trainer_every_step(on
         for key in ("rollout/spec_accept_rate", "rollout/spec_accept_length", "rollout/spec_accept_rate_pos_0",
                     "train/policy_loss", "train/mtp_loss", "train/mtp_grad_norm", "perf/rollout_tokens_per_s"):
             assert key in r and math.isfinite(r[key])
-        assert r["weight_sync/worker_mtp_checksum"] == r["weight_sync/mtp_checksum"]
         assert r["train/logprob_abs_diff"] < 1e-4  # trainer and rollout agree on log-probs
     mtp = [initial_mtp_checksum(ckpt)] + [r["weight_sync/mtp_checksum"] for r in rows]
     assert len(set(mtp)) == len(mtp)  # the draft changed at every step
@@ -251,7 +250,6 @@ def test_tensor_parallel_trainers_sync_full_weights_to_the_rollout(ckpt, tmp_pat
     assert len(rows) == 2
     for r in rows:  # TP-sharded trainer, gathered weights: the rollout computes the same log-probs
         assert r["train/logprob_abs_diff"] < 1e-5
-        assert r["weight_sync/worker_mtp_checksum"] == r["weight_sync/mtp_checksum"]
 
 
 def test_two_data_parallel_trainers_train_like_one(ckpt, tmp_path):
