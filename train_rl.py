@@ -18,6 +18,7 @@ from vime.errors import UserError, require
 
 def preflight(cfg):
     """Every check that needs no actor: config, files, reward, speculative config vs checkpoint."""
+    from checkpoint_convert.config_checks import check_finite_weights
     from checkpoint_convert.hf_format import inspect_hf_checkpoint
     from rollout.advantages import ADVANTAGE_ESTIMATORS
     from rollout.data import read_prompt_file
@@ -42,18 +43,69 @@ def preflight(cfg):
     spec = parse_spec_config(cfg.rollout.vllm_speculative_config)
     check_spec_adaptive(spec, cfg.rollout.spec_adaptive)
     check_against_checkpoint(spec, hf)
+    check_spec_fits(spec, hf, cfg.rollout)
     require_lossless(spec, where="train_rl.py")
+    check_finite_weights(os.path.join(cfg.model.hf_checkpoint, "model.safetensors"))
+    from vime.paths import require_writable_dir
+
+    for flag, path in (("--save", cfg.run.save), ("--output-dir", cfg.run.output_dir)):
+        if path:  # before anything is written there (the task variant's prompts, the run's files)
+            require_writable_dir(path, flag)
     if cfg.rollout.task_variant is not None:
         cfg.rollout.prompt_data = write_variant_prompts(cfg.rollout, cfg.run.output_dir)
     if cfg.rollout.prompt_data is None:
         cfg.rollout.prompt_data = os.path.join(cfg.model.hf_checkpoint, "train.jsonl")
     if not cfg.run.debug_train_only:
-        read_prompt_file(cfg.rollout.prompt_data, cfg.rollout.input_key, cfg.rollout.label_key)
+        read_prompt_file(cfg.rollout.prompt_data, cfg.rollout.input_key, cfg.rollout.label_key,
+                         codec=_codec(cfg.model.hf_checkpoint))
         get_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
     if cfg.run.load:
-        from vime.checkpointing import latest
+        check_resume(cfg)
 
-        require(latest(cfg.run.load) is not None, f"--load {cfg.run.load}: no complete checkpoint there")
+
+def _codec(hf_checkpoint):
+    from rollout.tokenizer import TextCodec
+
+    has = os.path.isfile(os.path.join(hf_checkpoint, "tokenizer.json"))
+    require(has, f"--hf-checkpoint {hf_checkpoint}: tokenizer.json is missing; RL prompts are text")
+    return TextCodec(hf_checkpoint)
+
+
+def check_spec_fits(spec, hf, rollout_cfg):
+    """Drafts per verify step must fit the context next to a prompt and the response budget."""
+    if spec is None:
+        return
+    room = hf.max_position_embeddings - 2
+    require(spec.num_speculative_tokens <= room,
+            f"--vllm-speculative-config: num_speculative_tokens {spec.num_speculative_tokens} exceeds the "
+            f"model's context ({hf.max_position_embeddings} positions); use at most "
+            f"{min(room, rollout_cfg.rollout_max_response_len)}")
+
+
+def check_resume(cfg):
+    """--load: the checkpoint is complete, has steps left to run, and matches the MTP flags."""
+    import json
+
+    from vime.checkpointing import check_loadable
+
+    step, iteration = check_loadable(cfg.run.load)
+    require(step < cfg.run.num_rollout,
+            f"--load {cfg.run.load}: the checkpoint is at step {step}, which already reaches --num-rollout "
+            f"{cfg.run.num_rollout}; raise --num-rollout to train further")
+    meta_file = os.path.join(iteration, "model", "vime_meta.json")
+    require(os.path.isfile(meta_file), f"--load {cfg.run.load}: {meta_file} is missing; the checkpoint is incomplete")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    trained = meta.get("mtp_trained")  # the optimizer has an MTP param group exactly when it was trained
+    if trained is not None and trained != cfg.mtp.enable_training:
+        how = (f"--enable-mtp-training --mtp-num-layers {meta.get('mtp_num_layers')}" if trained
+               else "no --enable-mtp-training")
+        raise UserError(f"--load {cfg.run.load}: the checkpoint was trained with"
+                        f"{'' if trained else 'out'} MTP training; resume with the same flags ({how})")
+    n = cfg.mtp.num_layers
+    require(n is None or n <= meta.get("mtp_num_layers", 0),
+            f"--load {cfg.run.load}: the checkpoint has {meta.get('mtp_num_layers', 0)} MTP layers, "
+            f"fewer than --mtp-num-layers {n}")
 
 
 def write_variant_prompts(rollout_cfg, output_dir):
@@ -107,6 +159,7 @@ class RLRun:
         self.trainers = None if cfg.run.debug_rollout_only else TrainerGroup(cfg, load=model_load)
         self.sync = None
         workers = ray_get(self.rollout.get_workers.remote()) if self.rollout else []
+        self.actor_names = _actor_names(self.rollout, workers, self.trainers)
         ray_get([w.weight_version.remote() for w in workers])  # started: step 0 times no actor start-up
         if self.rollout and self.trainers:
             self.sync = WeightSync(self.trainers, workers, cfg.run)
@@ -118,6 +171,8 @@ class RLRun:
             with open(os.path.join(self.cfg.run.load_debug_rollout_data, f"step_{step:07d}.pkl"), "rb") as f:
                 return pickle.load(f), {}
         samples, metrics = ray_get(self.rollout.generate.remote(step))
+        if self.sync:  # workers hold the weights pushed after step - 1 (or the resumed ones)
+            check_weight_versions(samples, expected=step)
         if self.cfg.run.save_debug_rollout_data:
             os.makedirs(self.cfg.run.save_debug_rollout_data, exist_ok=True)
             with open(os.path.join(self.cfg.run.save_debug_rollout_data, f"step_{step:07d}.pkl"), "wb") as f:
@@ -140,6 +195,54 @@ class RLRun:
         checkpointing.save(run.save, step + 1, self.trainers.save, {"step": step + 1, "data_cursor": cursor})
 
 
+def check_weight_versions(samples, expected):
+    """Every sample was generated with the weights of version `expected` (else the sync lags)."""
+    from vime.orchestration import WeightSyncError
+
+    stale = sorted({s.weight_version for s in samples} - {expected})
+    if stale:
+        raise WeightSyncError(f"step {expected}: samples were generated with weight version(s) {stale}, "
+                              f"but the trainer pushed version {expected}; stopping (off-policy samples)")
+
+
+def _actor_names(rollout, workers, trainers):
+    """{actor id hex: readable name} of every actor of the run (for one-line fault messages)."""
+    names = {}
+    if rollout is not None:
+        names[rollout._actor_id.hex()] = "rollout manager"
+    for i, w in enumerate(workers):
+        names[w._actor_id.hex()] = f"rollout worker {i}"
+    for rank, a in enumerate(trainers.actors if trainers else []):
+        names[a._actor_id.hex()] = f"trainer rank {rank}"
+    return names
+
+
+def dead_actor(error):
+    """The RayActorError inside `error` (itself, or a task error's cause), or None."""
+    from ray.exceptions import RayActorError
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, RayActorError):
+            return error
+        seen.add(id(error))
+        error = getattr(error, "cause", None) or error.__cause__
+    return None
+
+
+def lost_actor_message(died, names, run_cfg, step):
+    """One line: which actor died, at which step, and how to resume."""
+    from vime.checkpointing import latest
+
+    who = names.get(died.actor_id or "", "a Ray actor")
+    if who == "a Ray actor" and died.actor_id is None and "rollout" in str(died):
+        who = "a rollout worker"
+    found = latest(run_cfg.save) if run_cfg.save and os.path.isdir(run_cfg.save) else None
+    resume = (f"resume with --load {run_cfg.save} (last checkpoint: step {found[0]})" if found else
+              "no checkpoint was saved yet: rerun, with --save DIR --save-interval K to be able to resume")
+    return f"the {who} died at step {step} (its process exited or was killed, e.g. out of memory); {resume}"
+
+
 def ray_get(ref):
     import ray
 
@@ -154,6 +257,22 @@ def run_loop(cfg):
 
     run = RLRun(cfg)
     logger = RunLogger(cfg.run, {"config": describe(cfg)}, resume_step=run.start_step)
+    try:
+        _steps(run, logger, cfg, tqdm)
+    except Exception as e:
+        died = dead_actor(e)
+        if died is None:
+            raise
+        raise ActorLost(lost_actor_message(died, run.actor_names, cfg.run, logger.next_step)) from None
+    logger.finish()
+    return logger.history
+
+
+class ActorLost(RuntimeError):
+    """An actor of the run died; the message names it and how to resume."""
+
+
+def _steps(run, logger, cfg, tqdm):
     run.push_weights(version=run.start_step)  # workers start from the trainer's (maybe resumed) weights
     steps = tqdm(range(run.start_step, cfg.run.num_rollout), desc="RL steps", disable=not cfg.run.progress)
     for step in steps:
@@ -166,11 +285,10 @@ def run_loop(cfg):
         steps.set_postfix(reward=f"{metrics.get('rollout/reward', 0):.3f}",
                           accept_len=f"{metrics.get('rollout/spec_accept_length', 0):.2f}")
         run.save(step)
-    logger.finish()
-    return logger.history
 
 
 def main(argv=None):
+    from vime.checkpointing import CheckpointSaveError, SaveLock
     from vime.cli_config import help_text, load_config
     from vime.orchestration import WeightSyncError, init_ray
 
@@ -178,20 +296,27 @@ def main(argv=None):
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
+    lock = None
     try:
         cfg = load_config(argv)
         preflight(cfg)
+        lock = SaveLock(cfg.run.save) if cfg.run.save else None  # refuse a second run on the same --save
         t = cfg.train
         init_ray(cfg.run, cfg.rollout.rollout_num_workers + t.tensor_model_parallel_size * t.data_parallel_size)
         run_loop(cfg)
     except UserError as e:  # raised in an actor it arrives wrapped by Ray: report the cause's line
         print(f"error: {str(getattr(e, 'cause', None) or e).splitlines()[0]}", file=sys.stderr)
         return 2
-    except WeightSyncError as e:
+    except (WeightSyncError, ActorLost, CheckpointSaveError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # one line, not Python's and Ray's tracebacks
+        print("error: interrupted (Ctrl-C); resume from the last checkpoint with --load", file=sys.stderr)
+        return 130
     finally:
         _shutdown_ray()
+        if lock:
+            lock.release()
     return 0
 
 

@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from checkpoint_convert.config_checks import check_finite_state, check_raw_config
 from checkpoint_convert.families import (DEFAULT_FAMILY, FAMILIES, family_of_hf_config, from_canonical,
                                         mtp_layer_indices, to_canonical)
 from vime.errors import UserError, require
@@ -111,6 +112,7 @@ def read_config(path):
             raw = json.load(f)
     except json.JSONDecodeError as e:
         raise UserError(f"{cfg_file}: malformed JSON ({e.msg} at line {e.lineno})") from None
+    check_raw_config(raw, cfg_file)
     return ModelConfig.from_hf_dict(raw, source=cfg_file)
 
 
@@ -160,6 +162,7 @@ def load_hf_checkpoint(path):
         raw = load_file(weights)
     except Exception as e:  # safetensors raises its own error types for truncated files
         raise UserError(f"{weights}: unreadable safetensors file ({e}); re-create or re-download it") from None
+    check_finite_state(raw, weights)
     state = to_canonical(raw, cfg.model_family.mtp_layout, cfg.num_hidden_layers, cfg.num_nextn_predict_layers)
     return cfg, state, cfg.family
 

@@ -36,6 +36,9 @@ def mtp_layers_to_convert(args, available):
                 "--mtp-num-layers is not set: the MTP weights would be dropped; pass "
                 f"--mtp-num-layers {available} to keep them or --drop-mtp to drop them on purpose")
         return 0
+    require(args.mtp_num_layers != 0 or available == 0,
+            f"--mtp-num-layers 0 would drop the {available} MTP layers of --hf-checkpoint {args.hf_checkpoint}; "
+            "pass --drop-mtp to drop them on purpose")
     require(args.mtp_num_layers <= available, f"--mtp-num-layers {args.mtp_num_layers} is larger than the "
             f"{available} MTP layers in --hf-checkpoint {args.hf_checkpoint}")
     require(args.mtp_num_layers >= 0, f"--mtp-num-layers {args.mtp_num_layers} must be >= 0")
@@ -64,7 +67,11 @@ def convert(args):
 
 @exit_on_user_error
 def main(argv=None):
+    from vime.paths import require_new_or_empty_dir, same_dir
+
     args = parse_args(argv)
+    require(not same_dir(args.save, args.hf_checkpoint), f"--save {args.save} is --hf-checkpoint; choose a new directory")
+    require_new_or_empty_dir(args.save, "--save")
     n_mtp = convert(args)
     print(f"saved torch_dist checkpoint to {os.path.abspath(args.save)} ({n_mtp} MTP layers)")
 

@@ -30,6 +30,9 @@ LAYER = {  # decoder-layer suffix, megatron -> HF (1:1 renames)
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    # the Transformer-Engine spec (GPU) fuses the pre-norms into the next linear
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
 }
 
 FUSED = {  # decoder-layer suffix, megatron -> (fusion kind, HF parts in order)

@@ -10,7 +10,7 @@ import dataclasses
 import os
 
 from checkpoint_convert.hf_format import read_config, save_hf_checkpoint
-from vime.errors import exit_on_user_error, require
+from vime.errors import UserError, exit_on_user_error, require
 
 
 def parse_args(argv=None):
@@ -19,6 +19,29 @@ def parse_args(argv=None):
     ap.add_argument("--output-dir", required=True)
     ap.add_argument("--origin-hf-dir", required=True)
     return ap.parse_args(argv)
+
+
+def check_args(args):
+    """Errors naming this tool's own flags, before any model is built."""
+    from checkpoint_convert.hf_format import read_config as read_origin
+    from vime.checkpointing import check_torch_dist_dir
+    from vime.paths import require_new_or_empty_dir, same_dir
+
+    require(os.path.isdir(args.input_dir), f"--input-dir {args.input_dir}: no such directory")
+    require(os.path.isfile(os.path.join(args.input_dir, "vime_meta.json")),
+            f"--input-dir {args.input_dir}: vime_meta.json is missing; not a vime torch_dist checkpoint (make one "
+            "with `python -m checkpoint_convert.hf_to_torch_dist`)")
+    check_torch_dist_dir(args.input_dir, f"--input-dir {args.input_dir}")
+    require(os.path.isdir(args.origin_hf_dir), f"--origin-hf-dir {args.origin_hf_dir}: no such directory")
+    try:
+        read_origin(args.origin_hf_dir)
+    except UserError as e:  # read_config words its errors for --hf-checkpoint
+        raise UserError(f"--origin-hf-dir {args.origin_hf_dir}: " + str(e).replace(
+            f"--hf-checkpoint {args.origin_hf_dir}: ", "")) from None
+    for other, flag in ((args.origin_hf_dir, "--origin-hf-dir"), (args.input_dir, "--input-dir")):
+        require(not same_dir(args.output_dir, other), f"--output-dir {args.output_dir} is {flag}: writing there "
+                "would overwrite it; choose a new directory")
+    require_new_or_empty_dir(args.output_dir, "--output-dir")
 
 
 def convert(args):
@@ -46,6 +69,7 @@ def convert(args):
 @exit_on_user_error
 def main(argv=None):
     args = parse_args(argv)
+    check_args(args)
     family = convert(args)
     print(f"saved HF checkpoint ({family} family) to {os.path.abspath(args.output_dir)}")
 

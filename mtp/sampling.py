@@ -54,4 +54,8 @@ def sample_with_uniforms(probs, uniforms):
     cdf = probs.cumsum(-1)
     u = uniforms.to(cdf.dtype).unsqueeze(-1) * cdf[:, -1:]
     idx = torch.searchsorted(cdf, u, right=True).squeeze(-1)
-    return idx.clamp(max=probs.shape[-1] - 1)
+    # u * cdf[-1] can round up to cdf[-1] (u near 1 in fp32): searchsorted then passes the
+    # last positive token and lands on a zero-probability one; the last token with
+    # probability > 0 is the right answer there
+    last_positive = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1)
+    return torch.minimum(idx, last_positive)

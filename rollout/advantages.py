@@ -5,7 +5,8 @@ to one advantage per sample. The loss broadcasts it over the sample's response t
 - grpo: (r - group mean) / (group std + eps), std unbiased (torch.std) like GRPO/slime.
 - gspo: the same group advantage; the sequence-level ratio lives in trainer/losses.py.
 - reinforce_plus_plus: REINFORCE++ without critic: rewards whitened over the whole batch.
-- ppo: vime has no critic yet, so ppo uses the grpo advantage (PPO-clip loss is the same).
+- ppo is refused: PPO's advantage is GAE over a learned critic, which vime does not have;
+  answering it with the GRPO advantage would run a different algorithm under PPO's name.
 """
 import torch
 
@@ -31,15 +32,21 @@ ADVANTAGE_ESTIMATORS = {
     "grpo": group_normalized,
     "gspo": group_normalized,
     "reinforce_plus_plus": batch_whitened,
-    "ppo": group_normalized,
+}
+
+REFUSED_ESTIMATORS = {
+    "ppo": "needs a critic (value model) for its GAE advantage, which vime does not have; use grpo "
+           "(the same PPO-clip loss with a group-normalised advantage, no critic)",
 }
 
 
 def compute_advantages(estimator, rewards, group_ids):
     """Advantages [N] of rewards [N] grouped by group_ids [N] under `estimator`."""
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        from vime.errors import UserError
+    from vime.errors import UserError
 
+    if estimator in REFUSED_ESTIMATORS:
+        raise UserError(f"--advantage-estimator {estimator}: {REFUSED_ESTIMATORS[estimator]}")
+    if estimator not in ADVANTAGE_ESTIMATORS:
         raise UserError(f"--advantage-estimator {estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
     return ADVANTAGE_ESTIMATORS[estimator](torch.as_tensor(rewards, dtype=torch.float32),
                                            torch.as_tensor(group_ids))

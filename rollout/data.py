@@ -24,14 +24,22 @@ def read_jsonl_rows(path, flag):
     return rows
 
 
-def read_prompt_file(path, input_key, label_key):
-    """[(prompt, label)] of the RL prompt file, with one-line errors naming the file and line."""
+def read_prompt_file(path, input_key, label_key, codec=None):
+    """[(prompt, label)] of the RL prompt file, with one-line errors naming the file and line.
+
+    Every row needs a label (the reward compares against it: a missing one would score 0
+    silently); with `codec` (rollout.tokenizer.TextCodec) every prompt character must be in
+    the vocabulary."""
     rows = []
     for lineno, row in read_jsonl_rows(path, "--prompt-data"):
         require(input_key in row, f"--prompt-data {path}: line {lineno} has no key {input_key!r} (set --input-key)")
         require(isinstance(row[input_key], str) and row[input_key],
                 f"--prompt-data {path}: line {lineno}: {input_key!r} must be a non-empty string")
-        rows.append((row[input_key], row.get(label_key)))
+        require(row.get(label_key) is not None,
+                f"--prompt-data {path}: line {lineno} has no label {label_key!r}; add one (or set --label-key)")
+        if codec is not None:
+            codec.require_known(row[input_key], f"--prompt-data {path}: line {lineno}")
+        rows.append((row[input_key], row[label_key]))
     return rows
 
 
@@ -41,6 +49,7 @@ class PromptDataset:
     def __init__(self, rows, batch_size, seed, shuffle=True):
         self.rows, self.batch_size, self.seed, self.shuffle = rows, batch_size, seed, shuffle
         self.cursor = 0  # prompts handed out so far, over all epochs
+        self._epoch, self._epoch_order = None, None  # the permutation of the current epoch, made once
 
     def _order(self, epoch):
         order = list(range(len(self.rows)))
@@ -48,10 +57,15 @@ class PromptDataset:
             random.Random(self.seed + epoch).shuffle(order)
         return order
 
+    def _order_of(self, epoch):
+        if epoch != self._epoch:
+            self._epoch, self._epoch_order = epoch, self._order(epoch)
+        return self._epoch_order
+
     def next_batch(self):
         out = []
         while len(out) < self.batch_size:
             epoch, offset = divmod(self.cursor, len(self.rows))
-            out.append(self.rows[self._order(epoch)[offset]])
+            out.append(self.rows[self._order_of(epoch)[offset]])
             self.cursor += 1
         return out

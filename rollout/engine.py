@@ -80,7 +80,7 @@ class Engine:
         self.fast = FastForward(self.model, self.config.linear_backend)
         self.max_len = self.config.max_len or self.cfg.max_position_embeddings
         self.codec = codec
-        self.backend = pick_attention_backend(self.config.device, self.config.attention_backend)
+        self.backend = pick_attention_backend(self.config.device, self.config.attention_backend, self.config.dtype)
         self.cache = KVCache(self.cfg.num_hidden_layers, self.config.max_batch_size, self.max_len + 1,
                              self.cfg.num_key_value_heads, self.cfg.head_dim, self.config.dtype, self.config.device)
         self.stop_ids = {self.cfg.eos_token_id} - {None}
@@ -225,13 +225,16 @@ class Engine:
         n_acc = res.num_accepted.tolist()
         emitted, emitted_lp = res.emitted.tolist(), res.emitted_logprobs.tolist()
         for i, r in enumerate(reqs):
-            self._append(r, emitted[i][:n_acc[i] + 1], emitted_lp[i][:n_acc[i] + 1])
-            _record_spec(r.sample.spec, counts[i], n_acc[i])
+            kept = self._append(r, emitted[i][:n_acc[i] + 1], emitted_lp[i][:n_acc[i] + 1])
+            # accepted drafts cut off by a stop token (or the budget) never reach the output:
+            # they do not count as accepted
+            _record_spec(r.sample.spec, counts[i], min(n_acc[i], kept))
         return n_acc
 
     def _append(self, r, tokens, logprobs):
+        """Append tokens until a stop token or the budget; returns how many were appended."""
         stops = self.stop_ids | set(r.sampling.stop_token_ids)
-        for tok, lp in zip(tokens, logprobs):
+        for n, (tok, lp) in enumerate(zip(tokens, logprobs), start=1):
             r.sample.response_ids.append(tok)
             r.sample.rollout_logprobs.append(lp)
             if tok in stops:
@@ -239,7 +242,8 @@ class Engine:
             elif r.num_generated >= r.sampling.max_new_tokens or r.num_tokens >= self.max_len:
                 r.finish_reason = "length"
             if r.finished:
-                return
+                return n
+        return len(tokens)
 
     def _draft_budget(self, r):
         """Drafts this request may verify: never past max_new_tokens or the context."""

@@ -16,7 +16,7 @@ from rollout.engine import EngineConfig
 from rollout.sampling_params import SamplingParams
 from rollout.spec_config import build_engine, parse_spec_config
 from rollout.spec_stats import aggregate_spec_stats, format_spec_stats
-from vime.errors import exit_on_user_error, require
+from vime.errors import UserError, exit_on_user_error, require
 from vime.sample import Sample
 
 
@@ -51,6 +51,7 @@ def prompt_ids_of(row, lineno, path, codec, bos_token_id):
         require(isinstance(row["prompt"], str), f"--prompts {path}: line {lineno}: 'prompt' must be a string")
         require(codec is not None, f"--prompts {path}: line {lineno} is text but the checkpoint has no tokenizer.json; "
                 "give 'prompt_ids' instead")
+        codec.require_known(row["prompt"], f"--prompts {path}: line {lineno}")
         ids = codec.encode_prompt(row["prompt"], bos_token_id) if row["prompt"] else []
     require(len(ids) > 0, f"--prompts {path}: line {lineno}: the prompt is empty")
     return ids
@@ -76,6 +77,27 @@ def write_outputs(samples, path):
                                 "spec": s.spec.to_dict()}) + "\n")
 
 
+def check_device(device):
+    """--device names a device this torch build has."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise UserError(f"--device {device!r}: not a torch device; use cpu or cuda") from None
+    require(kind != "cuda" or torch.cuda.is_available(),
+            f"--device {device}: this torch build has no CUDA device "
+            f"(torch {torch.__version__}); use --device cpu")
+
+
+def check_output(path):
+    """--output's directory exists and is writable, checked before any generation work."""
+    from vime.paths import require_writable_dir
+
+    parent = os.path.dirname(os.path.abspath(path))
+    require(os.path.isdir(parent), f"--output {path}: the directory {parent} does not exist; create it first")
+    require(not os.path.isdir(path), f"--output {path} is a directory; give a file path")
+    require_writable_dir(parent, "--output")
+
+
 def make_sampling(args):
     require(args.n >= 1, f"--n must be >= 1 (got {args.n})")
     require(args.max_batch_size >= 1, f"--max-batch-size must be >= 1 (got {args.max_batch_size})")
@@ -86,6 +108,8 @@ def make_sampling(args):
 @exit_on_user_error
 def main(argv=None):
     args = parse_args(argv)
+    check_output(args.output)
+    check_device(args.device)
     sampling = make_sampling(args)
     rows = read_jsonl_rows(args.prompts, "--prompts")
     spec = parse_spec_config(args.vllm_speculative_config)

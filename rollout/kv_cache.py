@@ -99,11 +99,18 @@ def _flash_cached(view, q, k, v, positions):
 ATTENTION_BACKENDS = {"sdpa": _sdpa_cached, "flash": _flash_cached}
 
 
-def pick_attention_backend(device, requested="auto"):
-    """'flash' when CUDA and flash_attn are present (or asked for), else 'sdpa'."""
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn kernels refuse fp32
+
+
+def pick_attention_backend(device, requested="auto", dtype=torch.float32):
+    """'flash' when CUDA, a half dtype and flash_attn are present (or asked for), else 'sdpa'."""
     if requested != "auto":
+        from vime.errors import require
+
+        require(requested != "flash" or dtype in FLASH_DTYPES,
+                f"attention backend 'flash' needs fp16 or bf16 weights (got {dtype}); use 'sdpa' for fp32")
         return requested
-    if torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda" or dtype not in FLASH_DTYPES:
         return "sdpa"
     try:
         import flash_attn  # noqa: F401

@@ -28,12 +28,16 @@ class RolloutWorkerImpl:
         self.group, self.layout = None, None
 
     def generate(self, samples, sampling):
-        """(samples, the engine's stats: seconds spent generating them, spec_k_mean, ...)."""
+        """(samples, the engine's stats: seconds spent generating them, spec_k_mean, ...); each sample
+        is stamped with the version of the weights that generated it (the driver compares it with
+        the trainer's step)."""
         self.engine.generate(samples, sampling)
+        for s in samples:
+            s.weight_version = self.engine.weight_version
         return samples, self.engine.stats()
 
     def join_weight_sync(self, master_addr, master_port, rank, world_size, layout, backend="gloo"):
-        self.layout = layout
+        self.layout, self.sync_device = layout, weight_sync.device_for(backend)
         self.group = weight_sync.make_group(master_addr, master_port, rank, world_size, backend)
         return rank
 
@@ -41,7 +45,7 @@ class RolloutWorkerImpl:
         """pause -> load every bucket -> resume; returns the draft checksum and seconds."""
         start = time.perf_counter()
         self.engine.pause()
-        self.engine.load_weights(weight_sync.receive(self.group, self.layout), version)
+        self.engine.load_weights(weight_sync.receive(self.group, self.layout, self.sync_device), version)
         self.engine.resume()
         return {"mtp_checksum": self.checksum(mtp_only=True), "trunk_checksum": self.checksum(mtp_only=False),
                 "seconds": time.perf_counter() - start}

@@ -35,6 +35,24 @@ class TextCodec:
     def encode(self, text):
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def unknown_characters(self, text):
+        """Characters of `text` the vocabulary lacks (the tokenizer would map them to its unk token)."""
+        unk = getattr(self.tok.model, "unk_token", None)
+        unk_id = self.tok.token_to_id(unk) if unk else None
+        if unk_id is None:
+            return []
+        enc = self.tok.encode(text, add_special_tokens=False)
+        bad = [text[a:b] for i, (a, b) in zip(enc.ids, enc.offsets) if i == unk_id and text[a:b] != unk]
+        return sorted(set(bad))
+
+    def require_known(self, text, where):
+        """UserError naming `where` when `text` has characters outside the vocabulary (never silent unk)."""
+        from vime.errors import require
+
+        bad = self.unknown_characters(text)
+        require(not bad, f"{where}: characters {''.join(bad)!r} are not in the model's vocabulary (they would "
+                "become the unknown token); remove them or use a checkpoint whose tokenizer has them")
+
     def encode_prompt(self, text, bos_token_id):
         """Prompt ids as the model was trained on them: BOS (when the model has one) + text."""
         return ([bos_token_id] if bos_token_id is not None else []) + self.encode(text)

@@ -8,3 +8,17 @@ def parity_reward(response, label):
 
 def broken_import():
     raise RuntimeError("never called")
+
+
+_CALLS = [0]
+
+
+def dies_in_second_step(response, label):
+    """parity_reward, but the process (the rollout manager) exits during step 1's rewards
+    (16 samples per step in the tests): a real actor death, no mock."""
+    import os
+
+    _CALLS[0] += 1
+    if _CALLS[0] > 16:
+        os._exit(3)
+    return parity_reward(response, label)

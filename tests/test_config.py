@@ -51,3 +51,34 @@ def test_bad_flags_are_one_line_user_errors(argv, needle):
 def test_validation_refuses_inconsistent_settings(argv, needle):
     with pytest.raises(UserError, match=needle.replace("-", r"\-")):
         validate(load_config(argv))
+
+
+def test_yaml_and_dataclass_defaults_agree():
+    from omegaconf import OmegaConf
+
+    from vime.cli_config import CONFIG_DIR
+    from vime.config import Config
+
+    yaml = OmegaConf.to_container(OmegaConf.load(f"{CONFIG_DIR}/config.yaml"))
+    schema = Config()
+    for section, values in yaml.items():
+        if section == "defaults":
+            continue
+        for key, value in values.items():
+            assert getattr(getattr(schema, section), key) == value, f"{section}.{key}"
+
+
+def test_help_shows_every_flag_with_its_default():
+    from vime.cli_config import help_text
+
+    text = help_text()
+    for name in flag_table():
+        line = next(x for x in text.splitlines() if x.split()[:1] == [name])
+        assert "default" in line, line
+    assert "--rollout-batch-size" in text and "[default: 16]" in text
+    assert '[default: {"method": "mtp", "num_speculative_tokens": 2}]' in text
+
+
+def test_optional_flags_take_none():
+    assert load_config(["--mtp-lr", "none"]).mtp.lr is None
+    assert load_config([]).mtp.lr == 5e-3

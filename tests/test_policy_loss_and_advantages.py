@@ -18,11 +18,12 @@ def test_grpo_advantage_is_group_centred_and_std_normalised():
     assert torch.allclose(adv, torch.tensor([0.5 / s, -0.5 / s, -0.5 / s, 0.5 / s, 0.0, 0.0]), atol=1e-5)
 
 
-def test_gspo_and_ppo_use_the_grpo_group_advantage():
+def test_gspo_uses_the_grpo_group_advantage_and_ppo_without_a_critic_is_refused():
     r, g = [3.0, 1.0, 2.0, 0.0], [0, 0, 1, 1]
     expected = compute_advantages("grpo", r, g)
     assert torch.equal(compute_advantages("gspo", r, g), expected)
-    assert torch.equal(compute_advantages("ppo", r, g), expected)
+    with pytest.raises(UserError, match="needs a critic"):
+        compute_advantages("ppo", r, g)
 
 
 def test_reinforce_plus_plus_whitens_over_the_whole_batch():

@@ -1,6 +1,8 @@
 """Speculative decoding is lossless: greedy outputs and log-probs equal plain decoding for
 every proposer, drafts really get accepted, cached MTP drafting equals the naive recompute,
 and the target as its own draft model is accepted (almost) always."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -144,6 +146,22 @@ def test_speculation_with_reused_slots_equals_plain_decoding(method, markov_ckpt
     engine = build_engine(markov_ckpt, spec_for(method, 3, markov_ckpt), EngineConfig(max_batch_size=7))
     spec = engine.generate(make_samples(prompts[:40]), GREEDY)
     assert [s.response_ids for s in spec] == [s.response_ids for s in plain[:40]]
+
+
+def test_accepted_drafts_cut_off_by_a_stop_token_are_not_counted(markov_ckpt, prompts, plain):
+    # the draft is the target, so the first verify step accepts all 3 drafts; stopping at the
+    # first of them keeps 1 accepted token in the output, and only that one may count
+    engine = build_engine(markov_ckpt, spec_for("draft_model", 3, markov_ckpt), EngineConfig(max_batch_size=4))
+    accepted = []
+    for ids, ref in list(zip(prompts, plain))[:12]:
+        stop = ref.response_ids[1]
+        if stop == ref.response_ids[0]:
+            continue
+        out = engine.generate(make_samples([ids]), dataclasses.replace(GREEDY, stop_token_ids=(stop,)))[0]
+        assert out.response_ids == ref.response_ids[:2] and out.finish_reason == "stop"
+        accepted.append(out.spec.accepted_tokens)
+        assert out.spec.accepted_tokens <= len(out.response_ids) - 1  # the prefill token is never a draft
+    assert sum(accepted) >= len(accepted) // 2 > 0  # drafts were accepted: the bound is not vacuous
 
 
 class CyclingK:

@@ -85,6 +85,36 @@ def test_corpus_slips_change_exactly_one_digit_and_only_direct_answers_are_noisy
     assert abs(total["trace"] / 2000 - 0.2) < 0.03
 
 
+def test_a_uniform_that_rounds_up_never_picks_a_zero_probability_token():
+    # 1 - 1e-9 rounds to 1.0 in fp32, so u * cdf[-1] == cdf[-1]: without the clamp the
+    # search runs past the last positive token into the zero-probability tail
+    probs = torch.tensor([[0.3, 0.7, 0.0, 0.0], [0.0, 0.5, 0.0, 0.5], [0.2, 0.0, 0.0, 0.0]])
+    u = torch.tensor([1 - 1e-9] * 3, dtype=torch.float64)
+    picked = sample_with_uniforms(probs, u)
+    assert picked.tolist() == [1, 3, 0]
+    assert bool((probs.gather(1, picked[:, None]) > 0).all())
+
+
+def test_prompt_sampler_shuffles_once_per_epoch_and_keeps_the_seeded_order():
+    import random
+
+    from rollout.data import PromptDataset
+
+    rows = [(f"p{i}", str(i)) for i in range(50)]
+    data = PromptDataset(rows, batch_size=20, seed=7)
+    shuffles = []
+    original = data._order
+    data._order = lambda epoch: shuffles.append(epoch) or original(epoch)
+    drawn = [r for _ in range(6) for r in data.next_batch()]  # 120 prompts: 2.4 epochs
+    assert shuffles == [0, 1, 2]  # one permutation per epoch, not one per prompt drawn
+    expected = []
+    for epoch in range(3):
+        order = list(range(50))
+        random.Random(7 + epoch).shuffle(order)
+        expected += [rows[i] for i in order]
+    assert drawn == expected[:120]
+
+
 def test_longtail_variant_has_correct_labels_and_widely_varying_trace_lengths():
     from rollout.task import TASK_VARIANTS, multi_trace_answer
 

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -71,7 +72,6 @@ def test_online_run_logs_metrics_and_the_draft_follows_the_trainer_every_step(on
         for key in ("rollout/spec_accept_rate", "rollout/spec_accept_length", "rollout/spec_accept_rate_pos_0",
                     "train/policy_loss", "train/mtp_loss", "train/mtp_grad_norm", "perf/rollout_tokens_per_s"):
             assert key in r and math.isfinite(r[key])
-        assert r["weight_sync/worker_mtp_checksum"] == r["weight_sync/mtp_checksum"]
         assert r["train/logprob_abs_diff"] < 1e-4  # trainer and rollout agree on log-probs
     mtp = [initial_mtp_checksum(ckpt)] + [r["weight_sync/mtp_checksum"] for r in rows]
     assert len(set(mtp)) == len(mtp)  # the draft changed at every step
@@ -103,16 +103,20 @@ def test_frozen_mtp_stays_bitwise_initial_while_the_trunk_trains(ckpt, tmp_path)
     assert all("train/mtp_loss" not in r for r in rows)
 
 
-def test_resume_from_the_step2_checkpoint_reproduces_step3_metrics(online_run, ckpt, tmp_path):
+def test_resume_from_the_step2_checkpoint_reproduces_step3_metrics_and_rewrites_the_log(online_run, ckpt, tmp_path):
+    import shutil
+
     out, save = online_run
+    shutil.copy(os.path.join(out, "metrics.jsonl"), tmp_path / "metrics.jsonl")  # the interrupted run's log
     proc = run_train(*base_args(ckpt, tmp_path, 3, "--enable-mtp-training", "--mtp-num-layers", 1, "--load", save))
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = metrics(tmp_path)
-    assert [r["rollout/step"] for r in resumed] == [2]
-    original = metrics(out)[2]
-    for key, value in original.items():
+    assert [r["rollout/step"] for r in resumed] == [0, 1, 2]  # steps from the checkpoint on are rewritten, once
+    original = metrics(out)
+    assert resumed[:2] == original[:2]
+    for key, value in original[2].items():
         if not key.startswith(TIMING_KEYS):
-            assert resumed[0][key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+            assert resumed[2][key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
 
 
 def test_killing_the_process_during_a_save_leaves_the_previous_checkpoint_loadable(online_run, ckpt, tmp_path):
@@ -150,6 +154,35 @@ def test_killing_the_process_during_a_save_leaves_the_previous_checkpoint_loadab
     assert sum(p.numel() for p in trainer.model.parameters()) > 0
 
 
+def test_a_dead_actor_ends_the_run_with_one_line_naming_it_and_the_checkpoint_to_load(ckpt, tmp_path):
+    save = tmp_path / "save"
+    proc = run_train(*base_args(ckpt, tmp_path / "out", 4, "--save", save, "--save-interval", 1, "--use-wandb", "false",
+                                "--custom-rm-path", "tests.rewards_for_tests:dies_in_second_step"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert errors == [f"error: the rollout manager died at step 1 (its process exited or was killed, e.g. out of "
+                      f"memory); resume with --load {save} (last checkpoint: step 1)"], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "ActorDiedError" not in proc.stderr
+    assert [r["rollout/step"] for r in metrics(tmp_path / "out")] == [0]
+
+
+def test_ctrl_c_prints_one_line_and_no_traceback(ckpt, tmp_path):
+    env = dict(os.environ, PYTHONPATH=REPO, RAY_AUTH_MODE="disabled", WANDB_MODE="offline")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "train_rl.py", *map(str, base_args(ckpt, out, 50, "--use-wandb", "false"))],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (log.exists() and log.read_text().strip()):
+        time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert [x for x in stderr.splitlines() if x.startswith("error:")] == [
+        "error: interrupted (Ctrl-C); resume from the last checkpoint with --load"]
+
+
 def no_model_ckpt(tmp_path):
     path = str(tmp_path / "no_mtp")
     make_random_checkpoint(path, seed=5, num_nextn_predict_layers=0, **SMALL)
@@ -177,6 +210,9 @@ def assert_refused_before_actors(proc, needle):
     (["--pipeline-model-parallel-size", 2], "--pipeline-model-parallel-size 2: pipeline parallelism is not supported"),
     (["--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 1, '
       '"rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.5}'], "benchmark-only"),
+    (["--rollout-temperature", 0], "--rollout-temperature 0"),
+    (["--rollout-top-p", 1.5], "--rollout-top-p 1.5"),
+    (["--kl-loss-type", "k9"], "--kl-loss-type 'k9'"),
     (["--spec-adaptive=maybe"], "--spec-adaptive takes true or false"),
     (["--task-variant", "nope"], "--task-variant 'nope': choose one of add, longtail"),
     (["--spec-adaptive", "--vllm-speculative-config", "null"], "--spec-adaptive chooses how many tokens to draft"),
@@ -200,7 +236,7 @@ def test_an_incomplete_checkpoint_is_refused_before_any_actor_starts(ckpt, tmp_p
     broken = str(tmp_path / "broken")
     shutil.copytree(ckpt, broken)
     state = load_file(os.path.join(broken, "model.safetensors"))
-    state.pop("model.layers.2.eh_proj.weight")
+    state.pop(next(k for k in sorted(state) if "mtp" in k or ".layers.2." in k))  # an MTP tensor, in any family
     save_file(state, os.path.join(broken, "model.safetensors"))
     assert_refused_before_actors(run_train(*base_args(broken, tmp_path, 1), timeout=120), "tensors missing")
 
@@ -233,7 +269,6 @@ def test_tensor_parallel_trainers_sync_full_weights_to_the_rollout(ckpt, tmp_pat
     assert len(rows) == 2
     for r in rows:  # TP-sharded trainer, gathered weights: the rollout computes the same log-probs
         assert r["train/logprob_abs_diff"] < 1e-5
-        assert r["weight_sync/worker_mtp_checksum"] == r["weight_sync/mtp_checksum"]
 
 
 def test_two_data_parallel_trainers_train_like_one(ckpt, tmp_path):

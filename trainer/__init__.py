@@ -1,1 +1,5 @@
 """megatron-core trainer: policy loss, online MTP training, torch_dist checkpoints."""
+
+from trainer.cpu_patches import quiet_megatron_warnings
+
+quiet_megatron_warnings()  # before any trainer module imports megatron-core

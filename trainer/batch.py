@@ -34,6 +34,11 @@ class Batch:
         return replace(self, **{f.name: getattr(self, f.name)[start:end] for f in fields(self)
                                 if getattr(self, f.name) is not None})
 
+    def to(self, device):
+        """This batch with every tensor on `device` (itself when already there)."""
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if getattr(self, f.name) is not None})
+
     def micro_batches(self, micro_batch_size):
         size = micro_batch_size if micro_batch_size and micro_batch_size > 0 else self.size
         return [self.rows(i, i + size) for i in range(0, self.size, size)]

@@ -3,9 +3,34 @@
 `apply_cpu_patches()` is idempotent and does nothing when CUDA is available. Each patch
 names the megatron-core call site that calls CUDA unconditionally.
 """
+import warnings
+
 import torch
 
 _APPLIED = []
+
+# Warnings megatron-core 0.16.1 (and torch's dist-checkpoint under it) prints in every
+# trainer process of a normal CPU run; none asks the user to do anything: Apex and
+# Transformer Engine are optional GPU kernels, vime sets no cuda-graph scope, passes no
+# tp_group and uses megatron's own sharded checkpoints.
+MEGATRON_NOISE = (
+    r"Apex is not installed",
+    r"Transformer Engine and Apex are not installed",
+    r"full scope is deprecated",
+    r".*tp_group is None, using default tp group",
+    r"MLP requires ffn_hidden_size",
+    r"The 'megatron\.core\.transformer\.custom_layers\.transformer_engine'",
+    r"The following imports from `dynamic_context\.py`",
+    r"Please use DTensor instead and we are deprecating ShardedTensor",
+    r"`load_state_dict` is deprecated",
+    r"`torch\.jit\.script_method` is deprecated",
+)
+
+
+def quiet_megatron_warnings():
+    """Ignore exactly the messages above (by text, so any new warning still shows)."""
+    for message in MEGATRON_NOISE:
+        warnings.filterwarnings("ignore", message=message)
 
 
 def _patch_current_device():

@@ -86,6 +86,13 @@ def teardown():
         dist.destroy_process_group()
 
 
+def collective_device():
+    """Where collective tensors must live: the current CUDA device under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def tp_group():
     from megatron.core import parallel_state as ps
 

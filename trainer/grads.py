@@ -10,7 +10,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from trainer.distributed import dp_group, tp_group, tp_rank_and_size
+from trainer.distributed import collective_device, dp_group, tp_group, tp_rank_and_size
 
 _TP_PARTIAL = ("q_layernorm", "k_layernorm")
 
@@ -36,10 +36,10 @@ def _counted_once(param, tp_rank):
 def grad_norm(params):
     """L2 norm of the grads of `params` over the whole (TP-sharded) model."""
     tp_rank, tp = tp_rank_and_size()
-    sq = torch.zeros((), dtype=torch.float64)
+    sq = torch.zeros((), dtype=torch.float64, device=collective_device())  # NCCL reduces CUDA tensors only
     for p in params:
         if p.grad is not None and _counted_once(p, tp_rank):
-            sq += p.grad.detach().double().pow(2).sum().cpu()
+            sq += p.grad.detach().double().pow(2).sum().to(sq.device)
     if tp > 1:
         dist.all_reduce(sq, group=tp_group())
     return math.sqrt(sq.item())

@@ -12,19 +12,57 @@ from trainer.batch import build_batch
 from vime import weight_sync
 
 
+def node_rendezvous():
+    """(this node's IP as Ray sees it, a free port on it): where rank 0 of a group listens, so
+    processes on other nodes (`--ray-address`) reach it; 127.0.0.1 only works on one node."""
+    import socket
+
+    import ray.util
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
 class TrainerActorImpl:
-    def __init__(self, rank, world_size, master_addr, master_port, trainer_cfg, hf_checkpoint, load=None, threads=1):
+    """Created first, then `start`ed on every rank with rank 0's `rendezvous()` address."""
+
+    def __init__(self, rank, world_size, trainer_cfg, hf_checkpoint, load=None, threads=1):
+        torch.set_num_threads(threads)
+        self.rank, self.world_size = rank, world_size
+        self.cfg, self.hf_checkpoint, self.load = trainer_cfg, hf_checkpoint, load
+        self.trainer, self.ref_state, self.group, self.layout = None, None, None, None
+
+    def rendezvous(self):
+        return node_rendezvous()
+
+    def start(self, master_addr, master_port):
+        """Join the trainer group (collective over all ranks) and build the Trainer."""
         from trainer.distributed import init_distributed
         from trainer.trainer import Trainer
 
-        torch.set_num_threads(threads)
-        init_distributed(rank, world_size, master_addr, master_port, trainer_cfg.tensor_model_parallel_size,
-                         trainer_cfg.pipeline_model_parallel_size)
-        self.rank = rank
-        self.cfg = trainer_cfg
+        trainer_cfg, hf_checkpoint, load = self.cfg, self.hf_checkpoint, self.load
+        init_distributed(self.rank, self.world_size, master_addr, master_port,
+                         trainer_cfg.tensor_model_parallel_size, trainer_cfg.pipeline_model_parallel_size)
         self.trainer = Trainer(trainer_cfg, hf_checkpoint, load=load)
-        self.ref_state = self._snapshot() if trainer_cfg.use_kl_loss else None
-        self.group, self.layout = None, None
+        self.ref_state = self._initial_policy(hf_checkpoint, load) if trainer_cfg.use_kl_loss else None
+        return self.rank
+
+    def _initial_policy(self, hf_checkpoint, load):
+        """The KL reference: the policy the run started from, i.e. --hf-checkpoint's weights
+        (after --load the model holds the resumed policy, which is not the reference)."""
+        if load is None:
+            return self._snapshot()
+        from checkpoint_convert.hf_format import load_hf_checkpoint
+        from trainer.weights import load_hf_state
+
+        resumed = self._snapshot()
+        _, hf_state, _ = load_hf_checkpoint(hf_checkpoint)
+        load_hf_state(self.trainer.model, hf_state, self.trainer.model_cfg)
+        initial = self._snapshot()
+        self.trainer.model.load_state_dict(resumed, strict=False)
+        return initial
 
     def _snapshot(self):
         return {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items() if torch.is_tensor(v)}
@@ -55,7 +93,7 @@ class TrainerActorImpl:
         return weight_sync.bucket_layout(self.trainer.named_hf_weights(), buffer_size)
 
     def join_weight_sync(self, master_addr, master_port, world_size, layout, backend="gloo"):
-        self.layout = layout
+        self.layout, self.sync_device = layout, weight_sync.device_for(backend)
         self.group = weight_sync.make_group(master_addr, master_port, 0, world_size, backend)
         return 0
 
@@ -65,7 +103,7 @@ class TrainerActorImpl:
         if self.rank != 0:
             return None
         start = time.perf_counter()
-        sent = weight_sync.send(self.group, self.layout, named)
+        sent = weight_sync.send(self.group, self.layout, named, self.sync_device)
         return {"bytes": sent, "seconds": time.perf_counter() - start,
                 "mtp_checksum": weight_sync.checksum(_mtp_only(named, self.trainer.model_cfg, True)),
                 "trunk_checksum": weight_sync.checksum(_mtp_only(named, self.trainer.model_cfg, False))}

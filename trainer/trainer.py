@@ -29,8 +29,10 @@ def resolve_mtp_layers(requested, available):
 
 
 def _dp_sum(value):
-    t = torch.as_tensor(value, dtype=torch.float64).clone()
-    from trainer.distributed import dp_group
+    from trainer.distributed import collective_device, dp_group
+
+    # on the collective's device (NCCL reduces CUDA tensors only); callers read it with .item()
+    t = torch.as_tensor(value, dtype=torch.float64).detach().clone().to(collective_device())
 
     if dist.get_world_size(dp_group()) > 1:
         dist.all_reduce(t, group=dp_group())
@@ -84,9 +86,15 @@ class Trainer:
         """[b, s-1] log-probs of tokens 1.. under softmax(logits / T)."""
         return token_logprobs(out.logits[:, :-1], tokens[:, 1:], self.cfg.temperature)
 
+    @property
+    def device(self):
+        """The model's device: batches are built on the CPU and moved here."""
+        return next(self.model.parameters()).device
+
     @torch.no_grad()
     def compute_logprobs(self, batch):
         """[B, S] log-prob of each token given its prefix (0 at position 0), at the rollout temperature."""
+        batch = batch.to(self.device)
         self.model.eval()
         rows = []
         for mb in batch.micro_batches(self.cfg.micro_batch_size):
@@ -125,6 +133,7 @@ class Trainer:
     # ---- step -------------------------------------------------------------------------
     def backward(self, batch):
         """Forward + backward over micro-batches; grads left on the parameters. Returns metrics."""
+        batch = batch.to(self.device)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = _dp_sum(batch.num_response_tokens()).float()
@@ -165,7 +174,8 @@ class Trainer:
         yield from named_hf_weights(self.model, self.model_cfg)
 
     def _meta(self):
-        return {"model_config": dataclasses.asdict(self.model_cfg), "mtp_num_layers": self.mtp_num_layers}
+        return {"model_config": dataclasses.asdict(self.model_cfg), "mtp_num_layers": self.mtp_num_layers,
+                "mtp_trained": bool(self.cfg.enable_mtp_training)}
 
     def save(self, path):
         """torch_dist checkpoint of weights + optimizer state (collective: every rank calls it)."""

@@ -4,6 +4,7 @@ Flags are applied to the dataclass tree after Hydra composes, so values Hydra's 
 grammar cannot hold (a JSON speculative config) pass through unchanged.
 """
 import difflib
+import json
 import os
 import typing
 
@@ -58,7 +59,7 @@ def _convert(name, f, text):
     """The flag's string value as the field's type."""
     args = [a for a in typing.get_args(f.type) if a is not type(None)]
     kind = args[0] if args else f.type
-    if text.lower() in ("none", "null") and f.default is None:
+    if text.lower() in ("none", "null") and type(None) in typing.get_args(f.type):
         return None
     try:
         if kind is bool:
@@ -84,7 +85,23 @@ def compose(overrides):
         return OmegaConf.to_object(merged)
     except Exception as e:  # Hydra/OmegaConf report bad overrides with their own exception types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"config override {overrides}: {first}") from None
+        raise UserError(f"config override {overrides}: {first}{_closest_key_hint(overrides)}") from None
+
+
+def config_keys():
+    """Every `section.field` of the tree (the keys Hydra overrides may set)."""
+    return [path for path, _ in flag_table().values()]
+
+
+def _closest_key_hint(overrides):
+    """'; did you mean rollout.rollout_temperature?' for the first override whose key is unknown."""
+    keys = config_keys()
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if "." in key and key.split(".")[0] in {k.split(".")[0] for k in keys} and key not in keys:
+            close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
+            return f"; did you mean {close[0]}?" if close else "; see --help for the keys"
+    return ""
 
 
 def load_config(argv):
@@ -108,8 +125,20 @@ def describe(cfg):
 
 
 def help_text():
+    """Every flag with its config key, its default (after configs/config.yaml) and its help."""
+    defaults = compose([])
     lines = ["usage: python train_rl.py [--kebab-flags ...] [hydra.key=value ...]", ""]
     for name, (path, f) in flag_table().items():
-        lines.append(f"  {name:<34} {path:<40} {f.metadata.get('help', '')}")
+        section, key = path.split(".")
+        text = f.metadata.get("help", "")
+        if "default" not in text:  # some helps already say what their default means
+            text = f"{text} [default: {_shown(getattr(getattr(defaults, section), key))}]".strip()
+        lines.append(f"  {name:<34} {path:<40} {text}")
     return "\n".join(lines)
+
+
+def _shown(value):
+    if isinstance(value, str) and os.path.isabs(value):
+        return os.path.relpath(value) if value.startswith(os.getcwd()) else value
+    return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
 

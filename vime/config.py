@@ -42,7 +42,7 @@ class RolloutSection:
     rollout_top_k: int = field(default=0, metadata=flag("--rollout-top-k"))
     rollout_num_workers: int = field(default=1, metadata=flag("--rollout-num-workers"))
     rollout_max_batch_size: int = field(default=128, metadata=flag("--rollout-max-batch-size", "engine slots"))
-    vllm_speculative_config: Any = field(default=None, metadata=flag(
+    vllm_speculative_config: Any = field(default_factory=lambda: {"method": "mtp", "num_speculative_tokens": 2}, metadata=flag(
         "--vllm-speculative-config", "vLLM SpeculativeConfig JSON, e.g. '{\"method\":\"mtp\",\"num_speculative_tokens\":2}'"))
     spec_adaptive: bool = field(default=False, metadata=flag(
         "--spec-adaptive", "choose k in 0..num_speculative_tokens per step from measured cost and acceptance"))
@@ -54,7 +54,7 @@ class RolloutSection:
 
 @dataclass
 class TrainSection:
-    lr: float = field(default=1e-4, metadata=flag("--lr"))
+    lr: float = field(default=2e-4, metadata=flag("--lr"))
     weight_decay: float = field(default=0.0, metadata=flag("--weight-decay"))
     adam_eps: float = field(default=1e-8, metadata=flag("--adam-eps", "Adam's epsilon (Megatron's --adam-eps)"))
     clip_grad: float = field(default=1.0, metadata=flag("--clip-grad"))
@@ -65,7 +65,7 @@ class TrainSection:
     kl_loss_type: str = field(default="k3", metadata=flag("--kl-loss-type", "k1 | k3"))
     advantage_estimator: str = field(default="grpo", metadata=flag("--advantage-estimator"))
     global_batch_size: int = field(default=128, metadata=flag("--global-batch-size", "samples per optimizer step"))
-    micro_batch_size: int = field(default=32, metadata=flag("--micro-batch-size"))
+    micro_batch_size: int = field(default=64, metadata=flag("--micro-batch-size"))
     tensor_model_parallel_size: int = field(default=1, metadata=flag("--tensor-model-parallel-size"))
     pipeline_model_parallel_size: int = field(default=1, metadata=flag("--pipeline-model-parallel-size"))
     data_parallel_size: int = field(default=1, metadata=flag("--data-parallel-size"))
@@ -79,13 +79,13 @@ class MTPSection:
     loss_scaling_factor: float = field(default=0.2, metadata=flag("--mtp-loss-scaling-factor"))
     detach_trunk: bool = field(default=True, metadata=flag("--mtp-detach-trunk", "--no-mtp-detach-trunk trains jointly"))
     clip_grad: Optional[float] = field(default=None, metadata=flag("--mtp-clip-grad"))
-    lr: Optional[float] = field(default=None, metadata=flag(
-        "--mtp-lr", "learning rate of the MTP layers (default: --lr); Adam makes the loss factor nearly scale-free"))
+    lr: Optional[float] = field(default=5e-3, metadata=flag(
+        "--mtp-lr", "learning rate of the MTP layers (none: --lr); Adam makes the loss factor nearly scale-free"))
 
 
 @dataclass
 class RunSection:
-    num_rollout: int = field(default=20, metadata=flag("--num-rollout", "RL steps"))
+    num_rollout: int = field(default=40, metadata=flag("--num-rollout", "RL steps"))
     output_dir: str = field(default="runs/latest", metadata=flag("--output-dir", "metrics.jsonl, plots, wandb"))
     save: Optional[str] = field(default=None, metadata=flag("--save"))
     save_interval: int = field(default=0, metadata=flag("--save-interval"))
@@ -154,3 +154,35 @@ def validate(cfg):
     require(not run.save_interval or run.save, "--save-interval needs --save DIR")
     require(run.wandb_mode in (None, "offline", "online", "disabled"),
             f"--wandb-mode {run.wandb_mode!r}: use offline, online or disabled")
+    _validate_rl_sampling(r)
+    _validate_optimisation(t, m)
+
+
+def _validate_rl_sampling(r):
+    """RL samples must come from the policy the trainer scores: full softmax at T > 0."""
+    require(r.rollout_temperature > 0,
+            f"--rollout-temperature {r.rollout_temperature}: RL needs sampling (> 0); at 0 every sample of a "
+            "prompt is the same greedy answer, so the group advantage and the gradient are zero")
+    # the trainer computes log-probs under the full softmax; top-p/top-k samples come from a
+    # truncated one, which would bias the PPO ratio silently
+    require(r.rollout_top_p == 1.0,
+            f"--rollout-top-p {r.rollout_top_p}: RL samples from the full softmax (the trainer's log-probs "
+            "do not truncate); leave --rollout-top-p at 1.0")
+    require(r.rollout_top_k == 0,
+            f"--rollout-top-k {r.rollout_top_k}: RL samples from the full softmax (the trainer's log-probs "
+            "do not truncate); leave --rollout-top-k at 0")
+
+
+def _validate_optimisation(t, m):
+    from rollout.advantages import ADVANTAGE_ESTIMATORS, REFUSED_ESTIMATORS
+    from trainer.losses import KL_ESTIMATORS
+
+    require(t.lr >= 0, f"--lr {t.lr}: a learning rate must be >= 0 (a negative one ascends the loss)")
+    require(m.lr is None or m.lr >= 0, f"--mtp-lr {m.lr}: a learning rate must be >= 0 (a negative one ascends the loss)")
+    require(t.kl_loss_type in KL_ESTIMATORS,
+            f"--kl-loss-type {t.kl_loss_type!r}: choose one of {', '.join(sorted(KL_ESTIMATORS))}")
+    require(t.advantage_estimator not in REFUSED_ESTIMATORS,
+            f"--advantage-estimator {t.advantage_estimator}: {REFUSED_ESTIMATORS.get(t.advantage_estimator)}")
+    require(t.advantage_estimator in ADVANTAGE_ESTIMATORS,
+            f"--advantage-estimator {t.advantage_estimator!r}: choose one of {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
+    require(t.clip_grad >= 0, f"--clip-grad {t.clip_grad} must be >= 0 (0 disables clipping)")

@@ -14,6 +14,7 @@ class WeightSyncError(RuntimeError):
 
 
 def free_port():
+    """A free local port (single-machine tools and benchmarks; the Ray groups use the node's IP)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -45,13 +46,14 @@ class TrainerGroup:
         self.world = t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.data_parallel_size
         self.dp = t.data_parallel_size
         self.steps_per_rollout = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt // t.global_batch_size
-        port = free_port()
         gpus = ray.cluster_resources().get("GPU", 0)
         opts = {"num_gpus": 1} if gpus else {"num_cpus": 1}
         tcfg = trainer_config(cfg)
-        self.actors = [TrainerActor.options(**opts).remote(rank, self.world, "127.0.0.1", port, tcfg,
-                                                           cfg.model.hf_checkpoint, load)
+        self.actors = [TrainerActor.options(**opts).remote(rank, self.world, tcfg, cfg.model.hf_checkpoint, load)
                        for rank in range(self.world)]
+        # rank 0 hosts the group: its node's IP, so ranks on other nodes can join
+        master_addr, port = ray.get(self.actors[0].rendezvous.remote())
+        ray.get([a.start.remote(master_addr, port) for a in self.actors])
         self.tp_pp = self.world // self.dp
 
     def train(self, samples):
@@ -72,10 +74,11 @@ class WeightSync:
         self.trainers, self.workers = trainers, workers
         self.check_all = run_cfg.check_weight_update_equal
         layouts = ray.get([a.weight_layout.remote(run_cfg.update_weight_buffer_size) for a in trainers.actors])
-        layout, port, world = layouts[0], free_port(), 1 + len(workers)
+        layout, world = layouts[0], 1 + len(workers)
+        master_addr, port = ray.get(trainers.actors[0].rendezvous.remote())  # trainer rank 0 hosts the broadcast
         backend = "nccl" if ray.cluster_resources().get("GPU", 0) else "gloo"
-        joins = [trainers.actors[0].join_weight_sync.remote("127.0.0.1", port, world, layout, backend)]
-        joins += [w.join_weight_sync.remote("127.0.0.1", port, i + 1, world, layout, backend)
+        joins = [trainers.actors[0].join_weight_sync.remote(master_addr, port, world, layout, backend)]
+        joins += [w.join_weight_sync.remote(master_addr, port, i + 1, world, layout, backend)
                   for i, w in enumerate(workers)]
         ray.get(joins)
 

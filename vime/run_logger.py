@@ -19,10 +19,29 @@ class RunLogger:
         self.dir = run_cfg.output_dir
         os.makedirs(self.dir, exist_ok=True)
         self.jsonl_path = os.path.join(self.dir, "metrics.jsonl")
-        if resume_step == 0 and os.path.exists(self.jsonl_path):
-            os.remove(self.jsonl_path)
+        self._keep_rows_before(resume_step)
+        self.next_step = resume_step
         self.history = []
         self.wandb = self._init_wandb(config_dict) if run_cfg.use_wandb else None
+
+    def _keep_rows_before(self, step):
+        """A resumed run rewrites metrics.jsonl from the checkpoint's step (no duplicated steps)."""
+        if not os.path.exists(self.jsonl_path):
+            return
+        kept = []
+        if step > 0:
+            with open(self.jsonl_path) as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # a line cut by a crash
+                    if row.get("rollout/step", step) < step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+        tmp = self.jsonl_path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.jsonl_path)
 
     def _init_wandb(self, config_dict):
         import wandb
@@ -36,6 +55,7 @@ class RunLogger:
     def log(self, step, metrics):
         row = dict(metrics, **{"rollout/step": step})
         self.history.append(row)
+        self.next_step = step + 1
         with open(self.jsonl_path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.wandb:

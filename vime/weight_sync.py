@@ -74,21 +74,26 @@ def broadcast(group, tensor):
     return tensor
 
 
-def send(group, layout, named_tensors):
-    """Trainer rank 0: broadcast every bucket. Returns bytes sent."""
+def device_for(backend):
+    """NCCL moves CUDA tensors only; gloo CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def send(group, layout, named_tensors, device="cpu"):
+    """Trainer rank 0: broadcast every bucket (as `device` tensors: CUDA for NCCL). Returns bytes sent."""
     by_name = dict(named_tensors)
     sent = 0
     for bucket in layout:
-        flat = flatten_bucket(bucket, by_name)
+        flat = flatten_bucket(bucket, by_name).to(device)
         broadcast(group, flat)
         sent += flat.numel() * flat.element_size()
     return sent
 
 
-def receive(group, layout):
-    """Rollout worker: yield (name, tensor) for every bucket as it arrives."""
+def receive(group, layout, device="cpu"):
+    """Rollout worker: yield (name, tensor) for every bucket as it arrives (on `device`)."""
     for bucket in layout:
-        flat = torch.empty(sum(s.numel for s in bucket), dtype=bucket[0].dtype)
+        flat = torch.empty(sum(s.numel for s in bucket), dtype=bucket[0].dtype, device=device)
         broadcast(group, flat)
         yield from unflatten_bucket(bucket, flat)
 
@@ -98,7 +103,7 @@ def checksum(named_tensors):
     total = torch.zeros(2, dtype=torch.float64)
     for name, t in sorted(named_tensors, key=lambda x: x[0]):
         td = t.detach().double()
-        total += torch.stack([td.sum(), (td * td).sum()])
+        total += torch.stack([td.sum(), (td * td).sum()]).cpu()  # tensors may live on the GPU
     return total.tolist()
 
 

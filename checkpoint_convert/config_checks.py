@@ -1,0 +1,69 @@
+"""Validation of an HF checkpoint's config.json values and weights (pure: json, torch, safetensors).
+
+`read_config` parses the file; these checks make sure what it parsed can build a model, so a
+wrong value is one line naming the file and the key instead of a traceback inside an actor:
+- `check_raw_config(raw, source)`: types and ranges of the architecture keys;
+- `check_finite_weights(path)`: NaN/inf in model.safetensors (a corrupted file loads fine
+  otherwise and generates garbage).
+"""
+from vime.errors import UserError, require
+
+# key -> smallest allowed value; every one must be a JSON integer
+POSITIVE_INT_KEYS = {
+    "vocab_size": 1, "hidden_size": 1, "intermediate_size": 1, "num_hidden_layers": 1,
+    "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 1, "max_position_embeddings": 2,
+    "num_nextn_predict_layers": 0,
+}
+POSITIVE_FLOAT_KEYS = ("rms_norm_eps", "rope_theta")
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_raw_config(raw, source="config.json"):
+    """One-line UserError for an architecture value of the wrong type or out of range."""
+    for key, lowest in POSITIVE_INT_KEYS.items():
+        if key not in raw or raw[key] is None:
+            continue
+        value = raw[key]
+        require(_is_int(value) and value >= lowest,
+                f"{source}: {key!r} must be an integer >= {lowest} (got {value!r}); fix config.json")
+    for key in POSITIVE_FLOAT_KEYS:
+        if raw.get(key) is None:
+            continue
+        value = raw[key]
+        require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+                f"{source}: {key!r} must be a number > 0 (got {value!r}); fix config.json")
+    heads, kv = raw.get("num_attention_heads"), raw.get("num_key_value_heads")
+    if _is_int(heads) and _is_int(kv):
+        require(heads % kv == 0, f"{source}: num_attention_heads {heads} must be a multiple of "
+                f"num_key_value_heads {kv}; fix config.json")
+    if raw.get("head_dim") is None and _is_int(heads) and _is_int(raw.get("hidden_size")):
+        require(raw["hidden_size"] % heads == 0, f"{source}: hidden_size {raw['hidden_size']} is not a multiple of "
+                f"num_attention_heads {heads} and there is no head_dim; fix config.json")
+
+
+def check_finite_state(state, weights_file):
+    """Every floating tensor of `state` (loaded from weights_file) is finite."""
+    import torch
+
+    for name, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise UserError(f"{weights_file}: tensor {name} holds NaN or inf values; the file is "
+                            "corrupted: re-create or re-download it")
+
+
+def check_finite_weights(weights_file):
+    """Every floating tensor of a safetensors file is finite (NaN/inf means a corrupted file)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(weights_file, framework="pt") as f:
+            for name in f.keys():
+                check_finite_state({name: f.get_tensor(name)}, weights_file)
+    except UserError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for damaged files
+        raise UserError(f"{weights_file}: unreadable safetensors file ({str(e).splitlines()[0]}); "
+                        "re-create or re-download it") from None

@@ -1,0 +1,83 @@
+"""GPU paths fixed by reading (skipped without CUDA): batches and collectives on the model's
+device, NCCL weight sync with CUDA tensors, the Transformer-Engine spec's parameter names,
+and an fp32 engine that never picks flash-attn."""
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from checkpoint_convert.megatron_names import hf_targets
+from rollout.kv_cache import pick_attention_backend
+from vime.errors import UserError
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_transformer_engine_norm_names_map_to_the_hf_norms():  # runs on CPU too
+    assert hf_targets("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight", 2) == (
+        None, ("model.layers.1.input_layernorm.weight",))
+    assert hf_targets("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", 2) == (
+        None, ("model.layers.0.post_attention_layernorm.weight",))
+
+
+def test_fp32_never_picks_flash_attention():  # runs on CPU too: the choice needs no GPU
+    assert pick_attention_backend("cuda", "auto", torch.float32) == "sdpa"
+    with pytest.raises(UserError, match="fp16 or bf16"):
+        pick_attention_backend("cuda", "flash", torch.float32)
+
+
+@cuda
+def test_fp32_engine_on_gpu_uses_sdpa(small_ckpt):
+    from rollout.engine import Engine, EngineConfig
+
+    assert Engine.from_checkpoint(small_ckpt, EngineConfig(device="cuda")).backend == "sdpa"
+
+
+@cuda
+def test_trainer_on_gpu_trains_on_cpu_built_batches_like_the_cpu_trainer(tmp_path):
+    from fp32_bounds import close, reduction_rtol
+    from trainer.config import TrainerConfig
+    from trainer.distributed import teardown
+    from trainer.trainer import Trainer
+    from trainer_fixtures import TINY, make_batch, make_tiny
+
+    make_tiny(tmp_path / "hf", seed=4)
+    cfg = TrainerConfig(lr=1e-2, enable_mtp_training=True, micro_batch_size=2)
+    results = {}
+    for device in ("cpu", "cuda"):
+        trainer = Trainer(cfg, str(tmp_path / "hf"))
+        trainer.model.to(device)
+        assert trainer.device.type == device
+        results[device] = trainer.train_step(make_batch(seed=1))  # the batch is built on the CPU
+        teardown()
+    rtol = reduction_rtol(TINY["intermediate_size"], 3 * 2 * 2 * TINY["num_hidden_layers"] + 4)
+    for key in ("train/policy_loss", "train/mtp_loss", "train/grad_norm"):
+        assert close(results["cuda"][key], results["cpu"][key], rtol, scale=max(abs(results["cpu"][key]), 1.0)), key
+
+
+def _nccl_sync(rank, port, out):
+    from vime import weight_sync
+
+    torch.cuda.set_device(rank)
+    group = weight_sync.make_group("127.0.0.1", port, rank, 2, "nccl")
+    g = torch.Generator().manual_seed(0)
+    named = [("a", torch.randn(5, 3, generator=g)), ("b", torch.randn(7, generator=g))]
+    layout = weight_sync.bucket_layout(named, 64)
+    device = weight_sync.device_for("nccl")
+    if rank == 0:
+        weight_sync.send(group, layout, named, device)
+    else:
+        got = list(weight_sync.receive(group, layout, device))
+        assert all(t.is_cuda for _, t in got)
+        torch.save(weight_sync.checksum(got) == weight_sync.checksum(named), out)
+
+
+@cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
+def test_nccl_weight_sync_sends_cuda_tensors(tmp_path):
+    from trainer.distributed import free_port
+
+    out = str(tmp_path / "ok.pt")
+    mp.spawn(_nccl_sync, args=(free_port(), out), nprocs=2, join=True)
+    assert torch.load(out) is True and os.path.isfile(out)
