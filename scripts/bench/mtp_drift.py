@@ -54,16 +54,21 @@ def parse_args():
     return args
 
 
+def user_error(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def arm_flags(arm):
     """(base arm, its flags, option flags) of an arm spec such as 'online:loss=soft_ce:layers=2'."""
     base, *options = arm.split(":")
     if base not in ARM_FLAGS:
-        sys.exit(f"error: --arms {arm!r}: the arm must start with one of {', '.join(ARM_FLAGS)}")
+        user_error(f"--arms {arm!r}: the arm must start with one of {', '.join(ARM_FLAGS)}")
     flags = []
     for option in options:
         key, _, value = option.partition("=")
         if key not in ARM_OPTIONS or not value:
-            sys.exit(f"error: --arms {arm!r}: options are key=value with key in {', '.join(ARM_OPTIONS)}")
+            user_error(f"--arms {arm!r}: options are key=value with key in {', '.join(ARM_OPTIONS)}")
         flags += [ARM_OPTIONS[key], value]
     return base, ARM_FLAGS[base], flags
 
