@@ -21,6 +21,7 @@ from vime.errors import UserError, require  # noqa: E402
 
 
 def add_mtp_layer(src, out):
+    require(os.path.isdir(src), f"--src {src}: no such directory (a checkpoint with MTP layers)")
     cfg, state, layout = load_hf_checkpoint(src)
     n, k = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
     require(k >= 1, f"--src {src}: the checkpoint has no MTP layer to copy")

@@ -73,6 +73,11 @@ def arm_flags(arm):
     return base, ARM_FLAGS[base], flags
 
 
+def arm_label(arm):
+    """The arm with checkpoint paths shortened to their directory name (tables, legends)."""
+    return ":".join(os.path.basename(o.rstrip("/")) if o.startswith("ckpt=") else o for o in arm.split(":"))
+
+
 def arm_dir(arm):
     return arm.replace(":", "_").replace("=", "-").replace("/", "_")
 
@@ -189,7 +194,7 @@ def reward_agreement(rows_by_arm, size):
 def main():
     args = parse_args()
     os.makedirs(args.out, exist_ok=True)
-    rows_by_arm = {arm: [row(arm, m) for m in run_arm(arm, args)] for arm in args.arms.split(",")}
+    rows_by_arm = {arm_label(arm): [row(arm_label(arm), m) for m in run_arm(arm, args)] for arm in args.arms.split(",")}
     with open(os.path.join(args.out, "drift.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
