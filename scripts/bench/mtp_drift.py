@@ -48,6 +48,8 @@ def parse_args():
     p.add_argument("--window", type=int, default=5, help="steps averaged for the start and end figures")
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms, each NAME[:key=value...]")
     p.add_argument("--curves", default=None, help="also write the per-position acceptance PNG here")
+    p.add_argument("--reuse", action="store_true",
+                   help="an arm whose --out directory already holds all --steps steps is read, not rerun")
     p.add_argument("extra", nargs="*", help="after --: passed to train_rl.py")
     args = p.parse_args()
     args.steps = args.steps or (100 if args.full else 40)
@@ -82,9 +84,17 @@ def arm_dir(arm):
     return arm.replace(":", "_").replace("=", "-").replace("/", "_")
 
 
+def read_metrics(out):
+    path = os.path.join(out, "metrics.jsonl")
+    return [json.loads(line) for line in open(path)] if os.path.isfile(path) else []
+
+
 def run_arm(arm, args):
     base, flags, options = arm_flags(arm)
     out = os.path.join(args.out, arm_dir(arm))
+    if args.reuse and len(read_metrics(out)) == args.steps:
+        print(f"[drift] {arm}: reusing {out}", flush=True)
+        return read_metrics(out)
     spec = json.dumps({"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens})
     cmd = [sys.executable, os.path.join(REPO, "train_rl.py"), f"experiment=drift_{base}", "--num-rollout", str(args.steps),
            "--output-dir", out, "--progress", "false", "--wandb-group", "mtp_drift", *flags]
@@ -96,7 +106,7 @@ def run_arm(arm, args):
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"[drift] arm {arm} failed:\n{proc.stderr[-3000:]}")
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return read_metrics(out)
 
 
 def row(arm, m):
