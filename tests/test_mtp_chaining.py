@@ -8,6 +8,7 @@ logits for every layer at every position it fills from true tokens, across verif
 import pytest
 import torch
 
+from checkpoint_convert.families import FAMILIES
 from fp32_bounds import reduction_rtol
 from rollout.engine import Engine, EngineConfig, make_samples
 from rollout.proposers.mtp import MTPProposer
@@ -45,10 +46,10 @@ def depth_of_layer(j):
     return 10 * (TINY["num_hidden_layers"] + j + 1) + 4 * (j + 1) + 1
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mtp_chain")
-    make_tiny(path, seed=4, std=0.1, num_nextn_predict_layers=LAYERS, tie_word_embeddings=False)
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def ckpt(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"mtp_chain_{request.param}")
+    make_tiny(path, seed=4, std=0.1, num_nextn_predict_layers=LAYERS, tie_word_embeddings=False, family=request.param)
     return str(path)
 
 
@@ -88,7 +89,7 @@ def test_unchained_second_layer_would_differ_from_megatron(ckpt):
     trainer.model.eval()
     with torch.no_grad():
         megatron = trainer.model.mtp_logits(forward(trainer.model, tokens))[1][0, :n - 2]
-        trunk = model(tokens, torch.arange(n)[None])
+        trunk = model.forward_states(tokens, torch.arange(n)[None])[1]  # what the first layer reads
         unchained = model.logits(model.mtp_forward(1, tokens[:, 2:], trunk[:, :n - 2], torch.arange(n - 2)[None]))[0]
     tol = reduction_rtol(max(2 * TINY["hidden_size"], TINY["intermediate_size"]), depth_of_layer(1))
     assert (unchained - megatron).abs().max().item() > 100 * tol * max(1.0, megatron.abs().max().item())

@@ -2,7 +2,8 @@
 
 Chaining (DeepSeek-V3, as megatron-core trains it): MTP layer j (0-based) at position t
 reads h^j_t and the embedding of token t+j+1 and predicts token t+j+2, where h^0 is the
-trunk's hidden state and h^j (j >= 1) is layer j-1's output at the same position t. Each
+trunk's hidden state as the family's first MTP layer reads it (`ForwardOutput.hidden`) and
+h^j (j >= 1) is layer j-1's output at the same position t. Each
 layer keeps its own KV cache at positions t (rotary position t, as in megatron).
 
 Bookkeeping (e = the last position whose next token is known after a target forward,
@@ -150,6 +151,12 @@ class MTPProposer(Proposer):
         return out[:, 0]
 
 
+def mtp_input_hidden(model, tokens):
+    """[1, n-1, H]: the trunk state the first MTP layer reads (family-dependent), positions 0..n-2."""
+    n = tokens.shape[1]
+    return model.forward_states(tokens, torch.arange(n)[None])[1][:, :n - 1]
+
+
 def reference_mtp_hidden(model, ids, num_layers=None):
     """Every MTP layer's output over the whole sequence `ids`, recomputed without any cache:
     [layer j -> [1, len(ids)-j-1, H]], layer j at position t reading layer j-1's output at t
@@ -157,7 +164,7 @@ def reference_mtp_hidden(model, ids, num_layers=None):
     n = len(ids)
     tokens = torch.tensor([ids])
     with torch.inference_mode():
-        hidden = model(tokens, torch.arange(n)[None])[:, :n - 1]
+        hidden = mtp_input_hidden(model, tokens)
         outs = []
         for j in range(model.num_mtp_layers if num_layers is None else num_layers):
             width = n - j - 1
@@ -184,7 +191,7 @@ def reference_mtp_drafts(model, ids, k):
             return drafts
         layer = num_layers - 1
         prev = reference_mtp_hidden(model, ext[:n + layer], num_layers=layer)  # input of the last layer
-        hidden = (prev[-1] if prev else model(torch.tensor([ids]), torch.arange(n)[None]))[:, :n - 1]
+        hidden = (prev[-1] if prev else mtp_input_hidden(model, torch.tensor([ids])))[:, :n - 1]
         hidden = torch.cat([hidden, outs[-1][:, n - 2:n - 1]], 1)
         for m in range(1, k - num_layers + 1):
             width = n - 1 + m
