@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Copy a checkpoint with one more MTP layer, a copy of its last one (for the 1-vs-2-layer drift arms).
 
-    python scripts/bench/add_mtp_layer.py --src artifacts/tiny-mimo --out runs/tiny-mimo-2mtp
+    python scripts/bench/add_mtp_layer.py --src checkpoints/tiny-mimo-mtp --out runs/tiny-mimo-2mtp
 
 The new layer starts as the last layer's weights, so at step 0 the two-layer draft is close
 to the one-layer draft reused on its own output, and online training can then specialise
@@ -22,14 +22,14 @@ from vime.errors import UserError, require  # noqa: E402
 
 def add_mtp_layer(src, out):
     require(os.path.isdir(src), f"--src {src}: no such directory (a checkpoint with MTP layers)")
-    cfg, state, layout = load_hf_checkpoint(src)
+    cfg, state, _ = load_hf_checkpoint(src)
     n, k = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
     require(k >= 1, f"--src {src}: the checkpoint has no MTP layer to copy")
     last, new = f"model.layers.{n + k - 1}.", f"model.layers.{n + k}."
     state = dict(state)
     state.update({new + name[len(last):]: t.clone() for name, t in state.items() if name.startswith(last)})
     shutil.copytree(src, out, dirs_exist_ok=True)
-    save_hf_checkpoint(out, dataclasses.replace(cfg, num_nextn_predict_layers=k + 1), state, layout=layout or "glm")
+    save_hf_checkpoint(out, dataclasses.replace(cfg, num_nextn_predict_layers=k + 1), state)
     return k + 1
 
 
