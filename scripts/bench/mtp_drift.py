@@ -16,7 +16,7 @@ Extra arguments after `--` go to every train_rl.py run.
 
 An arm is `online`, `frozen` or `none`, optionally followed by `:key=value` options
 (ARM_OPTIONS): `loss` (--mtp-loss-type), `topk` (--mtp-distill-topk), `layers`
-(--mtp-num-layers) and `ckpt` (--hf-checkpoint, e.g. a checkpoint with two MTP layers). With
+(--mtp-num-layers), `lr` (--mtp-lr) and `ckpt` (--hf-checkpoint, e.g. a checkpoint with two MTP layers). With
 `--curves` a second PNG shows the per-position acceptance of every arm over the run.
 """
 import argparse
@@ -31,7 +31,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ARMS = ("online", "frozen", "none")
 ARM_FLAGS = {"online": ["--enable-mtp-training", "--mtp-num-layers", "1"], "frozen": [], "none": []}
 # arm options: "online:loss=tv:layers=2" appends these flags last (later flags win in train_rl.py)
-ARM_OPTIONS = {"loss": "--mtp-loss-type", "topk": "--mtp-distill-topk", "layers": "--mtp-num-layers",
+ARM_OPTIONS = {"loss": "--mtp-loss-type", "topk": "--mtp-distill-topk", "layers": "--mtp-num-layers", "lr": "--mtp-lr",
                "ckpt": "--hf-checkpoint"}
 MAX_POSITIONS = 8
 COLUMNS = ("arm", "step", "num_samples", "reward", "response_len", "spec_accept_length", "tokens_per_target_forward",
