@@ -22,7 +22,7 @@ def preflight(cfg):
     from rollout.advantages import ADVANTAGE_ESTIMATORS
     from rollout.data import read_prompt_file
     from rollout.rewards import get_reward_fn
-    from rollout.spec_config import check_against_checkpoint, parse_spec_config, require_lossless
+    from rollout.spec_config import check_against_checkpoint, check_spec_adaptive, parse_spec_config, require_lossless
     from trainer.distributed import check_parallel_sizes
     from trainer.model import check_tensor_parallel
     from vime.config import validate
@@ -40,8 +40,11 @@ def preflight(cfg):
     require(cfg.train.advantage_estimator in ADVANTAGE_ESTIMATORS,
             f"--advantage-estimator {cfg.train.advantage_estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
     spec = parse_spec_config(cfg.rollout.vllm_speculative_config)
+    check_spec_adaptive(spec, cfg.rollout.spec_adaptive)
     check_against_checkpoint(spec, hf)
     require_lossless(spec, where="train_rl.py")
+    if cfg.rollout.task_variant is not None:
+        cfg.rollout.prompt_data = write_variant_prompts(cfg.rollout, cfg.run.output_dir)
     if cfg.rollout.prompt_data is None:
         cfg.rollout.prompt_data = os.path.join(cfg.model.hf_checkpoint, "train.jsonl")
     if not cfg.run.debug_train_only:
@@ -53,8 +56,24 @@ def preflight(cfg):
         require(latest(cfg.run.load) is not None, f"--load {cfg.run.load}: no complete checkpoint there")
 
 
+def write_variant_prompts(rollout_cfg, output_dir):
+    """--task-variant: that variant's prompt set (seeded by --rollout-seed) as JSONL in the run's directory."""
+    from rollout.task import TASK_VARIANTS, write_jsonl
+
+    variant = rollout_cfg.task_variant
+    require(variant in TASK_VARIANTS, f"--task-variant {variant!r}: choose one of {', '.join(sorted(TASK_VARIANTS))}")
+    require(rollout_cfg.prompt_data is None, f"--task-variant {variant} makes the prompts; drop --prompt-data "
+            f"{rollout_cfg.prompt_data} or the variant")
+    require(rollout_cfg.task_variant_prompts >= 1,
+            f"--task-variant-prompts must be >= 1 (got {rollout_cfg.task_variant_prompts})")
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, f"prompts_{variant}.jsonl")
+    write_jsonl(TASK_VARIANTS[variant](rollout_cfg.task_variant_prompts, rollout_cfg.rollout_seed), path)
+    return path
+
+
 def ensure_model(model_cfg):
-    """Pretrain the tiny model into the default path on first use (only that path)."""
+    """Re-make the tiny model if its shipped copy (the default path) was deleted (only that path)."""
     from vime.config import DEFAULT_TINY_MODEL
 
     path = model_cfg.hf_checkpoint
@@ -64,7 +83,7 @@ def ensure_model(model_cfg):
             f"--hf-checkpoint {path}: no such directory")
     import subprocess
 
-    print(f"[vime] first run: pretraining the tiny model into {path} (once; about 10-15 minutes on 2 cores)",
+    print(f"[vime] {path} is missing: pretraining the tiny model into it (once; about 25 minutes on 2 cores)",
           flush=True)
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "make_tiny_model.py")
     subprocess.run([sys.executable, script, "--out", path], check=True)

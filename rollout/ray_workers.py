@@ -17,20 +17,20 @@ from vime.sample import Sample
 class RolloutWorkerImpl:
     """An engine plus its end of the weight-sync group."""
 
-    def __init__(self, hf_checkpoint, spec_config, max_batch_size, threads=1):
+    def __init__(self, hf_checkpoint, spec_config, max_batch_size, threads=1, spec_adaptive=False):
         from rollout.engine import EngineConfig
         from rollout.spec_config import build_engine
 
         torch.set_num_threads(threads)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.engine = build_engine(hf_checkpoint, spec_config, EngineConfig(max_batch_size=max_batch_size,
-                                                                            device=device))
+                                                                            device=device), adaptive=spec_adaptive)
         self.group, self.layout = None, None
 
     def generate(self, samples, sampling):
-        """(samples, seconds the engine spent generating them)."""
+        """(samples, the engine's stats: seconds spent generating them, spec_k_mean, ...)."""
         self.engine.generate(samples, sampling)
-        return samples, self.engine.stats()["seconds"]
+        return samples, self.engine.stats()
 
     def join_weight_sync(self, master_addr, master_port, rank, world_size, layout, backend="gloo"):
         self.layout = layout
@@ -89,7 +89,8 @@ class RolloutManagerImpl:
         self.reward_fn = get_reward_fn(rollout_cfg.rm_type, rollout_cfg.custom_rm_path)
         opts = worker_resources()
         self.workers = [RolloutWorker.options(**opts).remote(
-            hf_checkpoint, rollout_cfg.vllm_speculative_config, rollout_cfg.rollout_max_batch_size)
+            hf_checkpoint, rollout_cfg.vllm_speculative_config, rollout_cfg.rollout_max_batch_size,
+            spec_adaptive=rollout_cfg.spec_adaptive)
             for _ in range(rollout_cfg.rollout_num_workers)]
 
     def get_workers(self):
@@ -115,12 +116,13 @@ class RolloutManagerImpl:
         start = time.perf_counter()
         done = ray.get([w.generate.remote(shard, sampling_for(self.cfg, step)) for w, shard in zip(self.workers, shards)])
         elapsed = time.perf_counter() - start
-        engine_time = max(seconds for _, seconds in done)
+        engine_time = max(stats["seconds"] for _, stats in done)
         samples = sorted([s for shard, _ in done for s in shard], key=lambda s: (s.index, s.sample_index))
         for s in samples:
             s.reward = float(self.reward_fn(s.response, s.label))
         assign_advantages(samples, self.advantage_estimator)
-        return samples, dict(self._metrics(samples, elapsed), **{"perf/rollout_engine_time": engine_time})
+        return samples, dict(self._metrics(samples, elapsed), **{"perf/rollout_engine_time": engine_time},
+                             **_adaptive_metrics([stats for _, stats in done]))
 
     def _metrics(self, samples, elapsed):
         tokens = sum(len(s.response_ids) for s in samples)
@@ -137,6 +139,18 @@ class RolloutManagerImpl:
 
 
 RolloutManager = ray.remote(RolloutManagerImpl)
+
+ADAPTIVE_STATS = ("spec_k_mean", "spec_predicted_speedup", "spec_measured_speedup")
+
+
+def _adaptive_metrics(worker_stats):
+    """rollout/spec_k_mean and predicted vs measured speedup (--spec-adaptive), averaged over workers."""
+    out = {}
+    for key in ADAPTIVE_STATS:
+        values = [s[key] for s in worker_stats if key in s]
+        if values:
+            out[f"rollout/{key}"] = sum(values) / len(values)
+    return out
 
 
 def worker_resources():

@@ -29,10 +29,11 @@ class RecordingMTP(MTPProposer):
         super().__init__(spec)
         self.seen = {}
 
-    def catch_up(self, reqs, slots, out):
-        runs = super().catch_up(reqs, slots, out)
+    def catch_up(self, slots, out, token_rows):
+        runs = super().catch_up(slots, out, token_rows)
+        reqs = out.requests
         for j, run in enumerate(runs):
-            logits = self.model.logits(run.out)
+            logits = self.engine.fast.logits(run.out)
             for b, r in enumerate(reqs):
                 for i in range(int(run.count[b])):
                     self.seen[(r.sample.index, j, int(run.first[b]) + i)] = logits[b, i].clone()

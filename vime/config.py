@@ -12,7 +12,8 @@ from mtp.loss import MTP_LOSSES
 from vime.errors import require
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_TINY_MODEL = os.path.join(REPO_ROOT, "artifacts", "tiny-qwen3-mtp")
+# shipped with the repository (`scripts/make_tiny_model.py --out DIR` reproduces it)
+DEFAULT_TINY_MODEL = os.path.join(REPO_ROOT, "checkpoints", "tiny-mimo-mtp")
 
 
 def flag(name, help_text=""):
@@ -29,6 +30,9 @@ class ModelSection:
 @dataclass
 class RolloutSection:
     prompt_data: Optional[str] = field(default=None, metadata=flag("--prompt-data", "JSONL prompts (default: the tiny model's train.jsonl)"))
+    task_variant: Optional[str] = field(default=None, metadata=flag(
+        "--task-variant", "generate the prompts of a tiny-task variant (rollout/task.py TASK_VARIANTS, e.g. longtail)"))
+    task_variant_prompts: int = field(default=4096, metadata=flag("--task-variant-prompts", "prompts --task-variant makes"))
     input_key: str = field(default="prompt", metadata=flag("--input-key"))
     label_key: str = field(default="label", metadata=flag("--label-key"))
     rollout_batch_size: int = field(default=16, metadata=flag("--rollout-batch-size", "prompts per step"))
@@ -41,6 +45,8 @@ class RolloutSection:
     rollout_max_batch_size: int = field(default=128, metadata=flag("--rollout-max-batch-size", "engine slots"))
     vllm_speculative_config: Any = field(default=None, metadata=flag(
         "--vllm-speculative-config", "vLLM SpeculativeConfig JSON, e.g. '{\"method\":\"mtp\",\"num_speculative_tokens\":2}'"))
+    spec_adaptive: bool = field(default=False, metadata=flag(
+        "--spec-adaptive", "choose k in 0..num_speculative_tokens per step from measured cost and acceptance"))
     rm_type: str = field(default="tiny_add", metadata=flag("--rm-type"))
     custom_rm_path: Optional[str] = field(default=None, metadata=flag("--custom-rm-path", "module:function"))
     rollout_seed: int = field(default=42, metadata=flag("--rollout-seed"))

@@ -22,12 +22,17 @@ layer is reused one position further on its own output and the previous draft (w
 single MiMo-style layer this is the whole chain). Speculative entries of layer j sit at
 positions >= e-j+1 = next start - j, exactly where the next catch-up of that layer starts
 writing, so they are overwritten before being read as context.
+
+A step where the engine's k policy asks for no drafts (engine.step_k == 0) costs nothing
+here: its hidden states are kept per slot and the next drafting step catches up over all
+of them in its one catch-up forward (the carry is then the output at the position just
+before them), so the invariant holds whenever drafts are made.
 """
 from dataclasses import dataclass
 
 import torch
 
-from rollout.proposers import Proposer
+from rollout.proposers import ForwardOutput, Proposer
 from rollout.proposers.drafting import assign_drafts, draft_cache, pad_rows, pick_drafts, uniforms_if_sampling
 
 
@@ -65,18 +70,67 @@ class MTPProposer(Proposer):
         # carry[slot, j]: layer j's output at the last position its catch-up covered (read by layer j+1)
         self.carry = torch.zeros(ec.max_batch_size, max(self.num_layers - 1, 1), cfg.hidden_size,
                                  dtype=ec.dtype, device=ec.device)
+        self.pending = {}  # slot -> (first position not caught up, [hidden states since]) for k = 0 steps
+
+    def release(self, request):
+        self.pending.pop(request.slot, None)
 
     def propose(self, out):
-        reqs, k = out.requests, self.num_speculative_tokens
+        k = min(self.num_speculative_tokens, self.engine.step_k)
+        if k == 0:
+            self.defer(out)
+            return
+        out = self.with_pending(out)
+        reqs = out.requests
         sampling = reqs[0].sampling
         uniforms = uniforms_if_sampling(self.spec, reqs, k, self.sample_drafts)
         slots = torch.tensor([r.slot for r in reqs], device=out.hidden.device)
-        runs = self.catch_up(reqs, slots, out)
-        last_pos = out.starts + out.n_valid - 1
+        runs = self.catch_up(slots, out, self.true_tokens(reqs))
+        tokens, probs = self.draft(runs, slots, out.starts + out.n_valid - 1, k, sampling, uniforms)
+        assign_drafts(reqs, torch.stack(tokens, 1), torch.stack(probs, 1) if uniforms is not None else None)
+
+    def with_pending(self, out):
+        """`out` extended backwards by the hidden states that k = 0 steps left un-caught-up."""
+        if not any(r.slot in self.pending for r in out.requests):
+            return out
+        rows, starts = [], []
+        for i, r in enumerate(out.requests):
+            start, parts = self.pending.pop(r.slot, (int(out.starts[i]), []))
+            rows.append(torch.cat(parts + [out.hidden[i, :int(out.n_valid[i])]]))
+            starts.append(start)
+        hidden = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+        lengths = torch.tensor([len(x) for x in rows], device=hidden.device)
+        return ForwardOutput(out.requests, hidden, torch.tensor(starts, device=hidden.device), lengths)
+
+    def defer(self, out):
+        """Keep this step's hidden states for the next drafting step (views: each forward's
+        output is a fresh tensor, never written again)."""
+        starts, n_valid = out.starts.tolist(), out.n_valid.tolist()
+        for i, r in enumerate(out.requests):
+            self.pending.setdefault(r.slot, (starts[i], []))[1].append(out.hidden[i, :n_valid[i]])
+            r.drafts, r.draft_probs = [], None
+
+    def profile_draft(self, batch_size, k, new_tokens=2):
+        """One drafting of k tokens for batch_size rows (catch-up over `new_tokens` verified
+        positions, the deeper layers' and reuse steps, k heads) on dummy inputs in slots 0..batch_size-1."""
+        dev, hidden_size = self.engine.config.device, self.engine.cfg.hidden_size
+        slots = torch.arange(batch_size, device=dev)
+        context = max(0, min(32, self.engine.max_len - new_tokens - k - self.num_layers))
+        starts = torch.full((batch_size,), context, device=dev)
+        n_valid = torch.full((batch_size,), new_tokens, device=dev)
+        hidden = torch.zeros(batch_size, new_tokens, hidden_size, device=dev, dtype=self.engine.config.dtype)
+        out = ForwardOutput(None, hidden, starts, n_valid)
+        with torch.inference_mode():
+            runs = self.catch_up(slots, out, lambda j, first, count: torch.zeros(
+                batch_size, int(count.max()), dtype=torch.long, device=dev))
+            self.draft(runs, slots, starts + new_tokens - 1, k, None, None)
+
+    def draft(self, runs, slots, last_pos, k, sampling, uniforms):
+        """k drafts per row from the caught-up layers (see the module docstring): ([B] tokens, [B, V] q or None) x k."""
         tokens, probs = [], []
 
         def draft(hidden_at_last):
-            tok, q = pick_drafts(self.model.logits(hidden_at_last), sampling,
+            tok, q = pick_drafts(self.engine.fast.logits(hidden_at_last), sampling,
                                  None if uniforms is None else uniforms[:, len(tokens)])
             tokens.append(tok)
             probs.append(q)
@@ -92,10 +146,18 @@ class MTPProposer(Proposer):
         for i in range(len(tokens), k):
             hidden = self.reuse_step(layer, slots, tokens[-1], hidden, last_pos + i - layer)
             draft(hidden)
-        assign_drafts(reqs, torch.stack(tokens, 1), torch.stack(probs, 1) if uniforms is not None else None)
+        return tokens, probs
 
     # ---- catch-up: every layer's cache from true inputs --------------------------------
-    def catch_up(self, reqs, slots, out):
+    @staticmethod
+    def true_tokens(reqs):
+        """token_rows(j, first, count): layer j's input tokens t+j+1 for t = first..first+count-1."""
+        def token_rows(j, first, count):
+            rows = zip(reqs, first.tolist(), count.tolist())
+            return pad_rows([r.all_ids[f + j + 1:f + j + 1 + c] for r, f, c in rows], first.device)
+        return token_rows
+
+    def catch_up(self, slots, out, token_rows):
         """Run each layer over its newly true positions; returns one LayerRun per layer."""
         last0 = out.starts + out.n_valid - 1
         q_len = int(out.n_valid.max())
@@ -107,7 +169,7 @@ class MTPProposer(Proposer):
                 hidden = out.hidden[:, :q_len]
             else:
                 hidden = self._chained_input(runs[-1], slots, j, first)
-            runs.append(self._run_layer(j, reqs, slots, hidden, first, count))
+            runs.append(self._run_layer(j, slots, hidden, first, count, token_rows))
         for j, run in enumerate(runs[:-1]):
             keep = (run.count > 0)[:, None]
             self.carry[slots, j] = torch.where(keep, run.last(), self.carry[slots, j])
@@ -118,12 +180,11 @@ class MTPProposer(Proposer):
         with_carry = torch.cat([self.carry[slots, j - 1][:, None], prev.out], 1)
         return shift_rows(with_carry, 1 + first - prev.first)[:, :prev.out.shape[1]]
 
-    def _run_layer(self, j, reqs, slots, hidden, first, count):
+    def _run_layer(self, j, slots, hidden, first, count, token_rows):
         width = int(count.max())
         if width == 0:  # nothing true yet (a prompt shorter than j + 2 tokens)
             return LayerRun(hidden, first, count)
-        rows = zip(reqs, first.tolist(), count.tolist())
-        tokens = pad_rows([r.all_ids[f + j + 1:f + j + 1 + c] for r, f, c in rows], slots.device)
+        tokens = token_rows(j, first, count)
         positions = first[:, None] + torch.arange(width, device=slots.device)[None, :]
         view = self.cache.step(slots, first, count, self.engine.backend).layers(self.num_layers)[j]
         return LayerRun(self.engine.fast.mtp(j, tokens, hidden[:, :width], positions, view), first, count)
