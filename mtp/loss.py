@@ -1,11 +1,22 @@
-"""The MTP loss: depth-d cross-entropy, masked where both input and label are trained tokens.
+"""The MTP loss: depth-d draft loss, masked where both input and label are trained tokens.
 
 At position t, depth d (1-based) reads the hidden state at t and token t+d and predicts
 token t+d+1. A position counts only when the loss mask is on at t+d (the token fed in)
 and at t+d+1 (the label), so prompt tokens and anything past the response never count.
+
+Three per-position losses, picked by name from `MTP_LOSSES`:
+- `ce`: cross-entropy against the sampled token t+d+1 (hard label).
+- `soft_ce`: cross-entropy against the policy's own distribution of token t+d+1, i.e. its
+  next-token distribution at position t+d (`shift_to_predicted`), detached.
+- `tv`: total variation between that distribution and the draft's. Acceptance of a sampled
+  draft is exactly 1 - TV, so this loss targets the acceptance itself.
+The distillation losses read both distributions at the rollout temperature (the verifier
+compares them there) and may truncate the target to its top-k, renormalised.
 """
 import torch
 import torch.nn.functional as F
+
+from mtp.sampling import effective_temperature
 
 
 def mtp_loss_mask(loss_mask, depth):
@@ -14,13 +25,53 @@ def mtp_loss_mask(loss_mask, depth):
     return loss_mask[:, depth:s - 1] * loss_mask[:, depth + 1:]
 
 
-def mtp_loss(logits, tokens, loss_mask, depth):
-    """Token-mean CE of depth-`depth` logits [B, S', V] (S' >= S-depth-1) against token t+depth+1."""
+def shift_to_predicted(policy_logits, depth):
+    """Policy logits [B, S, V] aligned with depth `depth`'s positions: row t is the policy's
+    distribution of token t+depth+1, i.e. its next-token logits at position t+depth."""
+    return policy_logits[:, depth:]
+
+
+def distill_target(target_logits, temperature, topk=0):
+    """Detached probs softmax(logits / T) [.., V], kept to the top-k and renormalised when topk > 0."""
+    scaled = target_logits.detach().float() / effective_temperature(temperature)
+    if topk and topk < scaled.shape[-1]:
+        kth = torch.topk(scaled, topk, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    return torch.softmax(scaled, dim=-1)
+
+
+def _hard_ce(draft_logits, labels, target_logits, temperature, topk):
+    return F.cross_entropy(draft_logits.transpose(1, 2).float(), labels, reduction="none")
+
+
+def _soft_ce(draft_logits, labels, target_logits, temperature, topk):
+    target = distill_target(target_logits, temperature, topk)
+    logq = torch.log_softmax(draft_logits.float() / effective_temperature(temperature), dim=-1)
+    # where the truncated target is 0 the term is 0 even if log q is very negative
+    return -(target * logq).where(target > 0, torch.zeros((), dtype=logq.dtype)).sum(-1)
+
+
+def _total_variation(draft_logits, labels, target_logits, temperature, topk):
+    target = distill_target(target_logits, temperature, topk)
+    q = torch.softmax(draft_logits.float() / effective_temperature(temperature), dim=-1)
+    return 0.5 * (q - target).abs().sum(-1)
+
+
+# name -> per-position loss [B, W] of (draft logits [B, W, V], labels [B, W], target logits [B, W, V], T, topk)
+MTP_LOSSES = {"ce": _hard_ce, "soft_ce": _soft_ce, "tv": _total_variation}
+
+
+def mtp_loss(logits, tokens, loss_mask, depth, loss_type="ce", policy_logits=None, temperature=1.0, topk=0):
+    """Token-mean loss of depth-`depth` logits [B, S', V] (S' >= S-depth-1) predicting token t+depth+1.
+
+    policy_logits [B, S, V]: the policy's logits at every position (needed by the distillation
+    losses; shifted here to the predicted position and detached)."""
     labels = tokens[:, depth + 1:]
     width = labels.shape[1]
-    mask = mtp_loss_mask(loss_mask, depth).to(logits.dtype)
-    ce = F.cross_entropy(logits[:, :width].transpose(1, 2).float(), labels, reduction="none")
-    return (ce * mask).sum() / mask.sum().clamp(min=1.0)
+    mask = mtp_loss_mask(loss_mask, depth).to(torch.float32)
+    target = shift_to_predicted(policy_logits, depth)[:, :width] if policy_logits is not None else None
+    per_position = MTP_LOSSES[loss_type](logits[:, :width], labels, target, temperature, topk)
+    return (per_position * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def scaled_mtp_loss(per_depth_losses, scaling_factor):

@@ -31,7 +31,9 @@ def random_model(cfg, seed, std):
     return model
 
 
-def markov_model(seed=0, noise=0.12, **overrides):
+def markov_model(seed=0, noise=0.12, mtp_noise=0.0, **overrides):
+    """mtp_noise > 0 adds random weight to the MTP layers' hidden input, attention and MLP,
+    so their drafts also depend on the hidden state they are fed and on their own cache."""
     cfg = dataclasses.replace(TINY_CONFIG, tie_word_embeddings=False, **{**SMALL, **overrides})
     model = random_model(cfg, seed, noise)
     g = torch.Generator().manual_seed(seed)
@@ -51,6 +53,10 @@ def markov_model(seed=0, noise=0.12, **overrides):
             layer.eh_proj.weight.copy_(torch.cat([eye, torch.zeros_like(eye)], 1))
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
+            if mtp_noise:
+                for w in (layer.eh_proj.weight[:, cfg.hidden_size:], layer.self_attn.o_proj.weight,
+                          layer.mlp.down_proj.weight):
+                    w.add_(mtp_noise * torch.randn(w.shape, generator=g))
     return model
 
 

@@ -47,6 +47,9 @@ def test_bad_flags_are_one_line_user_errors(argv, needle):
     (["--micro-batch-size", "48"], "--micro-batch-size 48"),
     (["--save-interval", "2"], "--save-interval needs --save"),
     (["--debug-train-only"], "--load-debug-rollout-data"),
+    (["--mtp-loss-type", "kl"], "--mtp-loss-type 'kl': use one of ce, soft_ce, tv"),
+    (["--mtp-loss-type", "soft_ce", "--mtp-distill-topk", "-1"], "--mtp-distill-topk must be >= 0"),
+    (["--mtp-distill-topk", "8"], "--mtp-distill-topk truncates a distillation target"),
 ])
 def test_validation_refuses_inconsistent_settings(argv, needle):
     with pytest.raises(UserError, match=needle.replace("-", r"\-")):

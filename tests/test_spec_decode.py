@@ -86,12 +86,17 @@ class _Checked:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("layers", [1, 2])
-def test_cached_mtp_drafting_equals_drafting_recomputed_without_cache(tmp_path, layers, family):
-    model = markov_model(noise=0.2, num_nextn_predict_layers=layers, family=family)
-    proposer = _Checked(build_proposer(parse_spec_config({"method": "mtp", "num_speculative_tokens": 3})))
+@pytest.mark.parametrize("layers, k", [(1, 3), (2, 3), (3, 4)])
+@pytest.mark.parametrize("cycling", [False, True])
+def test_cached_mtp_drafting_equals_drafting_recomputed_without_cache(tmp_path, layers, k, family, cycling):
+    """k > layers continues past the last layer; one-token prompts start with deeper layers empty;
+    cycling k through 0..k defers catch-ups (k = 0 steps) and varies the chain length."""
+    model = markov_model(noise=0.2, mtp_noise=0.3, num_nextn_predict_layers=layers, family=family)
+    proposer = _Checked(build_proposer(parse_spec_config({"method": "mtp", "num_speculative_tokens": k})))
     engine = Engine(model, EngineConfig(max_batch_size=8), proposer=proposer)
-    prompts = [[1, 5 + i, 7, 9 + i % 3][: 2 + i % 3] for i in range(8)]
+    if cycling:
+        engine.k_policy = CyclingK(k)
+    prompts = [[1, 5 + i, 7, 9 + i % 3][: 1 + i % 4] for i in range(8)]
     samples = engine.generate(make_samples(prompts), SamplingParams(temperature=0, max_new_tokens=12))
     assert proposer.checked > 8 * 4
     assert proposer.mismatches == 0

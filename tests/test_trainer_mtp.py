@@ -204,6 +204,40 @@ def test_mtp_lr_sets_the_draft_step_size_independently_of_the_policy(hf_dir):
     assert policy_a == policy_b > 0  # the policy update does not depend on the draft's lr
 
 
+@pytest.mark.parametrize("loss_type, topk", [("ce", 0), ("soft_ce", 0), ("soft_ce", 4), ("tv", 0)])
+def test_every_mtp_loss_type_reaches_only_mtp_params(hf_dir, loss_type, topk):
+    trainer = Trainer(TrainerConfig(enable_mtp_training=True, mtp_loss_type=loss_type, mtp_distill_topk=topk,
+                                    temperature=0.8), hf_dir)
+    metrics = trainer.backward(make_batch(advantages=[0.0] * 4))
+    assert metrics["train/policy_loss"] == 0.0 and metrics["train/mtp_1_loss"] > 0
+    g = grads(trainer)
+    assert {n for n, v in g.items() if nonzero(v)} == {n for n in g if n.startswith("mtp.")}
+
+
+@pytest.mark.parametrize("loss_type", ["soft_ce", "tv"])
+def test_distillation_target_is_the_policy_at_the_predicted_position(hf_dir, loss_type):
+    """The trainer's loss equals the per-position formula on the engine model's logits, with the
+    target = the policy's distribution of token t+2, i.e. its next-token logits at t+1."""
+    temperature = 0.7
+    batch = make_batch()
+    trainer = Trainer(TrainerConfig(enable_mtp_training=True, mtp_loss_type=loss_type, temperature=temperature), hf_dir)
+    got = trainer.backward(batch)["train/mtp_1_loss"]
+    ref = engine_model(hf_dir)
+    tokens = batch.tokens
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        normed, mtp_hidden = ref.forward_states(tokens, positions)
+        policy = ref.logits(normed)
+        draft = engine_mtp_logits(ref, tokens, mtp_hidden)
+    mask = mtp_loss_mask(batch.loss_mask, 1)
+    terms = []
+    for b, t in mask.nonzero().tolist():
+        p = torch.softmax(policy[b, t + 1] / temperature, -1)
+        q = torch.softmax(draft[b, t] / temperature, -1)
+        terms.append(-(p * q.log()).sum() if loss_type == "soft_ce" else 0.5 * (p - q).abs().sum())
+    assert got == pytest.approx(torch.stack(terms).mean().item(), abs=1e-5)
+
+
 def engine_mtp_logits(model, tokens, mtp_hidden):
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     return model.logits(model.mtp_forward(0, tokens[:, 1:], mtp_hidden[:, :-1], positions[:, :-1]))

@@ -24,6 +24,8 @@ class TrainerConfig:
     mtp_num_layers: Optional[int] = None  # None: as many as the HF checkpoint has
     mtp_loss_scaling_factor: float = 0.2
     mtp_detach_trunk: bool = True
+    mtp_loss_type: str = "ce"  # ce | soft_ce | tv (mtp/loss.py MTP_LOSSES)
+    mtp_distill_topk: int = 0  # soft_ce / tv: keep the target's top-k (0: the full vocabulary)
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     micro_batch_size: int = 0  # 0: the whole local batch in one micro-batch

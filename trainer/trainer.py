@@ -103,12 +103,16 @@ class Trainer:
         return torch.cat(rows)
 
     def _mtp_losses(self, out, mb, mtp_counts):
-        """Per-depth MTP CE, each a share of the step's token mean (sums to it over micro-batches)."""
+        """Per-depth MTP loss (--mtp-loss-type), each a share of the step's token mean (sums to it
+        over micro-batches). The distillation target is the detached policy (mtp/loss.py)."""
         logits = self.model.mtp_logits(out, detach_trunk=self.cfg.mtp_detach_trunk)
+        policy_logits = out.logits.detach()
         losses = []
         for d, lg in enumerate(logits, start=1):
             local = mtp_loss_mask(mb.loss_mask, d).sum()
-            losses.append(mtp_loss(lg, mb.tokens, mb.loss_mask, d) * local / mtp_counts[d - 1].clamp(min=1))
+            loss = mtp_loss(lg, mb.tokens, mb.loss_mask, d, self.cfg.mtp_loss_type, policy_logits,
+                            self.cfg.temperature, self.cfg.mtp_distill_topk)
+            losses.append(loss * local / mtp_counts[d - 1].clamp(min=1))
         return losses
 
     def _micro_batch_loss(self, mb, num_tokens, mtp_counts):

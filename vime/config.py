@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from mtp.loss import MTP_LOSSES
 from vime.errors import require
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,6 +80,10 @@ class MTPSection:
     loss_scaling_factor: float = field(default=0.2, metadata=flag("--mtp-loss-scaling-factor"))
     detach_trunk: bool = field(default=True, metadata=flag("--mtp-detach-trunk", "--no-mtp-detach-trunk trains jointly"))
     clip_grad: Optional[float] = field(default=None, metadata=flag("--mtp-clip-grad"))
+    loss_type: str = field(default="ce", metadata=flag(
+        "--mtp-loss-type", "ce (sampled token) | soft_ce | tv (against the detached policy distribution)"))
+    distill_topk: int = field(default=0, metadata=flag(
+        "--mtp-distill-topk", "soft_ce / tv: truncate the policy target to its top-k (0: full vocabulary)"))
     lr: Optional[float] = field(default=5e-3, metadata=flag(
         "--mtp-lr", "learning rate of the MTP layers (none: --lr); Adam makes the loss factor nearly scale-free"))
 
@@ -149,6 +154,11 @@ def validate(cfg):
     require(not run.debug_train_only or run.load_debug_rollout_data,
             "--debug-train-only trains on saved rollouts: give --load-debug-rollout-data DIR "
             "(written by a run with --save-debug-rollout-data DIR)")
+    require(m.loss_type in MTP_LOSSES,
+            f"--mtp-loss-type {m.loss_type!r}: use one of {', '.join(MTP_LOSSES)}")
+    require(m.distill_topk >= 0, f"--mtp-distill-topk must be >= 0 (0: full vocabulary; got {m.distill_topk})")
+    require(not m.distill_topk or m.loss_type != "ce",
+            "--mtp-distill-topk truncates a distillation target: use it with --mtp-loss-type soft_ce or tv")
     require(t.adam_eps > 0, f"--adam-eps must be > 0 (got {t.adam_eps})")
     require(run.save_interval >= 0, f"--save-interval must be >= 0 (got {run.save_interval})")
     require(not run.save_interval or run.save, "--save-interval needs --save DIR")

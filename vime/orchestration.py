@@ -31,6 +31,7 @@ def trainer_config(cfg):
         kl_estimator=t.kl_loss_type, advantage_estimator=t.advantage_estimator,
         temperature=cfg.rollout.rollout_temperature, enable_mtp_training=m.enable_training,
         mtp_num_layers=m.num_layers, mtp_loss_scaling_factor=m.loss_scaling_factor, mtp_detach_trunk=m.detach_trunk,
+        mtp_loss_type=m.loss_type, mtp_distill_topk=m.distill_topk,
         tensor_model_parallel_size=t.tensor_model_parallel_size,
         pipeline_model_parallel_size=t.pipeline_model_parallel_size, micro_batch_size=t.micro_batch_size,
         global_batch_size=t.global_batch_size, seed=t.seed)

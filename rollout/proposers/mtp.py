@@ -1,26 +1,60 @@
 """MTP proposer: the policy's own MTP layers draft k tokens per request, batched.
 
-Position bookkeeping (n = len(all_ids) after a target forward). The MTP layer at position
-p reads the target's final hidden state h_p and the embedding of token p+1 and predicts
-token p+2. Each target forward brings h for `n_valid` new positions starting at `start`
-(whose next tokens are now known), so one batched "catch-up" MTP forward writes those
-positions into the MTP KV cache from true inputs only; its output at the last of them
-(p = n-2) gives draft 1. Drafts 2..k chain vLLM-style: the MTP output at p stands in for
-h_{p+1} and the previous draft for token p+2, one position further each step (depth i
-uses MTP layer min(i, L-1), so with one layer it is reused on its own output). Those chain
-entries are speculative, but they sit at positions >= n-1, which is exactly where the next
-catch-up starts writing, so they are always overwritten before they are read as context.
-Invariant: after propose, MTP cache entries at positions < n-1 come from (h_p, token p+1).
-With several MTP layers every layer's cache is caught up on the same true inputs.
+Chaining (DeepSeek-V3, as megatron-core trains it): MTP layer j (0-based) at position t
+reads h^j_t and the embedding of token t+j+1 and predicts token t+j+2, where h^0 is the
+trunk's hidden state as the family's first MTP layer reads it (`ForwardOutput.hidden`) and
+h^j (j >= 1) is layer j-1's output at the same position t. Each
+layer keeps its own KV cache at positions t (rotary position t, as in megatron).
+
+Bookkeeping (e = the last position whose next token is known after a target forward,
+i.e. n-2 for n = len(all_ids)). A target forward brings trunk states for positions
+start..e. The "catch-up" then writes every layer's cache from true inputs only: layer j
+needs token t+j+1, so it is true up to position e-j, and this round covers start-j..e-j
+(clamped at 0). Its hidden input there is layer j-1's output, all from this round except
+at start-j, the last position layer j-1 covered in the previous round: that one output
+per layer is carried per slot (`carry`).
+
+Drafting at position e: layer 0's output at e gives draft 1. Layer j (j = 1..L-1) then
+runs over positions e-j+1..e, whose tokens are drafts 1..j and whose hidden inputs are
+layer j-1's true output at e-j+1 followed by its speculative outputs at e-j+2..e; its
+output at e gives draft j+1. Past the last layer, drafts continue vLLM-style: the last
+layer is reused one position further on its own output and the previous draft (with a
+single MiMo-style layer this is the whole chain). Speculative entries of layer j sit at
+positions >= e-j+1 = next start - j, exactly where the next catch-up of that layer starts
+writing, so they are overwritten before being read as context.
 
 A step where the engine's k policy asks for no drafts (engine.step_k == 0) costs nothing
 here: its hidden states are kept per slot and the next drafting step catches up over all
-of them in its one catch-up forward, so the invariant holds whenever drafts are made.
+of them in its one catch-up forward (the carry is then the output at the position just
+before them), so the invariant holds whenever drafts are made.
 """
+from dataclasses import dataclass
+
 import torch
 
 from rollout.proposers import ForwardOutput, Proposer
 from rollout.proposers.drafting import assign_drafts, draft_cache, pad_rows, pick_drafts, uniforms_if_sampling
+
+
+@dataclass
+class LayerRun:
+    """One MTP layer's forward over a ragged range: row b covers positions first[b] .. first[b]+count[b]-1."""
+
+    out: torch.Tensor  # [B, Q, H]
+    first: torch.Tensor  # [B]
+    count: torch.Tensor  # [B]
+
+    def last(self):
+        """[B, H] output at each row's last covered position (row 0's garbage where count is 0)."""
+        rows = torch.arange(self.out.shape[0], device=self.out.device)
+        return self.out[rows, (self.count - 1).clamp(min=0)]
+
+
+def shift_rows(x, offset):
+    """x [B, Q, ...] with row b read from index i + offset[b] (clamped into range)."""
+    q = x.shape[1]
+    idx = (torch.arange(q, device=x.device)[None, :] + offset[:, None]).clamp(0, q - 1)
+    return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))
 
 
 class MTPProposer(Proposer):
@@ -32,6 +66,10 @@ class MTPProposer(Proposer):
         self.engine, self.model = engine, engine.model
         self.num_layers = self.model.num_mtp_layers
         self.cache = draft_cache(engine, self.num_layers, engine.cfg, self.num_speculative_tokens)
+        cfg, ec = engine.cfg, engine.config
+        # carry[slot, j]: layer j's output at the last position its catch-up covered (read by layer j+1)
+        self.carry = torch.zeros(ec.max_batch_size, max(self.num_layers - 1, 1), cfg.hidden_size,
+                                 dtype=ec.dtype, device=ec.device)
         self.pending = {}  # slot -> (first position not caught up, [hidden states since]) for k = 0 steps
 
     def release(self, request):
@@ -47,14 +85,8 @@ class MTPProposer(Proposer):
         sampling = reqs[0].sampling
         uniforms = uniforms_if_sampling(self.spec, reqs, k, self.sample_drafts)
         slots = torch.tensor([r.slot for r in reqs], device=out.hidden.device)
-        hidden, pos = self.catch_up(reqs, slots, out)
-        tokens, probs = [], []
-        for i in range(k):
-            tok, q = pick_drafts(self.engine.fast.logits(hidden), sampling, None if uniforms is None else uniforms[:, i])
-            tokens.append(tok)
-            probs.append(q)
-            if i + 1 < k:
-                hidden = self.chain_step(min(i + 1, self.num_layers - 1), slots, tok, hidden, pos + i + 1)
+        runs = self.catch_up(slots, out, self.true_tokens(reqs))
+        tokens, probs = self.draft(runs, slots, out.starts + out.n_valid - 1, k, sampling, uniforms)
         assign_drafts(reqs, torch.stack(tokens, 1), torch.stack(probs, 1) if uniforms is not None else None)
 
     def with_pending(self, out):
@@ -80,62 +112,153 @@ class MTPProposer(Proposer):
 
     def profile_draft(self, batch_size, k, new_tokens=2):
         """One drafting of k tokens for batch_size rows (catch-up over `new_tokens` verified
-        positions, k-1 chain steps, k heads) on dummy inputs in slots 0..batch_size-1."""
+        positions, the deeper layers' and reuse steps, k heads) on dummy inputs in slots 0..batch_size-1."""
         dev, hidden_size = self.engine.config.device, self.engine.cfg.hidden_size
         slots = torch.arange(batch_size, device=dev)
-        context = max(0, min(32, self.engine.max_len - new_tokens - k))
+        context = max(0, min(32, self.engine.max_len - new_tokens - k - self.num_layers))
         starts = torch.full((batch_size,), context, device=dev)
         n_valid = torch.full((batch_size,), new_tokens, device=dev)
         hidden = torch.zeros(batch_size, new_tokens, hidden_size, device=dev, dtype=self.engine.config.dtype)
-        tokens = torch.zeros(batch_size, new_tokens, dtype=torch.long, device=dev)
-        positions = starts[:, None] + torch.arange(new_tokens, device=dev)[None, :]
+        out = ForwardOutput(None, hidden, starts, n_valid)
         with torch.inference_mode():
-            views = self.cache.step(slots, starts, n_valid, self.engine.backend).layers(self.num_layers)
-            out = [self.engine.fast.mtp(j, tokens, hidden, positions, views[j]) for j in range(self.num_layers)][0][:, -1]
-            for i in range(k):
-                tok = self.engine.fast.logits(out).argmax(-1)
-                if i + 1 < k:
-                    out = self.chain_step(min(i + 1, self.num_layers - 1), slots, tok, out, starts + new_tokens + i)
+            runs = self.catch_up(slots, out, lambda j, first, count: torch.zeros(
+                batch_size, int(count.max()), dtype=torch.long, device=dev))
+            self.draft(runs, slots, starts + new_tokens - 1, k, None, None)
 
-    def catch_up(self, reqs, slots, out):
-        """MTP forward over the newly verified positions (true inputs); returns the output at
-        the last one [B, H] and its position [B]."""
-        starts, n_valid = out.starts, out.n_valid
-        bounds = zip(starts.tolist(), n_valid.tolist())
-        next_tokens = pad_rows([r.all_ids[s + 1:s + 1 + n] for r, (s, n) in zip(reqs, bounds)], slots.device)
-        q_len = next_tokens.shape[1]
-        positions = starts[:, None] + torch.arange(q_len, device=slots.device)[None, :]
-        views = self.cache.step(slots, starts, n_valid, self.engine.backend).layers(self.num_layers)
-        hidden = out.hidden[:, :q_len]
-        results = [self.engine.fast.mtp(j, next_tokens, hidden, positions, views[j]) for j in range(self.num_layers)]
-        last = n_valid - 1
-        rows = torch.arange(len(reqs), device=slots.device)
-        return results[0][rows, last], starts + last
+    def draft(self, runs, slots, last_pos, k, sampling, uniforms):
+        """k drafts per row from the caught-up layers (see the module docstring): ([B] tokens, [B, V] q or None) x k."""
+        tokens, probs = [], []
 
-    def chain_step(self, layer, slots, tokens, hidden, positions):
-        """One speculative MTP step per request at `positions` [B]: (previous output, draft)."""
+        def draft(hidden_at_last):
+            tok, q = pick_drafts(self.engine.fast.logits(hidden_at_last), sampling,
+                                 None if uniforms is None else uniforms[:, len(tokens)])
+            tokens.append(tok)
+            probs.append(q)
+
+        draft(runs[0].last())
+        speculative = runs[0].out[:, :0]  # layer j's speculative outputs at e-j+1..e (none for layer 0)
+        for j in range(1, min(self.num_layers, k)):
+            speculative = self.deeper_layer_step(j, slots, last_pos, runs[j - 1].last(), speculative,
+                                                 torch.stack(tokens, 1))
+            draft(speculative[:, -1])
+        hidden = speculative[:, -1] if speculative.shape[1] else runs[0].last()
+        layer = self.num_layers - 1
+        for i in range(len(tokens), k):
+            hidden = self.reuse_step(layer, slots, tokens[-1], hidden, last_pos + i - layer)
+            draft(hidden)
+        return tokens, probs
+
+    # ---- catch-up: every layer's cache from true inputs --------------------------------
+    @staticmethod
+    def true_tokens(reqs):
+        """token_rows(j, first, count): layer j's input tokens t+j+1 for t = first..first+count-1."""
+        def token_rows(j, first, count):
+            rows = zip(reqs, first.tolist(), count.tolist())
+            return pad_rows([r.all_ids[f + j + 1:f + j + 1 + c] for r, f, c in rows], first.device)
+        return token_rows
+
+    def catch_up(self, slots, out, token_rows):
+        """Run each layer over its newly true positions; returns one LayerRun per layer."""
+        last0 = out.starts + out.n_valid - 1
+        q_len = int(out.n_valid.max())
+        runs = []
+        for j in range(self.num_layers):
+            first = (out.starts - j).clamp(min=0)
+            count = (last0 - j - first + 1).clamp(min=0)
+            if j == 0:
+                hidden = out.hidden[:, :q_len]
+            else:
+                hidden = self._chained_input(runs[-1], slots, j, first)
+            runs.append(self._run_layer(j, slots, hidden, first, count, token_rows))
+        for j, run in enumerate(runs[:-1]):
+            keep = (run.count > 0)[:, None]
+            self.carry[slots, j] = torch.where(keep, run.last(), self.carry[slots, j])
+        return runs
+
+    def _chained_input(self, prev, slots, j, first):
+        """Layer j-1's outputs at layer j's positions: the carried one at first == prev.first - 1."""
+        with_carry = torch.cat([self.carry[slots, j - 1][:, None], prev.out], 1)
+        return shift_rows(with_carry, 1 + first - prev.first)[:, :prev.out.shape[1]]
+
+    def _run_layer(self, j, slots, hidden, first, count, token_rows):
+        width = int(count.max())
+        if width == 0:  # nothing true yet (a prompt shorter than j + 2 tokens)
+            return LayerRun(hidden, first, count)
+        tokens = token_rows(j, first, count)
+        positions = first[:, None] + torch.arange(width, device=slots.device)[None, :]
+        view = self.cache.step(slots, first, count, self.engine.backend).layers(self.num_layers)[j]
+        return LayerRun(self.engine.fast.mtp(j, tokens, hidden[:, :width], positions, view), first, count)
+
+    # ---- drafting ------------------------------------------------------------------
+    def deeper_layer_step(self, j, slots, last_pos, true_prev, speculative_prev, drafts):
+        """Layer j over positions e-j+1..e (tokens: drafts 1..j). Returns its outputs there
+        [B, j, H], right-aligned (index j-1 is position e)."""
+        hidden = torch.cat([true_prev[:, None], speculative_prev], 1)
+        # positions below 0 (very short prompts) do not exist: drop them, left-aligning the rest
+        drop = (j - 1 - last_pos).clamp(min=0)
+        first = last_pos - j + 1 + drop
+        width = j - int(drop.min())
+        positions = first[:, None] + torch.arange(width, device=slots.device)[None, :]
+        view = self.cache.step(slots, first, j - drop, self.engine.backend).layers(self.num_layers)[j]
+        out = self.engine.fast.mtp(j, shift_rows(drafts, drop)[:, :width], shift_rows(hidden, drop)[:, :width],
+                                   positions, view)
+        return shift_rows(torch.nn.functional.pad(out, (0, 0, 0, j - width)), -drop)
+
+    def reuse_step(self, layer, slots, tokens, hidden, positions):
+        """One speculative step of `layer` at `positions` [B] on (its previous output, previous draft)."""
         view = self.cache.step(slots, positions, torch.ones_like(positions), self.engine.backend)
         out = self.engine.fast.mtp(layer, tokens[:, None], hidden[:, None], positions[:, None],
-                                     view.layers(self.num_layers)[layer])
+                                   view.layers(self.num_layers)[layer])
         return out[:, 0]
 
 
-def reference_mtp_drafts(model, ids, k):
-    """Greedy MTP drafts for the sequence `ids` recomputed from scratch without any cache
-    (the naive path the cached proposer is tested against)."""
+def mtp_input_hidden(model, tokens):
+    """[1, n-1, H]: the trunk state the first MTP layer reads (family-dependent), positions 0..n-2."""
+    n = tokens.shape[1]
+    return model.forward_states(tokens, torch.arange(n)[None])[1][:, :n - 1]
+
+
+def reference_mtp_hidden(model, ids, num_layers=None):
+    """Every MTP layer's output over the whole sequence `ids`, recomputed without any cache:
+    [layer j -> [1, len(ids)-j-1, H]], layer j at position t reading layer j-1's output at t
+    (the trunk's for j = 0) and token t+j+1 (megatron-core's MTP block)."""
     n = len(ids)
     tokens = torch.tensor([ids])
-    positions = torch.arange(n)[None]
     with torch.inference_mode():
-        _, h = model.forward_states(tokens, positions)
-        hidden, next_tokens = h[:, :n - 1], tokens[:, 1:]
-        drafts = []
-        for i in range(k):
-            layer = min(i, model.num_mtp_layers - 1)
-            pos = torch.arange(hidden.shape[1])[None]
-            out = model.mtp_forward(layer, next_tokens, hidden, pos)
-            d = int(model.logits(out[0, -1]).argmax())
-            drafts.append(d)
+        hidden = mtp_input_hidden(model, tokens)
+        outs = []
+        for j in range(model.num_mtp_layers if num_layers is None else num_layers):
+            width = n - j - 1
+            hidden = model.mtp_forward(j, tokens[:, j + 1:j + 1 + width], hidden[:, :width],
+                                       torch.arange(width)[None])
+            outs.append(hidden)
+    return outs
+
+
+def reference_mtp_drafts(model, ids, k):
+    """Greedy MTP drafts for `ids` recomputed from scratch without any cache (the naive path
+    the cached proposer is tested against): draft i <= L reruns layers 0..i-1 over the
+    sequence extended by drafts 1..i-1; later drafts reuse the last layer one position
+    further on its own output."""
+    n, num_layers = len(ids), model.num_mtp_layers
+    ext = list(ids)
+    drafts = []
+    with torch.inference_mode():
+        for i in range(1, min(k, num_layers) + 1):
+            outs = reference_mtp_hidden(model, ext, num_layers=i)
+            drafts.append(int(model.logits(outs[i - 1][0, n - 2]).argmax()))
+            ext.append(drafts[-1])
+        if k <= num_layers:
+            return drafts
+        layer = num_layers - 1
+        prev = reference_mtp_hidden(model, ext[:n + layer], num_layers=layer)  # input of the last layer
+        hidden = (prev[-1] if prev else mtp_input_hidden(model, torch.tensor([ids])))[:, :n - 1]
+        hidden = torch.cat([hidden, outs[-1][:, n - 2:n - 1]], 1)
+        for m in range(1, k - num_layers + 1):
+            width = n - 1 + m
+            out = model.mtp_forward(layer, torch.tensor([ext[layer + 1:layer + 1 + width]]), hidden,
+                                    torch.arange(width)[None])
+            drafts.append(int(model.logits(out[0, -1]).argmax()))
+            ext.append(drafts[-1])
             hidden = torch.cat([hidden, out[:, -1:]], 1)
-            next_tokens = torch.cat([next_tokens, torch.tensor([[d]])], 1)
     return drafts

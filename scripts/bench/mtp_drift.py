@@ -3,6 +3,8 @@
 
     python scripts/bench/mtp_drift.py            # default size (about 3 minutes on 2 cores)
     python scripts/bench/mtp_drift.py --full     # longer run
+    python scripts/bench/mtp_drift.py --num-speculative-tokens 3 \
+        --arms online,online:loss=soft_ce,online:loss=tv,frozen   # the draft losses (issue 12)
 
 The three arms start from the same pretrained tiny model, seed and prompts and run the same
 RL steps (train_rl.py with configs/experiment/drift_{online,frozen,none}.yaml). Per step it
@@ -13,6 +15,11 @@ end ratios online/frozen and online/none, and at how many steps online took no l
 none. `--spec-adaptive` runs the speculative arms with k chosen per step. Speculation is
 exact, so the arms' rewards must agree within noise; the script checks and says so.
 Extra arguments after `--` go to every train_rl.py run.
+
+An arm is `online`, `frozen` or `none`, optionally followed by `:key=value` options
+(ARM_OPTIONS): `loss` (--mtp-loss-type), `topk` (--mtp-distill-topk), `layers`
+(--mtp-num-layers), `lr` (--mtp-lr) and `ckpt` (--hf-checkpoint, e.g. a checkpoint with two MTP layers). With
+`--curves` a second PNG shows the per-position acceptance of every arm over the run.
 """
 import argparse
 import csv
@@ -25,8 +32,12 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARMS = ("online", "frozen", "none")
 ARM_FLAGS = {"online": ["--enable-mtp-training", "--mtp-num-layers", "1"], "frozen": [], "none": []}
+# arm options: "online:loss=tv:layers=2" appends these flags last (later flags win in train_rl.py)
+ARM_OPTIONS = {"loss": "--mtp-loss-type", "topk": "--mtp-distill-topk", "layers": "--mtp-num-layers", "lr": "--mtp-lr",
+               "ckpt": "--hf-checkpoint"}
+MAX_POSITIONS = 8
 COLUMNS = ("arm", "step", "num_samples", "reward", "response_len", "spec_accept_length", "tokens_per_target_forward",
-           "spec_accept_rate", "spec_accept_rate_pos_0", "spec_accept_rate_pos_1", "spec_accept_rate_pos_2",
+           "spec_accept_rate", *(f"spec_accept_rate_pos_{i}" for i in range(MAX_POSITIONS)),
            "rollout_tokens_per_s", "rollout_time", "mtp_loss", "spec_k_mean", "spec_predicted_speedup",
            "spec_measured_speedup")
 
@@ -38,7 +49,10 @@ def parse_args():
     p.add_argument("--out", default=os.path.join(REPO, "runs", "mtp_drift"))
     p.add_argument("--num-speculative-tokens", type=int, default=2)
     p.add_argument("--window", type=int, default=5, help="steps averaged for the start and end figures")
-    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms, each NAME[:key=value...]")
+    p.add_argument("--curves", default=None, help="also write the per-position acceptance PNG here")
+    p.add_argument("--reuse", action="store_true",
+                   help="an arm whose --out directory already holds all --steps steps is read, not rerun")
     p.add_argument("--spec-adaptive", action="store_true", help="k per step from measured cost and acceptance")
     p.add_argument("extra", nargs="*", help="after --: passed to train_rl.py")
     args = p.parse_args()
@@ -46,20 +60,57 @@ def parse_args():
     return args
 
 
+def user_error(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def arm_flags(arm):
+    """(base arm, its flags, option flags) of an arm spec such as 'online:loss=soft_ce:layers=2'."""
+    base, *options = arm.split(":")
+    if base not in ARM_FLAGS:
+        user_error(f"--arms {arm!r}: the arm must start with one of {', '.join(ARM_FLAGS)}")
+    flags = []
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in ARM_OPTIONS or not value:
+            user_error(f"--arms {arm!r}: options are key=value with key in {', '.join(ARM_OPTIONS)}")
+        flags += [ARM_OPTIONS[key], value]
+    return base, ARM_FLAGS[base], flags
+
+
+def arm_label(arm):
+    """The arm with checkpoint paths shortened to their directory name (tables, legends)."""
+    return ":".join(os.path.basename(o.rstrip("/")) if o.startswith("ckpt=") else o for o in arm.split(":"))
+
+
+def arm_dir(arm):
+    return arm.replace(":", "_").replace("=", "-").replace("/", "_")
+
+
+def read_metrics(out):
+    path = os.path.join(out, "metrics.jsonl")
+    return [json.loads(line) for line in open(path)] if os.path.isfile(path) else []
+
+
 def run_arm(arm, args):
-    out = os.path.join(args.out, arm)
+    base, flags, options = arm_flags(arm)
+    out = os.path.join(args.out, arm_dir(arm))
+    if args.reuse and len(read_metrics(out)) == args.steps:
+        print(f"[drift] {arm}: reusing {out}", flush=True)
+        return read_metrics(out)
     spec = json.dumps({"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens})
-    cmd = [sys.executable, os.path.join(REPO, "train_rl.py"), f"experiment=drift_{arm}", "--num-rollout", str(args.steps),
-           "--output-dir", out, "--progress", "false", "--wandb-group", "mtp_drift", *ARM_FLAGS[arm]]
-    if arm != "none":
+    cmd = [sys.executable, os.path.join(REPO, "train_rl.py"), f"experiment=drift_{base}", "--num-rollout", str(args.steps),
+           "--output-dir", out, "--progress", "false", "--wandb-group", "mtp_drift", *flags]
+    if base != "none":
         cmd += ["--vllm-speculative-config", spec] + (["--spec-adaptive"] if args.spec_adaptive else [])
-    cmd += args.extra
+    cmd += args.extra + options  # an arm's own options win over the shared extra arguments
     print(f"[drift] {arm}: {' '.join(cmd[1:])}", flush=True)
     env = dict(os.environ, WANDB_SILENT="true", RAY_AUTH_MODE="disabled")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"[drift] arm {arm} failed:\n{proc.stderr[-3000:]}")
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return read_metrics(out)
 
 
 def row(arm, m):
@@ -67,7 +118,7 @@ def row(arm, m):
     return {"arm": arm, "step": m["rollout/step"], "reward": m["rollout/reward"],
             "response_len": m["rollout/response_len"], "spec_accept_length": accept_len,
             "tokens_per_target_forward": accept_len, "spec_accept_rate": m.get("rollout/spec_accept_rate", 0.0),
-            **{f"spec_accept_rate_pos_{i}": m.get(f"rollout/spec_accept_rate_pos_{i}", "") for i in range(3)},
+            **{f"spec_accept_rate_pos_{i}": m.get(f"rollout/spec_accept_rate_pos_{i}", "") for i in range(MAX_POSITIONS)},
             "rollout_tokens_per_s": m["perf/rollout_tokens_per_s"], "rollout_time": m["perf/rollout_time"],
             "mtp_loss": m.get("train/mtp_loss", ""), "num_samples": m["rollout/num_samples"],
             **{k: m.get(f"rollout/{k}", "") for k in ("spec_k_mean", "spec_predicted_speedup", "spec_measured_speedup")}}
@@ -101,6 +152,47 @@ def plot(rows_by_arm, path):
     fig.savefig(path, dpi=100)
 
 
+def plot_position_curves(rows_by_arm, k, path):
+    """Acceptance at draft positions 1..k and reward over the run, one line per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [f"spec_accept_rate_pos_{i}" for i in range(k)] + ["spec_accept_length", "reward"]
+    titles = [f"acceptance at draft position {i + 1}" for i in range(k)] + ["tokens per verify", "reward"]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8))
+    for ax, key, title in zip(axes, keys, titles):
+        for arm, rows in rows_by_arm.items():
+            if rows and rows[0][key] != "":
+                ax.plot([r["step"] for r in rows], [r[key] for r in rows], label=arm)
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def print_end_table(rows_by_arm, k, size):
+    """Per arm: tokens per verify, acceptance at positions 1..k, tokens/s (and / frozen), reward."""
+    stats, _ = reward_agreement(rows_by_arm, size)
+    frozen = rows_by_arm.get("frozen")
+    frozen_tps = window(frozen, "rollout_tokens_per_s", False, size) if frozen else None
+    pos_head = " ".join(f"{'acc@' + str(i + 1):>6}" for i in range(k))
+    print(f"\n{'arm (end = last ' + str(size) + ' steps)':<34} {'tok/verify':>10} {pos_head} {'tok/s':>7} "
+          f"{'/frozen':>7} {'reward':>13}")
+    for arm, rows in rows_by_arm.items():
+        spec = rows[0]["spec_accept_rate_pos_0"] != ""
+        pos = " ".join(f"{window(rows, f'spec_accept_rate_pos_{i}', False, size):>6.3f}" if spec else f"{'-':>6}"
+                       for i in range(k))
+        tps = window(rows, "rollout_tokens_per_s", False, size)
+        ratio = f"{tps / frozen_tps:>6.2f}x" if frozen_tps else f"{'-':>7}"
+        p, se = stats[arm]
+        print(f"{arm:<34} {window(rows, 'spec_accept_length', False, size):>10.3f} {pos} {tps:>7.0f} {ratio} "
+              f"{p:>7.3f}±{se:.3f}")
+
+
 def reward_agreement(rows_by_arm, size):
     """Mean reward over the last `size` steps per arm, and whether every pair agrees within 3 SE."""
     stats = {}
@@ -117,7 +209,7 @@ def reward_agreement(rows_by_arm, size):
 def main():
     args = parse_args()
     os.makedirs(args.out, exist_ok=True)
-    rows_by_arm = {arm: [row(arm, m) for m in run_arm(arm, args)] for arm in args.arms.split(",")}
+    rows_by_arm = {arm_label(arm): [row(arm_label(arm), m) for m in run_arm(arm, args)] for arm in args.arms.split(",")}
     with open(os.path.join(args.out, "drift.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
@@ -125,6 +217,10 @@ def main():
             writer.writerows(rows)
     plot(rows_by_arm, os.path.join(args.out, "drift.png"))
     w = args.window
+    if args.curves:
+        plot_position_curves(rows_by_arm, args.num_speculative_tokens, args.curves)
+        print(f"wrote {args.curves}")
+    print_end_table(rows_by_arm, args.num_speculative_tokens, w)
     print(f"\n{'arm':<8} {'accept_len start':>16} {'accept_len end':>15} {'tok/s start':>12} {'tok/s end':>10} "
           f"{'step s start':>13} {'step s end':>11} {'resp len end':>13} {'reward start':>13} {'reward end':>11}")
     for arm, rows in rows_by_arm.items():
