@@ -22,7 +22,6 @@ def preflight(cfg):
     from rollout.advantages import ADVANTAGE_ESTIMATORS
     from rollout.data import read_prompt_file
     from rollout.rewards import get_reward_fn
-    from rollout.spec_config import check_against_checkpoint, parse_spec_config, require_lossless
     from trainer.distributed import check_parallel_sizes
     from trainer.model import check_tensor_parallel
     from vime.config import validate
@@ -39,9 +38,7 @@ def preflight(cfg):
     check_tensor_parallel(hf, t.tensor_model_parallel_size)
     require(cfg.train.advantage_estimator in ADVANTAGE_ESTIMATORS,
             f"--advantage-estimator {cfg.train.advantage_estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
-    spec = parse_spec_config(cfg.rollout.vllm_speculative_config)
-    check_against_checkpoint(spec, hf)
-    require_lossless(spec, where="train_rl.py")
+    check_rollout_backend(cfg, hf)
     if cfg.rollout.prompt_data is None:
         cfg.rollout.prompt_data = os.path.join(cfg.model.hf_checkpoint, "train.jsonl")
     if not cfg.run.debug_train_only:
@@ -51,6 +48,29 @@ def preflight(cfg):
         from vime.checkpointing import latest
 
         require(latest(cfg.run.load) is not None, f"--load {cfg.run.load}: no complete checkpoint there")
+
+
+def check_rollout_backend(cfg, hf):
+    """The speculative config per backend: vime's own validation for the embedded engine,
+    vLLM's (run in this process, before any actor starts) for --rollout-backend vllm."""
+    from rollout.backend import BACKENDS
+    from rollout.spec_config import check_against_checkpoint, parse_spec_config, require_lossless
+
+    r = cfg.rollout
+    require(r.backend in BACKENDS, f"--rollout-backend {r.backend!r}: choose one of {', '.join(BACKENDS)}")
+    if r.backend == "embedded":
+        spec = parse_spec_config(r.vllm_speculative_config)
+        check_against_checkpoint(spec, hf)
+        require_lossless(spec, where="train_rl.py")
+        return
+    from rollout.vllm_backend import check_sampling_for_logprobs, check_speculative_config, spec_dict
+
+    raw = spec_dict(r.vllm_speculative_config)
+    require(not raw or raw.get("rejection_sample_method") != "synthetic",
+            "--vllm-speculative-config: rejection_sample_method 'synthetic' is benchmark-only (its outputs do not "
+            "follow the policy), so train_rl.py refuses it")
+    check_sampling_for_logprobs(raw, r.rollout_temperature, r.rollout_top_k, r.rollout_top_p)
+    check_speculative_config(cfg.model.hf_checkpoint, raw, r.rollout_max_batch_size)
 
 
 def ensure_model(model_cfg):
@@ -90,7 +110,7 @@ class RLRun:
         workers = ray_get(self.rollout.get_workers.remote()) if self.rollout else []
         ray_get([w.weight_version.remote() for w in workers])  # started: step 0 times no actor start-up
         if self.rollout and self.trainers:
-            self.sync = WeightSync(self.trainers, workers, cfg.run)
+            self.sync = WeightSync(self.trainers, workers, cfg.run, sync_draft=cfg.rollout.sync_draft_weights)
         if state and self.rollout:
             ray_get(self.rollout.set_data_cursor.remote(state["data_cursor"]))
 
@@ -111,6 +131,11 @@ class RLRun:
     def push_weights(self, version):
         return self.sync.push(version) if self.sync else {}
 
+    def close(self):
+        """Stop the processes a rollout backend started (vLLM's engine) before Ray goes down."""
+        if self.rollout:
+            ray_get(self.rollout.close_workers.remote())
+
     def save(self, step):
         from vime import checkpointing
 
@@ -128,26 +153,29 @@ def ray_get(ref):
 
 
 def run_loop(cfg):
+    from contextlib import closing
+
     from tqdm import tqdm
 
     from vime.cli_config import describe
     from vime.run_logger import RunLogger
 
-    run = RLRun(cfg)
-    logger = RunLogger(cfg.run, {"config": describe(cfg)}, resume_step=run.start_step)
-    run.push_weights(version=run.start_step)  # workers start from the trainer's (maybe resumed) weights
-    steps = tqdm(range(run.start_step, cfg.run.num_rollout), desc="RL steps", disable=not cfg.run.progress)
-    for step in steps:
-        start = time.perf_counter()
-        samples, rollout_metrics = run.generate(step)
-        train_metrics = run.train(samples)
-        sync_metrics = run.push_weights(version=step + 1)
-        metrics = {**rollout_metrics, **train_metrics, **sync_metrics, "perf/step_time": time.perf_counter() - start}
-        logger.log(step, metrics)
-        steps.set_postfix(reward=f"{metrics.get('rollout/reward', 0):.3f}",
-                          accept_len=f"{metrics.get('rollout/spec_accept_length', 0):.2f}")
-        run.save(step)
-    logger.finish()
+    with closing(RLRun(cfg)) as run:
+        logger = RunLogger(cfg.run, {"config": describe(cfg)}, resume_step=run.start_step)
+        run.push_weights(version=run.start_step)  # workers start from the trainer's (maybe resumed) weights
+        steps = tqdm(range(run.start_step, cfg.run.num_rollout), desc="RL steps", disable=not cfg.run.progress)
+        for step in steps:
+            start = time.perf_counter()
+            samples, rollout_metrics = run.generate(step)
+            train_metrics = run.train(samples)
+            sync_metrics = run.push_weights(version=step + 1)
+            metrics = {**rollout_metrics, **train_metrics, **sync_metrics,
+                       "perf/step_time": time.perf_counter() - start}
+            logger.log(step, metrics)
+            steps.set_postfix(reward=f"{metrics.get('rollout/reward', 0):.3f}",
+                              accept_len=f"{metrics.get('rollout/spec_accept_length', 0):.2f}")
+            run.save(step)
+        logger.finish()
     return logger.history
 
 

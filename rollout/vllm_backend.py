@@ -91,6 +91,15 @@ def check_speculative_config(hf_checkpoint, speculative_config, max_batch_size=8
                         f"{_first_line(e)}") from None
 
 
+def check_sampling_for_logprobs(spec, temperature, top_k, top_p):
+    """Under speculation vLLM 0.32 yields only raw log-probs (see the module docstring): they are
+    the trainer's softmax(logits / T) only at T = 1 (greedy is reported at T = 1) without top-k/p."""
+    require(not spec or temperature == 0 or (temperature == 1.0 and top_k == 0 and top_p == 1.0),
+            f"--rollout-backend vllm with {FLAG}: vLLM 0.32 gives the trainer's log-probs under speculation "
+            f"only at --rollout-temperature 1 without top-k/top-p (got temperature {temperature}, top_k {top_k}, "
+            f"top_p {top_p}); use those, drop the speculative config, or use --rollout-backend embedded")
+
+
 def _first_line(e):
     """The informative line of a vLLM/pydantic error (pydantic puts the message on line 3)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
@@ -156,11 +165,7 @@ class VLLMBackend:
         return samples
 
     def _check_logprob_definition(self, sampling):
-        require(not self.spec or sampling.greedy or (sampling.temperature == 1.0 and sampling.top_k == 0
-                                                     and sampling.top_p == 1.0),
-                f"--rollout-backend vllm with {FLAG}: vLLM 0.32 gives the trainer's log-probs under speculation "
-                f"only at --rollout-temperature 1 without top-k/top-p (got temperature {sampling.temperature}, "
-                f"top_k {sampling.top_k}, top_p {sampling.top_p}); use those or the embedded backend")
+        check_sampling_for_logprobs(self.spec, sampling.temperature, sampling.top_k, sampling.top_p)
 
     def _fill(self, sample, completion):
         sample.response_ids = list(completion.token_ids)
