@@ -88,7 +88,7 @@ def check_speculative_config(hf_checkpoint, speculative_config, max_batch_size=8
         raise
     except Exception as e:  # vLLM reports bad configs as pydantic / ValueError / TypeError
         raise UserError(f"{FLAG} {json.dumps(kwargs['speculative_config'])}: vLLM refuses it: "
-                        f"{_first_line(e)}") from None
+                        f"{_first_line(e)}{_key_hint(kwargs['speculative_config'])}") from None
 
 
 def check_sampling_for_logprobs(spec, temperature, top_k, top_p):
@@ -98,6 +98,21 @@ def check_sampling_for_logprobs(spec, temperature, top_k, top_p):
             f"--rollout-backend vllm with {FLAG}: vLLM 0.32 gives the trainer's log-probs under speculation "
             f"only at --rollout-temperature 1 without top-k/top-p (got temperature {temperature}, top_k {top_k}, "
             f"top_p {top_p}); use those, drop the speculative config, or use --rollout-backend embedded")
+
+
+def _key_hint(spec):
+    """'; did you mean ...' for a key vLLM's SpeculativeConfig does not have."""
+    import dataclasses
+    import difflib
+
+    from vllm.config import SpeculativeConfig
+
+    known = [f.name for f in dataclasses.fields(SpeculativeConfig)]
+    for key in spec or {}:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            return f"; did you mean {close[0]!r}?" if close else ""
+    return ""
 
 
 def _first_line(e):
