@@ -19,10 +19,34 @@ def reload(worker, path, draft):
     from safetensors.torch import load_file
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
+    model = _model(worker, draft)
     named = list(load_file(path).items())
-    reload_weights(worker.vllm_config, _model(worker, draft), weights_iterator=iter(named), weights_path=None,
+    reload_weights(worker.vllm_config, model, weights_iterator=iter(named), weights_path=None,
                    is_checkpoint_format=True)
+    _repack_kept_cpu_weights(model)
     return len(named)
+
+
+def _repack_kept_cpu_weights(model):
+    """Rebuild the CPU GEMM kernels of layers that keep their weight (embedding / LM head).
+
+    On the CPU build such a layer computes through a kernel prepared from its weight at load
+    time; vLLM 0.32's in-place reload copies the new values into the parameter but keeps that
+    kernel, so a tied LM head would go on producing the old logits (measured: log-probs off by
+    ~1 after an embedding change). Linear layers whose weight was emptied are rebuilt by the
+    reload itself."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.dim() == 2 \
+                and weight.numel() > 0:
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
 def read_back(worker, draft, sent_shapes, layout, num_hidden_layers, num_mtp_layers):
