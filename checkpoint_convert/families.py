@@ -1,22 +1,28 @@
-"""The registry of MTP checkpoint layouts (pure: no Ray/Megatron imports).
+"""The model-family registry (pure: no Ray/Megatron/vLLM imports).
 
-Inside vime every tensor has a *canonical* Hugging Face name: the standard Qwen3 trunk
-names plus MTP layer k under `model.layers.{num_hidden_layers + k}.*` (the GLM-4.5 /
-DeepSeek-V3 layout, `eh_proj` applied to cat(enorm(embedding), hnorm(hidden))).
-Other layouts differ only in the MTP prefix, four renamed tensors and the order of the
-two column halves of `eh_proj`; each is one declarative entry in `MTP_LAYOUTS`.
+One declarative `ModelFamily` per family says everything that differs between them: the
+trunk flavour (q/k/v bias or per-head q/k norm), how its MTP layers are stored (names,
+the order of the two halves of the input projection, shared copies), which hidden state
+the first MTP layer reads, the HF `architectures`/`model_type`, and the transformers class
+that loads the trunk. The engine, the trainer, both converters and weight sync read it;
+nothing else names a family.
+
+Inside vime every tensor has a *canonical* HF name: the family's trunk names plus MTP
+layer k under `model.layers.{num_hidden_layers + k}.*` (the GLM-4.5 / DeepSeek-V3 names,
+`eh_proj` applied to cat(enorm(embedding), hnorm(hidden))). A family's MTP layout maps
+those to what its checkpoints store.
 """
 import re
 from dataclasses import dataclass, field
 
 import torch
 
-CANONICAL_LAYOUT = "glm"
+from vime.errors import UserError
 
 
 @dataclass(frozen=True)
 class MTPLayout:
-    """How one model family stores its MTP layers."""
+    """How one family stores its MTP layers."""
 
     name: str
     prefix: str  # format string; {n} = num_hidden_layers + k, {k} = MTP index
@@ -31,24 +37,99 @@ class MTPLayout:
         return re.compile("^" + re.escape(self.prefix).replace(r"\{n\}", r"(\d+)").replace(r"\{k\}", r"(\d+)") + r"\.")
 
 
-MTP_LAYOUTS = {
-    "glm": MTPLayout(
-        name="glm",
-        prefix="model.layers.{n}",
-        shared_copies=("embed_tokens.weight", "shared_head.head.weight"),
+GLM_LAYOUT = MTPLayout(
+    name="glm",
+    prefix="model.layers.{n}",
+    shared_copies=("embed_tokens.weight", "shared_head.head.weight"),
+)
+MIMO_LAYOUT = MTPLayout(
+    name="mimo",
+    prefix="model.mtp_layers.{k}",
+    renames={
+        "enorm.weight": "token_layernorm.weight",
+        "hnorm.weight": "hidden_layernorm.weight",
+        "eh_proj.weight": "input_proj.weight",
+        "shared_head.norm.weight": "final_layernorm.weight",
+    },
+    hidden_first=True,
+)
+CANONICAL_LAYOUT = GLM_LAYOUT
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family: trunk flavour, MTP storage and semantics, HF identity."""
+
+    name: str
+    architectures: tuple  # HF config.json `architectures` (the first is written)
+    model_type: str  # HF config.json `model_type` written (transformers builds the trunk from it)
+    hf_trunk_class: str  # transformers class that loads the trunk alone (the tests' reference)
+    qkv_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    mtp_layout: MTPLayout
+    # MiMo's drafter (as vLLM runs it) reads the trunk's last hidden state *before* the final
+    # norm and sees a zero token embedding at position 0; DeepSeek/GLM-style MTP (and
+    # megatron-core's default) reads the final-normed state.
+    mtp_reads_pre_norm_hidden: bool = False
+    mtp_zero_embedding_at_position_0: bool = False
+    head_dim_free: bool = True  # False: head_dim must be hidden_size / num_attention_heads (Qwen2)
+
+    @property
+    def layer_tensors(self):
+        """Canonical suffixes of one decoder layer's tensors."""
+        names = ["input_layernorm.weight", "post_attention_layernorm.weight",
+                 "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+        if self.qkv_bias:
+            names += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        if self.qk_norm:
+            names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        return tuple(names)
+
+    @property
+    def megatron_options(self):
+        """The megatron-core TransformerConfig / layer-spec options of this trunk."""
+        return {"add_qkv_bias": self.qkv_bias, "qk_layernorm": self.qk_norm}
+
+
+FAMILIES = {
+    "qwen3": ModelFamily(
+        name="qwen3", architectures=("Qwen3ForCausalLM",), model_type="qwen3",
+        hf_trunk_class="Qwen3ForCausalLM", qkv_bias=False, qk_norm=True, mtp_layout=GLM_LAYOUT,
     ),
-    "mimo": MTPLayout(
-        name="mimo",
-        prefix="model.mtp_layers.{k}",
-        renames={
-            "enorm.weight": "token_layernorm.weight",
-            "hnorm.weight": "hidden_layernorm.weight",
-            "eh_proj.weight": "input_proj.weight",
-            "shared_head.norm.weight": "final_layernorm.weight",
-        },
-        hidden_first=True,
+    # A MiMo checkpoint as vLLM serves it with {"method": "mtp"}: the Qwen2 trunk (model_type
+    # qwen2, so transformers loads it without remote code) plus `model.mtp_layers.{k}`.
+    "mimo": ModelFamily(
+        name="mimo", architectures=("MiMoForCausalLM",), model_type="qwen2",
+        hf_trunk_class="Qwen2ForCausalLM", qkv_bias=True, qk_norm=False, mtp_layout=MIMO_LAYOUT,
+        mtp_reads_pre_norm_hidden=True, mtp_zero_embedding_at_position_0=True, head_dim_free=False,
     ),
 }
+DEFAULT_FAMILY = "mimo"
+
+
+def family_of_hf_config(raw, source="config.json"):
+    """The family of an HF config dict: by `architectures`, else by `model_type`; one-line refusal."""
+    archs = raw.get("architectures") or []
+    for fam in FAMILIES.values():
+        if any(a in fam.architectures for a in archs):
+            return fam
+    if not archs:
+        for fam in FAMILIES.values():
+            if raw.get("model_type") == fam.model_type:
+                return fam
+    raise UserError(f"{source}: architectures {archs} / model_type {raw.get('model_type')!r} is not a supported "
+                    f"model family; vime supports {supported_families()}")
+
+
+def supported_families():
+    return ", ".join(f"{f.name} ({f.architectures[0]})" for f in FAMILIES.values())
+
+
+def get_family(name):
+    if name not in FAMILIES:
+        raise UserError(f"unknown model family {name!r}; choose one of {sorted(FAMILIES)}")
+    return FAMILIES[name]
 
 
 def swap_halves(weight):
@@ -71,18 +152,8 @@ def mtp_layer_indices(names, layout, num_hidden_layers):
     return sorted(found)
 
 
-def detect_layout(names, num_hidden_layers):
-    """Name of the layout whose MTP tensors appear in `names`, or None if there are none."""
-    for layout in MTP_LAYOUTS.values():
-        if mtp_layer_indices(names, layout, num_hidden_layers):
-            return layout.name
-    return None
-
-
 def _rename_mtp(state, src, dst, num_hidden_layers, num_mtp_layers):
-    out = {}
-    for name, tensor in state.items():
-        out[name] = tensor
+    out = dict(state)
     for k in range(num_mtp_layers):
         src_prefix = src.layer_prefix(k, num_hidden_layers) + "."
         dst_prefix = dst.layer_prefix(k, num_hidden_layers) + "."
@@ -98,19 +169,24 @@ def _rename_mtp(state, src, dst, num_hidden_layers, num_mtp_layers):
     return out
 
 
-def to_canonical(state, layout_name, num_hidden_layers, num_mtp_layers):
-    """Rename a checkpoint's tensors from `layout_name` to vime's canonical names."""
-    return _rename_mtp(state, MTP_LAYOUTS[layout_name], MTP_LAYOUTS[CANONICAL_LAYOUT],
-                       num_hidden_layers, num_mtp_layers)
+def _as_layout(layout_or_family):
+    """An MTPLayout, given one or a family name."""
+    if isinstance(layout_or_family, MTPLayout):
+        return layout_or_family
+    return get_family(layout_or_family).mtp_layout
 
 
-def from_canonical(state, layout_name, num_hidden_layers, num_mtp_layers):
-    """Rename canonical tensors to the names `layout_name` stores them under."""
-    return _rename_mtp(state, MTP_LAYOUTS[CANONICAL_LAYOUT], MTP_LAYOUTS[layout_name],
-                       num_hidden_layers, num_mtp_layers)
+def to_canonical(state, layout, num_hidden_layers, num_mtp_layers):
+    """Rename a checkpoint's tensors from `layout` (an MTPLayout or a family name) to canonical names."""
+    return _rename_mtp(state, _as_layout(layout), CANONICAL_LAYOUT, num_hidden_layers, num_mtp_layers)
+
+
+def from_canonical(state, layout, num_hidden_layers, num_mtp_layers):
+    """Rename canonical tensors to the names `layout` (an MTPLayout or a family name) stores them under."""
+    return _rename_mtp(state, CANONICAL_LAYOUT, _as_layout(layout), num_hidden_layers, num_mtp_layers)
 
 
 def is_mtp_name(name, num_hidden_layers):
     """True for a canonical name that belongs to an MTP layer."""
-    m = MTP_LAYOUTS[CANONICAL_LAYOUT].pattern().match(name)
+    m = CANONICAL_LAYOUT.pattern().match(name)
     return bool(m) and int(m.group(1)) >= num_hidden_layers

@@ -1,8 +1,9 @@
 """Reading and writing vime's Hugging Face checkpoint directories (pure torch + safetensors).
 
-A directory holds `config.json` (Qwen3 with `num_nextn_predict_layers`), `model.safetensors`
-and the tokenizer files. `load_hf_checkpoint` validates it and returns the config and the
-tensors under canonical names (see families.py); `save_hf_checkpoint` writes either layout.
+A directory holds `config.json` (a family's HF config with `num_nextn_predict_layers`),
+`model.safetensors` and the tokenizer files. `load_hf_checkpoint` validates it and returns
+the config and the tensors under canonical names (see families.py); `save_hf_checkpoint`
+writes them in the config's family layout.
 """
 import json
 import os
@@ -13,16 +14,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from checkpoint_convert.families import detect_layout, from_canonical, mtp_layer_indices, MTP_LAYOUTS, to_canonical
+from checkpoint_convert.families import (DEFAULT_FAMILY, FAMILIES, family_of_hf_config, from_canonical,
+                                        mtp_layer_indices, to_canonical)
 from vime.errors import UserError, require
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-LAYER_TENSORS = (
-    "input_layernorm.weight", "post_attention_layernorm.weight",
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-)
 MTP_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
 
 
@@ -45,15 +41,25 @@ class ModelConfig:
     bos_token_id: int = None
     eos_token_id: int = None
     pad_token_id: int = None
+    family: str = DEFAULT_FAMILY  # a key of checkpoint_convert.families.FAMILIES
+
+    @property
+    def model_family(self):
+        return FAMILIES[self.family]
 
     @classmethod
     def from_hf_dict(cls, d, source="config.json"):
+        family = family_of_hf_config(d, source)
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")
         missing = [k for k in required if k not in d]
-        require(not missing, f"{source}: missing keys {missing}; is this a Qwen3-style config?")
+        require(not missing, f"{source}: missing keys {missing}; not a {family.architectures[0]} config")
         rope = d.get("rope_parameters") or {}
         eos = d.get("eos_token_id")
+        natural_head_dim = d["hidden_size"] // d["num_attention_heads"]
+        require(family.head_dim_free or d.get("head_dim") in (None, natural_head_dim),
+                f"{source}: head_dim {d.get('head_dim')} must be hidden_size / num_attention_heads = "
+                f"{natural_head_dim} for {family.architectures[0]}")
         return cls(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
@@ -67,15 +73,17 @@ class ModelConfig:
             num_nextn_predict_layers=d.get("num_nextn_predict_layers", 0) or 0,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
-            pad_token_id=d.get("pad_token_id"),
+            pad_token_id=d.get("pad_token_id"), family=family.name,
         )
 
     def to_hf_dict(self):
+        fam = self.model_family
         d = asdict(self)
-        d.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_act="silu",
-                 attention_bias=False, attention_dropout=0.0, torch_dtype="float32",
+        del d["family"]
+        d.update(model_type=fam.model_type, architectures=list(fam.architectures[:1]), hidden_act="silu",
+                 attention_bias=fam.qkv_bias, attention_dropout=0.0, torch_dtype="float32",
                  rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-                 use_cache=True)
+                 use_cache=True, use_sliding_window=False)
         return d
 
 
@@ -86,7 +94,7 @@ def expected_tensor_names(cfg, num_mtp_layers=None):
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
     for i in range(cfg.num_hidden_layers + n_mtp):
-        names += [f"model.layers.{i}.{t}" for t in LAYER_TENSORS]
+        names += [f"model.layers.{i}.{t}" for t in cfg.model_family.layer_tensors]
     for k in range(n_mtp):
         names += [f"model.layers.{cfg.num_hidden_layers + k}.{t}" for t in MTP_TENSORS]
     return names
@@ -103,8 +111,6 @@ def read_config(path):
             raw = json.load(f)
     except json.JSONDecodeError as e:
         raise UserError(f"{cfg_file}: malformed JSON ({e.msg} at line {e.lineno})") from None
-    require(raw.get("model_type") in ("qwen3",), f"{cfg_file}: model_type {raw.get('model_type')!r} "
-            "is not supported; vime supports Qwen3-style checkpoints (model_type 'qwen3')")
     return ModelConfig.from_hf_dict(raw, source=cfg_file)
 
 
@@ -115,23 +121,26 @@ def _weights_file(path):
 
 
 def _check_names(cfg, names, weights):
-    """The layout of `names` (tensor names of `weights`); one-line errors when tensors are missing."""
-    layout = detect_layout(names, cfg.num_hidden_layers) if cfg.num_nextn_predict_layers else None
-    n_found = len(mtp_layer_indices(names, MTP_LAYOUTS[layout], cfg.num_hidden_layers)) if layout else 0
-    require(n_found == cfg.num_nextn_predict_layers,
-            f"{weights}: config.json declares num_nextn_predict_layers={cfg.num_nextn_predict_layers} "
+    """One-line errors when `names` (tensor names of `weights`) do not match the config."""
+    layout = cfg.model_family.mtp_layout
+    n_found = len(mtp_layer_indices(names, layout, cfg.num_hidden_layers))
+    declared = cfg.num_nextn_predict_layers
+    require(n_found <= declared,
+            f"{weights}: the file holds {n_found} MTP layers but config.json declares num_nextn_predict_layers="
+            f"{declared}; set num_nextn_predict_layers to {n_found} in config.json (the draft would be ignored)")
+    require(n_found == declared,
+            f"{weights}: config.json declares num_nextn_predict_layers={declared} "
             f"but the file holds {n_found} MTP layers; the checkpoint is incomplete")
     # names only: a 2-D placeholder lets the layout rename (and its eh_proj half swap) run without data
     placeholder = {n: torch.zeros(1, 2) for n in names}
-    canonical = to_canonical(placeholder, layout, cfg.num_hidden_layers, n_found) if layout else placeholder
+    canonical = to_canonical(placeholder, layout, cfg.num_hidden_layers, n_found)
     missing = [n for n in expected_tensor_names(cfg) if n not in canonical]
     require(not missing, f"{weights}: {len(missing)} tensors missing (first: {missing[0] if missing else ''}); "
-            "the checkpoint is incomplete")
-    return layout
+            f"the checkpoint is incomplete or not a {cfg.model_family.architectures[0]} checkpoint")
 
 
 def inspect_hf_checkpoint(path):
-    """(ModelConfig, layout) of an HF checkpoint, validated from the safetensors header alone."""
+    """ModelConfig of an HF checkpoint, validated from the safetensors header alone."""
     cfg = read_config(path)
     weights = _weights_file(path)
     try:
@@ -139,26 +148,26 @@ def inspect_hf_checkpoint(path):
             names = list(f.keys())
     except Exception as e:  # safetensors raises its own error types for truncated files
         raise UserError(f"{weights}: unreadable safetensors file ({e}); re-create or re-download it") from None
-    return cfg, _check_names(cfg, names, weights)
+    _check_names(cfg, names, weights)
+    return cfg
 
 
 def load_hf_checkpoint(path):
-    """(ModelConfig, canonical state dict, layout name) of a validated HF checkpoint directory."""
-    cfg, layout = inspect_hf_checkpoint(path)
+    """(ModelConfig, canonical state dict, family name) of a validated HF checkpoint directory."""
+    cfg = inspect_hf_checkpoint(path)
     weights = _weights_file(path)
     try:
         raw = load_file(weights)
     except Exception as e:  # safetensors raises its own error types for truncated files
         raise UserError(f"{weights}: unreadable safetensors file ({e}); re-create or re-download it") from None
-    state = to_canonical(raw, layout, cfg.num_hidden_layers, cfg.num_nextn_predict_layers) if layout else raw
-    return cfg, state, layout
+    state = to_canonical(raw, cfg.model_family.mtp_layout, cfg.num_hidden_layers, cfg.num_nextn_predict_layers)
+    return cfg, state, cfg.family
 
 
-def save_hf_checkpoint(path, cfg, state, layout="glm", tokenizer_dir=None):
-    """Write `state` (canonical names) as an HF directory in `layout`; copy tokenizer files."""
+def save_hf_checkpoint(path, cfg, state, tokenizer_dir=None):
+    """Write `state` (canonical names) as an HF directory in the config's family layout; copy tokenizer files."""
     os.makedirs(path, exist_ok=True)
-    n_mtp = cfg.num_nextn_predict_layers
-    named = from_canonical(state, layout, cfg.num_hidden_layers, n_mtp) if n_mtp else dict(state)
+    named = from_canonical(state, cfg.model_family.mtp_layout, cfg.num_hidden_layers, cfg.num_nextn_predict_layers)
     save_file({k: v.detach().contiguous().cpu() for k, v in named.items()},
               os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:

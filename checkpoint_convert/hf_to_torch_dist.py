@@ -48,7 +48,7 @@ def convert(args):
     from trainer.model import build_model, check_tensor_parallel
     from trainer.weights import load_hf_state
 
-    cfg, state, layout = load_hf_checkpoint(args.hf_checkpoint)
+    cfg, state, family = load_hf_checkpoint(args.hf_checkpoint)
     n_mtp = mtp_layers_to_convert(args, cfg.num_nextn_predict_layers)
     tp = args.tensor_model_parallel_size
     check_parallel_sizes(tp, tp, args.pipeline_model_parallel_size)
@@ -58,7 +58,7 @@ def convert(args):
         model = build_model(cfg, n_mtp)
         load_hf_state(model, state, cfg)
         checkpoint.save(args.save, model, meta={"model_config": dataclasses.asdict(cfg), "mtp_num_layers": n_mtp,
-                                                "hf_layout": layout, "tensor_model_parallel_size": tp})
+                                                "family": family, "tensor_model_parallel_size": tp})
     return n_mtp
 
 

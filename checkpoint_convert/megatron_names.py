@@ -1,8 +1,10 @@
-"""Declarative HF-canonical <-> megatron-core name maps for Qwen3 + MTP (pure torch).
+"""Declarative HF-canonical <-> megatron-core name maps for every family + MTP (pure torch).
 
 Both directions work on full (TP-unsharded) tensors. The same tables drive the
 HF <-> torch_dist converter and `Trainer.named_hf_weights()` (online weight sync).
 
+A family without q/k norm simply has no `q_layernorm`/`k_layernorm` parameters, one with
+q/k/v bias has `linear_qkv.bias`: megatron's own parameter list says which entries apply.
 Megatron fuses q/k/v into `linear_qkv` (rows per query group: [q heads of the group, k, v])
 and gate/up into `linear_fc1` (rows: [gate; up]). MTP layer k lives under
 `mtp.layers.{k}` with its decoder layer in the submodule named `MTP_INNER_LAYER`.
@@ -33,6 +35,8 @@ LAYER = {  # decoder-layer suffix, megatron -> HF (1:1 renames)
 FUSED = {  # decoder-layer suffix, megatron -> (fusion kind, HF parts in order)
     "self_attention.linear_qkv.weight": ("qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                                   "self_attn.v_proj.weight")),
+    "self_attention.linear_qkv.bias": ("qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                                "self_attn.v_proj.bias")),
     "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
 }
 
@@ -77,18 +81,19 @@ def hf_targets(megatron_name, num_hidden_layers):
 
 
 def fuse_qkv(q, k, v, num_kv_heads):
-    """q [nh*d, H], k/v [nkv*d, H] -> megatron linear_qkv [(nh + 2 nkv) d, H]."""
-    hidden = q.shape[1]
-    qg, kg, vg = (t.reshape(num_kv_heads, -1, hidden) for t in (q, k, v))
-    return torch.cat([qg, kg, vg], dim=1).reshape(-1, hidden)
+    """q [nh*d, H], k/v [nkv*d, H] -> megatron linear_qkv [(nh + 2 nkv) d, H]; biases ([nh*d] ...) alike."""
+    trailing = q.shape[1:]
+    qg, kg, vg = (t.reshape(num_kv_heads, -1, *trailing) for t in (q, k, v))
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *trailing)
 
 
 def split_qkv(qkv, num_kv_heads, num_heads, head_dim):
     """Inverse of fuse_qkv."""
     per_group = num_heads // num_kv_heads * head_dim
-    grouped = qkv.reshape(num_kv_heads, per_group + 2 * head_dim, qkv.shape[1])
+    trailing = qkv.shape[1:]
+    grouped = qkv.reshape(num_kv_heads, per_group + 2 * head_dim, *trailing)
     q, k, v = grouped.split([per_group, head_dim, head_dim], dim=1)
-    return tuple(t.reshape(-1, qkv.shape[1]).contiguous() for t in (q, k, v))
+    return tuple(t.reshape(-1, *trailing).contiguous() for t in (q, k, v))
 
 
 def _fuse(kind, parts, cfg):

@@ -1,15 +1,14 @@
-"""megatron torch_dist checkpoint -> HF checkpoint in the origin directory's MTP layout.
+"""megatron torch_dist checkpoint -> HF checkpoint of the origin directory's model family.
 
-The architecture comes from `--origin-hf-dir` (config.json), the MTP layer count from the
-torch_dist checkpoint; the weights are exported through the same name maps as
-`Trainer.named_hf_weights()`, written in the origin's layout (glm or mimo), and the
-tokenizer files are copied.
+The architecture and family come from `--origin-hf-dir` (config.json), the MTP layer count
+from the torch_dist checkpoint; the weights are exported through the same name maps as
+`Trainer.named_hf_weights()`, written in the family's layout, and the tokenizer files are
+copied.
 """
 import argparse
 import dataclasses
 import os
 
-from checkpoint_convert.families import detect_layout
 from checkpoint_convert.hf_format import read_config, save_hf_checkpoint
 from vime.errors import exit_on_user_error, require
 
@@ -22,17 +21,6 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def origin_layout(origin_dir, cfg):
-    """The MTP layout of the origin checkpoint (glm when it has no MTP layers)."""
-    from safetensors import safe_open
-
-    path = os.path.join(origin_dir, "model.safetensors")
-    if not os.path.isfile(path):
-        return "glm"
-    with safe_open(path, "pt") as f:
-        return detect_layout(list(f.keys()), cfg.num_hidden_layers) or "glm"
-
-
 def convert(args):
     from trainer import checkpoint
     from trainer.distributed import owned_single_process
@@ -43,21 +31,23 @@ def convert(args):
     meta = checkpoint.read_meta(args.input_dir)
     origin = read_config(args.origin_hf_dir)
     n_mtp = meta.get("mtp_num_layers", 0)
+    saved_family = meta.get("family", origin.family)
+    require(saved_family == origin.family, f"--input-dir {args.input_dir} holds a {saved_family} model but "
+            f"--origin-hf-dir {args.origin_hf_dir} is {origin.family}; give the HF directory it was converted from")
     cfg = dataclasses.replace(origin, num_nextn_predict_layers=n_mtp)
-    layout = meta.get("hf_layout") or origin_layout(args.origin_hf_dir, origin)
     with owned_single_process():
         model = build_model(cfg, n_mtp)
         checkpoint.load(args.input_dir, model)
         state = dict(named_hf_weights(model, cfg))
-    save_hf_checkpoint(args.output_dir, cfg, state, layout=layout, tokenizer_dir=args.origin_hf_dir)
-    return layout
+    save_hf_checkpoint(args.output_dir, cfg, state, tokenizer_dir=args.origin_hf_dir)
+    return cfg.family
 
 
 @exit_on_user_error
 def main(argv=None):
     args = parse_args(argv)
-    layout = convert(args)
-    print(f"saved HF checkpoint ({layout} layout) to {os.path.abspath(args.output_dir)}")
+    family = convert(args)
+    print(f"saved HF checkpoint ({family} family) to {os.path.abspath(args.output_dir)}")
 
 
 if __name__ == "__main__":

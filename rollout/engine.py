@@ -20,7 +20,7 @@ from mtp.rejection import verify
 from mtp.sampling import processed_logprobs
 from rollout.fast_model import FastForward
 from rollout.kv_cache import KVCache, pick_attention_backend
-from rollout.model import Qwen3MTPModel
+from rollout.model import CausalLMWithMTP
 from rollout.proposers import ForwardOutput, Proposer
 from vime.errors import UserError, require
 from vime.sample import Sample
@@ -90,7 +90,7 @@ class Engine:
         from rollout.tokenizer import TextCodec  # tokenizers is only needed with text I/O
 
         cfg, state, _ = load_hf_checkpoint(path)
-        model = Qwen3MTPModel(cfg)
+        model = CausalLMWithMTP(cfg)
         model.load_state_dict(state, strict=True)
         codec = TextCodec(path) if _has_tokenizer(path) else None
         return cls(model, config, codec, proposer)
@@ -167,14 +167,14 @@ class Engine:
         tokens = _pad([r.sample.prompt_ids for r in reqs], self.config.device)
         n_new = torch.tensor(lengths, device=self.config.device)
         starts = torch.zeros_like(n_new)
-        hidden = self._forward(reqs, tokens, starts, n_new)
+        hidden, mtp_hidden = self._forward(reqs, tokens, starts, n_new)
         last = hidden[torch.arange(len(reqs)), n_new - 1]
         logprobs = processed_logprobs(self.model.logits(last), sampling.temperature, sampling.top_k, sampling.top_p)
         empty = torch.zeros(len(reqs), 0, dtype=torch.long, device=self.config.device)
         self._accept(reqs, logprobs.unsqueeze(1), empty, [0] * len(reqs), sampling, None)
         for r, n in zip(reqs, lengths):
             r.num_cached = n
-        self._propose(reqs, hidden, starts, n_new)
+        self._propose(reqs, mtp_hidden, starts, n_new)
 
     def _verify_step(self, reqs, sampling):
         counts = [self._draft_budget(r) for r in reqs]
@@ -182,14 +182,14 @@ class Engine:
         tokens = _pad(rows, self.config.device)
         starts = torch.tensor([r.num_cached for r in reqs], device=self.config.device)
         n_new = torch.tensor([len(x) for x in rows], device=self.config.device)
-        hidden = self._forward(reqs, tokens, starts, n_new)
+        hidden, mtp_hidden = self._forward(reqs, tokens, starts, n_new)
         logprobs = processed_logprobs(self.model.logits(hidden), sampling.temperature, sampling.top_k, sampling.top_p)
         drafts = tokens[:, 1:]
         draft_probs = self._stack_draft_probs(reqs, drafts, logprobs.shape[-1])
         n_acc = self._accept(reqs, logprobs, drafts, counts, sampling, draft_probs)
         for r, a in zip(reqs, n_acc):
             r.num_cached += 1 + a
-        self._propose(reqs, hidden, starts, torch.tensor([1 + a for a in n_acc], device=self.config.device))
+        self._propose(reqs, mtp_hidden, starts, torch.tensor([1 + a for a in n_acc], device=self.config.device))
 
     def _accept(self, reqs, logprobs, drafts, counts, sampling, draft_probs):
         """Verify drafts, append the emitted tokens (cut at stop / budget), update stats."""
@@ -246,14 +246,16 @@ class Engine:
         return out
 
     def _forward(self, reqs, tokens, starts, n_new):
+        """(final-normed hidden states, the hidden states the MTP layer reads) of the new tokens."""
         slots = torch.tensor([r.slot for r in reqs], device=self.config.device)
         positions = (starts[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :])
         positions = positions.clamp(max=self.max_len)
         view = self.cache.step(slots, starts, n_new, self.backend)
         with torch.inference_mode():
-            return self.fast(tokens, positions, view.layers(self.cfg.num_hidden_layers))
+            return self.fast.states(tokens, positions, view.layers(self.cfg.num_hidden_layers))
 
     def _propose(self, reqs, hidden, starts, n_valid):
+        """hidden: the MTP input states of the new positions (what ForwardOutput.hidden carries)."""
         live = [i for i, r in enumerate(reqs) if not r.finished]
         if not live:
             return

@@ -1,42 +1,54 @@
 """The engine's fast forward: the same math as rollout/model.py on fused plain tensors.
 
+Every family's trunk runs here: the q/k/v bias (Qwen2, MiMo) and the per-head q/k norm
+(Qwen3) are optional parts of a layer's weights.
+
 Per decoder layer it runs 4 matmuls instead of 7 (q|k|v and gate|up fused), no nn.Module
 dispatch, and a grouped-query attention written as two batched matmuls that read the KV
 cache without expanding it per head. The module forward in model.py stays the reference;
 tests check this path against it. Fused weights are rebuilt after every weight load.
 """
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from mtp.layer import combine_embedding_and_hidden
+from mtp.layer import combine_embedding_and_hidden, zero_embedding_at_position_0
 
 
 @dataclass
 class LayerWeights:
     ln1: torch.Tensor
     qkv: torch.Tensor
-    qk_norm: torch.Tensor  # [heads + kv_heads, head_dim]: q_norm rows, then k_norm rows
+    qkv_bias: Optional[torch.Tensor]  # families with q/k/v bias
+    qk_norm: Optional[torch.Tensor]  # [heads + kv_heads, head_dim]: q_norm rows, then k_norm rows
     o: torch.Tensor
     ln2: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
 
 
+def _cat_or_none(tensors):
+    return None if tensors[0] is None else torch.cat(tensors).detach()
+
+
 def fuse_layer(layer):
     a, m = layer.self_attn, layer.mlp
-    qk_norm = torch.cat([a.q_norm.weight.expand(a.n_heads, -1), a.k_norm.weight.expand(a.n_kv, -1)])
+    qk_norm = None
+    if hasattr(a.q_norm, "weight"):  # nn.Identity in families without q/k norm
+        qk_norm = torch.cat([a.q_norm.weight.expand(a.n_heads, -1), a.k_norm.weight.expand(a.n_kv, -1)]).detach()
     return LayerWeights(
         ln1=layer.input_layernorm.weight.detach(),
         qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),
-        qk_norm=qk_norm.detach(), o=a.o_proj.weight.detach(),
+        qkv_bias=_cat_or_none([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
+        qk_norm=qk_norm, o=a.o_proj.weight.detach(),
         ln2=layer.post_attention_layernorm.weight.detach(),
         gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), down=m.down_proj.weight.detach())
 
 
 class FastForward:
-    """Callable like `Qwen3MTPModel.forward(tokens, positions, caches)` for cached ragged batches."""
+    """Callable like `CausalLMWithMTP.forward(tokens, positions, caches)` for cached ragged batches."""
 
     def __init__(self, model):
         self.model = model
@@ -61,8 +73,12 @@ class FastForward:
         h, d = self.n_heads, self.head_dim
         nqk = (h + self.n_kv) * d
         qkv = self.norm(x, w.ln1) @ w.qkv.t()
+        if w.qkv_bias is not None:
+            qkv = qkv + w.qkv_bias
         # q and k heads side by side: one norm and one rotary call serve both
-        qk = F.rms_norm(qkv[..., :nqk].unflatten(-1, (-1, d)), (d,), eps=self.eps) * w.qk_norm
+        qk = qkv[..., :nqk].unflatten(-1, (-1, d))
+        if w.qk_norm is not None:
+            qk = F.rms_norm(qk, (d,), eps=self.eps) * w.qk_norm
         qk = self.rope(qk, cos, sin)
         v = qkv[..., nqk:].unflatten(-1, (self.n_kv, d))
         attn = cache.attend_bqhd(qk[:, :, :h], qk[:, :, h:], v)
@@ -71,19 +87,26 @@ class FastForward:
         return x + (F.silu(gate) * up) @ w.down.t()
 
     def __call__(self, tokens, positions, caches):
+        return self.states(tokens, positions, caches)[0]
+
+    def states(self, tokens, positions, caches):
+        """Fast twin of `CausalLMWithMTP.forward_states`: (final-normed hidden, MTP input hidden)."""
         m = self.model
         x = F.embedding(tokens, m.model.embed_tokens.weight)
         cos = m.rotary.cos[positions].unsqueeze(2)
         sin = m.rotary.sin[positions].unsqueeze(2)
         for i in range(m.cfg.num_hidden_layers):
             x = self.layer(self.layers[i], x, cos, sin, caches[i])
-        return self.norm(x, m.model.norm.weight)
+        normed = self.norm(x, m.model.norm.weight)
+        return normed, (x if m.cfg.model_family.mtp_reads_pre_norm_hidden else normed)
 
     def mtp(self, k, next_tokens, hidden, positions, cache):
-        """Fast twin of `Qwen3MTPModel.mtp_forward` (same inputs and output)."""
+        """Fast twin of `CausalLMWithMTP.mtp_forward` (same inputs and output)."""
         m = self.model
         layer = m.mtp_layer(k)
         embeds = F.embedding(next_tokens, m.model.embed_tokens.weight)
+        if layer.zero_first_embedding:
+            embeds = zero_embedding_at_position_0(embeds, positions)
         x = combine_embedding_and_hidden(embeds, hidden, lambda e: self.norm(e, layer.enorm.weight),
                                          lambda h: self.norm(h, layer.hnorm.weight),
                                          lambda eh: eh @ layer.eh_proj.weight.t())

@@ -1,7 +1,10 @@
-"""The Qwen3-style transformer with MTP layers, written for inference (and reused to pretrain).
+"""The decoder-only transformer with MTP layers of every family, written for inference
+(and reused to pretrain).
 
-Module names equal vime's canonical HF names (checkpoint_convert/families.py), so an HF
-state dict loads with `load_state_dict` unchanged. One attention function serves the
+The family (checkpoint_convert/families.py) sets the trunk flavour — q/k/v bias (Qwen2,
+MiMo) or per-head q/k norm (Qwen3) — and which hidden state the first MTP layer reads.
+Module names equal vime's canonical HF names, so an HF state dict loads with
+`load_state_dict` unchanged. One attention function serves the
 full-sequence forward (no cache) and the cached ragged forward used by prefill, decode
 and speculative verification: every call passes token positions, and with a cache each
 row may bring a different number of new tokens.
@@ -10,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtp.layer import combine_embedding_and_hidden
+from mtp.layer import combine_embedding_and_hidden, zero_embedding_at_position_0
 
 
 def rms_norm(x, weight, eps):
@@ -63,13 +66,14 @@ class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
+        fam = cfg.model_family
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv * d, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=fam.qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=fam.qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=fam.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        norm = (lambda: RMSNorm(d, cfg.rms_norm_eps)) if fam.qk_norm else nn.Identity
+        self.q_norm, self.k_norm = norm(), norm()
 
     def forward(self, x, positions, rotary, cache=None):
         """x [B,Q,H]. With `cache` (a KVCache view for this layer) new K/V are written first."""
@@ -120,6 +124,7 @@ class MTPLayer(DecoderLayer):
 
     def __init__(self, cfg):
         super().__init__(cfg)
+        self.zero_first_embedding = cfg.model_family.mtp_zero_embedding_at_position_0
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
@@ -128,6 +133,8 @@ class MTPLayer(DecoderLayer):
     def forward(self, embeds, hidden, positions, rotary, cache=None):
         """embeds: embedding of token t+1; hidden: previous depth's output at t. Returns the
         normalised hidden state that both feeds the shared LM head and the next depth."""
+        if self.zero_first_embedding:
+            embeds = zero_embedding_at_position_0(embeds, positions)
         x = combine_embedding_and_hidden(embeds, hidden, self.enorm, self.hnorm, self.eh_proj)
         return self.shared_head.norm(super().forward(x, positions, rotary, cache))
 
@@ -142,8 +149,9 @@ class Trunk(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class Qwen3MTPModel(nn.Module):
-    """Trunk + MTP layers. `forward` returns final-normed hidden states; `logits` applies the head."""
+class CausalLMWithMTP(nn.Module):
+    """Trunk + MTP layers of any family. `forward` returns final-normed hidden states, `logits`
+    applies the head, `forward_states` also returns the hidden state the first MTP layer reads."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -168,10 +176,20 @@ class Qwen3MTPModel(nn.Module):
 
     def forward(self, tokens, positions, caches=None):
         """Trunk hidden states after the final norm. caches: per-layer KV views or None."""
+        return self.forward_states(tokens, positions, caches)[0]
+
+    def trunk(self, tokens, positions, caches=None):
+        """The last decoder layer's output, before the final norm."""
         x = self.model.embed_tokens(tokens)
         for i in range(self.cfg.num_hidden_layers):
             x = self.model.layers[i](x, positions, self.rotary, caches[i] if caches else None)
-        return self.model.norm(x)
+        return x
+
+    def forward_states(self, tokens, positions, caches=None):
+        """(final-normed hidden states, the hidden states the first MTP layer reads)."""
+        x = self.trunk(tokens, positions, caches)
+        normed = self.model.norm(x)
+        return normed, (x if self.cfg.model_family.mtp_reads_pre_norm_hidden else normed)
 
     def mtp_forward(self, k, next_tokens, hidden, positions, cache=None):
         """MTP depth k: hidden at position t (+ token t+1) -> hidden predicting token t+2+k."""

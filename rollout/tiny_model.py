@@ -1,4 +1,5 @@
-"""The tiny Qwen3+MTP model vime tests and demos on: config, random init, and pretraining.
+"""The tiny MiMo-family (or Qwen3) model with MTP that vime tests and demos on: config,
+random init, and pretraining.
 
 `scripts/make_tiny_model.py` is the command line; tests call `make_random_checkpoint` for a
 seconds-fast fixture. Pretraining trains the trunk on a corpus mixing the `direct` and the
@@ -15,36 +16,57 @@ import torch.nn.functional as F
 
 from checkpoint_convert.hf_format import ModelConfig, save_hf_checkpoint
 from mtp.loss import mtp_loss
-from rollout.model import Qwen3MTPModel
+from rollout.model import CausalLMWithMTP
 from rollout.task import ANSWER_FORMATS, BOS, EOS, PAD, make_problem, prompt_text
 from rollout.tokenizer import TextCodec, build_tokenizer, save_tokenizer
 
+# Shaped like real MTP models: the MTP layer (one decoder layer + input_proj) is <= 15 % of a
+# decode step's FLOPs (MiMo-7B: 1 MTP layer over 36), so drafting is cheap next to verifying.
+# head_dim 32: vLLM's CPU attention refuses 16. Untied head, as MiMo-7B.
 TINY_CONFIG = ModelConfig(
-    vocab_size=32, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+    vocab_size=32, hidden_size=128, intermediate_size=320, num_hidden_layers=7,
     num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
-    rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,
-    num_nextn_predict_layers=1, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+    rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
+    num_nextn_predict_layers=1, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, family="mimo",
 )
+
+
+def decode_flops_per_token(cfg):
+    """(trunk, one MTP layer) multiply-adds per token of a decode step (attention scores excluded:
+    they are the same per layer and small at these lengths)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attn = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d + cfg.num_attention_heads * d * h
+    layer = attn + 3 * h * cfg.intermediate_size
+    head = h * cfg.vocab_size
+    return cfg.num_hidden_layers * layer + head, layer + 2 * h * h + head
 
 
 def init_model(cfg, seed, std=0.02):
     """A randomly initialised model (normal(std) matrices, unit norms), deterministic in `seed`."""
     torch.manual_seed(seed)
-    model = Qwen3MTPModel(cfg)
+    model = CausalLMWithMTP(cfg)
     for name, p in model.named_parameters():
         if p.dim() == 2:
+            torch.nn.init.normal_(p, std=std)
+        elif name.endswith(".bias"):
             torch.nn.init.normal_(p, std=std)
     return model
 
 
-def make_random_checkpoint(path, cfg=TINY_CONFIG, seed=0, layout="glm", std=0.02, **overrides):
+def make_random_checkpoint(path, cfg=TINY_CONFIG, seed=0, std=0.02, **overrides):
     """Write a random-weight HF checkpoint (with tokenizer) and return its ModelConfig.
 
-    A larger `std` gives peaked, varied next-token distributions (useful in tests)."""
+    `family="qwen3"` (or any ModelConfig field) overrides the tiny MiMo config. A larger
+    `std` gives peaked, varied next-token distributions (useful in tests); q/k/v biases
+    and norm weights get `std` noise too, so a test sees them matter."""
     cfg = dataclasses.replace(cfg, **overrides)
     model = init_model(cfg, seed, std)
+    with torch.no_grad():  # norm weights away from 1, so a test sees which hidden state is normed where
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and not name.endswith(".bias"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * std)
     save_tokenizer(build_tokenizer(), path)
-    save_hf_checkpoint(path, cfg, model.state_dict(), layout=layout)
+    save_hf_checkpoint(path, cfg, model.state_dict())
     return cfg
 
 
@@ -85,12 +107,12 @@ def corpus_batch(rng, codec, batch_size, trace_fraction, direct_error_rate):
 def pretrain_loss(model, tokens, mask, is_trace):
     """(next-token CE, MTP CE): the MTP loss counts only `direct`-format sequences."""
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    hidden = model(tokens, positions)
+    hidden, mtp_input = model.forward_states(tokens, positions)
     logits = model.logits(hidden[:, :-1])
     lm_mask = mask[:, 1:]
     lm = (F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none") * lm_mask).sum() / lm_mask.sum()
     mtp_mask = mask * (~is_trace).float()[:, None]
-    mtp_h = model.mtp_forward(0, tokens[:, 1:], hidden[:, :-1], positions[:, :-1])
+    mtp_h = model.mtp_forward(0, tokens[:, 1:], mtp_input[:, :-1], positions[:, :-1])
     mtp = mtp_loss(model.logits(mtp_h), tokens, mtp_mask, depth=1)
     return lm, mtp
 

@@ -1,11 +1,15 @@
 #!/usr/bin/env python
-"""Make vime's tiny Qwen3+MTP model: tokenizer, pretraining on the synthetic task, HF directory.
+"""Make vime's tiny model with MTP: tokenizer, pretraining on the synthetic task, HF directory.
 
-    python scripts/make_tiny_model.py --out artifacts/tiny-qwen3-mtp [--steps 3000] [--layout glm|mimo]
+    python scripts/make_tiny_model.py --out DIR [--steps 1500] [--family mimo|qwen3]
+
+The default, MiMo, is what vLLM serves with MTP speculation; the repository ships its
+result in checkpoints/tiny-mimo-mtp (this command reproduces it).
 
 Also writes the task's prompt files next to the model: train.jsonl and eval.jsonl.
 """
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -13,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from checkpoint_convert.families import MTP_LAYOUTS  # noqa: E402
+from checkpoint_convert.families import DEFAULT_FAMILY, FAMILIES  # noqa: E402
 from checkpoint_convert.hf_format import save_hf_checkpoint  # noqa: E402
 from rollout.task import make_prompts, write_jsonl  # noqa: E402
 from rollout.tiny_model import TINY_CONFIG, init_model, pretrain  # noqa: E402
@@ -24,14 +28,15 @@ from vime.errors import exit_on_user_error, require  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--trace-fraction", type=float, default=0.2,
                    help="share of pretraining sequences in the step-by-step format")
     p.add_argument("--direct-error-rate", type=float, default=0.6,
                    help="share of direct-format corpus answers with a one-digit slip")
-    p.add_argument("--layout", default="glm", choices=sorted(MTP_LAYOUTS))
+    p.add_argument("--family", default=DEFAULT_FAMILY, choices=sorted(FAMILIES),
+                   help="model family (trunk flavour and MTP layout)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--num-train-prompts", type=int, default=4096)
@@ -44,12 +49,13 @@ def main(argv=None):
     args = parse_args(argv)
     require(args.steps >= 0, f"--steps must be >= 0 (got {args.steps})")
     torch.set_num_threads(args.threads)
-    model = init_model(TINY_CONFIG, args.seed)
+    cfg = dataclasses.replace(TINY_CONFIG, family=args.family)
+    model = init_model(cfg, args.seed)
     print(f"tiny model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     pretrain(model, args.steps, args.batch_size, args.lr, args.trace_fraction, args.seed,
              direct_error_rate=args.direct_error_rate)
     save_tokenizer(build_tokenizer(), args.out)
-    save_hf_checkpoint(args.out, TINY_CONFIG, model.state_dict(), layout=args.layout)
+    save_hf_checkpoint(args.out, cfg, model.state_dict())
     write_jsonl(make_prompts(args.num_train_prompts, seed=args.seed + 1), os.path.join(args.out, "train.jsonl"))
     write_jsonl(make_prompts(args.num_eval_prompts, seed=args.seed + 2), os.path.join(args.out, "eval.jsonl"))
     print(f"saved {args.out}")

@@ -7,6 +7,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from checkpoint_convert.families import FAMILIES  # noqa: E402
 from rollout.tiny_model import make_random_checkpoint  # noqa: E402
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -17,20 +18,20 @@ def pytest_configure(config):
     torch.set_num_threads(2)
 
 
-@pytest.fixture(scope="session")
-def small_ckpt(tmp_path_factory):
-    """A small random checkpoint (GLM layout, 1 MTP layer) with peaked, varied outputs."""
-    path = str(tmp_path_factory.mktemp("small_ckpt"))
-    make_random_checkpoint(path, seed=3, std=0.3, **SMALL)
+@pytest.fixture(scope="session", params=sorted(FAMILIES))
+def small_ckpt(request, tmp_path_factory):
+    """A small random checkpoint of each model family (1 MTP layer) with peaked, varied outputs."""
+    path = str(tmp_path_factory.mktemp(f"small_ckpt_{request.param}"))
+    make_random_checkpoint(path, seed=3, std=0.3, family=request.param, **SMALL)
     return path
 
 
 @pytest.fixture(scope="session")
 def task_prompt_ids(small_ckpt):
-    """Token ids of 24 prompts of the tiny task (BOS + text), of different lengths."""
+    """Token ids of 40 prompts of the tiny task (BOS + text), of different lengths."""
     from rollout.task import make_prompts
     from rollout.tokenizer import TextCodec
 
     codec = TextCodec(small_ckpt)
-    rows = make_prompts(20, seed=5) + make_prompts(4, seed=6, digits=2)
+    rows = make_prompts(36, seed=5) + make_prompts(4, seed=6, digits=2)
     return [codec.encode_prompt(r["prompt"], 1) for r in rows]

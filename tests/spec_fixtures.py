@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from checkpoint_convert.hf_format import save_hf_checkpoint
-from rollout.model import Qwen3MTPModel
+from rollout.model import CausalLMWithMTP
 from rollout.tiny_model import TINY_CONFIG
 from rollout.tokenizer import build_tokenizer, save_tokenizer
 
@@ -23,7 +23,7 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 
 def random_model(cfg, seed, std):
     torch.manual_seed(seed)
-    model = Qwen3MTPModel(cfg)
+    model = CausalLMWithMTP(cfg)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -54,15 +54,15 @@ def markov_model(seed=0, noise=0.12, **overrides):
     return model
 
 
-def tiny_vocab_model(seed=0, vocab=5):
+def tiny_vocab_model(seed=0, vocab=5, family=TINY_CONFIG.family):
     cfg = dataclasses.replace(TINY_CONFIG, vocab_size=vocab, eos_token_id=None, bos_token_id=0, pad_token_id=0,
-                              **SMALL)
+                              family=family, **SMALL)
     return random_model(cfg, seed, 0.35)
 
 
 def save_checkpoint(model, path):
     save_tokenizer(build_tokenizer(), path)
-    save_hf_checkpoint(path, model.cfg, model.state_dict(), layout="glm")
+    save_hf_checkpoint(path, model.cfg, model.state_dict())
     return path
 
 

@@ -9,9 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoint_convert import hf_to_torch_dist, torch_dist_to_hf
+from checkpoint_convert.families import FAMILIES
 from checkpoint_convert.hf_format import load_hf_checkpoint
 from mtp.sampling import token_logprobs
-from rollout.model import Qwen3MTPModel
+from rollout.model import CausalLMWithMTP
 from trainer.config import TrainerConfig
 from trainer.trainer import Trainer
 from trainer_fixtures import make_batch, make_tiny
@@ -19,15 +20,16 @@ from trainer_fixtures import make_batch, make_tiny
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("layout", ["glm", "mimo"])
-def test_hf_to_torch_dist_to_hf_is_bit_identical(tmp_path, layout):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_hf_to_torch_dist_to_hf_is_bit_identical(tmp_path, family):
     hf, td, back = (str(tmp_path / n) for n in ("hf", "td", "back"))
-    make_tiny(hf, seed=6, layout=layout, tie_word_embeddings=layout == "glm")
+    make_tiny(hf, seed=6, family=family, tie_word_embeddings=family == "qwen3")
     hf_to_torch_dist.main(["--hf-checkpoint", hf, "--save", td, "--mtp-num-layers", "1"])
     torch_dist_to_hf.main(["--input-dir", td, "--output-dir", back, "--origin-hf-dir", hf])
     original, converted = load_file(f"{hf}/model.safetensors"), load_file(f"{back}/model.safetensors")
     assert set(original) == set(converted)
-    assert any(".mtp_layers." in n for n in converted) == (layout == "mimo")
+    assert any(".mtp_layers." in n for n in converted) == (family == "mimo")
+    assert any(n.endswith("q_proj.bias") for n in converted) == FAMILIES[family].qkv_bias
     assert all(torch.equal(original[n], converted[n]) for n in original)
     assert os.path.isfile(f"{back}/tokenizer.json")
     with open(f"{back}/config.json") as f:
@@ -36,13 +38,13 @@ def test_hf_to_torch_dist_to_hf_is_bit_identical(tmp_path, layout):
 
 def test_trainer_logprobs_on_converted_checkpoint_equal_engine_model(tmp_path):
     hf, td = str(tmp_path / "hf"), str(tmp_path / "td")
-    make_tiny(hf, seed=7, layout="mimo")
+    make_tiny(hf, seed=7, family="mimo")
     hf_to_torch_dist.main(["--hf-checkpoint", hf, "--save", td, "--mtp-num-layers", "1"])
     trainer = Trainer(TrainerConfig(temperature=0.9), hf, load=td)
     batch = make_batch(seed=3)
     got = trainer.compute_logprobs(batch)[:, 1:]
     cfg, state, _ = load_hf_checkpoint(hf)
-    engine = Qwen3MTPModel(cfg)
+    engine = CausalLMWithMTP(cfg)
     engine.load_state_dict(state, strict=False)
     positions = torch.arange(batch.tokens.shape[1]).expand_as(batch.tokens)
     with torch.no_grad():
@@ -89,6 +91,35 @@ def test_refuses_more_mtp_layers_than_the_checkpoint_has(hf_with_mtp, tmp_path):
 def test_refuses_to_drop_mtp_layers_silently(hf_with_mtp, tmp_path):
     rc, err = run_cli("checkpoint_convert.hf_to_torch_dist", "--hf-checkpoint", hf_with_mtp, "--save", str(tmp_path / "o"))
     assert_one_line_refusal(rc, err, "MTP weights would be dropped", "--drop-mtp")
+
+
+def edited_copy(src, dst, **config_changes):
+    """A copy of checkpoint `src` whose config.json has `config_changes` (None deletes a key)."""
+    os.makedirs(dst)
+    for name in os.listdir(src):
+        data = open(os.path.join(src, name), "rb").read()
+        open(os.path.join(dst, name), "wb").write(data)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    for key, value in config_changes.items():
+        cfg.pop(key) if value is None else cfg.__setitem__(key, value)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(dst)
+
+
+@pytest.mark.parametrize("changes, needles", [
+    (dict(architectures=["LlamaForCausalLM"], model_type="llama"),
+     ("LlamaForCausalLM", "not a supported model family", "mimo (MiMoForCausalLM)", "qwen3 (Qwen3ForCausalLM)")),
+    (dict(num_nextn_predict_layers=None), ("holds 1 MTP layers", "set num_nextn_predict_layers to 1")),
+    (dict(num_nextn_predict_layers=0), ("holds 1 MTP layers", "set num_nextn_predict_layers to 1")),
+    (dict(num_nextn_predict_layers=2), ("declares num_nextn_predict_layers=2", "holds 1 MTP layers", "incomplete")),
+], ids=["unknown-family", "mtp-count-missing", "mtp-count-zero", "mtp-count-larger"])
+def test_refuses_a_checkpoint_whose_family_or_mtp_count_does_not_match(hf_with_mtp, tmp_path, changes, needles):
+    bad = edited_copy(hf_with_mtp, tmp_path / "bad", **changes)
+    rc, err = run_cli("checkpoint_convert.hf_to_torch_dist", "--hf-checkpoint", bad,
+                      "--save", str(tmp_path / "o"), "--mtp-num-layers", "1")
+    assert_one_line_refusal(rc, err, *needles)
 
 
 def test_refuses_a_missing_checkpoint_directory(tmp_path):

@@ -6,13 +6,13 @@ from checkpoint_convert.hf_format import load_hf_checkpoint
 from mtp.sampling import token_logprobs
 from rollout.engine import Engine, EngineConfig, make_samples
 from rollout.kv_cache import KVCache
-from rollout.model import Qwen3MTPModel
+from rollout.model import CausalLMWithMTP
 from rollout.sampling_params import SamplingParams
 
 
 def load_model(path):
     cfg, state, _ = load_hf_checkpoint(path)
-    model = Qwen3MTPModel(cfg)
+    model = CausalLMWithMTP(cfg)
     model.load_state_dict(state)
     return model.eval()
 
@@ -83,28 +83,6 @@ def test_mtp_layer_cached_forward_equals_full_sequence_forward(small_ckpt, task_
     assert (torch.cat(pieces, 1) - full).abs().max().item() <= 1e-5
 
 
-def test_mimo_and_glm_layout_copies_give_identical_outputs(tmp_path, small_ckpt, task_prompt_ids):
-    from checkpoint_convert.hf_format import save_hf_checkpoint
-
-    cfg, state, layout = load_hf_checkpoint(small_ckpt)
-    mimo_dir = str(tmp_path / "mimo")
-    save_hf_checkpoint(mimo_dir, cfg, state, layout="mimo", tokenizer_dir=small_ckpt)
-    _, mimo_state, mimo_layout = load_hf_checkpoint(mimo_dir)
-    assert (layout, mimo_layout) == ("glm", "mimo")
-    assert all(torch.equal(state[k], mimo_state[k]) for k in state)
-    a, b = load_model(small_ckpt), load_model(mimo_dir)
-    tokens = torch.tensor([task_prompt_ids[2]])
-    positions = torch.arange(tokens.shape[1])[None]
-    with torch.no_grad():
-        outs = [m.logits(m.mtp_forward(0, tokens[:, 1:], m(tokens, positions)[:, :-1], positions[:, :-1]))
-                for m in (a, b)]
-    assert torch.equal(outs[0], outs[1])
-    e1 = Engine.from_checkpoint(small_ckpt)
-    e2 = Engine.from_checkpoint(mimo_dir)
-    assert [s.response_ids for s in greedy(e1, task_prompt_ids[:4])] == \
-           [s.response_ids for s in greedy(e2, task_prompt_ids[:4])]
-
-
 def test_greedy_output_does_not_depend_on_batch_companions(small_ckpt, task_prompt_ids):
     engine = Engine.from_checkpoint(small_ckpt, EngineConfig(max_batch_size=16))
     alone = [greedy(engine, [p])[0].response_ids for p in task_prompt_ids[:5]]
@@ -140,9 +118,10 @@ def test_eos_and_stop_tokens_end_generation_and_max_new_tokens_is_honoured(small
     free = greedy(engine, task_prompt_ids[:6], n_new=30)
     assert all(len(s.response_ids) <= 30 for s in free)
     assert all(s.finish_reason == ("stop" if s.response_ids[-1] == 2 else "length") for s in free)
-    target = free[0].response_ids[3]
-    stopped = greedy(engine, task_prompt_ids[:1], n_new=30, stop_token_ids=(target,))[0]
-    assert stopped.response_ids == free[0].response_ids[:free[0].response_ids.index(target) + 1]
+    i = max(range(len(free)), key=lambda j: len(free[j].response_ids))  # random weights: some stop early
+    target = free[i].response_ids[3]
+    stopped = greedy(engine, [task_prompt_ids[i]], n_new=30, stop_token_ids=(target,))[0]
+    assert stopped.response_ids == free[i].response_ids[:free[i].response_ids.index(target) + 1]
     assert stopped.finish_reason == "stop"
     short = greedy(engine, task_prompt_ids[:3], n_new=4)
     assert all(len(s.response_ids) <= 4 for s in short)
@@ -151,9 +130,11 @@ def test_eos_and_stop_tokens_end_generation_and_max_new_tokens_is_honoured(small
 
 def test_eos_token_stops_a_request(small_ckpt, task_prompt_ids):
     engine = Engine.from_checkpoint(small_ckpt)
-    first = greedy(engine, task_prompt_ids[:1], n_new=30)[0].response_ids
+    outs = greedy(engine, task_prompt_ids[:6], n_new=30)
+    i = max(range(len(outs)), key=lambda j: len(outs[j].response_ids))  # random weights: some stop early
+    first = outs[i].response_ids
     engine.stop_ids = {first[2]}  # pretend the model's EOS is the token it emits third
-    out = greedy(engine, task_prompt_ids[:1], n_new=30)[0]
+    out = greedy(engine, [task_prompt_ids[i]], n_new=30)[0]
     assert out.response_ids == first[:first.index(first[2]) + 1] and out.finish_reason == "stop"
 
 

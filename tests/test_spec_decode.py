@@ -4,6 +4,7 @@ and the target as its own draft model is accepted (almost) always."""
 import pytest
 import torch
 
+from checkpoint_convert.families import FAMILIES
 from rollout.engine import Engine, EngineConfig, make_samples
 from rollout.proposers.mtp import MTPProposer, reference_mtp_drafts
 from rollout.sampling_params import SamplingParams
@@ -18,9 +19,9 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=20)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def markov_ckpt(tmp_path_factory):
-    return save_checkpoint(markov_model(noise=0.2), str(tmp_path_factory.mktemp("markov")))
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def markov_ckpt(request, tmp_path_factory):
+    return save_checkpoint(markov_model(noise=0.2, family=request.param), str(tmp_path_factory.mktemp("markov")))
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def spec_for(method, k, ckpt):
     return raw
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("method", ["mtp", "ngram", "suffix", "draft_model"])
 def test_greedy_speculative_equals_plain_decoding_with_equal_logprobs(method, k, markov_ckpt, prompts, plain):
     engine = build_engine(markov_ckpt, spec_for(method, k, markov_ckpt), EngineConfig(max_batch_size=100))
@@ -82,9 +83,10 @@ class _Checked:
         self.inner.release(r)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("layers", [1, 2])
-def test_cached_mtp_drafting_equals_drafting_recomputed_without_cache(tmp_path, layers):
-    model = markov_model(noise=0.2, num_nextn_predict_layers=layers)
+def test_cached_mtp_drafting_equals_drafting_recomputed_without_cache(tmp_path, layers, family):
+    model = markov_model(noise=0.2, num_nextn_predict_layers=layers, family=family)
     proposer = _Checked(build_proposer(parse_spec_config({"method": "mtp", "num_speculative_tokens": 3})))
     engine = Engine(model, EngineConfig(max_batch_size=8), proposer=proposer)
     prompts = [[1, 5 + i, 7, 9 + i % 3][: 2 + i % 3] for i in range(8)]

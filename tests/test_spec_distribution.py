@@ -20,6 +20,7 @@ from rollout.engine import Engine, EngineConfig, make_samples
 from rollout.sampling_params import SamplingParams
 from rollout.proposers.mtp import MTPProposer
 from rollout.spec_config import parse_spec_config
+from checkpoint_convert.families import FAMILIES
 from spec_fixtures import tiny_vocab_model, one_thread  # noqa: F401
 
 N, PROMPT, ALPHA = 20000, [0, 3, 1], 1e-3
@@ -27,9 +28,9 @@ N, PROMPT, ALPHA = 20000, [0, 3, 1], 1e-3
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_vocab_model(seed=1)
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def model(request):
+    return tiny_vocab_model(seed=1, family=request.param)
 
 
 def exact_joint(model, steps=3):

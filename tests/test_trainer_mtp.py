@@ -2,27 +2,36 @@
 import pytest
 import torch
 
-from checkpoint_convert.hf_format import load_hf_checkpoint
+from checkpoint_convert.families import FAMILIES, is_mtp_name
+from checkpoint_convert.hf_format import expected_tensor_names, load_hf_checkpoint
+from checkpoint_convert.megatron_names import hf_targets
 from mtp.loss import mtp_loss_mask
 from mtp.sampling import token_logprobs
-from rollout.model import Qwen3MTPModel
+from rollout.model import CausalLMWithMTP
 from trainer.batch import build_batch
 from trainer.config import TrainerConfig
+from trainer.model import forward
 from trainer.trainer import Trainer
+from fp32_bounds import reduction_rtol
 from trainer_fixtures import make_batch, make_tiny
 from vime.sample import Sample
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("trainer_mtp_hf")
-    make_tiny(path, seed=1)
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def hf_dir(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"trainer_mtp_hf_{request.param}")
+    make_tiny(path, seed=1, family=request.param)
     return str(path)
+
+
+def expected_mtp_hf_names(model_cfg):
+    """The canonical HF names of the family's MTP tensors (what the MTP parameters must cover)."""
+    return {n for n in expected_tensor_names(model_cfg) if is_mtp_name(n, model_cfg.num_hidden_layers)}
 
 
 def engine_model(path):
     cfg, state, _ = load_hf_checkpoint(path)
-    model = Qwen3MTPModel(cfg)
+    model = CausalLMWithMTP(cfg)
     model.load_state_dict(state, strict=False)
     return model.eval()
 
@@ -69,7 +78,8 @@ def test_zero_policy_loss_only_mtp_params_get_gradients(hf_dir, enable):
     with_grad = {n for n, v in g.items() if nonzero(v)}
     mtp_names = {n for n in g if n.startswith("mtp.")}
     assert with_grad == (mtp_names if enable else set())
-    assert len(mtp_names) == 12  # enorm, hnorm, eh_proj, final norm + 8 decoder-layer tensors
+    cfg = trainer.model_cfg
+    assert {hf for n in mtp_names for hf in hf_targets(n, cfg.num_hidden_layers)[1]} == expected_mtp_hf_names(cfg)
 
 
 def test_detached_mtp_training_leaves_policy_gradients_identical(hf_dir):
@@ -116,7 +126,7 @@ def test_mtp_mask_at_prompt_response_boundary_and_response_end(hf_dir):
     tokens = batch.tokens
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     with torch.no_grad():
-        hidden = ref(tokens, positions)
+        _, hidden = ref.forward_states(tokens, positions)
         logits = ref.logits(ref.mtp_forward(0, tokens[:, 1:], hidden[:, :-1], positions[:, :-1]))
     counted = [(0, 2), (0, 3), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5)]
     ce = [torch.nn.functional.cross_entropy(logits[b, t], tokens[b, t + 2]) for b, t in counted]
@@ -144,7 +154,7 @@ def test_without_mtp_training_mtp_weights_stay_frozen_and_are_exported(hf_dir):
     exported = dict(trainer.named_hf_weights())
     assert set(exported) == set(hf_state)
     mtp_names = [n for n in exported if n.startswith("model.layers.2.")]
-    assert len(mtp_names) == 15
+    assert set(mtp_names) == expected_mtp_hf_names(trainer.model_cfg)
     assert all(torch.equal(exported[n], hf_state[n]) for n in mtp_names)
     assert not torch.equal(exported["model.layers.0.mlp.up_proj.weight"], hf_state["model.layers.0.mlp.up_proj.weight"])
 
@@ -172,3 +182,30 @@ def test_mtp_lr_sets_the_draft_step_size_independently_of_the_policy(hf_dir):
     fast_draft, policy_b = mtp_change(1e-2)
     assert frozen_draft == 0.0 and fast_draft > 5e-3
     assert policy_a == policy_b > 0  # the policy update does not depend on the draft's lr
+
+
+def engine_mtp_logits(model, tokens, mtp_hidden):
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    return model.logits(model.mtp_forward(0, tokens[:, 1:], mtp_hidden[:, :-1], positions[:, :-1]))
+
+
+def test_trainer_mtp_logits_equal_the_engine_mtp_layer_for_each_family(hf_dir):
+    """megatron's MTP block (as the trainer runs it) and the engine's MTP layer read the same trunk
+    state (MiMo: before the final norm, no token at position 0) and give the same logits."""
+    trainer = Trainer(TrainerConfig(enable_mtp_training=True), hf_dir)
+    batch = make_batch(seed=4)
+    tokens = batch.tokens
+    trainer.model.eval()
+    with torch.no_grad():
+        got = trainer.model.mtp_logits(forward(trainer.model, tokens))[0][:, :-1]
+        ref = engine_model(hf_dir)
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        normed, mtp_hidden = ref.forward_states(tokens, positions)
+        pre_norm = ref.trunk(tokens, positions)
+        want = engine_mtp_logits(ref, tokens, mtp_hidden)
+        reads_pre_norm = trainer.model_cfg.model_family.mtp_reads_pre_norm_hidden
+        other = engine_mtp_logits(ref, tokens, normed if reads_pre_norm else pre_norm)
+    cfg = trainer.model_cfg
+    tol = reduction_rtol(cfg.intermediate_size, 4 * (cfg.num_hidden_layers + 1) + 4) * want.abs().max().item()
+    assert (got - want).abs().max().item() <= tol
+    assert (other - want).abs().max().item() > 100 * tol  # negative control: the input the family does not use

@@ -1,7 +1,9 @@
 """TP=2 over two gloo processes gives the TP=1 losses; a TP=2 checkpoint loads at TP=1."""
+import pytest
 import torch
 import torch.multiprocessing as mp
 
+from checkpoint_convert.families import FAMILIES
 from trainer.config import TrainerConfig
 from trainer.distributed import free_port
 from trainer.trainer import Trainer
@@ -23,9 +25,10 @@ RTOL = reduction_rtol(TINY["intermediate_size"], DEPTH)
 WEIGHT_ATOL = len(SEEDS) * CFG["lr"] * RTOL
 
 
-def test_tp2_matches_tp1_losses_and_its_checkpoint_loads_at_tp1(tmp_path):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tp2_matches_tp1_losses_and_its_checkpoint_loads_at_tp1(tmp_path, family):
     hf, ckpt, out = str(tmp_path / "hf"), str(tmp_path / "ckpt_tp2"), str(tmp_path / "tp2.pt")
-    make_tiny(hf, seed=5, tie_word_embeddings=False)
+    make_tiny(hf, seed=5, tie_word_embeddings=False, family=family)
     mp.spawn(run_tp2, args=(free_port(), hf, ckpt, out, CFG, SEEDS), nprocs=2, join=True)
     tp2 = torch.load(out)
 

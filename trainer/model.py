@@ -1,4 +1,6 @@
-"""The megatron-core Qwen3 (+MTP) model and the only code that knows megatron's private names.
+"""The megatron-core model (+MTP) of every family, and the only code that knows megatron's
+private names. The family (checkpoint_convert/families.py) sets the trunk options (q/k/v
+bias, q/k norm) and which hidden state the first MTP layer reads.
 
 `build_model(model_cfg, mtp_num_layers, ...)` builds a `VimeGPTModel`: a `GPTModel` whose
 `_postprocess` returns the policy logits (TP-gathered, [b, s, V]) and the inputs the MTP
@@ -19,7 +21,7 @@ class ForwardOutput:
     """What one forward hands to the losses: logits and the MTP block's inputs."""
 
     logits: torch.Tensor  # [b, s, V] full vocabulary
-    hidden: torch.Tensor  # [s, b, H] final-normed trunk output
+    hidden: torch.Tensor  # [s, b, H] trunk output as the first MTP layer reads it (family-dependent)
     mtp_inputs: dict
 
 
@@ -33,16 +35,16 @@ def _use_transformer_engine():
     return True
 
 
-def _local_spec():
+def _local_spec(qk_layernorm):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
 
 
-def _te_spec():
+def _te_spec(qk_layernorm):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
+    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
 
 
 LAYER_SPECS = {"local": _local_spec, "te": _te_spec}
@@ -63,15 +65,16 @@ def check_tensor_parallel(model_cfg, tp):
 
 
 def transformer_config(model_cfg, mtp_num_layers, tp=1, pp=1, params_dtype=torch.float32):
-    """megatron TransformerConfig of a Qwen3 dense model (RMSNorm, RoPE, GQA, SwiGLU, qk-norm)."""
+    """megatron TransformerConfig of a dense model of `model_cfg`'s family (RMSNorm, RoPE, GQA, SwiGLU,
+    and the family's q/k/v bias or q/k norm)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
+    return TransformerConfig(**model_cfg.model_family.megatron_options,
         num_layers=model_cfg.num_hidden_layers, hidden_size=model_cfg.hidden_size,
         ffn_hidden_size=model_cfg.intermediate_size, num_attention_heads=model_cfg.num_attention_heads,
         num_query_groups=model_cfg.num_key_value_heads, kv_channels=model_cfg.head_dim,
-        layernorm_epsilon=model_cfg.rms_norm_eps, normalization="RMSNorm", qk_layernorm=True,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
+        layernorm_epsilon=model_cfg.rms_norm_eps, normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
         apply_query_key_layer_scaling=False, tensor_model_parallel_size=tp,
@@ -101,6 +104,17 @@ def _vime_gpt_model_class():
     class VimeGPTModel(GPTModel):
         """GPTModel whose postprocess yields policy logits; the MTP block is run by the trainer."""
 
+        def __init__(self, *args, family, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.family = family
+            self._pre_norm_hidden = None
+            if family.mtp_reads_pre_norm_hidden and self.mtp_process:
+                # the final norm's input is the trunk state MiMo's MTP layer reads
+                self.decoder.final_layernorm.register_forward_hook(self._keep_pre_norm_hidden)
+
+        def _keep_pre_norm_hidden(self, module, inputs, output):
+            self._pre_norm_hidden = inputs[0]
+
         def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb,
                          rotary_pos_cos, rotary_pos_sin, attention_mask=None, packed_seq_params=None,
                          sequence_len_offset=None, **unused):
@@ -109,7 +123,9 @@ def _vime_gpt_model_class():
                               rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
                               rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
                               sequence_len_offset=sequence_len_offset)
-            return ForwardOutput(logits=logits, hidden=hidden_states, mtp_inputs=mtp_inputs)
+            mtp_hidden = self._pre_norm_hidden if self._pre_norm_hidden is not None else hidden_states
+            self._pre_norm_hidden = None
+            return ForwardOutput(logits=logits, hidden=mtp_hidden, mtp_inputs=mtp_inputs)
 
         def output_weight(self):
             if self.share_embeddings_and_output_weights:
@@ -126,7 +142,12 @@ def _vime_gpt_model_class():
 
             def embed(input_ids, position_ids):
                 emb = self.embedding(input_ids=input_ids, position_ids=position_ids)
-                return emb.detach() if detach_trunk else emb
+                emb = emb.detach() if detach_trunk else emb
+                if self.family.mtp_zero_embedding_at_position_0:
+                    # [s, b, h], rows start at position 0 (no packing): sequence index 0 is the
+                    # pair (hidden at position 0, next token) that MiMo's drafter sees without a token
+                    emb = torch.cat([torch.zeros_like(emb[:1]), emb[1:]])
+                return emb
 
             stacked = self.mtp(hidden_states=hidden, embedding=embed, **out.mtp_inputs)
             weight = self.output_weight()
@@ -148,14 +169,14 @@ def build_model(model_cfg, mtp_num_layers, tp=1, pp=1, seed=1234):
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     config = transformer_config(model_cfg, mtp_num_layers, tp, pp)
     name = spec_name()
-    layer_spec = LAYER_SPECS[name]()
+    layer_spec = LAYER_SPECS[name](model_cfg.model_family.qk_norm)
     mtp_spec = (get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=name == "te")
                 if mtp_num_layers else None)
     model = _vime_gpt_model_class()(
         config=config, transformer_layer_spec=layer_spec, vocab_size=model_cfg.vocab_size,
         max_sequence_length=model_cfg.max_position_embeddings, mtp_block_spec=mtp_spec,
         position_embedding_type="rope", rotary_base=model_cfg.rope_theta, rotary_percent=1.0,
-        share_embeddings_and_output_weights=model_cfg.tie_word_embeddings,
+        share_embeddings_and_output_weights=model_cfg.tie_word_embeddings, family=model_cfg.model_family,
     )
     if torch.cuda.is_available():
         model = model.cuda()

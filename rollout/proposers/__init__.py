@@ -1,7 +1,7 @@
 """Draft proposers for speculative decoding, one registry for all methods.
 
-A proposer sees every target forward (`ForwardOutput`: the final-normed hidden states of
-the new positions and how many of them are now followed by a known token) and leaves on
+A proposer sees every target forward (`ForwardOutput`: the hidden states of the new
+positions that the family's first MTP layer reads, and how many of them are now followed by a known token) and leaves on
 each request the drafts for its next verify step (`request.drafts`, and
 `request.draft_probs` [k, V] when it has a draft distribution). The engine verifies them.
 """
@@ -15,7 +15,7 @@ class ForwardOutput:
     """One target forward over a ragged batch."""
 
     requests: list
-    hidden: torch.Tensor  # [B, Q, H] final-normed hidden states of the new positions
+    hidden: torch.Tensor  # [B, Q, H] the new positions' hidden states as the first MTP layer reads them
     starts: torch.Tensor  # [B] position of hidden[:, 0]
     n_valid: torch.Tensor  # [B] leading positions whose next token is now known
 

@@ -10,7 +10,7 @@ forward (at least the newest token, whose logits give draft 1), then k-1 one-tok
 import torch
 
 from checkpoint_convert.hf_format import load_hf_checkpoint
-from rollout.model import Qwen3MTPModel
+from rollout.model import CausalLMWithMTP
 from rollout.proposers import Proposer
 from rollout.proposers.drafting import assign_drafts, draft_cache, pad_rows, pick_drafts, uniforms_if_sampling
 from rollout.spec_config import check_draft_vocab
@@ -18,7 +18,7 @@ from rollout.spec_config import check_draft_vocab
 
 def load_draft_model(path, dtype, device):
     cfg, state, _ = load_hf_checkpoint(path)
-    model = Qwen3MTPModel(cfg)
+    model = CausalLMWithMTP(cfg)
     model.load_state_dict(state, strict=True)
     return model.to(device, dtype).eval().requires_grad_(False)
 

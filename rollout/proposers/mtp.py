@@ -74,7 +74,7 @@ def reference_mtp_drafts(model, ids, k):
     tokens = torch.tensor([ids])
     positions = torch.arange(n)[None]
     with torch.inference_mode():
-        h = model(tokens, positions)
+        _, h = model.forward_states(tokens, positions)
         hidden, next_tokens = h[:, :n - 1], tokens[:, 1:]
         drafts = []
         for i in range(k):

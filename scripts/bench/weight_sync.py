@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from rollout.model import Qwen3MTPModel  # noqa: E402
+from rollout.model import CausalLMWithMTP  # noqa: E402
 from rollout.tiny_model import TINY_CONFIG  # noqa: E402
 from vime import weight_sync  # noqa: E402
 
@@ -33,7 +33,7 @@ def make_model(args):
                               num_hidden_layers=args.layers, num_attention_heads=args.hidden // 32,
                               num_key_value_heads=max(1, args.hidden // 128), head_dim=32)
     torch.manual_seed(0)
-    return Qwen3MTPModel(cfg)
+    return CausalLMWithMTP(cfg)
 
 
 def run(rank, args, port, results):
