@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from checkpoint_convert.families import detect_layout, from_canonical, is_mtp_name, to_canonical
+from checkpoint_convert.families import family_of_hf_config, from_canonical, is_mtp_name, to_canonical
 from rollout import vllm_worker
 from rollout.spec_stats import empty_counters
 from vime import weight_sync
@@ -143,6 +143,7 @@ class VLLMBackend:
 
         self.path = hf_checkpoint
         hf = _read_json(os.path.join(hf_checkpoint, "config.json"))
+        self.family = family_of_hf_config(hf).name  # its MTP layout renames canonical tensors for vLLM
         self.num_layers = hf["num_hidden_layers"]
         self.num_mtp = hf.get("num_nextn_predict_layers", 0) or 0
         eos = hf.get("eos_token_id")
@@ -244,7 +245,7 @@ class VLLMBackend:
         for f in sorted(os.listdir(self.path)):
             if f.endswith(".safetensors"):
                 raw.update(load_file(os.path.join(self.path, f)))
-        self.layout = detect_layout(list(raw), self.num_layers) if self.num_mtp else None
+        self.layout = self.family if self.num_mtp else None
         canonical = to_canonical(raw, self.layout, self.num_layers, self.num_mtp) if self.layout else raw
         if not self.has_draft:  # no drafter: vLLM serves no MTP weights to fingerprint
             canonical = {k: v for k, v in canonical.items() if not is_mtp_name(k, self.num_layers)}

@@ -1,8 +1,7 @@
 """train_rl.py with --rollout-backend vllm (real vLLM, CPU build), end to end.
 
-With a MiMo checkpoint (once the trainer knows the family): online MTP training, the drafter
-synced and fingerprinted every step, acceptance logged, a target-only arm whose guard names
-the stale draft. Before that, the same loop on a Qwen3 trunk without MTP (plain vLLM decoding).
+A tiny MiMo checkpoint with online MTP training: the drafter synced and fingerprinted every
+step, acceptance logged, resume, and a target-only arm whose guard names the stale draft.
 """
 import json
 import os
@@ -15,10 +14,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from rollout.task import make_prompts, write_jsonl  # noqa: E402
-from tests.mimo_fixtures import _family_api_exists, make_tiny_mimo  # noqa: E402
+from tests.mimo_fixtures import make_tiny_mimo  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MTP = _family_api_exists()  # the trainer and engine serve MiMo once the family registry exists
 SPEC = '{"method":"mtp","num_speculative_tokens":2}'
 
 
@@ -33,20 +31,13 @@ def run_train(*args, timeout=900, marker=None):
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("vllm_rl_ckpt"))
-    if MTP:
-        make_tiny_mimo(path, seed=5)
-    else:
-        from rollout.tiny_model import make_random_checkpoint
-
-        make_random_checkpoint(path, seed=5, std=0.3, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_nextn_predict_layers=0)
+    make_tiny_mimo(path, seed=5)
     write_jsonl(make_prompts(64, seed=1), os.path.join(path, "train.jsonl"))
     return path
 
 
 def base_args(ckpt, out, steps, *extra):
-    spec = ["--vllm-speculative-config", SPEC, "--enable-mtp-training", "--mtp-num-layers", 1] if MTP else \
-        ["--vllm-speculative-config", "null"]
+    spec = ["--vllm-speculative-config", SPEC, "--enable-mtp-training", "--mtp-num-layers", 1]
     return ["--hf-checkpoint", ckpt, "--rollout-backend", "vllm", "--num-rollout", steps, "--rollout-batch-size", 4,
             "--n-samples-per-prompt", 4, "--global-batch-size", 16, "--micro-batch-size", 8,
             "--rollout-max-response-len", 12, "--lr", 1e-3, "--custom-rm-path", "tests.rewards_for_tests:parity_reward",
@@ -75,12 +66,10 @@ def test_vllm_rollouts_train_and_after_every_sync_vllm_holds_the_trainers_weight
         # trainer and vLLM agree on log-probs: fp32, two kernels, same weights (tolerance:
         # tests/test_vllm_rollout.py's bound for this model size is ~1e-3 at worst)
         assert r["train/logprob_abs_diff"] < 1e-3
-        if MTP:
-            assert r["rollout/spec_draft_tokens"] > 0 and 0 <= r["rollout/spec_accept_rate"] <= 1
-            assert "rollout/spec_accept_rate_pos_1" in r and r["rollout/spec_accept_length"] >= 1
+        assert r["rollout/spec_draft_tokens"] > 0 and 0 <= r["rollout/spec_accept_rate"] <= 1
+        assert "rollout/spec_accept_rate_pos_1" in r and r["rollout/spec_accept_length"] >= 1
     assert [r["rollout/weight_version_synced"] for r in rows] == [1, 2, 3]
-    if MTP:
-        assert len({r["weight_sync/mtp_checksum"] for r in rows}) == 3  # the draft trained and followed
+    assert len({r["weight_sync/mtp_checksum"] for r in rows}) == 3  # the draft trained and followed
 
 
 def test_a_resumed_vllm_run_continues_from_the_checkpoint(vllm_run, ckpt, tmp_path):
@@ -93,7 +82,6 @@ def test_a_resumed_vllm_run_continues_from_the_checkpoint(vllm_run, ckpt, tmp_pa
     assert rows[0]["rollout/reward"] == metrics(out)[2]["rollout/reward"]
 
 
-@pytest.mark.skipif(not MTP, reason="needs MiMo checkpoints in the trainer (model-family registry)")
 def test_target_only_sync_leaves_the_draft_stale_and_says_so(ckpt, tmp_path):
     proc = run_train(*base_args(ckpt, tmp_path, 2, "--no-sync-draft-weights"))
     assert proc.returncode == 0, proc.stderr[-3000:]

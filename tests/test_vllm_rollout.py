@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from checkpoint_convert.families import detect_layout, from_canonical, is_mtp_name, to_canonical  # noqa: E402
+from checkpoint_convert.families import from_canonical, is_mtp_name, to_canonical  # noqa: E402
 from rollout.engine import make_samples  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from rollout.task import EOS, make_prompts  # noqa: E402
@@ -52,11 +52,12 @@ def checkpoint_tensors(path):
 
 def canonical(path):
     raw = checkpoint_tensors(path)
-    return to_canonical(raw, detect_layout(list(raw), L), L, 1)
+    return to_canonical(raw, "mimo", L, 1)
 
 
 def hf_trunk_model(path, state=None):
-    """transformers' Qwen2ForCausalLM on the checkpoint's trunk (optionally other trunk tensors)."""
+    """transformers' Qwen2ForCausalLM on the checkpoint's trunk (optionally other trunk tensors):
+    a reference that shares no code with vime or vLLM."""
     from transformers import Qwen2ForCausalLM
 
     model = Qwen2ForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
@@ -209,26 +210,20 @@ def test_vllm_greedy_plain_and_mtp_k1_equal_transformers(mimo_ckpt, prompts, k):
         backend.close()
 
 
-def embedded_serves_mimo(path):
-    try:
-        from rollout.spec_config import build_engine
-
-        build_engine(path, {"method": "mtp", "num_speculative_tokens": 2})
-        return True
-    except (UserError, RuntimeError, KeyError):
-        return False
-
-
 def test_vllm_greedy_and_acceptance_equal_the_embedded_engines(vllm_mtp, mimo_ckpt, prompts):
     """Same checkpoint, same drafter math (pre-norm hidden state, zeroed embedding at position 0):
-    tokens and, under greedy, the accepted-draft counts must agree."""
-    if not embedded_serves_mimo(mimo_ckpt):
-        pytest.skip("the embedded engine does not serve MiMo checkpoints yet (model-family registry)")
+    the tokens agree, and so do the accepted drafts of each request, except that vLLM also counts
+    drafts accepted past the request's end (max tokens / EOS) which the embedded engine never
+    verifies: at most k = 2 per request, at its last step."""
     from rollout.spec_config import build_engine
-    from rollout.spec_stats import spec_counters
 
     engine = build_engine(mimo_ckpt, {"method": "mtp", "num_speculative_tokens": 2})
     samples = make_samples(prompts)
     engine.generate(samples, SamplingParams(temperature=0, max_new_tokens=24))
     assert vllm_greedy(vllm_mtp, prompts) == [s.response_ids for s in samples]
-    assert vllm_mtp.stats()["spec"]["accepted_tokens"] == spec_counters(samples)["accepted_tokens"]
+    extra = []
+    for p, s in zip(prompts[:12], samples):
+        vllm_greedy(vllm_mtp, [p])
+        extra.append(vllm_mtp.stats()["spec"]["accepted_tokens"] - s.spec.accepted_tokens)
+    assert all(0 <= e <= 2 for e in extra), extra
+    assert sum(s.spec.accepted_tokens for s in samples[:12]) > 0  # drafts were accepted at all
