@@ -28,7 +28,7 @@ def preflight(cfg):
 
     validate(cfg)
     ensure_model(cfg.model)
-    hf, _ = inspect_hf_checkpoint(cfg.model.hf_checkpoint)
+    hf = inspect_hf_checkpoint(cfg.model.hf_checkpoint)
     require(cfg.mtp.num_layers is None or cfg.mtp.num_layers <= hf.num_nextn_predict_layers,
             f"--mtp-num-layers {cfg.mtp.num_layers}: {cfg.model.hf_checkpoint} has only "
             f"{hf.num_nextn_predict_layers} MTP layers")

@@ -61,15 +61,17 @@ def _set_env(device):
 
 
 def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device):
-    """Keyword arguments of vllm.LLM / EngineArgs (CPU: fp32, eager; GPU: vLLM's defaults)."""
+    """Keyword arguments of vllm.LLM / EngineArgs. fp32 on both devices: the trainer syncs fp32
+    weights and the guard compares exact sums of them (a bf16 copy could never match); CPU also
+    runs eager (no graph capture to gain there). Everything else is vLLM's default."""
     hf = _read_json(os.path.join(hf_checkpoint, "config.json"))
     spec = spec_dict(speculative_config)
     kwargs = dict(model=hf_checkpoint, skip_tokenizer_init=True, seed=0, disable_log_stats=False,
                   max_model_len=hf.get("max_position_embeddings", 2048), max_num_seqs=max_batch_size,
                   speculative_config=spec,
-                  logprobs_mode="raw_logprobs" if spec else "processed_logprobs")
+                  logprobs_mode="raw_logprobs" if spec else "processed_logprobs", dtype="float32")
     if device == "cpu":
-        kwargs.update(dtype="float32", enforce_eager=True)
+        kwargs.update(enforce_eager=True)
     return kwargs
 
 
