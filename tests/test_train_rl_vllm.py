@@ -51,7 +51,8 @@ def metrics(out):
 @pytest.fixture(scope="module")
 def vllm_run(ckpt, tmp_path_factory):
     out, save = tmp_path_factory.mktemp("vllm_online"), tmp_path_factory.mktemp("vllm_save")
-    proc = run_train(*base_args(ckpt, out, 3, "--save", save, "--save-interval", 2, "--check-weight-update-equal"))
+    proc = run_train(*base_args(ckpt, out, 3, "--save", save, "--save-interval", 2, "--check-weight-update-equal",
+                                "--save-debug-rollout-data", os.path.join(out, "rollouts")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return str(out), str(save)
 
@@ -73,13 +74,24 @@ def test_vllm_rollouts_train_and_after_every_sync_vllm_holds_the_trainers_weight
 
 
 def test_a_resumed_vllm_run_continues_from_the_checkpoint(vllm_run, ckpt, tmp_path):
+    """The resumed run does step 3 only, from the saved weights (version 2) on the prompts the
+    first run's step 3 had (the data cursor was restored). Its samples are not compared token for
+    token: vLLM's seeded sampling under speculation was not reproducible across two vLLM
+    instances here (the embedded backend's resume test compares them exactly)."""
+    import pickle
+
     out, save = vllm_run
-    proc = run_train(*base_args(ckpt, tmp_path, 3, "--load", save))
+    proc = run_train(*base_args(ckpt, tmp_path, 3, "--load", save, "--save-debug-rollout-data", tmp_path / "r"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
     assert len(rows) == 1 and rows[0]["rollout/weight_version"] == 2
-    # same weights, same data cursor, same per-request seeds: the same rollout as the first run's step 3
-    assert rows[0]["rollout/reward"] == metrics(out)[2]["rollout/reward"]
+    assert rows[0]["weight_sync/worker_mtp_checksum"] == rows[0]["weight_sync/mtp_checksum"]
+
+    def prompts(folder):
+        with open(os.path.join(folder, "step_0000002.pkl"), "rb") as f:
+            return [s.prompt for s in pickle.load(f)]
+
+    assert prompts(tmp_path / "r") == prompts(os.path.join(out, "rollouts"))
 
 
 def test_target_only_sync_leaves_the_draft_stale_and_says_so(ckpt, tmp_path):
