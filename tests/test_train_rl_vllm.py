@@ -94,6 +94,7 @@ def test_a_resumed_vllm_run_continues_from_the_checkpoint(vllm_run, ckpt, tmp_pa
     assert prompts(tmp_path / "r") == prompts(os.path.join(out, "rollouts"))
 
 
+@pytest.mark.slow  # the backend-level case runs by default (test_vllm_rollout.py)
 def test_target_only_sync_leaves_the_draft_stale_and_says_so(ckpt, tmp_path):
     proc = run_train(*base_args(ckpt, tmp_path, 2, "--no-sync-draft-weights"))
     assert proc.returncode == 0, proc.stderr[-3000:]
