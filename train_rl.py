@@ -39,6 +39,8 @@ def preflight(cfg):
     require(cfg.train.advantage_estimator in ADVANTAGE_ESTIMATORS,
             f"--advantage-estimator {cfg.train.advantage_estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
     check_rollout_backend(cfg, hf)
+    if cfg.rollout.task_variant is not None:
+        cfg.rollout.prompt_data = write_variant_prompts(cfg.rollout, cfg.run.output_dir)
     if cfg.rollout.prompt_data is None:
         cfg.rollout.prompt_data = os.path.join(cfg.model.hf_checkpoint, "train.jsonl")
     if not cfg.run.debug_train_only:
@@ -54,15 +56,18 @@ def check_rollout_backend(cfg, hf):
     """The speculative config per backend: vime's own validation for the embedded engine,
     vLLM's (run in this process, before any actor starts) for --rollout-backend vllm."""
     from rollout.backend import BACKENDS
-    from rollout.spec_config import check_against_checkpoint, parse_spec_config, require_lossless
+    from rollout.spec_config import check_against_checkpoint, check_spec_adaptive, parse_spec_config, require_lossless
 
     r = cfg.rollout
     require(r.backend in BACKENDS, f"--rollout-backend {r.backend!r}: choose one of {', '.join(BACKENDS)}")
     if r.backend == "embedded":
         spec = parse_spec_config(r.vllm_speculative_config)
+        check_spec_adaptive(spec, r.spec_adaptive)
         check_against_checkpoint(spec, hf)
         require_lossless(spec, where="train_rl.py")
         return
+    require(not r.spec_adaptive, "--spec-adaptive is the embedded engine's; on vLLM put "
+            "num_speculative_tokens_per_batch_size in --vllm-speculative-config")
     from rollout.vllm_backend import check_sampling_for_logprobs, check_speculative_config, spec_dict
 
     raw = spec_dict(r.vllm_speculative_config)
@@ -73,8 +78,24 @@ def check_rollout_backend(cfg, hf):
     check_speculative_config(cfg.model.hf_checkpoint, raw, r.rollout_max_batch_size)
 
 
+def write_variant_prompts(rollout_cfg, output_dir):
+    """--task-variant: that variant's prompt set (seeded by --rollout-seed) as JSONL in the run's directory."""
+    from rollout.task import TASK_VARIANTS, write_jsonl
+
+    variant = rollout_cfg.task_variant
+    require(variant in TASK_VARIANTS, f"--task-variant {variant!r}: choose one of {', '.join(sorted(TASK_VARIANTS))}")
+    require(rollout_cfg.prompt_data is None, f"--task-variant {variant} makes the prompts; drop --prompt-data "
+            f"{rollout_cfg.prompt_data} or the variant")
+    require(rollout_cfg.task_variant_prompts >= 1,
+            f"--task-variant-prompts must be >= 1 (got {rollout_cfg.task_variant_prompts})")
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, f"prompts_{variant}.jsonl")
+    write_jsonl(TASK_VARIANTS[variant](rollout_cfg.task_variant_prompts, rollout_cfg.rollout_seed), path)
+    return path
+
+
 def ensure_model(model_cfg):
-    """Pretrain the tiny model into the default path on first use (only that path)."""
+    """Re-make the tiny model if its shipped copy (the default path) was deleted (only that path)."""
     from vime.config import DEFAULT_TINY_MODEL
 
     path = model_cfg.hf_checkpoint
@@ -84,7 +105,7 @@ def ensure_model(model_cfg):
             f"--hf-checkpoint {path}: no such directory")
     import subprocess
 
-    print(f"[vime] first run: pretraining the tiny model into {path} (once; about 10-15 minutes on 2 cores)",
+    print(f"[vime] {path} is missing: pretraining the tiny model into it (once; about 25 minutes on 2 cores)",
           flush=True)
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "make_tiny_model.py")
     subprocess.run([sys.executable, script, "--out", path], check=True)

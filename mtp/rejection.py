@@ -9,9 +9,11 @@ k acceptances). Methods:
                  (q = one-hot(d)), so the test is u < p(d) and the residual is p without d.
   strict         sample x ~ p at each position; accept iff d == x; emit x at the first
                  rejection. Exact for any proposer; ignores q.
-  synthetic      accept each draft with a fixed probability regardless of p: LOSSY, for
+  synthetic      accept the draft at position i with a set conditional probability
+                 (one rate, or one per position) regardless of p, at any temperature;
+                 the extra token is argmax p (greedy) or a sample from p. LOSSY, for
                  benchmarks only (the output is not the target distribution).
-Greedy requests accept iff d == argmax p, and emit argmax p.
+Otherwise greedy requests accept iff d == argmax p, and emit argmax p.
 A plain decode step is k = 0: no drafts, the emitted token is a sample from p.
 """
 from dataclasses import dataclass
@@ -44,13 +46,29 @@ def _row_select(x, idx):
     return x[torch.arange(x.shape[0], device=x.device), idx]
 
 
+def synthetic_rates(rates, k, device):
+    """[k] conditional acceptance per position from one number or a per-position sequence
+    (positions past the sequence reuse its last entry)."""
+    if isinstance(rates, (int, float)):
+        return torch.full((k,), float(rates), device=device)
+    rates = list(rates) or [0.0]
+    return torch.tensor([rates[min(i, len(rates) - 1)] for i in range(k)], dtype=torch.float32, device=device)
+
+
 def verify(target_logprobs, drafts, draft_counts, uniforms, greedy, method="probabilistic",
-           draft_probs=None, synthetic_acceptance_rate=None):
-    """target_logprobs [B, k+1, V]; drafts [B, k]; draft_counts [B]; uniforms [B, k+2] in [0,1)."""
+           draft_probs=None, synthetic_acceptance_rates=None):
+    """target_logprobs [B, k+1, V]; drafts [B, k]; draft_counts [B]; uniforms [B, k+2] in [0,1)
+    (drawn for synthetic verification even when greedy). synthetic_acceptance_rates: one
+    conditional rate or one per draft position."""
     b, k1, _ = target_logprobs.shape
     k = k1 - 1
     probs = target_logprobs.exp()
-    if greedy:
+    if method == "synthetic":
+        accept = uniforms[:, :k] < synthetic_rates(synthetic_acceptance_rates, k, uniforms.device)[None, :]
+        n_acc, kept = _first_rejection(accept, draft_counts)
+        p = _row_select(probs, n_acc)
+        extra = p.argmax(-1) if greedy else sample_with_uniforms(p, uniforms[:, -1])
+    elif greedy:
         target = probs.argmax(-1)
         accept = drafts == target[:, :k]
         n_acc, kept = _first_rejection(accept, draft_counts)
@@ -64,10 +82,7 @@ def verify(target_logprobs, drafts, draft_counts, uniforms, greedy, method="prob
         p_draft = probs[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
         q_draft = (draft_probs[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
                    if draft_probs is not None else torch.ones_like(p_draft))
-        if method == "synthetic":
-            accept = uniforms[:, :k] < synthetic_acceptance_rate
-        else:
-            accept = uniforms[:, :k] * q_draft < p_draft
+        accept = uniforms[:, :k] * q_draft < p_draft
         n_acc, kept = _first_rejection(accept, draft_counts)
         extra = _residual_sample(probs, drafts, draft_probs, n_acc, draft_counts, uniforms[:, -1])
     emitted = torch.cat([torch.where(kept, drafts, torch.zeros_like(drafts)), torch.zeros_like(extra)[:, None]], 1)

@@ -15,7 +15,8 @@ to a backend only through this protocol, so nothing above the worker knows which
     close()                                 release processes the backend started
 
 `BACKENDS` maps `--rollout-backend` names to constructors taking
-(hf_checkpoint, speculative_config, max_batch_size, device).
+(hf_checkpoint, speculative_config, max_batch_size, device, adaptive); `adaptive` is the
+embedded engine's --spec-adaptive (vLLM has its own per-batch-size k in the speculative config).
 """
 import importlib
 
@@ -29,12 +30,12 @@ class EmbeddedBackend:
 
     name = "embedded"
 
-    def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu"):
+    def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False):
         from rollout.engine import EngineConfig
         from rollout.spec_config import build_engine
 
         self.engine = build_engine(hf_checkpoint, speculative_config,
-                                   EngineConfig(max_batch_size=max_batch_size, device=device))
+                                   EngineConfig(max_batch_size=max_batch_size, device=device), adaptive=adaptive)
         self.last_spec = spec_counters([])
 
     def generate(self, samples, sampling):
@@ -68,9 +69,9 @@ class EmbeddedBackend:
         return self.engine.weight_version
 
     def stats(self):
-        st = self.engine.stats()
-        return {"seconds": st.get("seconds", 0.0), "generated_tokens": st.get("generated_tokens", 0),
-                "spec": self.last_spec}
+        st = self.engine.stats()  # also --spec-adaptive's spec_k_mean and speedups
+        return dict(st, seconds=st.get("seconds", 0.0), generated_tokens=st.get("generated_tokens", 0),
+                    spec=self.last_spec)
 
     def close(self):
         """Nothing to release: the engine lives in this process."""
@@ -91,5 +92,5 @@ BACKENDS = {
 }
 
 
-def build_backend(name, hf_checkpoint, speculative_config, max_batch_size, device="cpu"):
-    return BACKENDS[name](hf_checkpoint, speculative_config, max_batch_size, device)
+def build_backend(name, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False):
+    return BACKENDS[name](hf_checkpoint, speculative_config, max_batch_size, device, adaptive)

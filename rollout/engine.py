@@ -5,7 +5,9 @@ admitted requests into free slots (one ragged forward), then runs one verify for
 the running ones: the last token plus that request's drafts (none for plain decoding, so
 plain and speculative decoding share this path and differ only in the proposer).
 Accepted tokens are appended, rejected KV entries are dropped by resetting the slot
-length. Sampling is driven by per-request generators, so a request's output does not
+length. How many tokens get drafted for the next step is the k policy's choice
+(rollout/spec_policy.py: fixed, vLLM's batch-size schedule, or adaptive); the engine times
+each verify and draft phase and reports it to the policy. Sampling is driven by per-request generators, so a request's output does not
 depend on which others share the batch.
 """
 import os
@@ -22,6 +24,7 @@ from rollout.fast_model import FastForward
 from rollout.kv_cache import KVCache, pick_attention_backend
 from rollout.model import CausalLMWithMTP
 from rollout.proposers import ForwardOutput, Proposer
+from rollout.spec_policy import FixedK, StepRecord
 from vime.errors import UserError, require
 from vime.sample import Sample
 
@@ -33,8 +36,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     attention_backend: str = "auto"  # auto | sdpa | flash
+    linear_backend: str = "auto"  # auto | mkldnn | dense (rollout/linear.py)
     rejection_sample_method: str = "probabilistic"
-    synthetic_acceptance_rate: float = None
+    synthetic_acceptance_rates: tuple = None  # conditional, per draft position (spec_config.synthetic_position_rates)
 
 
 class Request:
@@ -73,7 +77,7 @@ class Engine:
         self.model = model.to(self.config.device, self.config.dtype).eval()
         self.model.requires_grad_(False)
         self.cfg = model.cfg
-        self.fast = FastForward(self.model)
+        self.fast = FastForward(self.model, self.config.linear_backend)
         self.max_len = self.config.max_len or self.cfg.max_position_embeddings
         self.codec = codec
         self.backend = pick_attention_backend(self.config.device, self.config.attention_backend)
@@ -83,6 +87,7 @@ class Engine:
         self.weight_version = 0
         self.paused = False
         self.last_stats = {}
+        self.step_k = 0  # drafts the proposer makes this iteration (verified at the next)
         self.set_proposer(proposer or Proposer())
 
     @classmethod
@@ -95,9 +100,11 @@ class Engine:
         codec = TextCodec(path) if _has_tokenizer(path) else None
         return cls(model, config, codec, proposer)
 
-    def set_proposer(self, proposer):
+    def set_proposer(self, proposer, k_policy=None):
+        """Install a proposer and the policy choosing its k per step (default: always its max)."""
         self.proposer = proposer
         proposer.attach(self)
+        self.k_policy = k_policy or FixedK(proposer.num_speculative_tokens)
 
     # ---------------------------------------------------------------- public API
     def generate(self, samples, sampling):
@@ -109,6 +116,8 @@ class Engine:
         for s in samples:
             s.response_ids, s.rollout_logprobs, s.weight_version = [], [], self.weight_version
             s.spec.__init__()
+        self.k_policy.prepare(self)
+        self.k_policy.begin()
         start = time.perf_counter()
         self._run(requests, sampling)
         elapsed = time.perf_counter() - start
@@ -118,7 +127,7 @@ class Engine:
                 r.sample.response = self.codec.decode(r.sample.response_ids)
         generated = sum(r.num_generated for r in requests)
         self.last_stats = {"generated_tokens": generated, "seconds": elapsed,
-                           "tokens_per_s": generated / max(elapsed, 1e-9)}
+                           "tokens_per_s": generated / max(elapsed, 1e-9), **self.k_policy.summary()}
         return samples
 
     def load_weights(self, named_tensors, version):
@@ -152,9 +161,10 @@ class Engine:
                 r.slot = free_slots.pop()
                 admitted.append(r)
             decoding = list(running)
+            running += admitted
+            self.step_k = self.k_policy.choose(len(running))
             if admitted:
                 self._prefill(admitted, sampling)
-                running += admitted
             if decoding:
                 self._verify_step(decoding, sampling)
             for r in [r for r in running if r.finished]:
@@ -169,7 +179,7 @@ class Engine:
         starts = torch.zeros_like(n_new)
         hidden, mtp_hidden = self._forward(reqs, tokens, starts, n_new)
         last = hidden[torch.arange(len(reqs)), n_new - 1]
-        logprobs = processed_logprobs(self.model.logits(last), sampling.temperature, sampling.top_k, sampling.top_p)
+        logprobs = processed_logprobs(self.fast.logits(last), sampling.temperature, sampling.top_k, sampling.top_p)
         empty = torch.zeros(len(reqs), 0, dtype=torch.long, device=self.config.device)
         self._accept(reqs, logprobs.unsqueeze(1), empty, [0] * len(reqs), sampling, None)
         for r, n in zip(reqs, lengths):
@@ -177,27 +187,41 @@ class Engine:
         self._propose(reqs, mtp_hidden, starts, n_new)
 
     def _verify_step(self, reqs, sampling):
+        start = time.perf_counter()
+        generated_before = sum(r.num_generated for r in reqs)
         counts = [self._draft_budget(r) for r in reqs]
         rows = [[r.all_ids[-1]] + list(r.drafts[:c]) for r, c in zip(reqs, counts)]
         tokens = _pad(rows, self.config.device)
         starts = torch.tensor([r.num_cached for r in reqs], device=self.config.device)
         n_new = torch.tensor([len(x) for x in rows], device=self.config.device)
         hidden, mtp_hidden = self._forward(reqs, tokens, starts, n_new)
-        logprobs = processed_logprobs(self.model.logits(hidden), sampling.temperature, sampling.top_k, sampling.top_p)
+        logprobs = processed_logprobs(self.fast.logits(hidden), sampling.temperature, sampling.top_k, sampling.top_p)
         drafts = tokens[:, 1:]
         draft_probs = self._stack_draft_probs(reqs, drafts, logprobs.shape[-1])
         n_acc = self._accept(reqs, logprobs, drafts, counts, sampling, draft_probs)
         for r, a in zip(reqs, n_acc):
             r.num_cached += 1 + a
-        self._propose(reqs, mtp_hidden, starts, torch.tensor([1 + a for a in n_acc], device=self.config.device))
+        verified = time.perf_counter()
+        drafted = self._propose(reqs, mtp_hidden, starts, torch.tensor([1 + a for a in n_acc], device=self.config.device))
+        if self.k_policy.observes:
+            self._observe_step(reqs, drafts.shape[1], counts, n_acc, drafted, start, verified, generated_before)
+
+    def _observe_step(self, reqs, k_verified, counts, n_acc, drafted, start, verified, generated_before):
+        """Tell the k policy what this step cost and what got accepted."""
+        self.k_policy.observe(StepRecord(
+            len(reqs), k_verified, verified - start, self.step_k if drafted else None,
+            time.perf_counter() - verified, sum(r.num_generated for r in reqs) - generated_before,
+            *_per_position(counts, n_acc)))
 
     def _accept(self, reqs, logprobs, drafts, counts, sampling, draft_probs):
         """Verify drafts, append the emitted tokens (cut at stop / budget), update stats."""
         k = drafts.shape[1]
-        uniforms = self._uniforms(reqs, counts, k).to(logprobs.device) if not sampling.greedy \
+        # synthetic acceptance draws its coin flips at any temperature
+        needs_uniforms = not sampling.greedy or self.config.rejection_sample_method == "synthetic"
+        uniforms = self._uniforms(reqs, counts, k).to(logprobs.device) if needs_uniforms \
             else torch.zeros(len(reqs), k + 2, device=logprobs.device)
         res = verify(logprobs, drafts, torch.tensor(counts, device=logprobs.device), uniforms, sampling.greedy,
-                     self.config.rejection_sample_method, draft_probs, self.config.synthetic_acceptance_rate)
+                     self.config.rejection_sample_method, draft_probs, self.config.synthetic_acceptance_rates)
         n_acc = res.num_accepted.tolist()
         emitted, emitted_lp = res.emitted.tolist(), res.emitted_logprobs.tolist()
         for i, r in enumerate(reqs):
@@ -255,13 +279,46 @@ class Engine:
             return self.fast.states(tokens, positions, view.layers(self.cfg.num_hidden_layers))
 
     def _propose(self, reqs, hidden, starts, n_valid):
-        """hidden: the MTP input states of the new positions (what ForwardOutput.hidden carries)."""
+        """Drafts for the live requests, at most step_k each; False when none was live.
+        hidden: the MTP input states of the new positions (what ForwardOutput.hidden carries)."""
         live = [i for i, r in enumerate(reqs) if not r.finished]
         if not live:
-            return
+            return False
         idx = torch.tensor(live, device=hidden.device)
         with torch.inference_mode():
             self.proposer.propose(ForwardOutput([reqs[i] for i in live], hidden[idx], starts[idx], n_valid[idx]))
+        for i in live:  # proposers that cannot draft fewer (ngram, suffix, draft model) are cut here
+            r = reqs[i]
+            if len(r.drafts) > self.step_k:
+                r.drafts = r.drafts[:self.step_k]
+                r.draft_probs = None if r.draft_probs is None else r.draft_probs[:self.step_k]
+        return True
+
+    # ---------------------------------------------------------------- cost probes (adaptive k)
+    def profile_verify(self, batch_size, q_len, context=32, repeats=3):
+        """Seconds of one verify forward (trunk + head + log-probs) of batch_size rows x q_len
+        tokens after `context` cached ones; writes only into free slots (call between generates)."""
+        dev = self.config.device
+        context = max(0, min(context, self.max_len - q_len))
+        slots = torch.arange(batch_size, device=dev)
+        tokens = torch.zeros(batch_size, q_len, dtype=torch.long, device=dev)
+        starts = torch.full((batch_size,), context, device=dev)
+        n_new = torch.full((batch_size,), q_len, device=dev)
+        positions = starts[:, None] + torch.arange(q_len, device=dev)[None, :]
+
+        def once():
+            view = self.cache.step(slots, starts, n_new, self.backend)
+            with torch.inference_mode():
+                hidden = self.fast(tokens, positions, view.layers(self.cfg.num_hidden_layers))
+                processed_logprobs(self.fast.logits(hidden), 1.0, 0, 1.0)
+        return _min_seconds(once, repeats)
+
+    def profile_draft(self, batch_size, k, repeats=3):
+        """Seconds the proposer takes to draft k tokens for batch_size rows (0 if it cannot say)."""
+        probe = getattr(self.proposer, "profile_draft", None)
+        if k == 0 or probe is None:
+            return 0.0
+        return _min_seconds(lambda: probe(batch_size, k), repeats)
 
     # ---------------------------------------------------------------- checks and helpers
     def _check_prompt(self, s):
@@ -277,6 +334,25 @@ class Engine:
         g = torch.Generator()
         g.manual_seed(hash((sampling.seed, sample.index, sample.sample_index)) & 0x7FFFFFFF)
         return g
+
+
+def _min_seconds(fn, repeats):
+    fn()  # warm-up: first calls allocate
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _per_position(counts, n_acc):
+    """(rows that reached draft position i, rows that accepted it) for each position: the
+    conditional acceptance at i is their ratio."""
+    k = max(counts, default=0)
+    reached = [sum(1 for c, a in zip(counts, n_acc) if c > i and a >= i) for i in range(k)]
+    accepted = [sum(1 for a in n_acc if a > i) for i in range(k)]
+    return reached, accepted
 
 
 def _record_spec(spec, drafted, accepted):

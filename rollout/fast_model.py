@@ -7,6 +7,8 @@ Per decoder layer it runs 4 matmuls instead of 7 (q|k|v and gate|up fused), no n
 dispatch, and a grouped-query attention written as two batched matmuls that read the KV
 cache without expanding it per head. The module forward in model.py stays the reference;
 tests check this path against it. Fused weights are rebuilt after every weight load.
+Every matmul against a weight (trunk, MTP layers, eh_proj, LM head) goes through
+rollout/linear.py, whose prepacked backend costs about the same for 1 or 4 rows.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -15,51 +17,63 @@ import torch
 import torch.nn.functional as F
 
 from mtp.layer import combine_embedding_and_hidden, zero_embedding_at_position_0
+from rollout.linear import linear, pack, pick_backend
 
 
 @dataclass
 class LayerWeights:
     ln1: torch.Tensor
-    qkv: torch.Tensor
+    qkv: "PackedWeight"  # rollout.linear.PackedWeight, like o, gate_up and down
     qkv_bias: Optional[torch.Tensor]  # families with q/k/v bias
     qk_norm: Optional[torch.Tensor]  # [heads + kv_heads, head_dim]: q_norm rows, then k_norm rows
-    o: torch.Tensor
+    o: "PackedWeight"
     ln2: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: "PackedWeight"
+    down: "PackedWeight"
 
 
 def _cat_or_none(tensors):
     return None if tensors[0] is None else torch.cat(tensors).detach()
 
 
-def fuse_layer(layer):
+def fuse_layer(layer, backend="dense"):
     a, m = layer.self_attn, layer.mlp
     qk_norm = None
     if hasattr(a.q_norm, "weight"):  # nn.Identity in families without q/k norm
         qk_norm = torch.cat([a.q_norm.weight.expand(a.n_heads, -1), a.k_norm.weight.expand(a.n_kv, -1)]).detach()
     return LayerWeights(
         ln1=layer.input_layernorm.weight.detach(),
-        qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),
+        qkv=pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), backend),
         qkv_bias=_cat_or_none([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
-        qk_norm=qk_norm, o=a.o_proj.weight.detach(),
+        qk_norm=qk_norm, o=pack(a.o_proj.weight, backend),
         ln2=layer.post_attention_layernorm.weight.detach(),
-        gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), down=m.down_proj.weight.detach())
+        gate_up=pack(torch.cat([m.gate_proj.weight, m.up_proj.weight]), backend),
+        down=pack(m.down_proj.weight, backend))
 
 
 class FastForward:
     """Callable like `CausalLMWithMTP.forward(tokens, positions, caches)` for cached ragged batches."""
 
-    def __init__(self, model):
+    def __init__(self, model, linear_backend="auto"):
         self.model = model
+        self.requested_backend = linear_backend
         cfg = model.cfg
         self.eps, self.n_heads, self.n_kv, self.head_dim = (cfg.rms_norm_eps, cfg.num_attention_heads,
                                                            cfg.num_key_value_heads, cfg.head_dim)
         self.refresh()
 
     def refresh(self):
-        """Re-fuse after the model's weights changed."""
-        self.layers = [fuse_layer(l) for l in self.model.model.layers]
+        """Re-fuse and re-pack after the model's weights changed (or moved device/dtype)."""
+        m = self.model
+        weight = m.head_weight()
+        self.backend = pick_backend(weight.device, weight.dtype, self.requested_backend)
+        self.layers = [fuse_layer(l, self.backend) for l in m.model.layers]
+        self.head = pack(weight, self.backend)
+        self.eh_proj = [pack(m.mtp_layer(k).eh_proj.weight, self.backend) for k in range(m.num_mtp_layers)]
+
+    def logits(self, hidden):
+        """Twin of `CausalLMWithMTP.logits` on the packed LM head."""
+        return linear(hidden, self.head)
 
     def norm(self, x, w):
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
@@ -72,7 +86,7 @@ class FastForward:
         b, q_len, _ = x.shape
         h, d = self.n_heads, self.head_dim
         nqk = (h + self.n_kv) * d
-        qkv = self.norm(x, w.ln1) @ w.qkv.t()
+        qkv = linear(self.norm(x, w.ln1), w.qkv)
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
         # q and k heads side by side: one norm and one rotary call serve both
@@ -82,9 +96,9 @@ class FastForward:
         qk = self.rope(qk, cos, sin)
         v = qkv[..., nqk:].unflatten(-1, (self.n_kv, d))
         attn = cache.attend_bqhd(qk[:, :, :h], qk[:, :, h:], v)
-        x = x + attn.reshape(b, q_len, h * d) @ w.o.t()
-        gate, up = (self.norm(x, w.ln2) @ w.gate_up.t()).chunk(2, dim=-1)
-        return x + (F.silu(gate) * up) @ w.down.t()
+        x = x + linear(attn.reshape(b, q_len, h * d), w.o)
+        gate, up = linear(self.norm(x, w.ln2), w.gate_up).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, w.down)
 
     def __call__(self, tokens, positions, caches):
         return self.states(tokens, positions, caches)[0]
@@ -109,7 +123,7 @@ class FastForward:
             embeds = zero_embedding_at_position_0(embeds, positions)
         x = combine_embedding_and_hidden(embeds, hidden, lambda e: self.norm(e, layer.enorm.weight),
                                          lambda h: self.norm(h, layer.hnorm.weight),
-                                         lambda eh: eh @ layer.eh_proj.weight.t())
+                                         lambda eh: linear(eh, self.eh_proj[k]))
         cos = m.rotary.cos[positions].unsqueeze(2)
         sin = m.rotary.sin[positions].unsqueeze(2)
         x = self.layer(self.layers[m.cfg.num_hidden_layers + k], x, cos, sin, cache)

@@ -36,6 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--vllm-speculative-config", default=None,
                    help='speculative decoding, vLLM JSON schema, e.g. \'{"method":"mtp","num_speculative_tokens":3}\'')
+    p.add_argument("--spec-adaptive", action="store_true",
+                   help="choose k in 0..num_speculative_tokens per step from measured cost and acceptance")
     return p.parse_args(argv)
 
 
@@ -88,7 +90,7 @@ def main(argv=None):
     rows = read_jsonl_rows(args.prompts, "--prompts")
     spec = parse_spec_config(args.vllm_speculative_config)
     engine = build_engine(args.hf_checkpoint, spec, EngineConfig(max_batch_size=args.max_batch_size,
-                                                                 device=args.device))
+                                                                 device=args.device), adaptive=args.spec_adaptive)
     samples = build_samples(rows, args.prompts, engine, args.n)
     engine.generate(samples, sampling)
     write_outputs(samples, args.output)
@@ -97,6 +99,9 @@ def main(argv=None):
           f"({st['tokens_per_s']:.1f} tokens/s) -> {args.output}")
     if spec is not None:
         print(format_spec_stats(aggregate_spec_stats(samples)))
+    if "spec_k_mean" in st:
+        print(f"adaptive k: mean {st['spec_k_mean']:.2f}, speedup predicted {st['spec_predicted_speedup']:.2f}x "
+              f"measured {st['spec_measured_speedup']:.2f}x (vs the profiled plain step)")
     return 0
 
 

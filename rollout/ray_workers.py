@@ -18,18 +18,19 @@ from vime.sample import Sample
 class RolloutWorkerImpl:
     """One rollout backend (rollout/backend.py: embedded or vLLM) plus its end of the weight-sync group."""
 
-    def __init__(self, hf_checkpoint, spec_config, max_batch_size, threads=1, backend="embedded", sync_draft=True):
+    def __init__(self, hf_checkpoint, spec_config, max_batch_size, threads=1, backend="embedded", sync_draft=True,
+                 spec_adaptive=False):
         from rollout.backend import build_backend
 
         torch.set_num_threads(threads)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.backend = build_backend(backend, hf_checkpoint, spec_config, max_batch_size, device)
+        self.backend = build_backend(backend, hf_checkpoint, spec_config, max_batch_size, device, adaptive=spec_adaptive)
         self.num_hidden_layers = read_num_hidden_layers(hf_checkpoint)
         self.sync_draft = sync_draft
         self.group, self.layout = None, None
 
     def generate(self, samples, sampling):
-        """(samples, the backend's stats of this call: seconds, generated tokens, spec counters)."""
+        """(samples, the backend's stats of this call: seconds, generated tokens, spec counters, spec_k_mean, ...)."""
         self.backend.generate(samples, sampling)
         return samples, self.backend.stats()
 
@@ -101,7 +102,8 @@ class RolloutManagerImpl:
         opts = worker_resources()
         self.workers = [RolloutWorker.options(**opts).remote(
             hf_checkpoint, rollout_cfg.vllm_speculative_config, rollout_cfg.rollout_max_batch_size,
-            backend=rollout_cfg.backend, sync_draft=rollout_cfg.sync_draft_weights)
+            backend=rollout_cfg.backend, sync_draft=rollout_cfg.sync_draft_weights,
+            spec_adaptive=rollout_cfg.spec_adaptive)
             for _ in range(rollout_cfg.rollout_num_workers)]
 
     def get_workers(self):
@@ -133,7 +135,8 @@ class RolloutManagerImpl:
         for s in samples:
             s.reward = float(self.reward_fn(s.response, s.label))
         assign_advantages(samples, self.advantage_estimator)
-        return samples, dict(self._metrics(samples, elapsed, counters), **{"perf/rollout_engine_time": engine_time})
+        return samples, dict(self._metrics(samples, elapsed, counters), **{"perf/rollout_engine_time": engine_time},
+                             **_adaptive_metrics([stats for _, stats in done]))
 
     def close_workers(self):
         """Stop what the backends started (vLLM's engine processes) before the actors go."""
@@ -154,6 +157,18 @@ class RolloutManagerImpl:
 
 
 RolloutManager = ray.remote(RolloutManagerImpl)
+
+ADAPTIVE_STATS = ("spec_k_mean", "spec_predicted_speedup", "spec_measured_speedup")
+
+
+def _adaptive_metrics(worker_stats):
+    """rollout/spec_k_mean and predicted vs measured speedup (--spec-adaptive), averaged over workers."""
+    out = {}
+    for key in ADAPTIVE_STATS:
+        values = [s[key] for s in worker_stats if key in s]
+        if values:
+            out[f"rollout/{key}"] = sum(values) / len(values)
+    return out
 
 
 def worker_resources():

@@ -5,7 +5,8 @@ returns a frozen `SpecConfig`. Every bad input is a one-line `UserError` that na
 flag and says what to do. Checks that need the target checkpoint (MTP layers present,
 draft vocabulary) live in `check_against_checkpoint`. `build_proposer` turns a config
 into a proposer through the `PROPOSERS` registry; `engine_config_for` gives the engine
-its slice (rejection method).
+its slice (rejection method). `check_spec_adaptive` validates vime's own --spec-adaptive
+flag, which lives outside the JSON so the JSON stays vLLM's.
 """
 import dataclasses
 import difflib
@@ -16,6 +17,7 @@ from mtp.rejection import REJECTION_METHODS
 from vime.errors import UserError, require
 
 FLAG = "--vllm-speculative-config"
+ADAPTIVE_FLAG = "--spec-adaptive"
 
 METHOD_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "mimo_mtp": "mtp", "glm4_moe_mtp": "mtp",
                   "ngram": "ngram", "suffix": "suffix", "draft_model": "draft_model"}
@@ -54,6 +56,11 @@ class SpecConfig:
     suffix_decoding_min_token_prob: float = 0.1
     rejection_sample_method: str = "strict"
     synthetic_acceptance_rate: float = None
+    # vLLM's per-position *unconditional* rates: entry i = P(first i+1 drafts all accepted)
+    synthetic_acceptance_rates: tuple = None
+    synthetic_acceptance_length: float = None
+    # vLLM's dynamic schedule: ((range_start, range_end, k), ...), inclusive, sorted
+    num_speculative_tokens_per_batch_size: tuple = None
 
     @property
     def is_lossy(self):
@@ -76,7 +83,13 @@ _TYPES = {
     "suffix_decoding_min_token_prob": ((int, float), "a number"),
     "rejection_sample_method": ((str,), "a string"),
     "synthetic_acceptance_rate": ((int, float), "a number"),
+    "synthetic_acceptance_rates": ((list,), "a list of numbers in [0, 1], one per draft position"),
+    "synthetic_acceptance_length": ((int, float), "a number"),
+    "num_speculative_tokens_per_batch_size": ((list,), "a list of [range_start, range_end, k] entries"),
 }
+
+_NULLABLE = ("model", "synthetic_acceptance_rate", "synthetic_acceptance_rates", "synthetic_acceptance_length",
+             "num_speculative_tokens_per_batch_size")
 
 # key -> (predicate, wording of the allowed range)
 _RANGES = {
@@ -131,7 +144,7 @@ def _check_keys(raw):
 
 def _check_type(key, val):
     types, name = _TYPES[key]
-    if key in ("model", "synthetic_acceptance_rate") and val is None:
+    if key in _NULLABLE and val is None:
         return
     ok = isinstance(val, types) and not isinstance(val, bool)
     require(ok, f"{FLAG}: {key} must be {name} (got {json.dumps(val)})")
@@ -154,6 +167,7 @@ def _finish(raw):
     raw["method"] = METHOD_ALIASES[method]
     _lookup_bounds(raw)
     _rejection(raw)
+    _batch_schedule(raw)
     require(raw.get("draft_tensor_parallel_size", 1) == 1,
             f"{FLAG}: draft_tensor_parallel_size must be 1 for the embedded engine "
             f"(got {raw.get('draft_tensor_parallel_size')})")
@@ -173,9 +187,84 @@ def _rejection(raw):
     method = raw.setdefault("rejection_sample_method", "strict")
     require(method in REJECTION_METHODS,
             f"{FLAG}: rejection_sample_method must be one of {', '.join(REJECTION_METHODS)} (got {method!r})")
-    rate = raw.get("synthetic_acceptance_rate")
-    require(method != "synthetic" or rate is not None,
-            f"{FLAG}: rejection_sample_method 'synthetic' needs synthetic_acceptance_rate in [0, 1]")
+    given = [key for key in ("synthetic_acceptance_rate", "synthetic_acceptance_rates", "synthetic_acceptance_length")
+             if raw.get(key) is not None]
+    if method != "synthetic":
+        require(not given, f"{FLAG}: {given[0] if given else ''} only applies with rejection_sample_method 'synthetic'")
+        return
+    require(len(given) == 1, f"{FLAG}: rejection_sample_method 'synthetic' needs exactly one of "
+            "synthetic_acceptance_rate (per draft), synthetic_acceptance_rates (per position) or "
+            f"synthetic_acceptance_length (got {', '.join(given) or 'none'})")
+    n = raw["num_speculative_tokens"]
+    if raw.get("synthetic_acceptance_rates") is not None:
+        rates = raw["synthetic_acceptance_rates"]
+        require(len(rates) == n and all(isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= r <= 1
+                                        for r in rates),
+                f"{FLAG}: synthetic_acceptance_rates must be {n} numbers in [0, 1] "
+                f"(one per draft position; got {json.dumps(rates)})")
+        require(all(b <= a for a, b in zip(rates, rates[1:])),
+                f"{FLAG}: synthetic_acceptance_rates must be non-increasing (entry i is the chance that "
+                f"the first i+1 drafts are all accepted; got {json.dumps(rates)})")
+        raw["synthetic_acceptance_rates"] = tuple(float(r) for r in rates)
+    if raw.get("synthetic_acceptance_length") is not None:
+        length = raw["synthetic_acceptance_length"]
+        require(1 <= length <= n + 1, f"{FLAG}: synthetic_acceptance_length must be in [1, {n + 1}] (got {length})")
+
+
+def synthetic_position_rates(spec):
+    """Conditional acceptance per draft position for synthetic verification (None otherwise):
+    the per-draft rate repeated, or vLLM's unconditional rates / mean length converted."""
+    if spec is None or not spec.is_lossy:
+        return None
+    n = spec.num_speculative_tokens
+    if spec.synthetic_acceptance_rate is not None:
+        return (float(spec.synthetic_acceptance_rate),) * n
+    if spec.synthetic_acceptance_rates is not None:
+        unconditional = spec.synthetic_acceptance_rates
+    else:  # a mean length: the lowest-variance schedule, all-or-nothing but one fractional position
+        extra = spec.synthetic_acceptance_length - 1
+        unconditional = tuple(min(1.0, max(0.0, extra - i)) for i in range(n))
+    conditional, before = [], 1.0
+    for u in unconditional:
+        conditional.append(u / before if before > 0 else 0.0)
+        before = u
+    return tuple(conditional)
+
+
+def _batch_schedule(raw):
+    """vLLM's num_speculative_tokens_per_batch_size, validated like vLLM and stored sorted."""
+    sched = raw.get("num_speculative_tokens_per_batch_size")
+    if sched is None:
+        return
+    key = f"{FLAG}: num_speculative_tokens_per_batch_size"
+    require(sched, f"{key} must not be empty; give [[1, 8, 3], [9, 128, 1]]-style [range_start, range_end, k] entries")
+    entries = []
+    for e in sched:
+        ok = isinstance(e, list) and len(e) == 3 and all(isinstance(v, int) and not isinstance(v, bool) for v in e)
+        require(ok, f"{key}: each entry must be [range_start, range_end, k] integers (got {json.dumps(e)})")
+        start, end, k = e
+        require(start >= 1 and end >= 1, f"{key}: batch-size range {json.dumps(e[:2])} must be positive")
+        require(start <= end, f"{key}: range start must be <= end (got {json.dumps(e)})")
+        require(k >= 0, f"{key}: k must be >= 0 (got {json.dumps(e)})")
+        entries.append((start, end, k))
+    entries.sort()
+    for (_, prev_end, _), (start, _, _) in zip(entries, entries[1:]):
+        require(start > prev_end, f"{key}: batch-size ranges overlap at {start}")
+    require(entries[0][0] == 1, f"{key}: the first range must start at 1 so every batch size has a k "
+            f"(got {entries[0][0]})")
+    raw["num_speculative_tokens_per_batch_size"] = tuple(entries)
+
+
+def check_spec_adaptive(spec, adaptive):
+    """vime's --spec-adaptive: a boolean, only with speculation, not with vLLM's fixed schedule."""
+    require(isinstance(adaptive, bool), f"{ADAPTIVE_FLAG} must be true or false (got {adaptive!r})")
+    if not adaptive:
+        return
+    require(spec is not None, f"{ADAPTIVE_FLAG} chooses how many tokens to draft, so it needs {FLAG} "
+            '(e.g. \'{"method":"mtp","num_speculative_tokens":3}\')')
+    require(spec.num_speculative_tokens_per_batch_size is None,
+            f"{ADAPTIVE_FLAG} and num_speculative_tokens_per_batch_size in {FLAG} both choose k per step; "
+            "give one of them")
 
 
 # ------------------------------------------------------------------ checkpoint-dependent checks
@@ -213,7 +302,7 @@ def engine_config_for(spec, engine_config):
     if spec is None:
         return engine_config
     return dataclasses.replace(engine_config, rejection_sample_method=spec.rejection_sample_method,
-                               synthetic_acceptance_rate=spec.synthetic_acceptance_rate)
+                               synthetic_acceptance_rates=synthetic_position_rates(spec))
 
 
 def build_proposer(spec):
@@ -223,13 +312,18 @@ def build_proposer(spec):
     return PROPOSERS["none" if spec is None else spec.method](spec)
 
 
-def build_engine(checkpoint, spec=None, engine_config=None):
-    """An Engine on `checkpoint` with speculation per `spec` (SpecConfig, JSON string, mapping or None)."""
+def build_engine(checkpoint, spec=None, engine_config=None, adaptive=False):
+    """An Engine on `checkpoint` with speculation per `spec` (SpecConfig, JSON string, mapping or None);
+    `adaptive` is vime's --spec-adaptive (k per step from measured cost and acceptance)."""
+    from checkpoint_convert.hf_format import read_config
     from rollout.engine import Engine, EngineConfig
+    from rollout.spec_policy import build_k_policy
 
     spec = spec if isinstance(spec, SpecConfig) or spec is None else parse_spec_config(spec)
-    from checkpoint_convert.hf_format import read_config
-
+    check_spec_adaptive(spec, adaptive)
     check_against_checkpoint(spec, read_config(checkpoint))
     config = engine_config_for(spec, engine_config or EngineConfig())
-    return Engine.from_checkpoint(checkpoint, config, build_proposer(spec))
+    engine = Engine.from_checkpoint(checkpoint, config, build_proposer(spec))
+    engine.k_policy = build_k_policy(spec, adaptive, config.max_batch_size)
+    engine.k_policy.prepare(engine)  # the adaptive cost profile, here rather than inside the first generate
+    return engine

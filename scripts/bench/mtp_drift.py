@@ -8,7 +8,9 @@ The three arms start from the same pretrained tiny model, seed and prompts and r
 RL steps (train_rl.py with configs/experiment/drift_{online,frozen,none}.yaml). Per step it
 records acceptance length and per-position acceptance, rollout tokens/s, tokens per target
 forward, reward, response length and MTP loss; writes drift.csv and drift.png in --out, and
-prints start/end figures and the end ratios online/frozen and online/none. Speculation is
+prints start/end figures (rollout wall time per step, what RL waits for, beside tokens/s), the
+end ratios online/frozen and online/none, and at how many steps online took no longer than
+none. `--spec-adaptive` runs the speculative arms with k chosen per step. Speculation is
 exact, so the arms' rewards must agree within noise; the script checks and says so.
 Extra arguments after `--` go to every train_rl.py run.
 """
@@ -25,7 +27,8 @@ ARMS = ("online", "frozen", "none")
 ARM_FLAGS = {"online": ["--enable-mtp-training", "--mtp-num-layers", "1"], "frozen": [], "none": []}
 COLUMNS = ("arm", "step", "num_samples", "reward", "response_len", "spec_accept_length", "tokens_per_target_forward",
            "spec_accept_rate", "spec_accept_rate_pos_0", "spec_accept_rate_pos_1", "spec_accept_rate_pos_2",
-           "rollout_tokens_per_s", "rollout_time", "mtp_loss")
+           "rollout_tokens_per_s", "rollout_time", "mtp_loss", "spec_k_mean", "spec_predicted_speedup",
+           "spec_measured_speedup")
 
 
 def parse_args():
@@ -36,6 +39,7 @@ def parse_args():
     p.add_argument("--num-speculative-tokens", type=int, default=2)
     p.add_argument("--window", type=int, default=5, help="steps averaged for the start and end figures")
     p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--spec-adaptive", action="store_true", help="k per step from measured cost and acceptance")
     p.add_argument("extra", nargs="*", help="after --: passed to train_rl.py")
     args = p.parse_args()
     args.steps = args.steps or (100 if args.full else 40)
@@ -48,7 +52,7 @@ def run_arm(arm, args):
     cmd = [sys.executable, os.path.join(REPO, "train_rl.py"), f"experiment=drift_{arm}", "--num-rollout", str(args.steps),
            "--output-dir", out, "--progress", "false", "--wandb-group", "mtp_drift", *ARM_FLAGS[arm]]
     if arm != "none":
-        cmd += ["--vllm-speculative-config", spec]
+        cmd += ["--vllm-speculative-config", spec] + (["--spec-adaptive"] if args.spec_adaptive else [])
     cmd += args.extra
     print(f"[drift] {arm}: {' '.join(cmd[1:])}", flush=True)
     env = dict(os.environ, WANDB_SILENT="true", RAY_AUTH_MODE="disabled")
@@ -65,7 +69,8 @@ def row(arm, m):
             "tokens_per_target_forward": accept_len, "spec_accept_rate": m.get("rollout/spec_accept_rate", 0.0),
             **{f"spec_accept_rate_pos_{i}": m.get(f"rollout/spec_accept_rate_pos_{i}", "") for i in range(3)},
             "rollout_tokens_per_s": m["perf/rollout_tokens_per_s"], "rollout_time": m["perf/rollout_time"],
-            "mtp_loss": m.get("train/mtp_loss", ""), "num_samples": m["rollout/num_samples"]}
+            "mtp_loss": m.get("train/mtp_loss", ""), "num_samples": m["rollout/num_samples"],
+            **{k: m.get(f"rollout/{k}", "") for k in ("spec_k_mean", "spec_predicted_speedup", "spec_measured_speedup")}}
 
 
 def mean(xs):
@@ -121,11 +126,25 @@ def main():
     plot(rows_by_arm, os.path.join(args.out, "drift.png"))
     w = args.window
     print(f"\n{'arm':<8} {'accept_len start':>16} {'accept_len end':>15} {'tok/s start':>12} {'tok/s end':>10} "
-          f"{'reward start':>13} {'reward end':>11}")
+          f"{'step s start':>13} {'step s end':>11} {'resp len end':>13} {'reward start':>13} {'reward end':>11}")
     for arm, rows in rows_by_arm.items():
         print(f"{arm:<8} {window(rows, 'spec_accept_length', True, w):>16.3f} {window(rows, 'spec_accept_length', False, w):>15.3f} "
               f"{window(rows, 'rollout_tokens_per_s', True, w):>12.0f} {window(rows, 'rollout_tokens_per_s', False, w):>10.0f} "
+              f"{window(rows, 'rollout_time', True, w):>13.3f} {window(rows, 'rollout_time', False, w):>11.3f} "
+              f"{window(rows, 'response_len', False, w):>13.1f} "
               f"{window(rows, 'reward', True, w):>13.3f} {window(rows, 'reward', False, w):>11.3f}")
+    for arm, rows in rows_by_arm.items():
+        if rows[-1]["spec_k_mean"] != "":
+            print(f"{arm}: adaptive k mean start {window(rows, 'spec_k_mean', True, w):.2f} end "
+                  f"{window(rows, 'spec_k_mean', False, w):.2f}; speedup vs plain at end predicted "
+                  f"{window(rows, 'spec_predicted_speedup', False, w):.2f}x measured "
+                  f"{window(rows, 'spec_measured_speedup', False, w):.2f}x")
+    if "online" in rows_by_arm and "none" in rows_by_arm:
+        pairs = list(zip(rows_by_arm["online"], rows_by_arm["none"]))
+        slower = [(o["step"], o["rollout_time"] / n["rollout_time"]) for o, n in pairs if o["rollout_time"] > n["rollout_time"]]
+        worst = max((o["rollout_time"] / n["rollout_time"] for o, n in pairs), default=float("nan"))
+        print(f"rollout wall time per step, online <= none at {len(pairs) - len(slower)} of {len(pairs)} steps "
+              f"(worst online/none {worst:.2f}x" + (f", slower at steps {[s for s, _ in slower]})" if slower else ")"))
     end = {arm: {k: window(rows, k, False, w) for k in ("rollout_tokens_per_s", "spec_accept_length")}
            for arm, rows in rows_by_arm.items()}
     for other in ("frozen", "none"):

@@ -3,8 +3,9 @@
 For each method (none, mtp k=1..3, ngram, suffix, draft_model) and batch size, generate
 greedy responses to the same prompts and report tokens/s, tokens per target forward
 (acceptance length), acceptance rate per draft position and speedup vs `none` measured in
-the same run. Usage:
-  python scripts/bench/spec_decode.py --hf-checkpoint artifacts/tiny-qwen3-mtp [--num-prompts 64]
+the same run. `mtp adaptive` is MTP with --spec-adaptive (k in 0..3 per step); each batch
+size ends with its tokens/s against the best fixed k in 0..3 (none = k 0; goal >= 0.95). Usage:
+  python scripts/bench/spec_decode.py --hf-checkpoint checkpoints/tiny-mimo-mtp [--num-prompts 64]
 """
 import argparse
 import os
@@ -29,6 +30,7 @@ def methods(draft, rejection):
         "mtp k=1": {"method": "mtp", "num_speculative_tokens": 1},
         "mtp k=2": {"method": "mtp", "num_speculative_tokens": 2},
         "mtp k=3": {"method": "mtp", "num_speculative_tokens": 3},
+        "mtp adaptive": {"method": "mtp", "num_speculative_tokens": 3},
         "ngram k=3": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
         "suffix k=3": {"method": "suffix", "num_speculative_tokens": 3},
         "draft_model k=3": {"method": "draft_model", "num_speculative_tokens": 3, "model": draft},
@@ -36,9 +38,14 @@ def methods(draft, rejection):
     return {name: spec and dict(spec, rejection_sample_method=rejection) for name, spec in table.items()}
 
 
+ADAPTIVE = {"mtp adaptive"}  # methods run with --spec-adaptive
+FIXED_K = ("none", "mtp k=1", "mtp k=2", "mtp k=3")  # what adaptive k must match (within 5 %)
+
+
 def timed_generate(engine, spec, prompts, sampling):
     # a fresh proposer per repeat: suffix decoding would otherwise replay the previous repeat
-    engine.set_proposer(build_proposer(parse_spec_config(spec) if spec is not None else None))
+    # (the k policy is kept: an adaptive engine keeps its cost profile and acceptance estimate)
+    engine.set_proposer(build_proposer(parse_spec_config(spec) if spec is not None else None), engine.k_policy)
     samples = make_samples(prompts)
     start = time.perf_counter()
     engine.generate(samples, sampling)
@@ -48,7 +55,8 @@ def timed_generate(engine, spec, prompts, sampling):
 def bench_batch(ckpt, table, names, prompts, batch, sampling, repeats):
     """Best-of-`repeats` seconds per method, methods interleaved within each repeat so that
     load from other jobs on a shared machine hits every method alike."""
-    engines = {name: build_engine(ckpt, table[name], EngineConfig(max_batch_size=batch)) for name in names}
+    engines = {name: build_engine(ckpt, table[name], EngineConfig(max_batch_size=batch), adaptive=name in ADAPTIVE)
+               for name in names}
     for name in names:
         engines[name].generate(make_samples(prompts[:batch]), sampling)  # warm-up
     best, stats = {}, {}
@@ -63,7 +71,7 @@ def bench_batch(ckpt, table, names, prompts, batch, sampling, repeats):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hf-checkpoint", default="artifacts/tiny-qwen3-mtp")
+    p.add_argument("--hf-checkpoint", default="checkpoints/tiny-mimo-mtp")
     p.add_argument("--draft-model", default=None, help="draft_model checkpoint (default: the target itself)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--batch-sizes", default="1,16")
@@ -93,6 +101,12 @@ def main():
             pos = " / ".join(f"{st[k]:.2f}" for k in sorted(st) if k.startswith("spec_accept_rate_pos_"))
             print(f"| {batch} | {name} | {tps:.0f} | {tps / base:.2f}x | {st['spec_accept_length']:.2f} | "
                   f"{st['spec_accept_rate']:.2f} | {pos or '-'} |", flush=True)
+        fixed = [n for n in FIXED_K if n in results]
+        for name in [n for n in wanted if n in ADAPTIVE and fixed]:
+            best = max(fixed, key=lambda n: results[n][0])
+            ratio = results[name][0] / results[best][0]
+            print(f"batch {batch}: {name} / best fixed k ({best}) = {ratio:.3f} "
+                  f"({'within' if ratio >= 0.95 else 'NOT within'} 5 %)", flush=True)
 
 if __name__ == "__main__":
     main()

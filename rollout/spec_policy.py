@@ -1,0 +1,229 @@
+"""How many tokens to draft at each engine step: fixed, by batch-size schedule, or adaptive.
+
+The engine asks its policy for k before each propose (`choose(batch_size)`) and reports what
+the step cost and what got accepted (`observe`). k only changes how much is drafted, never how
+drafts are verified, so every policy keeps the output exact.
+
+  FixedK      k = num_speculative_tokens (vLLM's default behaviour).
+  ScheduleK   vLLM's `num_speculative_tokens_per_batch_size`: inclusive batch-size ranges
+              [(start, end, k), ...]; gaps and the tail carry the previous k; capped at
+              num_speculative_tokens.
+  AdaptiveK   vime's --spec-adaptive: k in {0..K} maximising expected tokens per second,
+                  B * E(k) / (verify(B, 1+k) + draft(B, k)),
+              E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j with a_j the EMA of the conditional
+              acceptance at draft position j, and the step costs from a profile taken at the
+              first generate (per batch size on a power-of-two grid, interpolated) refined
+              online by the measured times (an EMA per exact (B, k), and one global
+              measured/profiled correction for the points not seen yet). Every
+              EXPLORE_EVERY steps one step runs another k, round robin.
+"""
+import bisect
+import math
+
+# defaults of the adaptive policy, one source
+ACCEPT_EMA = 0.1  # weight of one step's per-position acceptance
+COST_EMA = 0.2  # weight of one step's measured time
+ACCEPT_PRIOR = 0.5  # acceptance assumed before a position was ever drafted
+EXPLORE_EVERY = 40  # steps between one-off probes of another k (round robin), so costs and
+#                     acceptance of the k not chosen stay measured (a draft that improves, a
+#                     profile taken during a load spike)
+
+
+class FixedK:
+    """Always draft `k` (the proposer's num_speculative_tokens)."""
+
+    observes = False  # the engine builds StepRecords only for policies that learn from them
+
+    def __init__(self, k):
+        self.k = k
+
+    def choose(self, batch_size):
+        return self.k
+
+    def observe(self, step):
+        pass
+
+    def prepare(self, engine):
+        pass
+
+    def begin(self):
+        pass
+
+    def summary(self):
+        return {}
+
+
+class ScheduleK(FixedK):
+    """vLLM's batch-size schedule, expanded to a dense lookup like vLLM does."""
+
+    def __init__(self, schedule, k_max, max_batch_size):
+        super().__init__(k_max)
+        self.lookup = dense_schedule(schedule, k_max, max_batch_size)
+
+    def choose(self, batch_size):
+        return self.lookup[min(max(batch_size, 1), len(self.lookup) - 1)]
+
+
+def dense_schedule(schedule, k_max, max_batch_size):
+    """[0, k(1), ..., k(max_batch_size)] from validated sorted (start, end, k) ranges."""
+    table = [0] * (max_batch_size + 1)
+    for b in range(1, max_batch_size + 1):
+        current = None
+        for start, end, k in schedule:
+            if start <= b:
+                current = k  # inside this range, or in the gap / tail after it
+            if start <= b <= end:
+                break
+        table[b] = min(k_max, current)
+    return table
+
+
+class StepRecord:
+    """What one engine step did: batch size, k verified / drafted, times, acceptance per position."""
+
+    def __init__(self, batch_size, k_verified, verify_s, k_drafted, draft_s, emitted, drafted_per_pos,
+                 accepted_per_pos):
+        self.batch_size, self.k_verified, self.verify_s = batch_size, k_verified, verify_s
+        self.k_drafted, self.draft_s, self.emitted = k_drafted, draft_s, emitted
+        self.drafted_per_pos, self.accepted_per_pos = drafted_per_pos, accepted_per_pos
+
+
+class CostTable:
+    """Seconds of one step phase (verify or draft) against batch size B and k."""
+
+    def __init__(self, grid, profiled):
+        self.grid = grid  # sorted batch sizes
+        self.profiled = profiled  # {k: [seconds per grid batch size]}
+        self.measured = {}  # (B, k) -> EMA seconds
+        self.correction = 1.0  # EMA of measured / profiled
+
+    def profile_at(self, b, k):
+        ys = self.profiled[k]
+        i = bisect.bisect_left(self.grid, b)
+        if i == 0:
+            return ys[0] * b / self.grid[0]
+        if i == len(self.grid):  # past the grid: grow linearly from the last two points
+            i = len(self.grid) - 1
+        x0, x1, y0, y1 = self.grid[i - 1], self.grid[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (b - x0) / (x1 - x0)
+
+    def predict(self, b, k):
+        if (b, k) in self.measured:
+            return self.measured[(b, k)]
+        return self.correction * self.profile_at(b, k)
+
+    def update(self, b, k, seconds):
+        old = self.measured.get((b, k))
+        self.measured[(b, k)] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+        profiled = self.profile_at(b, k)
+        if profiled > 0:  # a phase profiled as free (no drafting at k = 0) says nothing about load
+            self.correction = (1 - COST_EMA) * self.correction + COST_EMA * seconds / profiled
+
+
+def expected_tokens(acceptance, k):
+    """Tokens one verify emits per row with k drafts: 1 + sum_i prod_{j<=i} a_j."""
+    total, run = 1.0, 1.0
+    for a in acceptance[:k]:
+        run *= a
+        total += run
+    return total
+
+
+class AdaptiveK(FixedK):
+    """k maximising expected tokens/s from measured costs and live acceptance (see module doc)."""
+
+    observes = True
+
+    def __init__(self, k_max):
+        super().__init__(k_max)
+        self.acceptance = [ACCEPT_PRIOR] * k_max
+        self.observations = [0] * k_max  # steps that measured each position
+        self.verify, self.draft = None, None
+        self.steps_since_probe, self.next_probe = 0, 0
+        self.begin()
+
+    # ------------------------------------------------------------ profile
+    def prepare(self, engine):
+        """Profile verify(B, 1+k) and draft(B, k) once, on the engine's own forward passes."""
+        if self.verify is not None:
+            return
+        grid = batch_grid(engine.config.max_batch_size)
+        ks = range(self.k + 1)
+        self.verify = CostTable(grid, {k: [engine.profile_verify(b, 1 + k) for b in grid] for k in ks})
+        self.draft = CostTable(grid, {k: [engine.profile_draft(b, k) for b in grid] for k in ks})
+
+    # ------------------------------------------------------------ choice
+    def rate(self, b, k):
+        """Predicted tokens per second with k drafts at batch size b."""
+        return b * expected_tokens(self.acceptance, k) / max(self.step_time(b, k), 1e-9)
+
+    def step_time(self, b, k):
+        return self.verify.predict(b, k) + self.draft.predict(b, k)
+
+    def best_k(self, b):
+        rates = [self.rate(b, k) for k in range(self.k + 1)]
+        return max(range(self.k + 1), key=lambda k: (rates[k], -k))
+
+    def choose(self, batch_size):
+        k = self.best_k(batch_size)
+        self.steps_since_probe += 1
+        if self.k and self.steps_since_probe >= EXPLORE_EVERY:
+            self.next_probe = (self.next_probe + 1) % (self.k + 1)
+            k = self.next_probe if self.next_probe != k else (k + 1) % (self.k + 1)
+            self.steps_since_probe = 0
+        self.trace["k_rows"] += k * batch_size
+        self.trace["rows"] += batch_size
+        return k
+
+    # ------------------------------------------------------------ learning
+    def observe(self, step):
+        b = step.batch_size
+        self.verify.update(b, step.k_verified, step.verify_s)
+        if step.k_drafted is not None:
+            self.draft.update(b, step.k_drafted, step.draft_s)
+        for i, (d, a) in enumerate(zip(step.drafted_per_pos, step.accepted_per_pos)):
+            if d and i < self.k:
+                # a running mean until 1/ACCEPT_EMA observations, then an EMA: the prior is
+                # forgotten at the first measurement, later ones track a draft that changes
+                self.observations[i] += 1
+                w = max(ACCEPT_EMA, 1.0 / self.observations[i])
+                self.acceptance[i] = (1 - w) * self.acceptance[i] + w * (a / d)
+        plain_per_token = self.step_time(b, 0) / b
+        k = step.k_verified
+        self.trace["plain_s_pred"] += step.emitted * plain_per_token
+        self.trace["measured_s"] += step.verify_s + (step.draft_s or 0.0)
+        self.trace["pred_tokens"] += b * expected_tokens(self.acceptance, k)
+        self.trace["pred_s"] += self.step_time(b, k)
+        self.trace["emitted"] += step.emitted
+
+    def begin(self):
+        """Start the per-generate summary."""
+        self.trace = dict.fromkeys(("k_rows", "rows", "plain_s_pred", "measured_s", "pred_tokens", "pred_s",
+                                    "emitted"), 0.0)
+
+    def summary(self):
+        """spec_k_mean (row-weighted) and predicted vs measured speedup over plain decoding."""
+        t = self.trace
+        if not t["rows"] or not t["measured_s"] or not t["pred_s"]:
+            return {}
+        plain_rate = t["emitted"] / max(t["plain_s_pred"], 1e-12)  # predicted plain tokens/s here
+        return {"spec_k_mean": t["k_rows"] / t["rows"],
+                "spec_predicted_speedup": (t["pred_tokens"] / t["pred_s"]) / plain_rate,
+                "spec_measured_speedup": (t["emitted"] / t["measured_s"]) / plain_rate}
+
+
+def batch_grid(max_batch_size):
+    """1, 2, 4, ... up to and including max_batch_size."""
+    grid = [2 ** i for i in range(int(math.log2(max_batch_size)) + 1)]
+    return grid if grid[-1] == max_batch_size else grid + [max_batch_size]
+
+
+def build_k_policy(spec, adaptive, max_batch_size):
+    """The policy for a SpecConfig (None: no speculation) and the --spec-adaptive flag."""
+    if spec is None:
+        return FixedK(0)
+    if adaptive:
+        return AdaptiveK(spec.num_speculative_tokens)
+    if spec.num_speculative_tokens_per_batch_size is not None:
+        return ScheduleK(spec.num_speculative_tokens_per_batch_size, spec.num_speculative_tokens, max_batch_size)
+    return FixedK(spec.num_speculative_tokens)

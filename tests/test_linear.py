@@ -1,0 +1,45 @@
+"""rollout/linear.py: every backend computes x @ W.t() within the fp32 reduction bound of an
+fp64 reference, for 1..16 rows and batched 3-D inputs, and the engine picks the packed
+backend only where it applies (fp32 on CPU)."""
+import pytest
+import torch
+
+from fp32_bounds import reduction_rtol
+from rollout.linear import BACKENDS, linear, pack, pick_backend
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("shape", [(1, 96), (2, 96), (4, 96), (16, 96), (3, 5, 96)])
+def test_linear_matches_an_fp64_reference_within_the_reduction_bound(backend, shape):
+    if backend == "mkldnn" and pick_backend("cpu", torch.float32) != "mkldnn":
+        pytest.skip("this torch has no oneDNN")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(80, shape[-1], generator=g)
+    x = torch.randn(*shape, generator=g)
+    got = linear(x, pack(w, backend))
+    want = x.double() @ w.double().t()
+    # Higham: |fl(sum) - sum| <= n u sum|terms|, per output element (plus the rounding of the result)
+    bound = reduction_rtol(shape[-1], 1) * (x.abs().double() @ w.abs().double().t()) + want.abs() * 2.0 ** -24
+    assert got.shape == want.shape
+    assert ((got.double() - want).abs() <= bound).all()
+
+
+def test_packed_backend_is_chosen_only_for_fp32_on_cpu():
+    assert pick_backend("cpu", torch.float64) == "dense"
+    assert pick_backend("meta", torch.float32) == "dense"
+    assert pick_backend("cpu", torch.float32, requested="dense") == "dense"
+
+
+def test_packed_weights_follow_weight_loads(tmp_path):
+    from spec_fixtures import markov_model
+
+    from rollout.engine import Engine
+
+    model = markov_model(noise=0.2)
+    engine = Engine(model)
+    name, param = next((n, p) for n, p in engine.model.named_parameters() if n.endswith("down_proj.weight"))
+    x = torch.randn(2, param.shape[1])
+    before = linear(x, engine.fast.layers[0].down)
+    engine.load_weights([(name, param * 2)], version=1)
+    after = linear(x, engine.fast.layers[0].down)
+    assert torch.allclose(after, 2 * before, rtol=reduction_rtol(param.shape[1], 1) * 4, atol=1e-6)

@@ -1,0 +1,78 @@
+"""The adaptive k policy's choice against a direct computation of expected tokens per second,
+its cost table (profile interpolation, online refinement) and its acceptance estimate."""
+import itertools
+
+import pytest
+
+from rollout.spec_policy import AdaptiveK, CostTable, StepRecord, batch_grid
+
+
+def policy_with(verify_ms, draft_ms, acceptance, grid=(1, 16)):
+    """An AdaptiveK whose profile says: verify_ms[k], draft_ms[k] at every batch size."""
+    p = AdaptiveK(len(acceptance))
+    p.verify = CostTable(list(grid), {k: [v] * len(grid) for k, v in enumerate(verify_ms)})
+    p.draft = CostTable(list(grid), {k: [d] * len(grid) for k, d in enumerate(draft_ms)})
+    p.acceptance = list(acceptance)
+    return p
+
+
+def brute_force_best(verify_ms, draft_ms, conditional):
+    """argmax over k of (tokens per row) / (step time), tokens enumerated over accept patterns."""
+    best, best_rate = 0, -1.0
+    for k in range(len(conditional) + 1):
+        expected = 0.0  # E[1 + leading accepted drafts] by enumerating every accept/reject pattern
+        for pattern in itertools.product([0, 1], repeat=k):
+            prob, lead, leading = 1.0, 0, True
+            for i, bit in enumerate(pattern):
+                prob *= conditional[i] if bit else 1 - conditional[i]
+                if leading and bit:
+                    lead += 1
+                else:
+                    leading = False
+            expected += prob * (1 + lead)
+        rate = expected / (verify_ms[k] + draft_ms[k])
+        if rate > best_rate + 1e-12:
+            best, best_rate = k, rate
+    return best
+
+
+@pytest.mark.parametrize("acceptance", [(0.9, 0.8, 0.7), (0.8, 0.3, 0.1), (0.3, 0.1, 0.0), (0.0, 0.0, 0.0),
+                                        (0.95, 0.2, 0.9)])
+@pytest.mark.parametrize("costs", [((1.0, 1.05, 1.1, 1.2), (0, 0.1, 0.2, 0.3)),   # memory-bound: verify is flat
+                                   ((1.0, 2.0, 3.0, 4.0), (0, 0.3, 0.6, 0.9))])   # compute-bound: (1+k)x
+def test_adaptive_choice_maximises_expected_tokens_per_second(acceptance, costs):
+    verify_ms, draft_ms = costs
+    p = policy_with(verify_ms, draft_ms, acceptance)
+    assert p.best_k(4) == brute_force_best(verify_ms, draft_ms, acceptance)
+
+
+def test_nothing_pays_means_k_zero_and_exploration_still_probes_other_k():
+    p = policy_with((1.0, 2.0, 3.0), (0, 0.5, 1.0), (0.0, 0.0))
+    ks = [p.choose(8) for _ in range(200)]
+    assert ks.count(0) >= 190 and set(ks) == {0, 1, 2}
+
+
+def test_cost_table_interpolates_the_profile_and_prefers_measurements():
+    t = CostTable([1, 4, 16], {0: [1.0, 2.0, 5.0]})
+    assert t.predict(2, 0) == pytest.approx(1 + 1 / 3)
+    assert t.predict(10, 0) == pytest.approx(3.5)
+    t.update(10, 0, 7.0)  # twice the profile here
+    assert t.predict(10, 0) == 7.0
+    assert t.predict(4, 0) > 2.0  # the load seen at 10 raises the unseen points too
+
+
+def test_acceptance_estimate_forgets_its_prior_at_the_first_measurement():
+    p = policy_with((1.0, 1.1, 1.2), (0, 0.1, 0.2), (0.5, 0.5))
+    p.begin()
+    p.observe(StepRecord(10, 2, 1e-3, 2, 1e-4, 15, [10, 8], [8, 2]))
+    assert p.acceptance == pytest.approx([0.8, 0.25])
+
+
+def test_batch_grid_covers_the_engine_slots():
+    assert batch_grid(1) == [1] and batch_grid(16) == [1, 2, 4, 8, 16] and batch_grid(100)[-1] == 100
+
+
+def test_a_phase_profiled_as_free_does_not_skew_the_load_correction():
+    t = CostTable([1, 4], {0: [0.0, 0.0], 1: [1.0, 2.0]})
+    t.update(4, 0, 0.1)  # k = 0 drafting measured at a tenth of a millisecond: fine, no ratio to take
+    assert t.correction == 1.0 and t.predict(4, 0) == 0.1 and t.predict(2, 1) == pytest.approx(4 / 3)
