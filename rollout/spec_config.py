@@ -24,9 +24,8 @@ METHOD_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "mimo_mtp": "mtp", "glm4_
 UNSUPPORTED_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "dflash", "ngram_gpu", "dspark",
                        "custom_class", "extract_hidden_states")
 # vLLM 0.32 SpeculativeConfig keys the embedded engine does not implement (vLLM takes them as is)
-VLLM_ONLY_KEYS = ("num_speculative_tokens_per_batch_size", "draft_sample_method", "parallel_drafting",
-                  "enable_adaptive_verification", "disable_padded_drafter_batch", "synthetic_acceptance_length",
-                  "synthetic_acceptance_rates", "quantization", "revision", "code_revision", "max_model_len",
+VLLM_ONLY_KEYS = ("draft_sample_method", "parallel_drafting", "enable_adaptive_verification",
+                  "disable_padded_drafter_batch", "quantization", "revision", "code_revision", "max_model_len",
                   "enforce_eager", "kv_cache_dtype", "attention_backend", "moe_backend", "use_local_argmax_reduction",
                   "index_share_for_mtp_iteration", "disable_eagle_block_drop", "dspark_draft_topk",
                   "use_heterogeneous_vocab", "draft_load_config")
@@ -132,7 +131,7 @@ def _check_keys(raw):
     for key in raw:
         if key in MISPLACED_KEYS:
             raise UserError(f"{FLAG}: {key!r} {MISPLACED_KEYS[key]}")
-        if key in VLLM_ONLY_KEYS:
+        if key in VLLM_ONLY_KEYS and key not in known:
             raise UserError(f"{FLAG}: key {key!r} is vLLM's; the embedded engine does not implement it: {USE_VLLM}")
         if key not in known:
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
