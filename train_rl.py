@@ -23,7 +23,6 @@ def preflight(cfg):
     from rollout.advantages import ADVANTAGE_ESTIMATORS
     from rollout.data import read_prompt_file
     from rollout.rewards import get_reward_fn
-    from rollout.spec_config import check_against_checkpoint, check_spec_adaptive, parse_spec_config, require_lossless
     from trainer.distributed import check_parallel_sizes
     from trainer.model import check_tensor_parallel
     from vime.config import validate
@@ -40,11 +39,7 @@ def preflight(cfg):
     check_tensor_parallel(hf, t.tensor_model_parallel_size)
     require(cfg.train.advantage_estimator in ADVANTAGE_ESTIMATORS,
             f"--advantage-estimator {cfg.train.advantage_estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
-    spec = parse_spec_config(cfg.rollout.vllm_speculative_config)
-    check_spec_adaptive(spec, cfg.rollout.spec_adaptive)
-    check_against_checkpoint(spec, hf)
-    check_spec_fits(spec, hf, cfg.rollout)
-    require_lossless(spec, where="train_rl.py")
+    check_rollout_backend(cfg, hf)
     check_finite_weights(os.path.join(cfg.model.hf_checkpoint, "model.safetensors"))
     from vime.paths import require_writable_dir
 
@@ -108,6 +103,33 @@ def check_resume(cfg):
             f"fewer than --mtp-num-layers {n}")
 
 
+def check_rollout_backend(cfg, hf):
+    """The speculative config per backend: vime's own validation for the embedded engine,
+    vLLM's (run in this process, before any actor starts) for --rollout-backend vllm."""
+    from rollout.backend import BACKENDS
+    from rollout.spec_config import check_against_checkpoint, check_spec_adaptive, parse_spec_config, require_lossless
+
+    r = cfg.rollout
+    require(r.backend in BACKENDS, f"--rollout-backend {r.backend!r}: choose one of {', '.join(BACKENDS)}")
+    if r.backend == "embedded":
+        spec = parse_spec_config(r.vllm_speculative_config)
+        check_spec_adaptive(spec, r.spec_adaptive)
+        check_against_checkpoint(spec, hf)
+        check_spec_fits(spec, hf, r)
+        require_lossless(spec, where="train_rl.py")
+        return
+    require(not r.spec_adaptive, "--spec-adaptive is the embedded engine's; on vLLM put "
+            "num_speculative_tokens_per_batch_size in --vllm-speculative-config")
+    from rollout.vllm_backend import check_sampling_for_logprobs, check_speculative_config, spec_dict
+
+    raw = spec_dict(r.vllm_speculative_config)
+    require(not raw or raw.get("rejection_sample_method") != "synthetic",
+            "--vllm-speculative-config: rejection_sample_method 'synthetic' is benchmark-only (its outputs do not "
+            "follow the policy), so train_rl.py refuses it")
+    check_sampling_for_logprobs(raw, r.rollout_temperature, r.rollout_top_k, r.rollout_top_p)
+    check_speculative_config(cfg.model.hf_checkpoint, raw, r.rollout_max_batch_size)
+
+
 def write_variant_prompts(rollout_cfg, output_dir):
     """--task-variant: that variant's prompt set (seeded by --rollout-seed) as JSONL in the run's directory."""
     from rollout.task import TASK_VARIANTS, write_jsonl
@@ -162,7 +184,7 @@ class RLRun:
         self.actor_names = _actor_names(self.rollout, workers, self.trainers)
         ray_get([w.weight_version.remote() for w in workers])  # started: step 0 times no actor start-up
         if self.rollout and self.trainers:
-            self.sync = WeightSync(self.trainers, workers, cfg.run)
+            self.sync = WeightSync(self.trainers, workers, cfg.run, sync_draft=cfg.rollout.sync_draft_weights)
         if state and self.rollout:
             ray_get(self.rollout.set_data_cursor.remote(state["data_cursor"]))
 
@@ -184,6 +206,11 @@ class RLRun:
 
     def push_weights(self, version):
         return self.sync.push(version) if self.sync else {}
+
+    def close(self):
+        """Stop the processes a rollout backend started (vLLM's engine) before Ray goes down."""
+        if self.rollout:
+            ray_get(self.rollout.close_workers.remote())
 
     def save(self, step):
         from vime import checkpointing
@@ -250,21 +277,23 @@ def ray_get(ref):
 
 
 def run_loop(cfg):
+    from contextlib import closing
+
     from tqdm import tqdm
 
     from vime.cli_config import describe
     from vime.run_logger import RunLogger
 
-    run = RLRun(cfg)
-    logger = RunLogger(cfg.run, {"config": describe(cfg)}, resume_step=run.start_step)
-    try:
-        _steps(run, logger, cfg, tqdm)
-    except Exception as e:
-        died = dead_actor(e)
-        if died is None:
-            raise
-        raise ActorLost(lost_actor_message(died, run.actor_names, cfg.run, logger.next_step)) from None
-    logger.finish()
+    with closing(RLRun(cfg)) as run:
+        logger = RunLogger(cfg.run, {"config": describe(cfg)}, resume_step=run.start_step)
+        try:
+            _steps(run, logger, cfg, tqdm)
+        except Exception as e:
+            died = dead_actor(e)
+            if died is None:
+                raise
+            raise ActorLost(lost_actor_message(died, run.actor_names, cfg.run, logger.next_step)) from None
+        logger.finish()
     return logger.history
 
 

@@ -17,19 +17,19 @@ import torch
 import torch.nn.functional as F
 
 from mtp.layer import combine_embedding_and_hidden, zero_embedding_at_position_0
-from rollout.linear import linear, pack, pick_backend
+from rollout.linear import PackedWeight, linear, pack, pick_backend
 
 
 @dataclass
 class LayerWeights:
     ln1: torch.Tensor
-    qkv: "PackedWeight"  # rollout.linear.PackedWeight, like o, gate_up and down
+    qkv: PackedWeight
     qkv_bias: Optional[torch.Tensor]  # families with q/k/v bias
     qk_norm: Optional[torch.Tensor]  # [heads + kv_heads, head_dim]: q_norm rows, then k_norm rows
-    o: "PackedWeight"
+    o: PackedWeight
     ln2: torch.Tensor
-    gate_up: "PackedWeight"
-    down: "PackedWeight"
+    gate_up: PackedWeight
+    down: PackedWeight
 
 
 def _cat_or_none(tensors):

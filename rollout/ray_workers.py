@@ -1,5 +1,6 @@
-"""Ray rollout actors: `RolloutWorker` (one embedded engine) and `RolloutManager`
+"""Ray rollout actors: `RolloutWorker` (one rollout backend, embedded or vLLM) and `RolloutManager`
 (prompts -> n samples each across the workers -> rewards -> advantages -> metrics)."""
+import functools
 import time
 
 import ray
@@ -9,32 +10,33 @@ from rollout.advantages import assign_advantages
 from rollout.data import PromptDataset, read_prompt_file
 from rollout.rewards import get_reward_fn
 from rollout.sampling_params import SamplingParams
-from rollout.spec_stats import aggregate_spec_stats
+from rollout.spec_stats import add_counters, empty_counters, spec_rates
 from vime import weight_sync
 from vime.sample import Sample
 
 
 class RolloutWorkerImpl:
-    """An engine plus its end of the weight-sync group."""
+    """One rollout backend (rollout/backend.py: embedded or vLLM) plus its end of the weight-sync group."""
 
-    def __init__(self, hf_checkpoint, spec_config, max_batch_size, threads=1, spec_adaptive=False):
-        from rollout.engine import EngineConfig
-        from rollout.spec_config import build_engine
+    def __init__(self, hf_checkpoint, spec_config, max_batch_size, threads=1, backend="embedded", sync_draft=True,
+                 spec_adaptive=False):
+        from rollout.backend import build_backend
 
         torch.set_num_threads(threads)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.engine = build_engine(hf_checkpoint, spec_config, EngineConfig(max_batch_size=max_batch_size,
-                                                                            device=device), adaptive=spec_adaptive)
+        self.backend = build_backend(backend, hf_checkpoint, spec_config, max_batch_size, device, adaptive=spec_adaptive)
+        self.num_hidden_layers = read_num_hidden_layers(hf_checkpoint)
+        self.sync_draft = sync_draft
         self.group, self.layout = None, None
 
     def generate(self, samples, sampling):
-        """(samples, the engine's stats: seconds spent generating them, spec_k_mean, ...); each sample
-        is stamped with the version of the weights that generated it (the driver compares it with
-        the trainer's step)."""
-        self.engine.generate(samples, sampling)
+        """(samples, the backend's stats of this call: seconds, generated tokens, spec counters, spec_k_mean, ...);
+        each sample is stamped with the version of the weights that generated it (the driver compares it
+        with the trainer's step)."""
+        self.backend.generate(samples, sampling)
         for s in samples:
-            s.weight_version = self.engine.weight_version
-        return samples, self.engine.stats()
+            s.weight_version = self.backend.weight_version
+        return samples, self.backend.stats()
 
     def join_weight_sync(self, master_addr, master_port, rank, world_size, layout, backend="gloo"):
         self.layout, self.sync_device = layout, weight_sync.device_for(backend)
@@ -42,28 +44,38 @@ class RolloutWorkerImpl:
         return rank
 
     def receive_weights(self, version):
-        """pause -> load every bucket -> resume; returns the draft checksum and seconds."""
-        start = time.perf_counter()
-        self.engine.pause()
-        self.engine.load_weights(weight_sync.receive(self.group, self.layout, self.sync_device), version)
-        self.engine.resume()
-        return {"mtp_checksum": self.checksum(mtp_only=True), "trunk_checksum": self.checksum(mtp_only=False),
-                "seconds": time.perf_counter() - start}
+        """pause -> load every bucket -> resume; returns the backend's fingerprint and seconds.
 
-    def _named(self, mtp_only):
+        With sync_draft False (the target-only benchmark arm) the MTP tensors are received
+        but not loaded, so the drafter keeps its old weights and the guard reports it stale."""
         from checkpoint_convert.families import is_mtp_name
 
-        n = self.engine.cfg.num_hidden_layers
-        return [(k, v) for k, v in self.engine.model.named_parameters() if is_mtp_name(k, n) == mtp_only]
-
-    def checksum(self, mtp_only=True):
-        return weight_sync.checksum(self._named(mtp_only))
+        start = time.perf_counter()
+        self.backend.pause()
+        named = weight_sync.receive(self.group, self.layout, self.sync_device)
+        if not self.sync_draft:
+            named = ((k, v) for k, v in named if not is_mtp_name(k, self.num_hidden_layers))
+        self.backend.load_weights(named, version)
+        self.backend.resume()
+        fp = self.backend.fingerprint()
+        return {"mtp_checksum": fp["mtp"], "trunk_checksum": fp["trunk"], "seconds": time.perf_counter() - start}
 
     def digests(self):
-        return weight_sync.digests(self.engine.model.named_parameters())
+        return self.backend.digests()
 
     def weight_version(self):
-        return self.engine.weight_version
+        return self.backend.weight_version
+
+    def close(self):
+        self.backend.close()
+
+
+def read_num_hidden_layers(hf_checkpoint):
+    import json
+    import os
+
+    with open(os.path.join(hf_checkpoint, "config.json")) as f:
+        return json.load(f)["num_hidden_layers"]
 
 
 RolloutWorker = ray.remote(RolloutWorkerImpl)
@@ -94,6 +106,7 @@ class RolloutManagerImpl:
         opts = worker_resources()
         self.workers = [RolloutWorker.options(**opts).remote(
             hf_checkpoint, rollout_cfg.vllm_speculative_config, rollout_cfg.rollout_max_batch_size,
+            backend=rollout_cfg.backend, sync_draft=rollout_cfg.sync_draft_weights,
             spec_adaptive=rollout_cfg.spec_adaptive)
             for _ in range(rollout_cfg.rollout_num_workers)]
 
@@ -121,16 +134,21 @@ class RolloutManagerImpl:
         done = ray.get([w.generate.remote(shard, sampling_for(self.cfg, step)) for w, shard in zip(self.workers, shards)])
         elapsed = time.perf_counter() - start
         engine_time = max(stats["seconds"] for _, stats in done)
+        counters = functools.reduce(add_counters, [stats["spec"] for _, stats in done], empty_counters())
         samples = sorted([s for shard, _ in done for s in shard], key=lambda s: (s.index, s.sample_index))
         for s in samples:
             s.reward = float(self.reward_fn(s.response, s.label))
         assign_advantages(samples, self.advantage_estimator)
-        return samples, dict(self._metrics(samples, elapsed), **{"perf/rollout_engine_time": engine_time},
+        return samples, dict(self._metrics(samples, elapsed, counters), **{"perf/rollout_engine_time": engine_time},
                              **_adaptive_metrics([stats for _, stats in done]))
 
-    def _metrics(self, samples, elapsed):
+    def close_workers(self):
+        """Stop what the backends started (vLLM's engine processes) before the actors go."""
+        ray.get([w.close.remote() for w in self.workers])
+
+    def _metrics(self, samples, elapsed, counters):
         tokens = sum(len(s.response_ids) for s in samples)
-        m = {f"rollout/{k}": v for k, v in aggregate_spec_stats(samples).items()}
+        m = {f"rollout/{k}": v for k, v in spec_rates(counters).items()}
         m.update({
             "rollout/reward": sum(s.reward for s in samples) / len(samples),
             "rollout/num_samples": len(samples),

@@ -21,7 +21,15 @@ ADAPTIVE_FLAG = "--spec-adaptive"
 
 METHOD_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "mimo_mtp": "mtp", "glm4_moe_mtp": "mtp",
                   "ngram": "ngram", "suffix": "suffix", "draft_model": "draft_model"}
-UNSUPPORTED_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "dflash", "ngram_gpu")
+UNSUPPORTED_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "dflash", "ngram_gpu", "dspark",
+                       "custom_class", "extract_hidden_states")
+# vLLM 0.32 SpeculativeConfig keys the embedded engine does not implement (vLLM takes them as is)
+VLLM_ONLY_KEYS = ("draft_sample_method", "parallel_drafting", "enable_adaptive_verification",
+                  "disable_padded_drafter_batch", "quantization", "revision", "code_revision", "max_model_len",
+                  "enforce_eager", "kv_cache_dtype", "attention_backend", "moe_backend", "use_local_argmax_reduction",
+                  "index_share_for_mtp_iteration", "disable_eagle_block_drop", "dspark_draft_topk",
+                  "use_heterogeneous_vocab", "draft_load_config")
+USE_VLLM = "add --rollout-backend vllm, which hands the config to vLLM unchanged"
 
 # keys users reach for that belong elsewhere: key -> what to say instead
 MISPLACED_KEYS = {
@@ -123,6 +131,8 @@ def _check_keys(raw):
     for key in raw:
         if key in MISPLACED_KEYS:
             raise UserError(f"{FLAG}: {key!r} {MISPLACED_KEYS[key]}")
+        if key in VLLM_ONLY_KEYS and key not in known:
+            raise UserError(f"{FLAG}: key {key!r} is vLLM's; the embedded engine does not implement it: {USE_VLLM}")
         if key not in known:
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(known))}"
@@ -149,7 +159,8 @@ def _check_range(key, val):
 def _finish(raw):
     method = raw["method"]
     require(method not in UNSUPPORTED_METHODS,
-            f"{FLAG}: method {method!r} is not supported yet; use one of mtp, ngram, suffix, draft_model")
+            f"{FLAG}: method {method!r} runs on vLLM only ({USE_VLLM}); the embedded engine has "
+            "mtp, ngram, suffix, draft_model")
     require(method in METHOD_ALIASES, f"{FLAG}: unknown method {method!r}; use one of "
             f"{', '.join(sorted(METHOD_ALIASES))}")
     raw["method"] = METHOD_ALIASES[method]

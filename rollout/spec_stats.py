@@ -1,34 +1,64 @@
-"""Aggregate speculative-decoding statistics over samples, token-weighted (pure).
+"""Aggregate speculative-decoding statistics, token-weighted (pure).
 
-Counts are summed over all samples first and divided once, so long responses weigh by
-their tokens (a mean of per-sample ratios would not). Keys are logged as rollout/<key>.
+Counts are summed first and divided once, so long responses weigh by their tokens (a mean
+of per-sample ratios would not). The sums are a plain dict of counters (`spec_counters`),
+so counters from several workers, or read from another engine (vLLM's
+`vllm:spec_decode_*`), combine by addition before the rates are taken (`spec_rates`).
+Keys are logged as rollout/<key>.
 """
 
+COUNTER_KEYS = ("decode_steps", "decode_tokens", "draft_tokens", "accepted_tokens")
 
-def aggregate_spec_stats(samples):
-    """{spec_accept_rate, spec_accept_length, spec_accept_rate_pos_{i}, spec_draft_tokens,
-    spec_accepted_tokens} over `samples` (objects with .spec and .response_ids)."""
-    drafted = sum(s.spec.draft_tokens for s in samples)
-    accepted = sum(s.spec.accepted_tokens for s in samples)
-    steps = sum(s.spec.verify_steps for s in samples)
-    generated = sum(len(s.response_ids) for s in samples)
+
+def empty_counters():
+    return {**{k: 0 for k in COUNTER_KEYS}, "drafted_per_pos": [], "accepted_per_pos": []}
+
+
+def add_counters(a, b):
+    """Elementwise sum of two counter dicts (per-position lists padded with zeros)."""
+    out = {k: a[k] + b[k] for k in COUNTER_KEYS}
+    for key in ("drafted_per_pos", "accepted_per_pos"):
+        width = max(len(a[key]), len(b[key]))
+        out[key] = [(a[key][i] if i < len(a[key]) else 0) + (b[key][i] if i < len(b[key]) else 0)
+                    for i in range(width)]
+    return out
+
+
+def spec_counters(samples):
+    """Counters of `samples` (objects with .spec and .response_ids) from the embedded engine."""
     # the prefill forward of each sample emits exactly one token and verifies nothing; leave
     # it out so the length measures decode steps only (1.0 = no speculation gain)
     prefills = sum(1 for s in samples if s.spec.verify_steps > 0)
-    decode_steps, decode_tokens = steps - prefills, generated - prefills
-    out = {
-        "spec_draft_tokens": drafted,
-        "spec_accepted_tokens": accepted,
-        "spec_accept_rate": accepted / drafted if drafted else 0.0,
-        # every verify forward emits its accepted drafts plus one bonus/correction token
-        "spec_accept_length": decode_tokens / decode_steps if decode_steps > 0 else 1.0,
-    }
+    out = empty_counters()
+    out.update(decode_steps=sum(s.spec.verify_steps for s in samples) - prefills,
+               decode_tokens=sum(len(s.response_ids) for s in samples) - prefills,
+               draft_tokens=sum(s.spec.draft_tokens for s in samples),
+               accepted_tokens=sum(s.spec.accepted_tokens for s in samples))
     width = max((len(s.spec.drafted_per_pos) for s in samples), default=0)
-    for i in range(width):
-        d = sum(s.spec.drafted_per_pos[i] for s in samples if i < len(s.spec.drafted_per_pos))
-        a = sum(s.spec.accepted_per_pos[i] for s in samples if i < len(s.spec.accepted_per_pos))
+    for key in ("drafted_per_pos", "accepted_per_pos"):
+        out[key] = [sum(getattr(s.spec, key)[i] for s in samples if i < len(getattr(s.spec, key)))
+                    for i in range(width)]
+    return out
+
+
+def spec_rates(c):
+    """{spec_accept_rate, spec_accept_length, spec_accept_rate_pos_{i}, spec_draft_tokens,
+    spec_accepted_tokens} from summed counters."""
+    out = {
+        "spec_draft_tokens": c["draft_tokens"],
+        "spec_accepted_tokens": c["accepted_tokens"],
+        "spec_accept_rate": c["accepted_tokens"] / c["draft_tokens"] if c["draft_tokens"] else 0.0,
+        # every verify forward emits its accepted drafts plus one bonus/correction token
+        "spec_accept_length": c["decode_tokens"] / c["decode_steps"] if c["decode_steps"] > 0 else 1.0,
+    }
+    for i, (d, a) in enumerate(zip(c["drafted_per_pos"], c["accepted_per_pos"])):
         out[f"spec_accept_rate_pos_{i}"] = a / d if d else 0.0
     return out
+
+
+def aggregate_spec_stats(samples):
+    """The rates over `samples` (see spec_rates)."""
+    return spec_rates(spec_counters(samples))
 
 
 def format_spec_stats(stats):

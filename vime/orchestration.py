@@ -71,9 +71,13 @@ class TrainerGroup:
 class WeightSync:
     """Trainer rank 0 -> every rollout worker, versioned and verified after each push."""
 
-    def __init__(self, trainers, workers, run_cfg):
+    PARTS = {"mtp": "draft (MTP)", "trunk": "target (trunk)"}
+
+    def __init__(self, trainers, workers, run_cfg, sync_draft=True):
         self.trainers, self.workers = trainers, workers
         self.check_all = run_cfg.check_weight_update_equal
+        self.sync_draft = sync_draft  # False: target-only sync, a stale draft is reported, not fatal
+        self.warned_stale = False
         layouts = ray.get([a.weight_layout.remote(run_cfg.update_weight_buffer_size) for a in trainers.actors])
         layout, world = layouts[0], 1 + len(workers)
         master_addr, port = ray.get(trainers.actors[0].rendezvous.remote())  # trainer rank 0 hosts the broadcast
@@ -88,12 +92,7 @@ class WeightSync:
         sent = [a.send_weights.remote() for a in self.trainers.actors]
         received = ray.get([w.receive_weights.remote(version) for w in self.workers])
         trainer = ray.get(sent)[0]
-        for i, got in enumerate(received):
-            for part in ("mtp", "trunk"):
-                if got[f"{part}_checksum"] != trainer[f"{part}_checksum"]:
-                    raise WeightSyncError(
-                        f"weight sync v{version}: rollout worker {i}'s {part} weights differ from the trainer's "
-                        f"(checksum {got[f'{part}_checksum']} vs {trainer[f'{part}_checksum']}); stopping")
+        stale = self._check_fingerprints(version, trainer, received)
         if self.check_all:
             self._compare_every_tensor(version)
         return {"weight_sync/bytes": trainer["bytes"], "weight_sync/seconds": max(r["seconds"] for r in received),
@@ -101,7 +100,26 @@ class WeightSync:
                 "weight_sync/mtp_checksum": trainer["mtp_checksum"][0],
                 "weight_sync/trunk_checksum": trainer["trunk_checksum"][0],
                 "weight_sync/worker_mtp_checksum": received[0]["mtp_checksum"][0],
-                "rollout/weight_version_synced": version}
+                "rollout/weight_version_synced": version, "weight_sync/draft_stale": int(stale)}
+
+    def _check_fingerprints(self, version, trainer, received):
+        """Stop on any difference, except a stale draft under target-only sync (returns True then)."""
+        stale = False
+        for i, got in enumerate(received):
+            for part, what in self.PARTS.items():
+                if got[f"{part}_checksum"] == trainer[f"{part}_checksum"]:
+                    continue
+                if part == "mtp" and not self.sync_draft:
+                    stale = True
+                    continue
+                raise WeightSyncError(
+                    f"weight sync v{version}: rollout worker {i}'s {what} weights differ from the trainer's "
+                    f"(checksum {got[f'{part}_checksum']} vs {trainer[f'{part}_checksum']}); stopping")
+        if stale and not self.warned_stale:
+            self.warned_stale = True
+            print(f"[vime] weight sync v{version}: the rollout draft (MTP) is stale — "
+                  "--no-sync-draft-weights syncs only the target", flush=True)
+        return stale
 
     def _compare_every_tensor(self, version):
         reference = ray.get([a.digests.remote() for a in self.trainers.actors])[0]

@@ -98,13 +98,23 @@ def receive(group, layout, device="cpu"):
         yield from unflatten_bucket(bucket, flat)
 
 
+def tensor_stats(tensor):
+    """float64 [sum, sum of squares] of one tensor: the per-tensor part of `checksum`."""
+    td = tensor.detach().double()
+    return torch.stack([td.sum(), (td * td).sum()]).cpu()  # tensors may live on the GPU
+
+
+def checksum_from_stats(stats_by_name):
+    """Sum of per-tensor stats in name order: equal inputs give bit-equal checksums."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for name in sorted(stats_by_name):
+        total += stats_by_name[name]
+    return total.tolist()
+
+
 def checksum(named_tensors):
     """Cheap order-independent fingerprint: float64 sums of values and squares per tensor."""
-    total = torch.zeros(2, dtype=torch.float64)
-    for name, t in sorted(named_tensors, key=lambda x: x[0]):
-        td = t.detach().double()
-        total += torch.stack([td.sum(), (td * td).sum()]).cpu()  # tensors may live on the GPU
-    return total.tolist()
+    return checksum_from_stats({name: tensor_stats(t) for name, t in named_tensors})
 
 
 def digests(named_tensors):

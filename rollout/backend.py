@@ -1,0 +1,96 @@
+"""The rollout-backend protocol and its registry: the embedded engine and vLLM, side by side.
+
+A backend turns Samples into responses and holds the policy's weights. RolloutWorker talks
+to a backend only through this protocol, so nothing above the worker knows which one runs:
+
+    generate(samples, sampling) -> samples  fills response_ids / response / rollout_logprobs /
+                                            finish_reason / weight_version of each Sample
+    load_weights(named_tensors, version)    (canonical HF name, tensor) pairs, trunk and draft
+    fingerprint() -> {"trunk": [s, ss], "mtp": [s, ss]}  weight_sync.checksum of the weights the
+                                            backend serves with, under canonical names
+    digests() -> {canonical name: sha256}   the full comparison of --check-weight-update-equal
+    pause() / resume()                      around a weight update
+    stats() -> {"seconds", "generated_tokens", "spec": counters}   of the last generate call
+                                            (counters as in rollout/spec_stats.py)
+    close()                                 release processes the backend started
+
+`BACKENDS` maps `--rollout-backend` names to constructors taking
+(hf_checkpoint, speculative_config, max_batch_size, device, adaptive); `adaptive` is the
+embedded engine's --spec-adaptive (vLLM has its own per-batch-size k in the speculative config).
+"""
+import importlib
+
+from checkpoint_convert.families import is_mtp_name
+from rollout.spec_stats import spec_counters
+from vime import weight_sync
+
+
+class EmbeddedBackend:
+    """vime's own torch engine (the CPU default and the exactness reference)."""
+
+    name = "embedded"
+
+    def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False):
+        from rollout.engine import EngineConfig
+        from rollout.spec_config import build_engine
+
+        self.engine = build_engine(hf_checkpoint, speculative_config,
+                                   EngineConfig(max_batch_size=max_batch_size, device=device), adaptive=adaptive)
+        self.last_spec = spec_counters([])
+
+    def generate(self, samples, sampling):
+        self.engine.generate(samples, sampling)
+        self.last_spec = spec_counters(samples)
+        return samples
+
+    def load_weights(self, named_tensors, version):
+        self.engine.load_weights(named_tensors, version)
+
+    def _parts(self):
+        n = self.engine.cfg.num_hidden_layers
+        named = list(self.engine.model.named_parameters())
+        return {"mtp": [(k, v) for k, v in named if is_mtp_name(k, n)],
+                "trunk": [(k, v) for k, v in named if not is_mtp_name(k, n)]}
+
+    def fingerprint(self):
+        return {part: weight_sync.checksum(named) for part, named in self._parts().items()}
+
+    def digests(self):
+        return weight_sync.digests(self.engine.model.named_parameters())
+
+    def pause(self):
+        self.engine.pause()
+
+    def resume(self):
+        self.engine.resume()
+
+    @property
+    def weight_version(self):
+        return self.engine.weight_version
+
+    def stats(self):
+        st = self.engine.stats()  # also --spec-adaptive's spec_k_mean and speedups
+        return dict(st, seconds=st.get("seconds", 0.0), generated_tokens=st.get("generated_tokens", 0),
+                    spec=self.last_spec)
+
+    def close(self):
+        """Nothing to release: the engine lives in this process."""
+
+
+def _lazy(module, name):
+    """Import a backend module only when it is asked for (vLLM is an optional dependency)."""
+
+    def make(*args, **kwargs):
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    return make
+
+
+BACKENDS = {
+    "embedded": EmbeddedBackend,
+    "vllm": _lazy("rollout.vllm_backend", "VLLMBackend"),
+}
+
+
+def build_backend(name, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False):
+    return BACKENDS[name](hf_checkpoint, speculative_config, max_batch_size, device, adaptive)

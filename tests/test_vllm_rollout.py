@@ -1,0 +1,229 @@
+"""The vLLM rollout backend (real vLLM, CPU build) against independent references.
+
+References: transformers' Qwen2ForCausalLM on the MiMo trunk (greedy tokens, teacher-forced
+log-probs), vime's own checksum of the tensors sent (fingerprints), and the embedded engine
+where it serves MiMo. One vLLM instance (MTP, k = 2) serves the whole module; the plain and
+k = 1 instances are in the slow run (vLLM takes 20-60 s to start on 2 busy cores).
+"""
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from checkpoint_convert.families import from_canonical, is_mtp_name, to_canonical  # noqa: E402
+from rollout.engine import make_samples  # noqa: E402
+from rollout.sampling_params import SamplingParams  # noqa: E402
+from rollout.task import EOS, make_prompts  # noqa: E402
+from rollout.tokenizer import TextCodec  # noqa: E402
+from tests.fp32_bounds import reduction_rtol  # noqa: E402
+from tests.mimo_fixtures import MIMO_SMALL, make_tiny_mimo  # noqa: E402
+from vime import weight_sync  # noqa: E402
+from vime.errors import UserError  # noqa: E402
+
+L = MIMO_SMALL["num_hidden_layers"]
+
+
+@pytest.fixture(scope="module")
+def mimo_ckpt(tmp_path_factory):
+    return make_tiny_mimo(str(tmp_path_factory.mktemp("tiny_mimo")), seed=1)
+
+
+@pytest.fixture(scope="module")
+def prompts(mimo_ckpt):
+    codec = TextCodec(mimo_ckpt)
+    rows = make_prompts(20, seed=5) + make_prompts(4, seed=6, digits=2)
+    return [codec.encode_prompt(r["prompt"], 1) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def vllm_mtp(mimo_ckpt):
+    from rollout.vllm_backend import VLLMBackend
+
+    backend = VLLMBackend(mimo_ckpt, {"method": "mtp", "num_speculative_tokens": 2}, max_batch_size=32)
+    yield backend
+    backend.close()
+
+
+def checkpoint_tensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(f"{path}/model.safetensors")
+
+
+def canonical(path):
+    raw = checkpoint_tensors(path)
+    return to_canonical(raw, "mimo", L, 1)
+
+
+def hf_trunk_model(path, state=None):
+    """transformers' Qwen2ForCausalLM on the checkpoint's trunk (optionally other trunk tensors):
+    a reference that shares no code with vime or vLLM."""
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    if state is not None:
+        trunk = {k: v for k, v in state.items() if not k.startswith("model.mtp_layers.")}
+        model.load_state_dict(trunk, strict=False)
+    return model
+
+
+def hf_greedy(model, prompt_ids, max_new_tokens):
+    """Greedy continuation by full forwards (no cache), cut after EOS."""
+    ids = list(prompt_ids)
+    out = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            tok = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            out.append(tok)
+            ids.append(tok)
+            if tok == EOS:
+                break
+    return out
+
+
+def vllm_greedy(backend, prompts, max_new_tokens=24):
+    samples = make_samples(prompts)
+    backend.generate(samples, SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
+    return [s.response_ids for s in samples]
+
+
+def test_vllm_greedy_with_mtp_speculation_equals_transformers(vllm_mtp, mimo_ckpt, prompts):
+    ref = hf_trunk_model(mimo_ckpt)
+    got = vllm_greedy(vllm_mtp, prompts)
+    assert got == [hf_greedy(ref, p, 24) for p in prompts]
+    assert vllm_mtp.stats()["spec"]["draft_tokens"] > 0  # speculation really ran
+
+
+def logprob_tolerance(logits):
+    """vLLM and transformers compute the same fp32 logits with different kernels (reduction
+    order): each of the 4 reductions per layer (q/k/v, attention, o, MLP) plus norm and head
+    is a sum of <= intermediate_size terms, so per Higham |error| <= depth * n * u * scale.
+    A log-prob is a logit minus a logsumexp of logits: twice that, at the logits' scale."""
+    depth = 4 * L + 3
+    return 2 * reduction_rtol(MIMO_SMALL["intermediate_size"], depth) * max(1.0, float(logits.abs().max()))
+
+
+def assert_logprobs_match(backend, ref, prompts, seed):
+    samples = make_samples(prompts, n=4)
+    backend.generate(samples, SamplingParams(temperature=1.0, max_new_tokens=16, seed=seed))
+    for s in samples:
+        tokens = torch.tensor([s.prompt_ids + s.response_ids])
+        with torch.no_grad():
+            logits = ref(tokens).logits[0, len(s.prompt_ids) - 1:-1]
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+        diff = (expected - torch.tensor(s.rollout_logprobs)).abs().max().item()
+        assert diff <= logprob_tolerance(logits), (s.index, s.sample_index, diff)
+    assert len({tuple(s.response_ids) for s in samples}) > 1  # really sampled
+
+
+def test_vllm_sampled_token_logprobs_equal_the_trainers_definition(vllm_mtp, mimo_ckpt, prompts):
+    """log_softmax(logits / T) of each sampled token (T = 1, the only temperature vLLM 0.32
+    reports exactly under speculation), teacher-forced through transformers."""
+    assert_logprobs_match(vllm_mtp, hf_trunk_model(mimo_ckpt), prompts[:8], seed=7)
+
+
+def test_vllm_refuses_temperatures_whose_logprobs_it_cannot_report_under_speculation(vllm_mtp, prompts):
+    with pytest.raises(UserError, match="--rollout-temperature 1"):
+        vllm_mtp.generate(make_samples(prompts[:2]), SamplingParams(temperature=0.7, max_new_tokens=4))
+
+
+def test_speculative_counters_are_per_call_deltas(vllm_mtp, prompts):
+    """Greedy is deterministic, so two identical calls must report identical counters:
+    cumulative counters (vLLM's own) would double."""
+    vllm_greedy(vllm_mtp, prompts[:6], 16)
+    first = vllm_mtp.stats()["spec"]
+    vllm_greedy(vllm_mtp, prompts[:6], 16)
+    assert vllm_mtp.stats()["spec"] == first and first["draft_tokens"] > 0
+    assert first["draft_tokens"] == 2 * first["decode_steps"]  # k = 2 drafts per verify step
+
+
+def perturbed(state, seed):
+    """Every tensor moved by independent noise (an RL step moves all of them)."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+
+def test_reloaded_weights_are_served_and_fingerprinted_like_the_trainers(vllm_mtp, mimo_ckpt, prompts):
+    """After a reload vLLM computes the log-probs transformers computes with the new weights
+    (every kernel took them, the tied LM head included), and its fingerprint equals vime's
+    checksum of the sent tensors (trunk and draft)."""
+    original = canonical(mimo_ckpt)
+    new = perturbed(original, seed=11)
+    try:
+        vllm_mtp.load_weights(list(new.items()), version=1)
+        fp = vllm_mtp.fingerprint()
+        assert fp["trunk"] == weight_sync.checksum([(k, v) for k, v in new.items() if not is_mtp_name(k, L)])
+        assert fp["mtp"] == weight_sync.checksum([(k, v) for k, v in new.items() if is_mtp_name(k, L)])
+        assert vllm_mtp.stats()["readback_fraction"] > 0
+        ref = hf_trunk_model(mimo_ckpt, from_canonical(new, "mimo", L, 1))
+        assert_logprobs_match(vllm_mtp, ref, prompts[:8], seed=8)
+        assert vllm_greedy(vllm_mtp, prompts[:8], 16) == [hf_greedy(ref, p, 16) for p in prompts[:8]]
+        assert vllm_mtp.digests() == weight_sync.digests(new.items())
+    finally:
+        vllm_mtp.load_weights(list(original.items()), version=0)
+
+
+def test_a_target_only_reload_leaves_the_draft_fingerprint_stale(vllm_mtp, mimo_ckpt):
+    original = canonical(mimo_ckpt)
+    new = perturbed(original, seed=12)
+    try:
+        vllm_mtp.load_weights([(k, v) for k, v in new.items() if not is_mtp_name(k, L)], version=1)
+        fp = vllm_mtp.fingerprint()
+        assert fp["trunk"] == weight_sync.checksum([(k, v) for k, v in new.items() if not is_mtp_name(k, L)])
+        assert fp["mtp"] == weight_sync.checksum([(k, v) for k, v in original.items() if is_mtp_name(k, L)])
+        assert fp["mtp"] != weight_sync.checksum([(k, v) for k, v in new.items() if is_mtp_name(k, L)])
+    finally:
+        vllm_mtp.load_weights(list(original.items()), version=0)
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ({"method": "magic", "num_speculative_tokens": 2}, "method: Input should be"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "without speculative model"),
+    ({"method": "mtp", "num_speculative_tokens": 0}, "greater than 0"),
+    ({"method": "mtp", "num_speculative_token": 2}, "did you mean 'num_speculative_tokens'"),
+])
+def test_vllm_refuses_bad_speculative_configs_in_one_line(mimo_ckpt, spec, needle):
+    from rollout.vllm_backend import check_speculative_config
+
+    with pytest.raises(UserError) as e:
+        check_speculative_config(mimo_ckpt, spec)
+    assert needle in str(e.value) and "\n" not in str(e.value) and "--vllm-speculative-config" in str(e.value)
+
+
+def test_vllm_accepts_its_own_keys_the_embedded_engine_lacks(mimo_ckpt):
+    from rollout.vllm_backend import check_speculative_config
+
+    check_speculative_config(mimo_ckpt, {"method": "mtp", "num_speculative_tokens": 2, "parallel_drafting": True})
+    check_speculative_config(mimo_ckpt, '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [0, 1])
+def test_vllm_greedy_plain_and_mtp_k1_equal_transformers(mimo_ckpt, prompts, k):
+    from rollout.vllm_backend import VLLMBackend
+
+    backend = VLLMBackend(mimo_ckpt, {"method": "mtp", "num_speculative_tokens": k} if k else None, 32)
+    try:
+        ref = hf_trunk_model(mimo_ckpt)
+        assert vllm_greedy(backend, prompts) == [hf_greedy(ref, p, 24) for p in prompts]
+    finally:
+        backend.close()
+
+
+def test_vllm_greedy_and_acceptance_equal_the_embedded_engines(vllm_mtp, mimo_ckpt, prompts):
+    """Same checkpoint, same drafter math (pre-norm hidden state, zeroed embedding at position 0):
+    the tokens agree, and so do the accepted drafts of each request, except that vLLM also counts
+    drafts accepted past the request's end (max tokens / EOS) which the embedded engine never
+    verifies: at most k = 2 per request, at its last step."""
+    from rollout.spec_config import build_engine
+
+    engine = build_engine(mimo_ckpt, {"method": "mtp", "num_speculative_tokens": 2})
+    samples = make_samples(prompts)
+    engine.generate(samples, SamplingParams(temperature=0, max_new_tokens=24))
+    assert vllm_greedy(vllm_mtp, prompts) == [s.response_ids for s in samples]
+    extra = []
+    for p, s in zip(prompts[:12], samples):
+        vllm_greedy(vllm_mtp, [p])
+        extra.append(vllm_mtp.stats()["spec"]["accepted_tokens"] - s.spec.accepted_tokens)
+    assert all(0 <= e <= 2 for e in extra), extra
+    assert sum(s.spec.accepted_tokens for s in samples[:12]) > 0  # drafts were accepted at all
