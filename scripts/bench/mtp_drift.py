@@ -5,6 +5,8 @@
     python scripts/bench/mtp_drift.py --full     # longer run
     python scripts/bench/mtp_drift.py --num-speculative-tokens 3 \
         --arms online,online:loss=soft_ce,online:loss=tv,frozen   # the draft losses (issue 12)
+    python scripts/bench/mtp_drift.py --out runs/mtp_drift_vllm \
+        --arms none:backend=vllm,online:backend=vllm:sync_draft=false,online:backend=vllm   # on vLLM
 
 The three arms start from the same pretrained tiny model, seed and prompts and run the same
 RL steps (train_rl.py with configs/experiment/drift_{online,frozen,none}.yaml). Per step it
@@ -18,7 +20,9 @@ Extra arguments after `--` go to every train_rl.py run.
 
 An arm is `online`, `frozen` or `none`, optionally followed by `:key=value` options
 (ARM_OPTIONS): `loss` (--mtp-loss-type), `topk` (--mtp-distill-topk), `layers`
-(--mtp-num-layers), `lr` (--mtp-lr) and `ckpt` (--hf-checkpoint, e.g. a checkpoint with two MTP layers). With
+(--mtp-num-layers), `lr` (--mtp-lr), `ckpt` (--hf-checkpoint, e.g. a checkpoint with two MTP layers), `backend`
+(--rollout-backend: `online:backend=vllm`) and `sync_draft` (--sync-draft-weights: `false` syncs only
+the target, the draft goes stale). With
 `--curves` a second PNG shows the per-position acceptance of every arm over the run.
 """
 import argparse
@@ -34,7 +38,7 @@ ARMS = ("online", "frozen", "none")
 ARM_FLAGS = {"online": ["--enable-mtp-training", "--mtp-num-layers", "1"], "frozen": [], "none": []}
 # arm options: "online:loss=tv:layers=2" appends these flags last (later flags win in train_rl.py)
 ARM_OPTIONS = {"loss": "--mtp-loss-type", "topk": "--mtp-distill-topk", "layers": "--mtp-num-layers", "lr": "--mtp-lr",
-               "ckpt": "--hf-checkpoint"}
+               "ckpt": "--hf-checkpoint", "backend": "--rollout-backend", "sync_draft": "--sync-draft-weights"}
 MAX_POSITIONS = 8
 COLUMNS = ("arm", "step", "num_samples", "reward", "response_len", "spec_accept_length", "tokens_per_target_forward",
            "spec_accept_rate", *(f"spec_accept_rate_pos_{i}" for i in range(MAX_POSITIONS)),
@@ -206,6 +210,39 @@ def reward_agreement(rows_by_arm, size):
     return stats, ok
 
 
+def backend_groups(rows_by_arm):
+    """{backend: {base arm: label}}: the online/frozen/none comparisons are made within one backend
+    (the first arm of each base counts)."""
+    groups = {}
+    for label in rows_by_arm:
+        base, *options = label.split(":")
+        backend = dict(o.partition("=")[::2] for o in options).get("backend", "embedded")
+        groups.setdefault(backend, {}).setdefault(base, label)
+    return groups
+
+
+def print_comparisons(backend, arms, rows_by_arm, w):
+    """Online vs none step by step, end ratios online/frozen and online/none, online's floor."""
+    print(f"-- {backend}: " + ", ".join(f"{base} = {label}" for base, label in arms.items()))
+    if "online" in arms and "none" in arms:
+        pairs = list(zip(rows_by_arm[arms["online"]], rows_by_arm[arms["none"]]))
+        slower = [(o["step"], o["rollout_time"] / n["rollout_time"]) for o, n in pairs if o["rollout_time"] > n["rollout_time"]]
+        worst = max((o["rollout_time"] / n["rollout_time"] for o, n in pairs), default=float("nan"))
+        print(f"rollout wall time per step, online <= none at {len(pairs) - len(slower)} of {len(pairs)} steps "
+              f"(worst online/none {worst:.2f}x" + (f", slower at steps {[s for s, _ in slower]})" if slower else ")"))
+    end = {base: {k: window(rows_by_arm[label], k, False, w) for k in ("rollout_tokens_per_s", "spec_accept_length")}
+           for base, label in arms.items()}
+    for other in ("frozen", "none"):
+        if "online" in end and other in end:
+            print(f"end ratio online/{other}: rollout tokens/s {end['online']['rollout_tokens_per_s'] / end[other]['rollout_tokens_per_s']:.2f}x, "
+                  f"acceptance length {end['online']['spec_accept_length'] / end[other]['spec_accept_length']:.2f}x")
+    if "online" in arms:
+        online = rows_by_arm[arms["online"]]
+        floor = online[0]["spec_accept_length"]
+        print(f"online acceptance length never below its step-0 value ({floor:.3f}): "
+              f"{all(r['spec_accept_length'] >= floor for r in online)} (min {min(r['spec_accept_length'] for r in online):.3f})")
+
+
 def main():
     args = parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -221,10 +258,10 @@ def main():
         plot_position_curves(rows_by_arm, args.num_speculative_tokens, args.curves)
         print(f"wrote {args.curves}")
     print_end_table(rows_by_arm, args.num_speculative_tokens, w)
-    print(f"\n{'arm':<8} {'accept_len start':>16} {'accept_len end':>15} {'tok/s start':>12} {'tok/s end':>10} "
+    print(f"\n{'arm':<34} {'accept_len start':>16} {'accept_len end':>15} {'tok/s start':>12} {'tok/s end':>10} "
           f"{'step s start':>13} {'step s end':>11} {'resp len end':>13} {'reward start':>13} {'reward end':>11}")
     for arm, rows in rows_by_arm.items():
-        print(f"{arm:<8} {window(rows, 'spec_accept_length', True, w):>16.3f} {window(rows, 'spec_accept_length', False, w):>15.3f} "
+        print(f"{arm:<34} {window(rows, 'spec_accept_length', True, w):>16.3f} {window(rows, 'spec_accept_length', False, w):>15.3f} "
               f"{window(rows, 'rollout_tokens_per_s', True, w):>12.0f} {window(rows, 'rollout_tokens_per_s', False, w):>10.0f} "
               f"{window(rows, 'rollout_time', True, w):>13.3f} {window(rows, 'rollout_time', False, w):>11.3f} "
               f"{window(rows, 'response_len', False, w):>13.1f} "
@@ -235,23 +272,8 @@ def main():
                   f"{window(rows, 'spec_k_mean', False, w):.2f}; speedup vs plain at end predicted "
                   f"{window(rows, 'spec_predicted_speedup', False, w):.2f}x measured "
                   f"{window(rows, 'spec_measured_speedup', False, w):.2f}x")
-    if "online" in rows_by_arm and "none" in rows_by_arm:
-        pairs = list(zip(rows_by_arm["online"], rows_by_arm["none"]))
-        slower = [(o["step"], o["rollout_time"] / n["rollout_time"]) for o, n in pairs if o["rollout_time"] > n["rollout_time"]]
-        worst = max((o["rollout_time"] / n["rollout_time"] for o, n in pairs), default=float("nan"))
-        print(f"rollout wall time per step, online <= none at {len(pairs) - len(slower)} of {len(pairs)} steps "
-              f"(worst online/none {worst:.2f}x" + (f", slower at steps {[s for s, _ in slower]})" if slower else ")"))
-    end = {arm: {k: window(rows, k, False, w) for k in ("rollout_tokens_per_s", "spec_accept_length")}
-           for arm, rows in rows_by_arm.items()}
-    for other in ("frozen", "none"):
-        if "online" in end and other in end:
-            print(f"end ratio online/{other}: rollout tokens/s {end['online']['rollout_tokens_per_s'] / end[other]['rollout_tokens_per_s']:.2f}x, "
-                  f"acceptance length {end['online']['spec_accept_length'] / end[other]['spec_accept_length']:.2f}x")
-    if "online" in rows_by_arm:
-        online = rows_by_arm["online"]
-        floor = online[0]["spec_accept_length"]
-        print(f"online acceptance length never below its step-0 value ({floor:.3f}): "
-              f"{all(r['spec_accept_length'] >= floor for r in online)} (min {min(r['spec_accept_length'] for r in online):.3f})")
+    for backend, arms in backend_groups(rows_by_arm).items():
+        print_comparisons(backend, arms, rows_by_arm, w)
     stats, ok = reward_agreement(rows_by_arm, w)
     print("end reward (mean over last steps ± SE): " + ", ".join(f"{a} {p:.3f}±{se:.3f}" for a, (p, se) in stats.items()))
     print("rewards agree within noise (3 SE): " + ("yes" if ok else "NO — speculation should not change rewards"))
