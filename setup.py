@@ -6,7 +6,7 @@ setup(
     version="0.1.0",
     description="RL post-training whose rollouts use MTP speculative decoding with an online-trained draft",
     python_requires=">=3.10",
-    packages=find_packages(include=["vime*", "rollout*", "trainer*", "mtp*", "checkpoint_convert*"]),
+    packages=find_packages(include=["vime*", "orchestration*", "rollout*", "trainer*", "mtp*", "checkpoint_convert*"]),
     py_modules=["train_rl"],
     include_package_data=True,
     package_data={"": ["*.yaml"]},

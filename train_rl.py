@@ -169,7 +169,7 @@ class RLRun:
     def __init__(self, cfg):
         from rollout.ray_workers import RolloutManager
         from vime import checkpointing
-        from vime.orchestration import TrainerGroup, WeightSync
+        from orchestration.driver import TrainerGroup, WeightSync
 
         self.cfg = cfg
         self.start_step, state, model_load = 0, None, None
@@ -224,7 +224,7 @@ class RLRun:
 
 def check_weight_versions(samples, expected):
     """Every sample was generated with the weights of version `expected` (else the sync lags)."""
-    from vime.orchestration import WeightSyncError
+    from orchestration.driver import WeightSyncError
 
     stale = sorted({s.weight_version for s in samples} - {expected})
     if stale:
@@ -319,7 +319,7 @@ def _steps(run, logger, cfg, tqdm):
 def main(argv=None):
     from vime.checkpointing import CheckpointSaveError, SaveLock
     from vime.cli_config import help_text, load_config
-    from vime.orchestration import WeightSyncError, init_ray
+    from orchestration.driver import WeightSyncError, init_ray
 
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:

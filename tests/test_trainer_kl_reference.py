@@ -2,7 +2,7 @@
 import torch
 
 from trainer.config import TrainerConfig
-from trainer.distributed import free_port
+from vime.net import free_port
 from trainer.ray_actor import TrainerActorImpl, node_rendezvous
 from trainer_fixtures import make_samples, make_tiny
 

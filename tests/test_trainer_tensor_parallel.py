@@ -5,7 +5,7 @@ import torch.multiprocessing as mp
 
 from checkpoint_convert.families import FAMILIES
 from trainer.config import TrainerConfig
-from trainer.distributed import free_port
+from vime.net import free_port
 from trainer.trainer import Trainer
 from fp32_bounds import FP32_UNIT_ROUNDOFF, close, reduction_rtol
 from trainer_fixtures import TINY, make_batch, make_tiny

@@ -5,7 +5,6 @@ address from the group that spawned it); `init_single_process` serves tests and 
 Both are safe to call again in the same process (parallel_state is rebuilt).
 """
 import contextlib
-import socket
 from datetime import timedelta
 
 import torch
@@ -13,12 +12,7 @@ import torch.distributed as dist
 
 from trainer.cpu_patches import apply_cpu_patches
 from vime.errors import require
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from vime.net import free_port
 
 
 def check_parallel_sizes(world_size, tp, pp):

@@ -15,14 +15,11 @@ from vime import weight_sync
 def node_rendezvous():
     """(this node's IP as Ray sees it, a free port on it): where rank 0 of a group listens, so
     processes on other nodes (`--ray-address`) reach it; 127.0.0.1 only works on one node."""
-    import socket
-
     import ray.util
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    from vime.net import free_port
+
+    return ray.util.get_node_ip_address(), free_port("")
 
 
 class TrainerActorImpl:

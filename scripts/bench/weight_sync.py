@@ -83,7 +83,7 @@ def main():
     p.add_argument("--buffer-mb", type=int, default=16)
     args = p.parse_args()
     torch.set_num_threads(1)
-    from vime.orchestration import free_port
+    from vime.net import free_port
 
     results = mp.Manager().dict()
     mp.spawn(run, args=(args, free_port(), results), nprocs=1 + args.workers)

@@ -76,7 +76,7 @@ def _nccl_sync(rank, port, out):
 @cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
 def test_nccl_weight_sync_sends_cuda_tensors(tmp_path):
-    from trainer.distributed import free_port
+    from vime.net import free_port
 
     out = str(tmp_path / "ok.pt")
     mp.spawn(_nccl_sync, args=(free_port(), out), nprocs=2, join=True)

@@ -3,7 +3,6 @@
 train_rl.py's loop calls one method of these per stage; everything here runs in the driver.
 """
 import os
-import socket
 
 import ray
 
@@ -11,13 +10,6 @@ import ray
 
 class WeightSyncError(RuntimeError):
     """A rollout worker's weights differ from the trainer's after a sync."""
-
-
-def free_port():
-    """A free local port (single-machine tools and benchmarks; the Ray groups use the node's IP)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trainer_config(cfg):
