@@ -20,14 +20,17 @@ def preflight(cfg):
     """Every check that needs no actor: config, files, reward, speculative config vs checkpoint."""
     from checkpoint_convert.config_checks import check_finite_weights
     from checkpoint_convert.hf_format import inspect_hf_checkpoint
-    from rollout.advantages import ADVANTAGE_ESTIMATORS
+    from rollout.advantages import check_estimator
     from rollout.data import read_prompt_file
     from rollout.rewards import get_reward_fn
     from trainer.distributed import check_parallel_sizes
+    from trainer.losses import check_kl_estimator
     from trainer.model import check_tensor_parallel
     from vime.config import validate
 
     validate(cfg)
+    check_kl_estimator(cfg.train.kl_loss_type)
+    check_estimator(cfg.train.advantage_estimator)
     ensure_model(cfg.model)
     hf = inspect_hf_checkpoint(cfg.model.hf_checkpoint)
     require(cfg.mtp.num_layers is None or cfg.mtp.num_layers <= hf.num_nextn_predict_layers,
@@ -37,8 +40,6 @@ def preflight(cfg):
     check_parallel_sizes(t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.data_parallel_size,
                          t.tensor_model_parallel_size, t.pipeline_model_parallel_size)
     check_tensor_parallel(hf, t.tensor_model_parallel_size)
-    require(cfg.train.advantage_estimator in ADVANTAGE_ESTIMATORS,
-            f"--advantage-estimator {cfg.train.advantage_estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
     check_rollout_backend(cfg, hf)
     check_finite_weights(os.path.join(cfg.model.hf_checkpoint, "model.safetensors"))
     from vime.paths import require_writable_dir

@@ -40,14 +40,19 @@ REFUSED_ESTIMATORS = {
 }
 
 
-def compute_advantages(estimator, rewards, group_ids):
-    """Advantages [N] of rewards [N] grouped by group_ids [N] under `estimator`."""
+def check_estimator(estimator):
+    """One-line error for an `--advantage-estimator` vime refuses or does not know."""
     from vime.errors import UserError
 
     if estimator in REFUSED_ESTIMATORS:
         raise UserError(f"--advantage-estimator {estimator}: {REFUSED_ESTIMATORS[estimator]}")
     if estimator not in ADVANTAGE_ESTIMATORS:
-        raise UserError(f"--advantage-estimator {estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
+        raise UserError(f"--advantage-estimator {estimator!r}: choose one of {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
+
+
+def compute_advantages(estimator, rewards, group_ids):
+    """Advantages [N] of rewards [N] grouped by group_ids [N] under `estimator`."""
+    check_estimator(estimator)
     return ADVANTAGE_ESTIMATORS[estimator](torch.as_tensor(rewards, dtype=torch.float32),
                                            torch.as_tensor(group_ids))
 

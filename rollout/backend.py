@@ -32,7 +32,7 @@ class EmbeddedBackend:
 
     def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False):
         from rollout.engine import EngineConfig
-        from rollout.spec_config import build_engine
+        from rollout.engine_builder import build_engine
 
         self.engine = build_engine(hf_checkpoint, speculative_config,
                                    EngineConfig(max_batch_size=max_batch_size, device=device), adaptive=adaptive)

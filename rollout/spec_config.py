@@ -3,10 +3,10 @@
 Accepts the JSON string of `--vllm-speculative-config` or a mapping (a YAML subtree) and
 returns a frozen `SpecConfig`. Every bad input is a one-line `UserError` that names the
 flag and says what to do. Checks that need the target checkpoint (MTP layers present,
-draft vocabulary) live in `check_against_checkpoint`. `build_proposer` turns a config
-into a proposer through the `PROPOSERS` registry; `engine_config_for` gives the engine
-its slice (rejection method). `check_spec_adaptive` validates vime's own --spec-adaptive
-flag, which lives outside the JSON so the JSON stays vLLM's.
+draft vocabulary) live in `check_against_checkpoint`. `engine_config_for` gives the engine
+its slice (rejection method); rollout/engine_builder.py turns a config into a proposer and an
+engine. `check_spec_adaptive` validates vime's own --spec-adaptive flag, which lives outside
+the JSON so the JSON stays vLLM's.
 """
 import dataclasses
 import difflib
@@ -302,27 +302,3 @@ def engine_config_for(spec, engine_config):
         return engine_config
     return dataclasses.replace(engine_config, rejection_sample_method=spec.rejection_sample_method,
                                synthetic_acceptance_rates=synthetic_position_rates(spec))
-
-
-def build_proposer(spec):
-    """A proposer for `spec` (None: plain decoding) from the registry."""
-    from rollout.proposers import PROPOSERS
-
-    return PROPOSERS["none" if spec is None else spec.method](spec)
-
-
-def build_engine(checkpoint, spec=None, engine_config=None, adaptive=False):
-    """An Engine on `checkpoint` with speculation per `spec` (SpecConfig, JSON string, mapping or None);
-    `adaptive` is vime's --spec-adaptive (k per step from measured cost and acceptance)."""
-    from checkpoint_convert.hf_format import read_config
-    from rollout.engine import Engine, EngineConfig
-    from rollout.spec_policy import build_k_policy
-
-    spec = spec if isinstance(spec, SpecConfig) or spec is None else parse_spec_config(spec)
-    check_spec_adaptive(spec, adaptive)
-    check_against_checkpoint(spec, read_config(checkpoint))
-    config = engine_config_for(spec, engine_config or EngineConfig())
-    engine = Engine.from_checkpoint(checkpoint, config, build_proposer(spec))
-    engine.k_policy = build_k_policy(spec, adaptive, config.max_batch_size)
-    engine.k_policy.prepare(engine)  # the adaptive cost profile, here rather than inside the first generate
-    return engine

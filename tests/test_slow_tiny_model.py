@@ -42,7 +42,7 @@ def greedy_behaviour(path, n=256):
     """(accuracy, share of step-by-step answers) of greedy answers to the first n eval prompts."""
     from rollout.engine import EngineConfig, make_samples
     from rollout.sampling_params import SamplingParams
-    from rollout.spec_config import build_engine
+    from rollout.engine_builder import build_engine
     from rollout.task import tiny_add_reward
     from rollout.tokenizer import TextCodec
 

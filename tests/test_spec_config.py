@@ -6,7 +6,8 @@ import json
 import pytest
 
 from rollout.engine import EngineConfig
-from rollout.spec_config import (SpecConfig, build_proposer, check_against_checkpoint, engine_config_for,
+from rollout.engine_builder import build_proposer
+from rollout.spec_config import (SpecConfig, check_against_checkpoint, engine_config_for,
                                  require_lossless, parse_spec_config, synthetic_position_rates)
 from rollout.spec_policy import dense_schedule
 from rollout.tiny_model import TINY_CONFIG

@@ -10,7 +10,8 @@ from checkpoint_convert.families import FAMILIES
 from rollout.engine import Engine, EngineConfig, make_samples
 from rollout.proposers.mtp import MTPProposer, reference_mtp_drafts
 from rollout.sampling_params import SamplingParams
-from rollout.spec_config import build_engine, build_proposer, parse_spec_config
+from rollout.engine_builder import build_engine, build_proposer
+from rollout.spec_config import parse_spec_config
 from rollout.spec_stats import aggregate_spec_stats
 from rollout.task import make_prompts
 from rollout.tokenizer import TextCodec

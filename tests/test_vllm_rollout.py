@@ -215,7 +215,7 @@ def test_vllm_greedy_and_acceptance_equal_the_embedded_engines(vllm_mtp, mimo_ck
     the tokens agree, and so do the accepted drafts of each request, except that vLLM also counts
     drafts accepted past the request's end (max tokens / EOS) which the embedded engine never
     verifies: at most k = 2 per request, at its last step."""
-    from rollout.spec_config import build_engine
+    from rollout.engine_builder import build_engine
 
     engine = build_engine(mimo_ckpt, {"method": "mtp", "num_speculative_tokens": 2})
     samples = make_samples(prompts)

@@ -8,11 +8,18 @@ exp(mean_t log ratio), with the per-token gradient of GSPO-token.
 """
 import torch
 
+from vime.errors import require
+
 KL_ESTIMATORS = {
     # log_ratio = log pi(x) - log pi_ref(x), sampled from pi
     "k1": lambda log_ratio: log_ratio,
     "k3": lambda log_ratio: torch.exp(-log_ratio) - 1 + log_ratio,
 }
+
+
+def check_kl_estimator(name):
+    """One-line error for a `--kl-loss-type` that is not in KL_ESTIMATORS."""
+    require(name in KL_ESTIMATORS, f"--kl-loss-type {name!r}: choose one of {', '.join(sorted(KL_ESTIMATORS))}")
 
 SEQUENCE_LEVEL_ESTIMATORS = ("gspo",)
 

@@ -18,7 +18,8 @@ import torch  # noqa: E402
 
 from rollout.engine import EngineConfig, make_samples  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
-from rollout.spec_config import build_engine, build_proposer, parse_spec_config  # noqa: E402
+from rollout.engine_builder import build_engine, build_proposer  # noqa: E402
+from rollout.spec_config import parse_spec_config  # noqa: E402
 from rollout.spec_stats import aggregate_spec_stats  # noqa: E402
 from rollout.task import make_prompts  # noqa: E402
 from rollout.tokenizer import TextCodec  # noqa: E402

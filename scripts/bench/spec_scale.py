@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from rollout.engine import EngineConfig, make_samples  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
-from rollout.spec_config import build_engine  # noqa: E402
+from rollout.engine_builder import build_engine  # noqa: E402
 from rollout.tiny_model import make_random_checkpoint  # noqa: E402
 
 # the drift benchmark's end-of-run per-position acceptance (BENCHMARKS.md, MTP drift, k = 2):

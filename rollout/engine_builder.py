@@ -1,0 +1,29 @@
+"""An `Engine` with its proposer, assembled from a speculative config (`SpecConfig`).
+
+This sits above both the engine and the proposers (a proposer reads the spec config; the
+engine runs any proposer), so neither of them imports the other's configuration.
+"""
+from checkpoint_convert.hf_format import read_config
+from rollout.engine import Engine, EngineConfig
+from rollout.proposers import PROPOSERS
+from rollout.spec_config import SpecConfig, check_against_checkpoint, check_spec_adaptive, engine_config_for, \
+    parse_spec_config
+from rollout.spec_policy import build_k_policy
+
+
+def build_proposer(spec):
+    """A proposer for `spec` (None: plain decoding) from the registry."""
+    return PROPOSERS["none" if spec is None else spec.method](spec)
+
+
+def build_engine(checkpoint, spec=None, engine_config=None, adaptive=False):
+    """An Engine on `checkpoint` with speculation per `spec` (SpecConfig, JSON string, mapping or None);
+    `adaptive` is vime's --spec-adaptive (k per step from measured cost and acceptance)."""
+    spec = spec if isinstance(spec, SpecConfig) or spec is None else parse_spec_config(spec)
+    check_spec_adaptive(spec, adaptive)
+    check_against_checkpoint(spec, read_config(checkpoint))
+    config = engine_config_for(spec, engine_config or EngineConfig())
+    engine = Engine.from_checkpoint(checkpoint, config, build_proposer(spec))
+    engine.k_policy = build_k_policy(spec, adaptive, config.max_batch_size)
+    engine.k_policy.prepare(engine)  # the adaptive cost profile, here rather than inside the first generate
+    return engine

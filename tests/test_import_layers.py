@@ -1,0 +1,200 @@
+"""The packages import one way: a layer imports only layers below it, and nothing imports in a circle.
+
+The graph is read from the source with `ast`, so it counts every import — at module level and
+inside functions (a lazy import is still a dependency, it only hides it). Dynamic imports by
+name (`importlib.import_module(f"rollout.proposers.{name}")`, the registries' plug-ins) are not
+seen; they stay inside one package.
+"""
+import ast
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("mtp", "vime", "checkpoint_convert", "rollout", "trainer", "orchestration")
+SCRIPTS = ("train_rl",)
+
+# Bottom to top, as README's layout reads. A layer may import the layers listed before it.
+# Layers with more than one column sit side by side: a column imports neither of the others.
+# A module belongs to the longest prefix that names it.
+LAYERS = (
+    ("pure MTP math", {"mtp": ("mtp",)}),
+    ("shared basics: Sample, config tree + CLI, weight-sync wire format, logging, atomic saves",
+     {"vime": ("vime",)}),
+    ("model-family registry and HF checkpoint format (pure)",
+     {"registry": ("checkpoint_convert", "checkpoint_convert.families", "checkpoint_convert.hf_format",
+                   "checkpoint_convert.config_checks", "checkpoint_convert.megatron_names")}),
+    ("the two sides, each with its Ray actors", {"rollout": ("rollout",), "trainer": ("trainer",)}),
+    ("checkpoint converters (they build a trainer)",
+     {"converters": ("checkpoint_convert.hf_to_torch_dist", "checkpoint_convert.torch_dist_to_hf")}),
+    ("orchestration: driver-side actor handles, weight-sync protocol, the RL loop",
+     {"orchestration": ("orchestration", "train_rl")}),
+)
+# Pure modules run anywhere (no Ray cluster, no Megatron, no vLLM), nor does anything they import.
+PURE = ("mtp", "checkpoint_convert.families", "checkpoint_convert.hf_format")
+HEAVY = ("ray", "megatron", "vllm")
+
+
+def module_files():
+    """{module name: path} for every .py of the packages and the top-level scripts."""
+    found = {name: REPO / f"{name}.py" for name in SCRIPTS}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imported_names(source, module, is_package):
+    """Every dotted name `source` imports, anywhere in the file (relative imports resolved)."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                here = module.split(".") if is_package else module.split(".")[:-1]
+                here = here[:len(here) - (node.level - 1)]
+                base = ".".join(here + ([node.module] if node.module else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import submodule`
+    return names
+
+
+def owning_module(name, modules):
+    """The longest known module that `name` is or lies in (None: not ours)."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in modules:
+            return ".".join(parts[:end])
+    return None
+
+
+def import_graph():
+    """({module: set of our modules it imports}, {module: set of top-level outside packages it imports})."""
+    files = module_files()
+    inside, outside = {}, {}
+    for module, path in files.items():
+        names = imported_names(path.read_text(), module, path.name == "__init__.py")
+        inside[module] = {owning_module(n, files) for n in names} - {None, module}
+        outside[module] = {n.split(".")[0] for n in names if owning_module(n, files) is None}
+    return inside, outside
+
+
+def cycles(graph):
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def place(module, layers=LAYERS):
+    """(rank, column) of a module: the entry whose prefix names it longest; None if none does."""
+    best = None
+    for rank, (_, columns) in enumerate(layers):
+        for column, prefixes in columns.items():
+            for prefix in prefixes:
+                if module == prefix or module.startswith(prefix + "."):
+                    if best is None or len(prefix) > best[0]:
+                        best = (len(prefix), rank, column)
+    return best and best[1:]
+
+
+def layer_violations(graph, layers=LAYERS):
+    """'a -> b (why)' for each import that goes up a layer or sideways between columns."""
+    bad = []
+    for module, targets in sorted(graph.items()):
+        rank, column = place(module, layers)
+        for target in sorted(targets):
+            to_rank, to_column = place(target, layers)
+            if to_rank > rank:
+                bad.append(f"{module} -> {target} (up: {layers[rank][0]!r} imports {layers[to_rank][0]!r})")
+            elif to_rank == rank and to_column != column:
+                bad.append(f"{module} -> {target} (sideways: {column} imports {to_column})")
+    return bad
+
+
+def reachable(graph, start):
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return import_graph()
+
+
+def test_every_module_has_a_layer(graph):
+    inside, _ = graph
+    assert [m for m in sorted(inside) if place(m) is None] == []
+
+
+def test_no_module_imports_in_a_circle(graph):
+    inside, _ = graph
+    assert cycles(inside) == []
+
+
+def test_every_import_goes_down_a_layer_or_stays_in_its_column(graph):
+    inside, _ = graph
+    assert layer_violations(inside) == []
+
+
+def test_pure_modules_and_what_they_import_need_no_ray_megatron_or_vllm(graph):
+    inside, outside = graph
+    for module in sorted(inside):
+        if place(module, (("pure", {"pure": PURE}),)) is None:
+            continue
+        for dependency in {module} | reachable(inside, module):
+            heavy = outside[dependency] & set(HEAVY)
+            assert not heavy, f"pure {module} imports {dependency}, which imports {sorted(heavy)}"
+
+
+# negative controls: the checks above can fail
+
+
+def test_a_function_level_import_is_an_import():
+    source = "import os\n\ndef f():\n    from rollout.engine import Engine\n    from . import spec_stats\n"
+    assert imported_names(source, "trainer.x", False) >= {"os", "rollout.engine", "trainer.spec_stats"}
+
+
+def test_a_cycle_is_found_and_a_chain_is_not():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_an_upward_or_sideways_import_is_a_violation():
+    layers = (("low", {"low": ("base",)}), ("sides", {"left": ("left",), "right": ("right",)}),
+              ("top", {"top": ("top",)}))
+    assert layer_violations({"base.x": set(), "left.a": {"base.x"}, "top": {"left.a", "right"}}, layers) == []
+    bad = layer_violations({"base.x": {"top"}, "left.a": {"right.b"}, "right.b": set(), "top": set()}, layers)
+    assert [b.split(" (")[0] for b in bad] == ["base.x -> top", "left.a -> right.b"]
