@@ -7,32 +7,15 @@ import os
 import ray
 
 
-
 class WeightSyncError(RuntimeError):
     """A rollout worker's weights differ from the trainer's after a sync."""
-
-
-def trainer_config(cfg):
-    """The trainer's slice of the tree (trainer/config.py's TrainerConfig)."""
-    from trainer.config import TrainerConfig
-
-    t, m = cfg.train, cfg.mtp
-    return TrainerConfig(
-        lr=t.lr, weight_decay=t.weight_decay, adam_eps=t.adam_eps, clip_grad=t.clip_grad, mtp_clip_grad=m.clip_grad, mtp_lr=m.lr,
-        eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high, use_kl_loss=t.use_kl_loss, kl_loss_coef=t.kl_loss_coef,
-        kl_estimator=t.kl_loss_type, advantage_estimator=t.advantage_estimator,
-        temperature=cfg.rollout.rollout_temperature, enable_mtp_training=m.enable_training,
-        mtp_num_layers=m.num_layers, mtp_loss_scaling_factor=m.loss_scaling_factor, mtp_detach_trunk=m.detach_trunk,
-        mtp_loss_type=m.loss_type, mtp_distill_topk=m.distill_topk,
-        tensor_model_parallel_size=t.tensor_model_parallel_size,
-        pipeline_model_parallel_size=t.pipeline_model_parallel_size, micro_batch_size=t.micro_batch_size,
-        global_batch_size=t.global_batch_size, seed=t.seed)
 
 
 class TrainerGroup:
     """TP x PP x DP TrainerActors joined by torch.distributed."""
 
     def __init__(self, cfg, load=None):
+        from trainer.config import TrainerConfig
         from trainer.ray_actor import TrainerActor
 
         t = cfg.train
@@ -41,7 +24,7 @@ class TrainerGroup:
         self.steps_per_rollout = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt // t.global_batch_size
         gpus = ray.cluster_resources().get("GPU", 0)
         opts = {"num_gpus": 1} if gpus else {"num_cpus": 1}
-        tcfg = trainer_config(cfg)
+        tcfg = TrainerConfig.from_tree(cfg)
         self.actors = [TrainerActor.options(**opts).remote(rank, self.world, tcfg, cfg.model.hf_checkpoint, load)
                        for rank in range(self.world)]
         # rank 0 hosts the group: its node's IP, so ranks on other nodes can join

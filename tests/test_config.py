@@ -85,3 +85,29 @@ def test_help_shows_every_flag_with_its_default():
 def test_optional_flags_take_none():
     assert load_config(["--mtp-lr", "none"]).mtp.lr is None
     assert load_config([]).mtp.lr == 5e-3
+
+
+def test_trainer_config_defaults_are_the_config_trees():
+    from dataclasses import fields
+
+    from trainer.config import TrainerConfig
+    from vime.config import Config
+
+    tree = flag_table()  # every `section.field` of the schema, independent of trainer/config.py
+    keys = {path for path, _ in tree.values()}
+    schema, trainer = Config(), TrainerConfig()
+    for f in fields(TrainerConfig):
+        key = f.metadata.get("tree_key")
+        assert key in keys, f"TrainerConfig.{f.name} reads no field of the config tree"
+        section, name = key.split(".")
+        assert getattr(trainer, f.name) == getattr(getattr(schema, section), name), f"TrainerConfig.{f.name} vs {key}"
+
+
+def test_trainer_config_from_the_tree_carries_every_flag():
+    from trainer.config import TrainerConfig
+
+    cfg = load_config(["--lr", "3e-5", "--mtp-lr", "7e-3", "--kl-loss-type", "k1", "--rollout-temperature", "0.7",
+                       "--enable-mtp-training", "--mtp-num-layers", "2", "--micro-batch-size", "4", "--seed", "9"])
+    t = TrainerConfig.from_tree(cfg)
+    assert (t.lr, t.mtp_lr, t.kl_estimator, t.temperature, t.enable_mtp_training, t.mtp_num_layers,
+            t.micro_batch_size, t.seed) == (3e-5, 7e-3, "k1", 0.7, True, 2, 4, 9)

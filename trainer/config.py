@@ -1,36 +1,61 @@
-"""`TrainerConfig`: the trainer's slice of the config tree (the dataclass is the schema)."""
-from dataclasses import dataclass
+"""`TrainerConfig`: the trainer's slice of the config tree (vime/config.py is the schema).
+
+Each field names the tree key it is read from (`train.lr`, `mtp.loss_scaling_factor`, ...), and
+its default *is* that key's default, so the trainer, the YAML and `--help` cannot disagree.
+`TrainerConfig.from_tree(cfg)` builds it from a whole `Config`.
+"""
+import dataclasses
+from dataclasses import dataclass, fields
 from typing import Optional
+
+from vime.config import Config
+
+
+def tree_field(key):
+    """A field read from the config tree's `section.field` `key`, with that field's default."""
+    section, name = key.split(".")
+    default = getattr(getattr(Config(), section), name)
+    return dataclasses.field(default=default, metadata={"tree_key": key})
 
 
 @dataclass
 class TrainerConfig:
     """Optimisation, policy-loss, MTP-training and parallelism settings of one trainer."""
 
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    mtp_clip_grad: Optional[float] = None  # None: same as clip_grad
-    mtp_lr: Optional[float] = None  # None: same as lr (Adam is scale-free: the loss factor barely moves a detached draft)
-    eps_clip: float = 0.2
-    eps_clip_high: Optional[float] = None  # None: same as eps_clip
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_estimator: str = "k3"  # k1 | k3
-    advantage_estimator: str = "grpo"  # gspo switches the loss to a sequence-level ratio
-    temperature: float = 1.0  # the rollout temperature: log-probs are taken at it
-    enable_mtp_training: bool = False
-    mtp_num_layers: Optional[int] = None  # None: as many as the HF checkpoint has
-    mtp_loss_scaling_factor: float = 0.2
-    mtp_detach_trunk: bool = True
-    mtp_loss_type: str = "ce"  # ce | soft_ce | tv (mtp/loss.py MTP_LOSSES)
-    mtp_distill_topk: int = 0  # soft_ce / tv: keep the target's top-k (0: the full vocabulary)
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    micro_batch_size: int = 0  # 0: the whole local batch in one micro-batch
-    global_batch_size: int = 0  # informational; the batch passed to train_step is the step
-    seed: int = 1234
+    lr: float = tree_field("train.lr")
+    weight_decay: float = tree_field("train.weight_decay")
+    adam_eps: float = tree_field("train.adam_eps")
+    clip_grad: float = tree_field("train.clip_grad")
+    mtp_clip_grad: Optional[float] = tree_field("mtp.clip_grad")  # None: same as clip_grad
+    # None: same as lr (Adam is scale-free: the loss factor barely moves a detached draft)
+    mtp_lr: Optional[float] = tree_field("mtp.lr")
+    eps_clip: float = tree_field("train.eps_clip")
+    eps_clip_high: Optional[float] = tree_field("train.eps_clip_high")  # None: same as eps_clip
+    use_kl_loss: bool = tree_field("train.use_kl_loss")
+    kl_loss_coef: float = tree_field("train.kl_loss_coef")
+    kl_estimator: str = tree_field("train.kl_loss_type")  # trainer/losses.py KL_ESTIMATORS
+    advantage_estimator: str = tree_field("train.advantage_estimator")  # gspo: a sequence-level ratio
+    temperature: float = tree_field("rollout.rollout_temperature")  # log-probs are taken at it
+    enable_mtp_training: bool = tree_field("mtp.enable_training")
+    mtp_num_layers: Optional[int] = tree_field("mtp.num_layers")  # None: as many as the HF checkpoint has
+    mtp_loss_scaling_factor: float = tree_field("mtp.loss_scaling_factor")
+    mtp_detach_trunk: bool = tree_field("mtp.detach_trunk")
+    mtp_loss_type: str = tree_field("mtp.loss_type")  # mtp/loss.py MTP_LOSSES
+    mtp_distill_topk: int = tree_field("mtp.distill_topk")  # soft_ce / tv: the target's top-k (0: all)
+    tensor_model_parallel_size: int = tree_field("train.tensor_model_parallel_size")
+    pipeline_model_parallel_size: int = tree_field("train.pipeline_model_parallel_size")
+    micro_batch_size: int = tree_field("train.micro_batch_size")  # 0: the whole local batch at once
+    global_batch_size: int = tree_field("train.global_batch_size")  # informational: train_step gets the step
+    seed: int = tree_field("train.seed")
+
+    @classmethod
+    def from_tree(cls, cfg):
+        """The trainer's slice of a whole `Config` (vime/config.py)."""
+        values = {}
+        for f in fields(cls):
+            section, name = f.metadata["tree_key"].split(".")
+            values[f.name] = getattr(getattr(cfg, section), name)
+        return cls(**values)
 
     @property
     def effective_mtp_clip_grad(self):
