@@ -23,10 +23,10 @@ from mtp.sampling import processed_logprobs
 from rollout.fast_model import FastForward
 from rollout.kv_cache import KVCache, pick_attention_backend
 from rollout.model import CausalLMWithMTP
-from rollout.proposers import ForwardOutput, Proposer
+from rollout.padding import pad_token_rows
+from rollout.proposers import TargetForward, Proposer
 from rollout.spec_policy import FixedK, StepRecord
 from vime.errors import UserError, require
-from vime.sample import Sample
 
 
 @dataclass
@@ -174,7 +174,7 @@ class Engine:
 
     def _prefill(self, reqs, sampling):
         lengths = [len(r.sample.prompt_ids) for r in reqs]
-        tokens = _pad([r.sample.prompt_ids for r in reqs], self.config.device)
+        tokens = pad_token_rows([r.sample.prompt_ids for r in reqs], self.config.device)
         n_new = torch.tensor(lengths, device=self.config.device)
         starts = torch.zeros_like(n_new)
         hidden, mtp_hidden = self._forward(reqs, tokens, starts, n_new)
@@ -191,7 +191,7 @@ class Engine:
         generated_before = sum(r.num_generated for r in reqs)
         counts = [self._draft_budget(r) for r in reqs]
         rows = [[r.all_ids[-1]] + list(r.drafts[:c]) for r, c in zip(reqs, counts)]
-        tokens = _pad(rows, self.config.device)
+        tokens = pad_token_rows(rows, self.config.device)
         starts = torch.tensor([r.num_cached for r in reqs], device=self.config.device)
         n_new = torch.tensor([len(x) for x in rows], device=self.config.device)
         hidden, mtp_hidden = self._forward(reqs, tokens, starts, n_new)
@@ -284,13 +284,13 @@ class Engine:
 
     def _propose(self, reqs, hidden, starts, n_valid):
         """Drafts for the live requests, at most step_k each; False when none was live.
-        hidden: the MTP input states of the new positions (what ForwardOutput.hidden carries)."""
+        hidden: the MTP input states of the new positions (what TargetForward.hidden carries)."""
         live = [i for i, r in enumerate(reqs) if not r.finished]
         if not live:
             return False
         idx = torch.tensor(live, device=hidden.device)
         with torch.inference_mode():
-            self.proposer.propose(ForwardOutput([reqs[i] for i in live], hidden[idx], starts[idx], n_valid[idx]))
+            self.proposer.propose(TargetForward([reqs[i] for i in live], hidden[idx], starts[idx], n_valid[idx]))
         for i in live:  # proposers that cannot draft fewer (ngram, suffix, draft model) are cut here
             r = reqs[i]
             if len(r.drafts) > self.step_k:
@@ -371,16 +371,5 @@ def _record_spec(spec, drafted, accepted):
         spec.accepted_per_pos[i] += int(i < accepted)
 
 
-def _pad(rows, device, value=0):
-    width = max(len(x) for x in rows)
-    return torch.tensor([list(x) + [value] * (width - len(x)) for x in rows], dtype=torch.long, device=device)
-
-
 def _has_tokenizer(path):
     return os.path.isfile(os.path.join(path, "tokenizer.json"))
-
-
-def make_samples(prompt_ids_list, n=1):
-    """Samples for each prompt, n per prompt (index = prompt position, sample_index = 0..n-1)."""
-    return [Sample(prompt_ids=list(ids), index=i, sample_index=j) for i, ids in enumerate(prompt_ids_list)
-            for j in range(n)]

@@ -4,7 +4,8 @@ import torch
 
 from checkpoint_convert.hf_format import load_hf_checkpoint
 from mtp.sampling import token_logprobs
-from rollout.engine import Engine, EngineConfig, make_samples
+from rollout.engine import Engine, EngineConfig
+from vime.sample import samples_for_prompts
 from rollout.kv_cache import KVCache
 from rollout.model import CausalLMWithMTP
 from rollout.sampling_params import SamplingParams
@@ -25,7 +26,7 @@ def hf_model(small_ckpt):
 
 
 def greedy(engine, prompts, n_new=24, **kw):
-    return engine.generate(make_samples(prompts), SamplingParams(temperature=0, max_new_tokens=n_new, **kw))
+    return engine.generate(samples_for_prompts(prompts), SamplingParams(temperature=0, max_new_tokens=n_new, **kw))
 
 
 def test_engine_logits_equal_transformers_logits(small_ckpt, hf_model, task_prompt_ids):
@@ -53,7 +54,7 @@ def test_greedy_engine_output_equals_transformers_generate(small_ckpt, hf_model,
 
 def test_kv_cached_decoding_equals_full_sequence_forward(small_ckpt, task_prompt_ids):
     engine = Engine.from_checkpoint(small_ckpt, EngineConfig(max_batch_size=4))
-    samples = engine.generate(make_samples(task_prompt_ids[:6]),
+    samples = engine.generate(samples_for_prompts(task_prompt_ids[:6]),
                               SamplingParams(temperature=0.8, max_new_tokens=20, seed=1))
     model = load_model(small_ckpt)
     for s in samples:
@@ -95,8 +96,8 @@ def test_continuous_batching_with_few_slots_equals_one_big_batch(small_ckpt, tas
     small = Engine.from_checkpoint(small_ckpt, EngineConfig(max_batch_size=3))
     big = Engine.from_checkpoint(small_ckpt, EngineConfig(max_batch_size=32))
     kw = dict(temperature=1.0, max_new_tokens=16, seed=4)
-    a = small.generate(make_samples(task_prompt_ids, n=2), SamplingParams(**kw))
-    b = big.generate(make_samples(task_prompt_ids, n=2), SamplingParams(**kw))
+    a = small.generate(samples_for_prompts(task_prompt_ids, n=2), SamplingParams(**kw))
+    b = big.generate(samples_for_prompts(task_prompt_ids, n=2), SamplingParams(**kw))
     assert [s.response_ids for s in a] == [s.response_ids for s in b]
     assert all(len(s.response_ids) > 0 for s in a)
 
@@ -105,7 +106,7 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(small_ckpt, task_pro
     engine = Engine.from_checkpoint(small_ckpt)
 
     def run(seed):
-        return [s.response_ids for s in engine.generate(make_samples(task_prompt_ids[:8], n=2),
+        return [s.response_ids for s in engine.generate(samples_for_prompts(task_prompt_ids[:8], n=2),
                                                         SamplingParams(temperature=1.0, max_new_tokens=12, seed=seed))]
     first = run(7)
     assert first == run(7)
@@ -159,7 +160,7 @@ def test_load_weights_changes_outputs_and_records_the_version(small_ckpt, task_p
 def test_top_k_one_equals_greedy(small_ckpt, task_prompt_ids):
     engine = Engine.from_checkpoint(small_ckpt)
     g = [s.response_ids for s in greedy(engine, task_prompt_ids[:6])]
-    k1 = engine.generate(make_samples(task_prompt_ids[:6]),
+    k1 = engine.generate(samples_for_prompts(task_prompt_ids[:6]),
                          SamplingParams(temperature=1.0, top_k=1, max_new_tokens=24, seed=3))
     assert [s.response_ids for s in k1] == g
     assert all(abs(lp) < 1e-6 for s in k1 for lp in s.rollout_logprobs)  # point mass after top-k

@@ -10,7 +10,8 @@ import torch
 
 from checkpoint_convert.families import FAMILIES
 from fp32_bounds import reduction_rtol
-from rollout.engine import Engine, EngineConfig, make_samples
+from rollout.engine import Engine, EngineConfig
+from vime.sample import samples_for_prompts
 from rollout.proposers.mtp import MTPProposer
 from rollout.sampling_params import SamplingParams
 from rollout.spec_config import parse_spec_config
@@ -60,7 +61,7 @@ def test_engine_mtp_logits_of_every_layer_equal_megatron_mtp_block(ckpt):
     proposer = RecordingMTP(parse_spec_config({"method": "mtp", "num_speculative_tokens": 3}))
     engine = Engine.from_checkpoint(ckpt, EngineConfig(max_batch_size=4), proposer=proposer)
     prompts = [[1, 4, 9, 7, 12], [1, 20], [1, 5, 6], [2]]
-    samples = engine.generate(make_samples(prompts), SamplingParams(temperature=0, max_new_tokens=14))
+    samples = engine.generate(samples_for_prompts(prompts), SamplingParams(temperature=0, max_new_tokens=14))
     trainer = Trainer(TrainerConfig(), ckpt)
     trainer.model.eval()
     longest = max(2 * TINY["hidden_size"], TINY["intermediate_size"])  # eh_proj reduces over 2H

@@ -40,7 +40,8 @@ def cpu_model_name():
 
 def greedy_behaviour(path, n=256):
     """(accuracy, share of step-by-step answers) of greedy answers to the first n eval prompts."""
-    from rollout.engine import EngineConfig, make_samples
+    from rollout.engine import EngineConfig
+    from vime.sample import samples_for_prompts
     from rollout.sampling_params import SamplingParams
     from rollout.engine_builder import build_engine
     from rollout.task import tiny_add_reward
@@ -49,7 +50,7 @@ def greedy_behaviour(path, n=256):
     rows = [json.loads(x) for x in open(os.path.join(path, "eval.jsonl"))][:n]
     codec = TextCodec(path)
     engine = build_engine(path, None, EngineConfig(max_batch_size=n))
-    out = engine.generate(make_samples([codec.encode_prompt(r["prompt"], 1) for r in rows]),
+    out = engine.generate(samples_for_prompts([codec.encode_prompt(r["prompt"], 1) for r in rows]),
                           SamplingParams(temperature=0, max_new_tokens=64))
     acc = sum(tiny_add_reward(s.response, r["label"]) for s, r in zip(out, rows)) / n
     trace = sum(";" in s.response for s in out) / n

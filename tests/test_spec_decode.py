@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from checkpoint_convert.families import FAMILIES
-from rollout.engine import Engine, EngineConfig, make_samples
+from rollout.engine import Engine, EngineConfig
+from vime.sample import samples_for_prompts
 from rollout.proposers.mtp import MTPProposer, reference_mtp_drafts
 from rollout.sampling_params import SamplingParams
 from rollout.engine_builder import build_engine, build_proposer
@@ -35,7 +36,7 @@ def prompts(markov_ckpt):
 
 @pytest.fixture(scope="module")
 def plain(markov_ckpt, prompts):
-    return build_engine(markov_ckpt, None, EngineConfig(max_batch_size=100)).generate(make_samples(prompts), GREEDY)
+    return build_engine(markov_ckpt, None, EngineConfig(max_batch_size=100)).generate(samples_for_prompts(prompts), GREEDY)
 
 
 def spec_for(method, k, ckpt):
@@ -49,7 +50,7 @@ def spec_for(method, k, ckpt):
 @pytest.mark.parametrize("method", ["mtp", "ngram", "suffix", "draft_model"])
 def test_greedy_speculative_equals_plain_decoding_with_equal_logprobs(method, k, markov_ckpt, prompts, plain):
     engine = build_engine(markov_ckpt, spec_for(method, k, markov_ckpt), EngineConfig(max_batch_size=100))
-    spec = engine.generate(make_samples(prompts), GREEDY)
+    spec = engine.generate(samples_for_prompts(prompts), GREEDY)
     assert [s.response_ids for s in spec] == [s.response_ids for s in plain]
     diff = max(max(abs(a - b) for a, b in zip(s.rollout_logprobs, p.rollout_logprobs)) for s, p in zip(spec, plain))
     assert diff <= 1e-5
@@ -60,7 +61,7 @@ def test_greedy_speculative_equals_plain_decoding_with_equal_logprobs(method, k,
 
 def test_draft_model_that_is_the_target_is_accepted_at_least_98_percent(markov_ckpt, prompts):
     engine = build_engine(markov_ckpt, spec_for("draft_model", 3, markov_ckpt), EngineConfig(max_batch_size=100))
-    stats = aggregate_spec_stats(engine.generate(make_samples(prompts), GREEDY))
+    stats = aggregate_spec_stats(engine.generate(samples_for_prompts(prompts), GREEDY))
     assert stats["spec_accept_rate"] >= 0.98
     assert stats["spec_accept_length"] > 3.0
 
@@ -98,7 +99,7 @@ def test_cached_mtp_drafting_equals_drafting_recomputed_without_cache(tmp_path, 
     if cycling:
         engine.k_policy = CyclingK(k)
     prompts = [[1, 5 + i, 7, 9 + i % 3][: 1 + i % 4] for i in range(8)]
-    samples = engine.generate(make_samples(prompts), SamplingParams(temperature=0, max_new_tokens=12))
+    samples = engine.generate(samples_for_prompts(prompts), SamplingParams(temperature=0, max_new_tokens=12))
     assert proposer.checked > 8 * 4
     assert proposer.mismatches == 0
     stats = aggregate_spec_stats(samples)
@@ -118,18 +119,18 @@ def test_sampled_mtp_drafts_carry_their_draft_distribution(tmp_path):
         seen.extend((r.drafts, r.draft_probs) for r in out.requests)
 
     engine.proposer.propose = spy
-    engine.generate(make_samples([[1, 5, 6], [1, 7]]), SamplingParams(temperature=1.0, max_new_tokens=6))
+    engine.generate(samples_for_prompts([[1, 5, 6], [1, 7]]), SamplingParams(temperature=1.0, max_new_tokens=6))
     assert seen and all(q is not None and q.shape == (2, model.cfg.vocab_size) for _, q in seen)
     assert all(torch.allclose(q.sum(-1), torch.ones(2)) for _, q in seen)
     assert all(float(q[i, d]) > 0 for drafts, q in seen for i, d in enumerate(drafts))
     # greedy requests draft deterministically: the verifier treats q as one-hot
-    engine.generate(make_samples([[1, 5, 6]]), SamplingParams(temperature=0, max_new_tokens=4))
+    engine.generate(samples_for_prompts([[1, 5, 6]]), SamplingParams(temperature=0, max_new_tokens=4))
     assert seen[-1][1] is None
 
 
 def test_speculation_never_runs_past_max_new_tokens(markov_ckpt, prompts):
     engine = build_engine(markov_ckpt, spec_for("ngram", 3, markov_ckpt), EngineConfig(max_batch_size=100))
-    out = engine.generate(make_samples(prompts[:20]), SamplingParams(temperature=0, max_new_tokens=5))
+    out = engine.generate(samples_for_prompts(prompts[:20]), SamplingParams(temperature=0, max_new_tokens=5))
     assert all(len(s.response_ids) <= 5 for s in out)
 
 
@@ -141,7 +142,7 @@ def test_sampled_draft_model_equal_to_the_target_is_accepted_at_temperature_one(
                               "rejection_sample_method": "probabilistic"})
     engine = build_engine(markov_ckpt, spec, EngineConfig(max_batch_size=50, rejection_sample_method="probabilistic"))
     engine.set_proposer(DraftModelProposer(spec, sample_drafts=True))
-    stats = aggregate_spec_stats(engine.generate(make_samples(prompts[:50]), SamplingParams(temperature=1.0,
+    stats = aggregate_spec_stats(engine.generate(samples_for_prompts(prompts[:50]), SamplingParams(temperature=1.0,
                                                                                             max_new_tokens=16)))
     assert stats["spec_accept_rate"] >= 0.98
 
@@ -150,7 +151,7 @@ def test_sampled_draft_model_equal_to_the_target_is_accepted_at_temperature_one(
 def test_speculation_with_reused_slots_equals_plain_decoding(method, markov_ckpt, prompts, plain):
     """Few slots: finished requests hand their slot (and the proposer's cache rows) to new ones."""
     engine = build_engine(markov_ckpt, spec_for(method, 3, markov_ckpt), EngineConfig(max_batch_size=7))
-    spec = engine.generate(make_samples(prompts[:40]), GREEDY)
+    spec = engine.generate(samples_for_prompts(prompts[:40]), GREEDY)
     assert [s.response_ids for s in spec] == [s.response_ids for s in plain[:40]]
 
 
@@ -163,7 +164,7 @@ def test_accepted_drafts_cut_off_by_a_stop_token_are_not_counted(markov_ckpt, pr
         stop = ref.response_ids[1]
         if stop == ref.response_ids[0]:
             continue
-        out = engine.generate(make_samples([ids]), dataclasses.replace(GREEDY, stop_token_ids=(stop,)))[0]
+        out = engine.generate(samples_for_prompts([ids]), dataclasses.replace(GREEDY, stop_token_ids=(stop,)))[0]
         assert out.response_ids == ref.response_ids[:2] and out.finish_reason == "stop"
         accepted.append(out.spec.accepted_tokens)
         assert out.spec.accepted_tokens <= len(out.response_ids) - 1  # the prefill token is never a draft
@@ -205,7 +206,7 @@ def test_greedy_with_k_chosen_per_step_equals_plain_decoding(method, policy, mar
     engine = build_engine(markov_ckpt, raw, EngineConfig(max_batch_size=16), adaptive=policy == "adaptive")
     if policy == "cycling":
         engine.k_policy = CyclingK(3)
-    spec = engine.generate(make_samples(prompts), GREEDY)
+    spec = engine.generate(samples_for_prompts(prompts), GREEDY)
     assert [s.response_ids for s in spec] == [s.response_ids for s in plain]
     diff = max(max(abs(a - b) for a, b in zip(s.rollout_logprobs, p.rollout_logprobs)) for s, p in zip(spec, plain))
     assert diff <= 1e-5
@@ -222,7 +223,7 @@ def test_schedule_drafts_the_k_of_the_live_batch_size(markov_ckpt, prompts):
     seen = []
     choose = engine.k_policy.choose
     engine.k_policy.choose = lambda b: seen.append((b, choose(b))) or seen[-1][1]
-    samples = engine.generate(make_samples(prompts[:20]), GREEDY)
+    samples = engine.generate(samples_for_prompts(prompts[:20]), GREEDY)
     assert all(k == (0 if b <= 4 else 2) for b, k in seen) and {b for b, _ in seen} >= {8, 4}  # 20 = 8 + 8 + 4
     assert max(len(s.spec.drafted_per_pos) for s in samples) <= 2
 
@@ -232,7 +233,7 @@ def test_synthetic_acceptance_holds_its_per_position_rates_at_temperature_zero(m
     raw = dict(spec_for("mtp", 3, markov_ckpt), rejection_sample_method="synthetic",
                synthetic_acceptance_rates=rates)
     samples = build_engine(markov_ckpt, raw, EngineConfig(max_batch_size=100)).generate(
-        make_samples(prompts), SamplingParams(temperature=0, max_new_tokens=40))
+        samples_for_prompts(prompts), SamplingParams(temperature=0, max_new_tokens=40))
     for i, want in enumerate(rates):
         # per position: drafted vs accepted-with-all-before (the unconditional rate)
         full = [(s.spec.drafted_per_pos[i], s.spec.accepted_per_pos[i]) for s in samples]

@@ -16,7 +16,8 @@ from scipy.stats import chisquare
 
 import mtp.rejection as rejection
 from mtp.sampling import processed_logprobs
-from rollout.engine import Engine, EngineConfig, make_samples
+from rollout.engine import Engine, EngineConfig
+from vime.sample import samples_for_prompts
 from rollout.sampling_params import SamplingParams
 from rollout.proposers.mtp import MTPProposer
 from rollout.spec_config import parse_spec_config
@@ -53,7 +54,7 @@ def sampled_joint(model, method, sample_drafts=True, k_policy=None, max_batch_si
                     proposer=MTPProposer(spec, sample_drafts=sample_drafts))
     if k_policy is not None:
         engine.k_policy = k_policy
-    samples = engine.generate(make_samples([PROMPT] * N), SamplingParams(temperature=1.0, max_new_tokens=3, seed=7))
+    samples = engine.generate(samples_for_prompts([PROMPT] * N), SamplingParams(temperature=1.0, max_new_tokens=3, seed=7))
     counts = {}
     for s in samples:
         counts[tuple(s.response_ids[:3])] = counts.get(tuple(s.response_ids[:3]), 0) + 1

@@ -4,7 +4,7 @@ import torch
 from trainer.config import TrainerConfig
 from vime.net import free_port
 from trainer.ray_actor import TrainerActorImpl, node_rendezvous
-from trainer_fixtures import make_samples, make_tiny
+from trainer_fixtures import random_scored_samples, make_tiny
 
 
 def started(cfg, hf, load=None):
@@ -19,7 +19,7 @@ def test_kl_reference_after_load_is_the_initial_policy_not_the_resumed_one(tmp_p
     cfg = TrainerConfig(lr=1e-2, use_kl_loss=True, kl_loss_coef=0.1, micro_batch_size=2)
     first = started(cfg, hf)
     initial = {k: v.clone() for k, v in first.ref_state.items()}
-    first.train(make_samples(seed=1), 1)
+    first.train(random_scored_samples(seed=1), 1)
     first.trainer.save(ckpt)
     resumed_weights = {k: v.detach().clone() for k, v in first.trainer.model.state_dict().items() if torch.is_tensor(v)}
 

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("vllm")
 
 from checkpoint_convert.families import from_canonical, is_mtp_name, to_canonical  # noqa: E402
-from rollout.engine import make_samples  # noqa: E402
+from vime.sample import samples_for_prompts  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from rollout.task import EOS, make_prompts  # noqa: E402
 from rollout.tokenizer import TextCodec  # noqa: E402
@@ -82,7 +82,7 @@ def hf_greedy(model, prompt_ids, max_new_tokens):
 
 
 def vllm_greedy(backend, prompts, max_new_tokens=24):
-    samples = make_samples(prompts)
+    samples = samples_for_prompts(prompts)
     backend.generate(samples, SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
     return [s.response_ids for s in samples]
 
@@ -104,7 +104,7 @@ def logprob_tolerance(logits):
 
 
 def assert_logprobs_match(backend, ref, prompts, seed):
-    samples = make_samples(prompts, n=4)
+    samples = samples_for_prompts(prompts, n=4)
     backend.generate(samples, SamplingParams(temperature=1.0, max_new_tokens=16, seed=seed))
     for s in samples:
         tokens = torch.tensor([s.prompt_ids + s.response_ids])
@@ -124,7 +124,7 @@ def test_vllm_sampled_token_logprobs_equal_the_trainers_definition(vllm_mtp, mim
 
 def test_vllm_refuses_temperatures_whose_logprobs_it_cannot_report_under_speculation(vllm_mtp, prompts):
     with pytest.raises(UserError, match="--rollout-temperature 1"):
-        vllm_mtp.generate(make_samples(prompts[:2]), SamplingParams(temperature=0.7, max_new_tokens=4))
+        vllm_mtp.generate(samples_for_prompts(prompts[:2]), SamplingParams(temperature=0.7, max_new_tokens=4))
 
 
 def test_speculative_counters_are_per_call_deltas(vllm_mtp, prompts):
@@ -218,7 +218,7 @@ def test_vllm_greedy_and_acceptance_equal_the_embedded_engines(vllm_mtp, mimo_ck
     from rollout.engine_builder import build_engine
 
     engine = build_engine(mimo_ckpt, {"method": "mtp", "num_speculative_tokens": 2})
-    samples = make_samples(prompts)
+    samples = samples_for_prompts(prompts)
     engine.generate(samples, SamplingParams(temperature=0, max_new_tokens=24))
     assert vllm_greedy(vllm_mtp, prompts) == [s.response_ids for s in samples]
     extra = []

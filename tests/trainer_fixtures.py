@@ -13,7 +13,9 @@ def make_tiny(path, **overrides):
     return make_random_checkpoint(str(path), **{**TINY, **overrides})
 
 
-def make_samples(n=4, prompt_len=4, seed=0, vocab=32, advantages=None):
+def random_scored_samples(n=4, prompt_len=4, seed=0, vocab=32, advantages=None):
+    """n Samples as the trainer receives them: random prompt and response ids, rollout log-probs
+    near -3, and an advantage each (all in one prompt group)."""
     g = torch.Generator().manual_seed(seed)
     samples = []
     for i in range(n):
@@ -27,4 +29,4 @@ def make_samples(n=4, prompt_len=4, seed=0, vocab=32, advantages=None):
 
 
 def make_batch(**kw):
-    return build_batch(make_samples(**kw))
+    return build_batch(random_scored_samples(**kw))

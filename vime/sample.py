@@ -44,3 +44,9 @@ class Sample:
     def loss_mask(self):
         """Per token of `tokens`: 1 on response tokens, 0 on the prompt."""
         return [0] * len(self.prompt_ids) + [1] * len(self.response_ids)
+
+
+def samples_for_prompts(prompt_ids_list, n=1):
+    """Fresh Samples to generate: n per prompt (index = the prompt's position, sample_index = 0..n-1)."""
+    return [Sample(prompt_ids=list(ids), index=i, sample_index=j) for i, ids in enumerate(prompt_ids_list)
+            for j in range(n)]

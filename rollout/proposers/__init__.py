@@ -1,6 +1,6 @@
 """Draft proposers for speculative decoding, one registry for all methods.
 
-A proposer sees every target forward (`ForwardOutput`: the hidden states of the new
+A proposer sees every target forward (`TargetForward`: the hidden states of the new
 positions that the family's first MTP layer reads, and how many of them are now followed by a known token) and leaves on
 each request the drafts for its next verify step (`request.drafts`, and
 `request.draft_probs` [k, V] when it has a draft distribution). The engine verifies them.
@@ -11,8 +11,8 @@ import torch
 
 
 @dataclass
-class ForwardOutput:
-    """One target forward over a ragged batch."""
+class TargetForward:
+    """What a proposer sees of one target forward over a ragged batch of requests."""
 
     requests: list
     hidden: torch.Tensor  # [B, Q, H] the new positions' hidden states as the first MTP layer reads them

@@ -12,7 +12,8 @@ import torch
 from checkpoint_convert.hf_format import load_hf_checkpoint
 from rollout.model import CausalLMWithMTP
 from rollout.proposers import Proposer
-from rollout.proposers.drafting import assign_drafts, draft_cache, pad_rows, pick_drafts, uniforms_if_sampling
+from rollout.padding import pad_token_rows
+from rollout.proposers.drafting import assign_drafts, draft_cache, pick_drafts, uniforms_if_sampling
 from rollout.spec_config import check_draft_vocab
 
 
@@ -56,7 +57,7 @@ class DraftModelProposer(Proposer):
         slots = torch.tensor([r.slot for r in reqs], device=device)
         starts = torch.tensor(valid, device=device)
         n_new = torch.tensor([len(x) - v for x, v in zip(ids, valid)], device=device)
-        logits = self._forward(slots, pad_rows([x[v:] for x, v in zip(ids, valid)], device), starts, n_new)
+        logits = self._forward(slots, pad_token_rows([x[v:] for x, v in zip(ids, valid)], device), starts, n_new)
         logits = logits[torch.arange(len(reqs), device=device), n_new - 1]
         pos = starts + n_new
         tokens, probs = [], []

@@ -1,4 +1,4 @@
-"""Helpers the model-based proposers share: picking draft tokens from draft logits, padding.
+"""Helpers the model-based proposers share: picking draft tokens from draft logits.
 
 A draft is either deterministic (argmax; the verifier then treats q as one-hot, which is
 exact for any deterministic proposer) or sampled from q = the draft's distribution
@@ -52,8 +52,3 @@ def assign_drafts(reqs, tokens, probs):
     for i, r in enumerate(reqs):
         r.drafts = rows[i]
         r.draft_probs = probs[i] if probs is not None else None
-
-
-def pad_rows(rows, device, value=0):
-    width = max(1, max(len(x) for x in rows))
-    return torch.tensor([list(x) + [value] * (width - len(x)) for x in rows], dtype=torch.long, device=device)

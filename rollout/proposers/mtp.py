@@ -2,7 +2,7 @@
 
 Chaining (DeepSeek-V3, as megatron-core trains it): MTP layer j (0-based) at position t
 reads h^j_t and the embedding of token t+j+1 and predicts token t+j+2, where h^0 is the
-trunk's hidden state as the family's first MTP layer reads it (`ForwardOutput.hidden`) and
+trunk's hidden state as the family's first MTP layer reads it (`TargetForward.hidden`) and
 h^j (j >= 1) is layer j-1's output at the same position t. Each
 layer keeps its own KV cache at positions t (rotary position t, as in megatron).
 
@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.proposers import ForwardOutput, Proposer
-from rollout.proposers.drafting import assign_drafts, draft_cache, pad_rows, pick_drafts, uniforms_if_sampling
+from rollout.proposers import TargetForward, Proposer
+from rollout.padding import pad_token_rows
+from rollout.proposers.drafting import assign_drafts, draft_cache, pick_drafts, uniforms_if_sampling
 
 
 @dataclass
@@ -100,7 +101,7 @@ class MTPProposer(Proposer):
             starts.append(start)
         hidden = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
         lengths = torch.tensor([len(x) for x in rows], device=hidden.device)
-        return ForwardOutput(out.requests, hidden, torch.tensor(starts, device=hidden.device), lengths)
+        return TargetForward(out.requests, hidden, torch.tensor(starts, device=hidden.device), lengths)
 
     def defer(self, out):
         """Keep this step's hidden states for the next drafting step (views: each forward's
@@ -119,7 +120,7 @@ class MTPProposer(Proposer):
         starts = torch.full((batch_size,), context, device=dev)
         n_valid = torch.full((batch_size,), new_tokens, device=dev)
         hidden = torch.zeros(batch_size, new_tokens, hidden_size, device=dev, dtype=self.engine.config.dtype)
-        out = ForwardOutput(None, hidden, starts, n_valid)
+        out = TargetForward(None, hidden, starts, n_valid)
         with torch.inference_mode():
             runs = self.catch_up(slots, out, lambda j, first, count: torch.zeros(
                 batch_size, int(count.max()), dtype=torch.long, device=dev))
@@ -154,7 +155,7 @@ class MTPProposer(Proposer):
         """token_rows(j, first, count): layer j's input tokens t+j+1 for t = first..first+count-1."""
         def token_rows(j, first, count):
             rows = zip(reqs, first.tolist(), count.tolist())
-            return pad_rows([r.all_ids[f + j + 1:f + j + 1 + c] for r, f, c in rows], first.device)
+            return pad_token_rows([r.all_ids[f + j + 1:f + j + 1 + c] for r, f, c in rows], first.device)
         return token_rows
 
     def catch_up(self, slots, out, token_rows):

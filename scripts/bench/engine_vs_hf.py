@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from rollout.engine import Engine, EngineConfig, make_samples  # noqa: E402
+from rollout.engine import Engine, EngineConfig  # noqa: E402
+from vime.sample import samples_for_prompts  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from rollout.task import make_prompts  # noqa: E402
 from rollout.tiny_model import make_random_checkpoint  # noqa: E402
@@ -28,9 +29,9 @@ def engine_tokens_per_s(path, prompts, new_tokens):
     engine = Engine.from_checkpoint(path, EngineConfig(max_batch_size=len(prompts)))
     engine.stop_ids = set()  # same work as HF with min_new_tokens
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens)
-    engine.generate(make_samples(prompts[:2]), params)  # warm-up
+    engine.generate(samples_for_prompts(prompts[:2]), params)  # warm-up
     start = time.perf_counter()
-    out = engine.generate(make_samples(prompts), params)
+    out = engine.generate(samples_for_prompts(prompts), params)
     return sum(len(s.response_ids) for s in out) / (time.perf_counter() - start)
 
 

@@ -26,14 +26,14 @@ ARMS = {"plain": None, "mtp k=1": {"method": "mtp", "num_speculative_tokens": 1}
 
 def tokens_per_s(backend, prompts, new_tokens):
     """(tokens/s, acceptance rate) of one timed greedy generate after a warm-up."""
-    from rollout.engine import make_samples
+    from vime.sample import samples_for_prompts
     from rollout.sampling_params import SamplingParams
     from rollout.spec_stats import spec_rates
 
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens)
-    backend.generate(make_samples(prompts[:2]), params)  # warm-up
+    backend.generate(samples_for_prompts(prompts[:2]), params)  # warm-up
     start = time.perf_counter()
-    out = backend.generate(make_samples(prompts), params)
+    out = backend.generate(samples_for_prompts(prompts), params)
     elapsed = time.perf_counter() - start
     return sum(len(s.response_ids) for s in out) / elapsed, spec_rates(backend.stats()["spec"])["spec_accept_rate"]
 

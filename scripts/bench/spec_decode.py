@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from rollout.engine import EngineConfig, make_samples  # noqa: E402
+from rollout.engine import EngineConfig  # noqa: E402
+from vime.sample import samples_for_prompts  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from rollout.engine_builder import build_engine, build_proposer  # noqa: E402
 from rollout.spec_config import parse_spec_config  # noqa: E402
@@ -47,7 +48,7 @@ def timed_generate(engine, spec, prompts, sampling):
     # a fresh proposer per repeat: suffix decoding would otherwise replay the previous repeat
     # (the k policy is kept: an adaptive engine keeps its cost profile and acceptance estimate)
     engine.set_proposer(build_proposer(parse_spec_config(spec) if spec is not None else None), engine.k_policy)
-    samples = make_samples(prompts)
+    samples = samples_for_prompts(prompts)
     start = time.perf_counter()
     engine.generate(samples, sampling)
     return time.perf_counter() - start, samples
@@ -59,7 +60,7 @@ def bench_batch(ckpt, table, names, prompts, batch, sampling, repeats):
     engines = {name: build_engine(ckpt, table[name], EngineConfig(max_batch_size=batch), adaptive=name in ADAPTIVE)
                for name in names}
     for name in names:
-        engines[name].generate(make_samples(prompts[:batch]), sampling)  # warm-up
+        engines[name].generate(samples_for_prompts(prompts[:batch]), sampling)  # warm-up
     best, stats = {}, {}
     for _ in range(repeats):
         for name in names:

@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from rollout.engine import EngineConfig, make_samples  # noqa: E402
+from rollout.engine import EngineConfig  # noqa: E402
+from vime.sample import samples_for_prompts  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from rollout.engine_builder import build_engine  # noqa: E402
 from rollout.tiny_model import make_random_checkpoint  # noqa: E402
@@ -71,7 +72,7 @@ def build(ckpt, spec, adaptive, max_batch):
 def run(engine, batch, max_new):
     prompts = [[1] + [3 + (7 * i + j) % 20 for j in range(8)] for i in range(batch)]
     start = time.perf_counter()
-    samples = engine.generate(make_samples(prompts), SamplingParams(temperature=0, max_new_tokens=max_new))
+    samples = engine.generate(samples_for_prompts(prompts), SamplingParams(temperature=0, max_new_tokens=max_new))
     return sum(len(s.response_ids) for s in samples) / (time.perf_counter() - start)
 
 

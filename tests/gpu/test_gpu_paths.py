@@ -4,7 +4,8 @@ These are not part of the CPU coverage; run them on a CUDA machine with `python 
 import pytest
 import torch
 
-from rollout.engine import Engine, EngineConfig, make_samples
+from rollout.engine import Engine, EngineConfig
+from vime.sample import samples_for_prompts
 from rollout.sampling_params import SamplingParams
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -26,7 +27,7 @@ def test_flash_attention_greedy_output_equals_sdpa_on_gpu(small_ckpt, task_promp
     for backend in ("sdpa", "flash"):
         engine = Engine.from_checkpoint(small_ckpt, EngineConfig(device="cuda", dtype=torch.bfloat16,
                                                                  attention_backend=backend))
-        outs[backend] = [s.response_ids for s in engine.generate(make_samples(task_prompt_ids), params)]
+        outs[backend] = [s.response_ids for s in engine.generate(samples_for_prompts(task_prompt_ids), params)]
     agree = sum(a == b for a, b in zip(outs["sdpa"], outs["flash"])) / len(task_prompt_ids)
     assert agree >= 0.9  # bf16 kernels may flip near-ties
 
@@ -34,7 +35,7 @@ def test_flash_attention_greedy_output_equals_sdpa_on_gpu(small_ckpt, task_promp
 @cuda
 def test_engine_on_gpu_matches_cpu_greedy_in_fp32(small_ckpt, task_prompt_ids):
     params = SamplingParams(temperature=0, max_new_tokens=24)
-    cpu = Engine.from_checkpoint(small_ckpt).generate(make_samples(task_prompt_ids), params)
+    cpu = Engine.from_checkpoint(small_ckpt).generate(samples_for_prompts(task_prompt_ids), params)
     gpu = Engine.from_checkpoint(small_ckpt, EngineConfig(device="cuda", attention_backend="sdpa")).generate(
-        make_samples(task_prompt_ids), params)
+        samples_for_prompts(task_prompt_ids), params)
     assert [s.response_ids for s in cpu] == [s.response_ids for s in gpu]

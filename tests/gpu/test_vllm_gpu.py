@@ -29,7 +29,7 @@ def mimo_ckpt(tmp_path_factory):
 
 def test_vllm_on_cuda_speculates_exactly_and_takes_synced_weights(mimo_ckpt):
     from checkpoint_convert.families import is_mtp_name, to_canonical
-    from rollout.engine import make_samples
+    from vime.sample import samples_for_prompts
     from rollout.sampling_params import SamplingParams
     from rollout.vllm_backend import VLLMBackend
     from safetensors.torch import load_file
@@ -41,7 +41,7 @@ def test_vllm_on_cuda_speculates_exactly_and_takes_synced_weights(mimo_ckpt):
     for name, spec in (("plain", None), ("mtp", {"method": "mtp", "num_speculative_tokens": 2})):
         backend = VLLMBackend(mimo_ckpt, spec, max_batch_size=16, device="cuda")
         try:
-            samples = make_samples(prompts)
+            samples = samples_for_prompts(prompts)
             backend.generate(samples, greedy)
             outs[name] = [s.response_ids for s in samples]
             if spec:
