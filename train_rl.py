@@ -209,8 +209,13 @@ class RLRun:
 
     def close(self):
         """Stop the processes a rollout backend started (vLLM's engine) before Ray goes down."""
-        if self.rollout:
+        if not self.rollout:
+            return
+        try:
             ray_get(self.rollout.close_workers.remote())
+        except Exception as e:  # a dead actor took its processes with it; the run's own error is reported
+            if dead_actor(e) is None:
+                raise
 
     def save(self, step):
         from vime import checkpointing
