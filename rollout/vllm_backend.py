@@ -271,8 +271,11 @@ class VLLMBackend:
         return {**self.loader_stats, **{k: v for k, v in self.readback_stats.items() if k in self.loader_stats}}
 
     def fingerprint(self):
+        """{"mtp": ..., "trunk": ...} checksums of vLLM's parameters; "mtp" is None without a drafter
+        (no speculation: nothing in vLLM holds the draft, so there is nothing to compare)."""
         stats = self._stats_by_name()
-        return {"mtp": weight_sync.checksum_from_stats({k: v for k, v in stats.items() if is_mtp_name(k, self.num_layers)}),
+        mtp = {k: v for k, v in stats.items() if is_mtp_name(k, self.num_layers)}
+        return {"mtp": weight_sync.checksum_from_stats(mtp) if self.has_draft else None,
                 "trunk": weight_sync.checksum_from_stats({k: v for k, v in stats.items()
                                                           if not is_mtp_name(k, self.num_layers)})}
 
