@@ -155,6 +155,7 @@ class VLLMBackend:
         self.max_len = hf.get("max_position_embeddings", 2048)
         self.spec = spec_dict(speculative_config)
         self.llm = LLM(**engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device))
+        self.llm.collective_rpc(vllm_worker.repair_cpu_expand_kernel)  # before any sampled verification
         self.has_draft = bool(self.llm.collective_rpc(vllm_worker.has_draft)[0])
         self.codec = _codec(hf_checkpoint)
         self.weight_version, self.paused = 0, False
