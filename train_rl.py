@@ -36,6 +36,13 @@ def preflight(cfg):
     require(cfg.mtp.num_layers is None or cfg.mtp.num_layers <= hf.num_nextn_predict_layers,
             f"--mtp-num-layers {cfg.mtp.num_layers}: {cfg.model.hf_checkpoint} has only "
             f"{hf.num_nextn_predict_layers} MTP layers")
+    # The rollout drafts with every MTP layer of the checkpoint; training fewer would leave the
+    # rest stale in the draft and the sync guard could never match the trainer's draft.
+    require(cfg.mtp.num_layers is None or cfg.mtp.num_layers >= hf.num_nextn_predict_layers,
+            f"--mtp-num-layers {cfg.mtp.num_layers}: {cfg.model.hf_checkpoint} has {hf.num_nextn_predict_layers} "
+            f"MTP layers and the rollout drafts with all of them; pass --mtp-num-layers "
+            f"{hf.num_nextn_predict_layers}, or keep the first {cfg.mtp.num_layers} with checkpoint_convert.hf_to_torch_dist "
+            f"--mtp-num-layers {cfg.mtp.num_layers} and torch_dist_to_hf")
     t = cfg.train
     check_parallel_sizes(t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.data_parallel_size,
                          t.tensor_model_parallel_size, t.pipeline_model_parallel_size)
@@ -210,8 +217,13 @@ class RLRun:
 
     def close(self):
         """Stop the processes a rollout backend started (vLLM's engine) before Ray goes down."""
-        if self.rollout:
+        if not self.rollout:
+            return
+        try:
             ray_get(self.rollout.close_workers.remote())
+        except Exception as e:  # a dead actor took its processes with it; the run's own error is reported
+            if dead_actor(e) is None:
+                raise
 
     def save(self, step):
         from vime import checkpointing

@@ -74,7 +74,7 @@ class WeightSync:
                 "weight_sync/bytes_per_s": trainer["bytes"] / max(max(r["seconds"] for r in received), 1e-9),
                 "weight_sync/mtp_checksum": trainer["mtp_checksum"][0],
                 "weight_sync/trunk_checksum": trainer["trunk_checksum"][0],
-                "weight_sync/worker_mtp_checksum": received[0]["mtp_checksum"][0],
+                "weight_sync/worker_mtp_checksum": (received[0]["mtp_checksum"] or [float("nan")])[0],
                 "rollout/weight_version_synced": version, "weight_sync/draft_stale": int(stale)}
 
     def _check_fingerprints(self, version, trainer, received):
@@ -82,7 +82,7 @@ class WeightSync:
         stale = False
         for i, got in enumerate(received):
             for part, what in self.PARTS.items():
-                if got[f"{part}_checksum"] == trainer[f"{part}_checksum"]:
+                if got[f"{part}_checksum"] in (trainer[f"{part}_checksum"], None):  # None: holds no such part
                     continue
                 if part == "mtp" and not self.sync_draft:
                     stale = True

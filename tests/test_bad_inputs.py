@@ -110,6 +110,15 @@ def test_bad_config_json_values_name_the_file_and_key(ckpt, tmp_path, edit, need
     refused(args_for(broken, tmp_path, "--vllm-speculative-config", "none"), broken, *needles)
 
 
+def test_training_fewer_mtp_layers_than_the_checkpoint_drafts_with_is_refused(tmp_path):
+    two = str(tmp_path / "two_mtp")
+    make_random_checkpoint(two, seed=5, num_nextn_predict_layers=2, **SMALL)
+    write_jsonl(make_prompts(8, seed=1), os.path.join(two, "train.jsonl"))
+    preflight(load_config(args_for(two, tmp_path, "--enable-mtp-training", "--mtp-num-layers", 2)))  # control
+    refused(args_for(two, tmp_path, "--enable-mtp-training", "--mtp-num-layers", 1),
+            "--mtp-num-layers 1", "has 2 MTP layers", "--mtp-num-layers 2")
+
+
 def test_save_and_output_dir_must_be_writable(ckpt, tmp_path):
     # /proc refuses new files even for root, unlike a chmod-ed directory
     refused(args_for(ckpt, tmp_path, "--save", "/proc/vime_ckpts"), "--save /proc/vime_ckpts", "cannot write")

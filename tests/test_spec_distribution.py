@@ -12,7 +12,6 @@ import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 import mtp.rejection as rejection
 from mtp.sampling import processed_logprobs
@@ -21,7 +20,7 @@ from vime.sample import samples_for_prompts
 from rollout.sampling_params import SamplingParams
 from rollout.proposers.mtp import MTPProposer
 from rollout.spec_config import parse_spec_config
-from spec_fixtures import tiny_vocab_model, one_thread  # noqa: F401
+from spec_fixtures import chi_square_p_value, one_thread, tiny_vocab_model  # noqa: F401
 
 N, PROMPT, ALPHA = 20000, [0, 3, 1], 1e-3
 
@@ -64,13 +63,7 @@ def sampled_joint(model, method, sample_drafts=True, k_policy=None, max_batch_si
 
 
 def p_value(counts, exact):
-    """Chi-square GOF; cells expected < 5 are pooled into one."""
-    small = [c for c in exact if exact[c] * N < 5]
-    big = [c for c in exact if c not in small]
-    obs = [counts.get(c, 0) for c in big] + [sum(counts.get(c, 0) for c in small)]
-    exp = [exact[c] * N for c in big] + [sum(exact[c] for c in small) * N]
-    total = sum(exp)
-    return chisquare(obs, [e * N / total for e in exp]).pvalue
+    return chi_square_p_value(counts, exact, N)
 
 
 @pytest.mark.parametrize("method, sample_drafts", [("probabilistic", True), ("probabilistic", False),

@@ -293,3 +293,14 @@ def test_kl_loss_is_zero_against_the_reference_at_the_start_and_grows_after(ckpt
     rows = metrics(tmp_path)
     assert abs(rows[0]["train/kl"]) < 1e-7  # the policy is the reference before its first update
     assert rows[1]["train/kl"] > 1e-5
+
+
+def test_samples_generated_with_other_weights_than_the_pushed_version_stop_the_run():
+    from train_rl import check_weight_versions
+    from vime.orchestration import WeightSyncError
+    from vime.sample import Sample
+
+    fresh = [Sample(prompt_ids=[1], weight_version=3) for _ in range(3)]
+    check_weight_versions(fresh, expected=3)  # control: all generated with the pushed weights
+    with pytest.raises(WeightSyncError, match=r"weight version\(s\) \[2\]"):
+        check_weight_versions(fresh + [Sample(prompt_ids=[1], weight_version=2)], expected=3)

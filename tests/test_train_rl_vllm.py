@@ -36,8 +36,8 @@ def ckpt(tmp_path_factory):
     return path
 
 
-def base_args(ckpt, out, steps, *extra):
-    spec = ["--vllm-speculative-config", SPEC, "--enable-mtp-training", "--mtp-num-layers", 1]
+def base_args(ckpt, out, steps, *extra, speculate=True):
+    spec = ["--vllm-speculative-config", SPEC, "--enable-mtp-training", "--mtp-num-layers", 1] if speculate else []
     return ["--hf-checkpoint", ckpt, "--rollout-backend", "vllm", "--num-rollout", steps, "--rollout-batch-size", 4,
             "--n-samples-per-prompt", 4, "--global-batch-size", 16, "--micro-batch-size", 8,
             "--rollout-max-response-len", 12, "--lr", 1e-3, "--custom-rm-path", "tests.rewards_for_tests:parity_reward",
@@ -92,6 +92,14 @@ def test_a_resumed_vllm_run_continues_from_the_checkpoint(vllm_run, ckpt, tmp_pa
             return [s.prompt for s in pickle.load(f)]
 
     assert prompts(tmp_path / "r") == prompts(os.path.join(out, "rollouts"))
+
+
+def test_without_speculation_vllm_holds_no_draft_and_the_guard_checks_the_trunk(ckpt, tmp_path):
+    proc = run_train(*base_args(ckpt, tmp_path, 1, "experiment=drift_none", speculate=False))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = metrics(tmp_path)
+    assert row["weight_sync/worker_mtp_checksum"] != row["weight_sync/worker_mtp_checksum"]  # NaN: no drafter
+    assert "rollout/spec_draft_tokens" not in row or row["rollout/spec_draft_tokens"] == 0
 
 
 @pytest.mark.slow  # the backend-level case runs by default (test_vllm_rollout.py)
