@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from rollout.engine import make_samples  # noqa: E402
+from vime.sample import samples_for_prompts  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from rollout.task import EOS  # noqa: E402
 from rollout.tokenizer import TextCodec  # noqa: E402
@@ -30,7 +30,7 @@ def vllm_samples():
     backend = VLLMBackend(DEFAULT_TINY_MODEL, {"method": "mtp", "num_speculative_tokens": 2}, max_batch_size=256)
     try:
         prompt = TextCodec(DEFAULT_TINY_MODEL).encode_prompt(PROMPT, 1)
-        samples = make_samples([prompt], n=N)
+        samples = samples_for_prompts([prompt], n=N)
         backend.generate(samples, SamplingParams(temperature=1.0, max_new_tokens=4))
         drafted = backend.stats()["spec"]["draft_tokens"]
     finally:
