@@ -27,6 +27,8 @@ REJECTION_METHODS = ("strict", "probabilistic", "synthetic")
 
 @dataclass
 class VerifyResult:
+    """Outcome of one verify step for a batch: how many drafts each request keeps and the tokens it emits."""
+
     num_accepted: torch.Tensor  # [B] drafts kept per request
     emitted: torch.Tensor  # [B, k+1] tokens; row b uses the first num_accepted[b]+1
     emitted_logprobs: torch.Tensor  # [B, k+1] target log-prob of each emitted token

@@ -31,6 +31,8 @@ from vime.errors import UserError, require
 
 @dataclass
 class EngineConfig:
+    """How the engine runs: batch slots, context length, device/dtype, kernels and the verify rule."""
+
     max_batch_size: int = 64
     max_len: int = None  # context length in tokens; default: the model's max_position_embeddings
     device: str = "cpu"
@@ -72,6 +74,9 @@ class Request:
 
 
 class Engine:
+    """The embedded inference engine: continuous batching over KV-cache slots, one verify path for
+    plain and speculative decoding (a plain step verifies zero drafts)."""
+
     def __init__(self, model, config=None, codec=None, proposer=None):
         self.config = config or EngineConfig()
         self.model = model.to(self.config.device, self.config.dtype).eval()

@@ -22,6 +22,8 @@ from rollout.linear import PackedWeight, linear, pack, pick_backend
 
 @dataclass
 class LayerWeights:
+    """One decoder layer's weights, packed for the fast inference path."""
+
     ln1: torch.Tensor
     qkv: PackedWeight
     qkv_bias: Optional[torch.Tensor]  # families with q/k/v bias

@@ -12,6 +12,8 @@ from rollout.model import sdpa_attention
 
 
 class KVCache:
+    """Preallocated keys/values [layers, slots, max_len, kv_heads, head_dim]; rollback is a length reset."""
+
     def __init__(self, num_layers, num_slots, max_len, num_kv_heads, head_dim, dtype=torch.float32, device="cpu"):
         shape = (num_layers, num_slots, max_len, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -24,6 +26,8 @@ class KVCache:
 
 
 class StepView:
+    """The cache as one forward step sees it: which slots, where their new tokens go, the causal mask."""
+
     def __init__(self, cache, slots, starts, n_new, backend):
         self.cache, self.slots, self.backend = cache, slots, backend
         q_len = int(n_new.max())
@@ -55,6 +59,8 @@ class StepView:
 
 
 class LayerView:
+    """One layer's slice of a `StepView`: writes the new keys/values and attends over the cache."""
+
     def __init__(self, step, layer):
         self.step, self.layer = step, layer
 

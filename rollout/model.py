@@ -25,6 +25,8 @@ def rms_norm(x, weight, eps):
 
 
 class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale."""
+
     def __init__(self, dim, eps):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -63,6 +65,8 @@ def sdpa_attention(q, k, v, q_positions, k_positions):
 
 
 class Attention(nn.Module):
+    """Grouped-query self-attention with rotary positions (q/k norm or q/k/v bias per family)."""
+
     def __init__(self, cfg):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
@@ -90,6 +94,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU feed-forward block: down(silu(gate(x)) * up(x))."""
+
     def __init__(self, cfg):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -101,6 +107,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm transformer layer: attention then MLP, each with a residual."""
+
     def __init__(self, cfg):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -114,6 +122,8 @@ class DecoderLayer(nn.Module):
 
 
 class SharedHead(nn.Module):
+    """An MTP layer's final norm before the output head it shares with the trunk."""
+
     def __init__(self, cfg):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -140,6 +150,8 @@ class MTPLayer(DecoderLayer):
 
 
 class Trunk(nn.Module):
+    """Token embedding, the decoder layers, then the MTP layers stored after them, and the final norm."""
+
     def __init__(self, cfg):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)

@@ -6,6 +6,8 @@ from vime.errors import require
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one request samples: temperature (0 = greedy), top-p/top-k, length, stop tokens, seed."""
+
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off

@@ -43,6 +43,8 @@ MISPLACED_KEYS = {
 
 @dataclass(frozen=True)
 class SpecConfig:
+    """A validated speculative config, in vLLM's SpeculativeConfig field names (no config: no speculation)."""
+
     method: str
     num_speculative_tokens: int
     model: str = None

@@ -12,6 +12,8 @@ import torch
 
 @dataclass
 class Batch:
+    """Right-padded [B, S] tensors of one training batch, aligned with `tokens`."""
+
     tokens: torch.Tensor  # [B, S] long
     loss_mask: torch.Tensor  # [B, S] float, 1 on response tokens
     rollout_logprobs: torch.Tensor  # [B, S] float

@@ -23,6 +23,8 @@ def flag(name, help_text=""):
 
 @dataclass
 class ModelSection:
+    """The policy checkpoint (`cfg.model`)."""
+
     hf_checkpoint: str = field(default=DEFAULT_TINY_MODEL, metadata=flag("--hf-checkpoint", "HF checkpoint dir"))
     make_tiny_model_if_missing: bool = field(default=True, metadata=flag(
         "--make-tiny-model-if-missing", "pretrain the tiny model into --hf-checkpoint when it does not exist"))
@@ -30,6 +32,8 @@ class ModelSection:
 
 @dataclass
 class RolloutSection:
+    """Prompts, sampling, rewards, speculative decoding and the rollout backend (`cfg.rollout`)."""
+
     prompt_data: Optional[str] = field(default=None, metadata=flag("--prompt-data", "JSONL prompts (default: the tiny model's train.jsonl)"))
     task_variant: Optional[str] = field(default=None, metadata=flag(
         "--task-variant", "generate the prompts of a tiny-task variant (rollout/task.py TASK_VARIANTS, e.g. longtail)"))
@@ -60,6 +64,8 @@ class RolloutSection:
 
 @dataclass
 class TrainSection:
+    """Optimiser, policy loss, batch sizes and parallelism of the trainers (`cfg.train`)."""
+
     lr: float = field(default=2e-4, metadata=flag("--lr"))
     weight_decay: float = field(default=0.0, metadata=flag("--weight-decay"))
     adam_eps: float = field(default=1e-8, metadata=flag("--adam-eps", "Adam's epsilon (Megatron's --adam-eps)"))
@@ -80,6 +86,8 @@ class TrainSection:
 
 @dataclass
 class MTPSection:
+    """The MTP layers: how many, whether and how they train online (`cfg.mtp`)."""
+
     num_layers: Optional[int] = field(default=None, metadata=flag("--mtp-num-layers"))
     enable_training: bool = field(default=False, metadata=flag("--enable-mtp-training"))
     loss_scaling_factor: float = field(default=0.2, metadata=flag("--mtp-loss-scaling-factor"))
@@ -95,6 +103,8 @@ class MTPSection:
 
 @dataclass
 class RunSection:
+    """The loop: steps, checkpoints, logging, Ray, debugging switches (`cfg.run`)."""
+
     num_rollout: int = field(default=40, metadata=flag("--num-rollout", "RL steps"))
     output_dir: str = field(default="runs/latest", metadata=flag("--output-dir", "metrics.jsonl, plots, wandb"))
     save: Optional[str] = field(default=None, metadata=flag("--save"))
@@ -116,6 +126,8 @@ class RunSection:
 
 @dataclass
 class Config:
+    """The whole tree train_rl.py runs on: one section per part, each handed only its own slice."""
+
     model: ModelSection = field(default_factory=ModelSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     train: TrainSection = field(default_factory=TrainSection)

@@ -14,6 +14,8 @@ def wandb_mode(run_cfg):
 
 
 class RunLogger:
+    """Writes each step's metrics to metrics.jsonl and wandb, and the summary plot and table at the end."""
+
     def __init__(self, run_cfg, config_dict, resume_step=0):
         self.cfg = run_cfg
         self.dir = run_cfg.output_dir

@@ -18,6 +18,8 @@ TIMEOUT = datetime.timedelta(minutes=5)
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """Name, shape and dtype of one synced tensor (the bucket layout is a list of these)."""
+
     name: str
     shape: tuple
     dtype: torch.dtype

@@ -34,6 +34,8 @@ def valid_prefix(base, drafted, ids):
 
 
 class DraftModelProposer(Proposer):
+    """Drafts with a separate small causal LM that shares the target's vocabulary (its own KV cache)."""
+
     def __init__(self, spec, model=None, sample_drafts=False):
         self.spec, self.model, self.sample_drafts = spec, model, sample_drafts  # see drafting.py
         self.num_speculative_tokens = spec.num_speculative_tokens

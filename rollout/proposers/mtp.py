@@ -59,6 +59,8 @@ def shift_rows(x, offset):
 
 
 class MTPProposer(Proposer):
+    """Drafts with the policy's own MTP layers, chained over depths, from the target forward's hidden states."""
+
     def __init__(self, spec, sample_drafts=False):
         self.spec, self.sample_drafts = spec, sample_drafts  # see drafting.py for the choice
         self.num_speculative_tokens = spec.num_speculative_tokens

@@ -20,6 +20,8 @@ def ngram_lookup(ids, k, min_n, max_n):
 
 
 class NgramProposer(Proposer):
+    """Prompt-lookup drafts: what followed the latest earlier occurrence of the last n tokens."""
+
     def __init__(self, spec):
         self.spec = spec
         self.num_speculative_tokens = spec.num_speculative_tokens
