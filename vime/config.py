@@ -34,19 +34,27 @@ class ModelSection:
 class RolloutSection:
     """Prompts, sampling, rewards, speculative decoding and the rollout backend (`cfg.rollout`)."""
 
-    prompt_data: Optional[str] = field(default=None, metadata=flag("--prompt-data", "JSONL prompts (default: the tiny model's train.jsonl)"))
+    prompt_data: Optional[str] = field(default=None, metadata=flag(
+        "--prompt-data", "JSONL prompts (default: the tiny model's train.jsonl)"))
     task_variant: Optional[str] = field(default=None, metadata=flag(
         "--task-variant", "generate the prompts of a tiny-task variant (rollout/task.py TASK_VARIANTS, e.g. longtail)"))
-    task_variant_prompts: int = field(default=4096, metadata=flag("--task-variant-prompts", "prompts --task-variant makes"))
-    input_key: str = field(default="prompt", metadata=flag("--input-key"))
-    label_key: str = field(default="label", metadata=flag("--label-key"))
+    task_variant_prompts: int = field(default=4096, metadata=flag(
+        "--task-variant-prompts", "prompts --task-variant makes"))
+    input_key: str = field(default="prompt", metadata=flag("--input-key", "JSONL key of the prompt text"))
+    label_key: str = field(default="label", metadata=flag(
+        "--label-key", "JSONL key of the reference answer the reward checks"))
     rollout_batch_size: int = field(default=16, metadata=flag("--rollout-batch-size", "prompts per step"))
-    n_samples_per_prompt: int = field(default=8, metadata=flag("--n-samples-per-prompt"))
-    rollout_max_response_len: int = field(default=40, metadata=flag("--rollout-max-response-len"))
-    rollout_temperature: float = field(default=1.0, metadata=flag("--rollout-temperature"))
-    rollout_top_p: float = field(default=1.0, metadata=flag("--rollout-top-p"))
-    rollout_top_k: int = field(default=0, metadata=flag("--rollout-top-k"))
-    rollout_num_workers: int = field(default=1, metadata=flag("--rollout-num-workers"))
+    n_samples_per_prompt: int = field(default=8, metadata=flag(
+        "--n-samples-per-prompt", "responses sampled per prompt (one advantage group)"))
+    rollout_max_response_len: int = field(default=40, metadata=flag(
+        "--rollout-max-response-len", "most tokens generated per response"))
+    rollout_temperature: float = field(default=1.0, metadata=flag(
+        "--rollout-temperature", "sampling temperature (> 0: RL samples from the policy)"))
+    rollout_top_p: float = field(default=1.0, metadata=flag(
+        "--rollout-top-p", "nucleus sampling; RL keeps 1.0 (the trainer scores the full softmax)"))
+    rollout_top_k: int = field(default=0, metadata=flag("--rollout-top-k", "top-k sampling (0: off); RL keeps 0"))
+    rollout_num_workers: int = field(default=1, metadata=flag(
+        "--rollout-num-workers", "rollout worker actors (each holds a copy of the policy)"))
     rollout_max_batch_size: int = field(default=128, metadata=flag("--rollout-max-batch-size", "engine slots"))
     vllm_speculative_config: Any = field(default_factory=lambda: {"method": "mtp", "num_speculative_tokens": 2}, metadata=flag(
         "--vllm-speculative-config", "vLLM SpeculativeConfig JSON, e.g. '{\"method\":\"mtp\",\"num_speculative_tokens\":2}'"))
@@ -56,43 +64,59 @@ class RolloutSection:
         "--sync-draft-weights", "--no-sync-draft-weights syncs only the target (benchmark arm: the draft goes stale)"))
     spec_adaptive: bool = field(default=False, metadata=flag(
         "--spec-adaptive", "choose k in 0..num_speculative_tokens per step from measured cost and acceptance"))
-    rm_type: str = field(default="tiny_add", metadata=flag("--rm-type"))
+    rm_type: str = field(default="tiny_add", metadata=flag(
+        "--rm-type", "reward function by name (rollout/rewards.py REWARDS: tiny_add, exact_match)"))
     custom_rm_path: Optional[str] = field(default=None, metadata=flag("--custom-rm-path", "module:function"))
-    rollout_seed: int = field(default=42, metadata=flag("--rollout-seed"))
-    rollout_shuffle: bool = field(default=True, metadata=flag("--rollout-shuffle"))
+    rollout_seed: int = field(default=42, metadata=flag("--rollout-seed", "seed of prompt order and sampling"))
+    rollout_shuffle: bool = field(default=True, metadata=flag(
+        "--rollout-shuffle", "shuffle the prompts each epoch (--no-rollout-shuffle: file order)"))
 
 
 @dataclass
 class TrainSection:
     """Optimiser, policy loss, batch sizes and parallelism of the trainers (`cfg.train`)."""
 
-    lr: float = field(default=2e-4, metadata=flag("--lr"))
-    weight_decay: float = field(default=0.0, metadata=flag("--weight-decay"))
+    lr: float = field(default=2e-4, metadata=flag("--lr", "learning rate of the policy (Adam)"))
+    weight_decay: float = field(default=0.0, metadata=flag("--weight-decay", "Adam weight decay"))
     adam_eps: float = field(default=1e-8, metadata=flag("--adam-eps", "Adam's epsilon (Megatron's --adam-eps)"))
-    clip_grad: float = field(default=1.0, metadata=flag("--clip-grad"))
-    eps_clip: float = field(default=0.2, metadata=flag("--eps-clip"))
-    eps_clip_high: Optional[float] = field(default=None, metadata=flag("--eps-clip-high"))
-    use_kl_loss: bool = field(default=False, metadata=flag("--use-kl-loss"))
-    kl_loss_coef: float = field(default=0.0, metadata=flag("--kl-loss-coef"))
+    clip_grad: float = field(default=1.0, metadata=flag(
+        "--clip-grad", "max grad norm of the policy parameters (0: no clipping)"))
+    eps_clip: float = field(default=0.2, metadata=flag(
+        "--eps-clip", "PPO-clip epsilon: the ratio is clipped to [1 - eps, 1 + eps-high]"))
+    eps_clip_high: Optional[float] = field(default=None, metadata=flag(
+        "--eps-clip-high", "upper clip epsilon (none: --eps-clip)"))
+    use_kl_loss: bool = field(default=False, metadata=flag(
+        "--use-kl-loss", "add a KL penalty to the initial policy (the reference)"))
+    kl_loss_coef: float = field(default=0.0, metadata=flag("--kl-loss-coef", "weight of the KL penalty"))
     kl_loss_type: str = field(default="k3", metadata=flag("--kl-loss-type", "k1 | k3"))
-    advantage_estimator: str = field(default="grpo", metadata=flag("--advantage-estimator"))
+    advantage_estimator: str = field(default="grpo", metadata=flag(
+        "--advantage-estimator", "grpo | gspo | reinforce_plus_plus (rollout/advantages.py)"))
     global_batch_size: int = field(default=128, metadata=flag("--global-batch-size", "samples per optimizer step"))
-    micro_batch_size: int = field(default=64, metadata=flag("--micro-batch-size"))
-    tensor_model_parallel_size: int = field(default=1, metadata=flag("--tensor-model-parallel-size"))
-    pipeline_model_parallel_size: int = field(default=1, metadata=flag("--pipeline-model-parallel-size"))
-    data_parallel_size: int = field(default=1, metadata=flag("--data-parallel-size"))
-    seed: int = field(default=1234, metadata=flag("--seed"))
+    micro_batch_size: int = field(default=64, metadata=flag(
+        "--micro-batch-size", "samples per forward/backward (gradients accumulate over a step)"))
+    tensor_model_parallel_size: int = field(default=1, metadata=flag(
+        "--tensor-model-parallel-size", "trainer tensor parallelism (TP)"))
+    pipeline_model_parallel_size: int = field(default=1, metadata=flag(
+        "--pipeline-model-parallel-size", "trainer pipeline parallelism (only 1 is supported)"))
+    data_parallel_size: int = field(default=1, metadata=flag(
+        "--data-parallel-size", "trainer data parallelism (DP); trainer actors = TP x PP x DP"))
+    seed: int = field(default=1234, metadata=flag("--seed", "trainer seed"))
 
 
 @dataclass
 class MTPSection:
     """The MTP layers: how many, whether and how they train online (`cfg.mtp`)."""
 
-    num_layers: Optional[int] = field(default=None, metadata=flag("--mtp-num-layers"))
-    enable_training: bool = field(default=False, metadata=flag("--enable-mtp-training"))
-    loss_scaling_factor: float = field(default=0.2, metadata=flag("--mtp-loss-scaling-factor"))
-    detach_trunk: bool = field(default=True, metadata=flag("--mtp-detach-trunk", "--no-mtp-detach-trunk trains jointly"))
-    clip_grad: Optional[float] = field(default=None, metadata=flag("--mtp-clip-grad"))
+    num_layers: Optional[int] = field(default=None, metadata=flag(
+        "--mtp-num-layers", "MTP layers to load, train and sync (none: as many as the checkpoint has)"))
+    enable_training: bool = field(default=False, metadata=flag(
+        "--enable-mtp-training", "train the MTP layers online on the rollout tokens (else loaded frozen, still synced)"))
+    loss_scaling_factor: float = field(default=0.2, metadata=flag(
+        "--mtp-loss-scaling-factor", "factor of the MTP loss added to the policy loss"))
+    detach_trunk: bool = field(default=True, metadata=flag(
+        "--mtp-detach-trunk", "--no-mtp-detach-trunk trains jointly"))
+    clip_grad: Optional[float] = field(default=None, metadata=flag(
+        "--mtp-clip-grad", "max grad norm of the MTP parameters, clipped apart from the policy's (none: --clip-grad)"))
     loss_type: str = field(default="ce", metadata=flag(
         "--mtp-loss-type", "ce (sampled token) | soft_ce | tv (against the detached policy distribution)"))
     distill_topk: int = field(default=0, metadata=flag(
@@ -107,20 +131,30 @@ class RunSection:
 
     num_rollout: int = field(default=40, metadata=flag("--num-rollout", "RL steps"))
     output_dir: str = field(default="runs/latest", metadata=flag("--output-dir", "metrics.jsonl, plots, wandb"))
-    save: Optional[str] = field(default=None, metadata=flag("--save"))
-    save_interval: int = field(default=0, metadata=flag("--save-interval"))
-    load: Optional[str] = field(default=None, metadata=flag("--load"))
-    ray_address: Optional[str] = field(default=None, metadata=flag("--ray-address"))
-    use_wandb: bool = field(default=True, metadata=flag("--use-wandb"))
-    wandb_project: str = field(default="vime", metadata=flag("--wandb-project"))
-    wandb_group: Optional[str] = field(default=None, metadata=flag("--wandb-group"))
+    save: Optional[str] = field(default=None, metadata=flag(
+        "--save", "directory for torch_dist checkpoints (model, optimizer, loop state)"))
+    save_interval: int = field(default=0, metadata=flag(
+        "--save-interval", "save into --save every N steps (0: no checkpoints)"))
+    load: Optional[str] = field(default=None, metadata=flag("--load", "checkpoint directory to resume from"))
+    ray_address: Optional[str] = field(default=None, metadata=flag(
+        "--ray-address", "join a running Ray cluster (none: start a local one)"))
+    use_wandb: bool = field(default=True, metadata=flag(
+        "--use-wandb", "log to wandb (--no-use-wandb: metrics.jsonl only)"))
+    wandb_project: str = field(default="vime", metadata=flag("--wandb-project", "wandb project"))
+    wandb_group: Optional[str] = field(default=None, metadata=flag("--wandb-group", "wandb group"))
     wandb_mode: Optional[str] = field(default=None, metadata=flag("--wandb-mode", "offline | online"))
-    check_weight_update_equal: bool = field(default=False, metadata=flag("--check-weight-update-equal"))
-    update_weight_buffer_size: int = field(default=16 * 1024 * 1024, metadata=flag("--update-weight-buffer-size", "bytes"))
-    debug_rollout_only: bool = field(default=False, metadata=flag("--debug-rollout-only"))
-    debug_train_only: bool = field(default=False, metadata=flag("--debug-train-only"))
-    save_debug_rollout_data: Optional[str] = field(default=None, metadata=flag("--save-debug-rollout-data"))
-    load_debug_rollout_data: Optional[str] = field(default=None, metadata=flag("--load-debug-rollout-data"))
+    check_weight_update_equal: bool = field(default=False, metadata=flag(
+        "--check-weight-update-equal", "after every sync compare every tensor of the workers with the trainer's"))
+    update_weight_buffer_size: int = field(default=16 * 1024 * 1024, metadata=flag(
+        "--update-weight-buffer-size", "bytes"))
+    debug_rollout_only: bool = field(default=False, metadata=flag(
+        "--debug-rollout-only", "start no trainers: generate and score only"))
+    debug_train_only: bool = field(default=False, metadata=flag(
+        "--debug-train-only", "train on saved rollouts (--load-debug-rollout-data), no generation"))
+    save_debug_rollout_data: Optional[str] = field(default=None, metadata=flag(
+        "--save-debug-rollout-data", "directory to pickle each step's rollout samples into"))
+    load_debug_rollout_data: Optional[str] = field(default=None, metadata=flag(
+        "--load-debug-rollout-data", "directory of pickled rollouts that --debug-train-only trains on"))
     progress: bool = field(default=True, metadata=flag("--progress", "tqdm progress bars"))
 
 
