@@ -71,20 +71,43 @@ def test_yaml_and_dataclass_defaults_agree():
             assert getattr(getattr(schema, section), key) == value, f"{section}.{key}"
 
 
-def test_help_shows_every_flag_with_its_default():
-    from vime.cli_config import help_text
+def test_help_shows_every_flag_with_a_help_line_its_key_and_its_default():
+    import argparse
+
+    from vime.cli_config import build_parser, compose, help_text
 
     text = help_text()
-    for name in flag_table():
-        line = next(x for x in text.splitlines() if x.split()[:1] == [name])
-        assert "default" in line, line
-    assert "--rollout-batch-size" in text and "[default: 16]" in text
-    assert '[default: {"method": "mtp", "num_speculative_tokens": 2}]' in text
+    shown = {a.option_strings[0]: a.help for a in build_parser(compose([]))._actions if a.help != argparse.SUPPRESS}
+    assert set(shown) == set(flag_table())
+    for name, (path, f) in flag_table().items():
+        assert f.metadata["help"], f"{name} has no help line"
+        assert f"({path})" in shown[name] and "default" in shown[name], f"{name}: {shown[name]}"
+        assert f"  {name} " in text, f"{name} missing from --help"
 
 
-def test_optional_flags_take_none():
-    assert load_config(["--mtp-lr", "none"]).mtp.lr is None
-    assert load_config([]).mtp.lr == 5e-3
+def test_bool_flags_take_no_value_true_false_or_the_no_prefix_and_keep_the_next_argument():
+    assert load_config(["--enable-mtp-training", "mtp.num_layers=1"]).mtp.num_layers == 1
+    assert load_config(["--enable-mtp-training", "mtp.num_layers=1"]).mtp.enable_training is True
+    assert load_config(["--use-wandb", "false"]).run.use_wandb is False
+    assert load_config(["--use-wandb=False"]).run.use_wandb is False
+    assert load_config(["--no-use-wandb"]).run.use_wandb is False
+    assert load_config(["--no-use-wandb", "--use-wandb"]).run.use_wandb is True  # the last one wins
+    assert load_config(["--mtp-num-layers", "none"]).mtp.num_layers is None
+    assert load_config(["--lr=-1"]).train.lr == -1 and load_config(["--lr", "-1"]).train.lr == -1
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--spec-adaptive=maybe"], "--spec-adaptive takes true or false (got 'maybe')"),
+    (["--mtp-num-layers", "two"], "--mtp-num-layers expects int (got 'two')"),
+    (["--lr"], "--lr needs a value"),
+    (["--mtp-num"], "unknown flag --mtp-num"),  # no abbreviations: a prefix is a typo, not a flag
+    (["--rollout-temprature=1"], "did you mean --rollout-temperature"),
+    (["--no-lr"], "unknown flag --no-lr"),
+])
+def test_more_bad_flags_are_one_line_user_errors(argv, needle):
+    with pytest.raises(UserError) as err:
+        load_config(argv)
+    assert needle in str(err.value) and "\n" not in str(err.value)
 
 
 def test_trainer_config_defaults_are_the_config_trees():

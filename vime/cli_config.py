@@ -1,11 +1,15 @@
 """argv -> Config: Hydra YAML defaults, then Hydra `key=value` overrides, then `--kebab-flags`.
 
-Flags are applied to the dataclass tree after Hydra composes, so values Hydra's override
-grammar cannot hold (a JSON speculative config) pass through unchanged.
+The flags are an argparse parser generated from the config fields' metadata (vime/config.py
+`flag_table`): name, help, type. Every argparse error is one `UserError` line. Flags are applied
+to the dataclass tree after Hydra composes, so values Hydra's override grammar cannot hold (a JSON
+speculative config) pass through unchanged.
 """
+import argparse
 import difflib
 import json
 import os
+import re
 import typing
 
 from omegaconf import OmegaConf
@@ -16,32 +20,67 @@ from vime.errors import UserError, require
 CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
 
 
-def split_argv(argv):
-    """(hydra overrides, [(flag, value-or-None)]) from argv."""
-    overrides, flags, i = [], [], 0
-    table = flag_table()
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            require("=" in arg, f"unexpected argument {arg!r}: use --kebab-flags or Hydra key=value overrides")
-            overrides.append(arg)
-            i += 1
-            continue
-        name, _, inline = arg.partition("=")
-        base = "--" + name[5:] if name.startswith("--no-") and name not in table else name
-        _require_known(base, table)
-        if name != base:
-            flags.append((base, "false"))
-        elif inline:
-            flags.append((name, inline))
-        elif _is_bool(table[name][1]) and (i + 1 == len(argv) or argv[i + 1].lower() not in ("true", "false")):
-            flags.append((name, "true"))
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse whose errors are vime's one-line `UserError`s (not usage + exit inside argparse)."""
+
+    def error(self, message):
+        flag = re.match(r"argument ([^:/ ]+)[^:]*: expected one argument$", message)
+        if flag:
+            raise UserError(f"{flag.group(1)} needs a value")
+        raise UserError(re.sub(r"^argument [^:]+: ", "", message))
+
+
+def build_parser(defaults=None):
+    """An argparse parser with one option per config field (from `flag_table`); each field's help,
+    its config key and, given the composed `defaults` tree, its default appear in --help."""
+    parser = _OneLineErrors(
+        prog="python train_rl.py", allow_abbrev=False, add_help=False,
+        usage="python train_rl.py [--kebab-flags ...] [hydra.key=value ...]",
+        description="Every flag sets one field of the config tree (configs/config.yaml, vime/config.py); "
+                    "Hydra key=value overrides set the same fields. Flags win over overrides.",
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=44, width=132))
+    for name, (path, f) in flag_table().items():
+        help_line = f"{f.metadata['help']} ({path})"
+        if defaults is not None and "default" not in f.metadata["help"]:  # some helps say what theirs means
+            section, key = path.split(".")
+            help_line += f" [default: {_shown(getattr(getattr(defaults, section), key))}]"
+        common = dict(dest=path, default=argparse.SUPPRESS, help=help_line.replace("%", "%%"))
+        if _is_bool(f):  # `--flag`, `--flag true|false`, `--flag=false` and `--no-flag` (see _normalise_bools)
+            parser.add_argument(name, nargs="?", const=True, type=_converter(name, f), metavar="true|false", **common)
+            parser.add_argument("--no-" + name[2:], dest=path, action="store_false", default=argparse.SUPPRESS,
+                                help=argparse.SUPPRESS)
         else:
-            require(i + 1 < len(argv), f"{name} needs a value")
-            flags.append((name, argv[i + 1]))
-            i += 1
-        i += 1
-    return overrides, flags
+            parser.add_argument(name, type=_converter(name, f), metavar=_metavar(f), **common)
+    return parser
+
+
+def split_argv(argv):
+    """(hydra overrides, {config key: value}) from argv; the values already have their field's type."""
+    table = flag_table()
+    flags, rest = build_parser().parse_known_args(_normalise_bools(list(argv), table))
+    for arg in rest:
+        if arg.startswith("--"):
+            _require_known(arg.partition("=")[0], table)
+    for arg in rest:
+        require(not arg.startswith("-") and "=" in arg,
+                f"unexpected argument {arg!r}: use --kebab-flags or Hydra key=value overrides")
+    return rest, vars(flags)
+
+
+def _normalise_bools(argv, table):
+    """`--flag` and `--flag true|false` of a bool field as `--flag=true|false`: a bare bool flag must not
+    swallow the next argument (`--enable-mtp-training experiment=x`), so only true/false join it."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg in table and _is_bool(table[arg][1]):
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            joined = nxt is not None and nxt.lower() in ("true", "false")
+            out.append(f"{arg}={nxt if joined else 'true'}")
+            if joined:
+                argv[i + 1] = None
+        elif arg is not None:
+            out.append(arg)
+    return out
 
 
 def _require_known(name, table):
@@ -55,21 +94,34 @@ def _is_bool(f):
     return f.type is bool
 
 
-def _convert(name, f, text):
-    """The flag's string value as the field's type."""
+def _value_kind(f):
     args = [a for a in typing.get_args(f.type) if a is not type(None)]
-    kind = args[0] if args else f.type
-    if text.lower() in ("none", "null") and type(None) in typing.get_args(f.type):
-        return None
-    try:
-        if kind is bool:
-            require(text.lower() in ("true", "false", "1", "0"), f"{name} takes true or false (got {text!r})")
-            return text.lower() in ("true", "1")
-        if kind in (int, float, str):
-            return kind(text)
-    except ValueError:
-        raise UserError(f"{name} expects {kind.__name__} (got {text!r})") from None
-    return text  # Any: kept as given (e.g. a JSON string, parsed by its own validator)
+    return args[0] if args else f.type
+
+
+def _metavar(f):
+    kind = _value_kind(f)
+    return "JSON" if kind is typing.Any else kind.__name__.upper()
+
+
+def _converter(name, f):
+    """The argparse `type` of a field: its type from the flag's text, `none`/`null` for optional fields."""
+
+    def convert(text):
+        kind = _value_kind(f)
+        if text.lower() in ("none", "null") and type(None) in typing.get_args(f.type):
+            return None
+        try:
+            if kind is bool:
+                require(text.lower() in ("true", "false", "1", "0"), f"{name} takes true or false (got {text!r})")
+                return text.lower() in ("true", "1")
+            if kind in (int, float, str):
+                return kind(text)
+        except ValueError:
+            raise UserError(f"{name} expects {kind.__name__} (got {text!r})") from None
+        return text  # Any: kept as given (e.g. a JSON string, parsed by its own validator)
+
+    return convert
 
 
 def compose(overrides):
@@ -106,13 +158,11 @@ def _closest_key_hint(overrides):
 
 def load_config(argv):
     """The validated-later Config for argv (see module docstring)."""
-    overrides, flags = split_argv(list(argv))
+    overrides, values = split_argv(list(argv))
     cfg = compose(overrides)
-    table = flag_table()
-    for name, text in flags:
-        path, f = table[name]
+    for path, value in values.items():
         section, key = path.split(".")
-        setattr(getattr(cfg, section), key, _convert(name, f, text))
+        setattr(getattr(cfg, section), key, value)
     spec = cfg.rollout.vllm_speculative_config
     if isinstance(spec, str) and spec.strip().lower() in ("", "none", "null"):
         cfg.rollout.vllm_speculative_config = None
@@ -125,16 +175,8 @@ def describe(cfg):
 
 
 def help_text():
-    """Every flag with its config key, its default (after configs/config.yaml) and its help."""
-    defaults = compose([])
-    lines = ["usage: python train_rl.py [--kebab-flags ...] [hydra.key=value ...]", ""]
-    for name, (path, f) in flag_table().items():
-        section, key = path.split(".")
-        text = f.metadata.get("help", "")
-        if "default" not in text:  # some helps already say what their default means
-            text = f"{text} [default: {_shown(getattr(getattr(defaults, section), key))}]".strip()
-        lines.append(f"  {name:<34} {path:<40} {text}")
-    return "\n".join(lines)
+    """--help: every flag with its help, its config key and its default (after configs/config.yaml)."""
+    return build_parser(compose([])).format_help()
 
 
 def _shown(value):
