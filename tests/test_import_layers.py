@@ -198,3 +198,14 @@ def test_an_upward_or_sideways_import_is_a_violation():
     assert layer_violations({"base.x": set(), "left.a": {"base.x"}, "top": {"left.a", "right"}}, layers) == []
     bad = layer_violations({"base.x": {"top"}, "left.a": {"right.b"}, "right.b": set(), "top": set()}, layers)
     assert [b.split(" (")[0] for b in bad] == ["base.x -> top", "left.a -> right.b"]
+
+
+def test_the_readme_layout_table_names_every_package_and_only_paths_that_exist():
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("| path | what it owns |"):].split("\n\n")[0]
+    paths = [line.split("`")[1] for line in table.splitlines()[2:]]
+    assert [p for p in paths if not (REPO / p).exists()] == []
+    assert [p for p in PACKAGES if f"{p}/" not in paths] == []
+    # the table lists the layered packages bottom to top, like LAYERS
+    order = [paths.index(f"{p}/") for p in ("mtp", "vime", "checkpoint_convert", "rollout", "orchestration")]
+    assert order == sorted(order)
