@@ -30,8 +30,9 @@ LAYERS = (
     ("orchestration: driver-side actor handles, weight-sync protocol, the RL loop",
      {"orchestration": ("orchestration", "train_rl")}),
 )
-# Pure modules run anywhere (no Ray cluster, no Megatron, no vLLM), nor does anything they import.
-PURE = ("mtp", "checkpoint_convert.families", "checkpoint_convert.hf_format")
+# Pure modules run anywhere (no Ray cluster, no Megatron, no vLLM), nor does anything they import;
+# the shared layer vime/ too, so both sides (and tools) can use it without those installed.
+PURE = ("mtp", "checkpoint_convert.families", "checkpoint_convert.hf_format", "vime")
 HEAVY = ("ray", "megatron", "vllm")
 
 
