@@ -50,6 +50,8 @@ def test_bad_flags_are_one_line_user_errors(argv, needle):
     (["--mtp-loss-type", "kl"], "--mtp-loss-type 'kl': use one of ce, soft_ce, tv"),
     (["--mtp-loss-type", "soft_ce", "--mtp-distill-topk", "-1"], "--mtp-distill-topk must be >= 0"),
     (["--mtp-distill-topk", "8"], "--mtp-distill-topk truncates a distillation target"),
+    (["--enable-mtp-training", "--mtp-num-layers", "1", "--mtp-train-depths", "0"], "--mtp-train-depths must be >= 1"),
+    (["--mtp-train-depths", "3"], "--mtp-train-depths sets what the online MTP loss trains"),
 ])
 def test_validation_refuses_inconsistent_settings(argv, needle):
     with pytest.raises(UserError, match=needle.replace("-", r"\-")):

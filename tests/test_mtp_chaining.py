@@ -12,7 +12,7 @@ from checkpoint_convert.families import FAMILIES
 from fp32_bounds import reduction_rtol
 from rollout.engine import Engine, EngineConfig
 from vime.sample import samples_for_prompts
-from rollout.proposers.mtp import MTPProposer
+from rollout.proposers.mtp import MTPProposer, mtp_input_hidden
 from rollout.sampling_params import SamplingParams
 from rollout.spec_config import parse_spec_config
 from trainer.config import TrainerConfig
@@ -97,3 +97,46 @@ def test_unchained_second_layer_would_differ_from_megatron(ckpt):
         unchained = model.logits(model.mtp_forward(1, tokens[:, 2:], trunk[:, :n - 2], torch.arange(n - 2)[None]))[0]
     tol = reduction_rtol(max(2 * TINY["hidden_size"], TINY["intermediate_size"]), depth_of_layer(1))
     assert (unchained - megatron).abs().max().item() > 100 * tol * max(1.0, megatron.abs().max().item())
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def one_layer_ckpt(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"mtp_repeat_{request.param}")
+    make_tiny(path, seed=5, std=0.1, num_nextn_predict_layers=1, tie_word_embeddings=False, family=request.param,
+              eos_token_id=None)
+    return str(path)
+
+
+def repeated_layer_logits(model, tokens, depths):
+    """Module-path recompute of `--mtp-train-depths`: the one MTP layer at depth d reads its own
+    depth d-1 output at t (the trunk's for d = 1) and token t+d, no cache."""
+    n = tokens.shape[1]
+    hidden, logits = mtp_input_hidden(model, tokens), []
+    for d in range(depths):
+        width = n - d - 1
+        hidden = model.mtp_forward(0, tokens[:, d + 1:d + 1 + width], hidden[:, :width], torch.arange(width)[None])
+        logits.append(model.logits(hidden)[0])
+    return logits
+
+
+def test_train_depths_past_the_last_layer_reuse_it_on_its_own_output(one_layer_ckpt):
+    depths = 3
+    model = Engine.from_checkpoint(one_layer_ckpt, EngineConfig(max_batch_size=1)).model
+    trainer = Trainer(TrainerConfig(enable_mtp_training=True, mtp_train_depths=depths), one_layer_ckpt)
+    trainer.model.eval()
+    tokens = torch.tensor([[1, 4, 9, 7, 12, 3, 8, 15, 6, 2, 11]])
+    with torch.no_grad():
+        megatron = trainer.model.mtp_logits(forward(trainer.model, tokens), depths=depths)
+        want = repeated_layer_logits(model, tokens, depths)
+        # negative control: depth 2 from the trunk state (each depth reading the trunk) instead of depth 1's output
+        n = tokens.shape[1]
+        trunk = mtp_input_hidden(model, tokens)[:, :n - 2]
+        from_trunk = model.logits(model.mtp_forward(0, tokens[:, 2:], trunk, torch.arange(n - 2)[None]))[0]
+    assert len(megatron) == depths
+    longest = max(2 * TINY["hidden_size"], TINY["intermediate_size"])
+    for d in range(depths):
+        # depth d chains d+1 passes of the one layer: as deep as layer d of a chained block
+        tol = reduction_rtol(longest, depth_of_layer(d)) * max(1.0, want[d].abs().max().item())
+        assert (megatron[d][0, :want[d].shape[0]] - want[d]).abs().max().item() <= tol, d
+    tol1 = reduction_rtol(longest, depth_of_layer(1)) * max(1.0, want[1].abs().max().item())
+    assert (from_trunk - want[1]).abs().max().item() > 100 * tol1

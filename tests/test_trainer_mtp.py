@@ -14,6 +14,7 @@ from trainer.model import forward
 from trainer.trainer import Trainer
 from fp32_bounds import reduction_rtol
 from trainer_fixtures import make_batch, make_tiny
+from vime.errors import UserError
 from vime.sample import Sample
 
 
@@ -188,6 +189,22 @@ def test_mtp_training_metrics_are_reported(hf_dir):
         assert key in m and m[key] == m[key], key
     assert m["train/mtp_loss"] == m["train/mtp_1_loss"] > 0
     assert 0 < m["train/entropy"] <= torch.log(torch.tensor(32.0)).item() + 1e-5
+
+
+def test_train_depths_add_a_loss_per_depth_that_reaches_only_the_mtp_layer(hf_dir):
+    trainer = Trainer(TrainerConfig(enable_mtp_training=True, mtp_train_depths=3), hf_dir)
+    assert trainer.mtp_num_layers == 1
+    m = trainer.backward(make_batch(advantages=[0.0] * 4))
+    per_depth = [m[f"train/mtp_{d}_loss"] for d in (1, 2, 3)]
+    assert min(per_depth) > 0 and m["train/mtp_loss"] == pytest.approx(sum(per_depth) / 3, rel=1e-12)
+    g = grads(trainer)
+    assert {n for n, v in g.items() if nonzero(v)} == {n for n in g if n.startswith("mtp.")}
+
+
+def test_train_depths_fewer_than_the_layers_are_refused(tmp_path):
+    make_tiny(tmp_path, seed=1, num_nextn_predict_layers=2)
+    with pytest.raises(UserError, match="--mtp-train-depths 1 is fewer than the 2 MTP layers"):
+        Trainer(TrainerConfig(enable_mtp_training=True, mtp_train_depths=1), str(tmp_path))
 
 
 def test_mtp_lr_sets_the_draft_step_size_independently_of_the_policy(hf_dir):

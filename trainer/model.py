@@ -136,8 +136,12 @@ def _vime_gpt_model_class():
             logits, _ = self.output_layer(hidden_states, weight=weight, runtime_gather_output=True)
             return logits.transpose(0, 1).float()
 
-        def mtp_logits(self, out, detach_trunk=True):
-            """[b, s, V] logits of every MTP depth. detach_trunk: the MTP loss reaches only mtp.*"""
+        def mtp_logits(self, out, detach_trunk=True, depths=None):
+            """[b, s, V] logits of every MTP depth. detach_trunk: the MTP loss reaches only mtp.*
+
+            depths (default: one per layer) past the last layer reuse it on its own output and
+            the next token, as the drafter does for k > layers; below them this is megatron's
+            MTP block forward (its layer loop, run here so that the last layer can repeat)."""
             hidden = out.hidden.detach() if detach_trunk else out.hidden
 
             def embed(input_ids, position_ids):
@@ -149,11 +153,23 @@ def _vime_gpt_model_class():
                     emb = torch.cat([torch.zeros_like(emb[:1]), emb[1:]])
                 return emb
 
-            stacked = self.mtp(hidden_states=hidden, embedding=embed, **out.mtp_inputs)
+            inputs = dict(out.mtp_inputs)
+            input_ids, position_ids = inputs.pop("input_ids"), inputs.pop("position_ids")
             weight = self.output_weight()
             weight = weight.detach() if detach_trunk else weight
-            depths = torch.chunk(stacked, 1 + self.config.mtp_num_layers, dim=0)[1:]
-            return [self._logits(h, weight) for h in depths]
+            logits = []
+            for layer in self.mtp_layer_per_depth(depths):
+                # each layer shifts the tokens (and positions) one further, as in megatron's block
+                hidden, input_ids, position_ids = layer(input_ids=input_ids, position_ids=position_ids,
+                                                        hidden_states=hidden, embedding=embed, **inputs)
+                logits.append(self._logits(hidden, weight))
+            return logits
+
+        def mtp_layer_per_depth(self, depths=None):
+            """The MTP layer of each draft depth: layer d-1 for d <= layers, then the last one."""
+            layers = list(self.mtp.layers)
+            depths = len(layers) if depths is None else depths
+            return [layers[min(d, len(layers) - 1)] for d in range(depths)]
 
     _Lazy.cls = VimeGPTModel
     return VimeGPTModel

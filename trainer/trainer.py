@@ -28,6 +28,14 @@ def resolve_mtp_layers(requested, available):
     return n
 
 
+def resolve_train_depths(requested, num_layers):
+    """Draft depths the MTP loss trains: one per layer by default; fewer than the layers is refused."""
+    depths = num_layers if requested is None else requested
+    require(depths >= num_layers, f"--mtp-train-depths {depths} is fewer than the {num_layers} MTP layers: "
+            f"every layer trains at its own depth; pass at least {num_layers}")
+    return depths
+
+
 def _dp_sum(value):
     from trainer.distributed import collective_device, dp_group
 
@@ -51,6 +59,7 @@ class Trainer:
         self.mtp_num_layers = resolve_mtp_layers(cfg.mtp_num_layers, hf_cfg.num_nextn_predict_layers)
         require(not cfg.enable_mtp_training or self.mtp_num_layers > 0,
                 "--enable-mtp-training needs MTP layers; the HF checkpoint has none or --mtp-num-layers is 0")
+        self.mtp_depths = resolve_train_depths(cfg.mtp_train_depths, self.mtp_num_layers)
         self.model_cfg = dataclasses.replace(hf_cfg, num_nextn_predict_layers=self.mtp_num_layers)
         self.model = build_model(self.model_cfg, self.mtp_num_layers, cfg.tensor_model_parallel_size,
                                  cfg.pipeline_model_parallel_size, cfg.seed)
@@ -105,7 +114,7 @@ class Trainer:
     def _mtp_losses(self, out, mb, mtp_counts):
         """Per-depth MTP loss (--mtp-loss-type), each a share of the step's token mean (sums to it
         over micro-batches). The distillation target is the detached policy (mtp/loss.py)."""
-        logits = self.model.mtp_logits(out, detach_trunk=self.cfg.mtp_detach_trunk)
+        logits = self.model.mtp_logits(out, detach_trunk=self.cfg.mtp_detach_trunk, depths=self.mtp_depths)
         policy_logits = out.logits.detach()
         losses = []
         for d, lg in enumerate(logits, start=1):
@@ -142,7 +151,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = _dp_sum(batch.num_response_tokens()).float()
         mtp_counts = [_dp_sum(mtp_loss_mask(batch.loss_mask, d).sum()).float()
-                      for d in range(1, self.mtp_num_layers + 1)]
+                      for d in range(1, self.mtp_depths + 1)]
         totals = {}
         for mb in batch.micro_batches(self.cfg.micro_batch_size):
             loss, m = self._micro_batch_loss(mb, num_tokens, mtp_counts)
@@ -158,7 +167,7 @@ class Trainer:
         if self.cfg.use_kl_loss:
             policy += self.cfg.kl_loss_coef * out["train/kl"]
         out["train/policy_loss"] = policy
-        depths = [out[f"train/mtp_{i}_loss"] for i in range(1, self.mtp_num_layers + 1) if f"train/mtp_{i}_loss" in out]
+        depths = [out[f"train/mtp_{i}_loss"] for i in range(1, self.mtp_depths + 1) if f"train/mtp_{i}_loss" in out]
         if depths:
             out["train/mtp_loss"] = sum(depths) / len(depths)
         return out

@@ -121,6 +121,10 @@ class MTPSection:
         "--mtp-loss-type", "ce (sampled token) | soft_ce | tv (against the detached policy distribution)"))
     distill_topk: int = field(default=0, metadata=flag(
         "--mtp-distill-topk", "soft_ce / tv: truncate the policy target to its top-k (0: full vocabulary)"))
+    train_depths: Optional[int] = field(default=None, metadata=flag(
+        "--mtp-train-depths", "draft depths the MTP loss trains (none: one per MTP layer); depths past the "
+        "last layer reuse it on its own output, as the drafter does for k > layers (Megatron-LM's "
+        "mtp_use_repeated_layer)"))
     lr: Optional[float] = field(default=5e-3, metadata=flag(
         "--mtp-lr", "learning rate of the MTP layers (none: --lr); Adam makes the loss factor nearly scale-free"))
 
@@ -210,6 +214,10 @@ def validate(cfg):
     require(m.distill_topk >= 0, f"--mtp-distill-topk must be >= 0 (0: full vocabulary; got {m.distill_topk})")
     require(not m.distill_topk or m.loss_type != "ce",
             "--mtp-distill-topk truncates a distillation target: use it with --mtp-loss-type soft_ce or tv")
+    require(m.train_depths is None or m.train_depths >= 1,
+            f"--mtp-train-depths must be >= 1 (got {m.train_depths})")
+    require(m.train_depths is None or m.enable_training,
+            "--mtp-train-depths sets what the online MTP loss trains: use it with --enable-mtp-training")
     require(t.adam_eps > 0, f"--adam-eps must be > 0 (got {t.adam_eps})")
     require(run.save_interval >= 0, f"--save-interval must be >= 0 (got {run.save_interval})")
     require(not run.save_interval or run.save, "--save-interval needs --save DIR")
