@@ -131,12 +131,14 @@ def row(arm, m):
 
 
 def mean(xs):
-    return sum(xs) / len(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
 
 
 def window(rows, key, first, size):
+    """Mean of `key` over the first or last `size` steps, over the steps that have it (an
+    adaptive-k step that drafted nothing at a position has no acceptance there)."""
     part = rows[:size] if first else rows[-size:]
-    return mean([r[key] for r in part])
+    return mean([r[key] for r in part if r[key] != ""])
 
 
 def plot(rows_by_arm, path):
