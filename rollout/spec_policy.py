@@ -15,7 +15,10 @@ drafts are verified, so every policy keeps the output exact.
               first generate (per batch size on a power-of-two grid, interpolated) refined
               online by the measured times (an EMA per exact (B, k), and one global
               measured/profiled correction for the points not seen yet). Every
-              EXPLORE_EVERY steps one step runs another k, round robin.
+              EXPLORE_EVERY steps one step runs another k, round robin, among the k that
+              could pay at this batch size even if every draft were accepted (so a
+              compute-bound batch, where no acceptance pays for a longer verify, is never
+              slowed down by a probe).
 """
 import bisect
 import math
@@ -164,13 +167,26 @@ class AdaptiveK(FixedK):
         rates = [self.rate(b, k) for k in range(self.k + 1)]
         return max(range(self.k + 1), key=lambda k: (rates[k], -k))
 
+    def could_pay(self, b, k, than_k):
+        """Would k beat k' = than_k at batch size b if every draft were accepted?"""
+        return b * (1 + k) / max(self.step_time(b, k), 1e-9) > self.rate(b, than_k)
+
+    def probe_k(self, b, best):
+        """The next k to probe, round robin over the others that could pay; None if none can."""
+        for step in range(1, self.k + 1):
+            k = (self.next_probe + step) % (self.k + 1)
+            if k != best and self.could_pay(b, k, best):
+                self.next_probe = k
+                return k
+        return None
+
     def choose(self, batch_size):
         k = self.best_k(batch_size)
         self.steps_since_probe += 1
         if self.k and self.steps_since_probe >= EXPLORE_EVERY:
-            self.next_probe = (self.next_probe + 1) % (self.k + 1)
-            k = self.next_probe if self.next_probe != k else (k + 1) % (self.k + 1)
-            self.steps_since_probe = 0
+            probe = self.probe_k(batch_size, k)
+            if probe is not None:  # else stay due: a later, smaller batch may be worth a probe
+                k, self.steps_since_probe = probe, 0
         self.trace["k_rows"] += k * batch_size
         self.trace["rows"] += batch_size
         return k

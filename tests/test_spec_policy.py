@@ -46,10 +46,22 @@ def test_adaptive_choice_maximises_expected_tokens_per_second(acceptance, costs)
     assert p.best_k(4) == brute_force_best(verify_ms, draft_ms, acceptance)
 
 
-def test_nothing_pays_means_k_zero_and_exploration_still_probes_other_k():
-    p = policy_with((1.0, 2.0, 3.0), (0, 0.5, 1.0), (0.0, 0.0))
+def test_a_stale_draft_is_still_probed_where_drafting_could_pay():
+    """Acceptance 0 picks k = 0, but where a verify costs about one step (memory-bound) a better
+    draft would pay, so every k is still probed now and then (the draft improves online)."""
+    p = policy_with((1.0, 1.05, 1.1), (0, 0.1, 0.2), (0.0, 0.0))
     ks = [p.choose(8) for _ in range(200)]
     assert ks.count(0) >= 190 and set(ks) == {0, 1, 2}
+
+
+def test_where_no_acceptance_could_pay_no_step_is_spent_probing():
+    """Compute-bound: verify of 1+k tokens costs (1+k)x plus drafting, so even a perfect draft
+    loses (k+1 tokens for more than k+1 steps' time): k = 0 every step, no probe."""
+    p = policy_with((1.0, 2.0, 3.0), (0, 0.5, 1.0), (0.0, 0.0))
+    assert [p.choose(64) for _ in range(200)] == [0] * 200
+    p.verify = CostTable([1, 16], {0: [1.0, 1.0], 1: [1.05, 1.05], 2: [1.1, 1.1]})  # the batch became memory-bound
+    p.draft = CostTable([1, 16], {0: [0, 0], 1: [0.1, 0.1], 2: [0.2, 0.2]})
+    assert p.choose(2) != 0  # the probe that was due runs at once
 
 
 def test_cost_table_interpolates_the_profile_and_prefers_measurements():
