@@ -139,9 +139,12 @@ def _vime_gpt_model_class():
         def mtp_logits(self, out, detach_trunk=True, depths=None):
             """[b, s, V] logits of every MTP depth. detach_trunk: the MTP loss reaches only mtp.*
 
-            depths (default: one per layer) past the last layer reuse it on its own output and
-            the next token, as the drafter does for k > layers; below them this is megatron's
-            MTP block forward (its layer loop, run here so that the last layer can repeat)."""
+            depths (default: one per layer) past the last layer reuse it, chained as megatron
+            chains layers (its own output at t and token t+d, its own attention context at
+            position t) - the inputs the drafter gives it for k > layers, though the drafter
+            runs that step one position further over the depth-1 cache. Up to the layer count
+            this is megatron's MTP block forward (its layer loop, run here so the last layer
+            can repeat)."""
             hidden = out.hidden.detach() if detach_trunk else out.hidden
 
             def embed(input_ids, position_ids):

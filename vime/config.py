@@ -123,8 +123,8 @@ class MTPSection:
         "--mtp-distill-topk", "soft_ce / tv: truncate the policy target to its top-k (0: full vocabulary)"))
     train_depths: Optional[int] = field(default=None, metadata=flag(
         "--mtp-train-depths", "draft depths the MTP loss trains (none: one per MTP layer); depths past the "
-        "last layer reuse it on its own output, as the drafter does for k > layers (Megatron-LM's "
-        "mtp_use_repeated_layer)"))
+        "last layer reuse it on its own output, chained as megatron chains layers (Megatron-LM's "
+        "mtp_use_repeated_layer; the drafter reuses the layer for k > layers)"))
     lr: Optional[float] = field(default=5e-3, metadata=flag(
         "--mtp-lr", "learning rate of the MTP layers (none: --lr); Adam makes the loss factor nearly scale-free"))
 
