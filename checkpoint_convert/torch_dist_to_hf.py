@@ -3,7 +3,8 @@
 The architecture and family come from `--origin-hf-dir` (config.json), the MTP layer count
 from the torch_dist checkpoint; the weights are exported through the same name maps as
 `Trainer.named_hf_weights()`, written in the family's layout, and the tokenizer files are
-copied.
+copied. `--input-dir` is a converted checkpoint (hf_to_torch_dist's --save), one iteration of a
+training run (`iter_0000040`), or a training run's --save directory (its latest iteration).
 """
 import argparse
 import dataclasses
@@ -21,16 +22,36 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def model_dir(input_dir):
+    """The torch_dist model directory that --input-dir names (see the module docstring)."""
+    from vime.checkpointing import latest
+
+    def has_meta(path):
+        return os.path.isfile(os.path.join(path, "vime_meta.json"))
+
+    require(os.path.isdir(input_dir), f"--input-dir {input_dir}: no such directory")
+    if has_meta(input_dir):
+        return input_dir
+    if has_meta(os.path.join(input_dir, "model")):  # one iteration of a training run
+        return os.path.join(input_dir, "model")
+    try:
+        found = latest(input_dir)
+    except UserError as e:  # latest() words its errors for --load
+        raise UserError(str(e).replace("--load", "--input-dir", 1)) from None
+    if found is not None and has_meta(os.path.join(found[1], "model")):
+        return os.path.join(found[1], "model")
+    raise UserError(f"--input-dir {input_dir}: vime_meta.json is missing; not a vime torch_dist checkpoint (make "
+                    "one with `python -m checkpoint_convert.hf_to_torch_dist`, or give a training run's --save "
+                    "directory or one of its iter_* directories)")
+
+
 def check_args(args):
     """Errors naming this tool's own flags, before any model is built."""
     from checkpoint_convert.hf_format import read_config as read_origin
     from vime.checkpointing import check_torch_dist_dir
     from vime.paths import require_new_or_empty_dir, same_dir
 
-    require(os.path.isdir(args.input_dir), f"--input-dir {args.input_dir}: no such directory")
-    require(os.path.isfile(os.path.join(args.input_dir, "vime_meta.json")),
-            f"--input-dir {args.input_dir}: vime_meta.json is missing; not a vime torch_dist checkpoint (make one "
-            "with `python -m checkpoint_convert.hf_to_torch_dist`)")
+    args.input_dir = model_dir(args.input_dir)
     check_torch_dist_dir(args.input_dir, f"--input-dir {args.input_dir}")
     require(os.path.isdir(args.origin_hf_dir), f"--origin-hf-dir {args.origin_hf_dir}: no such directory")
     try:

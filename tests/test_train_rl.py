@@ -119,6 +119,20 @@ def test_resume_from_the_step2_checkpoint_reproduces_step3_metrics_and_rewrites_
             assert resumed[2][key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
 
 
+def test_a_training_save_directory_converts_to_the_hf_weights_the_rollout_was_synced_to(online_run, ckpt, tmp_path):
+    from checkpoint_convert import torch_dist_to_hf
+    from checkpoint_convert.families import is_mtp_name
+    from checkpoint_convert.hf_format import load_hf_checkpoint
+    from vime.weight_sync import checksum
+
+    out, save = online_run
+    torch_dist_to_hf.main(["--input-dir", save, "--output-dir", str(tmp_path / "hf"), "--origin-hf-dir", ckpt])
+    cfg, state, _ = load_hf_checkpoint(str(tmp_path / "hf"))
+    mtp = checksum([(k, v) for k, v in state.items() if is_mtp_name(k, cfg.num_hidden_layers)])[0]
+    # the latest checkpoint (step 2) holds the weights synced after training step 1
+    assert mtp == metrics(out)[1]["weight_sync/mtp_checksum"]
+
+
 def test_killing_the_process_during_a_save_leaves_the_previous_checkpoint_loadable(online_run, ckpt, tmp_path):
     import shutil
 
