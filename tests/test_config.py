@@ -52,6 +52,10 @@ def test_bad_flags_are_one_line_user_errors(argv, needle):
     (["--mtp-distill-topk", "8"], "--mtp-distill-topk truncates a distillation target"),
     (["--enable-mtp-training", "--mtp-num-layers", "1", "--mtp-train-depths", "0"], "--mtp-train-depths must be >= 1"),
     (["--mtp-train-depths", "3"], "--mtp-train-depths sets what the online MTP loss trains"),
+    (["--mtp-reuse-attention", "eagle"], "--mtp-reuse-attention 'eagle': use one of drafter, megatron"),
+    (["--enable-mtp-training", "--mtp-num-layers", "1", "--mtp-steps-per-rollout", "0"],
+     "--mtp-steps-per-rollout must be >= 1"),
+    (["--mtp-steps-per-rollout", "4"], "--mtp-steps-per-rollout sets how the online MTP loss trains"),
 ])
 def test_validation_refuses_inconsistent_settings(argv, needle):
     with pytest.raises(UserError, match=needle.replace("-", r"\-")):

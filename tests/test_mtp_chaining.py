@@ -108,7 +108,7 @@ def one_layer_ckpt(request, tmp_path_factory):
 
 
 def repeated_layer_logits(model, tokens, depths):
-    """Module-path recompute of `--mtp-train-depths`: the one MTP layer at depth d reads its own
+    """Module-path recompute of `--mtp-train-depths --mtp-reuse-attention megatron`: the one MTP layer at depth d reads its own
     depth d-1 output at t (the trunk's for d = 1) and token t+d, no cache."""
     n = tokens.shape[1]
     hidden, logits = mtp_input_hidden(model, tokens), []
@@ -126,7 +126,7 @@ def test_train_depths_past_the_last_layer_reuse_it_on_its_own_output(one_layer_c
     trainer.model.eval()
     tokens = torch.tensor([[1, 4, 9, 7, 12, 3, 8, 15, 6, 2, 11]])
     with torch.no_grad():
-        megatron = trainer.model.mtp_logits(forward(trainer.model, tokens), depths=depths)
+        megatron = trainer.model.mtp_logits(forward(trainer.model, tokens), depths=depths, reuse_attention="megatron")
         want = repeated_layer_logits(model, tokens, depths)
         # negative control: depth 2 from the trunk state (each depth reading the trunk) instead of depth 1's output
         n = tokens.shape[1]
@@ -140,3 +140,40 @@ def test_train_depths_past_the_last_layer_reuse_it_on_its_own_output(one_layer_c
         assert (megatron[d][0, :want[d].shape[0]] - want[d]).abs().max().item() <= tol, d
     tol1 = reduction_rtol(longest, depth_of_layer(1)) * max(1.0, want[1].abs().max().item())
     assert (from_trunk - want[1]).abs().max().item() > 100 * tol1
+
+
+def drafter_reuse_logits(model, tokens, depths):
+    """Module-path reference of the drafter's reuse steps, teacher-forced, one drafting point
+    at a time and no cache: drafting after position t, step m (0-based) runs the layer over
+    positions 0..t+m, whose last entry reads the previous step's output and token t+m+1."""
+    n = tokens.shape[1]
+    states, logits = mtp_input_hidden(model, tokens), [[] for _ in range(depths)]
+    for t in range(n - depths):
+        hidden = states[:, :t + 1]
+        for m in range(depths):
+            out = model.mtp_forward(0, tokens[:, 1:t + m + 2], hidden, torch.arange(t + m + 1)[None])
+            logits[m].append(model.logits(out[:, -1])[0])
+            hidden = torch.cat([hidden, out[:, -1:]], 1)
+    return [torch.stack(x) for x in logits]
+
+
+def test_drafter_reuse_attention_trains_the_reused_depths_exactly_as_the_drafter_runs_them(one_layer_ckpt):
+    depths = 3
+    model = Engine.from_checkpoint(one_layer_ckpt, EngineConfig(max_batch_size=1)).model
+    tokens = torch.tensor([[1, 4, 9, 7, 12, 3, 8, 15, 6, 2, 11]])
+    got = {}
+    for mode in ("drafter", "megatron"):
+        trainer = Trainer(TrainerConfig(enable_mtp_training=True, mtp_train_depths=depths, mtp_reuse_attention=mode),
+                          one_layer_ckpt)
+        trainer.model.eval()
+        with torch.no_grad():
+            got[mode] = trainer.model.mtp_logits(forward(trainer.model, tokens), depths=depths, reuse_attention=mode)
+    with torch.no_grad():
+        want = drafter_reuse_logits(model, tokens, depths)
+    longest = max(2 * TINY["hidden_size"], TINY["intermediate_size"])
+    for d in range(depths):
+        width = want[d].shape[0]
+        tol = reduction_rtol(longest, depth_of_layer(d)) * max(1.0, want[d].abs().max().item())
+        assert (got["drafter"][d][0, :width] - want[d]).abs().max().item() <= tol, d
+        if d > 0:  # negative control: megatron's chaining attends over its own depth's entries instead
+            assert (got["megatron"][d][0, :width] - want[d]).abs().max().item() > 100 * tol, d

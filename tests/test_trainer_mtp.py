@@ -281,3 +281,22 @@ def test_trainer_mtp_logits_equal_the_engine_mtp_layer_for_each_family(hf_dir):
     tol = reduction_rtol(cfg.intermediate_size, 4 * (cfg.num_hidden_layers + 1) + 4) * want.abs().max().item()
     assert (got - want).abs().max().item() <= tol
     assert (other - want).abs().max().item() > 100 * tol  # negative control: the input the family does not use
+
+
+def test_mtp_steps_per_rollout_train_the_draft_further_and_leave_the_policy_as_the_joint_step_left_it(hf_dir):
+    def after_step(steps):
+        torch.manual_seed(0)
+        trainer = Trainer(TrainerConfig(lr=1e-3, enable_mtp_training=True, mtp_steps_per_rollout=steps), hf_dir)
+        m = trainer.train_step(make_batch())
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        # the MTP loss on the same batch after the step(s), weights frozen
+        mtp_loss_after = trainer.backward(make_batch())["train/mtp_loss"]
+        return params, m, mtp_loss_after
+
+    one, m1, loss1 = after_step(1)
+    four, m4, loss4 = after_step(4)
+    policy = [n for n in one if not n.startswith("mtp.")]
+    assert policy and all(torch.equal(one[n], four[n]) for n in policy)  # bit for bit: AdamW skipped them
+    assert all(not torch.equal(one[n], four[n]) for n in one if n.startswith("mtp.") and one[n].dim() > 1)
+    assert "train/mtp_final_loss" in m4 and "train/mtp_final_loss" not in m1
+    assert loss4 < loss1  # three more steps on the batch fit the draft to it further

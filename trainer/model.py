@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mtp.reuse import reuse_attention_mask, reuse_positions
 from vime.errors import require
 
 
@@ -136,21 +137,22 @@ def _vime_gpt_model_class():
             logits, _ = self.output_layer(hidden_states, weight=weight, runtime_gather_output=True)
             return logits.transpose(0, 1).float()
 
-        def mtp_logits(self, out, detach_trunk=True, depths=None):
+        def mtp_logits(self, out, detach_trunk=True, depths=None, reuse_attention="drafter"):
             """[b, s, V] logits of every MTP depth. detach_trunk: the MTP loss reaches only mtp.*
 
-            depths (default: one per layer) past the last layer reuse it, chained as megatron
-            chains layers (its own output at t and token t+d, its own attention context at
-            position t) - the inputs the drafter gives it for k > layers, though the drafter
-            runs that step one position further over the depth-1 cache. Up to the layer count
-            this is megatron's MTP block forward (its layer loop, run here so the last layer
-            can repeat)."""
+            Up to the layer count this is megatron's MTP block forward (its layer loop, run
+            here so the last layer can repeat). Depths past it (--mtp-train-depths) reuse the
+            last layer, as the drafter does for k > layers, attending as `reuse_attention`
+            says (mtp/reuse.py REUSE_ATTENTION): `drafter` exactly as the drafter runs the reused step (one
+            position further, over the layer's own entries before it: mtp/reuse.py), with its
+            previous output detached as an input; `megatron` chained as megatron chains layers
+            (its own output at t and token t+d, its own attention context at position t)."""
             hidden = out.hidden.detach() if detach_trunk else out.hidden
 
-            def embed(input_ids, position_ids):
+            def embed(input_ids, position_ids, zero_first=True):
                 emb = self.embedding(input_ids=input_ids, position_ids=position_ids)
                 emb = emb.detach() if detach_trunk else emb
-                if self.family.mtp_zero_embedding_at_position_0:
+                if zero_first and self.family.mtp_zero_embedding_at_position_0:
                     # [s, b, h], rows start at position 0 (no packing): sequence index 0 is the
                     # pair (hidden at position 0, next token) that MiMo's drafter sees without a token
                     emb = torch.cat([torch.zeros_like(emb[:1]), emb[1:]])
@@ -160,13 +162,40 @@ def _vime_gpt_model_class():
             input_ids, position_ids = inputs.pop("input_ids"), inputs.pop("position_ids")
             weight = self.output_weight()
             weight = weight.detach() if detach_trunk else weight
+            layers = self.mtp_layer_per_depth(depths)
+            chained = len(self.mtp.layers) if reuse_attention == "drafter" else len(layers)
             logits = []
-            for layer in self.mtp_layer_per_depth(depths):
+            for layer in layers[:chained]:
+                base = (hidden, input_ids, position_ids)  # the last chained layer's inputs
                 # each layer shifts the tokens (and positions) one further, as in megatron's block
                 hidden, input_ids, position_ids = layer(input_ids=input_ids, position_ids=position_ids,
                                                         hidden_states=hidden, embedding=embed, **inputs)
                 logits.append(self._logits(hidden, weight))
+            if len(layers) > chained:
+                for hidden in self._drafter_reuse_steps(layers[-1], base, hidden, len(layers) - chained, embed):
+                    logits.append(self._logits(hidden, weight))
             return logits
+
+        def _drafter_reuse_steps(self, layer, base, output, steps, embed):
+            """Outputs [s, b, h] of `steps` reuse steps of the last MTP layer, each exactly as the
+            drafter runs it (mtp/reuse.py): block 0 is the layer's chained run (inputs `base`,
+            output `output`), block m reads block m-1's output (detached) and token t+L+m."""
+            from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+            hidden_in, input_ids, position_ids = base
+            input_ids, _ = roll_tensor(input_ids, shifts=-1, dims=-1, cp_group=layer.cp_group)
+            blocks = [(hidden_in, embed(input_ids, position_ids))]
+            s = hidden_in.shape[0]
+            for m in range(1, steps + 1):
+                input_ids, _ = roll_tensor(input_ids, shifts=-1, dims=-1, cp_group=layer.cp_group)
+                blocks.append((output.detach(), embed(input_ids, position_ids, zero_first=False)))
+                n = len(blocks)
+                rotary = self.rotary_pos_emb.get_emb(s + n)[reuse_positions(s, n, hidden_in.device)]
+                mask = reuse_attention_mask(s, n, hidden_in.device)[None, None]
+                output = layer._proj_and_transformer_layer(
+                    hidden_states=torch.cat([h for h, _ in blocks]), decoder_input=torch.cat([e for _, e in blocks]),
+                    attention_mask=mask, rotary_pos_emb=rotary)[(n - 1) * s:]
+                yield output
 
         def mtp_layer_per_depth(self, depths=None):
             """The MTP layer of each draft depth: layer d-1 for d <= layers, then the last one."""

@@ -16,7 +16,7 @@ from mtp.sampling import effective_temperature, token_logprobs
 from trainer import checkpoint, grads
 from trainer.distributed import ensure_distributed
 from trainer.losses import entropy_from_logits, policy_loss, token_mean
-from trainer.model import build_model, forward, is_mtp_param
+from trainer.model import build_model, forward, is_mtp_param, spec_name
 from trainer.weights import load_hf_state, named_hf_weights
 from vime.errors import require
 
@@ -60,6 +60,11 @@ class Trainer:
         require(not cfg.enable_mtp_training or self.mtp_num_layers > 0,
                 "--enable-mtp-training needs MTP layers; the HF checkpoint has none or --mtp-num-layers is 0")
         self.mtp_depths = resolve_train_depths(cfg.mtp_train_depths, self.mtp_num_layers)
+        # the drafter-exact reuse needs an arbitrary attention mask, which the local attention
+        # applies; Transformer Engine's layers are built causal and would ignore it silently
+        require(self.mtp_depths <= self.mtp_num_layers or cfg.mtp_reuse_attention != "drafter" or spec_name() != "te",
+                "--mtp-reuse-attention drafter runs the reused depths with an arbitrary attention mask, which "
+                "the Transformer Engine layers used on this GPU do not take; use --mtp-reuse-attention megatron")
         self.model_cfg = dataclasses.replace(hf_cfg, num_nextn_predict_layers=self.mtp_num_layers)
         self.model = build_model(self.model_cfg, self.mtp_num_layers, cfg.tensor_model_parallel_size,
                                  cfg.pipeline_model_parallel_size, cfg.seed)
@@ -114,7 +119,8 @@ class Trainer:
     def _mtp_losses(self, out, mb, mtp_counts):
         """Per-depth MTP loss (--mtp-loss-type), each a share of the step's token mean (sums to it
         over micro-batches). The distillation target is the detached policy (mtp/loss.py)."""
-        logits = self.model.mtp_logits(out, detach_trunk=self.cfg.mtp_detach_trunk, depths=self.mtp_depths)
+        logits = self.model.mtp_logits(out, detach_trunk=self.cfg.mtp_detach_trunk, depths=self.mtp_depths,
+                                       reuse_attention=self.cfg.mtp_reuse_attention)
         policy_logits = out.logits.detach()
         losses = []
         for d, lg in enumerate(logits, start=1):
@@ -150,8 +156,7 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = _dp_sum(batch.num_response_tokens()).float()
-        mtp_counts = [_dp_sum(mtp_loss_mask(batch.loss_mask, d).sum()).float()
-                      for d in range(1, self.mtp_depths + 1)]
+        mtp_counts = self._mtp_counts(batch)
         totals = {}
         for mb in batch.micro_batches(self.cfg.micro_batch_size):
             loss, m = self._micro_batch_loss(mb, num_tokens, mtp_counts)
@@ -160,6 +165,30 @@ class Trainer:
                 totals[k] = totals.get(k, 0.0) + float(v)
         grads.reduce_gradients(self.model.named_parameters())
         return self._metrics(totals)
+
+    def _mtp_counts(self, batch):
+        """Tokens each MTP depth's loss averages over, summed over data-parallel ranks."""
+        return [_dp_sum(mtp_loss_mask(batch.loss_mask, d).sum()).float() for d in range(1, self.mtp_depths + 1)]
+
+    def _mtp_only_step(self, batch):
+        """One more optimiser step of the MTP layers alone on `batch` (--mtp-steps-per-rollout).
+
+        The trunk runs without grad and its parameters keep no grad, so AdamW skips them: the
+        policy is exactly what the joint step left. Returns the step's MTP loss (depth mean)."""
+        batch = batch.to(self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        mtp_counts = self._mtp_counts(batch)
+        total = 0.0
+        for mb in batch.micro_batches(self.cfg.micro_batch_size):
+            with torch.no_grad():
+                out = forward(self.model, mb.tokens)
+            per_depth = self._mtp_losses(out, mb, mtp_counts)
+            (self.cfg.mtp_loss_scaling_factor / len(per_depth) * torch.stack(per_depth).sum()).backward()
+            total += float(torch.stack(per_depth).detach().sum()) / len(per_depth)
+        grads.reduce_gradients(self.model.named_parameters())
+        grads.clip_by_norm(self.mtp_params(), self.cfg.effective_mtp_clip_grad)
+        self.optimizer.step()
+        return _dp_sum(total).item()
 
     def _metrics(self, totals):
         out = {f"train/{k}": _dp_sum(v).item() for k, v in totals.items()}
@@ -179,6 +208,8 @@ class Trainer:
         if self.cfg.enable_mtp_training:
             metrics["train/mtp_grad_norm"] = grads.clip_by_norm(self.mtp_params(), self.cfg.effective_mtp_clip_grad)
         self.optimizer.step()
+        for _ in range(self.cfg.mtp_steps_per_rollout - 1):
+            metrics["train/mtp_final_loss"] = self._mtp_only_step(batch)
         return metrics
 
     # ---- weights and checkpoints ------------------------------------------------------

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from mtp.loss import MTP_LOSSES
+from mtp.reuse import REUSE_ATTENTION
 from vime.errors import require
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,8 +124,15 @@ class MTPSection:
         "--mtp-distill-topk", "soft_ce / tv: truncate the policy target to its top-k (0: full vocabulary)"))
     train_depths: Optional[int] = field(default=None, metadata=flag(
         "--mtp-train-depths", "draft depths the MTP loss trains (none: one per MTP layer); depths past the "
-        "last layer reuse it on its own output, chained as megatron chains layers (Megatron-LM's "
-        "mtp_use_repeated_layer; the drafter reuses the layer for k > layers)"))
+        "last layer reuse it on its own output, as the drafter does for k > layers (see --mtp-reuse-attention)"))
+    reuse_attention: str = field(default="drafter", metadata=flag(
+        "--mtp-reuse-attention", "how --mtp-train-depths past the last layer attend: drafter (exactly as the "
+        "drafter runs the reused layer: one position further, over the layer's entries before it) or "
+        "megatron (chained as megatron chains layers)"))
+    steps_per_rollout: int = field(default=1, metadata=flag(
+        "--mtp-steps-per-rollout", "optimiser steps of the draft per RL step: the joint step, then N-1 steps "
+        "of the MTP layers alone on the same rollout batch (the MTP loss is detached, so the policy is "
+        "unchanged; the draft catches up with the policy it drafts for)"))
     lr: Optional[float] = field(default=5e-3, metadata=flag(
         "--mtp-lr", "learning rate of the MTP layers (none: --lr); Adam makes the loss factor nearly scale-free"))
 
@@ -216,6 +224,11 @@ def validate(cfg):
             "--mtp-distill-topk truncates a distillation target: use it with --mtp-loss-type soft_ce or tv")
     require(m.train_depths is None or m.train_depths >= 1,
             f"--mtp-train-depths must be >= 1 (got {m.train_depths})")
+    require(m.reuse_attention in REUSE_ATTENTION,
+            f"--mtp-reuse-attention {m.reuse_attention!r}: use one of {', '.join(REUSE_ATTENTION)}")
+    require(m.steps_per_rollout >= 1, f"--mtp-steps-per-rollout must be >= 1 (got {m.steps_per_rollout})")
+    require(m.steps_per_rollout == 1 or m.enable_training,
+            "--mtp-steps-per-rollout sets how the online MTP loss trains: use it with --enable-mtp-training")
     require(m.train_depths is None or m.enable_training,
             "--mtp-train-depths sets what the online MTP loss trains: use it with --enable-mtp-training")
     require(t.adam_eps > 0, f"--adam-eps must be > 0 (got {t.adam_eps})")
