@@ -81,3 +81,16 @@ def test_nccl_weight_sync_sends_cuda_tensors(tmp_path):
     out = str(tmp_path / "ok.pt")
     mp.spawn(_nccl_sync, args=(free_port(), out), nprocs=2, join=True)
     assert torch.load(out) is True and os.path.isfile(out)
+
+
+@cuda
+@pytest.mark.skipif(not __import__("trainer.model", fromlist=["spec_name"]).spec_name() == "te",
+                    reason="needs Transformer Engine")
+def test_drafter_reuse_attention_is_refused_with_transformer_engine_layers(tmp_path):
+    from trainer.config import TrainerConfig
+    from trainer.trainer import Trainer
+    from trainer_fixtures import make_tiny
+
+    make_tiny(tmp_path / "hf", seed=4)
+    with pytest.raises(UserError, match="--mtp-reuse-attention megatron"):
+        Trainer(TrainerConfig(enable_mtp_training=True, mtp_train_depths=3), str(tmp_path / "hf"))
