@@ -304,6 +304,10 @@ class Engine:
         return True
 
     # ---------------------------------------------------------------- cost probes (adaptive k)
+    def _synchronize(self):
+        if torch.device(self.config.device).type == "cuda":
+            torch.cuda.synchronize(self.config.device)
+
     def profile_verify(self, batch_size, q_len, context=32, repeats=3):
         """Seconds of one verify forward (trunk + head + log-probs) of batch_size rows x q_len
         tokens after `context` cached ones; writes only into free slots (call between generates)."""
@@ -320,14 +324,14 @@ class Engine:
             with torch.inference_mode():
                 hidden = self.fast(tokens, positions, view.layers(self.cfg.num_hidden_layers))
                 processed_logprobs(self.fast.logits(hidden), 1.0, 0, 1.0)
-        return _min_seconds(once, repeats)
+        return _min_seconds(once, repeats, self._synchronize)
 
     def profile_draft(self, batch_size, k, repeats=3):
         """Seconds the proposer takes to draft k tokens for batch_size rows (0 if it cannot say)."""
         probe = getattr(self.proposer, "profile_draft", None)
         if k == 0 or probe is None:
             return 0.0
-        return _min_seconds(lambda: probe(batch_size, k), repeats)
+        return _min_seconds(lambda: probe(batch_size, k), repeats, self._synchronize)
 
     # ---------------------------------------------------------------- checks and helpers
     def _check_prompt(self, s):
@@ -345,12 +349,14 @@ class Engine:
         return g
 
 
-def _min_seconds(fn, repeats):
+def _min_seconds(fn, repeats, synchronize):
     fn()  # warm-up: first calls allocate
     best = float("inf")
     for _ in range(repeats):
+        synchronize()
         t = time.perf_counter()
         fn()
+        synchronize()  # CUDA launches return before the kernels ran
         best = min(best, time.perf_counter() - t)
     return best
 

@@ -8,8 +8,11 @@ online draft (BENCHMARKS.md). Rows = requests in flight, all admitted at once. P
 batch size, tokens/s of none / frozen / online (fixed k) / online with --spec-adaptive, and
 the speedups online/none, online/frozen measured in the same run (arms interleaved, best of
 --repeats), plus the cost of a verify of 1..4 tokens per row against a plain step.
+On a GPU (`--device cuda --dtype bfloat16`) the same arms run where LLM decoding really is
+memory- and launch-bound: a verify of a few tokens per row costs about one plain step.
 Usage:
   python scripts/bench/spec_scale.py [--batch-sizes 1,2,4,8,16] [--threads 2] [--max-new-tokens 32]
+  python scripts/bench/spec_scale.py --device cuda --dtype bfloat16
 """
 import argparse
 import os
@@ -45,6 +48,8 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--online-rates", default=ONLINE_RATES, help="vLLM synthetic_acceptance_rates of the online draft")
     p.add_argument("--frozen-rates", default=FROZEN_RATES, help="... of the frozen draft")
+    p.add_argument("--device", default="cpu", help="torch device of the engine (cpu or cuda)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
     p.add_argument("--hidden", type=int, default=SHAPE["hidden_size"])
     p.add_argument("--intermediate", type=int, default=SHAPE["intermediate_size"])
@@ -63,8 +68,9 @@ def arms(args):
             "online adaptive": (online, True)}
 
 
-def build(ckpt, spec, adaptive, max_batch):
-    engine = build_engine(ckpt, spec, EngineConfig(max_batch_size=max_batch), adaptive=adaptive)
+def build(ckpt, spec, adaptive, max_batch, device, dtype):
+    config = EngineConfig(max_batch_size=max_batch, device=device, dtype=getattr(torch, dtype))
+    engine = build_engine(ckpt, spec, config, adaptive=adaptive)
     engine.stop_ids = set()  # fixed-length responses: every arm generates the same tokens count
     return engine
 
@@ -85,20 +91,27 @@ def main():
     args = parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    shape = dict(SHAPE, num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=args.intermediate)
+    heads = args.hidden // SHAPE["head_dim"]  # MiMo ties head_dim to hidden / heads
+    shape = dict(SHAPE, num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                 num_attention_heads=heads, num_key_value_heads=heads // 2)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = make_random_checkpoint(tmp, **shape)
-        engines = {name: build(tmp, spec, adaptive, max(batches)) for name, (spec, adaptive) in arms(args).items()}
+        engines = {name: build(tmp, spec, adaptive, max(batches), args.device, args.dtype) for name, (spec, adaptive) in arms(args).items()}
     for engine in engines.values():  # warm-up, and the adaptive arm's cost profile, outside the timing
         run(engine, max(batches), 4)
     params = sum(p.numel() for p in engines["none"].model.parameters())
     print(f"random {cfg.num_hidden_layers}-layer model + {cfg.num_nextn_predict_layers} MTP layer, "
-          f"{params / 1e6:.0f} M parameters fp32, {args.threads} threads, linear backend {engines['none'].fast.backend}")
+          f"{params / 1e6:.0f} M parameters {args.dtype} on {args.device}, {args.threads} threads, "
+          f"linear backend {engines['none'].fast.backend}, attention {engines['none'].backend}")
     print(f"synthetic acceptance (vLLM synthetic_acceptance_rates): online {args.online_rates}, "
           f"frozen {args.frozen_rates}; {args.max_new_tokens} new tokens per row, greedy, EOS off")
     ms = verify_cost(engines["none"])
     print("verify forward at 1 row, 1..4 tokens: " + " / ".join(f"{t:.1f}" for t in ms) + " ms = "
           + " / ".join(f"{t / ms[0]:.2f}x" for t in ms) + " a plain step (goal 1+k <= 4: <= 1.5x)")
+    k = len(args.online_rates.split(","))
+    draft_ms = 1e3 * engines["online"].profile_draft(1, k, repeats=5)
+    print(f"drafting {k} tokens at 1 row (MTP catch-up + chain + heads): {draft_ms:.1f} ms = "
+          f"{draft_ms / ms[0]:.2f}x a plain step")
     names = list(engines)
     print(f"{'rows':>4} " + " ".join(f"{n + ' tok/s':>20}" for n in names)
           + f" {'online/none':>12} {'online/frozen':>14} {'adaptive/none':>14} {'adaptive k':>11}")

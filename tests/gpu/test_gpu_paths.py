@@ -39,3 +39,18 @@ def test_engine_on_gpu_matches_cpu_greedy_in_fp32(small_ckpt, task_prompt_ids):
     gpu = Engine.from_checkpoint(small_ckpt, EngineConfig(device="cuda", attention_backend="sdpa")).generate(
         samples_for_prompts(task_prompt_ids), params)
     assert [s.response_ids for s in cpu] == [s.response_ids for s in gpu]
+
+
+@cuda
+def test_mtp_speculation_on_gpu_greedy_equals_plain_greedy(small_ckpt, task_prompt_ids):
+    from rollout.engine_builder import build_engine
+
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    config = EngineConfig(device="cuda", attention_backend="sdpa")
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    outs = {}
+    for name, arm in (("plain", None), ("spec", spec)):
+        engine = build_engine(small_ckpt, arm, config)
+        outs[name] = [s.response_ids for s in engine.generate(samples_for_prompts(task_prompt_ids), params)]
+    assert outs["spec"] == outs["plain"]
+

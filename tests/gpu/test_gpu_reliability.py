@@ -34,26 +34,47 @@ def test_fp32_engine_on_gpu_uses_sdpa(small_ckpt):
     assert Engine.from_checkpoint(small_ckpt, EngineConfig(device="cuda")).backend == "sdpa"
 
 
-@cuda
-def test_trainer_on_gpu_trains_on_cpu_built_batches_like_the_cpu_trainer(tmp_path):
-    from fp32_bounds import close, reduction_rtol
+def _one_train_step(hf):
+    """The metrics of one joint policy + MTP step on the tiny checkpoint, on the trainer's device."""
     from trainer.config import TrainerConfig
     from trainer.distributed import teardown
     from trainer.trainer import Trainer
-    from trainer_fixtures import TINY, make_batch, make_tiny
+    from trainer_fixtures import make_batch
 
-    make_tiny(tmp_path / "hf", seed=4)
-    cfg = TrainerConfig(lr=1e-2, enable_mtp_training=True, micro_batch_size=2)
-    results = {}
-    for device in ("cpu", "cuda"):
-        trainer = Trainer(cfg, str(tmp_path / "hf"))
-        trainer.model.to(device)
-        assert trainer.device.type == device
-        results[device] = trainer.train_step(make_batch(seed=1))  # the batch is built on the CPU
-        teardown()
+    trainer = Trainer(TrainerConfig(lr=1e-2, enable_mtp_training=True, micro_batch_size=2), hf)
+    device = trainer.device.type
+    metrics = trainer.train_step(make_batch(seed=1))  # the batch is built on the CPU
+    teardown()
+    return device, metrics
+
+
+def _cpu_train_step(rank, hf, out):
+    torch.save(_one_train_step(hf), out)
+
+
+@cuda
+def test_trainer_on_gpu_trains_on_cpu_built_batches_like_the_cpu_trainer(tmp_path):
+    from fp32_bounds import close, reduction_rtol
+    from trainer_fixtures import TINY, make_tiny
+
+    hf = str(tmp_path / "hf")
+    make_tiny(hf, seed=4)
+    # the CPU reference runs in a process that sees no GPU: megatron-core puts its rotary tables on
+    # the current CUDA device whenever one is visible, so a CPU model cannot run beside a GPU
+    hidden = {"CUDA_VISIBLE_DEVICES": ""}
+    saved = {k: os.environ.get(k) for k in hidden}
+    os.environ.update(hidden)
+    try:
+        mp.spawn(_cpu_train_step, args=(hf, str(tmp_path / "cpu.pt")), nprocs=1, join=True)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    results = {"cpu": torch.load(tmp_path / "cpu.pt", weights_only=False), "cuda": _one_train_step(hf)}
+    assert [results[d][0] for d in ("cpu", "cuda")] == ["cpu", "cuda"]
     rtol = reduction_rtol(TINY["intermediate_size"], 3 * 2 * 2 * TINY["num_hidden_layers"] + 4)
+    cpu, gpu = results["cpu"][1], results["cuda"][1]
     for key in ("train/policy_loss", "train/mtp_loss", "train/grad_norm"):
-        assert close(results["cuda"][key], results["cpu"][key], rtol, scale=max(abs(results["cpu"][key]), 1.0)), key
+        assert close(gpu[key], cpu[key], rtol, scale=max(abs(cpu[key]), 1.0)), key
 
 
 def _nccl_sync(rank, port, out):
