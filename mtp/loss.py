@@ -59,6 +59,8 @@ def _total_variation(draft_logits, labels, target_logits, temperature, topk):
 
 # name -> per-position loss [B, W] of (draft logits [B, W, V], labels [B, W], target logits [B, W, V], T, topk)
 MTP_LOSSES = {"ce": _hard_ce, "soft_ce": _soft_ce, "tv": _total_variation}
+# the losses that read the policy's distribution (the others need no [B, S, V] policy logits kept)
+DISTILLATION_LOSSES = frozenset({"soft_ce", "tv"})
 
 
 def mtp_loss(logits, tokens, loss_mask, depth, loss_type="ce", policy_logits=None, temperature=1.0, topk=0):

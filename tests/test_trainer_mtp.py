@@ -300,3 +300,39 @@ def test_mtp_steps_per_rollout_train_the_draft_further_and_leave_the_policy_as_t
     assert all(not torch.equal(one[n], four[n]) for n in one if n.startswith("mtp.") and one[n].dim() > 1)
     assert "train/mtp_final_loss" in m4 and "train/mtp_final_loss" not in m1
     assert loss4 < loss1  # three more steps on the batch fit the draft to it further
+
+
+@pytest.mark.parametrize("loss_type", ["ce", "soft_ce"])
+def test_mtp_only_steps_on_the_cached_trunk_equal_steps_that_rerun_the_trunk(hf_dir, loss_type):
+    """The trunk is frozen between MTP-only steps, so its one cached forward must give exactly the
+    steps a fresh trunk forward per step gives (reference: the loop written out here)."""
+    from trainer import grads
+
+    def trainer_after_joint_step():
+        torch.manual_seed(0)
+        cfg = TrainerConfig(lr=1e-3, enable_mtp_training=True, mtp_train_depths=2, mtp_loss_type=loss_type,
+                            micro_batch_size=3)
+        trainer = Trainer(cfg, hf_dir)
+        trainer.train_step(make_batch())
+        return trainer
+
+    cached = trainer_after_joint_step()
+    cached._mtp_only_steps(make_batch(), 3)
+
+    rerun = trainer_after_joint_step()
+    batch = make_batch()
+    counts = rerun._mtp_counts(batch)
+    for _ in range(3):
+        rerun.optimizer.zero_grad(set_to_none=True)
+        for mb in batch.micro_batches(rerun.cfg.micro_batch_size):
+            with torch.no_grad():
+                out = forward(rerun.model, mb.tokens)
+            per_depth = rerun._mtp_losses(out, mb, counts)
+            (rerun.cfg.mtp_loss_scaling_factor / len(per_depth) * torch.stack(per_depth).sum()).backward()
+        grads.clip_by_norm(rerun.mtp_params(), rerun.cfg.effective_mtp_clip_grad)
+        rerun.optimizer.step()
+
+    got, want = dict(cached.model.named_parameters()), dict(rerun.model.named_parameters())
+    moved = trainer_after_joint_step()  # negative control: the steps did move the draft
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert any(not torch.equal(got[n], p) for n, p in moved.model.named_parameters() if n.startswith("mtp."))

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint_convert.hf_format import load_hf_checkpoint, read_config
-from mtp.loss import mtp_loss, mtp_loss_mask
+from mtp.loss import DISTILLATION_LOSSES, mtp_loss, mtp_loss_mask
 from mtp.sampling import effective_temperature, token_logprobs
 from trainer import checkpoint, grads
 from trainer.distributed import ensure_distributed
@@ -121,7 +121,7 @@ class Trainer:
         over micro-batches). The distillation target is the detached policy (mtp/loss.py)."""
         logits = self.model.mtp_logits(out, detach_trunk=self.cfg.mtp_detach_trunk, depths=self.mtp_depths,
                                        reuse_attention=self.cfg.mtp_reuse_attention)
-        policy_logits = out.logits.detach()
+        policy_logits = out.logits.detach() if out.logits is not None else None
         losses = []
         for d, lg in enumerate(logits, start=1):
             local = mtp_loss_mask(mb.loss_mask, d).sum()
@@ -170,18 +170,28 @@ class Trainer:
         """Tokens each MTP depth's loss averages over, summed over data-parallel ranks."""
         return [_dp_sum(mtp_loss_mask(batch.loss_mask, d).sum()).float() for d in range(1, self.mtp_depths + 1)]
 
-    def _mtp_only_step(self, batch):
-        """One more optimiser step of the MTP layers alone on `batch` (--mtp-steps-per-rollout).
-
-        The trunk runs without grad and its parameters keep no grad, so AdamW skips them: the
-        policy is exactly what the joint step left. Returns the step's MTP loss (depth mean)."""
+    def _frozen_trunk_outputs(self, batch):
+        """(micro-batch, trunk ForwardOutput) pairs for the MTP-only steps, computed once: the
+        trunk does not change between those steps, so one no-grad forward serves them all. The
+        [b, s, V] policy logits are kept only where the loss type reads them (distillation)."""
         batch = batch.to(self.device)
-        self.optimizer.zero_grad(set_to_none=True)
-        mtp_counts = self._mtp_counts(batch)
-        total = 0.0
-        for mb in batch.micro_batches(self.cfg.micro_batch_size):
-            with torch.no_grad():
+        keep_logits = self.cfg.mtp_loss_type in DISTILLATION_LOSSES
+        pairs = []
+        with torch.no_grad():
+            for mb in batch.micro_batches(self.cfg.micro_batch_size):
                 out = forward(self.model, mb.tokens)
+                pairs.append((mb, out if keep_logits else dataclasses.replace(out, logits=None)))
+        return pairs
+
+    def _mtp_only_step(self, trunk_outputs, mtp_counts):
+        """One more optimiser step of the MTP layers alone (--mtp-steps-per-rollout) on the
+        micro-batches of `trunk_outputs` (`_frozen_trunk_outputs`).
+
+        The trunk's parameters keep no grad, so AdamW skips them: the policy is exactly what the
+        joint step left. Returns the step's MTP loss (depth mean)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for mb, out in trunk_outputs:
             per_depth = self._mtp_losses(out, mb, mtp_counts)
             (self.cfg.mtp_loss_scaling_factor / len(per_depth) * torch.stack(per_depth).sum()).backward()
             total += float(torch.stack(per_depth).detach().sum()) / len(per_depth)
@@ -189,6 +199,15 @@ class Trainer:
         grads.clip_by_norm(self.mtp_params(), self.cfg.effective_mtp_clip_grad)
         self.optimizer.step()
         return _dp_sum(total).item()
+
+    def _mtp_only_steps(self, batch, steps):
+        """`steps` MTP-only optimiser steps on `batch`; returns the last one's MTP loss."""
+        trunk_outputs = self._frozen_trunk_outputs(batch)
+        mtp_counts = self._mtp_counts(batch.to(self.device))
+        loss = None
+        for _ in range(steps):
+            loss = self._mtp_only_step(trunk_outputs, mtp_counts)
+        return loss
 
     def _metrics(self, totals):
         out = {f"train/{k}": _dp_sum(v).item() for k, v in totals.items()}
@@ -208,8 +227,8 @@ class Trainer:
         if self.cfg.enable_mtp_training:
             metrics["train/mtp_grad_norm"] = grads.clip_by_norm(self.mtp_params(), self.cfg.effective_mtp_clip_grad)
         self.optimizer.step()
-        for _ in range(self.cfg.mtp_steps_per_rollout - 1):
-            metrics["train/mtp_final_loss"] = self._mtp_only_step(batch)
+        if self.cfg.mtp_steps_per_rollout > 1:
+            metrics["train/mtp_final_loss"] = self._mtp_only_steps(batch, self.cfg.mtp_steps_per_rollout - 1)
         return metrics
 
     # ---- weights and checkpoints ------------------------------------------------------
