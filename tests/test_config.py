@@ -56,6 +56,10 @@ def test_bad_flags_are_one_line_user_errors(argv, needle):
     (["--enable-mtp-training", "--mtp-num-layers", "1", "--mtp-steps-per-rollout", "0"],
      "--mtp-steps-per-rollout must be >= 1"),
     (["--mtp-steps-per-rollout", "4"], "--mtp-steps-per-rollout sets how the online MTP loss trains"),
+    (["--enable-mtp-training", "--mtp-num-layers", "1", "--mtp-steps-per-rollout", "4", "--mtp-replay-batches", "-1"],
+     "--mtp-replay-batches must be >= 0"),
+    (["--enable-mtp-training", "--mtp-num-layers", "1", "--mtp-replay-batches", "2"],
+     "--mtp-replay-batches feeds the MTP-only steps"),
 ])
 def test_validation_refuses_inconsistent_settings(argv, needle):
     with pytest.raises(UserError, match=needle.replace("-", r"\-")):

@@ -317,7 +317,7 @@ def test_mtp_only_steps_on_the_cached_trunk_equal_steps_that_rerun_the_trunk(hf_
         return trainer
 
     cached = trainer_after_joint_step()
-    cached._mtp_only_steps(make_batch(), 3)
+    cached._mtp_only_steps([make_batch()], 3)
 
     rerun = trainer_after_joint_step()
     batch = make_batch()
@@ -336,3 +336,33 @@ def test_mtp_only_steps_on_the_cached_trunk_equal_steps_that_rerun_the_trunk(hf_
     moved = trainer_after_joint_step()  # negative control: the steps did move the draft
     assert all(torch.equal(got[n], want[n]) for n in want)
     assert any(not torch.equal(got[n], p) for n, p in moved.model.named_parameters() if n.startswith("mtp."))
+
+
+def test_mtp_replay_batches_train_the_draft_on_earlier_batches_through_the_current_trunk(hf_dir):
+    """--mtp-replay-batches 1: at the second RL step the MTP-only steps run on the first batch, then
+    the second, each through the trunk as it is now. Reference: the same steps, one batch at a time."""
+    first, second = make_batch(seed=1), make_batch(seed=2)
+
+    def trainer(replay, steps):
+        torch.manual_seed(0)
+        return Trainer(TrainerConfig(lr=1e-3, enable_mtp_training=True, mtp_steps_per_rollout=steps,
+                                     mtp_replay_batches=replay), hf_dir)
+
+    replayed = trainer(1, 3)
+    replayed.train_step(first)   # nothing to replay yet: two MTP-only steps on `first`
+    replayed.train_step(second)  # one on `first` (replayed), then one on `second`
+
+    reference = trainer(0, 1)
+    reference.train_step(first)
+    reference._mtp_only_steps([first], 2)
+    reference.train_step(second)
+    reference._mtp_only_steps([first], 1)
+    reference._mtp_only_steps([second], 1)
+
+    no_replay = trainer(0, 3)  # negative control: both MTP-only steps on `second`
+    no_replay.train_step(first)
+    no_replay.train_step(second)
+
+    got, want, other = (dict(t.model.named_parameters()) for t in (replayed, reference, no_replay))
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert any(not torch.equal(got[n], other[n]) for n in got if n.startswith("mtp."))

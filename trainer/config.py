@@ -41,6 +41,7 @@ class TrainerConfig:
     mtp_train_depths: Optional[int] = tree_field("mtp.train_depths")  # None: one per MTP layer
     mtp_reuse_attention: str = tree_field("mtp.reuse_attention")  # mtp/reuse.py REUSE_ATTENTION
     mtp_steps_per_rollout: int = tree_field("mtp.steps_per_rollout")  # > 1: MTP-only steps after the joint one
+    mtp_replay_batches: int = tree_field("mtp.replay_batches")  # earlier batches those steps also cycle over
     mtp_loss_scaling_factor: float = tree_field("mtp.loss_scaling_factor")
     mtp_detach_trunk: bool = tree_field("mtp.detach_trunk")
     mtp_loss_type: str = tree_field("mtp.loss_type")  # mtp/loss.py MTP_LOSSES

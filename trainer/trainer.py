@@ -5,6 +5,7 @@ Trainer starts a one-process group itself. Per step:
 policy loss (PPO-clip on the rollout log-probs) + factor/num_layers * MTP loss, where the
 MTP block reads detached trunk outputs (DESIGN §4) and has its own grad-norm clip.
 """
+import collections
 import dataclasses
 
 import torch
@@ -73,6 +74,9 @@ class Trainer:
             load_hf_state(self.model, hf_state, self.model_cfg)
         self._freeze_mtp_unless_trained()
         self.optimizer = self._build_optimizer()
+        # earlier rollout batches the MTP-only steps also train on (--mtp-replay-batches; CPU
+        # tensors, newest first; not checkpointed: after --load it refills over R steps)
+        self._mtp_replay = collections.deque(maxlen=cfg.mtp_replay_batches)
         if load is not None:
             self.load(load)
 
@@ -200,13 +204,13 @@ class Trainer:
         self.optimizer.step()
         return _dp_sum(total).item()
 
-    def _mtp_only_steps(self, batch, steps):
-        """`steps` MTP-only optimiser steps on `batch`; returns the last one's MTP loss."""
-        trunk_outputs = self._frozen_trunk_outputs(batch)
-        mtp_counts = self._mtp_counts(batch.to(self.device))
+    def _mtp_only_steps(self, batches, steps):
+        """`steps` MTP-only optimiser steps cycling over `batches` (this step's first), ordered so
+        that the last step is on this step's batch; returns that step's MTP loss."""
+        prepared = [(self._frozen_trunk_outputs(b), self._mtp_counts(b.to(self.device))) for b in batches]
         loss = None
-        for _ in range(steps):
-            loss = self._mtp_only_step(trunk_outputs, mtp_counts)
+        for i in range(steps):
+            loss = self._mtp_only_step(*prepared[(steps - 1 - i) % len(prepared)])
         return loss
 
     def _metrics(self, totals):
@@ -228,7 +232,9 @@ class Trainer:
             metrics["train/mtp_grad_norm"] = grads.clip_by_norm(self.mtp_params(), self.cfg.effective_mtp_clip_grad)
         self.optimizer.step()
         if self.cfg.mtp_steps_per_rollout > 1:
-            metrics["train/mtp_final_loss"] = self._mtp_only_steps(batch, self.cfg.mtp_steps_per_rollout - 1)
+            metrics["train/mtp_final_loss"] = self._mtp_only_steps([batch, *self._mtp_replay],
+                                                                   self.cfg.mtp_steps_per_rollout - 1)
+            self._mtp_replay.appendleft(batch)
         return metrics
 
     # ---- weights and checkpoints ------------------------------------------------------

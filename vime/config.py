@@ -133,6 +133,9 @@ class MTPSection:
         "--mtp-steps-per-rollout", "optimiser steps of the draft per RL step: the joint step, then N-1 steps "
         "of the MTP layers alone on the same rollout batch (the MTP loss is detached, so the policy is "
         "unchanged; the draft catches up with the policy it drafts for)"))
+    replay_batches: int = field(default=0, metadata=flag(
+        "--mtp-replay-batches", "the MTP-only steps (--mtp-steps-per-rollout) cycle over this RL step's batch "
+        "and the R previous ones, their trunk states recomputed with the current policy (0: this batch only)"))
     lr: Optional[float] = field(default=5e-3, metadata=flag(
         "--mtp-lr", "learning rate of the MTP layers (none: --lr); Adam makes the loss factor nearly scale-free"))
 
@@ -229,6 +232,9 @@ def validate(cfg):
     require(m.steps_per_rollout >= 1, f"--mtp-steps-per-rollout must be >= 1 (got {m.steps_per_rollout})")
     require(m.steps_per_rollout == 1 or m.enable_training,
             "--mtp-steps-per-rollout sets how the online MTP loss trains: use it with --enable-mtp-training")
+    require(m.replay_batches >= 0, f"--mtp-replay-batches must be >= 0 (got {m.replay_batches})")
+    require(m.replay_batches == 0 or m.steps_per_rollout > 1,
+            "--mtp-replay-batches feeds the MTP-only steps: use it with --mtp-steps-per-rollout 2 or more")
     require(m.train_depths is None or m.enable_training,
             "--mtp-train-depths sets what the online MTP loss trains: use it with --enable-mtp-training")
     require(t.adam_eps > 0, f"--adam-eps must be > 0 (got {t.adam_eps})")

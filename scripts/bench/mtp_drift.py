@@ -22,7 +22,7 @@ Extra arguments after `--` go to every train_rl.py run.
 An arm is `online`, `frozen` or `none`, optionally followed by `:key=value` options
 (ARM_OPTIONS): `loss` (--mtp-loss-type), `topk` (--mtp-distill-topk), `layers`
 (--mtp-num-layers), `depths` (--mtp-train-depths), `reuse` (--mtp-reuse-attention), `steps`
-(--mtp-steps-per-rollout), `lr` (--mtp-lr), `ckpt` (--hf-checkpoint, e.g. a checkpoint with two MTP layers), `backend`
+(--mtp-steps-per-rollout), `replay` (--mtp-replay-batches), `lr` (--mtp-lr), `ckpt` (--hf-checkpoint, e.g. a checkpoint with two MTP layers), `backend`
 (--rollout-backend: `online:backend=vllm`) and `sync_draft` (--sync-draft-weights: `false` syncs only
 the target, the draft goes stale). With
 `--curves` a second PNG shows the per-position acceptance of every arm over the run.
@@ -41,6 +41,7 @@ ARM_FLAGS = {"online": ["--enable-mtp-training", "--mtp-num-layers", "1"], "froz
 # arm options: "online:loss=tv:layers=2" appends these flags last (later flags win in train_rl.py)
 ARM_OPTIONS = {"loss": "--mtp-loss-type", "topk": "--mtp-distill-topk", "layers": "--mtp-num-layers", "lr": "--mtp-lr",
                "depths": "--mtp-train-depths", "reuse": "--mtp-reuse-attention", "steps": "--mtp-steps-per-rollout",
+               "replay": "--mtp-replay-batches",
                "ckpt": "--hf-checkpoint", "backend": "--rollout-backend", "sync_draft": "--sync-draft-weights"}
 MAX_POSITIONS = 8
 COLUMNS = ("arm", "step", "num_samples", "reward", "response_len", "spec_accept_length", "tokens_per_target_forward",
