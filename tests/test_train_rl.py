@@ -183,8 +183,11 @@ def test_a_dead_actor_ends_the_run_with_one_line_naming_it_and_the_checkpoint_to
 def test_ctrl_c_prints_one_line_and_no_traceback(ckpt, tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, RAY_AUTH_MODE="disabled", WANDB_MODE="offline")
     out = tmp_path / "out"
+    # a suite started as a background job (`cmd &`) inherits SIGINT ignored, and Python keeps an
+    # inherited SIG_IGN: give the run the terminal's default, as a foreground Ctrl-C would find it
     proc = subprocess.Popen([sys.executable, "train_rl.py", *map(str, base_args(ckpt, out, 50, "--use-wandb", "false"))],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     log = out / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and not (log.exists() and log.read_text().strip()):
