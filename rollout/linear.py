@@ -7,7 +7,12 @@ with the weight reordered once into its blocked layout reads each weight once fo
 (scripts/bench/gemm_rows.py prints the curve). For a single row the plain GEMV is still
 10-40 % faster than oneDNN's packed kernel on this CPU, so "mkldnn" sends one-row inputs
 there; rows then differ from the packed ones only by reduction order (the fp32 bound of
-tests/fp32_bounds.py), as plain and batched matmuls always did.
+tests/fp32_bounds.py), as plain and batched matmuls always did. A weight that stays in a
+core's caches (below PACKED_MIN_BYTES) gains nothing from the reorder until the input has
+many rows, and each oneDNN call costs ~10-15 us more than the plain matmul (on the tiny
+model, 29 linears per forward, that made a 2-token verify 1.5x a plain step at one row):
+such weights use the plain matmul below PACKED_SMALL_MIN_ROWS rows (scripts/bench/gemm_rows.py
+shows both crossovers).
 
 Backends are a registry keyed by name; `pick_backend` chooses "mkldnn" for fp32 on a CPU with
 oneDNN and "dense" (the plain matmul) otherwise. Packed weights are snapshots: the caller
@@ -18,13 +23,23 @@ from dataclasses import dataclass
 import torch
 
 
+# Where oneDNN's packed kernel pays (measured on 2-core AMD EPYC / Intel Xeon VMs, one thread):
+# from ~0.5-1 MiB a weight streams from beyond the core's L2 and reading it once for all rows wins
+# at any row count >= 2; a smaller weight is compute-bound and the packed kernel only overtakes the
+# plain one (by ~8 %) from a few hundred rows, below which its call overhead dominates.
+PACKED_MIN_BYTES = 1 << 20
+PACKED_SMALL_MIN_ROWS = 256
+
+
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight [out, in] prepared for one backend; `dense` is the original (for shape/fallback)."""
+    """A weight [out, in] prepared for one backend; `dense` is the original (for shape/fallback).
+    Inputs with fewer than `min_packed_rows` rows use the plain matmul on `dense`."""
 
     backend: str
     dense: torch.Tensor
     packed: torch.Tensor = None
+    min_packed_rows: int = 2
 
 
 def _mkldnn_available():
@@ -40,11 +55,13 @@ def _apply_dense(x, w):
 
 
 def _pack_mkldnn(weight):
-    return PackedWeight("mkldnn", weight, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()))
+    cache_resident = weight.numel() * weight.element_size() < PACKED_MIN_BYTES
+    return PackedWeight("mkldnn", weight, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()),
+                        min_packed_rows=PACKED_SMALL_MIN_ROWS if cache_resident else 2)
 
 
 def _apply_mkldnn(x, w):
-    if x.numel() == x.shape[-1]:  # one row: the GEMV on the plain weight is faster
+    if x.numel() < w.min_packed_rows * x.shape[-1]:  # one row (GEMV), or few rows of a cached weight
         return x @ w.dense.t()
     return torch.ops.mkldnn._linear_pointwise(x, w.packed, None, "none", [], "")
 

@@ -1,20 +1,30 @@
 """rollout/linear.py: every backend computes x @ W.t() within the fp32 reduction bound of an
-fp64 reference, for 1..16 rows and batched 3-D inputs, and the engine picks the packed
-backend only where it applies (fp32 on CPU)."""
+fp64 reference, for 1..300 rows, batched 3-D inputs, and weights below and above the size
+where packing pays; the engine picks the packed backend only where it applies (fp32 on CPU),
+and a cache-resident weight multiplies few rows by the plain matmul."""
 import pytest
 import torch
 
 from fp32_bounds import reduction_rtol
-from rollout.linear import BACKENDS, linear, pack, pick_backend
+from rollout.linear import BACKENDS, PACKED_MIN_BYTES, PACKED_SMALL_MIN_ROWS, linear, pack, pick_backend
+
+SMALL_OUT = 80  # 80 x 96 fp32: cache-resident
+LARGE_OUT = PACKED_MIN_BYTES // (4 * 300) + 1  # x 300 fp32: just over the packing threshold
+
+
+def needs_onednn(backend):
+    if backend == "mkldnn" and pick_backend("cpu", torch.float32) != "mkldnn":
+        pytest.skip("this torch has no oneDNN")
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-@pytest.mark.parametrize("shape", [(1, 96), (2, 96), (4, 96), (16, 96), (3, 5, 96)])
-def test_linear_matches_an_fp64_reference_within_the_reduction_bound(backend, shape):
-    if backend == "mkldnn" and pick_backend("cpu", torch.float32) != "mkldnn":
-        pytest.skip("this torch has no oneDNN")
+@pytest.mark.parametrize("out, shape", [(SMALL_OUT, s) for s in [(1, 96), (2, 96), (4, 96), (16, 96), (3, 5, 96),
+                                                                  (PACKED_SMALL_MIN_ROWS + 44, 96)]]
+                         + [(LARGE_OUT, s) for s in [(1, 300), (2, 300), (16, 300)]])
+def test_linear_matches_an_fp64_reference_within_the_reduction_bound(backend, out, shape):
+    needs_onednn(backend)
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(80, shape[-1], generator=g)
+    w = torch.randn(out, shape[-1], generator=g)
     x = torch.randn(*shape, generator=g)
     got = linear(x, pack(w, backend))
     want = x.double() @ w.double().t()
@@ -22,6 +32,16 @@ def test_linear_matches_an_fp64_reference_within_the_reduction_bound(backend, sh
     bound = reduction_rtol(shape[-1], 1) * (x.abs().double() @ w.abs().double().t()) + want.abs() * 2.0 ** -24
     assert got.shape == want.shape
     assert ((got.double() - want).abs() <= bound).all()
+
+
+def test_a_cache_resident_weight_uses_the_packed_kernel_only_for_many_rows():
+    needs_onednn("mkldnn")
+    g = torch.Generator().manual_seed(1)
+    small = torch.randn(SMALL_OUT, 96, generator=g)
+    x = torch.randn(4, 96, generator=g)
+    assert torch.equal(linear(x, pack(small, "mkldnn")), x @ small.t())  # the plain matmul itself
+    assert pack(small, "mkldnn").min_packed_rows == PACKED_SMALL_MIN_ROWS
+    assert pack(torch.randn(LARGE_OUT, 300, generator=g), "mkldnn").min_packed_rows == 2
 
 
 def test_packed_backend_is_chosen_only_for_fp32_on_cpu():

@@ -4,10 +4,14 @@ A verify forward of 1 + k tokens multiplies every weight by 1 + k rows per reque
 memory-bound step that should cost about one row. One 8192x4096 fp32 weight (128 MB, larger
 than the caches), M = 1/2/4/16 rows; prints milliseconds (median of repeats) and each
 backend's cost relative to its own 1-row GEMV, plus packed/plain per M (ratios within one run).
+"packed" is oneDNN's kernel itself (rollout/linear.py sends one row, and few rows of a weight
+under PACKED_MIN_BYTES, to the plain matmul; a small weight shows why:
+`--out 320 --in 128 --rows 1,2,16,128,512 --threads 1`, the tiny model's MLP).
 Usage:
   python scripts/bench/gemm_rows.py [--threads 2] [--repeats 30] [--out 8192 --in 4096]
 """
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -41,9 +45,11 @@ def main():
     torch.set_num_threads(args.threads)
     weight = torch.randn(args.out, args.in_features)
     packed_backend = pick_backend("cpu", torch.float32)
-    backends = {"plain": pack(weight, "dense"), "packed": pack(weight, packed_backend)}
+    # the kernel itself at every row count (linear()'s own dispatch would hide the crossover)
+    packed = dataclasses.replace(pack(weight, packed_backend), min_packed_rows=2)
+    backends = {"plain": pack(weight, "dense"), "packed": packed}
     rows = [int(m) for m in args.rows.split(",")]
-    print(f"weight {args.out}x{args.in_features} fp32 ({weight.numel() * 4 / 2**20:.0f} MiB), "
+    print(f"weight {args.out}x{args.in_features} fp32 ({weight.numel() * 4 / 2**20:.2f} MiB), "
           f"{args.threads} threads, packed backend = {packed_backend}")
     ms = {name: {} for name in backends}
     for m in rows:
