@@ -207,9 +207,12 @@ class Engine:
         for r, a in zip(reqs, n_acc):
             r.num_cached += 1 + a
         verified = time.perf_counter()
+        # a first drafting step after k = 0 steps also catches up what they deferred: not a draft cost
+        backlog = self.k_policy.observes and self.step_k > 0 and self.proposer.catching_up(reqs)
         drafted = self._propose(reqs, mtp_hidden, starts, torch.tensor([1 + a for a in n_acc], device=self.config.device))
         if self.k_policy.observes:
-            self._observe_step(reqs, drafts.shape[1], counts, n_acc, drafted, start, verified, generated_before)
+            self._observe_step(reqs, drafts.shape[1], counts, n_acc, drafted and not backlog, start, verified,
+                               generated_before)
 
     def _observe_step(self, reqs, k_verified, counts, n_acc, drafted, start, verified, generated_before):
         """Tell the k policy what this step cost and what got accepted."""

@@ -12,7 +12,8 @@ drafts are verified, so every policy keeps the output exact.
                   B * E(k) / (verify(B, 1+k) + draft(B, k)),
               E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j with a_j the EMA of the conditional
               acceptance at draft position j, and the step costs from a profile taken at the
-              first generate (per batch size on a power-of-two grid, interpolated) refined
+              first generate (per batch size on a power-of-two grid, interpolated; made
+              monotone in rows and tokens, since timing noise only adds) refined
               online by the measured times (an EMA per exact (B, k), and one global
               measured/profiled correction for the points not seen yet). Every
               EXPLORE_EVERY steps one step runs another k, round robin, among the k that
@@ -27,6 +28,7 @@ import math
 ACCEPT_EMA = 0.1  # weight of one step's per-position acceptance
 COST_EMA = 0.2  # weight of one step's measured time
 ACCEPT_PRIOR = 0.5  # acceptance assumed before a position was ever drafted
+PROFILE_REPEATS = 5  # best-of repeats per profiled point
 EXPLORE_EVERY = 40  # steps between one-off probes of another k (round robin), so costs and
 #                     acceptance of the k not chosen stay measured (a draft that improves, a
 #                     profile taken during a load spike)
@@ -152,8 +154,10 @@ class AdaptiveK(FixedK):
             return
         grid = batch_grid(engine.config.max_batch_size)
         ks = range(self.k + 1)
-        self.verify = CostTable(grid, {k: [engine.profile_verify(b, 1 + k) for b in grid] for k in ks})
-        self.draft = CostTable(grid, {k: [engine.profile_draft(b, k) for b in grid] for k in ks})
+        verify = {k: [engine.profile_verify(b, 1 + k, repeats=PROFILE_REPEATS) for b in grid] for k in ks}
+        draft = {k: [engine.profile_draft(b, k, repeats=PROFILE_REPEATS) for b in grid] for k in ks}
+        self.verify = CostTable(grid, monotone_envelope(verify))
+        self.draft = CostTable(grid, monotone_envelope(draft))
 
     # ------------------------------------------------------------ choice
     def rate(self, b, k):
@@ -226,6 +230,25 @@ class AdaptiveK(FixedK):
         return {"spec_k_mean": t["k_rows"] / t["rows"],
                 "spec_predicted_speedup": (t["pred_tokens"] / t["pred_s"]) / plain_rate,
                 "spec_measured_speedup": (t["emitted"] / t["measured_s"]) / plain_rate}
+
+
+def monotone_envelope(profiled):
+    """{k: [seconds per grid batch size]} lowered so cost never falls with more rows or more tokens.
+
+    Interference from other work only ever adds time to a measurement, so where a point costs
+    more than one doing strictly more work (more tokens at the same batch size, or more rows at
+    the same k), the point is the outlier: it is capped by every point above it. (A noisy
+    profile once priced verifying 2 tokens above verifying 3, and the policy drafted 2-3 tokens
+    where 1 paid best.)"""
+    ks = sorted(profiled)
+    out = {k: list(profiled[k]) for k in ks}
+    for i in reversed(range(len(ks) - 1)):  # suffix-min over k
+        out[ks[i]] = [min(a, b) for a, b in zip(out[ks[i]], out[ks[i + 1]])]
+    for k in ks:  # suffix-min over the batch grid
+        ys = out[k]
+        for j in reversed(range(len(ys) - 1)):
+            ys[j] = min(ys[j], ys[j + 1])
+    return out
 
 
 def batch_grid(max_batch_size):

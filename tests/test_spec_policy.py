@@ -1,10 +1,11 @@
 """The adaptive k policy's choice against a direct computation of expected tokens per second,
-its cost table (profile interpolation, online refinement) and its acceptance estimate."""
+its cost table (profile interpolation, online refinement, the monotone profile envelope) and
+its acceptance estimate."""
 import itertools
 
 import pytest
 
-from rollout.spec_policy import AdaptiveK, CostTable, StepRecord, batch_grid
+from rollout.spec_policy import AdaptiveK, CostTable, StepRecord, batch_grid, monotone_envelope
 
 
 def policy_with(verify_ms, draft_ms, acceptance, grid=(1, 16)):
@@ -88,3 +89,20 @@ def test_a_phase_profiled_as_free_does_not_skew_the_load_correction():
     t = CostTable([1, 4], {0: [0.0, 0.0], 1: [1.0, 2.0]})
     t.update(4, 0, 0.1)  # k = 0 drafting measured at a tenth of a millisecond: fine, no ratio to take
     assert t.correction == 1.0 and t.predict(4, 0) == 0.1 and t.predict(2, 1) == pytest.approx(4 / 3)
+
+
+def test_profile_envelope_caps_each_point_by_every_point_doing_at_least_as_much_work():
+    """Timing noise only adds, so a point is lowered to the cheapest point with >= rows and >= k
+    (direct definition, brute force), and a profile that is already monotone is left alone."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(50):
+        raw = {k: [rng.uniform(1, 10) for _ in range(5)] for k in range(4)}
+        got = monotone_envelope(raw)
+        for k in raw:
+            for j in range(5):
+                want = min(raw[k2][j2] for k2 in raw if k2 >= k for j2 in range(5) if j2 >= j)
+                assert got[k][j] == want
+    monotone = {k: [(1 + k) * (1 + j) for j in range(5)] for k in range(4)}
+    assert monotone_envelope(monotone) == monotone

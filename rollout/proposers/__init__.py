@@ -35,6 +35,11 @@ class Proposer:
     def release(self, request):
         """The request finished: drop its per-request state."""
 
+    def catching_up(self, requests):
+        """Will the next propose for `requests` first process positions that k = 0 steps deferred?
+        (Its time is then not the cost of drafting k tokens, and the k policy must not learn it.)"""
+        return False
+
 
 def _lazy(module, name):
     """Import a proposer module only when that method is asked for."""

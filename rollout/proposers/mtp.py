@@ -78,6 +78,9 @@ class MTPProposer(Proposer):
     def release(self, request):
         self.pending.pop(request.slot, None)
 
+    def catching_up(self, requests):
+        return any(r.slot in self.pending for r in requests)
+
     def propose(self, out):
         k = min(self.num_speculative_tokens, self.engine.step_k)
         if k == 0:
