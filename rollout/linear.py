@@ -23,10 +23,12 @@ from dataclasses import dataclass
 import torch
 
 
-# Where oneDNN's packed kernel pays (measured on 2-core AMD EPYC / Intel Xeon VMs, one thread):
-# from ~0.5-1 MiB a weight streams from beyond the core's L2 and reading it once for all rows wins
-# at any row count >= 2; a smaller weight is compute-bound and the packed kernel only overtakes the
-# plain one (by ~8 %) from a few hundred rows, below which its call overhead dominates.
+# Where oneDNN's packed kernel pays (measured on a 2-core AMD EPYC VM with 2 MiB L2 per core, one
+# thread; scripts/bench/gemm_rows.py re-measures it on another CPU): from ~0.5-1 MiB a weight
+# streams from beyond the core's L2 and reading it once for all rows wins at any row count >= 2; a
+# smaller weight is compute-bound and the packed kernel only overtakes the plain one (by ~8 %) from
+# a few hundred rows, below which its call overhead dominates. Both paths are exact to the fp32
+# bound, so a CPU whose crossover lies elsewhere only loses speed, never correctness.
 PACKED_MIN_BYTES = 1 << 20
 PACKED_SMALL_MIN_ROWS = 256
 
