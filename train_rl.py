@@ -149,7 +149,7 @@ def write_variant_prompts(rollout_cfg, output_dir):
             f"--task-variant-prompts must be >= 1 (got {rollout_cfg.task_variant_prompts})")
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, f"prompts_{variant}.jsonl")
-    write_jsonl(TASK_VARIANTS[variant](rollout_cfg.task_variant_prompts, rollout_cfg.rollout_seed), path)
+    write_jsonl(TASK_VARIANTS[variant].prompts(rollout_cfg.task_variant_prompts, rollout_cfg.rollout_seed), path)
     return path
 
 

@@ -15,6 +15,12 @@ k acceptances). Methods:
                  benchmarks only (the output is not the target distribution).
 Otherwise greedy requests accept iff d == argmax p, and emit argmax p.
 A plain decode step is k = 0: no drafts, the emitted token is a sample from p.
+
+Uniforms come as [B, k+2]: column i decides verify position i, the last column is for a
+residual draw. A token sampled from p at position i (strict's samples, and probabilistic's
+bonus token after every draft was kept) uses column i, so a step that drafts nothing samples
+with column 0 in every method: the engine keys that column to the output position, which is
+what lets strict speculation reproduce plain sampling token for token.
 """
 from dataclasses import dataclass
 
@@ -86,7 +92,10 @@ def verify(target_logprobs, drafts, draft_counts, uniforms, greedy, method="prob
                    if draft_probs is not None else torch.ones_like(p_draft))
         accept = uniforms[:, :k] * q_draft < p_draft
         n_acc, kept = _first_rejection(accept, draft_counts)
-        extra = _residual_sample(probs, drafts, draft_probs, n_acc, draft_counts, uniforms[:, -1])
+        # a bonus token (every draft kept) meets its own position's uniform, unused by the tests
+        # above (they read columns < n_acc); a correction after a rejection meets the residual one
+        u_extra = torch.where(n_acc < draft_counts, uniforms[:, -1], _row_select(uniforms, n_acc))
+        extra = _residual_sample(probs, drafts, draft_probs, n_acc, draft_counts, u_extra)
     emitted = torch.cat([torch.where(kept, drafts, torch.zeros_like(drafts)), torch.zeros_like(extra)[:, None]], 1)
     emitted[torch.arange(b), n_acc] = extra
     emitted_lp = target_logprobs.gather(-1, emitted.unsqueeze(-1)).squeeze(-1)

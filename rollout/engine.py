@@ -9,6 +9,13 @@ length. How many tokens get drafted for the next step is the k policy's choice
 (rollout/spec_policy.py: fixed, vLLM's batch-size schedule, or adaptive); the engine times
 each verify and draft phase and reports it to the policy. Sampling is driven by per-request generators, so a request's output does not
 depend on which others share the batch.
+
+The uniform that decides output position t is drawn for t, not for the step that reaches it
+(`Request.position_uniforms`): plain sampling emits inverse-CDF(p_t, U[t]), and strict
+verification emits the same token (it accepts a draft only where it equals that sample), so
+with the same seed speculative sampling reproduces plain sampling token for token, at any k.
+A run with speculation on and one with it off then roll out the same responses, which makes
+their timings comparable step by step (the drift benchmark).
 """
 import os
 import time
@@ -48,6 +55,10 @@ class Request:
 
     def __init__(self, sample, sampling, generator):
         self.sample, self.sampling, self.generator = sample, sampling, generator
+        # one uniform per output position for verification, one per step start for a residual
+        # draw; drafts draw from the generator's stream after these (`uniforms`)
+        self._position_u = torch.rand(sampling.max_new_tokens, generator=generator)
+        self._residual_u = torch.rand(sampling.max_new_tokens, generator=generator)
         self.slot = -1
         self.num_cached = 0  # target KV entries that hold accepted tokens
         self.drafts, self.draft_probs = [], None
@@ -70,7 +81,22 @@ class Request:
         return self.finish_reason is not None
 
     def uniforms(self, n):
+        """n fresh uniforms from the request's stream (draft sampling)."""
         return torch.rand(n, generator=self.generator)
+
+    def position_uniforms(self, n):
+        """The uniforms of output positions num_generated .. num_generated + n - 1.
+
+        Each is used for the first verification that reaches its position; a later step re-reads
+        it only when no earlier decision depended on it (positions past a rejection), so every
+        emitted token still meets a fresh uniform."""
+        g = self.num_generated
+        return self._position_u[g:g + n]
+
+    def residual_uniform(self):
+        """The uniform of a residual draw (after a rejection) in the step starting here: steps
+        start at strictly increasing positions, so each is used at most once."""
+        return self._residual_u[self.num_generated]
 
 
 class Engine:
@@ -260,13 +286,11 @@ class Engine:
 
     @staticmethod
     def _uniforms(reqs, counts, k):
-        """[B, k+2]: each request draws only what its own drafts need (c+1 for the verify
-        positions, 1 for the residual, stored last), so its random stream does not depend
-        on how many drafts other requests in the batch brought."""
+        """[B, k+2]: the uniforms of each request's own verify positions (c + 1) and its residual
+        draw (stored last); they depend on neither the batch nor how many drafts a step brings."""
         out = torch.zeros(len(reqs), k + 2)
         for i, (r, c) in enumerate(zip(reqs, counts)):
-            u = r.uniforms(c + 2)
-            out[i, :c + 1], out[i, -1] = u[:c + 1], u[-1]
+            out[i, :c + 1], out[i, -1] = r.position_uniforms(c + 1), r.residual_uniform()
         return out
 
     def _stack_draft_probs(self, reqs, drafts, vocab):

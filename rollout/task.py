@@ -12,8 +12,10 @@ so most problems are short and a few are long, as in RL where a batch drains fro
 few long stragglers. Its trace answers (one column sum per digit, `multi_trace_answer`)
 range from about 10 to 100 tokens; the reward is the same (the sum after '#').
 """
+import dataclasses
 import json
 import random
+from typing import Callable, List
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 CHARS = "0123456789+=;#"
@@ -45,9 +47,6 @@ def trace_answer(a, b):
     return ";".join(steps) + f";#{a + b}"
 
 
-ANSWER_FORMATS = {"direct": direct_answer, "trace": trace_answer}
-
-
 def extract_answer(response_text):
     """The text after the last '#', or None when there is none."""
     if "#" not in response_text:
@@ -62,12 +61,7 @@ def tiny_add_reward(response_text, label):
 
 def make_prompts(n, seed, digits=3):
     """[{"prompt": "347+285=", "label": "632"}, ...]: the RL prompt set."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = make_problem(rng, digits)
-        rows.append({"prompt": prompt_text(a, b), "label": str(a + b)})
-    return rows
+    return prompt_rows(lambda rng: list(make_problem(rng, digits)), n, seed)
 
 
 # ------------------------------------------------------------------ the long-tail variant
@@ -105,20 +99,42 @@ def multi_trace_answer(operands):
     return ";".join(steps) + f";#{sum(operands)}"
 
 
-def make_longtail_prompts(n, seed):
-    """The long-tail prompt set: same row format and reward as `make_prompts`."""
+def prompt_rows(draw_problem, n, seed):
+    """n rows {"prompt": "12+345+6=", "label": "363"} of problems from `draw_problem(rng)`."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        operands = make_multi_problem(rng)
+        operands = draw_problem(rng)
         rows.append({"prompt": multi_prompt_text(operands), "label": str(sum(operands))})
     return rows
 
 
+def make_longtail_prompts(n, seed):
+    """The long-tail prompt set: same row format and reward as `make_prompts`."""
+    return prompt_rows(make_multi_problem, n, seed)
+
+
+# Corpus answer formats over an operand list (two operands: `direct_answer` / `trace_answer`).
+ANSWER_FORMATS = {"direct": lambda operands: f"#{sum(operands)}", "trace": multi_trace_answer}
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskVariant:
+    """A tiny-task variant: how one problem is drawn (pretraining corpus and RL prompts alike).
+
+    `draw_problem(rng)` returns the operands; prompt, label and answer formats follow from them."""
+
+    draw_problem: Callable[[random.Random], List[int]]
+
+    def prompts(self, n, seed):
+        return prompt_rows(self.draw_problem, n, seed)
+
+
 TASK_VARIANTS = {
-    "add": lambda n, seed: make_prompts(n, seed),
-    "longtail": make_longtail_prompts,
+    "add": TaskVariant(lambda rng: list(make_problem(rng))),
+    "longtail": TaskVariant(make_multi_problem),
 }
+DEFAULT_TASK_VARIANT = "add"
 
 
 def write_jsonl(rows, path):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from checkpoint_convert.hf_format import ModelConfig, save_hf_checkpoint
 from mtp.loss import mtp_loss
 from rollout.model import CausalLMWithMTP
-from rollout.task import ANSWER_FORMATS, BOS, EOS, PAD, make_problem, prompt_text
+from rollout.task import ANSWER_FORMATS, BOS, DEFAULT_TASK_VARIANT, EOS, PAD, TASK_VARIANTS, multi_prompt_text
 from rollout.tokenizer import TextCodec, build_tokenizer, save_tokenizer
 
 # Shaped like real MTP models: the MTP layer (one decoder layer + input_proj) is <= 15 % of a
@@ -78,23 +78,23 @@ def slip_one_digit(rng, answer):
     return "".join(digits)
 
 
-def corpus_example(rng, codec, trace_fraction, direct_error_rate):
-    """(token ids, is_trace) of one pretraining sequence: BOS prompt answer EOS.
+def corpus_example(rng, codec, trace_fraction, direct_error_rate, variant=DEFAULT_TASK_VARIANT):
+    """(token ids, is_trace) of one pretraining sequence of `variant`'s problems: BOS prompt answer EOS.
 
     Direct answers in the corpus are often wrong (`direct_error_rate`): like unverified web
     text, they teach the format but not reliable sums, so sampled direct answers stay right
     only about (1 - rate) of the time, however long the model trains; trace answers are
     always right. This leaves RL room to improve and a reason to change format."""
-    a, b = make_problem(rng)
+    operands = TASK_VARIANTS[variant].draw_problem(rng)
     fmt = "trace" if rng.random() < trace_fraction else "direct"
-    answer = ANSWER_FORMATS[fmt](a, b)
+    answer = ANSWER_FORMATS[fmt](operands)
     if fmt == "direct" and rng.random() < direct_error_rate:
         answer = "#" + slip_one_digit(rng, answer[1:])
-    return [BOS] + codec.encode(prompt_text(a, b) + answer) + [EOS], fmt == "trace"
+    return [BOS] + codec.encode(multi_prompt_text(operands) + answer) + [EOS], fmt == "trace"
 
 
-def corpus_batch(rng, codec, batch_size, trace_fraction, direct_error_rate):
-    rows = [corpus_example(rng, codec, trace_fraction, direct_error_rate) for _ in range(batch_size)]
+def corpus_batch(rng, codec, batch_size, trace_fraction, direct_error_rate, variant=DEFAULT_TASK_VARIANT):
+    rows = [corpus_example(rng, codec, trace_fraction, direct_error_rate, variant) for _ in range(batch_size)]
     width = max(len(ids) for ids, _ in rows)
     tokens = torch.full((batch_size, width), PAD)
     for i, (ids, _) in enumerate(rows):
@@ -118,7 +118,7 @@ def pretrain_loss(model, tokens, mask, is_trace):
 
 
 def pretrain(model, steps, batch_size=64, lr=3e-3, trace_fraction=0.2, seed=0, log_every=100, log=print,
-             direct_error_rate=0.6):
+             direct_error_rate=0.6, variant=DEFAULT_TASK_VARIANT):
     """AdamW with cosine decay on the synthetic corpus; returns the final (lm, mtp) loss."""
     rng = random.Random(seed)
     codec = TextCodec(tokenizer=build_tokenizer())
@@ -127,7 +127,7 @@ def pretrain(model, steps, batch_size=64, lr=3e-3, trace_fraction=0.2, seed=0, l
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     start = time.time()
     for step in range(steps):
-        lm, mtp = pretrain_loss(model, *corpus_batch(rng, codec, batch_size, trace_fraction, direct_error_rate))
+        lm, mtp = pretrain_loss(model, *corpus_batch(rng, codec, batch_size, trace_fraction, direct_error_rate, variant))
         opt.zero_grad()
         (lm + mtp).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -2,9 +2,13 @@
 """Make vime's tiny model with MTP: tokenizer, pretraining on the synthetic task, HF directory.
 
     python scripts/make_tiny_model.py --out DIR [--steps 3000] [--family mimo|qwen3]
+        [--task-variant longtail --init-from checkpoints/tiny-mimo-mtp]
 
 The default, MiMo, is what vLLM serves with MTP speculation; the repository ships its
-result in checkpoints/tiny-mimo-mtp (this command reproduces it).
+result in checkpoints/tiny-mimo-mtp (this command reproduces it). `--task-variant longtail`
+pretrains on the long-tail problems instead (answers of ~10-100 tokens), by default
+continuing from `--init-from` (the shipped model knows the digits and the formats);
+checkpoints/tiny-mimo-longtail is that model (its PROVENANCE.json has the command).
 
 Also writes the task's prompt files next to the model: train.jsonl and eval.jsonl.
 """
@@ -18,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from checkpoint_convert.families import DEFAULT_FAMILY, FAMILIES  # noqa: E402
-from checkpoint_convert.hf_format import save_hf_checkpoint  # noqa: E402
-from rollout.task import make_prompts, write_jsonl  # noqa: E402
+from checkpoint_convert.hf_format import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+from rollout.task import DEFAULT_TASK_VARIANT, TASK_VARIANTS, write_jsonl  # noqa: E402
 from rollout.tiny_model import TINY_CONFIG, init_model, pretrain  # noqa: E402
 from rollout.tokenizer import build_tokenizer, save_tokenizer  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
@@ -37,11 +41,23 @@ def parse_args(argv=None):
                    help="share of direct-format corpus answers with a one-digit slip")
     p.add_argument("--family", default=DEFAULT_FAMILY, choices=sorted(FAMILIES),
                    help="model family (trunk flavour and MTP layout)")
+    p.add_argument("--task-variant", default=DEFAULT_TASK_VARIANT, choices=sorted(TASK_VARIANTS),
+                   help="problems of the pretraining corpus and the prompt files (rollout/task.py)")
+    p.add_argument("--init-from", default=None,
+                   help="an HF checkpoint of the same shape to continue from (default: random init)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--num-train-prompts", type=int, default=4096)
     p.add_argument("--num-eval-prompts", type=int, default=256)
     return p.parse_args(argv)
+
+
+def load_same_shape(model, cfg, path):
+    """Load `path`'s weights into `model`; its config must match `cfg` (family and shape)."""
+    init_cfg, state, _ = load_hf_checkpoint(path)
+    require(init_cfg == cfg, f"--init-from {path}: its config differs from the tiny {cfg.family} model's; "
+            f"pass a checkpoint made by this script with the same --family")
+    model.load_state_dict(state)
 
 
 @exit_on_user_error
@@ -51,13 +67,16 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     cfg = dataclasses.replace(TINY_CONFIG, family=args.family)
     model = init_model(cfg, args.seed)
+    if args.init_from is not None:
+        load_same_shape(model, cfg, args.init_from)
     print(f"tiny model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     pretrain(model, args.steps, args.batch_size, args.lr, args.trace_fraction, args.seed,
-             direct_error_rate=args.direct_error_rate)
+             direct_error_rate=args.direct_error_rate, variant=args.task_variant)
     save_tokenizer(build_tokenizer(), args.out)
     save_hf_checkpoint(args.out, cfg, model.state_dict())
-    write_jsonl(make_prompts(args.num_train_prompts, seed=args.seed + 1), os.path.join(args.out, "train.jsonl"))
-    write_jsonl(make_prompts(args.num_eval_prompts, seed=args.seed + 2), os.path.join(args.out, "eval.jsonl"))
+    prompts = TASK_VARIANTS[args.task_variant].prompts
+    write_jsonl(prompts(args.num_train_prompts, seed=args.seed + 1), os.path.join(args.out, "train.jsonl"))
+    write_jsonl(prompts(args.num_eval_prompts, seed=args.seed + 2), os.path.join(args.out, "eval.jsonl"))
     print(f"saved {args.out}")
 
 

@@ -114,3 +114,17 @@ def test_generate_refuses_cuda_on_cpu_torch(small_ckpt, tmp_path, capsys):
     line = refusal(capsys, generate.main, ["--hf-checkpoint", small_ckpt, "--prompts", prompts_file(tmp_path, "1+2="),
                                            "--output", str(tmp_path / "o.jsonl"), "--device", "cuda"])
     assert "--device cuda" in line and "--device cpu" in line
+
+
+@pytest.mark.parametrize("init_from", ["other-shape", "missing"])
+def test_make_tiny_model_refuses_an_init_checkpoint_it_cannot_continue_from(converted, tmp_path, init_from):
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = converted[0] if init_from == "other-shape" else str(tmp_path / "no-such-model")
+    proc = subprocess.run([sys.executable, "scripts/make_tiny_model.py", "--out", str(tmp_path / "out"),
+                           "--steps", "0", "--init-from", path], cwd=repo, capture_output=True, text=True)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and err[0].startswith("error: ") and path in err[0], proc.stderr
+    assert not os.path.exists(tmp_path / "out")  # refused before anything was written

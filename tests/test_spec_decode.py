@@ -59,6 +59,29 @@ def test_greedy_speculative_equals_plain_decoding_with_equal_logprobs(method, k,
     assert stats["spec_accept_length"] > 1.0
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_strict_sampled_speculation_reproduces_plain_sampling_token_for_token(markov_ckpt, prompts, adaptive):
+    # the uniform deciding each output position is keyed to that position, so strict
+    # verification (accept a draft iff it equals the target's sample) emits exactly what plain
+    # sampling emits; fp64 keeps verify-vs-plain rounding (~1e-16) away from every sampling
+    # boundary, so the equality holds on any CPU
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=20, seed=3)
+    cfg = EngineConfig(max_batch_size=16, dtype=torch.float64)
+    plain = build_engine(markov_ckpt, None, cfg).generate(samples_for_prompts(prompts), sampling)
+    for k in (1, 3):
+        raw = dict(spec_for("mtp", k, markov_ckpt), rejection_sample_method="strict")
+        spec = build_engine(markov_ckpt, raw, cfg, adaptive=adaptive).generate(samples_for_prompts(prompts), sampling)
+        assert [s.response_ids for s in spec] == [s.response_ids for s in plain]
+        if not adaptive:  # (adaptive may rightly stop drafting on this model)
+            assert aggregate_spec_stats(spec)["spec_accepted_tokens"] > 0
+    assert len({tuple(s.response_ids) for s in plain}) > len(prompts) // 2  # really sampled, not near-greedy
+    # negative control: probabilistic verification is exact in distribution, but its correction
+    # after a rejection comes from the residual max(p - q, 0), so its tokens differ
+    raw = dict(spec_for("mtp", 1, markov_ckpt), rejection_sample_method="probabilistic")
+    other = build_engine(markov_ckpt, raw, cfg).generate(samples_for_prompts(prompts), sampling)
+    assert [s.response_ids for s in other] != [s.response_ids for s in plain]
+
+
 def test_draft_model_that_is_the_target_is_accepted_at_least_98_percent(markov_ckpt, prompts):
     engine = build_engine(markov_ckpt, spec_for("draft_model", 3, markov_ckpt), EngineConfig(max_batch_size=100))
     stats = aggregate_spec_stats(engine.generate(samples_for_prompts(prompts), GREEDY))

@@ -1,4 +1,5 @@
 """The tiny task's formats and reward, the MTP-layout registry, and the sampling filters."""
+import pytest
 import torch
 
 from checkpoint_convert.families import from_canonical, swap_halves, to_canonical
@@ -57,10 +58,11 @@ def test_inverse_cdf_sampling_follows_the_probabilities():
     assert freq[1] == 0 and torch.allclose(freq, probs[0], atol=0.015)
 
 
-def test_corpus_slips_change_exactly_one_digit_and_only_direct_answers_are_noisy():
+@pytest.mark.parametrize("variant", ["add", "longtail"])
+def test_corpus_slips_change_exactly_one_digit_and_only_direct_answers_are_noisy(variant):
     import random
 
-    from rollout.task import BOS, EOS
+    from rollout.task import BOS, EOS, multi_trace_answer
     from rollout.tiny_model import corpus_example, slip_one_digit
     from rollout.tokenizer import TextCodec, build_tokenizer
 
@@ -72,17 +74,23 @@ def test_corpus_slips_change_exactly_one_digit_and_only_direct_answers_are_noisy
     codec = TextCodec(tokenizer=build_tokenizer())
     right = {"direct": 0, "trace": 0}
     total = {"direct": 0, "trace": 0}
+    operand_counts = set()
     for _ in range(2000):
-        ids, is_trace = corpus_example(rng, codec, trace_fraction=0.2, direct_error_rate=0.6)
+        ids, is_trace = corpus_example(rng, codec, trace_fraction=0.2, direct_error_rate=0.6, variant=variant)
         assert ids[0] == BOS and ids[-1] == EOS
         text = codec.decode(ids[1:-1])
-        a, b = text.split("=")[0].split("+")
+        prompt, answer = text.split("=", 1)
+        operands = [int(x) for x in prompt.split("+")]
+        operand_counts.add(len(operands))
         fmt = "trace" if is_trace else "direct"
         total[fmt] += 1
-        right[fmt] += tiny_add_reward(text.split("=", 1)[1], int(a) + int(b))
+        right[fmt] += tiny_add_reward(answer, sum(operands))
+        if is_trace:
+            assert answer == multi_trace_answer(operands)
     assert right["trace"] == total["trace"]
     assert abs(right["direct"] / total["direct"] - 0.4) < 0.05
     assert abs(total["trace"] / 2000 - 0.2) < 0.03
+    assert operand_counts == ({2} if variant == "add" else {2, 3, 4, 5})
 
 
 def test_a_uniform_that_rounds_up_never_picks_a_zero_probability_token():
@@ -118,9 +126,9 @@ def test_prompt_sampler_shuffles_once_per_epoch_and_keeps_the_seeded_order():
 def test_longtail_variant_has_correct_labels_and_widely_varying_trace_lengths():
     from rollout.task import TASK_VARIANTS, multi_trace_answer
 
-    assert TASK_VARIANTS["add"](50, 3) == make_prompts(50, seed=3)  # the default task is unchanged
-    rows = TASK_VARIANTS["longtail"](2000, 5)
-    assert rows == TASK_VARIANTS["longtail"](2000, 5)
+    assert TASK_VARIANTS["add"].prompts(50, 3) == make_prompts(50, seed=3)  # the default task is unchanged
+    rows = TASK_VARIANTS["longtail"].prompts(2000, 5)
+    assert rows == TASK_VARIANTS["longtail"].prompts(2000, 5)
     lengths = []
     for r in rows:
         operands = [int(x) for x in r["prompt"].rstrip("=").split("+")]
