@@ -16,7 +16,11 @@ prints start/end figures (rollout wall time per step, what RL waits for, beside 
 end ratios online/frozen and online/none, and at how many steps online took no longer than
 none. `--spec-adaptive` runs the speculative arms with k chosen per step. Speculation is
 exact, so at step 0 (same weights everywhere) the arms' rewards must agree within noise; the
-script checks and says so (later steps are separate RL trajectories).
+script checks and says so. With strict verification (the default rejection_sample_method) the
+embedded engine's speculative sampling reproduces plain sampling token for token, and the MTP
+loss never reaches the policy, so the arms roll out the same responses step after step until a
+rare fp32 rounding flip parts them: their rollout times then compare the same work; the script
+counts those steps.
 Extra arguments after `--` go to every train_rl.py run.
 
 An arm is `online`, `frozen` or `none`, optionally followed by `:key=value` options
@@ -247,6 +251,9 @@ def print_comparisons(backend, arms, rows_by_arm, w):
         worst = max((o["rollout_time"] / n["rollout_time"] for o, n in pairs), default=float("nan"))
         print(f"rollout wall time per step, online <= none at {len(pairs) - len(slower)} of {len(pairs)} steps "
               f"(worst online/none {worst:.2f}x" + (f", slower at steps {[s for s, _ in slower]})" if slower else ")"))
+        same = sum(o["reward"] == n["reward"] and o["response_len"] == n["response_len"] for o, n in pairs)
+        print(f"same rollouts as none (reward and response length equal) at {same} of {len(pairs)} steps: "
+              "strict verification reproduces plain sampling, so there the two arms timed the same work")
     end = {base: {k: window(rows_by_arm[label], k, False, w) for k in ("rollout_tokens_per_s", "spec_accept_length")}
            for base, label in arms.items()}
     for other in ("frozen", "none"):
