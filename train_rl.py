@@ -128,6 +128,8 @@ def check_rollout_backend(cfg, hf):
         return
     require(not r.spec_adaptive, "--spec-adaptive is the embedded engine's; on vLLM put "
             "num_speculative_tokens_per_batch_size in --vllm-speculative-config")
+    require(not r.time_plain_baseline, "--rollout-time-plain-baseline times the embedded engine without drafts; "
+            "vLLM cannot switch speculation off in place: drop the flag or use --rollout-backend embedded")
     from rollout.vllm_backend import check_speculative_config, spec_dict
 
     raw = spec_dict(r.vllm_speculative_config)

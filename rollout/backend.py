@@ -17,12 +17,17 @@ to a backend only through this protocol, so nothing above the worker knows which
 `BACKENDS` maps `--rollout-backend` names to constructors taking
 (hf_checkpoint, speculative_config, max_batch_size, device, adaptive); `adaptive` is the
 embedded engine's --spec-adaptive (vLLM has its own per-batch-size k in the speculative config).
+
+The embedded backend can also time plain decoding of the same batch right beside the real,
+speculative call (`generate_with_plain_baseline`, --rollout-time-plain-baseline): a benchmark's
+paired measurement of what speculation saved, free of the machine's minute-to-minute drift.
 """
 import importlib
 
 from checkpoint_convert.families import is_mtp_name
 from rollout.spec_stats import spec_counters
 from vime import weight_sync
+from vime.sample import Sample
 
 
 class EmbeddedBackend:
@@ -32,16 +37,48 @@ class EmbeddedBackend:
 
     def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False):
         from rollout.engine import EngineConfig
-        from rollout.engine_builder import build_engine
+        from rollout.engine_builder import build_engine, build_proposer
 
         self.engine = build_engine(hf_checkpoint, speculative_config,
                                    EngineConfig(max_batch_size=max_batch_size, device=device), adaptive=adaptive)
+        self.plain_proposer = build_proposer(None)
         self.last_spec = spec_counters([])
 
     def generate(self, samples, sampling):
         self.engine.generate(samples, sampling)
         self.last_spec = spec_counters(samples)
         return samples
+
+    def generate_with_plain_baseline(self, samples, sampling, plain_first):
+        """`generate`, plus plain decoding (no drafts) of copies of the same samples back to back,
+        in the order `plain_first` says (callers alternate it so drift hits both sides alike).
+
+        Returns {"plain_seconds", "plain_same_responses"}: the plain call's engine time and the
+        share of samples whose responses it reproduced (all of them under strict verification,
+        bar a rare fp32 rounding flip). The samples, stats() and the k policy's state are those
+        of the speculative call alone."""
+        copies = [Sample(prompt_ids=s.prompt_ids, index=s.index, sample_index=s.sample_index) for s in samples]
+        if plain_first:
+            plain_seconds = self._generate_plain(copies, sampling)
+            self.generate(samples, sampling)
+        else:
+            self.generate(samples, sampling)
+            spec_stats = self.engine.last_stats
+            plain_seconds = self._generate_plain(copies, sampling)
+            self.engine.last_stats = spec_stats
+        same = sum(c.response_ids == s.response_ids for c, s in zip(copies, samples))
+        return {"plain_seconds": plain_seconds, "plain_same_responses": same / max(len(samples), 1)}
+
+    def _generate_plain(self, samples, sampling):
+        """Engine seconds of plain decoding; the proposer, its caches and the k policy are put back
+        untouched (set_proposer would re-attach and reset them)."""
+        proposer, k_policy = self.engine.proposer, self.engine.k_policy
+        self.engine.set_proposer(self.plain_proposer)
+        try:
+            self.engine.generate(samples, sampling)
+        finally:
+            self.engine.proposer, self.engine.k_policy = proposer, k_policy
+        return self.engine.last_stats["seconds"]
 
     def load_weights(self, named_tensors, version):
         self.engine.load_weights(named_tensors, version)

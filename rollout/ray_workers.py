@@ -19,7 +19,7 @@ class RolloutWorkerImpl:
     """One rollout backend (rollout/backend.py: embedded or vLLM) plus its end of the weight-sync group."""
 
     def __init__(self, hf_checkpoint, spec_config, max_batch_size, threads=1, backend="embedded", sync_draft=True,
-                 spec_adaptive=False):
+                 spec_adaptive=False, time_plain_baseline=False):
         from rollout.backend import build_backend
 
         torch.set_num_threads(threads)
@@ -27,16 +27,22 @@ class RolloutWorkerImpl:
         self.backend = build_backend(backend, hf_checkpoint, spec_config, max_batch_size, device, adaptive=spec_adaptive)
         self.num_hidden_layers = read_num_hidden_layers(hf_checkpoint)
         self.sync_draft = sync_draft
+        self.time_plain_baseline, self.calls = time_plain_baseline, 0
         self.group, self.layout = None, None
 
     def generate(self, samples, sampling):
         """(samples, the backend's stats of this call: seconds, generated tokens, spec counters, spec_k_mean, ...);
         each sample is stamped with the version of the weights that generated it (the driver compares it
         with the trainer's step)."""
-        self.backend.generate(samples, sampling)
+        if self.time_plain_baseline:  # plain first on every other call: drift hits both sides alike
+            baseline = self.backend.generate_with_plain_baseline(samples, sampling, plain_first=self.calls % 2 == 0)
+        else:
+            baseline = {}
+            self.backend.generate(samples, sampling)
+        self.calls += 1
         for s in samples:
             s.weight_version = self.backend.weight_version
-        return samples, self.backend.stats()
+        return samples, dict(self.backend.stats(), **baseline)
 
     def join_weight_sync(self, master_addr, master_port, rank, world_size, layout, backend="gloo"):
         self.layout, self.sync_device = layout, weight_sync.device_for(backend)
@@ -107,7 +113,7 @@ class RolloutManagerImpl:
         self.workers = [RolloutWorker.options(**opts).remote(
             hf_checkpoint, rollout_cfg.vllm_speculative_config, rollout_cfg.rollout_max_batch_size,
             backend=rollout_cfg.backend, sync_draft=rollout_cfg.sync_draft_weights,
-            spec_adaptive=rollout_cfg.spec_adaptive)
+            spec_adaptive=rollout_cfg.spec_adaptive, time_plain_baseline=rollout_cfg.time_plain_baseline)
             for _ in range(rollout_cfg.rollout_num_workers)]
 
     def get_workers(self):
@@ -140,7 +146,8 @@ class RolloutManagerImpl:
             s.reward = float(self.reward_fn(s.response, s.label))
         assign_advantages(samples, self.advantage_estimator)
         return samples, dict(self._metrics(samples, elapsed, counters), **{"perf/rollout_engine_time": engine_time},
-                             **_adaptive_metrics([stats for _, stats in done]))
+                             **_adaptive_metrics([stats for _, stats in done]),
+                             **_plain_baseline_metrics([stats for _, stats in done], engine_time))
 
     def close_workers(self):
         """Stop what the backends started (vLLM's engine processes) before the actors go."""
@@ -173,6 +180,18 @@ def _adaptive_metrics(worker_stats):
         if values:
             out[f"rollout/{key}"] = sum(values) / len(values)
     return out
+
+
+def _plain_baseline_metrics(worker_stats, engine_time):
+    """--rollout-time-plain-baseline: plain decoding's engine time for the same batch (the slowest
+    worker, as for perf/rollout_engine_time), the speedup speculation had over it, and the share of
+    samples plain decoding reproduced (1.0 under strict verification: both sides did the same work)."""
+    if not worker_stats or "plain_seconds" not in worker_stats[0]:
+        return {}
+    plain = max(s["plain_seconds"] for s in worker_stats)
+    same = sum(s["plain_same_responses"] for s in worker_stats) / len(worker_stats)
+    return {"perf/rollout_plain_engine_time": plain, "perf/spec_speedup_vs_plain": plain / max(engine_time, 1e-9),
+            "rollout/plain_same_responses": same}
 
 
 def worker_resources():

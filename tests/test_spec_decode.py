@@ -82,6 +82,27 @@ def test_strict_sampled_speculation_reproduces_plain_sampling_token_for_token(ma
     assert [s.response_ids for s in other] != [s.response_ids for s in plain]
 
 
+def test_plain_baseline_times_the_same_batch_and_leaves_the_speculative_call_untouched(markov_ckpt, prompts):
+    from rollout.backend import EmbeddedBackend
+
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=20, seed=3)
+    spec = dict(spec_for("mtp", 2, markov_ckpt), rejection_sample_method="strict")
+    alone = EmbeddedBackend(markov_ckpt, spec, 16)
+    expected = alone.generate(samples_for_prompts(prompts), sampling)
+    plain = build_engine(markov_ckpt, None, EngineConfig(max_batch_size=16)).generate(samples_for_prompts(prompts), sampling)
+    reproduced = sum(p.response_ids == e.response_ids for p, e in zip(plain, expected)) / len(prompts)
+    backend = EmbeddedBackend(markov_ckpt, spec, 16)
+    for plain_first in (True, False, True):  # the proposer's caches survive plain passes on either side
+        got = samples_for_prompts(prompts)
+        out = backend.generate_with_plain_baseline(got, sampling, plain_first)
+        assert [s.response_ids for s in got] == [s.response_ids for s in expected]
+        assert [s.rollout_logprobs for s in got] == [s.rollout_logprobs for s in expected]
+        assert backend.stats()["spec"] == alone.stats()["spec"]  # stats are the speculative call's
+        assert backend.stats()["seconds"] != out["plain_seconds"] and out["plain_seconds"] > 0
+        assert out["plain_same_responses"] == reproduced
+    assert alone.stats()["spec"]["accepted_tokens"] > 0
+
+
 def test_draft_model_that_is_the_target_is_accepted_at_least_98_percent(markov_ckpt, prompts):
     engine = build_engine(markov_ckpt, spec_for("draft_model", 3, markov_ckpt), EngineConfig(max_batch_size=100))
     stats = aggregate_spec_stats(engine.generate(samples_for_prompts(prompts), GREEDY))

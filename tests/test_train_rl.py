@@ -83,7 +83,7 @@ def test_online_run_logs_metrics_and_the_draft_follows_the_trainer_every_step(on
 
 def test_spec_adaptive_run_on_the_longtail_task_logs_k_and_predicted_vs_measured_speedup(ckpt, tmp_path):
     proc = run_train(*base_args(ckpt, tmp_path, 2, "--spec-adaptive", "--task-variant", "longtail",
-                                "--task-variant-prompts", 64))
+                                "--task-variant-prompts", 64, "--rollout-time-plain-baseline"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
     assert len(rows) == 2 and os.path.exists(os.path.join(tmp_path, "prompts_longtail.jsonl"))
@@ -91,6 +91,10 @@ def test_spec_adaptive_run_on_the_longtail_task_logs_k_and_predicted_vs_measured
         assert 0 <= r["rollout/spec_k_mean"] <= 2
         assert r["rollout/spec_predicted_speedup"] > 0 and r["rollout/spec_measured_speedup"] > 0
         assert r["train/logprob_abs_diff"] < 1e-4  # exactness: trainer and rollout still agree
+        # the paired plain pass decoded the same batch: strict verification reproduces it (a rare
+        # fp32 rounding flip may part one sample from there on)
+        assert r["perf/rollout_plain_engine_time"] > 0 and r["perf/spec_speedup_vs_plain"] > 0
+        assert r["rollout/plain_same_responses"] >= 1 - 2 / r["rollout/num_samples"]
 
 
 def test_frozen_mtp_stays_bitwise_initial_while_the_trunk_trains(ckpt, tmp_path):
@@ -232,6 +236,7 @@ def assert_refused_before_actors(proc, needle):
     (["--kl-loss-type", "k9"], "--kl-loss-type 'k9'"),
     (["--spec-adaptive=maybe"], "--spec-adaptive takes true or false"),
     (["--task-variant", "nope"], "--task-variant 'nope': choose one of add, longtail"),
+    (["--rollout-backend", "vllm", "--rollout-time-plain-baseline"], "--rollout-time-plain-baseline times the embedded"),
     (["--spec-adaptive", "--vllm-speculative-config", "null"], "--spec-adaptive chooses how many tokens to draft"),
     (["--spec-adaptive", "--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 2, '
       '"num_speculative_tokens_per_batch_size": [[1, 4, 2]]}'], "give one of them"),

@@ -65,6 +65,9 @@ class RolloutSection:
         "--sync-draft-weights", "--no-sync-draft-weights syncs only the target (benchmark arm: the draft goes stale)"))
     spec_adaptive: bool = field(default=False, metadata=flag(
         "--spec-adaptive", "choose k in 0..num_speculative_tokens per step from measured cost and acceptance"))
+    time_plain_baseline: bool = field(default=False, metadata=flag(
+        "--rollout-time-plain-baseline", "benchmark: also decode each batch without drafts, back to back, and log "
+        "perf/rollout_plain_engine_time (embedded engine; doubles rollout work)"))
     rm_type: str = field(default="tiny_add", metadata=flag(
         "--rm-type", "reward function by name (rollout/rewards.py REWARDS: tiny_add, exact_match)"))
     custom_rm_path: Optional[str] = field(default=None, metadata=flag("--custom-rm-path", "module:function"))

@@ -14,7 +14,9 @@ records acceptance length and per-position acceptance, rollout tokens/s, tokens 
 forward, reward, response length and MTP loss; writes drift.csv and drift.png in --out, and
 prints start/end figures (rollout wall time per step, what RL waits for, beside tokens/s), the
 end ratios online/frozen and online/none, and at how many steps online took no longer than
-none. `--spec-adaptive` runs the speculative arms with k chosen per step. Speculation is
+none. `--spec-adaptive` runs the speculative arms with k chosen per step; `--time-plain` has each
+speculative arm also decode every batch without drafts, back to back in the same worker, and
+prints that paired speedup per step (free of the drift between arms run minutes apart). Speculation is
 exact, so at step 0 (same weights everywhere) the arms' rewards must agree within noise; the
 script checks and says so. With strict verification (the default rejection_sample_method) the
 embedded engine's speculative sampling reproduces plain sampling token for token, and the MTP
@@ -51,7 +53,8 @@ MAX_POSITIONS = 8
 COLUMNS = ("arm", "step", "num_samples", "reward", "response_len", "spec_accept_length", "tokens_per_target_forward",
            "spec_accept_rate", *(f"spec_accept_rate_pos_{i}" for i in range(MAX_POSITIONS)),
            "rollout_tokens_per_s", "rollout_time", "mtp_loss", "spec_k_mean", "spec_predicted_speedup",
-           "spec_measured_speedup")
+           "spec_measured_speedup", "rollout_engine_time", "plain_engine_time", "spec_speedup_vs_plain",
+           "plain_same_responses")
 
 
 def parse_args():
@@ -66,6 +69,9 @@ def parse_args():
     p.add_argument("--reuse", action="store_true",
                    help="an arm whose --out directory already holds all --steps steps is read, not rerun")
     p.add_argument("--spec-adaptive", action="store_true", help="k per step from measured cost and acceptance")
+    p.add_argument("--time-plain", action="store_true",
+                   help="speculative arms also decode each batch without drafts, back to back "
+                        "(--rollout-time-plain-baseline): a paired speedup per step")
     p.add_argument("extra", nargs="*", help="after --: passed to train_rl.py")
     args = p.parse_args()
     args.steps = args.steps or (100 if args.full else 40)
@@ -116,6 +122,7 @@ def run_arm(arm, args):
            "--output-dir", out, "--progress", "false", "--wandb-group", "mtp_drift", *flags]
     if base != "none":
         cmd += ["--vllm-speculative-config", spec] + (["--spec-adaptive"] if args.spec_adaptive else [])
+        cmd += ["--rollout-time-plain-baseline"] if args.time_plain else []
     cmd += args.extra + options  # an arm's own options win over the shared extra arguments
     print(f"[drift] {arm}: {' '.join(cmd[1:])}", flush=True)
     env = dict(os.environ, WANDB_SILENT="true", RAY_AUTH_MODE="disabled")
@@ -133,7 +140,11 @@ def row(arm, m):
             **{f"spec_accept_rate_pos_{i}": m.get(f"rollout/spec_accept_rate_pos_{i}", "") for i in range(MAX_POSITIONS)},
             "rollout_tokens_per_s": m["perf/rollout_tokens_per_s"], "rollout_time": m["perf/rollout_time"],
             "mtp_loss": m.get("train/mtp_loss", ""), "num_samples": m["rollout/num_samples"],
-            **{k: m.get(f"rollout/{k}", "") for k in ("spec_k_mean", "spec_predicted_speedup", "spec_measured_speedup")}}
+            **{k: m.get(f"rollout/{k}", "") for k in ("spec_k_mean", "spec_predicted_speedup", "spec_measured_speedup")},
+            "rollout_engine_time": m.get("perf/rollout_engine_time", ""),
+            "plain_engine_time": m.get("perf/rollout_plain_engine_time", ""),
+            "spec_speedup_vs_plain": m.get("perf/spec_speedup_vs_plain", ""),
+            "plain_same_responses": m.get("rollout/plain_same_responses", "")}
 
 
 def mean(xs):
@@ -267,6 +278,21 @@ def print_comparisons(backend, arms, rows_by_arm, w):
               f"{all(r['spec_accept_length'] >= floor for r in online)} (min {min(r['spec_accept_length'] for r in online):.3f})")
 
 
+def print_paired(arm, rows, w):
+    """--time-plain: the arm's engine time against plain decoding of the same batch, step by step."""
+    paired = [r for r in rows if r["spec_speedup_vs_plain"] != ""]
+    if not paired:
+        return
+    speedups = [r["spec_speedup_vs_plain"] for r in paired]
+    slower = [r["step"] for r in paired if r["spec_speedup_vs_plain"] < 1]
+    print(f"{arm}: paired with plain decoding of the same batch (back to back, same weights): engine time <= plain "
+          f"at {len(paired) - len(slower)} of {len(paired)} steps" + (f" (slower at {slower})" if slower else "")
+          + f"; speedup start {window(paired, 'spec_speedup_vs_plain', True, w):.2f}x end "
+          f"{window(paired, 'spec_speedup_vs_plain', False, w):.2f}x, min {min(speedups):.2f}x; "
+          f"whole run {sum(r['plain_engine_time'] for r in paired) / sum(r['rollout_engine_time'] for r in paired):.2f}x; "
+          f"plain reproduced {mean([r['plain_same_responses'] for r in paired]):.3f} of the samples")
+
+
 def main():
     args = parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -298,6 +324,8 @@ def main():
                   f"{window(rows, 'spec_measured_speedup', False, w):.2f}x")
     for backend, arms in backend_groups(rows_by_arm).items():
         print_comparisons(backend, arms, rows_by_arm, w)
+    for arm, rows in rows_by_arm.items():
+        print_paired(arm, rows, w)
     stats, ok = reward_agreement(rows_by_arm, w)
     print("end reward (mean over last steps ± SE): " + ", ".join(f"{a} {p:.3f}±{se:.3f}" for a, (p, se) in stats.items()))
     print("step-0 rewards (same weights in every arm) agree within 3 SE: "
