@@ -64,6 +64,7 @@ def within_two_proportion_test(p1, p2, n, z=4.0):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(5400)  # a full pretraining run: past pytest.ini's 900 s per test
 def test_make_tiny_model_reproduces_the_shipped_checkpoint(tmp_path):
     out = str(tmp_path / "tiny")
     proc = subprocess.run([sys.executable, "scripts/make_tiny_model.py", "--out", out], cwd=REPO,
