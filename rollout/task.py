@@ -27,24 +27,13 @@ def make_problem(rng, digits=3):
     return rng.randint(lo, hi), rng.randint(lo, hi)
 
 
-def prompt_text(a, b):
-    return f"{a}+{b}="
-
-
 def direct_answer(a, b):
-    return f"#{a + b}"
+    return ANSWER_FORMATS["direct"]([a, b])
 
 
 def trace_answer(a, b):
-    """Digit-by-digit sum, least significant first, carries included."""
-    steps, carry = [], 0
-    da, db = str(a)[::-1], str(b)[::-1]
-    for i in range(max(len(da), len(db))):
-        x, y = int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0
-        total = x + y + carry
-        steps.append(f"{x}+{y}+{carry}={total}" if carry else f"{x}+{y}={total}")
-        carry = total // 10
-    return ";".join(steps) + f";#{a + b}"
+    """Digit-by-digit sum, least significant first, carries included (`multi_trace_answer` of two)."""
+    return multi_trace_answer([a, b])
 
 
 def extract_answer(response_text):
@@ -59,9 +48,14 @@ def tiny_add_reward(response_text, label):
     return 1.0 if extract_answer(response_text) == str(label).strip() else 0.0
 
 
+def two_operand_problem(rng, digits=3):
+    """The default task's operands: two numbers of `digits` digits."""
+    return list(make_problem(rng, digits))
+
+
 def make_prompts(n, seed, digits=3):
     """[{"prompt": "347+285=", "label": "632"}, ...]: the RL prompt set."""
-    return prompt_rows(lambda rng: list(make_problem(rng, digits)), n, seed)
+    return prompt_rows(lambda rng: two_operand_problem(rng, digits), n, seed)
 
 
 # ------------------------------------------------------------------ the long-tail variant
@@ -109,11 +103,6 @@ def prompt_rows(draw_problem, n, seed):
     return rows
 
 
-def make_longtail_prompts(n, seed):
-    """The long-tail prompt set: same row format and reward as `make_prompts`."""
-    return prompt_rows(make_multi_problem, n, seed)
-
-
 # Corpus answer formats over an operand list (two operands: `direct_answer` / `trace_answer`).
 ANSWER_FORMATS = {"direct": lambda operands: f"#{sum(operands)}", "trace": multi_trace_answer}
 
@@ -131,7 +120,7 @@ class TaskVariant:
 
 
 TASK_VARIANTS = {
-    "add": TaskVariant(lambda rng: list(make_problem(rng))),
+    "add": TaskVariant(two_operand_problem),
     "longtail": TaskVariant(make_multi_problem),
 }
 DEFAULT_TASK_VARIANT = "add"

@@ -6,9 +6,9 @@
 
 The default, MiMo, is what vLLM serves with MTP speculation; the repository ships its
 result in checkpoints/tiny-mimo-mtp (this command reproduces it). `--task-variant longtail`
-pretrains on the long-tail problems instead (answers of ~10-100 tokens), by default
-continuing from `--init-from` (the shipped model knows the digits and the formats);
-checkpoints/tiny-mimo-longtail is that model (its PROVENANCE.json has the command).
+pretrains on the long-tail problems instead (answers of ~10-100 tokens); `--init-from` continues
+from a checkpoint instead of a random init. checkpoints/tiny-mimo-longtail continues the shipped
+model, which already knows the digits and both formats (its PROVENANCE.json has the command).
 
 Also writes the task's prompt files next to the model: train.jsonl and eval.jsonl.
 """
