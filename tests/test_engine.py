@@ -9,6 +9,7 @@ from vime.sample import samples_for_prompts
 from rollout.kv_cache import KVCache
 from rollout.model import CausalLMWithMTP
 from rollout.sampling_params import SamplingParams
+from fp32_bounds import close, reduction_rtol
 
 
 def load_model(path):
@@ -63,6 +64,36 @@ def test_kv_cached_decoding_equals_full_sequence_forward(small_ckpt, task_prompt
             logits = model.logits(model(tokens, torch.arange(tokens.shape[1])[None]))
         full = token_logprobs(logits[:, len(s.prompt_ids) - 1:-1], tokens[:, len(s.prompt_ids):], 0.8)[0]
         assert torch.allclose(full, torch.tensor(s.rollout_logprobs), atol=1e-5)
+
+
+def full_forward_logprobs(model, sample, temperature):
+    """The sample's response log-probs from one uncached forward over prompt + response."""
+    tokens = torch.tensor([sample.tokens])
+    with torch.no_grad():
+        logits = model.logits(model(tokens, torch.arange(tokens.shape[1])[None]))
+    return token_logprobs(logits[:, len(sample.prompt_ids) - 1:-1], tokens[:, len(sample.prompt_ids):], temperature)[0]
+
+
+@pytest.mark.parametrize("max_batch_size", [32, 3])  # whole groups per admission / groups split across admissions
+def test_a_prompt_shared_by_a_group_is_computed_once_and_every_sample_decodes_from_it(
+        small_ckpt, task_prompt_ids, max_batch_size):
+    engine = Engine.from_checkpoint(small_ckpt, EngineConfig(max_batch_size=max_batch_size))
+    calls = []  # the prompts each prefill computed
+    prompt_forward = engine._prompt_forward
+    engine._prompt_forward = lambda reqs: calls.append([tuple(r.sample.prompt_ids) for r in reqs]) or prompt_forward(reqs)
+    prompts = task_prompt_ids[:4]
+    samples = engine.generate(samples_for_prompts(prompts, n=4), SamplingParams(temperature=1.0, max_new_tokens=16,
+                                                                                seed=3))
+    model, cfg = load_model(small_ckpt), engine.cfg
+    assert all(len(set(call)) == len(call) for call in calls)  # no prompt computed twice in one prefill
+    assert sum(map(len, calls)) < len(samples)
+    if max_batch_size >= len(samples):
+        assert sorted(calls[0]) == sorted(map(tuple, prompts))
+    assert len({tuple(s.response_ids) for s in samples}) > len(prompts)  # members sample their own tokens
+    rtol = reduction_rtol(max(cfg.intermediate_size, cfg.hidden_size, len(samples[0].tokens)), 2 * cfg.num_hidden_layers + 2)
+    for s in samples:
+        reference = full_forward_logprobs(model, s, 1.0)
+        assert all(close(a, b, rtol) for a, b in zip(s.rollout_logprobs, reference.tolist()))
 
 
 def test_mtp_layer_cached_forward_equals_full_sequence_forward(small_ckpt, task_prompt_ids):
