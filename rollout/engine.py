@@ -199,7 +199,8 @@ class Engine:
                 admitted.append(r)
             decoding = list(running)
             running += admitted
-            self.step_k = self.k_policy.choose(len(running))
+            backlog = self.proposer.deferred_positions(decoding) if self.k_policy.observes else 0
+            self.step_k = self.k_policy.choose(len(running), backlog)
             if admitted:
                 self._prefill(admitted, sampling)
             if decoding:
@@ -274,19 +275,19 @@ class Engine:
         for r, a in zip(reqs, n_acc):
             r.num_cached += 1 + a
         verified = time.perf_counter()
-        # a first drafting step after k = 0 steps also catches up what they deferred: not a draft cost
-        backlog = self.k_policy.observes and self.step_k > 0 and self.proposer.catching_up(reqs)
+        # a first drafting step after k = 0 steps also catches up what they deferred (priced apart)
+        caught_up = self.proposer.deferred_positions(reqs) if self.k_policy.observes and self.step_k > 0 else 0
         drafted = self._propose(reqs, mtp_hidden, starts, torch.tensor([1 + a for a in n_acc], device=self.config.device))
         if self.k_policy.observes:
-            self._observe_step(reqs, drafts.shape[1], counts, n_acc, drafted and not backlog, start, verified,
+            self._observe_step(reqs, drafts.shape[1], counts, n_acc, drafted, caught_up, start, verified,
                                generated_before)
 
-    def _observe_step(self, reqs, k_verified, counts, n_acc, drafted, start, verified, generated_before):
+    def _observe_step(self, reqs, k_verified, counts, n_acc, drafted, caught_up, start, verified, generated_before):
         """Tell the k policy what this step cost and what got accepted."""
         self.k_policy.observe(StepRecord(
             len(reqs), k_verified, verified - start, self.step_k if drafted else None,
             time.perf_counter() - verified, sum(r.num_generated for r in reqs) - generated_before,
-            *_per_position(counts, n_acc)))
+            *_per_position(counts, n_acc), caught_up=caught_up if drafted else 0))
 
     def _accept(self, reqs, logprobs, drafts, counts, sampling, draft_probs):
         """Verify drafts, append the emitted tokens (cut at stop / budget), update stats."""
@@ -394,12 +395,13 @@ class Engine:
                 processed_logprobs(self.fast.logits(hidden), 1.0, 0, 1.0)
         return _min_seconds(once, repeats, self._synchronize)
 
-    def profile_draft(self, batch_size, k, repeats=3):
-        """Seconds the proposer takes to draft k tokens for batch_size rows (0 if it cannot say)."""
+    def profile_draft(self, batch_size, k, repeats=3, new_tokens=2):
+        """Seconds the proposer takes to draft k tokens for batch_size rows after catching up
+        `new_tokens` verified positions per row (0 if it cannot say)."""
         probe = getattr(self.proposer, "profile_draft", None)
         if k == 0 or probe is None:
             return 0.0
-        return _min_seconds(lambda: probe(batch_size, k), repeats, self._synchronize)
+        return _min_seconds(lambda: probe(batch_size, k, new_tokens), repeats, self._synchronize)
 
     # ---------------------------------------------------------------- checks and helpers
     def _check_prompt(self, s):

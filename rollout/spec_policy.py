@@ -14,12 +14,19 @@ drafts are verified, so every policy keeps the output exact.
               acceptance at draft position j, and the step costs from a profile taken at the
               first generate (per batch size on a power-of-two grid, interpolated; made
               monotone in rows and tokens, since timing noise only adds) refined
-              online by the measured times (an EMA per exact (B, k), and one global
-              measured/profiled correction for the points not seen yet). Every
+              online by the measured times (an EMA per exact (B, k), and a
+              measured/profiled correction per k for the points not seen yet). Every
               EXPLORE_EVERY steps one step runs another k, round robin, among the k that
               could pay at this batch size even if every draft were accepted (so a
               compute-bound batch, where no acceptance pays for a longer verify, is never
               slowed down by a probe).
+              Positions deferred by k = 0 steps (`backlog`) must be caught up by the
+              first drafting step: seconds per position C, profiled and learnt from
+              such steps. A switch to k > 0 is charged backlog * C spread over the steps
+              left at this batch size (H(B): the previous generate's steps at <= B rows,
+              the batch drains alike step after step in RL), a probe the whole of it.
+              Without that, probes at 90-125 rows of a long-tail batch each cost
+              ~25 ms of catch-up, and the policy lost 6-10 % to plain decoding.
 """
 import bisect
 import math
@@ -29,6 +36,8 @@ ACCEPT_EMA = 0.1  # weight of one step's per-position acceptance
 COST_EMA = 0.2  # weight of one step's measured time
 ACCEPT_PRIOR = 0.5  # acceptance assumed before a position was ever drafted
 PROFILE_REPEATS = 5  # best-of repeats per profiled point
+CATCH_UP_PROFILE_ROWS = 8  # the catch-up profile: rows x deferred positions per row
+CATCH_UP_PROFILE_POSITIONS = 32
 EXPLORE_EVERY = 40  # steps between one-off probes of another k (round robin), so costs and
 #                     acceptance of the k not chosen stay measured (a draft that improves, a
 #                     profile taken during a load spike)
@@ -42,7 +51,8 @@ class FixedK:
     def __init__(self, k):
         self.k = k
 
-    def choose(self, batch_size):
+    def choose(self, batch_size, backlog=0):
+        """k for a step of batch_size rows; `backlog`: deferred positions a draft would catch up first."""
         return self.k
 
     def observe(self, step):
@@ -65,7 +75,7 @@ class ScheduleK(FixedK):
         super().__init__(k_max)
         self.lookup = dense_schedule(schedule, k_max, max_batch_size)
 
-    def choose(self, batch_size):
+    def choose(self, batch_size, backlog=0):
         return self.lookup[min(max(batch_size, 1), len(self.lookup) - 1)]
 
 
@@ -84,23 +94,33 @@ def dense_schedule(schedule, k_max, max_batch_size):
 
 
 class StepRecord:
-    """What one engine step did: batch size, k verified / drafted, times, acceptance per position."""
+    """What one engine step did: batch size, k verified / drafted, times, acceptance per position,
+    and how many deferred positions its drafting caught up first."""
 
     def __init__(self, batch_size, k_verified, verify_s, k_drafted, draft_s, emitted, drafted_per_pos,
-                 accepted_per_pos):
+                 accepted_per_pos, caught_up=0):
         self.batch_size, self.k_verified, self.verify_s = batch_size, k_verified, verify_s
         self.k_drafted, self.draft_s, self.emitted = k_drafted, draft_s, emitted
         self.drafted_per_pos, self.accepted_per_pos = drafted_per_pos, accepted_per_pos
+        self.caught_up = caught_up
 
 
 class CostTable:
-    """Seconds of one step phase (verify or draft) against batch size B and k."""
+    """Seconds of one step phase (verify or draft) against batch size B and k.
+
+    A point measured at its exact (B, k) is predicted by its EMA. Any other is the profile times
+    a measured/profiled correction: k's own once k was measured at some batch size, else the
+    one over all k. One factor per k because the profile (dummy tokens, contiguous slots, no
+    verification or bookkeeping) misses costs that grow with k: on the long-tail tiny model real
+    steps took 1.26x their profile at k = 0 but 1.70x at k = 1, so a factor shared by all k
+    priced drafting ~35 % too cheap and the policy drafted at 18-53 rows where it lost time."""
 
     def __init__(self, grid, profiled):
         self.grid = grid  # sorted batch sizes
         self.profiled = profiled  # {k: [seconds per grid batch size]}
         self.measured = {}  # (B, k) -> EMA seconds
-        self.correction = 1.0  # EMA of measured / profiled
+        self.correction = 1.0  # EMA of measured / profiled over every k
+        self.k_correction = {}  # k -> (EMA of measured / profiled at that k, observations)
 
     def profile_at(self, b, k):
         ys = self.profiled[k]
@@ -115,14 +135,18 @@ class CostTable:
     def predict(self, b, k):
         if (b, k) in self.measured:
             return self.measured[(b, k)]
-        return self.correction * self.profile_at(b, k)
+        return self.k_correction.get(k, (self.correction, 0))[0] * self.profile_at(b, k)
 
     def update(self, b, k, seconds):
         old = self.measured.get((b, k))
         self.measured[(b, k)] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
         profiled = self.profile_at(b, k)
         if profiled > 0:  # a phase profiled as free (no drafting at k = 0) says nothing about load
-            self.correction = (1 - COST_EMA) * self.correction + COST_EMA * seconds / profiled
+            ratio = seconds / profiled
+            self.correction = (1 - COST_EMA) * self.correction + COST_EMA * ratio
+            factor, n = self.k_correction.get(k, (ratio, 0))
+            w = max(COST_EMA, 1.0 / (n + 1))  # a running mean, then an EMA (as for acceptance)
+            self.k_correction[k] = ((1 - w) * factor + w * ratio, n + 1)
 
 
 def expected_tokens(acceptance, k):
@@ -144,6 +168,8 @@ class AdaptiveK(FixedK):
         self.acceptance = [ACCEPT_PRIOR] * k_max
         self.observations = [0] * k_max  # steps that measured each position
         self.verify, self.draft = None, None
+        self.catch_up_s = 0.0  # seconds to catch up one deferred position (profiled, then learnt)
+        self.batch_trace, self.previous_batches = [], []  # batch sizes of this / the previous generate
         self.steps_since_probe, self.next_probe = 0, 0
         self.begin()
 
@@ -158,39 +184,54 @@ class AdaptiveK(FixedK):
         draft = {k: [engine.profile_draft(b, k, repeats=PROFILE_REPEATS) for b in grid] for k in ks}
         self.verify = CostTable(grid, monotone_envelope(verify))
         self.draft = CostTable(grid, monotone_envelope(draft))
+        if self.k:
+            self.catch_up_s = profile_catch_up(engine, min(CATCH_UP_PROFILE_ROWS, engine.config.max_batch_size))
 
     # ------------------------------------------------------------ choice
-    def rate(self, b, k):
-        """Predicted tokens per second with k drafts at batch size b."""
-        return b * expected_tokens(self.acceptance, k) / max(self.step_time(b, k), 1e-9)
+    def rate(self, b, k, extra_s=0.0):
+        """Predicted tokens per second with k drafts at batch size b (plus extra_s seconds)."""
+        return b * expected_tokens(self.acceptance, k) / max(self.step_time(b, k) + extra_s, 1e-9)
 
     def step_time(self, b, k):
         return self.verify.predict(b, k) + self.draft.predict(b, k)
 
-    def best_k(self, b):
-        rates = [self.rate(b, k) for k in range(self.k + 1)]
+    def horizon(self, b):
+        """Steps expected at <= b rows from here: the previous generate's (at least 1)."""
+        return max(1, bisect.bisect_right(self.previous_batches, b))
+
+    def catch_up_share(self, b, k, backlog):
+        """Seconds charged to one k-draft step for catching up `backlog` deferred positions: the
+        whole catch-up spread over the steps left at this batch size."""
+        return backlog * self.catch_up_s / self.horizon(b) if k else 0.0
+
+    def best_k(self, b, backlog=0):
+        rates = [self.rate(b, k, self.catch_up_share(b, k, backlog)) for k in range(self.k + 1)]
         return max(range(self.k + 1), key=lambda k: (rates[k], -k))
 
-    def could_pay(self, b, k, than_k):
-        """Would k beat k' = than_k at batch size b if every draft were accepted?"""
-        return b * (1 + k) / max(self.step_time(b, k), 1e-9) > self.rate(b, than_k)
+    def could_pay(self, b, k, than_k, backlog=0):
+        """Would k beat k' = than_k at batch size b if every draft were accepted, paying for the
+        whole catch-up of `backlog` deferred positions (a probe may be a single drafting step)?"""
+        catch_up = backlog * self.catch_up_s if k else 0.0
+        best = self.rate(b, than_k, self.catch_up_share(b, than_k, backlog))
+        return b * (1 + k) / max(self.step_time(b, k) + catch_up, 1e-9) > best
 
-    def probe_k(self, b, best):
+    def probe_k(self, b, best, backlog=0):
         """The next k to probe, round robin over the others that could pay; None if none can."""
         for step in range(1, self.k + 1):
             k = (self.next_probe + step) % (self.k + 1)
-            if k != best and self.could_pay(b, k, best):
+            if k != best and self.could_pay(b, k, best, backlog):
                 self.next_probe = k
                 return k
         return None
 
-    def choose(self, batch_size):
-        k = self.best_k(batch_size)
+    def choose(self, batch_size, backlog=0):
+        k = self.best_k(batch_size, backlog)
         self.steps_since_probe += 1
         if self.k and self.steps_since_probe >= EXPLORE_EVERY:
-            probe = self.probe_k(batch_size, k)
+            probe = self.probe_k(batch_size, k, backlog)
             if probe is not None:  # else stay due: a later, smaller batch may be worth a probe
                 k, self.steps_since_probe = probe, 0
+        self.batch_trace.append(batch_size)
         self.trace["k_rows"] += k * batch_size
         self.trace["rows"] += batch_size
         return k
@@ -199,7 +240,11 @@ class AdaptiveK(FixedK):
     def observe(self, step):
         b = step.batch_size
         self.verify.update(b, step.k_verified, step.verify_s)
-        if step.k_drafted is not None:
+        if step.k_drafted is not None and step.caught_up:
+            # what this drafting took beyond drafting k, per position caught up
+            extra = max(0.0, step.draft_s - self.draft.predict(b, step.k_drafted)) / step.caught_up
+            self.catch_up_s = (1 - COST_EMA) * self.catch_up_s + COST_EMA * extra
+        elif step.k_drafted is not None:
             self.draft.update(b, step.k_drafted, step.draft_s)
         for i, (d, a) in enumerate(zip(step.drafted_per_pos, step.accepted_per_pos)):
             if d and i < self.k:
@@ -217,7 +262,9 @@ class AdaptiveK(FixedK):
         self.trace["emitted"] += step.emitted
 
     def begin(self):
-        """Start the per-generate summary."""
+        """Start the per-generate summary; the batch sizes of the generate before set the horizon."""
+        if self.batch_trace:
+            self.previous_batches, self.batch_trace = sorted(self.batch_trace), []
         self.trace = dict.fromkeys(("k_rows", "rows", "plain_s_pred", "measured_s", "pred_tokens", "pred_s",
                                     "emitted"), 0.0)
 
@@ -249,6 +296,15 @@ def monotone_envelope(profiled):
         for j in reversed(range(len(ys) - 1)):
             ys[j] = min(ys[j], ys[j + 1])
     return out
+
+
+def profile_catch_up(engine, rows, deferred=CATCH_UP_PROFILE_POSITIONS):
+    """Seconds per position of catching up `deferred` positions per row (the drafting step
+    with that many new positions, less one with the usual two, per extra position)."""
+    deferred = max(1, min(deferred, engine.max_len // 2))  # a short context holds fewer
+    long = engine.profile_draft(rows, 1, repeats=PROFILE_REPEATS, new_tokens=2 + deferred)
+    short = engine.profile_draft(rows, 1, repeats=PROFILE_REPEATS, new_tokens=2)
+    return max(0.0, long - short) / (rows * deferred)
 
 
 def batch_grid(max_batch_size):

@@ -236,7 +236,7 @@ class CyclingK:
     def observe(self, step):
         pass
 
-    def choose(self, batch_size):
+    def choose(self, batch_size, backlog=0):
         self.step += 1
         return self.step % (self.k_max + 1)
 
@@ -251,7 +251,7 @@ class RecordingK(CyclingK):
         super().__init__(max(pattern))
         self.pattern, self.chosen, self.records = pattern, [], []
 
-    def choose(self, batch_size):
+    def choose(self, batch_size, backlog=0):
         self.chosen.append(self.pattern[len(self.chosen) % len(self.pattern)])
         return self.chosen[-1]
 
@@ -259,10 +259,11 @@ class RecordingK(CyclingK):
         self.records.append((self.chosen[-2], self.chosen[-1], step))
 
 
-def test_a_drafting_step_that_catches_up_deferred_positions_is_not_learnt_as_a_draft_cost():
+def test_a_drafting_step_reports_the_deferred_positions_it_caught_up():
     """After k = 0 steps the MTP proposer first catches up what they deferred: that step's
-    draft time is not the cost of drafting k, so it reaches the policy as k_drafted None;
-    every other drafting step reports its k."""
+    draft time is not the cost of drafting k alone, so it reaches the policy with the number of
+    positions caught up (every row's positions since its last drafting step); other drafting
+    steps report none."""
     model = markov_model(noise=0.2, mtp_noise=0.3)
     proposer = build_proposer(parse_spec_config({"method": "mtp", "num_speculative_tokens": 3}))
     engine = Engine(model, EngineConfig(max_batch_size=8), proposer=proposer)
@@ -273,7 +274,9 @@ def test_a_drafting_step_that_catches_up_deferred_positions_is_not_learnt_as_a_d
     drafting = [(before, k, step) for before, k, step in engine.k_policy.records[:-1] if k > 0]
     assert {before for before, _, _ in drafting} >= {0, 1, 2}  # after a deferral and after drafting
     for before, k, step in drafting:
-        assert step.k_drafted == (None if before == 0 else k)
+        assert step.k_drafted == k
+        assert (step.caught_up > 0) == (before == 0)
+        assert step.caught_up >= (step.batch_size if before == 0 else 0)  # >= 1 deferred position per row
 
 
 @pytest.mark.parametrize("method", ["mtp", "ngram"])
@@ -301,7 +304,7 @@ def test_schedule_drafts_the_k_of_the_live_batch_size(markov_ckpt, prompts):
     engine = build_engine(markov_ckpt, raw, EngineConfig(max_batch_size=8))
     seen = []
     choose = engine.k_policy.choose
-    engine.k_policy.choose = lambda b: seen.append((b, choose(b))) or seen[-1][1]
+    engine.k_policy.choose = lambda b, backlog=0: seen.append((b, choose(b, backlog))) or seen[-1][1]
     samples = engine.generate(samples_for_prompts(prompts[:20]), GREEDY)
     assert all(k == (0 if b <= 4 else 2) for b, k in seen) and {b for b, _ in seen} >= {8, 4}  # 20 = 8 + 8 + 4
     assert max(len(s.spec.drafted_per_pos) for s in samples) <= 2

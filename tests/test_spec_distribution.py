@@ -86,7 +86,7 @@ def test_sampling_with_k_chosen_per_step_matches_the_target_joint_distribution(m
             super().__init__(2)
             self.steps = 0
 
-        def choose(self, batch_size):
+        def choose(self, batch_size, backlog=0):
             self.steps += 1
             return 2 * (self.steps % 2)
 

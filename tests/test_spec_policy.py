@@ -2,10 +2,11 @@
 its cost table (profile interpolation, online refinement, the monotone profile envelope) and
 its acceptance estimate."""
 import itertools
+import math
 
 import pytest
 
-from rollout.spec_policy import AdaptiveK, CostTable, StepRecord, batch_grid, monotone_envelope
+from rollout.spec_policy import EXPLORE_EVERY, AdaptiveK, CostTable, StepRecord, batch_grid, monotone_envelope
 
 
 def policy_with(verify_ms, draft_ms, acceptance, grid=(1, 16)):
@@ -72,6 +73,59 @@ def test_cost_table_interpolates_the_profile_and_prefers_measurements():
     t.update(10, 0, 7.0)  # twice the profile here
     assert t.predict(10, 0) == 7.0
     assert t.predict(4, 0) > 2.0  # the load seen at 10 raises the unseen points too
+
+
+def test_costs_the_profile_misses_for_one_k_are_learnt_for_that_k_at_unseen_batch_sizes():
+    """The profile prices a 2-token step at 1.2x a plain one; real steps measure 1.8x at k = 1
+    and exactly the profile at k = 0. At a batch size never measured the policy must price k = 1
+    at 1.8x (its own correction, not one shared with k = 0) and choose what the true costs favour."""
+    profile_verify, true_verify, draft = (1.0, 1.2), (1.0, 1.8), (0.0, 0.0)
+    p = policy_with(profile_verify, draft, (0.5,), grid=(1, 64))
+    assert p.best_k(40) == 1  # what the profile alone says
+    p.begin()
+    for b in range(20, 30):  # alternate k at batch sizes other than 40
+        for k in (0, 1):
+            p.observe(StepRecord(b, k, true_verify[k], None, 0.0, b, [b] * k, [b // 2] * k))
+    assert p.verify.predict(40, 1) / p.verify.predict(40, 0) == pytest.approx(1.8)
+    assert p.best_k(40) == brute_force_best(true_verify, draft, p.acceptance) == 0
+
+
+def best_by_formula(p, b, backlog, catch_up_s, horizon):
+    """argmax over k of b E(k) / (verify + draft + [k > 0] backlog C / H), computed directly."""
+    rates = [b * (1 + sum(math.prod(p.acceptance[:i + 1]) for i in range(k)))
+             / (p.verify.predict(b, k) + p.draft.predict(b, k) + (backlog * catch_up_s / horizon if k else 0))
+             for k in range(p.k + 1)]
+    return max(range(p.k + 1), key=lambda k: (rates[k], -k))
+
+
+@pytest.mark.parametrize("backlog", [0, 10, 100, 1000])
+@pytest.mark.parametrize("previous_batches", [[], [4] * 2, [16, 8, 4, 4, 2, 1] * 5])
+def test_a_switch_to_drafting_is_charged_the_catch_up_spread_over_the_steps_left(backlog, previous_batches):
+    p = policy_with((1.0, 1.2, 1.4), (0.0, 0.1, 0.2), (0.6, 0.4))
+    p.catch_up_s = 0.01
+    p.batch_trace = list(previous_batches)
+    p.begin()  # the previous generate's batch sizes set the horizon
+    horizon = max(1, sum(1 for x in previous_batches if x <= 4))
+    assert p.horizon(4) == horizon
+    assert p.best_k(4, backlog) == best_by_formula(p, 4, backlog, 0.01, horizon)
+    if backlog == 0:
+        assert p.best_k(4, backlog) > 0  # drafting pays here once nothing is deferred
+
+
+def test_a_probe_pays_the_whole_catch_up_so_a_long_backlog_on_a_big_batch_is_not_probed():
+    p = policy_with((1.0, 1.05, 1.1), (0.0, 0.1, 0.2), (0.0, 0.0))  # memory-bound, stale draft
+    p.catch_up_s = 0.01
+    assert [p.choose(64, backlog=64 * 40) for _ in range(200)] == [0] * 200  # 25.6 s of catch-up: never
+    assert [p.choose(2, backlog=0) for _ in range(EXPLORE_EVERY)].count(0) < EXPLORE_EVERY  # due probe runs
+
+
+def test_the_catch_up_cost_per_position_is_learnt_from_steps_that_caught_up():
+    p = policy_with((1.0, 1.2), (0.0, 0.1), (0.5,))
+    p.begin()
+    for _ in range(60):  # a drafting step at 8 rows caught up 80 positions and took 0.9 s more than drafting
+        p.observe(StepRecord(8, 1, 1.0, 1, 0.1 + 0.9, 8, [8], [4], caught_up=80))
+    assert p.catch_up_s == pytest.approx(0.9 / 80, rel=1e-3)
+    assert p.draft.predict(8, 1) == pytest.approx(0.1)  # not learnt as the cost of drafting 1
 
 
 def test_acceptance_estimate_forgets_its_prior_at_the_first_measurement():

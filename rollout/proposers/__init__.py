@@ -35,10 +35,10 @@ class Proposer:
     def release(self, request):
         """The request finished: drop its per-request state."""
 
-    def catching_up(self, requests):
-        """Will the next propose for `requests` first process positions that k = 0 steps deferred?
-        (Its time is then not the cost of drafting k tokens, and the k policy must not learn it.)"""
-        return False
+    def deferred_positions(self, requests):
+        """How many positions k = 0 steps deferred that the next drafting step for `requests` must
+        catch up first (the k policy prices that catch-up apart from the cost of drafting k)."""
+        return 0
 
 
 def _lazy(module, name):

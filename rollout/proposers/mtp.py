@@ -78,8 +78,9 @@ class MTPProposer(Proposer):
     def release(self, request):
         self.pending.pop(request.slot, None)
 
-    def catching_up(self, requests):
-        return any(r.slot in self.pending for r in requests)
+    def deferred_positions(self, requests):
+        # a deferred slot's catch-up starts at its first position not caught up
+        return sum(r.num_cached - self.pending[r.slot][0] for r in requests if r.slot in self.pending)
 
     def propose(self, out):
         k = min(self.num_speculative_tokens, self.engine.step_k)

@@ -16,7 +16,8 @@ prints start/end figures (rollout wall time per step, what RL waits for, beside 
 end ratios online/frozen and online/none, and at how many steps online took no longer than
 none. `--spec-adaptive` runs the speculative arms with k chosen per step; `--time-plain` has each
 speculative arm also decode every batch without drafts, back to back in the same worker, and
-prints that paired speedup per step (free of the drift between arms run minutes apart). Speculation is
+prints that paired speedup per step (free of the drift between arms run minutes apart); the
+none arm then pairs plain with plain, the control that shows the paired figure's own noise. Speculation is
 exact, so at step 0 (same weights everywhere) the arms' rewards must agree within noise; the
 script checks and says so. With strict verification (the default rejection_sample_method) the
 embedded engine's speculative sampling reproduces plain sampling token for token, and the MTP
@@ -122,7 +123,8 @@ def run_arm(arm, args):
            "--output-dir", out, "--progress", "false", "--wandb-group", "mtp_drift", *flags]
     if base != "none":
         cmd += ["--vllm-speculative-config", spec] + (["--spec-adaptive"] if args.spec_adaptive else [])
-        cmd += ["--rollout-time-plain-baseline"] if args.time_plain else []
+    # on the none arm the paired pass decodes plain twice: the A/A control of the paired figure
+    cmd += ["--rollout-time-plain-baseline"] if args.time_plain else []
     cmd += args.extra + options  # an arm's own options win over the shared extra arguments
     print(f"[drift] {arm}: {' '.join(cmd[1:])}", flush=True)
     env = dict(os.environ, WANDB_SILENT="true", RAY_AUTH_MODE="disabled")
@@ -132,13 +134,22 @@ def run_arm(arm, args):
     return read_metrics(out)
 
 
+def rollout_wall(m):
+    """(rollout wall seconds, tokens/s) of the speculative call alone: with --time-plain the worker
+    also decoded the batch without drafts inside the same rollout, which is taken out here."""
+    seconds, tokens = m["perf/rollout_time"], m["perf/rollout_tokens_per_s"] * m["perf/rollout_time"]
+    seconds -= m.get("perf/rollout_plain_engine_time", 0.0)
+    return seconds, tokens / max(seconds, 1e-9)
+
+
 def row(arm, m):
     accept_len = m.get("rollout/spec_accept_length") or 1.0  # no speculation: one token per forward
+    rollout_time, tokens_per_s = rollout_wall(m)
     return {"arm": arm, "step": m["rollout/step"], "reward": m["rollout/reward"],
             "response_len": m["rollout/response_len"], "spec_accept_length": accept_len,
             "tokens_per_target_forward": accept_len, "spec_accept_rate": m.get("rollout/spec_accept_rate", 0.0),
             **{f"spec_accept_rate_pos_{i}": m.get(f"rollout/spec_accept_rate_pos_{i}", "") for i in range(MAX_POSITIONS)},
-            "rollout_tokens_per_s": m["perf/rollout_tokens_per_s"], "rollout_time": m["perf/rollout_time"],
+            "rollout_tokens_per_s": tokens_per_s, "rollout_time": rollout_time,
             "mtp_loss": m.get("train/mtp_loss", ""), "num_samples": m["rollout/num_samples"],
             **{k: m.get(f"rollout/{k}", "") for k in ("spec_k_mean", "spec_predicted_speedup", "spec_measured_speedup")},
             "rollout_engine_time": m.get("perf/rollout_engine_time", ""),
