@@ -199,8 +199,7 @@ class Engine:
                 admitted.append(r)
             decoding = list(running)
             running += admitted
-            backlog = self.proposer.deferred_positions(decoding) if self.k_policy.observes else 0
-            self.step_k = self.k_policy.choose(len(running), backlog)
+            self.step_k = self.k_policy.choose(len(running), lambda: self.proposer.deferred_positions(decoding, admitted))
             if admitted:
                 self._prefill(admitted, sampling)
             if decoding:

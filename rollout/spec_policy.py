@@ -10,12 +10,13 @@ drafts are verified, so every policy keeps the output exact.
               num_speculative_tokens.
   AdaptiveK   vime's --spec-adaptive: k in {0..K} maximising expected tokens per second,
                   B * E(k) / (verify(B, 1+k) + draft(B, k)),
-              E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j with a_j the EMA of the conditional
-              acceptance at draft position j, and the step costs from a profile taken at the
+              E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j with a_j the conditional acceptance
+              at draft position j (decayed row counts, see learn_acceptance), and the step costs from a profile taken at the
               first generate (per batch size on a power-of-two grid, interpolated; made
               monotone in rows and tokens, since timing noise only adds) refined
               online by the measured times (an EMA per exact (B, k), and a
-              measured/profiled correction per k for the points not seen yet). Every
+              measured/profiled correction per k and batch-size interval for the points
+              not seen yet, see CostTable). Every
               EXPLORE_EVERY steps one step runs another k, round robin, among the k that
               could pay at this batch size even if every draft were accepted (so a
               compute-bound batch, where no acceptance pays for a longer verify, is never
@@ -32,7 +33,8 @@ import bisect
 import math
 
 # defaults of the adaptive policy, one source
-ACCEPT_EMA = 0.1  # weight of one step's per-position acceptance
+ACCEPT_EMA = 0.1  # decay of the per-position row counts at each step that drafts the position
+ACCEPT_PRIOR_ROWS = 8  # pseudo-rows of prior (the previous position's rate) in each estimate
 COST_EMA = 0.2  # weight of one step's measured time
 ACCEPT_PRIOR = 0.5  # acceptance assumed before a position was ever drafted
 PROFILE_REPEATS = 5  # best-of repeats per profiled point
@@ -51,8 +53,10 @@ class FixedK:
     def __init__(self, k):
         self.k = k
 
-    def choose(self, batch_size, backlog=0):
-        """k for a step of batch_size rows; `backlog`: deferred positions a draft would catch up first."""
+    def choose(self, batch_size, backlog=None):
+        """k for a step of batch_size rows. `backlog`: None or a callable giving the deferred
+        positions a draft would catch up first (called only where drafting is considered: it
+        walks the batch)."""
         return self.k
 
     def observe(self, step):
@@ -75,7 +79,7 @@ class ScheduleK(FixedK):
         super().__init__(k_max)
         self.lookup = dense_schedule(schedule, k_max, max_batch_size)
 
-    def choose(self, batch_size, backlog=0):
+    def choose(self, batch_size, backlog=None):
         return self.lookup[min(max(batch_size, 1), len(self.lookup) - 1)]
 
 
@@ -109,18 +113,21 @@ class CostTable:
     """Seconds of one step phase (verify or draft) against batch size B and k.
 
     A point measured at its exact (B, k) is predicted by its EMA. Any other is the profile times
-    a measured/profiled correction: k's own once k was measured at some batch size, else the
-    one over all k. One factor per k because the profile (dummy tokens, contiguous slots, no
-    verification or bookkeeping) misses costs that grow with k: on the long-tail tiny model real
-    steps took 1.26x their profile at k = 0 but 1.70x at k = 1, so a factor shared by all k
-    priced drafting ~35 % too cheap and the policy drafted at 18-53 rows where it lost time."""
+    a measured/profiled correction for k in B's grid interval; where k was never measured in
+    that interval, the larger of k's correction elsewhere and k = 0's in the interval (a step
+    with drafts costs at least what the profile misses at k = 0 there). Why not one factor: the
+    profile (dummy tokens, contiguous slots, no verification or bookkeeping) misses costs that
+    grow with k and with B. On the long-tail tiny model real steps took 1.26x their profile at
+    k = 0 but 1.70x at k = 1 (a shared factor priced drafting ~35 % too cheap), and a factor per
+    k learnt at the few rows where drafting runs priced k = 1 at 64 rows below its k = 0 steps
+    there (1.57x against 1.83x), so the policy drafted 1 token at 0.17 acceptance."""
 
     def __init__(self, grid, profiled):
         self.grid = grid  # sorted batch sizes
         self.profiled = profiled  # {k: [seconds per grid batch size]}
         self.measured = {}  # (B, k) -> EMA seconds
-        self.correction = 1.0  # EMA of measured / profiled over every k
-        self.k_correction = {}  # k -> (EMA of measured / profiled at that k, observations)
+        self.correction = 1.0  # EMA of measured / profiled over every k and B
+        self.ratios = {}  # (k, grid interval) and k -> (EMA of measured / profiled, observations)
 
     def profile_at(self, b, k):
         ys = self.profiled[k]
@@ -132,10 +139,18 @@ class CostTable:
         x0, x1, y0, y1 = self.grid[i - 1], self.grid[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (b - x0) / (x1 - x0)
 
+    def interval(self, b):
+        return bisect.bisect_left(self.grid, b)
+
     def predict(self, b, k):
         if (b, k) in self.measured:
             return self.measured[(b, k)]
-        return self.k_correction.get(k, (self.correction, 0))[0] * self.profile_at(b, k)
+        here = self.ratios.get((k, self.interval(b)))
+        if here is None:
+            elsewhere, plain_here = self.ratios.get(k), self.ratios.get((0, self.interval(b)))
+            ratios = [entry[0] for entry in (elsewhere, plain_here) if entry is not None]
+            return (max(ratios) if ratios else self.correction) * self.profile_at(b, k)
+        return here[0] * self.profile_at(b, k)
 
     def update(self, b, k, seconds):
         old = self.measured.get((b, k))
@@ -144,9 +159,10 @@ class CostTable:
         if profiled > 0:  # a phase profiled as free (no drafting at k = 0) says nothing about load
             ratio = seconds / profiled
             self.correction = (1 - COST_EMA) * self.correction + COST_EMA * ratio
-            factor, n = self.k_correction.get(k, (ratio, 0))
-            w = max(COST_EMA, 1.0 / (n + 1))  # a running mean, then an EMA (as for acceptance)
-            self.k_correction[k] = ((1 - w) * factor + w * ratio, n + 1)
+            for key in (k, (k, self.interval(b))):
+                factor, n = self.ratios.get(key, (ratio, 0))
+                w = max(COST_EMA, 1.0 / (n + 1))  # a running mean, then an EMA
+                self.ratios[key] = ((1 - w) * factor + w * ratio, n + 1)
 
 
 def expected_tokens(acceptance, k):
@@ -166,7 +182,7 @@ class AdaptiveK(FixedK):
     def __init__(self, k_max):
         super().__init__(k_max)
         self.acceptance = [ACCEPT_PRIOR] * k_max
-        self.observations = [0] * k_max  # steps that measured each position
+        self.drafted, self.accepted = [0.0] * k_max, [0.0] * k_max  # decayed row counts per position
         self.verify, self.draft = None, None
         self.catch_up_s = 0.0  # seconds to catch up one deferred position (profiled, then learnt)
         self.batch_trace, self.previous_batches = [], []  # batch sizes of this / the previous generate
@@ -224,11 +240,15 @@ class AdaptiveK(FixedK):
                 return k
         return None
 
-    def choose(self, batch_size, backlog=0):
-        k = self.best_k(batch_size, backlog)
+    def choose(self, batch_size, backlog=None):
+        k = self.best_k(batch_size)
         self.steps_since_probe += 1
-        if self.k and self.steps_since_probe >= EXPLORE_EVERY:
-            probe = self.probe_k(batch_size, k, backlog)
+        probe_due = self.k and self.steps_since_probe >= EXPLORE_EVERY
+        deferred = backlog() if backlog is not None and (k or probe_due) else 0
+        if k and deferred:  # a catch-up only lowers the rates of k > 0: k = 0 stays best without it
+            k = self.best_k(batch_size, deferred)
+        if probe_due:
+            probe = self.probe_k(batch_size, k, deferred)
             if probe is not None:  # else stay due: a later, smaller batch may be worth a probe
                 k, self.steps_since_probe = probe, 0
         self.batch_trace.append(batch_size)
@@ -246,13 +266,7 @@ class AdaptiveK(FixedK):
             self.catch_up_s = (1 - COST_EMA) * self.catch_up_s + COST_EMA * extra
         elif step.k_drafted is not None:
             self.draft.update(b, step.k_drafted, step.draft_s)
-        for i, (d, a) in enumerate(zip(step.drafted_per_pos, step.accepted_per_pos)):
-            if d and i < self.k:
-                # a running mean until 1/ACCEPT_EMA observations, then an EMA: the prior is
-                # forgotten at the first measurement, later ones track a draft that changes
-                self.observations[i] += 1
-                w = max(ACCEPT_EMA, 1.0 / self.observations[i])
-                self.acceptance[i] = (1 - w) * self.acceptance[i] + w * (a / d)
+        self.learn_acceptance(step.drafted_per_pos, step.accepted_per_pos)
         plain_per_token = self.step_time(b, 0) / b
         k = step.k_verified
         self.trace["plain_s_pred"] += step.emitted * plain_per_token
@@ -260,6 +274,24 @@ class AdaptiveK(FixedK):
         self.trace["pred_tokens"] += b * expected_tokens(self.acceptance, k)
         self.trace["pred_s"] += self.step_time(b, k)
         self.trace["emitted"] += step.emitted
+
+    def learn_acceptance(self, drafted_per_pos, accepted_per_pos):
+        """Per position, decayed counts of rows drafted and accepted (each step that drafted the
+        position decays them by ACCEPT_EMA, so the estimate follows a draft that changes), read
+        with ACCEPT_PRIOR_ROWS pseudo-rows at the previous position's rate (ACCEPT_PRIOR at the
+        first): rows, not steps, carry the weight, and a deep position seen in a handful of
+        rows stays near the shallower one. (Step-weighted means once read a stale draft's
+        0.004 conditional acceptance at position 2 as 0.33 from three one-row steps, so k = 3
+        looked worth drafting.)"""
+        for i, (d, a) in enumerate(zip(drafted_per_pos, accepted_per_pos)):
+            if d and i < self.k:
+                self.drafted[i] = (1 - ACCEPT_EMA) * self.drafted[i] + d
+                self.accepted[i] = (1 - ACCEPT_EMA) * self.accepted[i] + a
+        prior = ACCEPT_PRIOR
+        for i in range(self.k):
+            if self.drafted[i]:
+                self.acceptance[i] = (self.accepted[i] + ACCEPT_PRIOR_ROWS * prior) / (self.drafted[i] + ACCEPT_PRIOR_ROWS)
+            prior = self.acceptance[i]
 
     def begin(self):
         """Start the per-generate summary; the batch sizes of the generate before set the horizon."""

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rollout.spec_policy import EXPLORE_EVERY, AdaptiveK, CostTable, StepRecord, batch_grid, monotone_envelope
+from rollout.spec_policy import ACCEPT_EMA, ACCEPT_PRIOR, ACCEPT_PRIOR_ROWS, EXPLORE_EVERY, AdaptiveK, CostTable, StepRecord, batch_grid, monotone_envelope
 
 
 def policy_with(verify_ms, draft_ms, acceptance, grid=(1, 16)):
@@ -108,6 +108,7 @@ def test_a_switch_to_drafting_is_charged_the_catch_up_spread_over_the_steps_left
     horizon = max(1, sum(1 for x in previous_batches if x <= 4))
     assert p.horizon(4) == horizon
     assert p.best_k(4, backlog) == best_by_formula(p, 4, backlog, 0.01, horizon)
+    assert p.choose(4, backlog=lambda: backlog) == best_by_formula(p, 4, backlog, 0.01, horizon)  # no probe due
     if backlog == 0:
         assert p.best_k(4, backlog) > 0  # drafting pays here once nothing is deferred
 
@@ -115,8 +116,8 @@ def test_a_switch_to_drafting_is_charged_the_catch_up_spread_over_the_steps_left
 def test_a_probe_pays_the_whole_catch_up_so_a_long_backlog_on_a_big_batch_is_not_probed():
     p = policy_with((1.0, 1.05, 1.1), (0.0, 0.1, 0.2), (0.0, 0.0))  # memory-bound, stale draft
     p.catch_up_s = 0.01
-    assert [p.choose(64, backlog=64 * 40) for _ in range(200)] == [0] * 200  # 25.6 s of catch-up: never
-    assert [p.choose(2, backlog=0) for _ in range(EXPLORE_EVERY)].count(0) < EXPLORE_EVERY  # due probe runs
+    assert [p.choose(64, backlog=lambda: 64 * 40) for _ in range(200)] == [0] * 200  # 25.6 s of catch-up: never
+    assert [p.choose(2, backlog=lambda: 0) for _ in range(EXPLORE_EVERY)].count(0) < EXPLORE_EVERY  # due probe runs
 
 
 def test_the_catch_up_cost_per_position_is_learnt_from_steps_that_caught_up():
@@ -128,11 +129,30 @@ def test_the_catch_up_cost_per_position_is_learnt_from_steps_that_caught_up():
     assert p.draft.predict(8, 1) == pytest.approx(0.1)  # not learnt as the cost of drafting 1
 
 
-def test_acceptance_estimate_forgets_its_prior_at_the_first_measurement():
+def test_a_k_measured_only_on_small_batches_is_priced_at_least_at_k0s_correction_on_a_large_one():
+    t = CostTable([1, 8, 64], {0: [1.0, 2.0, 8.0], 1: [1.2, 2.4, 12.0]})
+    for b in (2, 3):
+        t.update(b, 1, 1.5 * t.profile_at(b, 1))  # k = 1 measured at 1.5x its profile, few rows only
+    for b in (40, 50):
+        t.update(b, 0, 1.9 * t.profile_at(b, 0))  # k = 0 at 1.9x on large batches
+    assert t.predict(45, 1) == pytest.approx(1.9 * t.profile_at(45, 1))  # not 1.5x: below k = 0's there
+    assert t.predict(5, 1) == pytest.approx(1.5 * t.profile_at(5, 1))  # measured in that interval
+
+
+def test_acceptance_is_the_row_weighted_rate_shrunk_toward_the_previous_position():
     p = policy_with((1.0, 1.1, 1.2), (0, 0.1, 0.2), (0.5, 0.5))
     p.begin()
-    p.observe(StepRecord(10, 2, 1e-3, 2, 1e-4, 15, [10, 8], [8, 2]))
-    assert p.acceptance == pytest.approx([0.8, 0.25])
+    p.observe(StepRecord(100, 2, 1e-3, 2, 1e-4, 150, [100, 80], [80, 2]))
+    p.observe(StepRecord(1, 2, 1e-3, 2, 1e-4, 3, [1, 1], [1, 1]))  # one lucky row
+    m, lam = ACCEPT_PRIOR_ROWS, ACCEPT_EMA
+    d1, a1 = 100 * (1 - lam) + 1, 80 * (1 - lam) + 1
+    d2, a2 = 80 * (1 - lam) + 1, 2 * (1 - lam) + 1
+    first = (a1 + m * ACCEPT_PRIOR) / (d1 + m)
+    assert p.acceptance == pytest.approx([first, (a2 + m * first) / (d2 + m)])
+    assert p.acceptance[0] == pytest.approx(0.8, abs=0.03) and p.acceptance[1] < 0.15  # rows, not steps, weigh
+    q = policy_with((1.0, 1.1, 1.2), (0, 0.1, 0.2), (0.5, 0.5))
+    q.observe(StepRecord(100, 2, 1e-3, 2, 1e-4, 110, [100, 3], [10, 3]))  # position 2 seen in 3 rows only
+    assert q.acceptance[1] < 0.5  # stays near position 1's 0.1, not 3 / 3
 
 
 def test_batch_grid_covers_the_engine_slots():

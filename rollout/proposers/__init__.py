@@ -35,9 +35,10 @@ class Proposer:
     def release(self, request):
         """The request finished: drop its per-request state."""
 
-    def deferred_positions(self, requests):
-        """How many positions k = 0 steps deferred that the next drafting step for `requests` must
-        catch up first (the k policy prices that catch-up apart from the cost of drafting k)."""
+    def deferred_positions(self, requests, admitted=()):
+        """How many positions k = 0 steps deferred that the next drafting step for `requests` (and
+        the prefill of the just `admitted` ones) must catch up first; the k policy prices that
+        catch-up apart from the cost of drafting k."""
         return 0
 
 

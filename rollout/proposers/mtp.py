@@ -73,14 +73,19 @@ class MTPProposer(Proposer):
         # carry[slot, j]: layer j's output at the last position its catch-up covered (read by layer j+1)
         self.carry = torch.zeros(ec.max_batch_size, max(self.num_layers - 1, 1), cfg.hidden_size,
                                  dtype=ec.dtype, device=ec.device)
-        self.pending = {}  # slot -> (first position not caught up, [hidden states since]) for k = 0 steps
+        self.pending = {}  # slot -> first position not caught up, for slots deferred by k = 0 steps
+        self.deferred = []  # one (TargetForward, its starts as a list) per k = 0 step, until caught up
 
     def release(self, request):
         self.pending.pop(request.slot, None)
+        if not self.pending:
+            self.deferred.clear()
 
-    def deferred_positions(self, requests):
-        # a deferred slot's catch-up starts at its first position not caught up
-        return sum(r.num_cached - self.pending[r.slot][0] for r in requests if r.slot in self.pending)
+    def deferred_positions(self, requests, admitted=()):
+        # a deferred slot's catch-up starts at its first position not caught up; a request just
+        # admitted has its whole prompt to catch up
+        return (sum(r.num_cached - self.pending[r.slot] for r in requests if r.slot in self.pending)
+                + sum(len(r.sample.prompt_ids) for r in admitted))
 
     def propose(self, out):
         k = min(self.num_speculative_tokens, self.engine.step_k)
@@ -98,23 +103,34 @@ class MTPProposer(Proposer):
 
     def with_pending(self, out):
         """`out` extended backwards by the hidden states that k = 0 steps left un-caught-up."""
-        if not any(r.slot in self.pending for r in out.requests):
+        starts = [self.pending.pop(r.slot, None) for r in out.requests]
+        if all(s is None for s in starts):
             return out
-        rows, starts = [], []
-        for i, r in enumerate(out.requests):
-            start, parts = self.pending.pop(r.slot, (int(out.starts[i]), []))
-            rows.append(torch.cat(parts + [out.hidden[i, :int(out.n_valid[i])]]))
-            starts.append(start)
+        # id(request) -> (its first deferred position, its deferred hidden states in step order)
+        parts = {id(r): (s, []) for r, s in zip(out.requests, starts) if s is not None}
+        for step, step_starts in self.deferred:
+            for i, r in enumerate(step.requests):
+                first, rows = parts.get(id(r), (None, None))
+                if rows is not None and step_starts[i] >= first:  # not from an earlier, caught-up deferral
+                    rows.append(step.hidden[i, :int(step.n_valid[i])])
+        if not self.pending:
+            self.deferred.clear()
+        rows = [out.hidden[i, :int(out.n_valid[i])] for i in range(len(out.requests))]
+        rows = [row if s is None else torch.cat(parts[id(r)][1] + [row])
+                for r, s, row in zip(out.requests, starts, rows)]
+        starts = [int(out.starts[i]) if s is None else s for i, s in enumerate(starts)]
         hidden = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
         lengths = torch.tensor([len(x) for x in rows], device=hidden.device)
         return TargetForward(out.requests, hidden, torch.tensor(starts, device=hidden.device), lengths)
 
     def defer(self, out):
-        """Keep this step's hidden states for the next drafting step (views: each forward's
-        output is a fresh tensor, never written again)."""
-        starts, n_valid = out.starts.tolist(), out.n_valid.tolist()
-        for i, r in enumerate(out.requests):
-            self.pending.setdefault(r.slot, (starts[i], []))[1].append(out.hidden[i, :n_valid[i]])
+        """Keep this step's hidden states for the next drafting step: one record per step, not
+        per row (this runs at every k = 0 step, so on a large batch its cost is plain decoding's
+        overhead). Each forward's output is a fresh tensor, never written again."""
+        starts = out.starts.tolist()
+        self.deferred.append((out, starts))
+        for r, start in zip(out.requests, starts):
+            self.pending.setdefault(r.slot, start)
             r.drafts, r.draft_probs = [], None
 
     def profile_draft(self, batch_size, k, new_tokens=2):
