@@ -24,8 +24,8 @@ positions >= e-j+1 = next start - j, exactly where the next catch-up of that lay
 writing, so they are overwritten before being read as context.
 
 A step where the engine's k policy asks for no drafts (engine.step_k == 0) costs nothing
-here: its hidden states are kept per slot and the next drafting step catches up over all
-of them in its one catch-up forward (the carry is then the output at the position just
+here: its hidden states are kept (one record per step) and the next drafting step catches up
+over all of them in its one catch-up forward (the carry is then the output at the position just
 before them), so the invariant holds whenever drafts are made.
 """
 from dataclasses import dataclass
