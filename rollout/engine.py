@@ -53,6 +53,9 @@ class EngineConfig:
     # compute a prompt shared by several requests of one admission (a GRPO group) once, copying
     # its KV entries (vLLM's prefix caching does the same for shared prompts)
     share_prompt_prefill: bool = True
+    # keep the running requests in slots 0..n-1 (move the last ones into the holes finished ones
+    # leave), so attention reads the cache through a view instead of gathering it every step
+    compact_slots: bool = True
     synthetic_acceptance_rates: tuple = None  # conditional, per draft position (spec_config.synthetic_position_rates)
 
 
@@ -204,10 +207,33 @@ class Engine:
                 self._prefill(admitted, sampling)
             if decoding:
                 self._verify_step(decoding, sampling)
-            for r in [r for r in running if r.finished]:
+            finished = [r for r in running if r.finished]
+            for r in finished:
                 running.remove(r)
                 free_slots.append(r.slot)
                 self.proposer.release(r)
+            if finished and self.config.compact_slots:
+                free_slots = self._compact_slots(running)
+
+    def _compact_slots(self, running):
+        """Move the requests in slots >= n into the holes below n (n = len(running)), order `running`
+        by slot and return the free slots (lowest popped first), so every batch sits in consecutive
+        slots. Why: rows in scattered slots make attention gather every live row's keys and values
+        at every layer of every step, which cost 1.2-1.3x a whole step on the tiny model (up to
+        2.9x at 63 rows, 80 positions); a move copies one request's entries once."""
+        n = len(running)
+        taken = {r.slot for r in running}
+        holes = [s for s in range(n) if s not in taken]
+        movers = sorted((r for r in running if r.slot >= n), key=lambda r: r.slot)
+        if holes:
+            moves = list(zip(movers, holes))
+            length = max(r.num_tokens for r, _ in moves)  # entries past a request's tokens are never read
+            self.cache.move_slots([r.slot for r, _ in moves], holes, length)
+            for r, hole in moves:
+                old, r.slot = r.slot, hole
+                self.proposer.move_slot(r, old)
+            running.sort(key=lambda r: r.slot)
+        return list(range(n, self.config.max_batch_size))[::-1]
 
     def _prefill(self, reqs, sampling):
         """One ragged forward over the admitted prompts; a prompt shared by several requests (a

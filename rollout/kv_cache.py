@@ -20,6 +20,14 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
 
+    def move_slots(self, src, dst, length):
+        """Copy the first `length` positions of slots `src` into slots `dst` (every layer), e.g. to
+        keep a batch in consecutive slots."""
+        length = min(length, self.max_len)
+        src, dst = torch.tensor(src, device=self.k.device), torch.tensor(dst, device=self.k.device)
+        for kv in (self.k, self.v):
+            kv[:, dst, :length] = kv[:, src, :length]
+
     def step(self, slots, starts, n_new, backend="sdpa"):
         """A view for one forward: row b writes n_new[b] tokens at positions starts[b]..."""
         return StepView(self, slots, starts, n_new, backend)

@@ -16,7 +16,9 @@ from rollout.spec_config import parse_spec_config
 from rollout.spec_stats import aggregate_spec_stats
 from rollout.task import make_prompts
 from rollout.tokenizer import TextCodec
-from spec_fixtures import markov_model, save_checkpoint, one_thread  # noqa: F401
+from fp32_bounds import close, reduction_rtol
+from rollout.proposers.draft_model import DraftModelProposer
+from spec_fixtures import SMALL, markov_model, save_checkpoint, one_thread  # noqa: F401
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=20)
 
@@ -129,6 +131,9 @@ class _Checked:
 
     def release(self, r):
         self.inner.release(r)
+
+    def move_slot(self, r, old_slot):
+        self.inner.move_slot(r, old_slot)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -335,3 +340,41 @@ def test_cli_spec_adaptive_without_speculation_exits_2_with_one_line(tmp_path, m
                          cwd=root, capture_output=True, text=True)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr.strip().count("\n") == 0 and "--spec-adaptive" in res.stderr
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_model"])
+def test_requests_ending_apart_leave_no_holes_and_moving_them_changes_no_draft_or_output(method):
+    """Requests stop at different steps (a stop token met at different points of the model's
+    token cycle) and more wait than there are slots. With slot compaction every decoding step
+    reads consecutive slots (without it holes appear, so the test is not vacuous); the MTP drafts of
+    moved requests equal the no-cache recompute (caches, carry and deferred catch-up moved, k
+    cycling through 0..3) and the outputs equal those of the engine that leaves holes."""
+    model = markov_model(noise=0.2, mtp_noise=0.3)
+    prompts = [[1, 3 + i % 25, 4 + i % 7][: 1 + i % 3] for i in range(24)]
+    sampling = SamplingParams(temperature=0, max_new_tokens=30, stop_token_ids=(10,))
+    raw = {"method": method, "num_speculative_tokens": 3}
+    spec = parse_spec_config(raw if method == "mtp" else dict(raw, model="unused: the model is given"))
+    runs = {}
+    for compact in (True, False):
+        proposer = _Checked(MTPProposer(spec)) if method == "mtp" else DraftModelProposer(spec, model=model)
+        engine = Engine(model, EngineConfig(max_batch_size=8, compact_slots=compact), proposer=proposer)
+        engine.k_policy = CyclingK(3)
+        slots_seen, verify_step = [], engine._verify_step
+
+        def spy(reqs, sampling, verify_step=verify_step, slots_seen=slots_seen):
+            slots_seen.append([r.slot for r in reqs])
+            return verify_step(reqs, sampling)
+
+        engine._verify_step = spy
+        samples = engine.generate(samples_for_prompts(prompts), sampling)
+        holes = sum(s != list(range(s[0], s[0] + len(s))) for s in slots_seen)
+        runs[compact] = samples, holes, proposer
+    (moved, no_holes, checked), (kept, holes, _) = runs[True], runs[False]
+    assert no_holes == 0 and holes > 0
+    assert len({len(s.response_ids) for s in moved}) > 3  # requests really ended apart
+    assert [s.response_ids for s in moved] == [s.response_ids for s in kept]
+    longest = max(SMALL["intermediate_size"], model.cfg.vocab_size)
+    rtol = reduction_rtol(longest, 10 * SMALL["num_hidden_layers"] + 2)  # same rows, other batch companions
+    assert all(close(a, b, rtol) for s, t in zip(moved, kept) for a, b in zip(s.rollout_logprobs, t.rollout_logprobs))
+    if method == "mtp":
+        assert checked.checked > len(prompts) and checked.mismatches == 0

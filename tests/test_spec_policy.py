@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rollout.spec_policy import ACCEPT_EMA, ACCEPT_PRIOR, ACCEPT_PRIOR_ROWS, EXPLORE_EVERY, AdaptiveK, CostTable, StepRecord, batch_grid, monotone_envelope
+from rollout.spec_policy import ACCEPT_PRIOR, ACCEPT_PRIOR_ROWS, ACCEPT_WINDOW_ROWS, SWITCH_MARGIN, expected_tokens, EXPLORE_EVERY, AdaptiveK, CostTable, StepRecord, batch_grid, monotone_envelope
 
 
 def policy_with(verify_ms, draft_ms, acceptance, grid=(1, 16)):
@@ -144,15 +144,33 @@ def test_acceptance_is_the_row_weighted_rate_shrunk_toward_the_previous_position
     p.begin()
     p.observe(StepRecord(100, 2, 1e-3, 2, 1e-4, 150, [100, 80], [80, 2]))
     p.observe(StepRecord(1, 2, 1e-3, 2, 1e-4, 3, [1, 1], [1, 1]))  # one lucky row
-    m, lam = ACCEPT_PRIOR_ROWS, ACCEPT_EMA
-    d1, a1 = 100 * (1 - lam) + 1, 80 * (1 - lam) + 1
-    d2, a2 = 80 * (1 - lam) + 1, 2 * (1 - lam) + 1
+    m, keep = ACCEPT_PRIOR_ROWS, 1 - 1 / ACCEPT_WINDOW_ROWS  # counts forget per row drafted
+    d1, a1 = 100 * keep + 1, 80 * keep + 1
+    d2, a2 = 80 * keep + 1, 2 * keep + 1
     first = (a1 + m * ACCEPT_PRIOR) / (d1 + m)
     assert p.acceptance == pytest.approx([first, (a2 + m * first) / (d2 + m)])
     assert p.acceptance[0] == pytest.approx(0.8, abs=0.03) and p.acceptance[1] < 0.15  # rows, not steps, weigh
     q = policy_with((1.0, 1.1, 1.2), (0, 0.1, 0.2), (0.5, 0.5))
     q.observe(StepRecord(100, 2, 1e-3, 2, 1e-4, 110, [100, 3], [10, 3]))  # position 2 seen in 3 rows only
     assert q.acceptance[1] < 0.5  # stays near position 1's 0.1, not 3 / 3
+
+
+def test_a_one_row_tail_outweighs_the_prior_and_the_policy_drafts_what_pays():
+    """Many one-row steps at conditional acceptance 0.7 / 0.25: the estimates approach those rates
+    (direct formula of a ~ACCEPT_WINDOW_ROWS-row window plus the prior), and with costs where
+    k = 1 pays more than k = 2 at those rates, the policy picks k = 1."""
+    p = policy_with((2.0, 2.1, 2.1), (0.0, 0.6, 1.05), (0.5, 0.5))
+    p.begin()
+    for i in range(2000):  # deterministic patterns: 7 of 10 rows accept position 1, 1 of 4 of those position 2
+        first = i % 10 < 7
+        p.observe(StepRecord(1, 2, 2.1, 2, 1.05, 1, [1, int(first)], [int(first), int(first and i % 40 < 7)]))
+    window, m = ACCEPT_WINDOW_ROWS, ACCEPT_PRIOR_ROWS
+    assert p.acceptance[0] == pytest.approx(0.7, abs=0.05)
+    want = (window * 0.25 + m * p.acceptance[0]) / (window + m)  # the window's rate shrunk by m prior rows
+    assert p.acceptance[1] == pytest.approx(want, abs=0.05)
+    rates = [p.rate(1, k) for k in range(3)]
+    assert rates[1] > rates[2] > rates[0]  # at 0.7 / 0.25: 1.7 / 2.7 ms beats 1.875 / 3.15 ms
+    assert p.best_k(1) == 1
 
 
 def test_batch_grid_covers_the_engine_slots():
@@ -180,3 +198,46 @@ def test_profile_envelope_caps_each_point_by_every_point_doing_at_least_as_much_
                 assert got[k][j] == want
     monotone = {k: [(1 + k) * (1 + j) for j in range(5)] for k in range(4)}
     assert monotone_envelope(monotone) == monotone
+
+
+@pytest.mark.parametrize("length, slowdown", [(10, 2.5), (20, 1.8), (40, 1.5)])
+def test_a_spell_of_interference_does_not_price_a_k_at_the_spells_cost_for_good(length, slowdown):
+    """Interference comes in spells and slows every step alike. Steps cost their quiet time except
+    during one spell, which starts while k = 1, the best quiet k, runs. Afterwards the policy must
+    run k = 1 on most steps (a k measured in the spell is not kept at the spell's price until it
+    happens to run again)."""
+    verify, draft = (2.0, 2.1, 2.2, 2.3), (0.0, 0.6, 1.1, 1.6)
+    acceptance = [0.7, 0.25, 0.1]
+    best = max(range(4), key=lambda k: expected_tokens(acceptance, k) / (verify[k] + draft[k]))
+    assert best == 1
+    p = policy_with(verify, draft, acceptance)
+    p.learn_acceptance = lambda drafted, accepted: None  # acceptance fixed: the costs are under test
+    p.begin()
+    chosen = []
+    for step in range(400):
+        k = p.choose(1)
+        slow = slowdown if 100 <= step < 100 + length else 1.0
+        p.observe(StepRecord(1, k, verify[k] * slow, k, draft[k] * slow, 1, [], []))
+        chosen.append(k)
+    after = chosen[100 + length:]
+    assert chosen[:100].count(best) > 90 and after.count(best) > 0.9 * len(after)
+
+
+def test_a_switch_between_drafting_and_not_needs_a_clear_gain():
+    """Rates by the direct formula, one row, no catch-up: verify 2.0 ms at k = 0 and 1, drafting
+    0.5 ms, so k = 1 gives (1 + a) / 2.5 against 1 / 2.0 at k = 0."""
+    def rate_ratio(a):  # k = 1 over k = 0
+        return ((1 + a) / 2.5) / (1 / 2.0)
+
+    assert 1 < rate_ratio(0.288) < 1 + SWITCH_MARGIN < rate_ratio(0.4)
+    small = policy_with((2.0, 2.0), (0.0, 0.5), (0.288,))
+    small.begin()
+    assert small.best_k(1) == 1 and small.choose(1, backlog=lambda: 0) == 0  # 3 %: not worth a switch
+    clear = policy_with((2.0, 2.0), (0.0, 0.5), (0.4,))
+    clear.begin()
+    assert clear.choose(1, backlog=lambda: 0) == 1  # 12 %: switches
+    clear.acceptance = [0.22]
+    assert 1 - SWITCH_MARGIN < rate_ratio(0.22) < 1
+    assert clear.best_k(1) == 0 and clear.choose(1, backlog=lambda: 0) == 1  # 2.4 % worse: keeps drafting
+    clear.acceptance = [0.1]
+    assert rate_ratio(0.1) < 1 - SWITCH_MARGIN and clear.choose(1, backlog=lambda: 0) == 0  # 12 % worse: stops

@@ -87,3 +87,6 @@ class DraftModelProposer(Proposer):
 
     def release(self, request):
         self.state.pop(id(request), None)
+
+    def move_slot(self, request, old_slot):
+        self.cache.move_slots([old_slot], [request.slot], request.num_tokens + self.num_speculative_tokens)

@@ -81,6 +81,13 @@ class MTPProposer(Proposer):
         if not self.pending:
             self.deferred.clear()
 
+    def move_slot(self, request, old_slot):
+        new = request.slot
+        self.cache.move_slots([old_slot], [new], self.cache.max_len)
+        self.carry[new] = self.carry[old_slot]
+        if old_slot in self.pending:
+            self.pending[new] = self.pending.pop(old_slot)
+
     def deferred_positions(self, requests, admitted=()):
         # a deferred slot's catch-up starts at its first position not caught up; a request just
         # admitted has its whole prompt to catch up
