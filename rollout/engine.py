@@ -157,7 +157,7 @@ class Engine:
             s.response_ids, s.rollout_logprobs, s.weight_version = [], [], self.weight_version
             s.spec.__init__()
         self.k_policy.prepare(self)
-        self.k_policy.begin()
+        self.k_policy.begin(self.weight_version)
         start = time.perf_counter()
         self._run(requests, sampling)
         elapsed = time.perf_counter() - start

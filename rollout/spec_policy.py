@@ -18,9 +18,9 @@ drafts are verified, so every policy keeps the output exact.
               measured/profiled correction per k and batch-size interval for the points
               not seen yet, see CostTable). Every
               EXPLORE_EVERY steps one step runs another k, round robin, among the k that
-              could pay at this batch size even if every draft were accepted (so a
-              compute-bound batch, where no acceptance pays for a longer verify, is never
-              slowed down by a probe).
+              could pay at this batch size at an optimistic acceptance (PROBE_Z standard
+              errors above the estimate: a compute-bound batch, or a draft known to be poor,
+              is not slowed down by probes).
               Positions deferred by k = 0 steps (`backlog`) must be caught up by the
               first drafting step: seconds per position C, profiled and learnt from
               such steps. A switch to k > 0 is charged backlog * C spread over the steps
@@ -35,6 +35,8 @@ import math
 # defaults of the adaptive policy, one source
 ACCEPT_WINDOW_ROWS = 256  # the per-position row counts forget by (1 - 1 / this) per row drafted there
 ACCEPT_PRIOR_ROWS = 8  # pseudo-rows of prior (the previous position's rate) in each estimate
+ACCEPT_KEEP_PER_LOAD = 0.5  # share of the row counts kept when a generate runs on new weights
+PROBE_Z = 2.0  # a probe runs only if it could pay at this many standard errors above the acceptance
 COST_EMA = 0.2  # weight of one step's measured time when it is below the estimate
 COST_UPWARD = 0.25  # ... times this when above: cost estimates track a low expectile (see toward_low)
 ACCEPT_PRIOR = 0.5  # acceptance assumed before a position was ever drafted
@@ -43,7 +45,7 @@ CATCH_UP_PROFILE_ROWS = 8  # the catch-up profile: rows x deferred positions per
 CATCH_UP_PROFILE_POSITIONS = 32
 LOAD_FAST, LOAD_SLOW = 0.3, 0.01  # EMA weights of measured / predicted step time (in_spell)
 SPELL_RATIO = 1.2  # the fast ratio this far above the slow one: a spell of interference
-SWITCH_MARGIN = 0.05  # predicted gain a switch between drafting and not must bring (sticky)
+SWITCH_MARGIN = 0.02  # predicted gain a switch between drafting and not must bring (sticky)
 EXPLORE_EVERY = 40  # steps between one-off probes of another k (round robin), so costs and
 #                     acceptance of the k not chosen stay measured (a draft that improves, a
 #                     profile taken during a load spike)
@@ -69,8 +71,8 @@ class FixedK:
     def prepare(self, engine):
         pass
 
-    def begin(self):
-        pass
+    def begin(self, weight_version=None):
+        """A generate starts, with the engine's weights at `weight_version`."""
 
     def summary(self):
         return {}
@@ -203,6 +205,7 @@ class AdaptiveK(FixedK):
         self.steps_since_probe, self.next_probe = 0, 0
         self.load_fast = self.load_slow = 1.0  # measured / predicted step time, fast and slow EMAs
         self.drafting = False  # whether the last step drafted (see sticky)
+        self.weight_version = None  # of the last generate (begin)
         self.begin()
 
     # ------------------------------------------------------------ profile
@@ -241,11 +244,25 @@ class AdaptiveK(FixedK):
         return max(range(self.k + 1), key=lambda k: (rates[k], -k))
 
     def could_pay(self, b, k, than_k, backlog=0):
-        """Would k beat k' = than_k at batch size b if every draft were accepted, paying for the
+        """Would k beat k' = than_k at batch size b at the optimistic acceptance, paying for the
         whole catch-up of `backlog` deferred positions (a probe may be a single drafting step)?"""
         catch_up = backlog * self.catch_up_s if k else 0.0
         best = self.rate(b, than_k, self.catch_up_share(b, than_k, backlog))
-        return b * (1 + k) / max(self.step_time(b, k) + catch_up, 1e-9) > best
+        tokens = expected_tokens(self.optimistic_acceptance(), k)
+        return b * tokens / max(self.step_time(b, k) + catch_up, 1e-9) > best
+
+    def optimistic_acceptance(self):
+        """Per position, the acceptance PROBE_Z standard errors above its estimate (the rows behind
+        it, decayed, plus the prior rows): what a probe might still find. Why not every draft
+        accepted: a draft measured at 0.2 over hundreds of rows was probed at k = 3 every 40 steps,
+        each probe at 9-32 rows with its catch-up costing 2-3 plain steps (5 % of the long-tail
+        rollout with a stale draft). Counts shrink at every generate on new weights (begin), so a
+        draft the trainer improved gets probed again."""
+        out = []
+        for a, n in zip(self.acceptance, self.drafted):
+            rows = n + ACCEPT_PRIOR_ROWS
+            out.append(min(1.0, a + PROBE_Z * math.sqrt(max(a * (1 - a), 1 / rows) / rows)))
+        return out
 
     def sticky(self, b, k, backlog):
         """k, unless it switches between drafting and not for less than SWITCH_MARGIN more predicted
@@ -253,7 +270,7 @@ class AdaptiveK(FixedK):
         of every deferred position, which is repaid only if drafting goes on; where drafting and
         not are about equal, estimates within their noise flipped the choice back and forth, and
         each return to drafting paid another catch-up (5-10 % of a 32-row generate lost to k = 0,
-        where fixed k = 1 gained 4 %)."""
+        where fixed k = 1 gained 4 %). A wider margin kept k = 0 where k = 1 paid 5-7 %."""
         if (k > 0) == self.drafting:
             return k
         if self.drafting:  # keep drafting unless not drafting is clearly better
@@ -355,10 +372,14 @@ class AdaptiveK(FixedK):
                 self.acceptance[i] = (self.accepted[i] + ACCEPT_PRIOR_ROWS * prior) / (self.drafted[i] + ACCEPT_PRIOR_ROWS)
             prior = self.acceptance[i]
 
-    def begin(self):
+    def begin(self, weight_version=None):
         """Start the per-generate summary; the batch sizes of the generate before set the horizon."""
         if self.batch_trace:
             self.previous_batches, self.batch_trace = sorted(self.batch_trace), []
+        if weight_version != self.weight_version:  # the draft may have changed: its evidence counts less
+            self.weight_version = weight_version
+            self.drafted = [n * ACCEPT_KEEP_PER_LOAD for n in self.drafted]
+            self.accepted = [n * ACCEPT_KEEP_PER_LOAD for n in self.accepted]
         self.drafting = False  # a generate starts with every prompt to catch up
         self.trace = dict.fromkeys(("k_rows", "rows", "plain_s_pred", "measured_s", "pred_tokens", "pred_s",
                                     "emitted"), 0.0)

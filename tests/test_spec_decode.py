@@ -232,7 +232,7 @@ class CyclingK:
     def prepare(self, engine):
         pass
 
-    def begin(self):
+    def begin(self, weight_version=None):
         pass
 
     def summary(self):

@@ -229,15 +229,35 @@ def test_a_switch_between_drafting_and_not_needs_a_clear_gain():
     def rate_ratio(a):  # k = 1 over k = 0
         return ((1 + a) / 2.5) / (1 / 2.0)
 
-    assert 1 < rate_ratio(0.288) < 1 + SWITCH_MARGIN < rate_ratio(0.4)
-    small = policy_with((2.0, 2.0), (0.0, 0.5), (0.288,))
+    assert 1 < rate_ratio(0.26) < 1 + SWITCH_MARGIN < rate_ratio(0.4)
+    small = policy_with((2.0, 2.0), (0.0, 0.5), (0.26,))
     small.begin()
-    assert small.best_k(1) == 1 and small.choose(1, backlog=lambda: 0) == 0  # 3 %: not worth a switch
+    assert small.best_k(1) == 1 and small.choose(1, backlog=lambda: 0) == 0  # 0.8 %: not worth a switch
     clear = policy_with((2.0, 2.0), (0.0, 0.5), (0.4,))
     clear.begin()
     assert clear.choose(1, backlog=lambda: 0) == 1  # 12 %: switches
-    clear.acceptance = [0.22]
-    assert 1 - SWITCH_MARGIN < rate_ratio(0.22) < 1
-    assert clear.best_k(1) == 0 and clear.choose(1, backlog=lambda: 0) == 1  # 2.4 % worse: keeps drafting
+    clear.acceptance = [0.235]
+    assert 1 - SWITCH_MARGIN < rate_ratio(0.235) < 1
+    assert clear.best_k(1) == 0 and clear.choose(1, backlog=lambda: 0) == 1  # 1.2 % worse: keeps drafting
     clear.acceptance = [0.1]
     assert rate_ratio(0.1) < 1 - SWITCH_MARGIN and clear.choose(1, backlog=lambda: 0) == 0  # 12 % worse: stops
+
+
+def test_a_draft_measured_poor_is_not_probed_until_later_generates_make_the_evidence_old():
+    """k = 1 pays from acceptance 0.3 here (verify 1.2 + draft 0.1 against 1.0). After 400 rows at
+    1 in 8 accepted, even the optimistic acceptance cannot pay: no probe in 200 steps. The evidence
+    shrinks at every generate on new weights (the trainer may have improved the draft): ten such
+    generates later the draft is probed again."""
+    p = policy_with((1.0, 1.2, 1.3), (0.0, 0.1, 0.2), (0.5, 0.5))
+    p.begin()
+    for _ in range(50):
+        p.observe(StepRecord(8, 1, 1.2, 1, 0.1, 9, [8], [1]))
+    assert p.acceptance[0] < 0.2 and p.optimistic_acceptance()[0] < 0.3
+    assert [p.choose(8, backlog=lambda: 0) for _ in range(200)] == [0] * 200
+    for _ in range(10):
+        p.begin()  # same weights: the evidence stays
+    assert p.optimistic_acceptance()[0] < 0.3
+    for version in range(1, 11):
+        p.begin(version)  # ten generates on new weights
+    assert p.optimistic_acceptance()[0] > 0.3
+    assert any(p.choose(8, backlog=lambda: 0) for _ in range(200))
