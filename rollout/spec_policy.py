@@ -366,6 +366,10 @@ class AdaptiveK(FixedK):
                 keep = keep_per_row ** d
                 self.drafted[i] = keep * self.drafted[i] + d
                 self.accepted[i] = keep * self.accepted[i] + a
+        self.estimate_acceptance()
+
+    def estimate_acceptance(self):
+        """Each position's rate from its counts and ACCEPT_PRIOR_ROWS rows at the previous one's."""
         prior = ACCEPT_PRIOR
         for i in range(self.k):
             if self.drafted[i]:
@@ -380,6 +384,7 @@ class AdaptiveK(FixedK):
             self.weight_version = weight_version
             self.drafted = [n * ACCEPT_KEEP_PER_LOAD for n in self.drafted]
             self.accepted = [n * ACCEPT_KEEP_PER_LOAD for n in self.accepted]
+            self.estimate_acceptance()  # toward the prior as the evidence shrinks
         self.drafting = False  # a generate starts with every prompt to catch up
         self.trace = dict.fromkeys(("k_rows", "rows", "plain_s_pred", "measured_s", "pred_tokens", "pred_s",
                                     "emitted"), 0.0)
