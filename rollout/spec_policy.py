@@ -37,8 +37,7 @@ ACCEPT_WINDOW_ROWS = 256  # the per-position row counts forget by (1 - 1 / this)
 ACCEPT_PRIOR_ROWS = 8  # pseudo-rows of prior (the previous position's rate) in each estimate
 ACCEPT_KEEP_PER_LOAD = 0.5  # share of the row counts kept when a generate runs on new weights
 PROBE_Z = 2.0  # a probe runs only if it could pay at this many standard errors above the acceptance
-COST_EMA = 0.2  # weight of one step's measured time when it is below the estimate
-COST_UPWARD = 0.25  # ... times this when above: cost estimates track a low expectile (see toward_low)
+COST_EMA = 0.2  # weight of one step's measured time
 ACCEPT_PRIOR = 0.5  # acceptance assumed before a position was ever drafted
 PROFILE_REPEATS = 5  # best-of repeats per profiled point
 CATCH_UP_PROFILE_ROWS = 8  # the catch-up profile: rows x deferred positions per row
@@ -160,25 +159,15 @@ class CostTable:
 
     def update(self, b, k, seconds):
         old = self.measured.get((b, k))
-        self.measured[(b, k)] = seconds if old is None else toward_low(old, seconds, COST_EMA)
+        self.measured[(b, k)] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
         profiled = self.profile_at(b, k)
         if profiled > 0:  # a phase profiled as free (no drafting at k = 0) says nothing about load
             ratio = seconds / profiled
-            self.correction = toward_low(self.correction, ratio, COST_EMA)
+            self.correction = (1 - COST_EMA) * self.correction + COST_EMA * ratio
             for key in (k, (k, self.interval(b))):
                 factor, n = self.ratios.get(key, (ratio, 0))
                 w = max(COST_EMA, 1.0 / (n + 1))  # a running mean, then an EMA
-                self.ratios[key] = (toward_low(factor, ratio, w), n + 1)
-
-
-def toward_low(estimate, x, weight):
-    """`estimate` moved toward the measurement `x` by `weight`, COST_UPWARD times less when x is
-    above it: an estimate of a low expectile of the measurements. Why: interference from other work
-    only adds time, and it comes in spells of many steps; a symmetric EMA let a k measured during a
-    spell keep the spell's price until it ran again, so the policy avoided it (on a quiet VM, one-row
-    verifies of 2 tokens were priced 4.3 ms against 2.8 ms for 3 tokens after one such spell, and the
-    policy drafted 3 where 1 paid 10 % more)."""
-    return estimate + weight * (COST_UPWARD if x > estimate else 1.0) * (x - estimate)
+                self.ratios[key] = ((1 - w) * factor + w * ratio, n + 1)
 
 
 def expected_tokens(acceptance, k):
@@ -343,7 +332,6 @@ class AdaptiveK(FixedK):
         if step.k_drafted is not None and step.caught_up:
             # what this drafting took beyond drafting k, per position caught up
             extra = max(0.0, step.draft_s - self.draft.predict(b, step.k_drafted)) / step.caught_up
-            # symmetric: few steps catch up, and the profile prices a catch-up low (dummy rows, no bookkeeping)
             self.catch_up_s = (1 - COST_EMA) * self.catch_up_s + COST_EMA * extra
         elif step.k_drafted is not None:
             self.draft.update(b, step.k_drafted, step.draft_s)
