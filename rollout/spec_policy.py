@@ -28,6 +28,9 @@ drafts are verified, so every policy keeps the output exact.
               the batch drains alike step after step in RL), a probe the whole of it.
               Without that, probes at 90-125 rows of a long-tail batch each cost
               ~25 ms of catch-up, and the policy lost 6-10 % to plain decoding.
+              Costs are not learnt inside a spell of interference (in_spell), and a
+              switch between drafting and not needs SWITCH_MARGIN more predicted
+              tokens/s (sticky).
 """
 import bisect
 import math
