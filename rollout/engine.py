@@ -229,9 +229,10 @@ class Engine:
             moves = list(zip(movers, holes))
             length = max(r.num_tokens for r, _ in moves)  # entries past a request's tokens are never read
             self.cache.move_slots([r.slot for r, _ in moves], holes, length)
+            olds = [r.slot for r, _ in moves]
             for r, hole in moves:
-                old, r.slot = r.slot, hole
-                self.proposer.move_slot(r, old)
+                r.slot = hole
+            self.proposer.move_slots([r for r, _ in moves], olds)
             running.sort(key=lambda r: r.slot)
         return list(range(n, self.config.max_batch_size))[::-1]
 

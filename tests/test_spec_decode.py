@@ -132,8 +132,8 @@ class _Checked:
     def release(self, r):
         self.inner.release(r)
 
-    def move_slot(self, r, old_slot):
-        self.inner.move_slot(r, old_slot)
+    def move_slots(self, requests, old_slots):
+        self.inner.move_slots(requests, old_slots)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -373,8 +373,15 @@ def test_requests_ending_apart_leave_no_holes_and_moving_them_changes_no_draft_o
     assert no_holes == 0 and holes > 0
     assert len({len(s.response_ids) for s in moved}) > 3  # requests really ended apart
     assert [s.response_ids for s in moved] == [s.response_ids for s in kept]
+    # same rows, other batch companions: the logits differ by the fp32 bound relative to their size,
+    # |z| <= ||head row|| * ||final-normed h|| <= ||head row|| * sqrt(H) * max|norm weight|, and a
+    # log-softmax moves by at most twice its logits' largest change
     longest = max(SMALL["intermediate_size"], model.cfg.vocab_size)
-    rtol = reduction_rtol(longest, 10 * SMALL["num_hidden_layers"] + 2)  # same rows, other batch companions
-    assert all(close(a, b, rtol) for s, t in zip(moved, kept) for a, b in zip(s.rollout_logprobs, t.rollout_logprobs))
+    rtol = reduction_rtol(longest, 10 * SMALL["num_hidden_layers"] + 2)
+    with torch.no_grad():
+        logit_bound = float(model.head_weight().norm(dim=1).max() * SMALL["hidden_size"] ** 0.5
+                            * model.model.norm.weight.abs().max())
+    assert all(close(a, b, rtol, scale=2 * max(logit_bound, 1.0))
+               for s, t in zip(moved, kept) for a, b in zip(s.rollout_logprobs, t.rollout_logprobs))
     if method == "mtp":
         assert checked.checked > len(prompts) and checked.mismatches == 0

@@ -259,5 +259,6 @@ def test_a_draft_measured_poor_is_not_probed_until_later_generates_make_the_evid
     assert p.optimistic_acceptance()[0] < 0.3
     for version in range(1, 11):
         p.begin(version)  # ten generates on new weights
+    assert p.acceptance[0] > 0.4  # the estimate itself went back toward the prior (0.5)
     assert p.optimistic_acceptance()[0] > 0.3
     assert any(p.choose(8, backlog=lambda: 0) for _ in range(200))

@@ -35,9 +35,9 @@ class Proposer:
     def release(self, request):
         """The request finished: drop its per-request state."""
 
-    def move_slot(self, request, old_slot):
-        """The engine moved `request` from `old_slot` to `request.slot` (a free one): move what this
-        proposer keeps per slot."""
+    def move_slots(self, requests, old_slots):
+        """The engine moved each of `requests` from its old slot to `request.slot` (a free one):
+        move what this proposer keeps per slot."""
 
     def deferred_positions(self, requests, admitted=()):
         """How many positions k = 0 steps deferred that the next drafting step for `requests` (and

@@ -88,5 +88,6 @@ class DraftModelProposer(Proposer):
     def release(self, request):
         self.state.pop(id(request), None)
 
-    def move_slot(self, request, old_slot):
-        self.cache.move_slots([old_slot], [request.slot], request.num_tokens + self.num_speculative_tokens)
+    def move_slots(self, requests, old_slots):
+        length = max(r.num_tokens for r in requests) + self.num_speculative_tokens
+        self.cache.move_slots(old_slots, [r.slot for r in requests], length)

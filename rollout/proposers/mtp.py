@@ -81,12 +81,12 @@ class MTPProposer(Proposer):
         if not self.pending:
             self.deferred.clear()
 
-    def move_slot(self, request, old_slot):
-        new = request.slot
-        self.cache.move_slots([old_slot], [new], self.cache.max_len)
-        self.carry[new] = self.carry[old_slot]
-        if old_slot in self.pending:
-            self.pending[new] = self.pending.pop(old_slot)
+    def move_slots(self, requests, old_slots):
+        new_slots = [r.slot for r in requests]
+        self.cache.move_slots(old_slots, new_slots, self.cache.max_len)
+        self.carry[new_slots] = self.carry[old_slots]
+        moved = {new: self.pending.pop(old) for old, new in zip(old_slots, new_slots) if old in self.pending}
+        self.pending.update(moved)
 
     def deferred_positions(self, requests, admitted=()):
         # a deferred slot's catch-up starts at its first position not caught up; a request just

@@ -22,7 +22,7 @@ from rollout.engine_builder import build_engine  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from rollout.task import TASK_VARIANTS  # noqa: E402
 from rollout.tokenizer import TextCodec  # noqa: E402
-from vime.sample import Sample  # noqa: E402
+from vime.sample import samples_for_prompts  # noqa: E402
 
 PROMPTS_PER_BATCH, SAMPLES_PER_PROMPT = 16, 8
 
@@ -32,11 +32,6 @@ def rollout_batches(checkpoint, n):
     rows = TASK_VARIANTS["longtail"].prompts(PROMPTS_PER_BATCH * n, seed=7)
     ids = [codec.encode_prompt(r["prompt"], 1) for r in rows]
     return [ids[i * PROMPTS_PER_BATCH:(i + 1) * PROMPTS_PER_BATCH] for i in range(n)]
-
-
-def samples(prompts):
-    return [Sample(prompt_ids=p, index=i, sample_index=j) for i, p in enumerate(prompts)
-            for j in range(SAMPLES_PER_PROMPT)]
 
 
 def main():
@@ -56,7 +51,7 @@ def main():
         order = (True, False) if i % 2 == 0 else (False, True)  # drift hits both alike
         out = {}
         for compact in order:
-            out[compact] = engines[compact].generate(samples(prompts), sampling)
+            out[compact] = engines[compact].generate(samples_for_prompts(prompts, SAMPLES_PER_PROMPT), sampling)
             seconds[compact] += engines[compact].last_stats["seconds"]
         same += sum(a.response_ids == b.response_ids for a, b in zip(out[True], out[False]))
     print(f"{args.batches} long-tail batches of {rows} rows, {args.threads} thread(s), plain decoding")
