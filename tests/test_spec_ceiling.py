@@ -1,0 +1,64 @@
+"""The speculation-ceiling benchmark's arithmetic (scripts/bench/spec_ceiling.py) against direct
+formulas, and its refusals of bad input."""
+import pytest
+
+from rollout.spec_policy import expected_tokens
+from scripts.bench import spec_ceiling
+
+
+def test_conditional_acceptance_is_the_share_accepted_among_rows_that_reached_the_position():
+    # 10 rows drafting 3 tokens each, accepting 0, 1, 2 or 3 of them
+    accepted_counts = [0, 0, 1, 1, 1, 2, 2, 3, 3, 3]
+    counters = spec_ceiling.empty_counters()
+    counters["drafted_per_pos"] = [len(accepted_counts)] * 3
+    counters["accepted_per_pos"] = [sum(n > i for n in accepted_counts) for i in range(3)]
+    reached = [sum(n >= i for n in accepted_counts) for i in range(3)]  # rows with positions < i accepted
+    expected = [counters["accepted_per_pos"][i] / reached[i] for i in range(3)]
+    assert spec_ceiling.conditional_acceptance(counters) == pytest.approx(expected)
+
+
+def test_cost_curve_takes_the_median_at_a_batch_size_and_interpolates_between():
+    curve = spec_ceiling.cost_curve([(2, 1.0), (2, 9.0), (2, 2.0), (6, 4.0)])
+    assert curve(2) == 2.0 and curve(6) == 4.0
+    assert curve(4) == pytest.approx(3.0)
+    assert curve(1) == 2.0 and curve(8) == 4.0  # held flat outside the batch sizes seen
+
+
+def test_oracle_never_drafts_when_nothing_is_accepted_and_gains_one_plus_k_when_drafting_is_free():
+    plain = [(b, 0.001 * b) for b in (1, 1, 4, 16, 16, 64)]
+    plain_curve = spec_ceiling.cost_curve(plain)
+    plain_seconds = sum(plain_curve(b) for b, _ in plain)
+    costly = {0: plain_curve, 1: lambda b: 1.5 * plain_curve(b), 2: lambda b: 2.0 * plain_curve(b)}
+    seconds, chosen = spec_ceiling.oracle_time(plain, costly, lambda b: [0.0, 0.0])
+    assert chosen == [0] * len(plain) and seconds == pytest.approx(plain_seconds)
+    free = {k: plain_curve for k in range(3)}
+    seconds, chosen = spec_ceiling.oracle_time(plain, free, lambda b: [1.0, 1.0])
+    assert chosen == [2] * len(plain) and seconds == pytest.approx(plain_seconds / expected_tokens([1.0, 1.0], 2))
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--acceptance", "x=0.5,1.5,0.2"], "--acceptance"),
+    (["--acceptance", "0.5,0.5,0.5"], "--acceptance"),
+    (["--acceptance", "x=0.5"], "--acceptance"),
+    (["--num-speculative-tokens", "0"], "--num-speculative-tokens"),
+    (["--batches", "0"], "--batches"),
+    (["--hf-checkpoint", "/no/such/checkpoint"], "--hf-checkpoint"),
+])
+def test_spec_ceiling_refuses_bad_input_with_one_line(argv, flag, capsys):
+    with pytest.raises(SystemExit) as ex:
+        spec_ceiling.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert ex.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {flag}"), err
+
+
+def test_acceptance_by_band_reads_the_rows_at_that_batch_size_and_falls_back_to_the_overall_rate():
+    timed = spec_ceiling.StepTimes(2)
+    record = spec_ceiling.StepRecord
+    timed.observe(record(3, 2, 0.01, 2, 0.01, 3, [3, 2], [2, 1]))  # band 3-4 rows: 2 of 3, then 1 of 2
+    timed.observe(record(4, 2, 0.01, 2, 0.01, 4, [4, 0], [1, 0]))  # position 2 never reached here
+    timed.observe(record(100, 1, 0.05, 1, 0.01, 100, [100], [90]))  # band 65-128 rows
+    overall = [0.6, 0.4]
+    at = spec_ceiling.acceptance_by_band(timed.bands, overall)
+    assert at(3) == at(4) == pytest.approx([3 / 7, 1 / 2])
+    assert at(128) == pytest.approx([0.9, 0.4])  # position 2 unseen in that band
+    assert at(1) == overall and at(16) == overall  # bands never measured
