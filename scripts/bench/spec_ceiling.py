@@ -70,13 +70,13 @@ class StepTimes(FixedK):
 
     def observe(self, step):
         self.steps.append((step.batch_size, step.verify_s + (step.draft_s or 0.0)))
-        reached, accepted = self.bands.setdefault(band(step.batch_size), ([0] * self.k, [0] * self.k))
+        reached, accepted = self.bands.setdefault(batch_band(step.batch_size), ([0] * self.k, [0] * self.k))
         for i, (d, a) in enumerate(zip(step.drafted_per_pos, step.accepted_per_pos)):
             reached[i] += d
             accepted[i] += a
 
 
-def band(b):
+def batch_band(b):
     """Batch sizes grouped 1, 2, 3-4, 5-8, 9-16, ...: the drain's stragglers draft unlike its full batch."""
     return (b - 1).bit_length()
 
@@ -88,7 +88,7 @@ def acceptance_by_band(bands, overall):
     rate for all rows overstated what drafting buys in the tail."""
     table = {key: [a / d if d else fallback for d, a, fallback in zip(reached, accepted, overall)]
              for key, (reached, accepted) in bands.items()}
-    return lambda b: table.get(band(b), overall)
+    return lambda b: table.get(batch_band(b), overall)
 
 
 def measure(checkpoint, batches, k_max, max_new_tokens):
