@@ -2,7 +2,7 @@
 formulas, and its refusals of bad input."""
 import pytest
 
-from rollout.spec_policy import expected_tokens
+from rollout.spec_policy import StepRecord, expected_tokens
 from scripts.bench import spec_ceiling
 
 
@@ -53,7 +53,7 @@ def test_spec_ceiling_refuses_bad_input_with_one_line(argv, flag, capsys):
 
 def test_acceptance_by_band_reads_the_rows_at_that_batch_size_and_falls_back_to_the_overall_rate():
     timed = spec_ceiling.StepTimes(2)
-    record = spec_ceiling.StepRecord
+    record = StepRecord
     timed.observe(record(3, 2, 0.01, 2, 0.01, 3, [3, 2], [2, 1]))  # band 3-4 rows: 2 of 3, then 1 of 2
     timed.observe(record(4, 2, 0.01, 2, 0.01, 4, [4, 0], [1, 0]))  # position 2 never reached here
     timed.observe(record(100, 1, 0.05, 1, 0.01, 100, [100], [90]))  # band 65-128 rows
