@@ -7,14 +7,16 @@ from scripts.bench import spec_ceiling
 
 
 def test_conditional_acceptance_is_the_share_accepted_among_rows_that_reached_the_position():
-    # 10 rows drafting 3 tokens each, accepting 0, 1, 2 or 3 of them
+    # 10 rows drafting 3 tokens each, accepting 0, 1, 2 or 3 of them, seen as engine steps in two bands
     accepted_counts = [0, 0, 1, 1, 1, 2, 2, 3, 3, 3]
-    counters = spec_ceiling.empty_counters()
-    counters["drafted_per_pos"] = [len(accepted_counts)] * 3
-    counters["accepted_per_pos"] = [sum(n > i for n in accepted_counts) for i in range(3)]
     reached = [sum(n >= i for n in accepted_counts) for i in range(3)]  # rows with positions < i accepted
-    expected = [counters["accepted_per_pos"][i] / reached[i] for i in range(3)]
-    assert spec_ceiling.conditional_acceptance(counters) == pytest.approx(expected)
+    accepted = [sum(n > i for n in accepted_counts) for i in range(3)]
+    timed = spec_ceiling.StepTimes(3)
+    for part in (accepted_counts[:4], accepted_counts[4:]):  # 4 rows, then 6: bands 3-4 and 5-8
+        timed.observe(StepRecord(len(part), 3, 0.01, 3, 0.01, len(part),
+                                 [sum(n >= i for n in part) for i in range(3)], [sum(n > i for n in part) for i in range(3)]))
+    expected = [accepted[i] / reached[i] for i in range(3)]
+    assert spec_ceiling.conditional_acceptance(timed.bands) == pytest.approx(expected)
 
 
 def test_cost_curve_takes_the_median_at_a_batch_size_and_interpolates_between():
@@ -42,6 +44,7 @@ def test_oracle_never_drafts_when_nothing_is_accepted_and_gains_one_plus_k_when_
     (["--acceptance", "x=0.5"], "--acceptance"),
     (["--num-speculative-tokens", "0"], "--num-speculative-tokens"),
     (["--batches", "0"], "--batches"),
+    (["--threads", "0"], "--threads"),
     (["--hf-checkpoint", "/no/such/checkpoint"], "--hf-checkpoint"),
 ])
 def test_spec_ceiling_refuses_bad_input_with_one_line(argv, flag, capsys):

@@ -33,20 +33,19 @@ Strict verification reproduces plain sampling token for token, so every k rolls 
 responses: the script checks it, and the costs compare the same work.
 """
 import argparse
-import bisect
 import os
 import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from rollout.engine import EngineConfig  # noqa: E402
 from rollout.engine_builder import build_engine  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from rollout.spec_policy import FixedK, expected_tokens  # noqa: E402
-from rollout.spec_stats import add_counters, empty_counters, spec_counters, spec_rates  # noqa: E402
 from scripts.bench.slot_compaction import PROMPTS_PER_BATCH, SAMPLES_PER_PROMPT, rollout_batches  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
 from vime.sample import samples_for_prompts  # noqa: E402
@@ -63,7 +62,8 @@ ADAPTIVE = "adaptive"
 
 class StepTimes(FixedK):
     """Fixed k that keeps each step's batch size and seconds (verify + draft) from the engine's StepRecords,
-    and the rows drafted / accepted per position by batch-size band (acceptance_by_band)."""
+    and per batch-size band the rows that reached each draft position and the rows that accepted it
+    (the engine's conditional counts, as the adaptive policy reads them)."""
 
     observes = True
 
@@ -85,6 +85,13 @@ def batch_band(b):
     return (b - 1).bit_length()
 
 
+def conditional_acceptance(bands):
+    """Per draft position over every band: rows that accepted it / rows that reached it."""
+    reached = [sum(r) for r in zip(*(band[0] for band in bands.values()))]
+    accepted = [sum(a) for a in zip(*(band[1] for band in bands.values()))]
+    return [a / r if r else 0.0 for r, a in zip(reached, accepted)]
+
+
 def acceptance_by_band(bands, overall):
     """b -> conditional acceptance per position measured at b's band (`overall` where a position was
     never reached there). Why per band: the long stragglers are the hard answers (on the long-tail
@@ -96,8 +103,8 @@ def acceptance_by_band(bands, overall):
 
 
 def measure(checkpoint, batches, k_max, max_new_tokens):
-    """(per arm: k = 0..k_max fixed, and "adaptive": --spec-adaptive up to k_max) engine seconds and spec
-    counters over all batches, the fixed arms' StepTimes, and (samples equal to plain's, samples compared)."""
+    """(per arm: k = 0..k_max fixed, and "adaptive": --spec-adaptive up to k_max) engine seconds over all
+    batches, the fixed arms' StepTimes, and (samples equal to plain's, samples compared)."""
     rows = PROMPTS_PER_BATCH * SAMPLES_PER_PROMPT
     arms = list(range(k_max + 1)) + [ADAPTIVE]
     engines = {}
@@ -107,7 +114,7 @@ def measure(checkpoint, batches, k_max, max_new_tokens):
         engines[arm] = build_engine(checkpoint, spec, EngineConfig(max_batch_size=rows), adaptive=arm == ADAPTIVE)
         if arm != ADAPTIVE:
             engines[arm].k_policy = StepTimes(k)
-    seconds, counters = dict.fromkeys(arms, 0.0), {arm: empty_counters() for arm in arms}
+    seconds = dict.fromkeys(arms, 0.0)
     same = total = 0
     for i, prompts in enumerate(batches):
         sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=i)
@@ -116,39 +123,20 @@ def measure(checkpoint, batches, k_max, max_new_tokens):
         for arm in order:
             out[arm] = engines[arm].generate(samples_for_prompts(prompts, SAMPLES_PER_PROMPT), sampling)
             seconds[arm] += engines[arm].last_stats["seconds"]
-            counters[arm] = add_counters(counters[arm], spec_counters(out[arm]))
         for arm in arms[1:]:
             same += sum(a.response_ids == b.response_ids for a, b in zip(out[0], out[arm]))
             total += rows
-    return seconds, counters, {k: engines[k].k_policy for k in range(k_max + 1)}, (same, total)
-
-
-def conditional_acceptance(counters):
-    """Per draft position, P(accept position i | positions before it accepted), from the counters
-    (spec_accept_rate_pos_i is P(first i+1 drafts accepted) among rows that drafted i+1)."""
-    rates = spec_rates(counters)
-    absolute = [rates[f"spec_accept_rate_pos_{i}"] for i in range(len(counters["drafted_per_pos"]))]
-    return [a / prev if prev > 0 else 0.0 for a, prev in zip(absolute, [1.0] + absolute)]
+    return seconds, {k: engines[k].k_policy for k in range(k_max + 1)}, (same, total)
 
 
 def cost_curve(steps):
-    """B -> median seconds of the steps at B rows, linearly interpolated between the B's seen."""
+    """B -> median seconds of the steps at B rows, linearly interpolated between the B's seen (flat outside)."""
     by_b = {}
     for b, s in steps:
         by_b.setdefault(b, []).append(s)
     xs = sorted(by_b)
     ys = [statistics.median(by_b[b]) for b in xs]
-
-    def at(b):
-        i = bisect.bisect_left(xs, b)
-        if i < len(xs) and xs[i] == b:
-            return ys[i]
-        if i == 0:
-            return ys[0]
-        if i == len(xs):
-            return ys[-1]
-        return ys[i - 1] + (ys[i] - ys[i - 1]) * (b - xs[i - 1]) / (xs[i] - xs[i - 1])
-    return at
+    return lambda b: float(np.interp(b, xs, ys))
 
 
 def oracle_time(plain_steps, curves, acceptance_at):
@@ -193,21 +181,22 @@ def main(argv=None):
     p.add_argument("--acceptance", action="append", default=None,
                    help="NAME=a1,...,aK conditional acceptance per position (repeatable)")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
     k_max = args.num_speculative_tokens
     require(k_max >= 1, f"--num-speculative-tokens must be >= 1 (got {k_max})")
+    require(args.threads >= 1, f"--threads must be >= 1 (got {args.threads})")
     require(args.batches >= 1, f"--batches must be >= 1 (got {args.batches})")
     require(os.path.isfile(os.path.join(args.hf_checkpoint, "config.json")),
             f"--hf-checkpoint {args.hf_checkpoint}: no config.json there (give an HF checkpoint directory)")
     scenarios = [parse_scenario(s, k_max) for s in (args.acceptance or DEFAULT_SCENARIOS)]
+    torch.set_num_threads(args.threads)
     batches = rollout_batches(args.hf_checkpoint, args.batches)
-    seconds, counters, timed, (same, total) = measure(args.hf_checkpoint, batches, k_max, args.max_new_tokens)
+    seconds, timed, (same, total) = measure(args.hf_checkpoint, batches, k_max, args.max_new_tokens)
     steps = {k: policy.steps for k, policy in timed.items()}
     curves = {k: cost_curve(steps[k]) for k in range(k_max + 1)}
     plain_steps = steps[0]
     rest = seconds[0] - sum(s for _, s in plain_steps)
     tail = sum(s for b, s in plain_steps if b <= args.tail_rows)
-    measured = conditional_acceptance(counters[k_max])
+    measured = conditional_acceptance(timed[k_max].bands)
     print(f"{args.hf_checkpoint}: {args.batches} long-tail batches of {PROMPTS_PER_BATCH * SAMPLES_PER_PROMPT} "
           f"rows, T = 1, strict verification, {args.threads} thread(s); every arm rolled out plain's responses "
           f"for {same} of {total} samples")
@@ -227,9 +216,9 @@ def main(argv=None):
           f"speedup of the rollout | of its steps at <= {args.tail_rows} rows |")
     print("|---|---|---|---|---|")
     tail_steps = [(b, s) for b, s in plain_steps if b <= args.tail_rows]
-    rows = [("this checkpoint's draft, measured per batch-size band", measured, measured_at)]
-    rows += [(name, acceptance, lambda b, a=acceptance: a) for name, acceptance in scenarios]
-    for name, acceptance, acceptance_at in rows:
+    oracle_rows = [("this checkpoint's draft, measured per batch-size band", measured, measured_at)]
+    oracle_rows += [(name, acceptance, lambda b, a=acceptance: a) for name, acceptance in scenarios]
+    for name, acceptance, acceptance_at in oracle_rows:
         spec_steps, chosen = oracle_time(plain_steps, curves, acceptance_at)
         tail_spec, _ = oracle_time(tail_steps, curves, acceptance_at)
         drafting = sum(1 for k in chosen if k) / max(len(chosen), 1)
@@ -245,6 +234,7 @@ def print_cost_table(curves, max_rows):
     print("|---" * (len(grid) + 1) + "|")
     for k in list(curves)[1:]:
         print(f"| {k} | " + " | ".join(f"{curves[k](b) / curves[0](b):.2f}" for b in grid) + " |")
+
 
 if __name__ == "__main__":
     main()
