@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rollout.spec_policy import ACCEPT_PRIOR, ACCEPT_PRIOR_ROWS, ACCEPT_WINDOW_ROWS, SWITCH_MARGIN, expected_tokens, EXPLORE_EVERY, AdaptiveK, CostTable, StepRecord, batch_grid, monotone_envelope
+from rollout.spec_policy import ACCEPT_BAND_PRIOR_ROWS, ACCEPT_PRIOR, ACCEPT_PRIOR_ROWS, ACCEPT_WINDOW_ROWS, ROW_CORRELATION, SWITCH_MARGIN, expected_tokens, EXPLORE_EVERY, AdaptiveK, CostTable, StepRecord, batch_grid, monotone_envelope
 
 
 def policy_with(verify_ms, draft_ms, acceptance, grid=(1, 16)):
@@ -139,20 +139,89 @@ def test_a_k_measured_only_on_small_batches_is_priced_at_least_at_k0s_correction
     assert t.predict(5, 1) == pytest.approx(1.5 * t.profile_at(5, 1))  # measured in that interval
 
 
+def test_a_probe_prices_an_unmeasured_k_at_the_profile_plus_k0s_missed_seconds_there():
+    """The optimistic price (what a probe might find) of a k never measured in an interval is its
+    profile plus the seconds k = 0's steps there take beyond their profile (direct formula): below
+    k = 0's ratio applied to k's profile, which also multiplies the fixed miss. The decision price
+    stays the pessimistic one."""
+    t = CostTable([1, 8, 64], {0: [1.0, 2.0, 8.0], 1: [1.2, 3.0, 14.0]})
+    for b in (40, 50):
+        t.update(b, 0, t.profile_at(b, 0) + 2.0)  # k = 0 steps there miss a fixed 2 s
+    miss = t.ratios[(0, t.interval(45))][0] * t.profile_at(45, 0) - t.profile_at(45, 0)
+    assert t.predict(45, 1, optimistic=True) == pytest.approx(t.profile_at(45, 1) + miss)
+    assert t.predict(45, 1, optimistic=True) < t.predict(45, 1)
+    t.update(45, 1, 20.0)
+    assert t.predict(45, 1, optimistic=True) == t.predict(45, 1) == 20.0  # measured: no optimism left
+
+
+def test_a_due_probe_at_a_generates_first_step_is_charged_the_prompts_share_not_their_whole_pass():
+    """At a generate's first step only the admitted prompts are deferred, and drafting that goes on
+    pays their draft-layer pass once over the steps ahead: a due probe there is charged that
+    share (it runs), where the same backlog mid-generate is charged whole (no probe)."""
+    def due_policy():
+        p = policy_with((1.0, 1.3), (0.0, 0.1), (0.5,))  # k = 1 pays only at an optimistic acceptance
+        p.drafted, p.accepted = [40.0], [20.0]  # 40 rows at 0.5: optimistic (2 standard errors) ~0.64
+        p.catch_up_s = 0.05
+        p.batch_trace = [8] * 30  # the previous generate: 30 steps at 8 rows
+        p.begin()
+        p.steps_since_probe = EXPLORE_EVERY
+        return p
+    backlog = 8 * 10  # 10 prompt tokens per row: 4 s whole, 0.13 s a step over 30 steps
+    assert due_policy().best_k(8, backlog) == 0
+    assert due_policy().choose(8, backlog=lambda: backlog) == 1
+    mid = due_policy()
+    mid.first_step = False
+    assert mid.choose(8, backlog=lambda: backlog) == 0
+
+
+def test_acceptance_is_kept_per_batch_size_band_and_shrunk_toward_all_rows():
+    """Rows drafted at the tail (2 rows, acceptance 0.2) do not set the full batch's estimate (32
+    rows, 0.8): each band reads its own rows shrunk toward all rows' rate (direct formula), and
+    an unseen band reads all rows' rate."""
+    p = policy_with((1.0, 1.1), (0.0, 0.1), (0.5,), grid=(1, 2, 4, 8, 16, 32))
+    for _ in range(20):
+        p.observe(StepRecord(32, 1, 1e-3, 1, 1e-4, 58, [32], [26]))
+    for _ in range(200):
+        p.observe(StepRecord(2, 1, 1e-3, 1, 1e-4, 2, [2], [int(_ % 5 == 0) * 2]))
+    drafted, accepted = p.band_counts[p.band(32)]
+    m = ACCEPT_BAND_PRIOR_ROWS
+    assert p.acceptance_at(32)[0] == pytest.approx((accepted[0] + m * p.acceptance[0]) / (drafted[0] + m))
+    assert p.acceptance[0] < 0.4 < 0.6 < p.acceptance_at(32)[0]
+    assert p.acceptance_at(2)[0] < 0.3
+    assert p.acceptance_at(6) == p.acceptance  # never drafted at 5-8 rows
+
+
 def test_acceptance_is_the_row_weighted_rate_shrunk_toward_the_previous_position():
     p = policy_with((1.0, 1.1, 1.2), (0, 0.1, 0.2), (0.5, 0.5))
     p.begin()
     p.observe(StepRecord(100, 2, 1e-3, 2, 1e-4, 150, [100, 80], [80, 2]))
     p.observe(StepRecord(1, 2, 1e-3, 2, 1e-4, 3, [1, 1], [1, 1]))  # one lucky row
-    m, keep = ACCEPT_PRIOR_ROWS, 1 - 1 / ACCEPT_WINDOW_ROWS  # counts forget per row drafted
-    d1, a1 = 100 * keep + 1, 80 * keep + 1
-    d2, a2 = 80 * keep + 1, 2 * keep + 1
+    m, keep = ACCEPT_PRIOR_ROWS, 1 - 1 / ACCEPT_WINDOW_ROWS  # counts forget per (effective) row drafted
+    e100, e80 = 100 / (1 + 99 * ROW_CORRELATION), 80 / (1 + 79 * ROW_CORRELATION)  # one step's rows, correlated
+    d1, a1 = e100 * keep + 1, 0.8 * e100 * keep + 1
+    d2, a2 = e80 * keep + 1, (2 / 80) * e80 * keep + 1
     first = (a1 + m * ACCEPT_PRIOR) / (d1 + m)
     assert p.acceptance == pytest.approx([first, (a2 + m * first) / (d2 + m)])
-    assert p.acceptance[0] == pytest.approx(0.8, abs=0.03) and p.acceptance[1] < 0.15  # rows, not steps, weigh
+    assert p.acceptance[0] < 0.75 and p.acceptance[1] < 0.4  # the lucky row weighs one row, not one step (0.9, 0.5)
     q = policy_with((1.0, 1.1, 1.2), (0, 0.1, 0.2), (0.5, 0.5))
     q.observe(StepRecord(100, 2, 1e-3, 2, 1e-4, 110, [100, 3], [10, 3]))  # position 2 seen in 3 rows only
     assert q.acceptance[1] < 0.5  # stays near position 1's 0.1, not 3 / 3
+
+
+def test_rows_of_one_step_weigh_as_correlated_evidence():
+    """n rows drafted in one step add n / (1 + (n - 1) * rho) rows of evidence (direct formula):
+    one step of 32 rows at a hard spot (6 of 32) moves the estimate less than 32 independent
+    rows would, and 32 one-row steps at the same rate move it further than that one step."""
+    one_step = policy_with((1.0, 1.1), (0, 0.1), (0.5,))
+    one_step.observe(StepRecord(32, 1, 1e-3, 1, 1e-4, 38, [32], [6]))
+    e = 32 / (1 + 31 * ROW_CORRELATION)
+    assert one_step.acceptance[0] == pytest.approx((6 / 32 * e + ACCEPT_PRIOR_ROWS * ACCEPT_PRIOR) / (e + ACCEPT_PRIOR_ROWS))
+    independent = (6 + ACCEPT_PRIOR_ROWS * ACCEPT_PRIOR) / (32 + ACCEPT_PRIOR_ROWS)
+    assert one_step.acceptance[0] > independent + 0.05
+    spread = policy_with((1.0, 1.1), (0, 0.1), (0.5,))
+    for i in range(32):
+        spread.observe(StepRecord(1, 1, 1e-3, 1, 1e-4, 1, [1], [int(i % 16 < 3)]))  # 6 of 32, one row a step
+    assert spread.acceptance[0] < one_step.acceptance[0] - 0.05
 
 
 def test_a_one_row_tail_outweighs_the_prior_and_the_policy_drafts_what_pays():
@@ -211,7 +280,7 @@ def test_a_spell_of_interference_does_not_price_a_k_at_the_spells_cost_for_good(
     best = max(range(4), key=lambda k: expected_tokens(acceptance, k) / (verify[k] + draft[k]))
     assert best == 1
     p = policy_with(verify, draft, acceptance)
-    p.learn_acceptance = lambda drafted, accepted: None  # acceptance fixed: the costs are under test
+    p.learn_acceptance = lambda drafted, accepted, batch_size: None  # acceptance fixed: the costs are under test
     p.begin()
     chosen = []
     for step in range(400):
