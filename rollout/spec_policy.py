@@ -267,7 +267,7 @@ class AdaptiveK(FixedK):
     def catch_up_share(self, b, k, backlog):
         """Seconds charged to one k-draft step for catching up `backlog` deferred positions: the
         whole catch-up spread over the steps left at this batch size."""
-        return backlog * self.catch_up_s / self.horizon(b) if k else 0.0
+        return backlog * self.catch_up_s / self.horizon(b) if k and backlog else 0.0
 
     def best_k(self, b, backlog=0, forecast=None):
         forecast = forecast or self.forecast(b)
