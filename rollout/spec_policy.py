@@ -287,8 +287,9 @@ class AdaptiveK(FixedK):
         return b * tokens / max(self.step_time(b, k, optimistic=True) + catch_up, 1e-9) > best
 
     def optimistic_acceptance(self, b=None):
-        """Per position, the acceptance PROBE_Z standard errors above its estimate at batch size b
-        (the standard error of all rows', decayed, plus the prior rows): what a probe might still find. Why not every draft
+        """Per position, the acceptance PROBE_Z standard errors above its estimate at batch size b:
+        what a probe might still find. The standard error counts the band's own rows plus its
+        prior rows where the band was drafted, else all rows plus theirs. Why not every draft
         accepted: a draft measured at 0.2 over hundreds of rows was probed at k = 3 every 40 steps,
         each probe at 9-32 rows with its catch-up costing 2-3 plain steps (5 % of the long-tail
         rollout with a stale draft). Counts shrink at every generate on new weights (begin), so a
@@ -341,9 +342,8 @@ class AdaptiveK(FixedK):
             # every drafting step of this generate needs; a probe there that drafting then keeps
             # (sticky) pays them once over the steps ahead, so it is charged their share. Mid-
             # generate, a probe pays the whole catch-up (and is rarely worth it on a big batch):
-            # without this, a band whose drafting was never measured stayed at k = 0 for good
-            # (32 rows: an unmeasured k = 1 priced 6.2 ms where it costs 5.8, so k = 0 was kept
-            # and lost 4 % to fixed k = 1).
+            # 40 steps into a 32-row generate that is ~1300 positions, so no probe ran there and
+            # k = 0 was kept where k = 1 paid 3-5 %.
             probe = self.probe_k(batch_size, k, deferred, not self.first_step, forecast)
             if probe is not None:  # else stay due: a later, smaller batch may be worth a probe
                 k, self.steps_since_probe = probe, 0
