@@ -222,7 +222,7 @@ class AdaptiveK(FixedK):
         super().__init__(k_max)
         self.acceptance = [ACCEPT_PRIOR] * k_max
         self.drafted, self.accepted = [0.0] * k_max, [0.0] * k_max  # decayed row counts per position
-        self.band_counts = {}  # batch-size band -> its own (drafted, accepted) decayed row counts
+        self.band_counts = {}  # batch_band -> its own (drafted, accepted) decayed row counts
         self.verify, self.draft = None, None
         self.catch_up_s = 0.0  # seconds to catch up one deferred position (profiled, then learnt)
         self.batch_trace, self.previous_batches = [], []  # batch sizes of this / the previous generate
@@ -264,10 +264,12 @@ class AdaptiveK(FixedK):
         """Steps expected at <= b rows from here: the previous generate's (at least 1)."""
         return max(1, bisect.bisect_right(self.previous_batches, b))
 
-    def catch_up_share(self, b, k, backlog):
+    def catch_up_share(self, b, k, backlog, whole=False):
         """Seconds charged to one k-draft step for catching up `backlog` deferred positions: the
-        whole catch-up spread over the steps left at this batch size."""
-        return backlog * self.catch_up_s / self.horizon(b) if k and backlog else 0.0
+        whole catch-up spread over the steps left at this batch size (or, if `whole`, all of it)."""
+        if not (k and backlog):
+            return 0.0
+        return backlog * self.catch_up_s / (1 if whole else self.horizon(b))
 
     def best_k(self, b, backlog=0, forecast=None):
         forecast = forecast or self.forecast(b)
@@ -278,10 +280,7 @@ class AdaptiveK(FixedK):
         """Would k beat k' = than_k at batch size b at the optimistic acceptance and costs, paying for
         the whole catch-up of `backlog` deferred positions (a probe may be a single drafting step),
         or, if not whole_catch_up, its share (see choose)?"""
-        if not whole_catch_up:
-            catch_up = self.catch_up_share(b, k, backlog)
-        else:
-            catch_up = backlog * self.catch_up_s if k else 0.0
+        catch_up = self.catch_up_share(b, k, backlog, whole=whole_catch_up)
         best = (forecast or self.forecast(b)).rate(than_k, self.catch_up_share(b, than_k, backlog))
         tokens = expected_tokens(self.optimistic_acceptance(b), k)
         return b * tokens / max(self.step_time(b, k, optimistic=True) + catch_up, 1e-9) > best
@@ -295,7 +294,7 @@ class AdaptiveK(FixedK):
         rollout with a stale draft). Counts shrink at every generate on new weights (begin), so a
         draft the trainer improved gets probed again."""
         out = []
-        band = None if b is None else self.band_counts.get(self.band(b))
+        band = None if b is None else self.band_counts.get(batch_band(b))
         estimate, evidence = (self.acceptance, self.drafted) if band is None else (self.acceptance_at(b), band[0])
         prior_rows = ACCEPT_PRIOR_ROWS if band is None else ACCEPT_BAND_PRIOR_ROWS
         for a, n in zip(estimate, evidence):
@@ -413,13 +412,9 @@ class AdaptiveK(FixedK):
         The same counts are kept for batch_size's band (see acceptance_at)."""
         add_decayed_rows(self.drafted, self.accepted, drafted_per_pos, accepted_per_pos)
         if batch_size is not None and any(drafted_per_pos):
-            band = self.band_counts.setdefault(self.band(batch_size), ([0.0] * self.k, [0.0] * self.k))
+            band = self.band_counts.setdefault(batch_band(batch_size), ([0.0] * self.k, [0.0] * self.k))
             add_decayed_rows(*band, drafted_per_pos, accepted_per_pos)
         self.estimate_acceptance()
-
-    def band(self, b):
-        """Batch sizes share a band between two points of the cost profile's grid."""
-        return self.verify.interval(b) if self.verify is not None else 0
 
     def acceptance_at(self, b):
         """Per position, the rate of the rows drafted at batch sizes in b's band, shrunk toward all
@@ -428,7 +423,7 @@ class AdaptiveK(FixedK):
         against 0.72 on the long-tail task): read as one rate, a tail's rows set the estimate
         the next generate's full batch starts from (0.71 at 32 rows fell to 0.57-0.61), and the
         policy left drafting off at 32 rows where k = 1 paid 3-5 %."""
-        counts = self.band_counts.get(self.band(b))
+        counts = self.band_counts.get(batch_band(b))
         if counts is None:
             return self.acceptance
         m = ACCEPT_BAND_PRIOR_ROWS
@@ -474,10 +469,10 @@ def add_decayed_rows(drafted, accepted, drafted_per_pos, accepted_per_pos):
     keep_per_row = 1 - 1 / ACCEPT_WINDOW_ROWS
     for i, (d, a) in enumerate(zip(drafted_per_pos, accepted_per_pos)):
         if d and i < len(drafted):
-            weight = effective_rows(d) / d
-            keep = keep_per_row ** (weight * d)
-            drafted[i] = keep * drafted[i] + weight * d
-            accepted[i] = keep * accepted[i] + weight * a
+            rows = effective_rows(d)
+            keep = keep_per_row ** rows
+            drafted[i] = keep * drafted[i] + rows
+            accepted[i] = keep * accepted[i] + a * rows / d
 
 
 def effective_rows(n):
@@ -488,6 +483,12 @@ def effective_rows(n):
     spot, and as 32 independent rows it set the estimate there for good (0.19 where the rate
     is 0.7), so drafting was never tried again where it paid."""
     return n / (1 + (n - 1) * ROW_CORRELATION)
+
+
+def batch_band(b):
+    """Batch sizes grouped 1, 2, 3-4, 5-8, 9-16, ...: the cost profile's grid intervals (batch_grid),
+    and the groups acceptance is kept by (the drain's stragglers draft unlike its full batch)."""
+    return (b - 1).bit_length()
 
 
 def monotone_envelope(profiled):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rollout.spec_policy import ACCEPT_BAND_PRIOR_ROWS, ACCEPT_PRIOR, ACCEPT_PRIOR_ROWS, ACCEPT_WINDOW_ROWS, ROW_CORRELATION, SWITCH_MARGIN, expected_tokens, EXPLORE_EVERY, AdaptiveK, CostTable, StepRecord, batch_grid, monotone_envelope
+from rollout.spec_policy import ACCEPT_BAND_PRIOR_ROWS, ACCEPT_PRIOR, ACCEPT_PRIOR_ROWS, ACCEPT_WINDOW_ROWS, ROW_CORRELATION, SWITCH_MARGIN, expected_tokens, EXPLORE_EVERY, AdaptiveK, CostTable, StepRecord, batch_band, batch_grid, monotone_envelope
 
 
 def policy_with(verify_ms, draft_ms, acceptance, grid=(1, 16)):
@@ -181,9 +181,9 @@ def test_acceptance_is_kept_per_batch_size_band_and_shrunk_toward_all_rows():
     p = policy_with((1.0, 1.1), (0.0, 0.1), (0.5,), grid=(1, 2, 4, 8, 16, 32))
     for _ in range(20):
         p.observe(StepRecord(32, 1, 1e-3, 1, 1e-4, 58, [32], [26]))
-    for _ in range(200):
-        p.observe(StepRecord(2, 1, 1e-3, 1, 1e-4, 2, [2], [int(_ % 5 == 0) * 2]))
-    drafted, accepted = p.band_counts[p.band(32)]
+    for i in range(200):
+        p.observe(StepRecord(2, 1, 1e-3, 1, 1e-4, 2, [2], [int(i % 5 == 0) * 2]))
+    drafted, accepted = p.band_counts[batch_band(32)]
     m = ACCEPT_BAND_PRIOR_ROWS
     assert p.acceptance_at(32)[0] == pytest.approx((accepted[0] + m * p.acceptance[0]) / (drafted[0] + m))
     assert p.acceptance[0] < 0.4 < 0.6 < p.acceptance_at(32)[0]

@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from rollout.engine import EngineConfig  # noqa: E402
 from rollout.engine_builder import build_engine  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
-from rollout.spec_policy import FixedK, expected_tokens  # noqa: E402
+from rollout.spec_policy import FixedK, batch_band, expected_tokens  # noqa: E402
 from scripts.bench.slot_compaction import PROMPTS_PER_BATCH, SAMPLES_PER_PROMPT, rollout_batches  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
 from vime.sample import samples_for_prompts  # noqa: E402
@@ -78,11 +78,6 @@ class StepTimes(FixedK):
         for i, (d, a) in enumerate(zip(step.drafted_per_pos, step.accepted_per_pos)):
             reached[i] += d
             accepted[i] += a
-
-
-def batch_band(b):
-    """Batch sizes grouped 1, 2, 3-4, 5-8, 9-16, ...: the drain's stragglers draft unlike its full batch."""
-    return (b - 1).bit_length()
 
 
 def conditional_acceptance(bands):
