@@ -18,8 +18,8 @@ from vime.errors import UserError, require
 
 def preflight(cfg):
     """Every check that needs no actor: config, files, reward, speculative config vs checkpoint."""
-    from checkpoint_convert.config_checks import check_finite_weights
-    from checkpoint_convert.hf_format import inspect_hf_checkpoint
+    from vime.models.config_checks import check_finite_weights
+    from vime.models.hf_format import inspect_hf_checkpoint
     from rollout.advantages import check_estimator
     from rollout.data import read_prompt_file
     from rollout.rewards import get_reward_fn
@@ -130,7 +130,7 @@ def check_rollout_backend(cfg, hf):
             "num_speculative_tokens_per_batch_size in --vllm-speculative-config")
     require(not r.time_plain_baseline, "--rollout-time-plain-baseline times the embedded engine without drafts; "
             "vLLM cannot switch speculation off in place: drop the flag or use --rollout-backend embedded")
-    from rollout.vllm_backend import check_speculative_config, spec_dict
+    from rollout.vllm.backend import check_speculative_config, spec_dict
 
     raw = spec_dict(r.vllm_speculative_config)
     require(not raw or raw.get("rejection_sample_method") != "synthetic",

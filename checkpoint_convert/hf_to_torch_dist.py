@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import os
 
-from checkpoint_convert.hf_format import load_hf_checkpoint
+from vime.models.hf_format import load_hf_checkpoint
 from vime.errors import exit_on_user_error, require
 
 

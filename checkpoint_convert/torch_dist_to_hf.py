@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import os
 
-from checkpoint_convert.hf_format import read_config, save_hf_checkpoint
+from vime.models.hf_format import read_config, save_hf_checkpoint
 from vime.errors import UserError, exit_on_user_error, require
 
 
@@ -47,7 +47,7 @@ def model_dir(input_dir):
 
 def check_args(args):
     """Errors naming this tool's own flags, before any model is built."""
-    from checkpoint_convert.hf_format import read_config as read_origin
+    from vime.models.hf_format import read_config as read_origin
     from vime.checkpointing import check_torch_dist_dir
     from vime.paths import require_new_or_empty_dir, same_dir
 

@@ -24,7 +24,7 @@ paired measurement of what speculation saved, free of the machine's minute-to-mi
 """
 import importlib
 
-from checkpoint_convert.families import is_mtp_name
+from vime.models.families import is_mtp_name
 from rollout.spec_stats import spec_counters
 from vime import weight_sync
 from vime.sample import Sample
@@ -36,8 +36,8 @@ class EmbeddedBackend:
     name = "embedded"
 
     def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False):
-        from rollout.engine import EngineConfig
-        from rollout.engine_builder import build_engine, build_proposer
+        from rollout.embedded.engine import EngineConfig
+        from rollout.embedded.engine_builder import build_engine, build_proposer
 
         self.engine = build_engine(hf_checkpoint, speculative_config,
                                    EngineConfig(max_batch_size=max_batch_size, device=device), adaptive=adaptive)
@@ -125,7 +125,7 @@ def _lazy(module, name):
 
 BACKENDS = {
     "embedded": EmbeddedBackend,
-    "vllm": _lazy("rollout.vllm_backend", "VLLMBackend"),
+    "vllm": _lazy("rollout.vllm.backend", "VLLMBackend"),
 }
 
 

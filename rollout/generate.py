@@ -12,9 +12,9 @@ import sys
 import torch
 
 from rollout.data import read_jsonl_rows
-from rollout.engine import EngineConfig
+from rollout.embedded.engine import EngineConfig
 from rollout.sampling_params import SamplingParams
-from rollout.engine_builder import build_engine
+from rollout.embedded.engine_builder import build_engine
 from rollout.spec_config import parse_spec_config
 from rollout.spec_stats import aggregate_spec_stats, format_spec_stats
 from vime.errors import UserError, exit_on_user_error, require

@@ -54,7 +54,7 @@ class RolloutWorkerImpl:
 
         With sync_draft False (the target-only benchmark arm) the MTP tensors are received
         but not loaded, so the drafter keeps its old weights and the guard reports it stale."""
-        from checkpoint_convert.families import is_mtp_name
+        from vime.models.families import is_mtp_name
 
         start = time.perf_counter()
         self.backend.pause()
@@ -98,7 +98,7 @@ class RolloutManagerImpl:
     """Owns the prompt data, the rollout workers, the reward and the advantage estimator."""
 
     def __init__(self, rollout_cfg, hf_checkpoint, advantage_estimator):
-        from checkpoint_convert.hf_format import read_config
+        from vime.models.hf_format import read_config
         from rollout.tokenizer import TextCodec
 
         self.cfg = rollout_cfg

@@ -4,7 +4,7 @@ Accepts the JSON string of `--vllm-speculative-config` or a mapping (a YAML subt
 returns a frozen `SpecConfig`. Every bad input is a one-line `UserError` that names the
 flag and says what to do. Checks that need the target checkpoint (MTP layers present,
 draft vocabulary) live in `check_against_checkpoint`. `engine_config_for` gives the engine
-its slice (rejection method); rollout/engine_builder.py turns a config into a proposer and an
+its slice (rejection method); rollout/embedded/engine_builder.py turns a config into a proposer and an
 engine. `check_spec_adaptive` validates vime's own --spec-adaptive flag, which lives outside
 the JSON so the JSON stays vLLM's.
 """
@@ -285,7 +285,7 @@ def check_against_checkpoint(spec, target_cfg):
                 f"{FLAG}: method 'mtp' needs a checkpoint with MTP layers, but this one has "
                 "num_nextn_predict_layers=0; use ngram/suffix/draft_model or a checkpoint with MTP weights")
     if spec.method == "draft_model":
-        from checkpoint_convert.hf_format import read_config
+        from vime.models.hf_format import read_config
 
         draft_cfg = read_config(spec.model)
         check_draft_vocab(spec.model, draft_cfg.vocab_size, target_cfg.vocab_size)

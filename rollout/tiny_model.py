@@ -14,9 +14,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from checkpoint_convert.hf_format import ModelConfig, save_hf_checkpoint
+from vime.models.hf_format import ModelConfig, save_hf_checkpoint
 from mtp.loss import mtp_loss
-from rollout.model import CausalLMWithMTP
+from rollout.embedded.model import CausalLMWithMTP
 from rollout.task import ANSWER_FORMATS, BOS, DEFAULT_TASK_VARIANT, EOS, PAD, TASK_VARIANTS, multi_prompt_text
 from rollout.tokenizer import TextCodec, build_tokenizer, save_tokenizer
 

@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from checkpoint_convert.families import DEFAULT_FAMILY, FAMILIES  # noqa: E402
-from checkpoint_convert.hf_format import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+from vime.models.families import DEFAULT_FAMILY, FAMILIES  # noqa: E402
+from vime.models.hf_format import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from rollout.task import DEFAULT_TASK_VARIANT, TASK_VARIANTS, write_jsonl  # noqa: E402
 from rollout.tiny_model import TINY_CONFIG, init_model, pretrain  # noqa: E402
 from rollout.tokenizer import build_tokenizer, save_tokenizer  # noqa: E402

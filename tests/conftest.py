@@ -7,7 +7,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from checkpoint_convert.families import FAMILIES  # noqa: E402
+from vime.models.families import FAMILIES  # noqa: E402
 from rollout.tiny_model import make_random_checkpoint  # noqa: E402
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

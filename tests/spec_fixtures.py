@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-from checkpoint_convert.hf_format import save_hf_checkpoint
-from rollout.model import CausalLMWithMTP
+from vime.models.hf_format import save_hf_checkpoint
+from rollout.embedded.model import CausalLMWithMTP
 from rollout.tiny_model import TINY_CONFIG
 from rollout.tokenizer import build_tokenizer, save_tokenizer
 

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoint_convert import hf_to_torch_dist, torch_dist_to_hf
-from checkpoint_convert.families import FAMILIES
-from checkpoint_convert.hf_format import load_hf_checkpoint
+from vime.models.families import FAMILIES
+from vime.models.hf_format import load_hf_checkpoint
 from mtp.sampling import token_logprobs
-from rollout.model import CausalLMWithMTP
+from rollout.embedded.model import CausalLMWithMTP
 from trainer.config import TrainerConfig
 from trainer.trainer import Trainer
 from trainer_fixtures import make_batch, make_tiny

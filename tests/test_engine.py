@@ -2,12 +2,12 @@
 import pytest
 import torch
 
-from checkpoint_convert.hf_format import load_hf_checkpoint
+from vime.models.hf_format import load_hf_checkpoint
 from mtp.sampling import token_logprobs
-from rollout.engine import Engine, EngineConfig
+from rollout.embedded.engine import Engine, EngineConfig
 from vime.sample import samples_for_prompts
-from rollout.kv_cache import KVCache
-from rollout.model import CausalLMWithMTP
+from rollout.embedded.kv_cache import KVCache
+from rollout.embedded.model import CausalLMWithMTP
 from rollout.sampling_params import SamplingParams
 from fp32_bounds import close, reduction_rtol
 

@@ -2,7 +2,7 @@
 
 The graph is read from the source with `ast`, so it counts every import — at module level and
 inside functions (a lazy import is still a dependency, it only hides it). Dynamic imports by
-name (`importlib.import_module(f"rollout.proposers.{name}")`, the registries' plug-ins) are not
+name (`importlib.import_module(f"rollout.embedded.proposers.{name}")`, the registries' plug-ins) are not
 seen; they stay inside one package.
 """
 import ast
@@ -21,18 +21,20 @@ LAYERS = (
     ("pure MTP math", {"mtp": ("mtp",)}),
     ("shared basics: Sample, config tree + CLI, weight-sync wire format, logging, atomic saves",
      {"vime": ("vime",)}),
-    ("model-family registry and HF checkpoint format (pure)",
-     {"registry": ("checkpoint_convert", "checkpoint_convert.families", "checkpoint_convert.hf_format",
-                   "checkpoint_convert.config_checks", "checkpoint_convert.megatron_names")}),
-    ("the two sides, each with its Ray actors", {"rollout": ("rollout",), "trainer": ("trainer",)}),
-    ("checkpoint converters (they build a trainer)",
-     {"converters": ("checkpoint_convert.hf_to_torch_dist", "checkpoint_convert.torch_dist_to_hf")}),
+    ("model families (pure): registry, HF checkpoint format, megatron-core and vLLM name maps",
+     {"models": ("vime.models",)}),
+    ("the two sides' own basics: rollout's spec config, stats, task, tokenizer, data; the trainer",
+     {"rollout": ("rollout",), "trainer": ("trainer",)}),
+    ("the two rollout engines, side by side", {"embedded": ("rollout.embedded",), "vllm": ("rollout.vllm",)}),
+    ("the rollout front: the backend seam, Ray rollout workers, the generate CLI, the tiny model recipe",
+     {"rollout": ("rollout.backend", "rollout.ray_workers", "rollout.generate", "rollout.tiny_model")}),
+    ("checkpoint converters (they build a trainer)", {"converters": ("checkpoint_convert",)}),
     ("orchestration: driver-side actor handles, weight-sync protocol, the RL loop",
      {"orchestration": ("orchestration", "train_rl")}),
 )
 # Pure modules run anywhere (no Ray cluster, no Megatron, no vLLM), nor does anything they import;
-# the shared layer vime/ too, so both sides (and tools) can use it without those installed.
-PURE = ("mtp", "checkpoint_convert.families", "checkpoint_convert.hf_format", "vime")
+# the shared layer vime/ (model families included) too, so both sides and tools can use it.
+PURE = ("mtp", "vime")
 HEAVY = ("ray", "megatron", "vllm")
 
 
@@ -170,6 +172,14 @@ def test_every_import_goes_down_a_layer_or_stays_in_its_column(graph):
     assert layer_violations(inside) == []
 
 
+def test_the_rollout_side_and_the_trainer_never_import_each_other(graph):
+    inside, _ = graph
+    side = lambda module: module.split(".")[0]
+    crossings = [f"{m} -> {t}" for m, targets in sorted(inside.items()) for t in sorted(targets)
+                 if {side(m), side(t)} == {"rollout", "trainer"}]
+    assert crossings == []
+
+
 def test_pure_modules_and_what_they_import_need_no_ray_megatron_or_vllm(graph):
     inside, outside = graph
     for module in sorted(inside):
@@ -184,8 +194,8 @@ def test_pure_modules_and_what_they_import_need_no_ray_megatron_or_vllm(graph):
 
 
 def test_a_function_level_import_is_an_import():
-    source = "import os\n\ndef f():\n    from rollout.engine import Engine\n    from . import spec_stats\n"
-    assert imported_names(source, "trainer.x", False) >= {"os", "rollout.engine", "trainer.spec_stats"}
+    source = "import os\n\ndef f():\n    from rollout.embedded.engine import Engine\n    from . import spec_stats\n"
+    assert imported_names(source, "trainer.x", False) >= {"os", "rollout.embedded.engine", "trainer.spec_stats"}
 
 
 def test_a_cycle_is_found_and_a_chain_is_not():
@@ -208,5 +218,5 @@ def test_the_readme_layout_table_names_every_package_and_only_paths_that_exist()
     assert [p for p in paths if not (REPO / p).exists()] == []
     assert [p for p in PACKAGES if f"{p}/" not in paths] == []
     # the table lists the layered packages bottom to top, like LAYERS
-    order = [paths.index(f"{p}/") for p in ("mtp", "vime", "checkpoint_convert", "rollout", "orchestration")]
+    order = [paths.index(f"{p}/") for p in ("mtp", "vime", "rollout", "trainer", "checkpoint_convert", "orchestration")]
     assert order == sorted(order)

@@ -1,4 +1,4 @@
-"""rollout/linear.py: every backend computes x @ W.t() within the fp32 reduction bound of an
+"""rollout/embedded/linear.py: every backend computes x @ W.t() within the fp32 reduction bound of an
 fp64 reference, for 1..300 rows, batched 3-D inputs, and weights below and above the size
 where packing pays; the engine picks the packed backend only where it applies (fp32 on CPU),
 and a cache-resident weight multiplies few rows by the plain matmul."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp32_bounds import reduction_rtol
-from rollout.linear import BACKENDS, PACKED_MIN_BYTES, PACKED_SMALL_MIN_ROWS, linear, pack, pick_backend
+from rollout.embedded.linear import BACKENDS, PACKED_MIN_BYTES, PACKED_SMALL_MIN_ROWS, linear, pack, pick_backend
 
 SMALL_OUT = 80  # 80 x 96 fp32: cache-resident
 LARGE_OUT = PACKED_MIN_BYTES // (4 * 300) + 1  # x 300 fp32: just over the packing threshold
@@ -53,7 +53,7 @@ def test_packed_backend_is_chosen_only_for_fp32_on_cpu():
 def test_packed_weights_follow_weight_loads(tmp_path):
     from spec_fixtures import markov_model
 
-    from rollout.engine import Engine
+    from rollout.embedded.engine import Engine
 
     model = markov_model(noise=0.2)
     engine = Engine(model)

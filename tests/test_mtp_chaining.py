@@ -8,11 +8,11 @@ logits for every layer at every position it fills from true tokens, across verif
 import pytest
 import torch
 
-from checkpoint_convert.families import FAMILIES
+from vime.models.families import FAMILIES
 from fp32_bounds import reduction_rtol
-from rollout.engine import Engine, EngineConfig
+from rollout.embedded.engine import Engine, EngineConfig
 from vime.sample import samples_for_prompts
-from rollout.proposers.mtp import MTPProposer, mtp_input_hidden
+from rollout.embedded.proposers.mtp import MTPProposer, mtp_input_hidden
 from rollout.sampling_params import SamplingParams
 from rollout.spec_config import parse_spec_config
 from trainer.config import TrainerConfig

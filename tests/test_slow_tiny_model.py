@@ -40,10 +40,10 @@ def cpu_model_name():
 
 def greedy_behaviour(path, n=256):
     """(accuracy, share of step-by-step answers) of greedy answers to the first n eval prompts."""
-    from rollout.engine import EngineConfig
+    from rollout.embedded.engine import EngineConfig
     from vime.sample import samples_for_prompts
     from rollout.sampling_params import SamplingParams
-    from rollout.engine_builder import build_engine
+    from rollout.embedded.engine_builder import build_engine
     from rollout.task import tiny_add_reward
     from rollout.tokenizer import TextCodec
 

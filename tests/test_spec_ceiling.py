@@ -2,7 +2,7 @@
 formulas, and its refusals of bad input."""
 import pytest
 
-from rollout.spec_policy import StepRecord, expected_tokens
+from rollout.embedded.spec_policy import StepRecord, expected_tokens
 from scripts.bench import spec_ceiling
 
 

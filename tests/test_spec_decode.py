@@ -6,18 +6,18 @@ import dataclasses
 import pytest
 import torch
 
-from checkpoint_convert.families import FAMILIES
-from rollout.engine import Engine, EngineConfig
+from vime.models.families import FAMILIES
+from rollout.embedded.engine import Engine, EngineConfig
 from vime.sample import samples_for_prompts
-from rollout.proposers.mtp import MTPProposer, reference_mtp_drafts
+from rollout.embedded.proposers.mtp import MTPProposer, reference_mtp_drafts
 from rollout.sampling_params import SamplingParams
-from rollout.engine_builder import build_engine, build_proposer
+from rollout.embedded.engine_builder import build_engine, build_proposer
 from rollout.spec_config import parse_spec_config
 from rollout.spec_stats import aggregate_spec_stats
 from rollout.task import make_prompts
 from rollout.tokenizer import TextCodec
 from fp32_bounds import close, reduction_rtol
-from rollout.proposers.draft_model import DraftModelProposer
+from rollout.embedded.proposers.draft_model import DraftModelProposer
 from spec_fixtures import SMALL, markov_model, save_checkpoint, one_thread  # noqa: F401
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=20)
@@ -185,7 +185,7 @@ def test_speculation_never_runs_past_max_new_tokens(markov_ckpt, prompts):
 
 def test_sampled_draft_model_equal_to_the_target_is_accepted_at_temperature_one(markov_ckpt, prompts):
     """Sampled drafts carry q; with q == p the probabilistic test min(1, p/q) keeps every draft."""
-    from rollout.proposers.draft_model import DraftModelProposer
+    from rollout.embedded.proposers.draft_model import DraftModelProposer
 
     spec = parse_spec_config({"method": "draft_model", "num_speculative_tokens": 3, "model": markov_ckpt,
                               "rejection_sample_method": "probabilistic"})

@@ -15,10 +15,10 @@ import torch
 
 import mtp.rejection as rejection
 from mtp.sampling import processed_logprobs
-from rollout.engine import Engine, EngineConfig
+from rollout.embedded.engine import Engine, EngineConfig
 from vime.sample import samples_for_prompts
 from rollout.sampling_params import SamplingParams
-from rollout.proposers.mtp import MTPProposer
+from rollout.embedded.proposers.mtp import MTPProposer
 from rollout.spec_config import parse_spec_config
 from spec_fixtures import chi_square_p_value, one_thread, tiny_vocab_model  # noqa: F401
 
@@ -79,7 +79,7 @@ def test_speculative_sampling_matches_the_target_joint_distribution(model, metho
 def test_sampling_with_k_chosen_per_step_matches_the_target_joint_distribution(model, policy):
     """k changes only how much is drafted: a per-step k (the adaptive policy, or one that
     alternates 0 and 2 so deferred MTP catch-up is exercised) keeps the distribution."""
-    from rollout.spec_policy import AdaptiveK, FixedK
+    from rollout.embedded.spec_policy import AdaptiveK, FixedK
 
     class Alternating(FixedK):
         def __init__(self):
@@ -128,7 +128,7 @@ def test_rejection_sampler_keeps_drafts_up_to_each_rows_own_count():
 
 def test_deterministic_rows_get_one_hot_q_when_the_batch_mixes_them_with_sampled_drafts():
     """A row without q next to a row with q must still be tested as u < p(d), not always kept."""
-    from rollout.engine import Engine as E
+    from rollout.embedded.engine import Engine as E
 
     class R:
         def __init__(self, q):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rollout.spec_policy import ACCEPT_BAND_PRIOR_ROWS, ACCEPT_PRIOR, ACCEPT_PRIOR_ROWS, ACCEPT_WINDOW_ROWS, ROW_CORRELATION, SWITCH_MARGIN, expected_tokens, EXPLORE_EVERY, AdaptiveK, CostTable, StepRecord, batch_band, batch_grid, monotone_envelope
+from rollout.embedded.spec_policy import ACCEPT_BAND_PRIOR_ROWS, ACCEPT_PRIOR, ACCEPT_PRIOR_ROWS, ACCEPT_WINDOW_ROWS, ROW_CORRELATION, SWITCH_MARGIN, expected_tokens, EXPLORE_EVERY, AdaptiveK, CostTable, StepRecord, batch_band, batch_grid, monotone_envelope
 
 
 def policy_with(verify_ms, draft_ms, acceptance, grid=(1, 16)):

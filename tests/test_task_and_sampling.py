@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from checkpoint_convert.families import from_canonical, swap_halves, to_canonical
+from vime.models.families import from_canonical, swap_halves, to_canonical
 from mtp.sampling import filter_top_k_top_p, processed_logprobs, sample_with_uniforms
 from rollout.task import direct_answer, extract_answer, make_prompts, tiny_add_reward, trace_answer
 

@@ -56,8 +56,8 @@ def online_run(ckpt, tmp_path_factory):
 
 
 def initial_mtp_checksum(ckpt):
-    from checkpoint_convert.families import is_mtp_name
-    from checkpoint_convert.hf_format import load_hf_checkpoint
+    from vime.models.families import is_mtp_name
+    from vime.models.hf_format import load_hf_checkpoint
     from vime.weight_sync import checksum
 
     cfg, state, _ = load_hf_checkpoint(ckpt)
@@ -125,8 +125,8 @@ def test_resume_from_the_step2_checkpoint_reproduces_step3_metrics_and_rewrites_
 
 def test_a_training_save_directory_converts_to_the_hf_weights_the_rollout_was_synced_to(online_run, ckpt, tmp_path):
     from checkpoint_convert import torch_dist_to_hf
-    from checkpoint_convert.families import is_mtp_name
-    from checkpoint_convert.hf_format import load_hf_checkpoint
+    from vime.models.families import is_mtp_name
+    from vime.models.hf_format import load_hf_checkpoint
     from vime.weight_sync import checksum
 
     out, save = online_run

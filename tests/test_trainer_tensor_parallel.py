@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from checkpoint_convert.families import FAMILIES
+from vime.models.families import FAMILIES
 from trainer.config import TrainerConfig
 from vime.net import free_port
 from trainer.trainer import Trainer

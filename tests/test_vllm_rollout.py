@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from checkpoint_convert.families import from_canonical, is_mtp_name, to_canonical  # noqa: E402
+from vime.models.families import from_canonical, is_mtp_name, to_canonical  # noqa: E402
 from vime.sample import samples_for_prompts  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from rollout.task import EOS, make_prompts  # noqa: E402
@@ -37,7 +37,7 @@ def prompts(mimo_ckpt):
 
 @pytest.fixture(scope="module")
 def vllm_mtp(mimo_ckpt):
-    from rollout.vllm_backend import VLLMBackend
+    from rollout.vllm.backend import VLLMBackend
 
     backend = VLLMBackend(mimo_ckpt, {"method": "mtp", "num_speculative_tokens": 2}, max_batch_size=32)
     yield backend
@@ -179,7 +179,7 @@ def test_a_target_only_reload_leaves_the_draft_fingerprint_stale(vllm_mtp, mimo_
     ({"method": "mtp", "num_speculative_token": 2}, "did you mean 'num_speculative_tokens'"),
 ])
 def test_vllm_refuses_bad_speculative_configs_in_one_line(mimo_ckpt, spec, needle):
-    from rollout.vllm_backend import check_speculative_config
+    from rollout.vllm.backend import check_speculative_config
 
     with pytest.raises(UserError) as e:
         check_speculative_config(mimo_ckpt, spec)
@@ -187,7 +187,7 @@ def test_vllm_refuses_bad_speculative_configs_in_one_line(mimo_ckpt, spec, needl
 
 
 def test_vllm_accepts_its_own_keys_the_embedded_engine_lacks(mimo_ckpt):
-    from rollout.vllm_backend import check_speculative_config
+    from rollout.vllm.backend import check_speculative_config
 
     check_speculative_config(mimo_ckpt, {"method": "mtp", "num_speculative_tokens": 2, "parallel_drafting": True})
     check_speculative_config(mimo_ckpt, '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}')
@@ -196,7 +196,7 @@ def test_vllm_accepts_its_own_keys_the_embedded_engine_lacks(mimo_ckpt):
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 1])
 def test_vllm_greedy_plain_and_mtp_k1_equal_transformers(mimo_ckpt, prompts, k):
-    from rollout.vllm_backend import VLLMBackend
+    from rollout.vllm.backend import VLLMBackend
 
     backend = VLLMBackend(mimo_ckpt, {"method": "mtp", "num_speculative_tokens": k} if k else None, 32)
     try:
@@ -211,7 +211,7 @@ def test_vllm_greedy_and_acceptance_equal_the_embedded_engines(vllm_mtp, mimo_ck
     the tokens agree, and so do the accepted drafts of each request, except that vLLM also counts
     drafts accepted past the request's end (max tokens / EOS) which the embedded engine never
     verifies: at most k = 2 per request, at its last step."""
-    from rollout.engine_builder import build_engine
+    from rollout.embedded.engine_builder import build_engine
 
     engine = build_engine(mimo_ckpt, {"method": "mtp", "num_speculative_tokens": 2})
     samples = samples_for_prompts(prompts)

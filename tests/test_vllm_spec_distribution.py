@@ -25,7 +25,7 @@ N, ALPHA, PROMPT = 4000, 1e-3, "37+58="
 
 @pytest.fixture(scope="module")
 def vllm_samples():
-    from rollout.vllm_backend import VLLMBackend
+    from rollout.vllm.backend import VLLMBackend
 
     backend = VLLMBackend(DEFAULT_TINY_MODEL, {"method": "mtp", "num_speculative_tokens": 2}, max_batch_size=256)
     try:

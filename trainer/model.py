@@ -1,5 +1,5 @@
 """The megatron-core model (+MTP) of every family, and the only code that knows megatron's
-private names. The family (checkpoint_convert/families.py) sets the trunk options (q/k/v
+private names. The family (vime/models/families.py) sets the trunk options (q/k/v
 bias, q/k norm) and which hidden state the first MTP layer reads.
 
 `build_model(model_cfg, mtp_num_layers, ...)` builds a `VimeGPTModel`: a `GPTModel` whose

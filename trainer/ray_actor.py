@@ -51,7 +51,7 @@ class TrainerActorImpl:
         (after --load the model holds the resumed policy, which is not the reference)."""
         if load is None:
             return self._snapshot()
-        from checkpoint_convert.hf_format import load_hf_checkpoint
+        from vime.models.hf_format import load_hf_checkpoint
         from trainer.weights import load_hf_state
 
         resumed = self._snapshot()
@@ -115,7 +115,7 @@ class TrainerActorImpl:
 
 
 def _mtp_only(named, model_cfg, mtp):
-    from checkpoint_convert.families import is_mtp_name
+    from vime.models.families import is_mtp_name
 
     return [(k, v) for k, v in named if is_mtp_name(k, model_cfg.num_hidden_layers) == mtp]
 

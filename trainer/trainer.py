@@ -11,7 +11,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from checkpoint_convert.hf_format import load_hf_checkpoint, read_config
+from vime.models.hf_format import load_hf_checkpoint, read_config
 from mtp.loss import DISTILLATION_LOSSES, mtp_loss, mtp_loss_mask
 from mtp.sampling import effective_temperature, token_logprobs
 from trainer import checkpoint, grads

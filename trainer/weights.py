@@ -2,12 +2,12 @@
 
 Sharding follows megatron's parameter attributes (`tensor_model_parallel`, `partition_dim`);
 the one exception is `linear_fc1`, whose rows are [gate; up] on *every* rank, so each half
-is split separately. Names go through checkpoint_convert/megatron_names.py.
+is split separately. Names go through vime/models/megatron_names.py.
 """
 import torch
 import torch.distributed as dist
 
-from checkpoint_convert.megatron_names import hf_to_megatron, megatron_to_hf
+from vime.models.megatron_names import hf_to_megatron, megatron_to_hf
 from trainer.distributed import tp_group, tp_rank_and_size
 
 _PER_HALF = ("mlp.linear_fc1.weight",)  # [gate; up] stacked within each TP shard

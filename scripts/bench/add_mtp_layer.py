@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from checkpoint_convert.hf_format import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+from vime.models.hf_format import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from vime.errors import UserError, require  # noqa: E402
 
 

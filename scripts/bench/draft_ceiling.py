@@ -12,7 +12,7 @@ position i, E[a_1 ... a_i] (what `rollout/spec_accept_rate_pos_i` counts). Draft
   oracle          d_i = the policy's own argmax: the best any argmax drafter can do here
   checkpoint      the checkpoint's MTP layers, drafting exactly as the engine does
                   (DeepSeek chaining over the layers, then the last layer reused one
-                  position further on its own output: rollout/proposers/mtp.py)
+                  position further on its own output: rollout/embedded/proposers/mtp.py)
   offline ce      those layers trained on (many more) policy samples, trunk frozen, with
                   megatron-core's depth-1 loss, `--train-steps` Adam steps
   offline ce + exact reuse
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from mtp.loss import mtp_loss  # noqa: E402
 from mtp.sampling import logprobs_at_temperature  # noqa: E402
 from rollout.data import read_prompt_file  # noqa: E402
-from rollout.engine import Engine, EngineConfig  # noqa: E402
+from rollout.embedded.engine import Engine, EngineConfig  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from vime.errors import UserError, require  # noqa: E402
 from vime.sample import Sample  # noqa: E402
@@ -102,7 +102,7 @@ def draft_chain(model, prefix, k, teacher=None, detach_carry=False, states=None)
 
     Layer j (0-based) at position t reads the previous layer's output at t and token t+j+1;
     past the last layer, that layer is reused one position further on its own output and the
-    previous draft, attending over its entries before it (rollout/proposers/mtp.py). Drafts
+    previous draft, attending over its entries before it (rollout/embedded/proposers/mtp.py). Drafts
     are each depth's argmax or, with `teacher` [B, k-1], the true next tokens. `states`: the
     trunk's MTP-input states of the prefix when already known. Every call recomputes the
     whole prefix: with causal attention that equals the engine's cache."""

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from rollout.engine import Engine, EngineConfig  # noqa: E402
+from rollout.embedded.engine import Engine, EngineConfig  # noqa: E402
 from vime.sample import samples_for_prompts  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from rollout.task import make_prompts  # noqa: E402

@@ -1,10 +1,10 @@
-"""GEMM cost against the rows it multiplies: plain `x @ W.t()` vs rollout/linear.py's packed backend.
+"""GEMM cost against the rows it multiplies: plain `x @ W.t()` vs rollout/embedded/linear.py's packed backend.
 
 A verify forward of 1 + k tokens multiplies every weight by 1 + k rows per request; on a
 memory-bound step that should cost about one row. One 8192x4096 fp32 weight (128 MB, larger
 than the caches), M = 1/2/4/16 rows; prints milliseconds (median of repeats) and each
 backend's cost relative to its own 1-row GEMV, plus packed/plain per M (ratios within one run).
-"packed" is oneDNN's kernel itself (rollout/linear.py sends one row, and few rows of a weight
+"packed" is oneDNN's kernel itself (rollout/embedded/linear.py sends one row, and few rows of a weight
 under PACKED_MIN_BYTES, to the plain matmul; a small weight shows why:
 `--out 320 --in 128 --rows 1,2,16,128,512 --threads 1`, the tiny model's MLP).
 Usage:
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from rollout.linear import linear, pack, pick_backend  # noqa: E402
+from rollout.embedded.linear import linear, pack, pick_backend  # noqa: E402
 
 
 def median_ms(fn, repeats):

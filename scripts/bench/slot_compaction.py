@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from rollout.engine import EngineConfig  # noqa: E402
-from rollout.engine_builder import build_engine  # noqa: E402
+from rollout.embedded.engine import EngineConfig  # noqa: E402
+from rollout.embedded.engine_builder import build_engine  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from rollout.task import TASK_VARIANTS  # noqa: E402
 from rollout.tokenizer import TextCodec  # noqa: E402

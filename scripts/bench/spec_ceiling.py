@@ -42,10 +42,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from rollout.engine import EngineConfig  # noqa: E402
-from rollout.engine_builder import build_engine  # noqa: E402
+from rollout.embedded.engine import EngineConfig  # noqa: E402
+from rollout.embedded.engine_builder import build_engine  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
-from rollout.spec_policy import FixedK, batch_band, expected_tokens  # noqa: E402
+from rollout.embedded.spec_policy import FixedK, batch_band, expected_tokens  # noqa: E402
 from scripts.bench.slot_compaction import PROMPTS_PER_BATCH, SAMPLES_PER_PROMPT, rollout_batches  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
 from vime.sample import samples_for_prompts  # noqa: E402

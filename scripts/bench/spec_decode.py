@@ -16,10 +16,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from rollout.engine import EngineConfig  # noqa: E402
+from rollout.embedded.engine import EngineConfig  # noqa: E402
 from vime.sample import samples_for_prompts  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
-from rollout.engine_builder import build_engine, build_proposer  # noqa: E402
+from rollout.embedded.engine_builder import build_engine, build_proposer  # noqa: E402
 from rollout.spec_config import parse_spec_config  # noqa: E402
 from rollout.spec_stats import aggregate_spec_stats  # noqa: E402
 from rollout.task import make_prompts  # noqa: E402

@@ -24,10 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from rollout.engine import EngineConfig  # noqa: E402
+from rollout.embedded.engine import EngineConfig  # noqa: E402
 from vime.sample import samples_for_prompts  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
-from rollout.engine_builder import build_engine  # noqa: E402
+from rollout.embedded.engine_builder import build_engine  # noqa: E402
 from rollout.tiny_model import make_random_checkpoint  # noqa: E402
 
 # the drift benchmark's end-of-run per-position acceptance (BENCHMARKS.md, MTP drift, k = 2):

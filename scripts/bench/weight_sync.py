@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from rollout.model import CausalLMWithMTP  # noqa: E402
+from rollout.embedded.model import CausalLMWithMTP  # noqa: E402
 from rollout.tiny_model import TINY_CONFIG  # noqa: E402
 from vime import weight_sync  # noqa: E402
 

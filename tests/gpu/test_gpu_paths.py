@@ -4,7 +4,7 @@ These are not part of the CPU coverage; run them on a CUDA machine with `python 
 import pytest
 import torch
 
-from rollout.engine import Engine, EngineConfig
+from rollout.embedded.engine import Engine, EngineConfig
 from vime.sample import samples_for_prompts
 from rollout.sampling_params import SamplingParams
 
@@ -43,7 +43,7 @@ def test_engine_on_gpu_matches_cpu_greedy_in_fp32(small_ckpt, task_prompt_ids):
 
 @cuda
 def test_mtp_speculation_on_gpu_greedy_equals_plain_greedy(small_ckpt, task_prompt_ids):
-    from rollout.engine_builder import build_engine
+    from rollout.embedded.engine_builder import build_engine
 
     params = SamplingParams(temperature=0, max_new_tokens=24)
     config = EngineConfig(device="cuda", attention_backend="sdpa")

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from checkpoint_convert.megatron_names import hf_targets
-from rollout.kv_cache import pick_attention_backend
+from vime.models.megatron_names import hf_targets
+from rollout.embedded.kv_cache import pick_attention_backend
 from vime.errors import UserError
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -29,7 +29,7 @@ def test_fp32_never_picks_flash_attention():  # runs on CPU too: the choice need
 
 @cuda
 def test_fp32_engine_on_gpu_uses_sdpa(small_ckpt):
-    from rollout.engine import Engine, EngineConfig
+    from rollout.embedded.engine import Engine, EngineConfig
 
     assert Engine.from_checkpoint(small_ckpt, EngineConfig(device="cuda")).backend == "sdpa"
 

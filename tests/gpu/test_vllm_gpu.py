@@ -28,10 +28,10 @@ def mimo_ckpt(tmp_path_factory):
 
 
 def test_vllm_on_cuda_speculates_exactly_and_takes_synced_weights(mimo_ckpt):
-    from checkpoint_convert.families import is_mtp_name, to_canonical
+    from vime.models.families import is_mtp_name, to_canonical
     from vime.sample import samples_for_prompts
     from rollout.sampling_params import SamplingParams
-    from rollout.vllm_backend import VLLMBackend
+    from rollout.vllm.backend import VLLMBackend
     from safetensors.torch import load_file
     from vime import weight_sync
 

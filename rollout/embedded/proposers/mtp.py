@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.proposers import TargetForward, Proposer
-from rollout.padding import pad_token_rows
-from rollout.proposers.drafting import assign_drafts, draft_cache, pick_drafts, uniforms_if_sampling
+from rollout.embedded.proposers import TargetForward, Proposer
+from rollout.embedded.padding import pad_token_rows
+from rollout.embedded.proposers.drafting import assign_drafts, draft_cache, pick_drafts, uniforms_if_sampling
 
 
 @dataclass

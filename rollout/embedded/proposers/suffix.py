@@ -11,7 +11,7 @@ the match length, so short (unreliable) matches speculate little. Deterministic 
 """
 from collections import Counter, OrderedDict
 
-from rollout.proposers import Proposer
+from rollout.embedded.proposers import Proposer
 
 
 def match_length(seq, end, ctx, limit):

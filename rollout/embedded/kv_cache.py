@@ -7,8 +7,8 @@ ragged write indices once and hands every layer a `LayerView` with `attend`.
 """
 import torch
 
-from rollout.fast_model import gqa_attention
-from rollout.model import sdpa_attention
+from rollout.embedded.fast_model import gqa_attention
+from rollout.embedded.model import sdpa_attention
 
 
 class KVCache:

@@ -3,12 +3,12 @@
 This sits above both the engine and the proposers (a proposer reads the spec config; the
 engine runs any proposer), so neither of them imports the other's configuration.
 """
-from checkpoint_convert.hf_format import read_config
-from rollout.engine import Engine, EngineConfig
-from rollout.proposers import PROPOSERS
+from vime.models.hf_format import read_config
+from rollout.embedded.engine import Engine, EngineConfig
+from rollout.embedded.proposers import PROPOSERS
 from rollout.spec_config import SpecConfig, check_against_checkpoint, check_spec_adaptive, engine_config_for, \
     parse_spec_config
-from rollout.spec_policy import build_k_policy
+from rollout.embedded.spec_policy import build_k_policy
 
 
 def build_proposer(spec):

@@ -85,8 +85,8 @@ def _repack_kept_cpu_weights(model):
 
 def read_back(worker, draft, sent_shapes, layout, num_hidden_layers, num_mtp_layers):
     """{canonical name: [sum, sumsq]} of every sent tensor vLLM still holds readable."""
-    from checkpoint_convert.families import to_canonical
-    from rollout.vllm_names import draft_to_checkpoint_name, unpack
+    from vime.models.families import to_canonical
+    from vime.models.vllm_names import draft_to_checkpoint_name, unpack
     from vime.weight_sync import tensor_stats
 
     found = {}
@@ -105,8 +105,8 @@ def digest_back(worker, draft, sent_shapes, layout, num_hidden_layers, num_mtp_l
     """{canonical name: sha256} of the readable parameters (see read_back)."""
     import hashlib
 
-    from checkpoint_convert.families import to_canonical
-    from rollout.vllm_names import draft_to_checkpoint_name, unpack
+    from vime.models.families import to_canonical
+    from vime.models.vllm_names import draft_to_checkpoint_name, unpack
 
     found = {}
     for name, param in _model(worker, draft).named_parameters():

@@ -14,8 +14,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from checkpoint_convert.config_checks import check_finite_state, check_raw_config
-from checkpoint_convert.families import (DEFAULT_FAMILY, FAMILIES, family_of_hf_config, from_canonical,
+from vime.models.config_checks import check_finite_state, check_raw_config
+from vime.models.families import (DEFAULT_FAMILY, FAMILIES, family_of_hf_config, from_canonical,
                                         mtp_layer_indices, to_canonical)
 from vime.errors import UserError, require
 
@@ -42,7 +42,7 @@ class ModelConfig:
     bos_token_id: int = None
     eos_token_id: int = None
     pad_token_id: int = None
-    family: str = DEFAULT_FAMILY  # a key of checkpoint_convert.families.FAMILIES
+    family: str = DEFAULT_FAMILY  # a key of vime.models.families.FAMILIES
 
     @property
     def model_family(self):

@@ -9,7 +9,7 @@ copied into the other slots, as vLLM's prefix caching does: with 8 samples per p
 prefill was ~40 % of a rollout batch's engine time on the tiny task.
 Accepted tokens are appended, rejected KV entries are dropped by resetting the slot
 length. How many tokens get drafted for the next step is the k policy's choice
-(rollout/spec_policy.py: fixed, vLLM's batch-size schedule, or adaptive); the engine times
+(rollout/embedded/spec_policy.py: fixed, vLLM's batch-size schedule, or adaptive); the engine times
 each verify and draft phase and reports it to the policy. Sampling is driven by per-request generators, so a request's output does not
 depend on which others share the batch.
 
@@ -27,15 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
-from checkpoint_convert.hf_format import load_hf_checkpoint
+from vime.models.hf_format import load_hf_checkpoint
 from mtp.rejection import verify
 from mtp.sampling import processed_logprobs
-from rollout.fast_model import FastForward
-from rollout.kv_cache import KVCache, pick_attention_backend
-from rollout.model import CausalLMWithMTP
-from rollout.padding import pad_token_rows
-from rollout.proposers import TargetForward, Proposer
-from rollout.spec_policy import FixedK, StepRecord
+from rollout.embedded.fast_model import FastForward
+from rollout.embedded.kv_cache import KVCache, pick_attention_backend
+from rollout.embedded.model import CausalLMWithMTP
+from rollout.embedded.padding import pad_token_rows
+from rollout.embedded.proposers import TargetForward, Proposer
+from rollout.embedded.spec_policy import FixedK, StepRecord
 from vime.errors import UserError, require
 
 
@@ -48,7 +48,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     attention_backend: str = "auto"  # auto | sdpa | flash
-    linear_backend: str = "auto"  # auto | mkldnn | dense (rollout/linear.py)
+    linear_backend: str = "auto"  # auto | mkldnn | dense (rollout/embedded/linear.py)
     rejection_sample_method: str = "probabilistic"
     # compute a prompt shared by several requests of one admission (a GRPO group) once, copying
     # its KV entries (vLLM's prefix caching does the same for shared prompts)

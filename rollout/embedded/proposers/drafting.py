@@ -14,7 +14,7 @@ drafts; it only applies with `probabilistic` verification (strict ignores q).
 import torch
 
 from mtp.sampling import processed_logprobs, sample_with_uniforms
-from rollout.kv_cache import KVCache
+from rollout.embedded.kv_cache import KVCache
 
 
 def samples_drafts(spec, sampling, enabled):

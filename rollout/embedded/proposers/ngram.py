@@ -3,7 +3,7 @@ context's last n tokens, trying n = prompt_lookup_max down to prompt_lookup_min.
 
 Deterministic (no q: the verifier treats the drafts as one-hot, which is exact).
 """
-from rollout.proposers import Proposer
+from rollout.embedded.proposers import Proposer
 
 
 def ngram_lookup(ids, k, min_n, max_n):

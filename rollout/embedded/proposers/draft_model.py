@@ -9,11 +9,11 @@ forward (at least the newest token, whose logits give draft 1), then k-1 one-tok
 """
 import torch
 
-from checkpoint_convert.hf_format import load_hf_checkpoint
-from rollout.model import CausalLMWithMTP
-from rollout.proposers import Proposer
-from rollout.padding import pad_token_rows
-from rollout.proposers.drafting import assign_drafts, draft_cache, pick_drafts, uniforms_if_sampling
+from vime.models.hf_format import load_hf_checkpoint
+from rollout.embedded.model import CausalLMWithMTP
+from rollout.embedded.proposers import Proposer
+from rollout.embedded.padding import pad_token_rows
+from rollout.embedded.proposers.drafting import assign_drafts, draft_cache, pick_drafts, uniforms_if_sampling
 from rollout.spec_config import check_draft_vocab
 
 

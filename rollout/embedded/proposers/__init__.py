@@ -52,7 +52,7 @@ def _lazy(module, name):
     def make(spec_config):
         import importlib
 
-        return getattr(importlib.import_module(f"rollout.proposers.{module}"), name)(spec_config)
+        return getattr(importlib.import_module(f"rollout.embedded.proposers.{module}"), name)(spec_config)
 
     return make
 

@@ -1,4 +1,4 @@
-"""The engine's fast forward: the same math as rollout/model.py on fused plain tensors.
+"""The engine's fast forward: the same math as rollout/embedded/model.py on fused plain tensors.
 
 Every family's trunk runs here: the q/k/v bias (Qwen2, MiMo) and the per-head q/k norm
 (Qwen3) are optional parts of a layer's weights.
@@ -8,7 +8,7 @@ dispatch, and a grouped-query attention written as two batched matmuls that read
 cache without expanding it per head. The module forward in model.py stays the reference;
 tests check this path against it. Fused weights are rebuilt after every weight load.
 Every matmul against a weight (trunk, MTP layers, eh_proj, LM head) goes through
-rollout/linear.py, whose prepacked backend costs about the same for 1 or 4 rows.
+rollout/embedded/linear.py, whose prepacked backend costs about the same for 1 or 4 rows.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mtp.layer import combine_embedding_and_hidden, zero_embedding_at_position_0
-from rollout.linear import PackedWeight, linear, pack, pick_backend
+from rollout.embedded.linear import PackedWeight, linear, pack, pick_backend
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The decoder-only transformer with MTP layers of every family, written for inference
 (and reused to pretrain).
 
-The family (checkpoint_convert/families.py) sets the trunk flavour — q/k/v bias (Qwen2,
+The family (vime/models/families.py) sets the trunk flavour — q/k/v bias (Qwen2,
 MiMo) or per-head q/k norm (Qwen3) — and which hidden state the first MTP layer reads.
 Module names equal vime's canonical HF names, so an HF state dict loads with
 `load_state_dict` unchanged. One attention function serves the
