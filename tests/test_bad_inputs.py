@@ -1,6 +1,6 @@
 """Bad inputs to train_rl.py found before any actor starts: one-line UserError naming the flag or file.
 
-Checked in-process through `train_rl.preflight` (exactly what main runs before `ray.init`);
+Checked in-process through `orchestration.preflight.preflight` (exactly what main runs before `ray.init`);
 test_train_rl.py proves in a subprocess that such an error is `error: ...`, exit code 2.
 """
 import json
@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from rollout.task import make_prompts, write_jsonl
 from rollout.tiny_model import make_random_checkpoint
 from tests.conftest import SMALL
-from train_rl import preflight
+from orchestration.preflight import preflight
 from vime.cli_config import load_config
 from vime.errors import UserError
 
