@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ TIMING_KEYS = ("perf/", "weight_sync/seconds", "weight_sync/bytes_per_s")
 
 
 def run_train(*args, timeout=600):
-    env = dict(os.environ, PYTHONPATH=REPO, RAY_AUTH_MODE="disabled", WANDB_MODE="offline",
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline",
                WANDB_SILENT="true", WANDB_API_KEY="")
     env.pop("WANDB_API_KEY")
     return subprocess.run([sys.executable, "train_rl.py", *map(str, args)], capture_output=True, text=True,
@@ -185,23 +186,29 @@ def test_a_dead_actor_ends_the_run_with_one_line_naming_it_and_the_checkpoint_to
 
 
 def test_ctrl_c_prints_one_line_and_no_traceback(ckpt, tmp_path):
-    env = dict(os.environ, PYTHONPATH=REPO, RAY_AUTH_MODE="disabled", WANDB_MODE="offline")
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline")
     out = tmp_path / "out"
     # a suite started as a background job (`cmd &`) inherits SIGINT ignored, and Python keeps an
     # inherited SIG_IGN: give the run the terminal's default, as a foreground Ctrl-C would find it
-    proc = subprocess.Popen([sys.executable, "train_rl.py", *map(str, base_args(ckpt, out, 50, "--use-wandb", "false"))],
+    save = tmp_path / "save"
+    proc = subprocess.Popen([sys.executable, "train_rl.py", *map(str, base_args(ckpt, out, 100000, "--use-wandb", "false",
+                                                                               "--save", save, "--save-interval", 1))],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    log = out / "metrics.jsonl"
+    log = save / "latest_checkpointed_iteration.txt"
     deadline = time.time() + 300
-    while time.time() < deadline and not (log.exists() and log.read_text().strip()):
+    while time.time() < deadline and not log.exists():
         time.sleep(0.5)
     os.kill(proc.pid, signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
-    assert [x for x in stderr.splitlines() if x.startswith("error:")] == [
-        "error: interrupted (Ctrl-C); resume from the last checkpoint with --load"]
+    errors = [x for x in stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    m = re.fullmatch(rf"error: interrupted \(Ctrl-C\) at step (\d+); resume with --load {re.escape(str(save))} "
+                     rf"\(last checkpoint: step (\d+)\)", errors[0])
+    assert m and int(m.group(2)) <= int(m.group(1)), errors[0]
+    assert os.path.isdir(save / f"iter_{int(m.group(2)):07d}")  # the checkpoint it names exists
 
 
 def no_model_ckpt(tmp_path):

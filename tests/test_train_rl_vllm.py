@@ -21,7 +21,7 @@ SPEC = '{"method":"mtp","num_speculative_tokens":2}'
 
 
 def run_train(*args, timeout=900, marker=None):
-    env = dict(os.environ, PYTHONPATH=REPO, RAY_AUTH_MODE="disabled", WANDB_MODE="offline", WANDB_SILENT="true",
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline", WANDB_SILENT="true",
                VIME_TEST_MARKER=marker or "")
     env.pop("WANDB_API_KEY", None)
     return subprocess.run([sys.executable, "train_rl.py", *map(str, args)], capture_output=True, text=True,

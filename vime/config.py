@@ -152,7 +152,8 @@ class RunSection:
     save: Optional[str] = field(default=None, metadata=flag(
         "--save", "directory for torch_dist checkpoints (model, optimizer, loop state)"))
     save_interval: int = field(default=0, metadata=flag(
-        "--save-interval", "save into --save every N steps (0: no checkpoints)"))
+        "--save-interval", "save into --save every N steps too (0: only at the end; the last step and a "
+        "signal's step are always saved)"))
     load: Optional[str] = field(default=None, metadata=flag("--load", "checkpoint directory to resume from"))
     ray_address: Optional[str] = field(default=None, metadata=flag(
         "--ray-address", "join a running Ray cluster (none: start a local one)"))
@@ -174,6 +175,8 @@ class RunSection:
     load_debug_rollout_data: Optional[str] = field(default=None, metadata=flag(
         "--load-debug-rollout-data", "directory of pickled rollouts that --debug-train-only trains on"))
     progress: bool = field(default=True, metadata=flag("--progress", "tqdm progress bars"))
+    save_keep: Optional[int] = field(default=None, metadata=flag(
+        "--save-keep", "keep only the N newest checkpoints in --save (none: keep all)"))
 
 
 @dataclass
