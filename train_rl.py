@@ -70,12 +70,13 @@ def main(argv=None):
     from vime.checkpointing import CheckpointSaveError, SaveLock
     from vime.cli_config import help_text, load_config
     from orchestration.driver import WeightSyncError, init_ray
+    from orchestration.run_tmp import RunTempDir
 
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
-    lock = None
+    lock = run_tmp = None
     stop = StopRequest()
     try:
         stop.install()
@@ -83,6 +84,7 @@ def main(argv=None):
         preflight(cfg)
         lock = SaveLock(cfg.run.save) if cfg.run.save else None  # refuse a second run on the same --save
         t = cfg.train
+        run_tmp = RunTempDir()  # before Ray starts: the actors inherit TMPDIR through the raylet
         init_ray(cfg.run, cfg.rollout.rollout_num_workers + t.tensor_model_parallel_size * t.data_parallel_size)
         stop.install()  # over Ray's own SIGTERM handlers
         run_loop(cfg, stop)
@@ -103,6 +105,8 @@ def main(argv=None):
         return 130
     finally:
         _shutdown_ray()
+        if run_tmp:
+            run_tmp.remove()
         if lock:
             lock.release()
     return 0

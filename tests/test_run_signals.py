@@ -4,10 +4,12 @@ checkpoint and one line naming the --load that resumes it bit for bit."""
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -18,8 +20,8 @@ from tests.test_train_rl import REPO, TIMING_KEYS, base_args, ckpt, metrics, run
 RAY_CRASH_LINES = ("*** SIGTERM", "PC: @", "Traceback", "*** SIGUSR1")
 
 
-def start_run(ckpt, out, steps, *extra):
-    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline", WANDB_SILENT="true")
+def start_run(ckpt, out, steps, *extra, **env_vars):
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline", WANDB_SILENT="true", **env_vars)
     env.pop("RAY_AUTH_MODE", None)  # Ray's default: token authentication on
     return subprocess.Popen([sys.executable, "train_rl.py", *map(str, base_args(ckpt, out, steps, *extra))],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -71,7 +73,8 @@ def test_a_default_run_refuses_a_client_without_the_token_and_sigusr1_saves_and_
     if network_address().startswith("127."):
         pytest.skip("this machine has no network address besides loopback")
     out, save = tmp_path / "out", tmp_path / "save"
-    proc = start_run(ckpt, out, 100000, "--use-wandb", "false", "--save", save)
+    system_tmp = tempfile.mkdtemp(prefix="vt", dir="/tmp")  # short: Ray's socket paths live under it
+    proc = start_run(ckpt, out, 100000, "--save", save, TMPDIR=system_tmp)
     try:
         wait_for_first_step(proc, out)
         address = f"{network_address()}:{gcs_port(proc.pid)}"
@@ -96,6 +99,9 @@ def test_a_default_run_refuses_a_client_without_the_token_and_sigusr1_saves_and_
     steps_done = int(m.group(1))
     assert len(metrics(out)) == steps_done  # --save-interval 0: saved anyway, at the signal's step
     assert json.load(open(save / "latest_checkpointed_iteration.txt")) == {"step": steps_done}
+    # nothing left in the system temp dir but Ray's own session directory (wandb, the actors: removed)
+    assert os.listdir(system_tmp) == ["ray"], os.listdir(system_tmp)
+    shutil.rmtree(system_tmp, ignore_errors=True)
 
 
 def test_sigterm_saves_the_step_and_the_resumed_run_reproduces_an_uninterrupted_one_bit_for_bit(ckpt, tmp_path):
