@@ -300,11 +300,19 @@ RANGES = {
 
 
 def check_ranges(cfg):
-    """One line for the first numeric flag outside its `RANGES` entry (None: unset, always allowed)."""
+    """One line for the first numeric flag of the tree outside its `RANGES` entry."""
+    values = {}
     for name, (path, _) in flag_table().items():
-        accepted = RANGES.get(name)
         section, key = path.split(".")
-        value = getattr(getattr(cfg, section), key)
+        values[name] = getattr(getattr(cfg, section), key)
+    check_flag_ranges(values, RANGES)
+
+
+def check_flag_ranges(values, ranges):
+    """{'--flag': value} against {'--flag': Range}: one line for the first value outside its range
+    (None: unset, always allowed). The tools' command lines (rollout.generate, the converters) use it too."""
+    for name, value in values.items():
+        accepted = ranges.get(name)
         if accepted is None or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         require(accepted.holds(value), f"{name} {value}: must be {accepted}" + (f" ({accepted.why})" if accepted.why else ""))
