@@ -68,7 +68,7 @@ def test_wandb_mode_offline_with_a_key_set_logs_offline(tmp_path):
 @pytest.mark.parametrize("key, cause", [(KEY, "CommError"), ("short", "AuthenticationError")],
                          ids=["unreachable-server", "bad-key"])
 def test_a_failed_online_start_is_one_warning_and_the_run_logs_offline(tmp_path, key, cause):
-    proc, mode = log_one_step(tmp_path, WANDB_API_KEY=key, WANDB_INIT_TIMEOUT="5")
+    proc, mode = log_one_step(tmp_path, WANDB_API_KEY=key, WANDB_INIT_TIMEOUT="3")
     warnings = [x for x in proc.stderr.splitlines() if x.startswith("warning:")]
     assert len(warnings) == 1 and cause in warnings[0] and "logging offline" in warnings[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr

@@ -136,3 +136,63 @@ def test_sigterm_saves_the_step_and_the_resumed_run_reproduces_an_uninterrupted_
     # --save-keep 2 with a save every step: the two newest remain, the latest names the last step
     assert sorted(x for x in os.listdir(reference_save) if x.startswith("iter_")) == \
            [f"iter_{k + 1:07d}", f"iter_{k + 2:07d}"]
+
+
+def shared_memory_of(pid):
+    """The /dev/shm files the process tree of `pid` has mapped or open (vLLM's rings, Ray's plasma store)."""
+    found = set()
+    procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+    for p in procs:
+        try:
+            found |= {m.path for m in p.memory_maps(grouped=True) if m.path.startswith("/dev/shm/")}
+            found |= {f.path for f in p.open_files() if f.path.startswith("/dev/shm/")}
+        except psutil.Error:  # a process that ended meanwhile
+            pass
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_on_the_vllm_backend_saves_releases_shared_memory_and_resumes_bit_for_bit(tmp_path):
+    pytest.importorskip("vllm")
+    from tests import test_train_rl_vllm as v
+
+    ckpt = str(tmp_path / "ckpt")
+    v.make_tiny_mimo(ckpt, seed=5)
+    v.write_jsonl(v.make_prompts(64, seed=1), os.path.join(ckpt, "train.jsonl"))
+    out, save = tmp_path / "out", tmp_path / "save"
+    system_tmp = tempfile.mkdtemp(prefix="vt", dir="/tmp")
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline", WANDB_SILENT="true", TMPDIR=system_tmp)
+    env.pop("RAY_AUTH_MODE", None)
+    proc = subprocess.Popen([sys.executable, "train_rl.py", *map(str, v.base_args(ckpt, out, 100000, "--save", save))],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_first_step(proc, out, timeout=900)
+        shm = shared_memory_of(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    m = re.fullmatch(rf"error: stopped by SIGTERM at step (\d+): saved the step-\1 checkpoint; "
+                     rf"resume with --load {re.escape(str(save))}", stop_line(stderr))
+    # vLLM logs a warm-up traceback of its own as a WARNING at start-up: only other tracebacks count
+    crash = [x for x in (stdout + stderr).splitlines() if any(c in x for c in RAY_CRASH_LINES) and "WARNING" not in x]
+    assert m and not crash, crash
+    assert any("psm_" in p for p in shm), shm  # vLLM's shared-memory rings were in use ...
+    time.sleep(2)
+    assert [p for p in shm if os.path.exists(p)] == []  # ... and are released
+    assert os.listdir(system_tmp) == ["ray"], os.listdir(system_tmp)  # vLLM's IPC sockets went with the run
+    shutil.rmtree(system_tmp, ignore_errors=True)
+    k = int(m.group(1))
+
+    proc = v.run_train(*v.base_args(ckpt, out, k + 2, "--load", save))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = tmp_path / "ref"
+    proc = v.run_train(*v.base_args(ckpt, reference, k + 2))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed, uninterrupted = metrics(out), metrics(reference)
+    assert [r["rollout/step"] for r in resumed] == list(range(k + 2))
+    for got, want in zip(resumed, uninterrupted):
+        assert {key: x for key, x in got.items() if not key.startswith(TIMING_KEYS)} == \
+               {key: x for key, x in want.items() if not key.startswith(TIMING_KEYS)}

@@ -39,6 +39,17 @@ def metrics(out):
     return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
 
 
+def rewound_copy(save, dst, step):
+    """A copy of a --save directory whose latest checkpoint is `step` (as a run stopped right after that
+    save would have left it; the run's last step is always saved too)."""
+    import shutil
+
+    shutil.copytree(save, dst)
+    with open(os.path.join(dst, "latest_checkpointed_iteration.txt"), "w") as f:
+        json.dump({"step": step}, f)
+    return str(dst)
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("rl_ckpt"))
@@ -113,7 +124,8 @@ def test_resume_from_the_step2_checkpoint_reproduces_step3_metrics_and_rewrites_
 
     out, save = online_run
     shutil.copy(os.path.join(out, "metrics.jsonl"), tmp_path / "metrics.jsonl")  # the interrupted run's log
-    proc = run_train(*base_args(ckpt, tmp_path, 3, "--enable-mtp-training", "--mtp-num-layers", 1, "--load", save))
+    proc = run_train(*base_args(ckpt, tmp_path, 3, "--enable-mtp-training", "--mtp-num-layers", 1,
+                                "--load", rewound_copy(save, tmp_path / "ck", 2)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = metrics(tmp_path)
     assert [r["rollout/step"] for r in resumed] == [0, 1, 2]  # steps from the checkpoint on are rewritten, once
@@ -134,8 +146,8 @@ def test_a_training_save_directory_converts_to_the_hf_weights_the_rollout_was_sy
     torch_dist_to_hf.main(["--input-dir", save, "--output-dir", str(tmp_path / "hf"), "--origin-hf-dir", ckpt])
     cfg, state, _ = load_hf_checkpoint(str(tmp_path / "hf"))
     mtp = checksum([(k, v) for k, v in state.items() if is_mtp_name(k, cfg.num_hidden_layers)])[0]
-    # the latest checkpoint (step 2) holds the weights synced after training step 1
-    assert mtp == metrics(out)[1]["weight_sync/mtp_checksum"]
+    # the latest checkpoint (step 3: the last step is always saved) holds the weights synced after training step 2
+    assert mtp == metrics(out)[2]["weight_sync/mtp_checksum"]
 
 
 def test_killing_the_process_during_a_save_leaves_the_previous_checkpoint_loadable(online_run, ckpt, tmp_path):
@@ -162,7 +174,7 @@ def test_killing_the_process_during_a_save_leaves_the_previous_checkpoint_loadab
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     step, iteration = checkpointing.latest(root)
-    assert step == 2 and checkpointing.load_loop_state(iteration)["step"] == 2
+    assert step == 3 and checkpointing.load_loop_state(iteration)["step"] == 3
     assert os.path.isdir(os.path.join(root, "iter_0000004.tmp"))
     # the surviving checkpoint still loads into a trainer
     from trainer.config import TrainerConfig
