@@ -86,6 +86,10 @@ def test_the_edge_of_every_range_is_accepted(flag):
     check_flag_ranges({flag: inside}, RANGES)
 
 
+def test_save_keep_without_save_is_refused(ckpt, tmp_path):
+    refused(args_for(ckpt, tmp_path, "--save-keep", 2), "--save-keep needs --save DIR")
+
+
 # ---- prompt files that are not UTF-8 ----------------------------------------------------------------
 def test_a_prompt_file_with_a_non_utf8_byte_names_the_file_line_and_byte(ckpt, tmp_path):
     bad = tmp_path / "latin1.jsonl"
@@ -186,7 +190,7 @@ def test_train_rl_refuses_an_out_of_range_flag_in_one_line_exit_2_without_starti
 
 
 # one per distinct bad input above (the train_rl.py subprocess case repeats a RANGE_CASES input)
-BAD_INPUT_CASES = len(RANGE_CASES) + 1 + 1 + 3 + len(GENERATE_CASES) + 2 + len(CONVERTER_CASES)
+BAD_INPUT_CASES = len(RANGE_CASES) + 1 + 1 + 1 + 3 + len(GENERATE_CASES) + 2 + len(CONVERTER_CASES)
 
 
 def test_at_least_60_distinct_bad_inputs_are_covered_here():
