@@ -13,10 +13,12 @@ import time
 
 from orchestration.preflight import preflight
 from orchestration.rl_run import ActorLost, RLRun, dead_actor, lost_actor_message
+from orchestration.stop_signals import Interrupted, StopRequest, StoppedBySignal, stop_message
 from vime.errors import UserError
 
 
-def run_loop(cfg):
+def run_loop(cfg, stop=None):
+    """The run's steps; a stop signal (see `stop`) ends it at the next step's end with StoppedBySignal."""
     from contextlib import closing
 
     from tqdm import tqdm
@@ -24,21 +26,30 @@ def run_loop(cfg):
     from vime.cli_config import describe
     from vime.run_logger import RunLogger
 
+    stop = stop or StopRequest()
     with closing(RLRun(cfg)) as run:
         logger = RunLogger(cfg.run, {"config": describe(cfg)}, resume_step=run.start_step)
         try:
-            _steps(run, logger, cfg, tqdm)
+            saved = _steps(run, logger, cfg, tqdm, stop)
+        except KeyboardInterrupt:
+            raise Interrupted(stop_message("interrupted (Ctrl-C)", logger.next_step, cfg.run.save)) from None
         except Exception as e:
             died = dead_actor(e)
             if died is None:
                 raise
             raise ActorLost(lost_actor_message(died, run.actor_names, cfg.run, logger.next_step)) from None
         logger.finish()
+    if stop.name:
+        raise StoppedBySignal(stop_message(f"stopped by {stop.name}", logger.next_step, cfg.run.save, saved),
+                              stop.signum)
     return logger.history
 
 
-def _steps(run, logger, cfg, tqdm):
+def _steps(run, logger, cfg, tqdm, stop):
+    """Each step, then its checkpoint; returns the step saved when a stop signal ended the loop."""
     run.push_weights(version=run.start_step)  # workers start from the trainer's (maybe resumed) weights
+    if stop.name:
+        return None
     steps = tqdm(range(run.start_step, cfg.run.num_rollout), desc="RL steps", disable=not cfg.run.progress)
     for step in steps:
         start = time.perf_counter()
@@ -49,37 +60,53 @@ def _steps(run, logger, cfg, tqdm):
         logger.log(step, metrics)
         steps.set_postfix(reward=f"{metrics.get('rollout/reward', 0):.3f}",
                           accept_len=f"{metrics.get('rollout/spec_accept_length', 0):.2f}")
-        run.save(step)
+        saved = run.save(step, stopping=stop.name is not None)
+        if stop.name:  # the safe point: this step is done, logged and saved
+            return saved
+    return None
 
 
 def main(argv=None):
     from vime.checkpointing import CheckpointSaveError, SaveLock
     from vime.cli_config import help_text, load_config
     from orchestration.driver import WeightSyncError, init_ray
+    from orchestration.run_tmp import RunTempDir
 
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
-    lock = None
+    lock = run_tmp = None
+    stop = StopRequest()
     try:
+        stop.install()
         cfg = load_config(argv)
         preflight(cfg)
         lock = SaveLock(cfg.run.save) if cfg.run.save else None  # refuse a second run on the same --save
         t = cfg.train
+        run_tmp = RunTempDir()  # before Ray starts: the actors inherit TMPDIR through the raylet
         init_ray(cfg.run, cfg.rollout.rollout_num_workers + t.tensor_model_parallel_size * t.data_parallel_size)
-        run_loop(cfg)
+        stop.install()  # over Ray's own SIGTERM handlers
+        run_loop(cfg, stop)
     except UserError as e:  # raised in an actor it arrives wrapped by Ray: report the cause's line
         print(f"error: {str(getattr(e, 'cause', None) or e).splitlines()[0]}", file=sys.stderr)
         return 2
     except (WeightSyncError, ActorLost, CheckpointSaveError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except StoppedBySignal as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except Interrupted as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 130
     except KeyboardInterrupt:  # one line, not Python's and Ray's tracebacks
-        print("error: interrupted (Ctrl-C); resume from the last checkpoint with --load", file=sys.stderr)
+        print("error: interrupted (Ctrl-C) before the first step; nothing was trained", file=sys.stderr)
         return 130
     finally:
         _shutdown_ray()
+        if run_tmp:
+            run_tmp.remove()
         if lock:
             lock.release()
     return 0

@@ -11,6 +11,7 @@ import dataclasses
 import os
 
 from vime.models.hf_format import load_hf_checkpoint
+from vime.config import RANGES, check_flag_ranges
 from vime.errors import exit_on_user_error, require
 
 
@@ -22,7 +23,11 @@ def parse_args(argv=None):
     ap.add_argument("--drop-mtp", action="store_true", help="convert the trunk only, on purpose")
     ap.add_argument("--tensor-model-parallel-size", type=int, default=1)
     ap.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    check_flag_ranges({"--mtp-num-layers": args.mtp_num_layers, "--tensor-model-parallel-size":
+                       args.tensor_model_parallel_size, "--pipeline-model-parallel-size":
+                       args.pipeline_model_parallel_size}, RANGES)  # train_rl.py's ranges for the same flags
+    return args
 
 
 def mtp_layers_to_convert(args, available):

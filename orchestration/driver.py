@@ -106,14 +106,19 @@ class WeightSync:
 
 
 def init_ray(run_cfg, needed_cpus):
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    """Join --ray-address (its own token auth applies) or start a local cluster closed to strangers:
+    Ray's token authentication stays on (a new local cluster writes its token under ~/.ray/ and
+    refuses clients without it), and no dashboard or debugger listens (they would bind ports of
+    their own). Ray's GCS, raylet and object servers bind every interface; the token guards them."""
     from vime.config import REPO_ROOT
 
     env = {"env_vars": {"PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                        "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}}
+                        "OMP_NUM_THREADS": "1"}}
     if run_cfg.ray_address:
         ray.init(address=run_cfg.ray_address, runtime_env=env, log_to_driver=True)
     else:
+        if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":  # unset: Ray turns token auth on
+            print("[vime] RAY_AUTH_MODE=disabled: this Ray cluster accepts any client that reaches it", flush=True)
         ray.init(num_cpus=max(os.cpu_count() or 1, needed_cpus), include_dashboard=False, runtime_env=env,
                  log_to_driver=True, configure_logging=False)
 

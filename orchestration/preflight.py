@@ -39,6 +39,7 @@ def preflight(cfg):
     check_tensor_parallel(hf, t.tensor_model_parallel_size)
     check_rollout_backend(cfg, hf)
     check_finite_weights(os.path.join(cfg.model.hf_checkpoint, "model.safetensors"))
+    check_weight_shapes(cfg.model.hf_checkpoint, hf)
     from vime.paths import require_writable_dir
 
     for flag, path in (("--save", cfg.run.save), ("--output-dir", cfg.run.output_dir)):
@@ -49,11 +50,32 @@ def preflight(cfg):
     if cfg.rollout.prompt_data is None:
         cfg.rollout.prompt_data = os.path.join(cfg.model.hf_checkpoint, "train.jsonl")
     if not cfg.run.debug_train_only:
-        read_prompt_file(cfg.rollout.prompt_data, cfg.rollout.input_key, cfg.rollout.label_key,
-                         codec=_codec(cfg.model.hf_checkpoint))
+        codec = _codec(cfg.model.hf_checkpoint)
+        prompts = read_prompt_file(cfg.rollout.prompt_data, cfg.rollout.input_key, cfg.rollout.label_key, codec=codec)
+        check_response_fits(prompts, codec, hf, cfg.rollout)
         get_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
     if cfg.run.load:
         check_resume(cfg)
+
+
+def check_weight_shapes(hf_checkpoint, hf):
+    """Every tensor of model.safetensors has the shape config.json implies (read from the header; the
+    expected shapes from the model built on the meta device, so nothing is allocated)."""
+    import torch
+    from safetensors import safe_open
+
+    from rollout.embedded.model import CausalLMWithMTP
+    from vime.models.families import from_canonical
+
+    with torch.device("meta"):
+        canonical = CausalLMWithMTP(hf).state_dict()
+    expected = from_canonical(canonical, hf.model_family.mtp_layout, hf.num_hidden_layers, hf.num_nextn_predict_layers)
+    weights = os.path.join(hf_checkpoint, "model.safetensors")
+    with safe_open(weights, framework="pt") as f:
+        for name in sorted(set(f.keys()) & set(expected)):
+            have, want = tuple(f.get_slice(name).get_shape()), tuple(expected[name].shape)
+            require(have == want, f"{weights}: tensor {name} has shape {list(have)} but config.json implies "
+                    f"{list(want)}; the weights and config.json disagree (fix config.json or re-convert)")
 
 
 def _codec(hf_checkpoint):
@@ -62,6 +84,18 @@ def _codec(hf_checkpoint):
     has = os.path.isfile(os.path.join(hf_checkpoint, "tokenizer.json"))
     require(has, f"--hf-checkpoint {hf_checkpoint}: tokenizer.json is missing; RL prompts are text")
     return TextCodec(hf_checkpoint)
+
+
+def check_response_fits(prompts, codec, hf, rollout_cfg):
+    """The longest prompt plus --rollout-max-response-len fits the model's context (else responses
+    would be cut at the context silently, shorter than the flag says)."""
+    longest = max(len(codec.encode_prompt(prompt, hf.bos_token_id)) for prompt, _ in prompts)
+    total = longest + rollout_cfg.rollout_max_response_len
+    require(total <= hf.max_position_embeddings,
+            f"--rollout-max-response-len {rollout_cfg.rollout_max_response_len}: with the longest prompt "
+            f"({longest} tokens) that is {total} positions, beyond the model's context of "
+            f"{hf.max_position_embeddings}; use --rollout-max-response-len "
+            f"{max(hf.max_position_embeddings - longest, 1)} or less")
 
 
 def check_spec_fits(spec, hf, rollout_cfg):

@@ -57,14 +57,19 @@ class RLRun:
             if dead_actor(e) is None:
                 raise
 
-    def save(self, step):
+    def save(self, step, stopping=False):
+        """Save after `step` when --save is set and the interval is due, the step is the run's last,
+        or the run is `stopping` (a signal): the last step done is never lost. Returns the saved step or None."""
         from vime import checkpointing
 
         run = self.cfg.run
-        if not (run.save and run.save_interval and (step + 1) % run.save_interval == 0 and self.trainers):
-            return
+        due = run.save_interval and (step + 1) % run.save_interval == 0
+        if not (run.save and self.trainers and (due or stopping or step + 1 == run.num_rollout)):
+            return None
         cursor = ray_get(self.rollout.data_cursor.remote()) if self.rollout else 0
-        checkpointing.save(run.save, step + 1, self.trainers.save, {"step": step + 1, "data_cursor": cursor})
+        checkpointing.save(run.save, step + 1, self.trainers.save, {"step": step + 1, "data_cursor": cursor},
+                           keep=run.save_keep)
+        return step + 1
 
 
 def check_weight_versions(samples, expected):

@@ -10,8 +10,9 @@ def read_jsonl_rows(path, flag):
     """[(line number, dict)] of a JSONL file; a bad line is a one-line error naming `flag`, file and line."""
     require(path and os.path.isfile(path), f"{flag} {path}: no such file")
     rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = _utf8_line(raw, flag, path, lineno)
             if not line.strip():
                 continue
             try:
@@ -22,6 +23,15 @@ def read_jsonl_rows(path, flag):
             rows.append((lineno, row))
     require(rows, f"{flag} {path}: the file holds no prompts")
     return rows
+
+
+def _utf8_line(raw, flag, path, lineno):
+    """The line decoded as UTF-8, or a one-line error naming the line, the byte's column and value."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{flag} {path}: line {lineno}, byte {e.start + 1} (0x{raw[e.start]:02x}) is not UTF-8; "
+                        "save the file as UTF-8") from None
 
 
 def read_prompt_file(path, input_key, label_key, codec=None):

@@ -17,8 +17,13 @@ from rollout.sampling_params import SamplingParams
 from rollout.embedded.engine_builder import build_engine
 from rollout.spec_config import parse_spec_config
 from rollout.spec_stats import aggregate_spec_stats, format_spec_stats
+from vime.config import AT_LEAST_0, AT_LEAST_1, SEED, Range, check_flag_ranges
 from vime.errors import UserError, exit_on_user_error, require
 from vime.sample import Sample
+
+
+GENERATE_RANGES = {"--max-new-tokens": AT_LEAST_1, "--temperature": AT_LEAST_0, "--top-p": Range(0, 1, low_open=True),
+                   "--top-k": AT_LEAST_0, "--n": AT_LEAST_1, "--seed": SEED, "--max-batch-size": AT_LEAST_1}
 
 
 def parse_args(argv=None):
@@ -39,7 +44,9 @@ def parse_args(argv=None):
                    help='speculative decoding, vLLM JSON schema, e.g. \'{"method":"mtp","num_speculative_tokens":3}\'')
     p.add_argument("--spec-adaptive", action="store_true",
                    help="choose k in 0..num_speculative_tokens per step from measured cost and acceptance")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_flag_ranges({f"--{k.replace('_', '-')}": v for k, v in vars(args).items()}, GENERATE_RANGES)
+    return args
 
 
 def prompt_ids_of(row, lineno, path, codec, bos_token_id):
@@ -58,12 +65,16 @@ def prompt_ids_of(row, lineno, path, codec, bos_token_id):
     return ids
 
 
-def build_samples(rows, path, engine, n):
+def build_samples(rows, path, engine, n, max_new_tokens):
     samples = []
     for index, (lineno, row) in enumerate(rows):
         ids = prompt_ids_of(row, lineno, path, engine.codec, engine.cfg.bos_token_id)
         require(len(ids) < engine.max_len, f"--prompts {path}: line {lineno}: the prompt has {len(ids)} tokens; "
                 f"the context is {engine.max_len}")
+        require(len(ids) + max_new_tokens <= engine.max_len,
+                f"--max-new-tokens {max_new_tokens}: with line {lineno}'s {len(ids)}-token prompt that is "
+                f"{len(ids) + max_new_tokens} positions, beyond the model's context of {engine.max_len}; use "
+                f"--max-new-tokens {engine.max_len - len(ids)} or less")
         samples += [Sample(prompt_ids=ids, index=index, sample_index=j, prompt=row.get("prompt", ""))
                     for j in range(n)]
     return samples
@@ -100,8 +111,6 @@ def check_output(path):
 
 
 def make_sampling(args):
-    require(args.n >= 1, f"--n must be >= 1 (got {args.n})")
-    require(args.max_batch_size >= 1, f"--max-batch-size must be >= 1 (got {args.max_batch_size})")
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           max_new_tokens=args.max_new_tokens, seed=args.seed)
 
@@ -116,7 +125,7 @@ def main(argv=None):
     spec = parse_spec_config(args.vllm_speculative_config)
     engine = build_engine(args.hf_checkpoint, spec, EngineConfig(max_batch_size=args.max_batch_size,
                                                                  device=args.device), adaptive=args.spec_adaptive)
-    samples = build_samples(rows, args.prompts, engine, args.n)
+    samples = build_samples(rows, args.prompts, engine, args.n, args.max_new_tokens)
     engine.generate(samples, sampling)
     write_outputs(samples, args.output)
     st = engine.stats()

@@ -149,7 +149,7 @@ def fake_checkpoint(root, step=2, mtp_trained=True):
     pickle.dump(meta, open(os.path.join(model, ".metadata"), "wb"))
     json.dump({"mtp_num_layers": 1, "mtp_trained": mtp_trained, "has_optimizer": True},
               open(os.path.join(model, "vime_meta.json"), "w"))
-    pickle.dump({"step": step, "data_cursor": 0}, open(os.path.join(model, "..", "loop_state.pkl"), "wb"))
+    json.dump({"step": step, "data_cursor": 0}, open(os.path.join(model, "..", "loop_state.json"), "w"))
     open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w").write(json.dumps({"step": step}))
     return model
 
@@ -177,8 +177,13 @@ def _no_metadata(root, model):
     os.remove(os.path.join(model, ".metadata"))
 
 
+def _pickled_loop_state(root, model):
+    open(os.path.join(model, "..", "loop_state.json"), "wb").write(pickle.dumps({"step": 2}))
+
+
 @pytest.mark.parametrize("damage, needle", [
     (_bad_latest, "latest_checkpointed_iteration.txt is damaged"),
+    (_pickled_loop_state, "loop_state.json is damaged"),
     (_missing_iter, "iter_0000002/ is missing"),
     (_truncated, "truncated (40 of 100 bytes)"),
     (_no_metadata, ".metadata is missing"),

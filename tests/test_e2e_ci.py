@@ -15,7 +15,7 @@ STEPS, WINDOW = 12, 4
 
 
 def run(out, *extra):
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", WANDB_MODE="offline", WANDB_SILENT="true")
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
     env.pop("WANDB_API_KEY", None)
     proc = subprocess.run([sys.executable, "train_rl.py", "--hf-checkpoint", DEFAULT_TINY_MODEL,
                            "--num-rollout", str(STEPS), "--output-dir", str(out), "--progress", "false",

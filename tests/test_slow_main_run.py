@@ -13,7 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.slow
 def test_readme_main_run_raises_reward_and_acceptance_length(tmp_path):
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", WANDB_MODE="offline", WANDB_SILENT="true")
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
     env.pop("WANDB_API_KEY", None)
     proc = subprocess.run([sys.executable, "train_rl.py", "--enable-mtp-training", "--mtp-num-layers", "1",
                            "--output-dir", str(tmp_path), "--progress", "false"],

@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ TIMING_KEYS = ("perf/", "weight_sync/seconds", "weight_sync/bytes_per_s")
 
 
 def run_train(*args, timeout=600):
-    env = dict(os.environ, PYTHONPATH=REPO, RAY_AUTH_MODE="disabled", WANDB_MODE="offline",
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline",
                WANDB_SILENT="true", WANDB_API_KEY="")
     env.pop("WANDB_API_KEY")
     return subprocess.run([sys.executable, "train_rl.py", *map(str, args)], capture_output=True, text=True,
@@ -36,6 +37,17 @@ def base_args(ckpt, out, steps=3, *extra):
 
 def metrics(out):
     return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def rewound_copy(save, dst, step):
+    """A copy of a --save directory whose latest checkpoint is `step` (as a run stopped right after that
+    save would have left it; the run's last step is always saved too)."""
+    import shutil
+
+    shutil.copytree(save, dst)
+    with open(os.path.join(dst, "latest_checkpointed_iteration.txt"), "w") as f:
+        json.dump({"step": step}, f)
+    return str(dst)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +124,8 @@ def test_resume_from_the_step2_checkpoint_reproduces_step3_metrics_and_rewrites_
 
     out, save = online_run
     shutil.copy(os.path.join(out, "metrics.jsonl"), tmp_path / "metrics.jsonl")  # the interrupted run's log
-    proc = run_train(*base_args(ckpt, tmp_path, 3, "--enable-mtp-training", "--mtp-num-layers", 1, "--load", save))
+    proc = run_train(*base_args(ckpt, tmp_path, 3, "--enable-mtp-training", "--mtp-num-layers", 1,
+                                "--load", rewound_copy(save, tmp_path / "ck", 2)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = metrics(tmp_path)
     assert [r["rollout/step"] for r in resumed] == [0, 1, 2]  # steps from the checkpoint on are rewritten, once
@@ -133,8 +146,8 @@ def test_a_training_save_directory_converts_to_the_hf_weights_the_rollout_was_sy
     torch_dist_to_hf.main(["--input-dir", save, "--output-dir", str(tmp_path / "hf"), "--origin-hf-dir", ckpt])
     cfg, state, _ = load_hf_checkpoint(str(tmp_path / "hf"))
     mtp = checksum([(k, v) for k, v in state.items() if is_mtp_name(k, cfg.num_hidden_layers)])[0]
-    # the latest checkpoint (step 2) holds the weights synced after training step 1
-    assert mtp == metrics(out)[1]["weight_sync/mtp_checksum"]
+    # the latest checkpoint (step 3: the last step is always saved) holds the weights synced after training step 2
+    assert mtp == metrics(out)[2]["weight_sync/mtp_checksum"]
 
 
 def test_killing_the_process_during_a_save_leaves_the_previous_checkpoint_loadable(online_run, ckpt, tmp_path):
@@ -161,7 +174,7 @@ def test_killing_the_process_during_a_save_leaves_the_previous_checkpoint_loadab
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     step, iteration = checkpointing.latest(root)
-    assert step == 2 and checkpointing.load_loop_state(iteration)["step"] == 2
+    assert step == 3 and checkpointing.load_loop_state(iteration)["step"] == 3
     assert os.path.isdir(os.path.join(root, "iter_0000004.tmp"))
     # the surviving checkpoint still loads into a trainer
     from trainer.config import TrainerConfig
@@ -185,23 +198,29 @@ def test_a_dead_actor_ends_the_run_with_one_line_naming_it_and_the_checkpoint_to
 
 
 def test_ctrl_c_prints_one_line_and_no_traceback(ckpt, tmp_path):
-    env = dict(os.environ, PYTHONPATH=REPO, RAY_AUTH_MODE="disabled", WANDB_MODE="offline")
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline")
     out = tmp_path / "out"
     # a suite started as a background job (`cmd &`) inherits SIGINT ignored, and Python keeps an
     # inherited SIG_IGN: give the run the terminal's default, as a foreground Ctrl-C would find it
-    proc = subprocess.Popen([sys.executable, "train_rl.py", *map(str, base_args(ckpt, out, 50, "--use-wandb", "false"))],
+    save = tmp_path / "save"
+    proc = subprocess.Popen([sys.executable, "train_rl.py", *map(str, base_args(ckpt, out, 100000, "--use-wandb", "false",
+                                                                               "--save", save, "--save-interval", 1))],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    log = out / "metrics.jsonl"
+    log = save / "latest_checkpointed_iteration.txt"
     deadline = time.time() + 300
-    while time.time() < deadline and not (log.exists() and log.read_text().strip()):
+    while time.time() < deadline and not log.exists():
         time.sleep(0.5)
     os.kill(proc.pid, signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
-    assert [x for x in stderr.splitlines() if x.startswith("error:")] == [
-        "error: interrupted (Ctrl-C); resume from the last checkpoint with --load"]
+    errors = [x for x in stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    m = re.fullmatch(rf"error: interrupted \(Ctrl-C\) at step (\d+); resume with --load {re.escape(str(save))} "
+                     rf"\(last checkpoint: step (\d+)\)", errors[0])
+    assert m and int(m.group(2)) <= int(m.group(1)), errors[0]
+    assert os.path.isdir(save / f"iter_{int(m.group(2)):07d}")  # the checkpoint it names exists
 
 
 def no_model_ckpt(tmp_path):

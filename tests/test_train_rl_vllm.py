@@ -21,7 +21,7 @@ SPEC = '{"method":"mtp","num_speculative_tokens":2}'
 
 
 def run_train(*args, timeout=900, marker=None):
-    env = dict(os.environ, PYTHONPATH=REPO, RAY_AUTH_MODE="disabled", WANDB_MODE="offline", WANDB_SILENT="true",
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline", WANDB_SILENT="true",
                VIME_TEST_MARKER=marker or "")
     env.pop("WANDB_API_KEY", None)
     return subprocess.run([sys.executable, "train_rl.py", *map(str, args)], capture_output=True, text=True,
@@ -81,7 +81,10 @@ def test_a_resumed_vllm_run_continues_from_the_checkpoint(vllm_run, ckpt, tmp_pa
     import pickle
 
     out, save = vllm_run
-    proc = run_train(*base_args(ckpt, tmp_path, 3, "--load", save, "--save-debug-rollout-data", tmp_path / "r"))
+    from tests.test_train_rl import rewound_copy
+
+    proc = run_train(*base_args(ckpt, tmp_path, 3, "--load", rewound_copy(save, tmp_path / "ck", 2),
+                                "--save-debug-rollout-data", tmp_path / "r"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
     assert len(rows) == 1 and rows[0]["rollout/weight_version"] == 2

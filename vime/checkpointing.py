@@ -3,17 +3,21 @@
 A checkpoint is written into `iter_XXXXXXX.tmp/`, renamed to `iter_XXXXXXX/` when complete,
 and only then recorded in `latest_checkpointed_iteration.txt` (written to a temp file and
 `os.replace`d). A crash mid-save leaves a `.tmp` directory and the previous checkpoint loadable.
+The loop state is JSON (`loop_state.json`): loading it runs no code. The torch_dist model
+directory's `.metadata` is a pickle by torch's design, so a checkpoint is trusted input.
 """
 import errno
 import json
 import os
 import pickle
+import re
 import shutil
 
 from vime.errors import UserError, require
 
 LATEST = "latest_checkpointed_iteration.txt"
 LOCK = ".vime_save.lock"
+LOOP_STATE = "loop_state.json"
 
 
 class CheckpointSaveError(RuntimeError):
@@ -24,8 +28,9 @@ def iteration_dir(root, step):
     return os.path.join(root, f"iter_{step:07d}")
 
 
-def save(root, step, write_model, loop_state):
-    """write_model(path) writes the trainer checkpoint; loop_state is pickled beside it.
+def save(root, step, write_model, loop_state, keep=None):
+    """write_model(path) writes the trainer checkpoint; loop_state (a JSON dict) is written beside it.
+    keep: after the new checkpoint is the latest, remove all but the `keep` newest (None: keep all).
 
     A failure removes the partial `.tmp` (it would otherwise fill the disk) and raises
     CheckpointSaveError saying what happened; the previous checkpoint stays the latest."""
@@ -35,15 +40,33 @@ def save(root, step, write_model, loop_state):
     try:
         os.makedirs(tmp)
         write_model(os.path.join(tmp, "model"))
-        with open(os.path.join(tmp, "loop_state.pkl"), "wb") as f:
-            pickle.dump(loop_state, f)
+        with open(os.path.join(tmp, LOOP_STATE), "w") as f:
+            json.dump(loop_state, f)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointSaveError(_save_failure(root, step, e)) from None
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     _write_latest(root, step)
+    if keep:
+        prune(root, keep)
     return final
+
+
+def checkpoint_steps(root):
+    """Steps of the complete checkpoints under root (iter_XXXXXXX directories, not .tmp), ascending."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(int(m.group(1)) for m in map(re.compile(r"iter_(\d{7})$").match, names) if m)
+
+
+def prune(root, keep):
+    """Remove all but the `keep` newest complete checkpoints; never the one `latest` names (nor a .tmp
+    being written: those are not complete checkpoints)."""
+    found = latest(root)
+    protected = {found[0]} if found else set()
+    for step in checkpoint_steps(root)[:-keep]:
+        if step not in protected:
+            shutil.rmtree(iteration_dir(root, step), ignore_errors=True)
 
 
 def _write_latest(root, step):
@@ -106,8 +129,15 @@ def check_loadable(root):
     step, iteration = found
     require(os.path.isdir(iteration), f"--load {root}: {LATEST} names step {step} but "
             f"{os.path.basename(iteration)}/ is missing; point {LATEST} at an existing iter_ directory")
-    require(os.path.isfile(os.path.join(iteration, "loop_state.pkl")),
-            f"--load {root}: {os.path.basename(iteration)}/loop_state.pkl is missing; the checkpoint is incomplete")
+    require(os.path.isfile(os.path.join(iteration, LOOP_STATE)),
+            f"--load {root}: {os.path.basename(iteration)}/{LOOP_STATE} is missing; the checkpoint is incomplete")
+    try:
+        with open(os.path.join(iteration, LOOP_STATE)) as f:
+            state = json.load(f)
+        require(isinstance(state, dict) and isinstance(state.get("step"), int), "bad state")
+    except (ValueError, UserError):
+        raise UserError(f"--load {root}: {os.path.basename(iteration)}/{LOOP_STATE} is damaged (expected a JSON "
+                        "object with an integer \"step\"); --load an earlier checkpoint") from None
     check_torch_dist_dir(os.path.join(iteration, "model"), f"--load {root}")
     return step, iteration
 
@@ -161,5 +191,5 @@ class SaveLock:
 
 
 def load_loop_state(iteration):
-    with open(os.path.join(iteration, "loop_state.pkl"), "rb") as f:
-        return pickle.load(f)
+    with open(os.path.join(iteration, LOOP_STATE)) as f:
+        return json.load(f)

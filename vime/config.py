@@ -152,7 +152,8 @@ class RunSection:
     save: Optional[str] = field(default=None, metadata=flag(
         "--save", "directory for torch_dist checkpoints (model, optimizer, loop state)"))
     save_interval: int = field(default=0, metadata=flag(
-        "--save-interval", "save into --save every N steps (0: no checkpoints)"))
+        "--save-interval", "save into --save every N steps too (0: only at the end; the last step and a "
+        "signal's step are always saved)"))
     load: Optional[str] = field(default=None, metadata=flag("--load", "checkpoint directory to resume from"))
     ray_address: Optional[str] = field(default=None, metadata=flag(
         "--ray-address", "join a running Ray cluster (none: start a local one)"))
@@ -174,6 +175,8 @@ class RunSection:
     load_debug_rollout_data: Optional[str] = field(default=None, metadata=flag(
         "--load-debug-rollout-data", "directory of pickled rollouts that --debug-train-only trains on"))
     progress: bool = field(default=True, metadata=flag("--progress", "tqdm progress bars"))
+    save_keep: Optional[int] = field(default=None, metadata=flag(
+        "--save-keep", "keep only the N newest checkpoints in --save (none: keep all)"))
 
 
 @dataclass
@@ -199,13 +202,9 @@ def flag_table():
 def validate(cfg):
     """One-line errors for bad combinations, before any actor starts."""
     r, t, m, run = cfg.rollout, cfg.train, cfg.mtp, cfg.run
+    check_ranges(cfg)
     require(not m.enable_training or (m.num_layers or 0) > 0,
             "--enable-mtp-training needs --mtp-num-layers N (N >= 1, the MTP layers to train)")
-    for name, value in (("--rollout-batch-size", r.rollout_batch_size), ("--n-samples-per-prompt", r.n_samples_per_prompt),
-                        ("--global-batch-size", t.global_batch_size), ("--micro-batch-size", t.micro_batch_size),
-                        ("--num-rollout", run.num_rollout), ("--rollout-num-workers", r.rollout_num_workers),
-                        ("--rollout-max-response-len", r.rollout_max_response_len)):
-        require(value >= 1, f"{name} must be >= 1 (got {value})")
     per_step = r.rollout_batch_size * r.n_samples_per_prompt
     require(per_step % t.global_batch_size == 0,
             f"--global-batch-size {t.global_batch_size} must divide --rollout-batch-size x --n-samples-per-prompt "
@@ -214,10 +213,6 @@ def validate(cfg):
     require(t.global_batch_size % t.data_parallel_size == 0 and local % t.micro_batch_size == 0,
             f"--micro-batch-size {t.micro_batch_size} x --data-parallel-size {t.data_parallel_size} must divide "
             f"--global-batch-size {t.global_batch_size}")
-    for name, value in (("--tensor-model-parallel-size", t.tensor_model_parallel_size),
-                        ("--pipeline-model-parallel-size", t.pipeline_model_parallel_size),
-                        ("--data-parallel-size", t.data_parallel_size)):
-        require(value >= 1, f"{name} must be >= 1 (got {value})")
     require(not (run.debug_rollout_only and run.debug_train_only),
             "--debug-rollout-only and --debug-train-only exclude each other")
     require(not run.debug_train_only or run.load_debug_rollout_data,
@@ -225,35 +220,25 @@ def validate(cfg):
             "(written by a run with --save-debug-rollout-data DIR)")
     require(m.loss_type in MTP_LOSSES,
             f"--mtp-loss-type {m.loss_type!r}: use one of {', '.join(MTP_LOSSES)}")
-    require(m.distill_topk >= 0, f"--mtp-distill-topk must be >= 0 (0: full vocabulary; got {m.distill_topk})")
     require(not m.distill_topk or m.loss_type != "ce",
             "--mtp-distill-topk truncates a distillation target: use it with --mtp-loss-type soft_ce or tv")
-    require(m.train_depths is None or m.train_depths >= 1,
-            f"--mtp-train-depths must be >= 1 (got {m.train_depths})")
     require(m.reuse_attention in REUSE_ATTENTION,
             f"--mtp-reuse-attention {m.reuse_attention!r}: use one of {', '.join(REUSE_ATTENTION)}")
-    require(m.steps_per_rollout >= 1, f"--mtp-steps-per-rollout must be >= 1 (got {m.steps_per_rollout})")
     require(m.steps_per_rollout == 1 or m.enable_training,
             "--mtp-steps-per-rollout sets how the online MTP loss trains: use it with --enable-mtp-training")
-    require(m.replay_batches >= 0, f"--mtp-replay-batches must be >= 0 (got {m.replay_batches})")
     require(m.replay_batches == 0 or m.steps_per_rollout > 1,
             "--mtp-replay-batches feeds the MTP-only steps: use it with --mtp-steps-per-rollout 2 or more")
     require(m.train_depths is None or m.enable_training,
             "--mtp-train-depths sets what the online MTP loss trains: use it with --enable-mtp-training")
-    require(t.adam_eps > 0, f"--adam-eps must be > 0 (got {t.adam_eps})")
-    require(run.save_interval >= 0, f"--save-interval must be >= 0 (got {run.save_interval})")
     require(not run.save_interval or run.save, "--save-interval needs --save DIR")
+    require(run.save_keep is None or run.save, "--save-keep needs --save DIR")
     require(run.wandb_mode in (None, "offline", "online", "disabled"),
             f"--wandb-mode {run.wandb_mode!r}: use offline, online or disabled")
     _validate_rl_sampling(r)
-    _validate_optimisation(t, m)
 
 
 def _validate_rl_sampling(r):
-    """RL samples must come from the policy the trainer scores: full softmax at T > 0."""
-    require(r.rollout_temperature > 0,
-            f"--rollout-temperature {r.rollout_temperature}: RL needs sampling (> 0); at 0 every sample of a "
-            "prompt is the same greedy answer, so the group advantage and the gradient are zero")
+    """RL samples must come from the policy the trainer scores: the full softmax (T > 0: RANGES)."""
     # the trainer computes log-probs under the full softmax; top-p/top-k samples come from a
     # truncated one, which would bias the PPO ratio silently
     require(r.rollout_top_p == 1.0,
@@ -264,9 +249,70 @@ def _validate_rl_sampling(r):
             "do not truncate); leave --rollout-top-k at 0")
 
 
-def _validate_optimisation(t, m):
-    """Numbers only: the registries' names (--advantage-estimator, --kl-loss-type) are checked by
-    their owners (rollout/advantages.py, trainer/losses.py), which sit above this module."""
-    require(t.lr >= 0, f"--lr {t.lr}: a learning rate must be >= 0 (a negative one ascends the loss)")
-    require(m.lr is None or m.lr >= 0, f"--mtp-lr {m.lr}: a learning rate must be >= 0 (a negative one ascends the loss)")
-    require(t.clip_grad >= 0, f"--clip-grad {t.clip_grad} must be >= 0 (0 disables clipping)")
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric flag accepts: low/high bounds, each closed or open, and why (optional)."""
+
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    high_open: bool = False
+    why: str = ""
+
+    def holds(self, value):
+        import math
+
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def __str__(self):
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+
+
+AT_LEAST_1, AT_LEAST_0, POSITIVE = Range(1), Range(0), Range(0, low_open=True)
+SEED = Range(0, 2**32 - 1, why="seeds are unsigned 32-bit")
+LEARNING_RATE = Range(0, why="a negative learning rate ascends the loss")
+# Every numeric flag's accepted values, checked in one place (`check_ranges`) before any actor
+# starts; tests/test_bad_inputs.py checks that every numeric field of the tree has an entry here.
+RANGES = {
+    "--task-variant-prompts": AT_LEAST_1, "--rollout-batch-size": AT_LEAST_1, "--n-samples-per-prompt": AT_LEAST_1,
+    "--rollout-max-response-len": AT_LEAST_1,
+    "--rollout-temperature": Range(0, low_open=True, why="RL needs sampling; at 0 every sample of a prompt is the "
+                                   "same greedy answer, so the group advantage and the gradient are zero"),
+    "--rollout-top-p": Range(0, 1, low_open=True), "--rollout-top-k": AT_LEAST_0,
+    "--rollout-num-workers": AT_LEAST_1, "--rollout-max-batch-size": AT_LEAST_1, "--rollout-seed": SEED,
+    "--lr": LEARNING_RATE, "--weight-decay": AT_LEAST_0, "--adam-eps": POSITIVE, "--clip-grad": AT_LEAST_0,
+    "--eps-clip": Range(0, 1, low_open=True, high_open=True, why="the ratio is clipped to [1 - eps, 1 + eps]"),
+    "--eps-clip-high": POSITIVE, "--kl-loss-coef": AT_LEAST_0,
+    "--global-batch-size": AT_LEAST_1, "--micro-batch-size": AT_LEAST_1, "--tensor-model-parallel-size": AT_LEAST_1,
+    "--pipeline-model-parallel-size": AT_LEAST_1, "--data-parallel-size": AT_LEAST_1, "--seed": SEED,
+    "--mtp-num-layers": AT_LEAST_0, "--mtp-loss-scaling-factor": AT_LEAST_0, "--mtp-clip-grad": AT_LEAST_0,
+    "--mtp-distill-topk": AT_LEAST_0, "--mtp-train-depths": AT_LEAST_1, "--mtp-steps-per-rollout": AT_LEAST_1,
+    "--mtp-replay-batches": AT_LEAST_0, "--mtp-lr": LEARNING_RATE,
+    "--num-rollout": AT_LEAST_1, "--save-interval": AT_LEAST_0, "--update-weight-buffer-size": AT_LEAST_1,
+    "--save-keep": AT_LEAST_1,
+}
+
+
+def check_ranges(cfg):
+    """One line for the first numeric flag of the tree outside its `RANGES` entry."""
+    values = {}
+    for name, (path, _) in flag_table().items():
+        section, key = path.split(".")
+        values[name] = getattr(getattr(cfg, section), key)
+    check_flag_ranges(values, RANGES)
+
+
+def check_flag_ranges(values, ranges):
+    """{'--flag': value} against {'--flag': Range}: one line for the first value outside its range
+    (None: unset, always allowed). The tools' command lines (rollout.generate, the converters) use it too."""
+    for name, value in values.items():
+        accepted = ranges.get(name)
+        if accepted is None or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        require(accepted.holds(value), f"{name} {value}: must be {accepted}" + (f" ({accepted.why})" if accepted.why else ""))

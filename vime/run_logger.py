@@ -1,15 +1,24 @@
-"""Run monitoring: wandb (offline unless a key or --wandb-mode online), metrics.jsonl,
-tqdm progress, and at the end a PNG of reward and acceptance length plus a summary table."""
+"""Run monitoring: wandb, metrics.jsonl, tqdm progress, and at the end a PNG of reward and
+acceptance length plus a summary table.
+
+wandb's mode, first set wins: --wandb-mode, then WANDB_MODE (wandb's own switch), then online when
+WANDB_API_KEY is set, else offline. An online start that fails (no route to the server, a bad
+key) is one warning line and the run logs offline (`wandb sync` uploads it later): a run is never
+lost for its logger."""
 import json
 import os
+import sys
 
 SUMMARY_KEYS = ("rollout/reward", "rollout/spec_accept_length", "rollout/spec_accept_rate",
                 "perf/rollout_tokens_per_s", "train/policy_loss", "train/mtp_loss")
 
 
 def wandb_mode(run_cfg):
+    """--wandb-mode > WANDB_MODE > online if a key is set > offline."""
     if run_cfg.wandb_mode:
         return run_cfg.wandb_mode
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
@@ -48,8 +57,19 @@ class RunLogger:
     def _init_wandb(self, config_dict):
         import wandb
 
-        run = wandb.init(project=self.cfg.wandb_project, group=self.cfg.wandb_group, dir=self.dir,
-                         mode=wandb_mode(self.cfg), config=config_dict, reinit="finish_previous")
+        mode = wandb_mode(self.cfg)
+        options = dict(project=self.cfg.wandb_project, group=self.cfg.wandb_group, dir=self.dir, config=config_dict,
+                       reinit="finish_previous")
+        try:
+            run = wandb.init(mode=mode, **options)
+        except Exception as e:  # wandb's errors (CommError, AuthenticationError, timeouts) have no common base
+            if mode != "online":
+                raise
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            print(f"warning: wandb could not start online ({type(e).__name__}: {why}); logging offline to "
+                  f"{os.path.join(self.dir, 'wandb')} instead (upload it later with `wandb sync`)",
+                  file=sys.stderr, flush=True)
+            run = wandb.init(mode="offline", **options)
         run.define_metric("rollout/step")
         run.define_metric("*", step_metric="rollout/step")
         return run

@@ -127,7 +127,7 @@ def run_arm(arm, args):
     cmd += ["--rollout-time-plain-baseline"] if args.time_plain else []
     cmd += args.extra + options  # an arm's own options win over the shared extra arguments
     print(f"[drift] {arm}: {' '.join(cmd[1:])}", flush=True)
-    env = dict(os.environ, WANDB_SILENT="true", RAY_AUTH_MODE="disabled")
+    env = dict(os.environ, WANDB_SILENT="true")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"[drift] arm {arm} failed:\n{proc.stderr[-3000:]}")

@@ -1,0 +1,53 @@
+"""Stop requests as a cluster sends them: SIGTERM (Slurm's preemption and time limit, Kubernetes'
+pod stop) and SIGUSR1 (Slurm's `--signal`, ahead of the limit) stop the run at the next safe
+point (the end of a step), where it saves when --save is set and says which checkpoint to --load.
+The scheduler's SIGKILL follows after a grace period, so the handler only notes the request: the
+step in flight finishes, and nothing is interrupted half-written."""
+import os
+import signal
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequest:
+    """Notes the first stop signal received; `name` is its name (e.g. "SIGTERM") or None."""
+
+    def __init__(self):
+        self.name = None
+        self.signum = None
+
+    def install(self):
+        """(Re-)install the handlers: Ray's ray.init installs its own SIGTERM handler (and its C++ one
+        prints stack lines), so call this again once Ray is up."""
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._note)
+
+    def _note(self, signum, frame):
+        if self.name is None:
+            self.name, self.signum = signal.Signals(signum).name, signum
+
+
+class StoppedBySignal(Exception):
+    """The run stopped at a safe point on a stop signal; the message says where and how to resume."""
+
+    def __init__(self, message, signum):
+        super().__init__(message)
+        self.exit_code = 128 + signum  # the shell's convention for "ended by this signal"
+
+
+def stop_message(how, next_step, save_dir, saved_step=None):
+    """One line: what stopped the run (e.g. "stopped by SIGTERM", "interrupted (Ctrl-C)"), at which
+    step, and the --load that resumes it (or that no checkpoint exists to resume from)."""
+    from vime.checkpointing import latest
+
+    if saved_step is not None:
+        return f"{how} at step {next_step}: saved the step-{saved_step} checkpoint; resume with --load {save_dir}"
+    found = latest(save_dir) if save_dir and os.path.isdir(save_dir) else None
+    if found:
+        return f"{how} at step {next_step}; resume with --load {save_dir} (last checkpoint: step {found[0]})"
+    return (f"{how} at step {next_step}; no checkpoint was saved: rerun with --save DIR to be able to resume "
+            "(a stop signal saves before stopping)")
+
+
+class Interrupted(Exception):
+    """Ctrl-C mid-run; the message says at which step and which checkpoint to --load."""

@@ -1,0 +1,198 @@
+"""A real `python train_rl.py` run as a cluster treats it: its local Ray refuses a client without
+the token on the machine's network address, and SIGTERM / SIGUSR1 stop it at a step's end with a
+checkpoint and one line naming the --load that resumes it bit for bit."""
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+import pytest
+
+from tests.test_train_rl import REPO, TIMING_KEYS, base_args, ckpt, metrics, run_train  # noqa: F401 (fixture)
+
+RAY_CRASH_LINES = ("*** SIGTERM", "PC: @", "Traceback", "*** SIGUSR1")
+
+
+def start_run(ckpt, out, steps, *extra, **env_vars):
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline", WANDB_SILENT="true", **env_vars)
+    env.pop("RAY_AUTH_MODE", None)  # Ray's default: token authentication on
+    return subprocess.Popen([sys.executable, "train_rl.py", *map(str, base_args(ckpt, out, steps, *extra))],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_first_step(proc, out, timeout=300):
+    log = os.path.join(out, "metrics.jsonl")
+    deadline = time.time() + timeout
+    while time.time() < deadline and not (os.path.exists(log) and open(log).read().strip()):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.3)
+
+
+def network_address():
+    """This machine's own non-loopback IPv4 address (the one its default route leaves from)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("192.0.2.1", 9))  # UDP connect sends nothing: it only picks the outgoing interface
+        return s.getsockname()[0]
+    finally:
+        s.close()
+
+
+def gcs_port(driver_pid):
+    """The TCP port the run's own GCS server (a child of its driver) listens on."""
+    for child in psutil.Process(driver_pid).children(recursive=True):
+        if "gcs_server" in " ".join(child.cmdline()):
+            ports = sorted({c.laddr.port for c in child.net_connections(kind="tcp") if c.status == "LISTEN"})
+            assert len(ports) == 1, ports
+            return ports[0]
+    raise AssertionError("the run started no GCS server of its own")
+
+
+def connect_as_client(address, home, extra_env):
+    """A separate Ray client joining `address`; rc 0 and JOINED when it got in."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(HOME=str(home), **extra_env)
+    code = f"import ray; ray.init(address={address!r}); print('JOINED', len(ray.nodes()))"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+
+
+def stop_line(proc_stderr):
+    lines = [x for x in proc_stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1, proc_stderr[-3000:]
+    return lines[0]
+
+
+def test_a_default_run_refuses_a_client_without_the_token_and_sigusr1_saves_and_says_where(ckpt, tmp_path):
+    if network_address().startswith("127."):
+        pytest.skip("this machine has no network address besides loopback")
+    out, save = tmp_path / "out", tmp_path / "save"
+    system_tmp = tempfile.mkdtemp(prefix="vt", dir="/tmp")  # short: Ray's socket paths live under it
+    proc = start_run(ckpt, out, 100000, "--save", save, TMPDIR=system_tmp)
+    try:
+        wait_for_first_step(proc, out)
+        address = f"{network_address()}:{gcs_port(proc.pid)}"
+        # control: the same client with this user's token (its real HOME holds Ray's ~/.ray/auth_token) gets in
+        holder = connect_as_client(address, os.path.expanduser("~"), {"RAY_AUTH_MODE": "token"})
+        assert holder.returncode == 0 and "JOINED" in holder.stdout, holder.stderr[-3000:]
+        # a stranger: no token (another HOME), sending none
+        stranger = connect_as_client(address, tmp_path / "stranger_home", {"RAY_AUTH_MODE": "disabled"})
+        assert stranger.returncode != 0 and "JOINED" not in stranger.stdout
+        assert "InvalidAuthToken" in stranger.stderr or "AuthenticationError" in stranger.stderr, stranger.stderr[-3000:]
+        proc.send_signal(signal.SIGUSR1)
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGUSR1, stderr[-3000:]
+    line = stop_line(stderr)
+    m = re.fullmatch(rf"error: stopped by SIGUSR1 at step (\d+): saved the step-(\d+) checkpoint; "
+                     rf"resume with --load {re.escape(str(save))}", line)
+    assert m and m.group(1) == m.group(2), line
+    assert not any(x in stdout + stderr for x in RAY_CRASH_LINES), stderr[-3000:]
+    steps_done = int(m.group(1))
+    assert len(metrics(out)) == steps_done  # --save-interval 0: saved anyway, at the signal's step
+    assert json.load(open(save / "latest_checkpointed_iteration.txt")) == {"step": steps_done}
+    # nothing left in the system temp dir but Ray's own session directory (wandb, the actors: removed)
+    assert os.listdir(system_tmp) == ["ray"], os.listdir(system_tmp)
+    shutil.rmtree(system_tmp, ignore_errors=True)
+
+
+def test_sigterm_saves_the_step_and_the_resumed_run_reproduces_an_uninterrupted_one_bit_for_bit(ckpt, tmp_path):
+    out, save = tmp_path / "out", tmp_path / "save"
+    proc = start_run(ckpt, out, 100000, "--use-wandb", "false", "--save", save, "--save-interval", 1000)
+    try:
+        wait_for_first_step(proc, out)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    m = re.fullmatch(rf"error: stopped by SIGTERM at step (\d+): saved the step-\1 checkpoint; "
+                     rf"resume with --load {re.escape(str(save))}", stop_line(stderr))
+    assert m, stderr[-3000:]
+    assert not any(x in stdout + stderr for x in RAY_CRASH_LINES), stderr[-3000:]
+    k = int(m.group(1))
+    assert k < 50  # stopped at the next safe point, not at the end
+
+    proc = run_train(*base_args(ckpt, out, k + 2, "--use-wandb", "false", "--load", save))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference_out, reference_save = tmp_path / "ref", tmp_path / "ref_save"
+    proc = run_train(*base_args(ckpt, reference_out, k + 2, "--use-wandb", "false", "--save", reference_save,
+                                "--save-interval", 1, "--save-keep", 2))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed, reference = metrics(out), metrics(reference_out)
+    assert [r["rollout/step"] for r in resumed] == list(range(k + 2))
+    for got, want in zip(resumed, reference):  # the stopped run's steps, then the resumed ones
+        assert {key: v for key, v in got.items() if not key.startswith(TIMING_KEYS)} == \
+               {key: v for key, v in want.items() if not key.startswith(TIMING_KEYS)}
+    # --save-keep 2 with a save every step: the two newest remain, the latest names the last step
+    assert sorted(x for x in os.listdir(reference_save) if x.startswith("iter_")) == \
+           [f"iter_{k + 1:07d}", f"iter_{k + 2:07d}"]
+
+
+def shared_memory_of(pid):
+    """The /dev/shm files the process tree of `pid` has mapped or open (vLLM's rings, Ray's plasma store)."""
+    found = set()
+    procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+    for p in procs:
+        try:
+            found |= {m.path for m in p.memory_maps(grouped=True) if m.path.startswith("/dev/shm/")}
+            found |= {f.path for f in p.open_files() if f.path.startswith("/dev/shm/")}
+        except psutil.Error:  # a process that ended meanwhile
+            pass
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_on_the_vllm_backend_saves_releases_shared_memory_and_resumes_bit_for_bit(tmp_path):
+    pytest.importorskip("vllm")
+    from tests import test_train_rl_vllm as v
+
+    ckpt = str(tmp_path / "ckpt")
+    v.make_tiny_mimo(ckpt, seed=5)
+    v.write_jsonl(v.make_prompts(64, seed=1), os.path.join(ckpt, "train.jsonl"))
+    out, save = tmp_path / "out", tmp_path / "save"
+    system_tmp = tempfile.mkdtemp(prefix="vt", dir="/tmp")
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline", WANDB_SILENT="true", TMPDIR=system_tmp)
+    env.pop("RAY_AUTH_MODE", None)
+    proc = subprocess.Popen([sys.executable, "train_rl.py", *map(str, v.base_args(ckpt, out, 100000, "--save", save))],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_first_step(proc, out, timeout=900)
+        shm = shared_memory_of(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    m = re.fullmatch(rf"error: stopped by SIGTERM at step (\d+): saved the step-\1 checkpoint; "
+                     rf"resume with --load {re.escape(str(save))}", stop_line(stderr))
+    # vLLM logs a warm-up traceback of its own as a WARNING at start-up: only other tracebacks count
+    crash = [x for x in (stdout + stderr).splitlines() if any(c in x for c in RAY_CRASH_LINES) and "WARNING" not in x]
+    assert m and not crash, crash
+    assert any("psm_" in p for p in shm), shm  # vLLM's shared-memory rings were in use ...
+    time.sleep(2)
+    assert [p for p in shm if os.path.exists(p)] == []  # ... and are released
+    assert os.listdir(system_tmp) == ["ray"], os.listdir(system_tmp)  # vLLM's IPC sockets went with the run
+    shutil.rmtree(system_tmp, ignore_errors=True)
+    k = int(m.group(1))
+
+    proc = v.run_train(*v.base_args(ckpt, out, k + 2, "--load", save))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = tmp_path / "ref"
+    proc = v.run_train(*v.base_args(ckpt, reference, k + 2))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed, uninterrupted = metrics(out), metrics(reference)
+    assert [r["rollout/step"] for r in resumed] == list(range(k + 2))
+    for got, want in zip(resumed, uninterrupted):
+        assert {key: x for key, x in got.items() if not key.startswith(TIMING_KEYS)} == \
+               {key: x for key, x in want.items() if not key.startswith(TIMING_KEYS)}
