@@ -43,6 +43,7 @@ def _steps(run, logger, cfg, tqdm):
     for step in steps:
         start = time.perf_counter()
         samples, rollout_metrics = run.generate(step)
+        run.start_next_rollout(step + 1)  # --async-rollout: step + 1 generates while this step trains
         train_metrics = run.train(samples)
         sync_metrics = run.push_weights(version=step + 1)
         metrics = {**rollout_metrics, **train_metrics, **sync_metrics, "perf/step_time": time.perf_counter() - start}

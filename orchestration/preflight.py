@@ -12,6 +12,7 @@ def preflight(cfg):
     from vime.models.hf_format import inspect_hf_checkpoint
     from rollout.advantages import check_estimator
     from rollout.data import read_prompt_file
+    from rollout.group_batching import check_dynamic_sampling
     from rollout.rewards import get_reward_fn
     from trainer.distributed import check_parallel_sizes
     from trainer.losses import check_kl_estimator
@@ -19,6 +20,8 @@ def preflight(cfg):
     from vime.config import validate
 
     validate(cfg)
+    check_dynamic_sampling(cfg.rollout)
+    check_off_policy(cfg)
     check_kl_estimator(cfg.train.kl_loss_type)
     check_estimator(cfg.train.advantage_estimator)
     ensure_model(cfg.model)
@@ -54,6 +57,19 @@ def preflight(cfg):
         get_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
     if cfg.run.load:
         check_resume(cfg)
+
+
+def check_off_policy(cfg):
+    """--async-rollout overlaps the rollout with training, so it needs both; TIS needs a sane cap."""
+    run, t = cfg.run, cfg.train
+    require(not (run.async_rollout and run.debug_rollout_only),
+            "--async-rollout overlaps the rollout with training, and --debug-rollout-only starts no trainers: "
+            "drop one of them")
+    require(not (run.async_rollout and run.debug_train_only),
+            "--async-rollout overlaps the rollout with training, and --debug-train-only generates nothing: "
+            "drop one of them")
+    require(t.tis_clip >= 1.0, f"--tis-clip {t.tis_clip}: the cap of the importance weight must be >= 1 "
+            "(below 1 it shrinks even on-policy tokens)")
 
 
 def _codec(hf_checkpoint):

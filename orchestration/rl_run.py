@@ -27,14 +27,23 @@ class RLRun:
             self.sync = WeightSync(self.trainers, workers, cfg.run, sync_draft=cfg.rollout.sync_draft_weights)
         if state and self.rollout:
             ray_get(self.rollout.set_data_cursor.remote(state["data_cursor"]))
+        self.weights_version = self.start_step  # the version the workers hold (after the first push)
+        self.ahead = None  # --async-rollout: (step, its rollout in flight, weight version it runs on, data cursor before it)
 
     def generate(self, step):
         if self.rollout is None:
             with open(os.path.join(self.cfg.run.load_debug_rollout_data, f"step_{step:07d}.pkl"), "rb") as f:
                 return pickle.load(f), {}
-        samples, metrics = ray_get(self.rollout.generate.remote(step))
-        if self.sync:  # workers hold the weights pushed after step - 1 (or the resumed ones)
-            check_weight_versions(samples, expected=step)
+        if self.ahead and self.ahead[0] == step:  # started during the previous step's training
+            _, pending, expected, _ = self.ahead
+            samples, metrics = ray_get(pending)
+            self.ahead = None
+        else:
+            samples, metrics = ray_get(self.rollout.generate.remote(step))
+            expected = self.weights_version
+        if self.sync:  # workers held the weights pushed after step - 1 (step - 2 when run ahead)
+            check_weight_versions(samples, expected=expected)
+            metrics.update(staleness_metrics(samples, step))
         if self.cfg.run.save_debug_rollout_data:
             os.makedirs(self.cfg.run.save_debug_rollout_data, exist_ok=True)
             with open(os.path.join(self.cfg.run.save_debug_rollout_data, f"step_{step:07d}.pkl"), "wb") as f:
@@ -44,7 +53,20 @@ class RLRun:
     def train(self, samples):
         return self.trainers.train(samples) if self.trainers else {}
 
+    def start_next_rollout(self, step):
+        """--async-rollout: start the rollout of `step` now, on the weights (and draft) the workers
+        hold, so it runs while the trainer trains on the previous step (no-op otherwise)."""
+        if not (self.cfg.run.async_rollout and self.rollout and step < self.cfg.run.num_rollout):
+            return
+        cursor = ray_get(self.rollout.data_cursor.remote())  # a checkpoint of this step resumes before it
+        self.ahead = (step, self.rollout.generate.remote(step), self.weights_version, cursor)
+
     def push_weights(self, version):
+        if self.ahead:  # the workers load the new weights only after the rollout running ahead is done
+            import ray
+
+            ray.wait([self.ahead[1]])
+        self.weights_version = version
         return self.sync.push(version) if self.sync else {}
 
     def close(self):
@@ -63,7 +85,7 @@ class RLRun:
         run = self.cfg.run
         if not (run.save and run.save_interval and (step + 1) % run.save_interval == 0 and self.trainers):
             return
-        cursor = ray_get(self.rollout.data_cursor.remote()) if self.rollout else 0
+        cursor = self.ahead[3] if self.ahead else ray_get(self.rollout.data_cursor.remote()) if self.rollout else 0
         checkpointing.save(run.save, step + 1, self.trainers.save, {"step": step + 1, "data_cursor": cursor})
 
 
@@ -75,6 +97,15 @@ def check_weight_versions(samples, expected):
     if stale:
         raise WeightSyncError(f"step {expected}: samples were generated with weight version(s) {stale}, "
                               f"but the trainer pushed version {expected}; stopping (off-policy samples)")
+
+
+def staleness_metrics(samples, step):
+    """How many steps behind the trained policy the weights and the draft of a batch were
+    (0 when synchronous; 1 under --async-rollout; the draft more under --no-sync-draft-weights)."""
+    weights = [step - s.weight_version for s in samples]
+    drafts = [step - s.draft_version for s in samples]
+    return {"rollout/weight_staleness": sum(weights) / len(weights), "rollout/weight_staleness_max": max(weights),
+            "rollout/draft_staleness": sum(drafts) / len(drafts), "rollout/draft_staleness_max": max(drafts)}
 
 
 def _actor_names(rollout, workers, trainers):

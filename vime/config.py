@@ -74,6 +74,14 @@ class RolloutSection:
     rollout_seed: int = field(default=42, metadata=flag("--rollout-seed", "seed of prompt order and sampling"))
     rollout_shuffle: bool = field(default=True, metadata=flag(
         "--rollout-shuffle", "shuffle the prompts each epoch (--no-rollout-shuffle: file order)"))
+    dynamic_sampling: bool = field(default=False, metadata=flag(
+        "--dynamic-sampling", "DAPO dynamic sampling: drop groups whose rewards are all equal (no GRPO signal) "
+        "and draw more prompts until the batch is full"))
+    over_sampling_batch_size: Optional[int] = field(default=None, metadata=flag(
+        "--over-sampling-batch-size", "prompts per draw under --dynamic-sampling (none: --rollout-batch-size)"))
+    dynamic_sampling_max_draws: int = field(default=4, metadata=flag(
+        "--dynamic-sampling-max-draws", "most draws per step under --dynamic-sampling; a batch still short then "
+        "is filled with zero-signal groups (metric rollout/dynamic_sampling_filled_groups, one warning line)"))
 
 
 @dataclass
@@ -105,6 +113,10 @@ class TrainSection:
     data_parallel_size: int = field(default=1, metadata=flag(
         "--data-parallel-size", "trainer data parallelism (DP); trainer actors = TP x PP x DP"))
     seed: int = field(default=1234, metadata=flag("--seed", "trainer seed"))
+    use_tis: bool = field(default=False, metadata=flag(
+        "--use-tis", "truncated importance sampling: weight the loss by min(pi_old / pi_rollout, --tis-clip), "
+        "pi_old recomputed by the trainer before the step (corrects off-policy rollouts, e.g. --async-rollout)"))
+    tis_clip: float = field(default=2.0, metadata=flag("--tis-clip", "cap of the truncated importance weight"))
 
 
 @dataclass
@@ -174,6 +186,9 @@ class RunSection:
     load_debug_rollout_data: Optional[str] = field(default=None, metadata=flag(
         "--load-debug-rollout-data", "directory of pickled rollouts that --debug-train-only trains on"))
     progress: bool = field(default=True, metadata=flag("--progress", "tqdm progress bars"))
+    async_rollout: bool = field(default=False, metadata=flag(
+        "--async-rollout", "one step off-policy: the rollout of step t+1 runs while the trainer trains on step t "
+        "(on the weights and draft synced after step t-1); see --use-tis"))
 
 
 @dataclass
