@@ -57,6 +57,7 @@ def main(argv=None):
     from vime.checkpointing import CheckpointSaveError, SaveLock
     from vime.cli_config import help_text, load_config
     from orchestration.driver import WeightSyncError, init_ray
+    from orchestration.placement import needed_cpus
 
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
@@ -67,8 +68,7 @@ def main(argv=None):
         cfg = load_config(argv)
         preflight(cfg)
         lock = SaveLock(cfg.run.save) if cfg.run.save else None  # refuse a second run on the same --save
-        t = cfg.train
-        init_ray(cfg.run, cfg.rollout.rollout_num_workers + t.tensor_model_parallel_size * t.data_parallel_size)
+        init_ray(cfg.run, needed_cpus(cfg))
         run_loop(cfg)
     except UserError as e:  # raised in an actor it arrives wrapped by Ray: report the cause's line
         print(f"error: {str(getattr(e, 'cause', None) or e).splitlines()[0]}", file=sys.stderr)

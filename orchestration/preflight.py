@@ -13,6 +13,7 @@ def preflight(cfg):
     from rollout.advantages import check_estimator
     from rollout.data import read_prompt_file
     from rollout.group_batching import check_dynamic_sampling
+    from orchestration.placement import check_placement_flags
     from rollout.rewards import get_reward_fn
     from trainer.distributed import check_parallel_sizes
     from trainer.losses import check_kl_estimator
@@ -22,6 +23,7 @@ def preflight(cfg):
     validate(cfg)
     check_dynamic_sampling(cfg.rollout)
     check_off_policy(cfg)
+    check_placement_flags(cfg)
     check_kl_estimator(cfg.train.kl_loss_type)
     check_estimator(cfg.train.advantage_estimator)
     ensure_model(cfg.model)

@@ -10,18 +10,23 @@ class RLRun:
         from rollout.ray_workers import RolloutManager
         from vime import checkpointing
         from orchestration.driver import TrainerGroup, WeightSync
+        from orchestration.placement import Placement
 
         self.cfg = cfg
         self.start_step, state, model_load = 0, None, None
         if cfg.run.load:
             self.start_step, iteration = checkpointing.latest(cfg.run.load)
             state, model_load = checkpointing.load_loop_state(iteration), os.path.join(iteration, "model")
+        self.placement = Placement(cfg)  # checked against the cluster first: one line if it cannot fit
+        engines = [self.placement.engine_options(i) for i in range(self.placement.demand.engines)]
         self.rollout = None if cfg.run.debug_train_only else RolloutManager.options(num_cpus=0).remote(
-            cfg.rollout, cfg.model.hf_checkpoint, cfg.train.advantage_estimator)
-        self.trainers = None if cfg.run.debug_rollout_only else TrainerGroup(cfg, load=model_load)
+            cfg.rollout, cfg.model.hf_checkpoint, cfg.train.advantage_estimator, worker_options=engines)
+        self.trainers = None if cfg.run.debug_rollout_only else TrainerGroup(cfg, load=model_load,
+                                                                             placement=self.placement)
         self.sync = None
         workers = ray_get(self.rollout.get_workers.remote()) if self.rollout else []
         self.actor_names = _actor_names(self.rollout, workers, self.trainers)
+        self._name_nodes(workers)
         ray_get([w.weight_version.remote() for w in workers])  # started: step 0 times no actor start-up
         if self.rollout and self.trainers:
             self.sync = WeightSync(self.trainers, workers, cfg.run, sync_draft=cfg.rollout.sync_draft_weights)
@@ -68,6 +73,14 @@ class RLRun:
             ray.wait([self.ahead[1]])
         self.weights_version = version
         return self.sync.push(version) if self.sync else {}
+
+    def _name_nodes(self, workers):
+        """Add each actor's node (from its placement bundle) to its name, for the one-line fault messages."""
+        placed = [(w, "engine", i) for i, w in enumerate(workers)]
+        placed += [(a, "rank", r) for r, a in enumerate(self.trainers.actors if self.trainers else [])]
+        for actor, kind, index in placed:
+            key = actor._actor_id.hex()
+            self.actor_names[key] += f" on {self.placement.node_of(kind, index)}"
 
     def close(self):
         """Stop the processes a rollout backend started (vLLM's engine) before Ray goes down."""

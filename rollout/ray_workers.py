@@ -102,7 +102,7 @@ def sampling_for(rollout_cfg, step, draw=0):
 class RolloutManagerImpl:
     """Owns the prompt data, the rollout workers, the reward and the advantage estimator."""
 
-    def __init__(self, rollout_cfg, hf_checkpoint, advantage_estimator):
+    def __init__(self, rollout_cfg, hf_checkpoint, advantage_estimator, worker_options=None):
         from vime.models.hf_format import read_config
         from rollout.tokenizer import TextCodec
 
@@ -115,12 +115,12 @@ class RolloutManagerImpl:
                                   rollout_cfg.rollout_shuffle)
         self.reward_fn = get_reward_fn(rollout_cfg.rm_type, rollout_cfg.custom_rm_path)
         self.warned_bound = False  # dynamic sampling's bound is said once, counted every step
-        opts = worker_resources()
-        self.workers = [RolloutWorker.options(**opts).remote(
+        opts = worker_options or [worker_resources()] * rollout_cfg.rollout_num_workers  # placed, or anywhere
+        self.workers = [RolloutWorker.options(**opts[i]).remote(
             hf_checkpoint, rollout_cfg.vllm_speculative_config, rollout_cfg.rollout_max_batch_size,
             backend=rollout_cfg.backend, sync_draft=rollout_cfg.sync_draft_weights,
             spec_adaptive=rollout_cfg.spec_adaptive, time_plain_baseline=rollout_cfg.time_plain_baseline)
-            for _ in range(rollout_cfg.rollout_num_workers)]
+            for i in range(rollout_cfg.rollout_num_workers)]
 
     def get_workers(self):
         return self.workers

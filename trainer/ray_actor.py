@@ -77,8 +77,8 @@ class TrainerActorImpl:
         start = time.perf_counter()
         per_step = len(samples) // num_steps
         batches = [build_batch(samples[i * per_step:(i + 1) * per_step]) for i in range(num_steps)]
-        if self.cfg.use_tis:  # pi_old: the policy before this RL step's first update, for every batch
-            for batch in batches:
+        if self.cfg.use_tis and num_steps > 1:  # pi_old for the updates after the first (which is its own pi_old)
+            for batch in batches[1:]:
                 batch.old_logprobs = self.trainer.compute_logprobs(batch)
         totals = {}
         for batch in batches:

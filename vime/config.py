@@ -192,6 +192,33 @@ class RunSection:
 
 
 @dataclass
+class PlacementSection:
+    """Where the actors go: Ray placement-group bundles per trainer rank and rollout engine (`cfg.placement`)."""
+
+    colocate: bool = field(default=False, metadata=flag(
+        "--colocate", "one bundle holds a rollout engine and a trainer rank (needs --rollout-num-workers = trainer "
+        "ranks); otherwise each has its own bundle"))
+    actor_num_nodes: int = field(default=1, metadata=flag(
+        "--actor-num-nodes", "nodes the trainer ranks spread over (1: all on one node, strictly)"))
+    actor_num_gpus_per_node: Optional[int] = field(default=None, metadata=flag(
+        "--actor-num-gpus-per-node", "GPUs the trainer ranks of one node take (none: one per rank when the "
+        "cluster has GPUs, else 0)"))
+    actor_num_cpus_per_node: Optional[int] = field(default=None, metadata=flag(
+        "--actor-num-cpus-per-node", "CPUs the trainer ranks of one node take (none: one per rank)"))
+    rollout_num_gpus_per_engine: Optional[int] = field(default=None, metadata=flag(
+        "--rollout-num-gpus-per-engine", "GPUs per rollout engine (none: 1 when the cluster has GPUs, else 0)"))
+    rollout_num_cpus_per_engine: int = field(default=1, metadata=flag(
+        "--rollout-num-cpus-per-engine", "CPUs per rollout engine"))
+    actor_resources: Any = field(default_factory=dict, metadata=flag(
+        "--actor-resources", "custom Ray resources of each trainer bundle, JSON, e.g. '{\"trainer_node\": 1}' "
+        "(the labels `ray start --resources` gave a node)"))
+    rollout_resources: Any = field(default_factory=dict, metadata=flag(
+        "--rollout-resources", "custom Ray resources of each rollout-engine bundle, JSON"))
+    placement_timeout: float = field(default=60.0, metadata=flag(
+        "--placement-timeout", "seconds to wait for the placement groups before stopping with what is missing"))
+
+
+@dataclass
 class Config:
     """The whole tree train_rl.py runs on: one section per part, each handed only its own slice."""
 
@@ -200,6 +227,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     mtp: MTPSection = field(default_factory=MTPSection)
     run: RunSection = field(default_factory=RunSection)
+    placement: PlacementSection = field(default_factory=PlacementSection)
 
 
 def flag_table():
