@@ -29,6 +29,9 @@ def run_loop(cfg):
         try:
             _steps(run, logger, cfg, tqdm)
         except Exception as e:
+            lost = run.lost_node_message(e, logger.next_step)
+            if lost:
+                raise ActorLost(lost) from None
             died = dead_actor(e)
             if died is None:
                 raise

@@ -112,7 +112,8 @@ def init_ray(run_cfg, needed_cpus):
     from orchestration.placement import code_runtime_env
 
     # the code travels to every node with the job (working_dir), not as a path of this machine
-    env = {**code_runtime_env(REPO_ROOT), "env_vars": {"RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}}
+    env = {**code_runtime_env(REPO_ROOT), "env_vars": {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"],
+                                                      "OMP_NUM_THREADS": "1"}}
     if run_cfg.ray_address:
         ray.init(address=run_cfg.ray_address, runtime_env=env, log_to_driver=True)
     else:

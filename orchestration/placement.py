@@ -195,14 +195,18 @@ class Placement:
     def engine_options(self, index):
         return self._options("engine", index, self.demand.engine)
 
-    def node_of(self, kind, index):
-        """'node <id prefix> (<its custom resources>)' holding that rank's or engine's bundle."""
-        import ray
+    def node_id_of(self, kind, index):
+        """The id of the node holding that rank's or engine's bundle."""
         from ray.util.placement_group import placement_group_table
 
         bundle = self.where[("both", index)] if self.demand.colocate else self.where[(kind, index)]
-        node_id = placement_group_table(self.pg)["bundles_to_node_id"][bundle]
-        return describe_node(node_id, ray.nodes())
+        return placement_group_table(self.pg)["bundles_to_node_id"][bundle]
+
+    def node_of(self, kind, index):
+        """'node <id prefix> (<its custom resources>)' holding that rank's or engine's bundle."""
+        import ray
+
+        return describe_node(self.node_id_of(kind, index), ray.nodes())
 
 
 def describe_node(node_id, nodes):

@@ -2,6 +2,9 @@
 one-line messages for an actor lost mid-run. train_rl.py's loop calls one method per stage."""
 import os
 import pickle
+import time
+
+from vime.errors import UserError
 
 class RLRun:
     """The actors of one run and the per-step stages."""
@@ -78,9 +81,39 @@ class RLRun:
         """Add each actor's node (from its placement bundle) to its name, for the one-line fault messages."""
         placed = [(w, "engine", i) for i, w in enumerate(workers)]
         placed += [(a, "rank", r) for r, a in enumerate(self.trainers.actors if self.trainers else [])]
+        self.actor_node_ids = {}
         for actor, kind, index in placed:
             key = actor._actor_id.hex()
+            self.actor_node_ids[key] = self.placement.node_id_of(kind, index)
             self.actor_names[key] += f" on {self.placement.node_of(kind, index)}"
+
+    def lost_node_message(self, error, step):
+        """One line when `error` comes from a node of the run that is gone (its actors died with it, or a
+        peer's collective broke), naming the node and the checkpoint to resume from; else None.
+        An actor killed with its node is reported once the GCS has marked the node dead; a broken
+        connection to a peer can come first, so then the GCS is given a while to notice."""
+        import ray
+        from ray.exceptions import RayError
+
+        if not isinstance(error, RayError) or isinstance(getattr(error, "cause", None), UserError):
+            return None
+        text = str(error)
+        broken_peer = any(word in text for word in ("onnection", "peer", "loo"))  # gloo: "Connection closed by peer"
+        wait_s = 30 if broken_peer else 3 if dead_actor(error) else 0
+        ours = set(self.actor_node_ids.values())
+        deadline = time.time() + wait_s
+        while True:
+            gone = [n["NodeID"] for n in ray.nodes() if n["NodeID"] in ours and not n["Alive"]]
+            if gone or time.time() > deadline:
+                break
+            time.sleep(1)
+        if not gone:
+            return None
+        from orchestration.placement import describe_node
+
+        node = describe_node(gone[0], ray.nodes())
+        held = [self.actor_names[a].split(" on ")[0] for a, n in self.actor_node_ids.items() if n == gone[0]]
+        return f"{node} was lost at step {step}, with the {', '.join(held)} on it; " + resume_hint(self.cfg.run)
 
     def close(self):
         """Stop the processes a rollout backend started (vLLM's engine) before Ray goes down."""
@@ -148,15 +181,20 @@ def dead_actor(error):
 
 def lost_actor_message(died, names, run_cfg, step):
     """One line: which actor died, at which step, and how to resume."""
-    from vime.checkpointing import latest
-
     who = names.get(died.actor_id or "", "a Ray actor")
     if who == "a Ray actor" and died.actor_id is None and "rollout" in str(died):
         who = "a rollout worker"
+    return f"the {who} died at step {step} (its process exited or was killed, e.g. out of memory); " + \
+        resume_hint(run_cfg)
+
+
+def resume_hint(run_cfg):
+    """'resume with --load DIR (last checkpoint: step N)', or how to be able to next time."""
+    from vime.checkpointing import latest
+
     found = latest(run_cfg.save) if run_cfg.save and os.path.isdir(run_cfg.save) else None
-    resume = (f"resume with --load {run_cfg.save} (last checkpoint: step {found[0]})" if found else
-              "no checkpoint was saved yet: rerun, with --save DIR --save-interval K to be able to resume")
-    return f"the {who} died at step {step} (its process exited or was killed, e.g. out of memory); {resume}"
+    return (f"resume with --load {run_cfg.save} (last checkpoint: step {found[0]})" if found else
+            "no checkpoint was saved yet: rerun, with --save DIR --save-interval K to be able to resume")
 
 
 def ray_get(ref):

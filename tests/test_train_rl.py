@@ -319,7 +319,7 @@ def test_kl_loss_is_zero_against_the_reference_at_the_start_and_grows_after(ckpt
 
 def test_samples_generated_with_other_weights_than_the_pushed_version_stop_the_run():
     from orchestration.driver import WeightSyncError
-    from train_rl import check_weight_versions
+    from orchestration.rl_run import check_weight_versions
     from vime.sample import Sample
 
     fresh = [Sample(prompt_ids=[1], weight_version=3) for _ in range(3)]
