@@ -52,7 +52,7 @@ from ray.util.state import list_actors
 ray.init(address={cluster.address!r}, log_to_driver=False)
 labels = {{n["NodeID"]: sorted(k for k in n["Resources"] if k in ({ROLLOUT!r}, {TRAINER!r})) for n in ray.nodes()}}
 out = {{}}
-for a in list_actors(limit=1000, detail=True):
+for a in list_actors(address={cluster.address!r}, limit=1000, detail=True):
     out.setdefault(a.class_name, []).extend(labels.get(a.node_id, []))
 print(json.dumps(out))
 """
