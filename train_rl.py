@@ -34,6 +34,9 @@ def run_loop(cfg, stop=None):
         except KeyboardInterrupt:
             raise Interrupted(stop_message("interrupted (Ctrl-C)", logger.next_step, cfg.run.save)) from None
         except Exception as e:
+            lost = run.lost_node_message(e, logger.next_step)
+            if lost:
+                raise ActorLost(lost) from None
             died = dead_actor(e)
             if died is None:
                 raise
@@ -54,6 +57,7 @@ def _steps(run, logger, cfg, tqdm, stop):
     for step in steps:
         start = time.perf_counter()
         samples, rollout_metrics = run.generate(step)
+        run.start_next_rollout(step + 1)  # --async-rollout: step + 1 generates while this step trains
         train_metrics = run.train(samples)
         sync_metrics = run.push_weights(version=step + 1)
         metrics = {**rollout_metrics, **train_metrics, **sync_metrics, "perf/step_time": time.perf_counter() - start}
@@ -70,6 +74,7 @@ def main(argv=None):
     from vime.checkpointing import CheckpointSaveError, SaveLock
     from vime.cli_config import help_text, load_config
     from orchestration.driver import WeightSyncError, init_ray
+    from orchestration.placement import needed_cpus
     from orchestration.run_tmp import RunTempDir
 
     argv = sys.argv[1:] if argv is None else argv
@@ -83,9 +88,8 @@ def main(argv=None):
         cfg = load_config(argv)
         preflight(cfg)
         lock = SaveLock(cfg.run.save) if cfg.run.save else None  # refuse a second run on the same --save
-        t = cfg.train
         run_tmp = RunTempDir()  # before Ray starts: the actors inherit TMPDIR through the raylet
-        init_ray(cfg.run, cfg.rollout.rollout_num_workers + t.tensor_model_parallel_size * t.data_parallel_size)
+        init_ray(cfg.run, needed_cpus(cfg))
         stop.install()  # over Ray's own SIGTERM handlers
         run_loop(cfg, stop)
     except UserError as e:  # raised in an actor it arrives wrapped by Ray: report the cause's line

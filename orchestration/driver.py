@@ -14,7 +14,7 @@ class WeightSyncError(RuntimeError):
 class TrainerGroup:
     """TP x PP x DP TrainerActors joined by torch.distributed."""
 
-    def __init__(self, cfg, load=None):
+    def __init__(self, cfg, load=None, placement=None):
         from trainer.config import TrainerConfig
         from trainer.ray_actor import TrainerActor
 
@@ -25,8 +25,8 @@ class TrainerGroup:
         gpus = ray.cluster_resources().get("GPU", 0)
         opts = {"num_gpus": 1} if gpus else {"num_cpus": 1}
         tcfg = TrainerConfig.from_tree(cfg)
-        self.actors = [TrainerActor.options(**opts).remote(rank, self.world, tcfg, cfg.model.hf_checkpoint, load)
-                       for rank in range(self.world)]
+        self.actors = [TrainerActor.options(**(placement.trainer_options(rank) if placement else opts)).remote(
+            rank, self.world, tcfg, cfg.model.hf_checkpoint, load) for rank in range(self.world)]
         # rank 0 hosts the group: its node's IP, so ranks on other nodes can join
         master_addr, port = ray.get(self.actors[0].rendezvous.remote())
         ray.get([a.start.remote(master_addr, port) for a in self.actors])
@@ -112,8 +112,10 @@ def init_ray(run_cfg, needed_cpus):
     their own). Ray's GCS, raylet and object servers bind every interface; the token guards them."""
     from vime.config import REPO_ROOT
 
-    env = {"env_vars": {"PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                        "OMP_NUM_THREADS": "1"}}
+    from orchestration.placement import code_runtime_env
+
+    # the code travels to every node with the job (working_dir), not as a path of this machine
+    env = {**code_runtime_env(REPO_ROOT), "env_vars": {"OMP_NUM_THREADS": "1"}}
     if run_cfg.ray_address:
         ray.init(address=run_cfg.ray_address, runtime_env=env, log_to_driver=True)
     else:

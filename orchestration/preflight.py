@@ -12,6 +12,8 @@ def preflight(cfg):
     from vime.models.hf_format import inspect_hf_checkpoint
     from rollout.advantages import check_estimator
     from rollout.data import read_prompt_file
+    from rollout.group_batching import check_dynamic_sampling
+    from orchestration.placement import check_placement_flags
     from rollout.rewards import get_reward_fn
     from trainer.distributed import check_parallel_sizes
     from trainer.losses import check_kl_estimator
@@ -19,6 +21,9 @@ def preflight(cfg):
     from vime.config import validate
 
     validate(cfg)
+    check_dynamic_sampling(cfg.rollout)
+    check_off_policy(cfg)
+    check_placement_flags(cfg)
     check_kl_estimator(cfg.train.kl_loss_type)
     check_estimator(cfg.train.advantage_estimator)
     ensure_model(cfg.model)
@@ -76,6 +81,17 @@ def check_weight_shapes(hf_checkpoint, hf):
             have, want = tuple(f.get_slice(name).get_shape()), tuple(expected[name].shape)
             require(have == want, f"{weights}: tensor {name} has shape {list(have)} but config.json implies "
                     f"{list(want)}; the weights and config.json disagree (fix config.json or re-convert)")
+
+
+def check_off_policy(cfg):
+    """--async-rollout overlaps the rollout with training, so it needs both (--tis-clip's range is in RANGES)."""
+    run = cfg.run
+    require(not (run.async_rollout and run.debug_rollout_only),
+            "--async-rollout overlaps the rollout with training, and --debug-rollout-only starts no trainers: "
+            "drop one of them")
+    require(not (run.async_rollout and run.debug_train_only),
+            "--async-rollout overlaps the rollout with training, and --debug-train-only generates nothing: "
+            "drop one of them")
 
 
 def _codec(hf_checkpoint):

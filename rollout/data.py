@@ -73,8 +73,12 @@ class PromptDataset:
         return self._epoch_order
 
     def next_batch(self):
+        return self.next_prompts(self.batch_size)
+
+    def next_prompts(self, count):
+        """The next `count` prompts of the seeded order (dynamic sampling draws other counts)."""
         out = []
-        while len(out) < self.batch_size:
+        while len(out) < count:
             epoch, offset = divmod(self.cursor, len(self.rows))
             out.append(self.rows[self._order_of(epoch)[offset]])
             self.cursor += 1

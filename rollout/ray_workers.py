@@ -8,6 +8,7 @@ import torch
 
 from rollout.advantages import assign_advantages
 from rollout.data import PromptDataset, read_prompt_file
+from rollout.group_batching import DynamicBatch, groups_of, renumber, spread_groups, zero_signal_share
 from rollout.rewards import get_reward_fn
 from rollout.sampling_params import SamplingParams
 from rollout.spec_stats import add_counters, empty_counters, spec_rates
@@ -29,6 +30,7 @@ class RolloutWorkerImpl:
         self.sync_draft = sync_draft
         self.time_plain_baseline, self.calls = time_plain_baseline, 0
         self.group, self.layout = None, None
+        self.draft_version = 0  # the checkpoint's draft until a push loads one
 
     def generate(self, samples, sampling):
         """(samples, the backend's stats of this call: seconds, generated tokens, spec counters, spec_k_mean, ...);
@@ -41,7 +43,7 @@ class RolloutWorkerImpl:
             self.backend.generate(samples, sampling)
         self.calls += 1
         for s in samples:
-            s.weight_version = self.backend.weight_version
+            s.weight_version, s.draft_version = self.backend.weight_version, self.draft_version
         return samples, dict(self.backend.stats(), **baseline)
 
     def join_weight_sync(self, master_addr, master_port, rank, world_size, layout, backend="gloo"):
@@ -62,6 +64,8 @@ class RolloutWorkerImpl:
         if not self.sync_draft:
             named = ((k, v) for k, v in named if not is_mtp_name(k, self.num_hidden_layers))
         self.backend.load_weights(named, version)
+        if self.sync_draft:
+            self.draft_version = version
         self.backend.resume()
         fp = self.backend.fingerprint()
         return {"mtp_checksum": fp["mtp"], "trunk_checksum": fp["trunk"], "seconds": time.perf_counter() - start}
@@ -87,17 +91,18 @@ def read_num_hidden_layers(hf_checkpoint):
 RolloutWorker = ray.remote(RolloutWorkerImpl)
 
 
-def sampling_for(rollout_cfg, step):
-    """The step's sampling parameters; the seed moves with the step so resumed runs repeat."""
+def sampling_for(rollout_cfg, step, draw=0):
+    """The step's sampling parameters; the seed moves with the step (and the draw of dynamic
+    sampling) so resumed runs repeat."""
     return SamplingParams(temperature=rollout_cfg.rollout_temperature, top_p=rollout_cfg.rollout_top_p,
                           top_k=rollout_cfg.rollout_top_k, max_new_tokens=rollout_cfg.rollout_max_response_len,
-                          seed=rollout_cfg.rollout_seed * 1000003 + step)
+                          seed=rollout_cfg.rollout_seed * 1000003 + step + draw * 1_000_000_007)
 
 
 class RolloutManagerImpl:
     """Owns the prompt data, the rollout workers, the reward and the advantage estimator."""
 
-    def __init__(self, rollout_cfg, hf_checkpoint, advantage_estimator):
+    def __init__(self, rollout_cfg, hf_checkpoint, advantage_estimator, worker_options=None):
         from vime.models.hf_format import read_config
         from rollout.tokenizer import TextCodec
 
@@ -109,12 +114,13 @@ class RolloutManagerImpl:
         self.data = PromptDataset(rows, rollout_cfg.rollout_batch_size, rollout_cfg.rollout_seed,
                                   rollout_cfg.rollout_shuffle)
         self.reward_fn = get_reward_fn(rollout_cfg.rm_type, rollout_cfg.custom_rm_path)
-        opts = worker_resources()
-        self.workers = [RolloutWorker.options(**opts).remote(
+        self.warned_bound = False  # dynamic sampling's bound is said once, counted every step
+        opts = worker_options or [worker_resources()] * rollout_cfg.rollout_num_workers  # placed, or anywhere
+        self.workers = [RolloutWorker.options(**opts[i]).remote(
             hf_checkpoint, rollout_cfg.vllm_speculative_config, rollout_cfg.rollout_max_batch_size,
             backend=rollout_cfg.backend, sync_draft=rollout_cfg.sync_draft_weights,
             spec_adaptive=rollout_cfg.spec_adaptive, time_plain_baseline=rollout_cfg.time_plain_baseline)
-            for _ in range(rollout_cfg.rollout_num_workers)]
+            for i in range(rollout_cfg.rollout_num_workers)]
 
     def get_workers(self):
         return self.workers
@@ -132,22 +138,57 @@ class RolloutManagerImpl:
                 for i, (p, label) in enumerate(prompts) for j in range(n)]
 
     def generate(self, step):
-        """One step's samples with rewards and advantages, and the rollout/* + perf/* metrics."""
-        prompts = self.data.next_batch()
-        samples = self._samples(prompts, version=step)
-        shards = [samples[i::len(self.workers)] for i in range(len(self.workers))]
+        """One step's samples with rewards and advantages, and the rollout/* + perf/* metrics.
+        With --dynamic-sampling, draws until the batch holds only groups with signal (bounded)."""
         start = time.perf_counter()
-        done = ray.get([w.generate.remote(shard, sampling_for(self.cfg, step)) for w, shard in zip(self.workers, shards)])
+        samples, done, engine_time = self._draw(self.data.next_prompts(self._prompts_per_draw()), step, draw=0)
+        drawn, extra = samples, {}
+        if self.cfg.dynamic_sampling:
+            samples, drawn, done, engine_time, extra = self._dynamic_batch(samples, done, engine_time, step)
         elapsed = time.perf_counter() - start
-        engine_time = max(stats["seconds"] for _, stats in done)
-        counters = functools.reduce(add_counters, [stats["spec"] for _, stats in done], empty_counters())
+        counters = functools.reduce(add_counters, [stats["spec"] for stats in done], empty_counters())
+        extra["rollout/zero_signal_share"] = zero_signal_share(groups_of(samples))
+        assign_advantages(samples, self.advantage_estimator)
+        return samples, dict(self._metrics(drawn, elapsed, counters), **{"perf/rollout_engine_time": engine_time},
+                             **_adaptive_metrics(done), **_plain_baseline_metrics(done, engine_time), **extra)
+
+    def _prompts_per_draw(self):
+        dynamic = self.cfg.dynamic_sampling and self.cfg.over_sampling_batch_size
+        return self.cfg.over_sampling_batch_size if dynamic else self.cfg.rollout_batch_size
+
+    def _draw(self, prompts, step, draw):
+        """Generate n samples of each prompt on the workers (whole groups, spread by load) and score
+        them: (samples in prompt order with rewards, each worker's stats of the call)."""
+        samples = self._samples(prompts, version=step)
+        shards = spread_groups(groups_of(samples), len(self.workers), self.cfg.rollout_max_response_len)
+        sampling = sampling_for(self.cfg, step, draw)
+        done = ray.get([w.generate.remote(shard, sampling) for w, shard in zip(self.workers, shards) if shard])
         samples = sorted([s for shard, _ in done for s in shard], key=lambda s: (s.index, s.sample_index))
         for s in samples:
             s.reward = float(self.reward_fn(s.response, s.label))
-        assign_advantages(samples, self.advantage_estimator)
-        return samples, dict(self._metrics(samples, elapsed, counters), **{"perf/rollout_engine_time": engine_time},
-                             **_adaptive_metrics([stats for _, stats in done]),
-                             **_plain_baseline_metrics([stats for _, stats in done], engine_time))
+        return samples, [stats for _, stats in done], max(stats["seconds"] for _, stats in done)
+
+    def _dynamic_batch(self, first, done, engine_time, step):
+        """DAPO: keep the groups with signal, draw --over-sampling-batch-size more prompts until
+        --rollout-batch-size groups are kept or --dynamic-sampling-max-draws is reached; then the
+        batch is filled with zero-signal groups (said once, counted every step)."""
+        collected, drawn = DynamicBatch(self.cfg.rollout_batch_size), list(first)
+        collected.add(groups_of(first))
+        draws = 1
+        while not collected.full() and draws < self.cfg.dynamic_sampling_max_draws:
+            more, stats, seconds = self._draw(self.data.next_prompts(self._prompts_per_draw()), step, draw=draws)
+            collected.add(groups_of(more))
+            drawn, done, engine_time, draws = drawn + more, done + stats, engine_time + seconds, draws + 1
+        groups, filled = collected.batch()
+        if filled and not self.warned_bound:
+            self.warned_bound = True
+            print(f"[vime] warning: dynamic sampling reached --dynamic-sampling-max-draws "
+                  f"{self.cfg.dynamic_sampling_max_draws} at step {step} with {len(collected.kept)} of "
+                  f"{self.cfg.rollout_batch_size} groups with signal; training on them plus {filled} zero-signal "
+                  "groups (metric rollout/dynamic_sampling_filled_groups; raise the bound to avoid it)", flush=True)
+        return renumber(groups), drawn, done, engine_time, {
+            "rollout/dynamic_sampling_draws": draws, "rollout/dynamic_sampling_kept_fraction": collected.kept_fraction(),
+            "rollout/dynamic_sampling_filled_groups": filled, "rollout/dynamic_sampling_drawn_groups": collected.drawn}
 
     def close_workers(self):
         """Stop what the backends started (vLLM's engine processes) before the actors go."""

@@ -22,3 +22,9 @@ def dies_in_second_step(response, label):
     if _CALLS[0] > 16:
         os._exit(3)
     return parity_reward(response, label)
+
+
+def parity_reward_on_odd_labels(response, label):
+    """parity_reward for prompts whose answer is odd, 0 for the others: about half the groups
+    carry no GRPO signal whatever the model says (dynamic sampling's negative control)."""
+    return parity_reward(response, label) if int(label) % 2 else 0.0

@@ -19,6 +19,7 @@ class Batch:
     rollout_logprobs: torch.Tensor  # [B, S] float
     advantages: torch.Tensor  # [B, S] float, the sample's advantage on its response tokens
     ref_logprobs: Optional[torch.Tensor] = None  # [B, S] for the KL loss
+    old_logprobs: Optional[torch.Tensor] = None  # [B, S] the trainer's before the step (--use-tis)
 
     @property
     def size(self):

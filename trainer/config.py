@@ -51,6 +51,8 @@ class TrainerConfig:
     micro_batch_size: int = tree_field("train.micro_batch_size")  # 0: the whole local batch at once
     global_batch_size: int = tree_field("train.global_batch_size")  # informational: train_step gets the step
     seed: int = tree_field("train.seed")
+    use_tis: bool = tree_field("train.use_tis")  # weight the loss by min(pi_old / pi_rollout, tis_clip)
+    tis_clip: float = tree_field("train.tis_clip")
 
     @classmethod
     def from_tree(cls, cfg):

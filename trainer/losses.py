@@ -65,12 +65,29 @@ def entropy_from_logits(logits, temperature):
     return -(logp.exp() * logp).sum(-1)
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, cfg, ref_logprobs=None, num_tokens=None):
-    """(loss, metrics) of the policy objective. cfg: TrainerConfig (eps_clip*, KL, estimator)."""
+def truncated_importance_weight(old_logprobs, rollout_logprobs, cap):
+    """TIS: min(pi_old / pi_rollout, cap) per token, detached — the off-policy gap between the
+    policy the rollout sampled from and the one the step starts from, truncated so that rare
+    tokens cannot blow up the gradient (the PPO ratio then starts at 1 against pi_old)."""
+    return torch.exp(old_logprobs - rollout_logprobs).clamp(max=cap).detach()
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, cfg, ref_logprobs=None, num_tokens=None,
+                rollout_logprobs=None):
+    """(loss, metrics) of the policy objective. cfg: TrainerConfig (eps_clip*, KL, estimator, TIS).
+
+    `old_logprobs` anchor the PPO ratio; given `rollout_logprobs` too (--use-tis, `old_logprobs`
+    then recomputed by the trainer), each token's loss is weighted by the truncated importance weight."""
     pg, clipped = ppo_clip(logprobs, old_logprobs, advantages, mask, cfg.eps_clip, cfg.effective_eps_clip_high,
                            sequence_level=cfg.advantage_estimator in SEQUENCE_LEVEL_ESTIMATORS)
+    metrics = {}
+    if rollout_logprobs is not None:
+        weight = truncated_importance_weight(old_logprobs, rollout_logprobs, cfg.tis_clip)
+        pg = pg * weight
+        metrics["tis_weight"] = token_mean(weight, mask, num_tokens).detach()
+        metrics["tis_clipfrac"] = token_mean((weight >= cfg.tis_clip).to(pg.dtype), mask, num_tokens).detach()
     loss = token_mean(pg, mask, num_tokens)
-    metrics = {"pg_loss": loss.detach(), "clipfrac": token_mean(clipped, mask, num_tokens).detach()}
+    metrics.update({"pg_loss": loss.detach(), "clipfrac": token_mean(clipped, mask, num_tokens).detach()})
     if cfg.use_kl_loss:
         kl = token_mean(kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator), mask, num_tokens)
         loss = loss + cfg.kl_loss_coef * kl

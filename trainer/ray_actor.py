@@ -76,9 +76,12 @@ class TrainerActorImpl:
         """`num_steps` optimizer steps over this rank's `samples`; metrics averaged over them."""
         start = time.perf_counter()
         per_step = len(samples) // num_steps
+        batches = [build_batch(samples[i * per_step:(i + 1) * per_step]) for i in range(num_steps)]
+        if self.cfg.use_tis and num_steps > 1:  # pi_old for the updates after the first (which is its own pi_old)
+            for batch in batches[1:]:
+                batch.old_logprobs = self.trainer.compute_logprobs(batch)
         totals = {}
-        for i in range(num_steps):
-            batch = build_batch(samples[i * per_step:(i + 1) * per_step])
+        for batch in batches:
             if self.ref_state is not None:
                 batch.ref_logprobs = self._ref_logprobs(batch)
             for k, v in self.trainer.train_step(batch).items():

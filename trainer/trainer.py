@@ -140,7 +140,15 @@ class Trainer:
         mask = mb.label_mask
         ref = mb.ref_logprobs[:, 1:] if mb.ref_logprobs is not None else None
         require(not self.cfg.use_kl_loss or ref is not None, "--use-kl-loss needs reference log-probs in the batch")
-        loss, m = policy_loss(lp, mb.rollout_logprobs[:, 1:], mb.advantages[:, 1:], mask, self.cfg, ref, num_tokens)
+        if self.cfg.use_tis:  # ratio against pi_old, TIS weight for pi_old / pi_rollout
+            # pi_old is the policy before this RL step's first update: on that update it is this very
+            # forward (detached), so only later updates of the same rollout need it precomputed
+            old = mb.old_logprobs[:, 1:] if mb.old_logprobs is not None else lp.detach()
+            loss, m = policy_loss(lp, old, mb.advantages[:, 1:], mask, self.cfg, ref, num_tokens,
+                                  rollout_logprobs=mb.rollout_logprobs[:, 1:])
+        else:
+            loss, m = policy_loss(lp, mb.rollout_logprobs[:, 1:], mb.advantages[:, 1:], mask, self.cfg, ref,
+                                  num_tokens)
         with torch.no_grad():
             temp = effective_temperature(self.cfg.temperature)
             m["entropy"] = token_mean(entropy_from_logits(out.logits[:, :-1], temp), mask, num_tokens)

@@ -74,6 +74,14 @@ class RolloutSection:
     rollout_seed: int = field(default=42, metadata=flag("--rollout-seed", "seed of prompt order and sampling"))
     rollout_shuffle: bool = field(default=True, metadata=flag(
         "--rollout-shuffle", "shuffle the prompts each epoch (--no-rollout-shuffle: file order)"))
+    dynamic_sampling: bool = field(default=False, metadata=flag(
+        "--dynamic-sampling", "DAPO dynamic sampling: drop groups whose rewards are all equal (no GRPO signal) "
+        "and draw more prompts until the batch is full"))
+    over_sampling_batch_size: Optional[int] = field(default=None, metadata=flag(
+        "--over-sampling-batch-size", "prompts per draw under --dynamic-sampling (none: --rollout-batch-size)"))
+    dynamic_sampling_max_draws: int = field(default=4, metadata=flag(
+        "--dynamic-sampling-max-draws", "most draws per step under --dynamic-sampling; a batch still short then "
+        "is filled with zero-signal groups (metric rollout/dynamic_sampling_filled_groups, one warning line)"))
 
 
 @dataclass
@@ -105,6 +113,10 @@ class TrainSection:
     data_parallel_size: int = field(default=1, metadata=flag(
         "--data-parallel-size", "trainer data parallelism (DP); trainer actors = TP x PP x DP"))
     seed: int = field(default=1234, metadata=flag("--seed", "trainer seed"))
+    use_tis: bool = field(default=False, metadata=flag(
+        "--use-tis", "truncated importance sampling: weight the loss by min(pi_old / pi_rollout, --tis-clip), "
+        "pi_old recomputed by the trainer before the step (corrects off-policy rollouts, e.g. --async-rollout)"))
+    tis_clip: float = field(default=2.0, metadata=flag("--tis-clip", "cap of the truncated importance weight"))
 
 
 @dataclass
@@ -177,6 +189,36 @@ class RunSection:
     progress: bool = field(default=True, metadata=flag("--progress", "tqdm progress bars"))
     save_keep: Optional[int] = field(default=None, metadata=flag(
         "--save-keep", "keep only the N newest checkpoints in --save (none: keep all)"))
+    async_rollout: bool = field(default=False, metadata=flag(
+        "--async-rollout", "one step off-policy: the rollout of step t+1 runs while the trainer trains on step t "
+        "(on the weights and draft synced after step t-1); see --use-tis"))
+
+
+@dataclass
+class PlacementSection:
+    """Where the actors go: Ray placement-group bundles per trainer rank and rollout engine (`cfg.placement`)."""
+
+    colocate: bool = field(default=False, metadata=flag(
+        "--colocate", "one bundle holds a rollout engine and a trainer rank (needs --rollout-num-workers = trainer "
+        "ranks); otherwise each has its own bundle"))
+    actor_num_nodes: int = field(default=1, metadata=flag(
+        "--actor-num-nodes", "nodes the trainer ranks spread over (1: all on one node, strictly)"))
+    actor_num_gpus_per_node: Optional[int] = field(default=None, metadata=flag(
+        "--actor-num-gpus-per-node", "GPUs the trainer ranks of one node take (none: one per rank when the "
+        "cluster has GPUs, else 0)"))
+    actor_num_cpus_per_node: Optional[int] = field(default=None, metadata=flag(
+        "--actor-num-cpus-per-node", "CPUs the trainer ranks of one node take (none: one per rank)"))
+    rollout_num_gpus_per_engine: Optional[int] = field(default=None, metadata=flag(
+        "--rollout-num-gpus-per-engine", "GPUs per rollout engine (none: 1 when the cluster has GPUs, else 0)"))
+    rollout_num_cpus_per_engine: int = field(default=1, metadata=flag(
+        "--rollout-num-cpus-per-engine", "CPUs per rollout engine"))
+    actor_resources: Any = field(default_factory=dict, metadata=flag(
+        "--actor-resources", "custom Ray resources of each trainer bundle, JSON, e.g. '{\"trainer_node\": 1}' "
+        "(the labels `ray start --resources` gave a node)"))
+    rollout_resources: Any = field(default_factory=dict, metadata=flag(
+        "--rollout-resources", "custom Ray resources of each rollout-engine bundle, JSON"))
+    placement_timeout: float = field(default=60.0, metadata=flag(
+        "--placement-timeout", "seconds to wait for the placement groups before stopping with what is missing"))
 
 
 @dataclass
@@ -188,6 +230,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     mtp: MTPSection = field(default_factory=MTPSection)
     run: RunSection = field(default_factory=RunSection)
+    placement: PlacementSection = field(default_factory=PlacementSection)
 
 
 def flag_table():
@@ -296,6 +339,11 @@ RANGES = {
     "--mtp-replay-batches": AT_LEAST_0, "--mtp-lr": LEARNING_RATE,
     "--num-rollout": AT_LEAST_1, "--save-interval": AT_LEAST_0, "--update-weight-buffer-size": AT_LEAST_1,
     "--save-keep": AT_LEAST_1,
+    "--dynamic-sampling-max-draws": AT_LEAST_1, "--over-sampling-batch-size": AT_LEAST_1,
+    "--tis-clip": Range(1, why="below 1 the cap shrinks even on-policy tokens"),
+    "--actor-num-nodes": AT_LEAST_1, "--actor-num-gpus-per-node": AT_LEAST_0, "--actor-num-cpus-per-node": AT_LEAST_0,
+    "--rollout-num-gpus-per-engine": AT_LEAST_0, "--rollout-num-cpus-per-engine": AT_LEAST_0,
+    "--placement-timeout": POSITIVE,
 }
 
 

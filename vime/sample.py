@@ -35,6 +35,7 @@ class Sample:
     advantage: float = 0.0
     weight_version: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
+    draft_version: int = 0  # version of the draft (MTP / external) weights that drafted it
 
     @property
     def tokens(self):

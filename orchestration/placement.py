@@ -1,0 +1,213 @@
+"""Where the run's actors go, and how their code gets there.
+
+One Ray placement group holds a bundle per trainer rank and one per rollout engine (with
+`--colocate`, one bundle per rank holds that rank and one engine, as slime colocates them).
+Before anything is reserved the bundles are checked against the cluster's resources, so a
+placement that cannot fit is one line naming what is missing (exit 2), and the wait for the
+group is bounded (`--placement-timeout`): a run never hangs waiting for resources.
+
+The code reaches every node through Ray's `runtime_env` `working_dir` (this repository, without
+checkpoints and run outputs), not a path that only exists on the driver's machine.
+"""
+import json
+import os
+from dataclasses import dataclass
+
+from vime.errors import UserError, require
+
+# what the working_dir upload leaves out: history, weights, run outputs (their paths stay absolute on the driver)
+CODE_EXCLUDES = [".git", "checkpoints", "runs", "docs", "**/__pycache__", "*.safetensors", "*.pkl", "wandb"]
+STRATEGY = {True: "STRICT_PACK", False: "PACK"}  # one trainer node: strictly one node; more: packed
+
+
+def code_runtime_env(repo_root):
+    """runtime_env fields that ship the code to every node (merged into init_ray's env)."""
+    # our excludes name .git themselves: Ray's own default list would add a warning line to every run
+    os.environ.setdefault("RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES", "")
+    return {"working_dir": repo_root, "excludes": CODE_EXCLUDES}
+
+
+def resources_flag(text, flag):
+    """A --*-resources JSON value as {name: amount}, with a one-line error."""
+    if isinstance(text, dict):
+        value = text
+    else:
+        try:
+            value = json.loads(text) if text else {}
+        except json.JSONDecodeError as e:
+            raise UserError(f"{flag} {text!r}: not JSON ({e.msg}); give e.g. '{{\"trainer_node\": 1}}'") from None
+    require(isinstance(value, dict) and all(isinstance(v, (int, float)) and v > 0 for v in value.values()),
+            f"{flag} {text!r}: give a JSON object of resource name -> positive amount")
+    require(not {"CPU", "GPU", "memory"} & set(value),
+            f"{flag}: CPU and GPU have their own flags (--actor-num-cpus-per-node, --rollout-num-cpus-per-engine ...)")
+    return dict(value)
+
+
+def trainer_world(cfg):
+    t = cfg.train
+    return t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.data_parallel_size
+
+
+def check_placement_flags(cfg):
+    """Checks that need no cluster: the layout can be placed at all (preflight calls this)."""
+    p, r, run = cfg.placement, cfg.rollout, cfg.run
+    world = trainer_world(cfg)
+    # the flags' own ranges are in vime.config.RANGES, checked before this
+    require(world % p.actor_num_nodes == 0, f"--actor-num-nodes {p.actor_num_nodes} must divide the {world} trainer "
+            "ranks (TP x PP x DP) so that every node holds as many")
+    resources_flag(p.actor_resources, "--actor-resources")
+    resources_flag(p.rollout_resources, "--rollout-resources")
+    if not p.colocate:
+        return
+    require(not (run.debug_rollout_only or run.debug_train_only),
+            "--colocate shares bundles between rollout engines and trainer ranks; a debug run starts only one "
+            "side: drop --colocate")
+    require(r.rollout_num_workers == world,
+            f"--colocate puts one rollout engine with each trainer rank: --rollout-num-workers "
+            f"{r.rollout_num_workers} must equal the {world} trainer ranks (TP x PP x DP)")
+    require(not run.async_rollout, "--colocate: a colocated engine and trainer rank share their devices and take "
+            "turns, so the rollout cannot run during training; drop --async-rollout or --colocate")
+
+
+@dataclass
+class Demand:
+    """Resources of one trainer rank and one rollout engine, and how many of each."""
+
+    rank: dict
+    engine: dict
+    ranks: int
+    engines: int
+    colocate: bool
+
+    def bundles(self):
+        """[(bundle, who)]: who = ('rank', i) | ('engine', i) | ('both', i)."""
+        if self.colocate:
+            return [(_add(self.rank, self.engine), ("both", i)) for i in range(self.ranks)]
+        return [(dict(self.rank), ("rank", i)) for i in range(self.ranks)] + \
+               [(dict(self.engine), ("engine", i)) for i in range(self.engines)]
+
+    def total(self):
+        out = {}
+        for bundle, _ in self.bundles():
+            out = _add(out, bundle)
+        return out
+
+
+def _add(a, b):
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out.get(k, 0) + v
+    return out
+
+
+def demand_of(cfg, cluster_gpus):
+    """The run's `Demand` (trainers absent under --debug-rollout-only, engines under --debug-train-only)."""
+    p = cfg.placement
+    world = trainer_world(cfg)
+    per_node = world // p.actor_num_nodes
+    gpus = p.actor_num_gpus_per_node if p.actor_num_gpus_per_node is not None else (per_node if cluster_gpus else 0)
+    cpus = p.actor_num_cpus_per_node if p.actor_num_cpus_per_node is not None else per_node
+    rank = _nonzero({"CPU": cpus / per_node, "GPU": gpus / per_node, **resources_flag(p.actor_resources, "")})
+    engine_gpus = p.rollout_num_gpus_per_engine if p.rollout_num_gpus_per_engine is not None else (1 if cluster_gpus else 0)
+    engine = _nonzero({"CPU": p.rollout_num_cpus_per_engine, "GPU": engine_gpus,
+                       **resources_flag(p.rollout_resources, "")})
+    ranks = 0 if cfg.run.debug_rollout_only else world
+    engines = 0 if cfg.run.debug_train_only else cfg.rollout.rollout_num_workers
+    return Demand(rank, engine, ranks, engines, p.colocate)
+
+
+def _nonzero(d):
+    return {k: v for k, v in d.items() if v}
+
+
+def needed_cpus(cfg):
+    """CPUs a local cluster must offer for this run's bundles (init_ray sizes a local Ray with it)."""
+    return int(-(-demand_of(cfg, cluster_gpus=0).total().get("CPU", 0) // 1))
+
+
+def missing_resources(demand, available, nodes):
+    """One line of what does not fit, or None: the sum against the cluster's free resources, and
+    each bundle against the largest node (a bundle cannot straddle nodes)."""
+    total = demand.total()
+    short = {k: (v, available.get(k, 0)) for k, v in total.items() if v > available.get(k, 0) + 1e-9}
+    if short:
+        parts = ", ".join(f"{need:g} {k} (free: {have:g})" for k, (need, have) in sorted(short.items()))
+        return f"the run's placement needs {parts}: {_who(demand)}; add nodes or lower the flags"
+    for bundle, who in demand.bundles():
+        if not any(all(node.get(k, 0) + 1e-9 >= v for k, v in bundle.items()) for node in nodes):
+            return (f"no node can hold the bundle of {who[0]} {who[1]} ({_fmt(bundle)}); the largest nodes have "
+                    f"{'; '.join(_fmt(n) for n in nodes[:3])}")
+    return None
+
+
+def _who(demand):
+    rank, engine = _fmt(demand.rank), _fmt(demand.engine)
+    layout = "colocated, " if demand.colocate else ""
+    return f"{layout}{demand.ranks} trainer rank(s) x {{{rank}}} + {demand.engines} rollout engine(s) x {{{engine}}}"
+
+
+def _fmt(d):
+    return ", ".join(f"{k}: {v:g}" for k, v in sorted(d.items()) if not k.startswith("node:") and k != "memory"
+                     and not k.startswith("object_store"))
+
+
+class Placement:
+    """The run's placement group and the Ray options that put each actor into its bundle."""
+
+    def __init__(self, cfg):
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        cluster_gpus = ray.cluster_resources().get("GPU", 0)
+        self.demand = demand_of(cfg, cluster_gpus)
+        nodes = sorted((dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")),
+                       key=lambda n: -n.get("CPU", 0))
+        problem = missing_resources(self.demand, ray.available_resources(), nodes)
+        require(problem is None, problem or "")
+        bundles = [b for b, _ in self.demand.bundles()]
+        self.where = {who: i for i, (_, who) in enumerate(self.demand.bundles())}
+        strategy = STRATEGY[cfg.placement.actor_num_nodes == 1 and (self.demand.colocate or not self.demand.engines)]
+        self.pg = placement_group(bundles, strategy=strategy if self.demand.ranks else "PACK")
+        ready, _ = ray.wait([self.pg.ready()], timeout=cfg.placement.placement_timeout)
+        if not ready:
+            remove_placement_group(self.pg)
+            raise UserError(f"--placement-timeout {cfg.placement.placement_timeout:g}: the placement group "
+                            f"({_who(self.demand)}) was not placed in time; the cluster's free resources: "
+                            f"{_fmt(ray.available_resources())}")
+
+    def _options(self, kind, index, resources):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = self.where[("both", index)] if self.demand.colocate else self.where[(kind, index)]
+        return {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0),
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)}
+
+    def trainer_options(self, rank):
+        return self._options("rank", rank, self.demand.rank)
+
+    def engine_options(self, index):
+        return self._options("engine", index, self.demand.engine)
+
+    def node_id_of(self, kind, index):
+        """The id of the node holding that rank's or engine's bundle."""
+        from ray.util.placement_group import placement_group_table
+
+        bundle = self.where[("both", index)] if self.demand.colocate else self.where[(kind, index)]
+        return placement_group_table(self.pg)["bundles_to_node_id"][bundle]
+
+    def node_of(self, kind, index):
+        """'node <id prefix> (<its custom resources>)' holding that rank's or engine's bundle."""
+        import ray
+
+        return describe_node(self.node_id_of(kind, index), ray.nodes())
+
+
+def describe_node(node_id, nodes):
+    """'node 1a2b3c4d (label)': the id's prefix and the node's custom resources (how `ray start
+    --resources` told the nodes apart), or its address when it has none."""
+    for n in nodes:
+        if n["NodeID"] == node_id:
+            labels = sorted(k for k in n["Resources"] if k not in ("CPU", "GPU", "memory", "object_store_memory")
+                            and not k.startswith("node:") and not k.startswith("accelerator_type"))
+            return f"node {node_id[:8]} ({', '.join(labels) or n.get('NodeManagerAddress', '?')})"
+    return f"node {node_id[:8]}"
