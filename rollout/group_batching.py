@@ -93,9 +93,7 @@ def check_dynamic_sampling(rollout_cfg):
     if not r.dynamic_sampling:
         return
     per_draw = r.over_sampling_batch_size or r.rollout_batch_size
-    require(per_draw >= 1, f"--over-sampling-batch-size must be >= 1 (got {per_draw})")
-    require(r.dynamic_sampling_max_draws >= 1,
-            f"--dynamic-sampling-max-draws must be >= 1 (got {r.dynamic_sampling_max_draws})")
+    # the flags' own ranges are in vime.config.RANGES, checked before this
     require(r.n_samples_per_prompt >= 2, f"--dynamic-sampling keeps groups whose rewards differ: it needs "
             f"--n-samples-per-prompt >= 2 (got {r.n_samples_per_prompt})")
     require(per_draw * r.dynamic_sampling_max_draws >= r.rollout_batch_size,
