@@ -374,13 +374,15 @@ class Engine:
         return out
 
     def _forward(self, reqs, tokens, starts, n_new):
-        """(final-normed hidden states, the hidden states the MTP layer reads) of the new tokens."""
+        """(final-normed hidden states, the hidden states the proposer reads: the MTP layer's input,
+        or an EAGLE-3 draft's aux hidden states) of the new tokens."""
         slots = torch.tensor([r.slot for r in reqs], device=self.config.device)
         positions = (starts[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :])
         positions = positions.clamp(max=self.max_len)
         view = self.cache.step(slots, starts, n_new, self.backend)
         with torch.inference_mode():
-            return self.fast.states(tokens, positions, view.layers(self.cfg.num_hidden_layers))
+            return self.fast.states(tokens, positions, view.layers(self.cfg.num_hidden_layers),
+                                    getattr(self.proposer, "aux_hidden_layers", ()))
 
     def _propose(self, reqs, hidden, starts, n_valid):
         """Drafts for the live requests, at most step_k each; False when none was live.
