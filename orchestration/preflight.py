@@ -105,7 +105,8 @@ def check_rollout_backend(cfg, hf):
     """The speculative config per backend: vime's own validation for the embedded engine,
     vLLM's (run in this process, before any actor starts) for --rollout-backend vllm."""
     from rollout.backend import BACKENDS
-    from rollout.spec_config import check_against_checkpoint, check_spec_adaptive, parse_spec_config, require_lossless
+    from rollout.spec_config import (check_against_checkpoint, check_eagle3_draft, check_spec_adaptive,
+                                     parse_spec_config, require_lossless)
 
     r = cfg.rollout
     require(r.backend in BACKENDS, f"--rollout-backend {r.backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -123,6 +124,8 @@ def check_rollout_backend(cfg, hf):
     from rollout.vllm.backend import check_speculative_config, spec_dict
 
     raw = spec_dict(r.vllm_speculative_config)
+    if raw and raw.get("method") == "eagle3":
+        check_eagle3_draft(raw.get("model"), hf)
     require(not raw or raw.get("rejection_sample_method") != "synthetic",
             "--vllm-speculative-config: rejection_sample_method 'synthetic' is benchmark-only (its outputs do not "
             "follow the policy), so train_rl.py refuses it")

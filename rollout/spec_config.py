@@ -293,9 +293,18 @@ def check_against_checkpoint(spec, target_cfg):
         draft_cfg = read_config(spec.model)
         check_draft_vocab(spec.model, draft_cfg.vocab_size, target_cfg.vocab_size)
     if spec.method == "eagle3":
-        from vime.models.eagle3 import check_draft_fits_target, read_draft_config
+        check_eagle3_draft(spec.model, target_cfg)
 
-        check_draft_fits_target(spec.model, read_draft_config(spec.model), target_cfg)
+
+def check_eagle3_draft(draft_path, target_cfg):
+    """An EAGLE-3 draft is named, is a draft directory, fits the target, and the target's family
+    gives aux hidden states (one line each). Run for both backends: vLLM's own validation
+    accepts a MiMo target or a misfit draft and fails later inside its engine process."""
+    from vime.models.eagle3 import check_draft_fits_target, read_draft_config
+
+    require(draft_path, f"{FLAG}: method 'eagle3' needs \"model\": \"/path/to/eagle3/draft\" (make one with "
+            "`python scripts/make_eagle3_draft.py --target CKPT --out DIR`)")
+    check_draft_fits_target(draft_path, read_draft_config(draft_path), target_cfg)
 
 
 def require_lossless(spec, where="training"):
