@@ -4,7 +4,9 @@
 References: transformers' Qwen2ForCausalLM (greedy tokens), and the draft recomputed from scratch
 at every verify step (accepted drafts per position, counted as vLLM counts them: before the
 output is cut at EOS or the length), which the embedded engine also matches (tests/test_eagle3.py).
-One vLLM start (20-60 s on 2 busy cores): the slow run.
+Sampled: through the vLLM rollout backend, the joint of the first two tokens fits the exact one
+(transformers) by a chi-square test, and the negative control (the policy at temperature 1.3) fails.
+Two vLLM starts (20-60 s each on 2 busy cores): the slow run.
 """
 import os
 
@@ -90,3 +92,63 @@ def test_plain_vllm_serves_the_draft_greedy_equal_to_transformers_and_accepting_
         assert accepted == expected, (prompt, accepted, expected)
         total = [a + b for a, b in zip(total, accepted)]
     assert total[0] > 0 and total[-1] > 0  # drafts accepted at every position: not vacuous
+
+
+# ---------------------------------------------------------------- sampled output on vLLM
+N, ALPHA = 4000, 1e-3
+
+
+@pytest.fixture(scope="module")
+def vllm_eagle3_samples():
+    """N samples of 4 tokens after one prompt through the vLLM rollout backend (vLLM's eagle3 path,
+    with the backend's repair of the CPU build's sampling kernel)."""
+    from rollout.vllm.backend import VLLMBackend
+
+    backend = VLLMBackend(TARGET, {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": 2}, max_batch_size=256)
+    try:
+        prompt = TextCodec(TARGET).encode_prompt("37+58=", 1)
+        samples = samples_for_prompts([prompt], n=N)
+        backend.generate(samples, SamplingParams(temperature=1.0, max_new_tokens=4))
+        drafted = backend.stats()["spec"]["draft_tokens"]
+    finally:
+        backend.close()
+    return prompt, samples, drafted
+
+
+def exact_joint(prompt, temperature):
+    """{(t1, t2): p} of the first two tokens by transformers' Qwen2ForCausalLM; a first EOS: {(EOS,): p}."""
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(TARGET, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double() / temperature, -1)
+        vocab = p1.numel()
+        p2 = torch.softmax(model(torch.tensor([prompt + [t] for t in range(vocab)])).logits[:, -1].double()
+                           / temperature, -1)
+    joint = {(t1, t2): float(p1[t1] * p2[t1, t2]) for t1 in range(vocab) if t1 != EOS for t2 in range(vocab)}
+    joint[(EOS,)] = float(p1[EOS])
+    return joint
+
+
+def observed_joint(samples):
+    counts = {}
+    for s in samples:
+        key = tuple(s.response_ids[:1]) if s.response_ids[0] == EOS else tuple(s.response_ids[:2])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def test_vllm_sampled_eagle3_tokens_follow_the_policy(vllm_eagle3_samples):
+    from spec_fixtures import chi_square_p_value
+
+    prompt, samples, drafted = vllm_eagle3_samples
+    assert drafted > 0  # speculation really ran
+    assert chi_square_p_value(observed_joint(samples), exact_joint(prompt, 1.0), N) > ALPHA
+
+
+def test_the_vllm_distribution_test_rejects_a_distorted_policy(vllm_eagle3_samples):
+    """Negative control: the same counts against the policy at temperature 1.3."""
+    from spec_fixtures import chi_square_p_value
+
+    prompt, samples, _ = vllm_eagle3_samples
+    assert chi_square_p_value(observed_joint(samples), exact_joint(prompt, 1.3), N) < ALPHA
