@@ -223,3 +223,38 @@ def test_saved_draft_round_trips_and_loads_into_the_engine(tmp_path, prompts):
     assert isinstance(loaded, Eagle3Draft)
     for (name, a), (_, b) in zip(draft.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_sampling_with_k_switching_per_step_follows_the_target_distribution(vocab_pair):
+    """A k policy alternating 0 and 2 makes the proposer defer steps and catch up over them later
+    (the MTP proposer's deferral, which EAGLE-3 reuses); the distribution must not move."""
+    from rollout.embedded.spec_policy import FixedK
+
+    class Alternating(FixedK):
+        def __init__(self):
+            super().__init__(2)
+            self.steps = 0
+
+        def choose(self, batch_size, backlog=None):
+            self.steps += 1
+            return 2 * (self.steps % 2)
+
+    target, draft = vocab_pair
+    sc = parse_spec_config({"method": "eagle3", "num_speculative_tokens": 2, "model": "unused",
+                            "rejection_sample_method": "probabilistic"})
+    engine = Engine(target, EngineConfig(max_batch_size=1000, max_len=16), proposer=Eagle3Proposer(sc, draft=draft))
+    engine.k_policy = Alternating()
+    samples = engine.generate(samples_for_prompts([PROMPT] * N), SamplingParams(temperature=1.0, max_new_tokens=3, seed=7))
+    counts = {}
+    for s in samples:
+        counts[tuple(s.response_ids[:3])] = counts.get(tuple(s.response_ids[:3]), 0) + 1
+    assert sum(s.spec.accepted_tokens for s in samples) > 0
+    assert chi_square_p_value(counts, exact_joint(target), N) > ALPHA
+
+
+def test_greedy_eagle3_with_adaptive_k_equals_plain_decoding(prompts, plain):
+    """--spec-adaptive profiles the EAGLE-3 drafter (its own probe) and picks k per step: still exact."""
+    engine = build_engine(TARGET, spec(3), EngineConfig(max_batch_size=32), adaptive=True)
+    got = engine.generate(samples_for_prompts(prompts), GREEDY)
+    assert [s.response_ids for s in got] == [s.response_ids for s in plain]
+    assert engine.profile_draft(4, 3) > 0  # the probe really ran the draft
