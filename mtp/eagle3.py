@@ -163,31 +163,30 @@ class Eagle3Draft(nn.Module):
         return self.lm_head(self.norm(stream))
 
 
-def training_time_test(draft, embed_weight, aux_hidden, tokens, steps):
+def training_time_test(draft, embeds, aux_hidden, steps):
     """EAGLE-3's training-time test: the draft unrolled on its own outputs for `steps` steps,
     every position a drafting point at once, attending as the drafter does.
 
-    aux_hidden [B, T, 3H]: the target's aux hidden states at positions 0..T-1 (detached);
-    tokens [B, T]. Step m's entry t sits at position t+m, reads token t+m+1 and (m >= 1) step
-    m-1's output at entry t, attends over step 0's entries at positions <= t and its own chain
-    (entry t of steps 1..m, what the drafter's speculative cache entries hold), and predicts
-    token t+m+2. Returns one [B, T-1, V] logits tensor per step (entry t; entries whose
-    target lies past T are garbage for the caller to mask)."""
-    b, n = tokens.shape
+    embeds [B, T, H]: the target's embedding of tokens 0..T-1; aux_hidden [B, T, 3H]: the target's
+    aux hidden states at positions 0..T-1 (both detached). Step m's entry t sits at position t+m,
+    reads token t+m+1 and (m >= 1) step m-1's output at entry t, attends over step 0's entries at
+    positions <= t and its own chain (entry t of steps 1..m, what the drafter's speculative cache
+    entries hold), and predicts token t+m+2. Returns one [B, T-1, V] logits tensor per step (entry
+    t; entries whose target lies past T are garbage for the caller to mask)."""
+    b, n, _ = embeds.shape
     s = n - 1
-    t = torch.arange(s, device=tokens.device)
+    t = torch.arange(s, device=embeds.device)
     attn = draft.midlayer.self_attn
     hidden = draft.combine(aux_hidden[:, :s])
     keys, values, logits = [], [], []
+    base = t[None, :] <= t[:, None]  # step 0's entries at positions <= t
+    own = torch.eye(s, dtype=torch.bool, device=t.device)  # entry t of steps 1..m
     for m in range(steps):
-        token_idx = (t + m + 1).clamp(max=n - 1)
-        embeds = F.embedding(tokens[:, token_idx], embed_weight)
+        step_embeds = embeds[:, (t + m + 1).clamp(max=n - 1)]
         positions = (t + m).expand(b, s)
-        q, k, v = attn.qkv(draft.layer_input(embeds, hidden), positions)
+        q, k, v = attn.qkv(draft.layer_input(step_embeds, hidden), positions)
         keys.append(k)
         values.append(v)
-        base = t[None, :] <= t[:, None]  # step 0's entries at positions <= t
-        own = torch.eye(s, dtype=torch.bool, device=t.device)  # entry t of steps 1..m
         mask = torch.cat([base] + [own] * m, 1)
         out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
                                              enable_gqa=q.shape[1] != k.shape[1])
@@ -196,12 +195,12 @@ def training_time_test(draft, embed_weight, aux_hidden, tokens, steps):
     return logits
 
 
-def training_time_test_loss(draft, embed_weight, aux_hidden, tokens, loss_mask, steps):
+def training_time_test_loss(draft, embeds, aux_hidden, tokens, loss_mask, steps):
     """Mean cross-entropy of each step's prediction (token t+m+2) over the positions where
     `loss_mask` [B, T] marks the predicted token; returns (total loss, per-step losses)."""
     n = tokens.shape[1]
     per_step = []
-    for m, logits in enumerate(training_time_test(draft, embed_weight, aux_hidden, tokens, steps)):
+    for m, logits in enumerate(training_time_test(draft, embeds, aux_hidden, steps)):
         width = n - m - 2  # entries whose target t+m+2 exists
         if width <= 0:
             break

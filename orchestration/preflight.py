@@ -38,6 +38,7 @@ def preflight(cfg):
                          t.tensor_model_parallel_size, t.pipeline_model_parallel_size)
     check_tensor_parallel(hf, t.tensor_model_parallel_size)
     check_rollout_backend(cfg, hf)
+    check_draft_training(cfg)
     check_finite_weights(os.path.join(cfg.model.hf_checkpoint, "model.safetensors"))
     from vime.paths import require_writable_dir
 
@@ -95,6 +96,10 @@ def check_resume(cfg):
                else "no --enable-mtp-training")
         raise UserError(f"--load {cfg.run.load}: the checkpoint was trained with"
                         f"{'' if trained else 'out'} MTP training; resume with the same flags ({how})")
+    draft_file = os.path.join(iteration, "model", "eagle3_draft.pt")  # trainer/draft.py DRAFT_STATE_FILE
+    require(os.path.isfile(draft_file) == cfg.draft.enable_training,
+            f"--load {cfg.run.load}: the checkpoint was saved with{'' if os.path.isfile(draft_file) else 'out'} "
+            "--enable-draft-training; resume with the same flags")
     n = cfg.mtp.num_layers
     require(n is None or n <= meta.get("mtp_num_layers", 0),
             f"--load {cfg.run.load}: the checkpoint has {meta.get('mtp_num_layers', 0)} MTP layers, "
@@ -130,6 +135,24 @@ def check_rollout_backend(cfg, hf):
             "--vllm-speculative-config: rejection_sample_method 'synthetic' is benchmark-only (its outputs do not "
             "follow the policy), so train_rl.py refuses it")
     check_speculative_config(cfg.model.hf_checkpoint, raw, r.rollout_max_batch_size)
+
+
+def check_draft_training(cfg):
+    """--enable-draft-training trains an external EAGLE-3 draft: the speculative config must name one."""
+    import json
+
+    if not cfg.draft.enable_training:
+        return
+    value = cfg.rollout.vllm_speculative_config
+    raw = json.loads(value) if isinstance(value, str) and value.strip() else (dict(value) if value else None)
+    method = (raw or {}).get("method")
+    require(method not in ("mtp", "deepseek_mtp", "mimo_mtp", "glm4_moe_mtp"),
+            f"--enable-draft-training trains an external draft, but method {method!r} drafts with the policy's own "
+            "MTP layers: train those with --enable-mtp-training --mtp-num-layers N")
+    require(method == "eagle3",
+            "--enable-draft-training trains an external EAGLE-3 draft: give --vllm-speculative-config "
+            '\'{"method":"eagle3","model":DRAFT_DIR,"num_speculative_tokens":3}\' '
+            f"(got {'no speculation' if raw is None else 'method ' + repr(method)})")
 
 
 def write_variant_prompts(rollout_cfg, output_dir):

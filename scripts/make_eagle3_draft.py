@@ -21,6 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from mtp.eagle3 import Eagle3Draft, training_time_test_loss  # noqa: E402
 from rollout.embedded.engine import Engine, EngineConfig  # noqa: E402
@@ -92,7 +93,7 @@ def warm_up(draft, target, sequences, steps, batch_size, lr, ttt_steps, seed, lo
             mask[i, :len(x)] = 1
         with torch.no_grad():
             aux = target.aux_hidden_states(tokens, torch.arange(width).expand_as(tokens), draft.cfg.aux_layer_ids)
-        loss, per_step = training_time_test_loss(draft, embed, aux, tokens, mask, ttt_steps)
+        loss, per_step = training_time_test_loss(draft, F.embedding(tokens, embed), aux, tokens, mask, ttt_steps)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)

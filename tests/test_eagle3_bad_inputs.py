@@ -77,3 +77,21 @@ def test_train_rl_prints_one_error_line_and_exits_2(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "is not an EAGLE-3 draft" in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_draft_training_without_an_external_draft_is_refused(tmp_path):
+    refused(["--hf-checkpoint", TARGET, "--output-dir", str(tmp_path), "--enable-draft-training",
+             "--vllm-speculative-config", "none"], "--enable-draft-training", "eagle3", "no speculation")
+    refused(["--hf-checkpoint", TARGET, "--output-dir", str(tmp_path), "--enable-draft-training",
+             "--vllm-speculative-config", '{"method":"ngram","num_speculative_tokens":2}'],
+            "--enable-draft-training", "method 'ngram'")
+
+
+def test_an_mtp_method_with_draft_training_is_refused(tmp_path):
+    refused(["--hf-checkpoint", MIMO, "--output-dir", str(tmp_path), "--enable-draft-training",
+             "--vllm-speculative-config", '{"method":"mtp","num_speculative_tokens":2}'],
+            "method 'mtp' drafts with the policy's own MTP layers", "--enable-mtp-training")
+
+
+def test_the_shipped_pair_with_draft_training_passes_the_preflight(tmp_path):
+    preflight(load_config(args_for(tmp_path) + ["--enable-draft-training"]))

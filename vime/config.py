@@ -177,6 +177,19 @@ class RunSection:
 
 
 @dataclass
+class DraftSection:
+    """An external draft (EAGLE-3, `model` in --vllm-speculative-config) trained online (`cfg.draft`)."""
+
+    enable_training: bool = field(default=False, metadata=flag(
+        "--enable-draft-training", "train the external EAGLE-3 draft online in the trainers, from the policy's "
+        "detached hidden states of the rollout batch, and sync it to the rollout every step"))
+    loss_scaling_factor: float = field(default=1.0, metadata=flag(
+        "--draft-loss-scaling-factor", "factor of the draft's loss (its own optimiser: the policy never sees it)"))
+    lr: Optional[float] = field(default=1e-3, metadata=flag(
+        "--draft-lr", "learning rate of the external draft (none: --lr)"))
+
+
+@dataclass
 class Config:
     """The whole tree train_rl.py runs on: one section per part, each handed only its own slice."""
 
@@ -185,6 +198,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     mtp: MTPSection = field(default_factory=MTPSection)
     run: RunSection = field(default_factory=RunSection)
+    draft: DraftSection = field(default_factory=DraftSection)
 
 
 def flag_table():

@@ -170,14 +170,25 @@ class Engine:
                            "tokens_per_s": generated / max(elapsed, 1e-9), **self.k_policy.summary()}
         return samples
 
+    def named_weights(self):
+        """(canonical name, tensor) of the weights the trainer syncs: the model's, and a trained
+        external draft's under its wire names (the proposer's `named_draft_weights`)."""
+        yield from self.model.named_parameters()
+        yield from self.proposer.named_draft_weights()
+
     def load_weights(self, named_tensors, version):
-        """Copy (canonical HF name, tensor) pairs into the model; every name must exist."""
+        """Copy (canonical HF name, tensor) pairs into the model (an external draft's names into the
+        proposer's draft); every name must exist."""
         params = dict(self.model.named_parameters())
+        draft = self.proposer.loadable_draft_weights()
+        params.update(draft)
         with torch.no_grad():
             for name, tensor in named_tensors:
                 if name not in params:
                     raise UserError(f"load_weights: unknown tensor {name!r}; expected canonical HF names")
                 params[name].copy_(tensor.to(params[name].dtype))
+                if name in draft:
+                    self.proposer.draft_synced()
         self.fast.refresh()
         self.weight_version = version
 

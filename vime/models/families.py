@@ -205,6 +205,15 @@ def from_canonical(state, layout, num_hidden_layers, num_mtp_layers):
     return _rename_mtp(state, CANONICAL_LAYOUT, _as_layout(layout), num_hidden_layers, num_mtp_layers)
 
 
+# canonical names of an external draft's tensors on the weight-sync wire: "eagle3.fc.weight", ...
+DRAFT_PREFIX = "eagle3."
+
+
+def is_draft_name(name, num_hidden_layers):
+    """True for a tensor of the draft: an MTP layer's, or an external draft's (`DRAFT_PREFIX`)."""
+    return name.startswith(DRAFT_PREFIX) or is_mtp_name(name, num_hidden_layers)
+
+
 def is_mtp_name(name, num_hidden_layers):
     """True for a canonical name that belongs to an MTP layer."""
     m = CANONICAL_LAYOUT.pattern().match(name)

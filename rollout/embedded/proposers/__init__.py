@@ -37,6 +37,18 @@ class Proposer:
     def release(self, request):
         """The request finished: drop its per-request state."""
 
+    def named_draft_weights(self):
+        """(wire name, tensor) of an external draft the trainer trains and syncs, once it has
+        synced it (a frozen draft has nothing on the trainer to compare with)."""
+        return []
+
+    def loadable_draft_weights(self):
+        """{wire name: parameter} a weight sync may write into (an external draft's)."""
+        return {}
+
+    def draft_synced(self):
+        """A weight sync wrote the external draft."""
+
     def move_slots(self, requests, old_slots):
         """The engine moved each of `requests` from its old slot to `request.slot` (a free one):
         move what this proposer keeps per slot."""

@@ -19,6 +19,7 @@ from rollout.embedded.proposers.drafting import draft_cache
 from rollout.embedded.proposers.mtp import MTPProposer
 from vime.errors import require
 from vime.models.eagle3 import FLAG, check_draft_fits_target, load_draft, resolve_aux_layers
+from vime.models.families import DRAFT_PREFIX
 
 
 def load_eagle3_draft(path, target_cfg, dtype=torch.float32, device="cpu"):
@@ -52,6 +53,17 @@ class Eagle3Proposer(MTPProposer):
         self.cache = draft_cache(engine, 1, shape, self.num_speculative_tokens)
         self.carry = torch.zeros(ec.max_batch_size, 1, cfg.hidden_size, dtype=ec.dtype, device=ec.device)
         self.pending, self.deferred = {}, []
+        self.synced = False
+
+    def loadable_draft_weights(self):
+        return {DRAFT_PREFIX + name: p for name, p in self.draft_model.named_parameters()}
+
+    def named_draft_weights(self):
+        # counted once a sync wrote the draft: only a trained draft has a trainer-side twin
+        return list(self.loadable_draft_weights().items()) if self.synced else []
+
+    def draft_synced(self):
+        self.synced = True
 
     def catch_up(self, slots, out, token_rows):
         combined = self.draft_model.combine(out.hidden)
