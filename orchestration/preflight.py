@@ -96,7 +96,9 @@ def check_resume(cfg):
                else "no --enable-mtp-training")
         raise UserError(f"--load {cfg.run.load}: the checkpoint was trained with"
                         f"{'' if trained else 'out'} MTP training; resume with the same flags ({how})")
-    draft_file = os.path.join(iteration, "model", "eagle3_draft.pt")  # trainer/draft.py DRAFT_STATE_FILE
+    from trainer.draft import DRAFT_STATE_FILE
+
+    draft_file = os.path.join(iteration, "model", DRAFT_STATE_FILE)
     require(os.path.isfile(draft_file) == cfg.draft.enable_training,
             f"--load {cfg.run.load}: the checkpoint was saved with{'' if os.path.isfile(draft_file) else 'out'} "
             "--enable-draft-training; resume with the same flags")

@@ -99,20 +99,23 @@ N, ALPHA = 4000, 1e-3
 
 
 @pytest.fixture(scope="module")
-def vllm_eagle3_samples():
-    """N samples of 4 tokens after one prompt through the vLLM rollout backend (vLLM's eagle3 path,
-    with the backend's repair of the CPU build's sampling kernel)."""
+def backend():
+    """The vLLM rollout backend (vLLM's eagle3 path, with the backend's repair of the CPU build's
+    sampling kernel, and the in-place reload of target and drafter)."""
     from rollout.vllm.backend import VLLMBackend
 
-    backend = VLLMBackend(TARGET, {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": 2}, max_batch_size=256)
-    try:
-        prompt = TextCodec(TARGET).encode_prompt("37+58=", 1)
-        samples = samples_for_prompts([prompt], n=N)
-        backend.generate(samples, SamplingParams(temperature=1.0, max_new_tokens=4))
-        drafted = backend.stats()["spec"]["draft_tokens"]
-    finally:
-        backend.close()
-    return prompt, samples, drafted
+    b = VLLMBackend(TARGET, {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": K}, max_batch_size=256)
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_eagle3_samples(backend):
+    """N samples of 4 tokens after one prompt (the shipped draft, before any reload)."""
+    prompt = TextCodec(TARGET).encode_prompt("37+58=", 1)
+    samples = samples_for_prompts([prompt], n=N)
+    backend.generate(samples, SamplingParams(temperature=1.0, max_new_tokens=4))
+    return prompt, samples, backend.stats()["spec"]["draft_tokens"]
 
 
 def exact_joint(prompt, temperature):
@@ -152,3 +155,39 @@ def test_the_vllm_distribution_test_rejects_a_distorted_policy(vllm_eagle3_sampl
 
     prompt, samples, _ = vllm_eagle3_samples
     assert chi_square_p_value(observed_joint(samples), exact_joint(prompt, 1.3), N) < ALPHA
+
+
+def test_a_draft_reloaded_in_place_is_the_one_vllm_drafts_with(backend, prompts):
+    """The online run's sync: new draft tensors (`eagle3.*`) reloaded into vLLM's drafter in place.
+    Afterwards vLLM accepts per position exactly what the cache-free reference accepts with the NEW
+    draft, its readable draft parameters (the norms) read back as sent, and the guard's draft
+    checksum covers them."""
+
+    from mtp.eagle3 import Eagle3Draft
+    from vime.models.eagle3 import load_draft, resolve_aux_layers
+    from vime.models.families import DRAFT_PREFIX
+    from vime.models.hf_format import read_config
+
+    cfg, state = load_draft(DRAFT)
+    changed = dict(state)
+    changed["midlayer.mlp.down_proj.weight"] = state["midlayer.mlp.down_proj.weight"] * 0.5
+    changed["norm.weight"] = state["norm.weight"] * 1.25
+    backend.load_weights([(DRAFT_PREFIX + k, v) for k, v in changed.items()], version=1)
+    draft = Eagle3Draft(resolve_aux_layers(cfg, read_config(TARGET)))
+    draft.load_state_dict(changed)
+    engine = build_engine(TARGET, None)
+    readback = backend.readback_stats
+    assert torch.allclose(readback[DRAFT_PREFIX + "norm.weight"].float(),
+                          torch.tensor([float(changed["norm.weight"].sum()), float(changed["norm.weight"].pow(2).sum())]),
+                          rtol=1e-6)
+    assert backend.fingerprint()["mtp"] is not None
+    total = [0] * K
+    for prompt in prompts[:8]:
+        samples = samples_for_prompts([prompt])
+        backend.generate(samples, SamplingParams(temperature=0, max_new_tokens=MAX_NEW))
+        got = backend.stats()["spec"]["accepted_per_pos"]
+        _, expected = reference_acceptance(engine.model, draft.eval(), prompt, samples[0].response_ids, K, MAX_NEW,
+                                           past_end=True)
+        assert got == expected, (prompt, got, expected)
+        total = [a + b for a, b in zip(total, got)]
+    assert total[0] > 0

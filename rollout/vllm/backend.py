@@ -210,6 +210,7 @@ class VLLMBackend:
             self._reload(self._to_checkpoint({**mtp, **shared}), draft=True)
         if external and self.has_draft:
             self._reload(external, draft=True)  # the draft's own checkpoint names (llama_eagle3.py)
+            self.shapes.update({DRAFT_PREFIX + k: tuple(v.shape) for k, v in external.items()})  # read back too
         for name, t in canonical.items():
             if not is_draft_name(name, self.num_layers) or self.has_draft:
                 self.loader_stats[name] = weight_sync.tensor_stats(t)

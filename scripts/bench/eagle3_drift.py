@@ -1,15 +1,18 @@
 #!/usr/bin/env python
-"""Drift benchmark for an external EAGLE-3 draft: a frozen draft vs no speculation, per backend.
+"""Drift benchmark for an external EAGLE-3 draft: online-trained vs frozen draft vs no speculation.
 
     python scripts/bench/eagle3_drift.py                         # both backends, 40 RL steps, k = 3
-    python scripts/bench/eagle3_drift.py --backends embedded --steps 20
+    python scripts/bench/eagle3_drift.py --backends embedded --steps 20 --reuse
 
 Every arm is one train_rl.py run on the same target (checkpoints/tiny-qwen2), seed and prompts:
 `none` rolls out without speculation, `frozen` drafts with the shipped draft
 (checkpoints/tiny-qwen2-eagle3), which RL never updates, so its acceptance shows how far the policy
-drifts away from it. Writes eagle3_drift.csv and the acceptance-length curves (PNG) in --out and
-prints, per backend, start/end acceptance length and tokens/s of each arm and the rewards at step 0
-(the same weights everywhere: exact speculation must agree within noise). vLLM counts drafts
+drifts away from it, and `online` drafts with the same draft trained every step
+(--enable-draft-training) and synced to the rollout. Writes eagle3_drift.csv and the
+acceptance-length curves (PNG) in --out and prints, per backend, start/end acceptance length and
+tokens/s of each arm, the end ratio online/frozen, and the rewards at step 0 (the same weights
+everywhere: exact speculation must agree within noise). `--reuse` keeps arms already run to
+--steps in --out. vLLM counts drafts
 accepted past a request's end too (tests/test_vllm_eagle3.py), so its acceptance reads higher
 than the embedded engine's on this task's short answers; compare arms within one backend.
 Extra arguments after `--` go to every train_rl.py run.
@@ -28,7 +31,7 @@ from scripts.bench.mtp_drift import read_metrics, reward_agreement, row, window 
 
 TARGET = os.path.join(REPO, "checkpoints", "tiny-qwen2")
 DRAFT = os.path.join(REPO, "checkpoints", "tiny-qwen2-eagle3")
-ARMS = ("none", "frozen")
+ARMS = ("none", "frozen", "online")
 BACKENDS = ("embedded", "vllm")
 
 
@@ -41,17 +44,23 @@ def parse_args():
     p.add_argument("--png", default=None, help="acceptance-length curves (default: OUT/eagle3_drift.png)")
     p.add_argument("--window", type=int, default=5, help="steps averaged for the start and end figures")
     p.add_argument("--draft", default=DRAFT)
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--reuse", action="store_true", help="keep arms already run to --steps in --out")
     p.add_argument("extra", nargs="*", help="after --: passed to train_rl.py")
     return p.parse_args()
 
 
 def run_arm(arm, backend, args):
     out = os.path.join(args.out, f"{backend}_{arm}")
+    if args.reuse and len(read_metrics(out)) == args.steps:
+        print(f"[eagle3-drift] {backend}/{arm}: reusing {out}", flush=True)
+        return [row(f"{backend}/{arm}", m) for m in read_metrics(out)]
     spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.num_speculative_tokens}
     cmd = [sys.executable, os.path.join(REPO, "train_rl.py"), "--hf-checkpoint", TARGET, "--num-rollout",
            str(args.steps), "--output-dir", out, "--progress", "false", "--rollout-backend", backend,
            "--wandb-group", "eagle3_drift"]
-    cmd += ["--vllm-speculative-config", json.dumps(spec) if arm == "frozen" else "none"]
+    cmd += ["--vllm-speculative-config", "none" if arm == "none" else json.dumps(spec)]
+    cmd += ["--enable-draft-training"] if arm == "online" else []
     cmd += args.extra
     print(f"[eagle3-drift] {backend}/{arm}: {' '.join(cmd[1:])}", flush=True)
     env = dict(os.environ, WANDB_SILENT="true", RAY_AUTH_MODE="disabled")
@@ -84,12 +93,13 @@ def plot(rows_by_arm, path):
 def main():
     args = parse_args()
     backends = args.backends.split(",")
-    bad = [b for b in backends if b not in BACKENDS]
+    arms = args.arms.split(",")
+    bad = [b for b in backends if b not in BACKENDS] + [a for a in arms if a not in ARMS]
     if bad:
-        print(f"error: --backends {bad[0]!r}: choose from {', '.join(BACKENDS)}", file=sys.stderr)
+        print(f"error: --backends / --arms {bad[0]!r}: choose from {', '.join(BACKENDS + ARMS)}", file=sys.stderr)
         sys.exit(2)
     os.makedirs(args.out, exist_ok=True)
-    rows_by_arm = {f"{b}/{a}": run_arm(a, b, args) for b in backends for a in ARMS}
+    rows_by_arm = {f"{b}/{a}": run_arm(a, b, args) for b in backends for a in arms}
     with open(os.path.join(args.out, "eagle3_drift.csv"), "w", newline="") as f:
         rows = [r for rs in rows_by_arm.values() for r in rs]
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -108,6 +118,10 @@ def main():
         end, agree = reward_agreement(group, w)
         print(f"{backend}: step-0 rewards agree within 3 SE: {agree}; end rewards "
               + ", ".join(f"{a} {p:.3f}±{se:.3f}" for a, (p, se) in end.items()))
+        online, frozen = group.get(f"{backend}/online"), group.get(f"{backend}/frozen")
+        if online and frozen:
+            ratio = window(online, "spec_accept_length", False, w) / window(frozen, "spec_accept_length", False, w)
+            print(f"{backend}: acceptance length online / frozen over the last {w} steps: {ratio:.2f}x")
     print(f"wrote {png}")
 
 
