@@ -43,6 +43,7 @@ def preflight(cfg):
                          t.tensor_model_parallel_size, t.pipeline_model_parallel_size)
     check_tensor_parallel(hf, t.tensor_model_parallel_size)
     check_rollout_backend(cfg, hf)
+    check_draft_training(cfg)
     check_finite_weights(os.path.join(cfg.model.hf_checkpoint, "model.safetensors"))
     check_weight_shapes(cfg.model.hf_checkpoint, hf)
     from vime.paths import require_writable_dir
@@ -145,6 +146,12 @@ def check_resume(cfg):
                else "no --enable-mtp-training")
         raise UserError(f"--load {cfg.run.load}: the checkpoint was trained with"
                         f"{'' if trained else 'out'} MTP training; resume with the same flags ({how})")
+    from trainer.draft import DRAFT_STATE_FILE
+
+    draft_file = os.path.join(iteration, "model", DRAFT_STATE_FILE)
+    require(os.path.isfile(draft_file) == cfg.draft.enable_training,
+            f"--load {cfg.run.load}: the checkpoint was saved with{'' if os.path.isfile(draft_file) else 'out'} "
+            "--enable-draft-training; resume with the same flags")
     n = cfg.mtp.num_layers
     require(n is None or n <= meta.get("mtp_num_layers", 0),
             f"--load {cfg.run.load}: the checkpoint has {meta.get('mtp_num_layers', 0)} MTP layers, "
@@ -155,7 +162,8 @@ def check_rollout_backend(cfg, hf):
     """The speculative config per backend: vime's own validation for the embedded engine,
     vLLM's (run in this process, before any actor starts) for --rollout-backend vllm."""
     from rollout.backend import BACKENDS
-    from rollout.spec_config import check_against_checkpoint, check_spec_adaptive, parse_spec_config, require_lossless
+    from rollout.spec_config import (check_against_checkpoint, check_eagle3_draft, check_spec_adaptive,
+                                     parse_spec_config, require_lossless)
 
     r = cfg.rollout
     require(r.backend in BACKENDS, f"--rollout-backend {r.backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -173,10 +181,30 @@ def check_rollout_backend(cfg, hf):
     from rollout.vllm.backend import check_speculative_config, spec_dict
 
     raw = spec_dict(r.vllm_speculative_config)
+    if raw and raw.get("method") == "eagle3":
+        check_eagle3_draft(raw.get("model"), hf)
     require(not raw or raw.get("rejection_sample_method") != "synthetic",
             "--vllm-speculative-config: rejection_sample_method 'synthetic' is benchmark-only (its outputs do not "
             "follow the policy), so train_rl.py refuses it")
     check_speculative_config(cfg.model.hf_checkpoint, raw, r.rollout_max_batch_size)
+
+
+def check_draft_training(cfg):
+    """--enable-draft-training trains an external EAGLE-3 draft: the speculative config must name one."""
+    import json
+
+    if not cfg.draft.enable_training:
+        return
+    value = cfg.rollout.vllm_speculative_config
+    raw = json.loads(value) if isinstance(value, str) and value.strip() else (dict(value) if value else None)
+    method = (raw or {}).get("method")
+    require(method not in ("mtp", "deepseek_mtp", "mimo_mtp", "glm4_moe_mtp"),
+            f"--enable-draft-training trains an external draft, but method {method!r} drafts with the policy's own "
+            "MTP layers: train those with --enable-mtp-training --mtp-num-layers N")
+    require(method == "eagle3",
+            "--enable-draft-training trains an external EAGLE-3 draft: give --vllm-speculative-config "
+            '\'{"method":"eagle3","model":DRAFT_DIR,"num_speculative_tokens":3}\' '
+            f"(got {'no speculation' if raw is None else 'method ' + repr(method)})")
 
 
 def write_variant_prompts(rollout_cfg, output_dir):

@@ -24,7 +24,7 @@ paired measurement of what speculation saved, free of the machine's minute-to-mi
 """
 import importlib
 
-from vime.models.families import is_mtp_name
+from vime.models.families import is_draft_name
 from rollout.spec_stats import spec_counters
 from vime import weight_sync
 from vime.sample import Sample
@@ -85,15 +85,15 @@ class EmbeddedBackend:
 
     def _parts(self):
         n = self.engine.cfg.num_hidden_layers
-        named = list(self.engine.model.named_parameters())
-        return {"mtp": [(k, v) for k, v in named if is_mtp_name(k, n)],
-                "trunk": [(k, v) for k, v in named if not is_mtp_name(k, n)]}
+        named = list(self.engine.named_weights())
+        return {"mtp": [(k, v) for k, v in named if is_draft_name(k, n)],
+                "trunk": [(k, v) for k, v in named if not is_draft_name(k, n)]}
 
     def fingerprint(self):
         return {part: weight_sync.checksum(named) for part, named in self._parts().items()}
 
     def digests(self):
-        return weight_sync.digests(self.engine.model.named_parameters())
+        return weight_sync.digests(self.engine.named_weights())
 
     def pause(self):
         self.engine.pause()

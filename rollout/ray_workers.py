@@ -56,13 +56,13 @@ class RolloutWorkerImpl:
 
         With sync_draft False (the target-only benchmark arm) the MTP tensors are received
         but not loaded, so the drafter keeps its old weights and the guard reports it stale."""
-        from vime.models.families import is_mtp_name
+        from vime.models.families import is_draft_name
 
         start = time.perf_counter()
         self.backend.pause()
         named = weight_sync.receive(self.group, self.layout, self.sync_device)
         if not self.sync_draft:
-            named = ((k, v) for k, v in named if not is_mtp_name(k, self.num_hidden_layers))
+            named = ((k, v) for k, v in named if not is_draft_name(k, self.num_hidden_layers))
         self.backend.load_weights(named, version)
         if self.sync_draft:
             self.draft_version = version

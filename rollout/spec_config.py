@@ -20,8 +20,8 @@ FLAG = "--vllm-speculative-config"
 ADAPTIVE_FLAG = "--spec-adaptive"
 
 METHOD_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "mimo_mtp": "mtp", "glm4_moe_mtp": "mtp",
-                  "ngram": "ngram", "suffix": "suffix", "draft_model": "draft_model"}
-UNSUPPORTED_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "dflash", "ngram_gpu", "dspark",
+                  "ngram": "ngram", "suffix": "suffix", "draft_model": "draft_model", "eagle3": "eagle3"}
+UNSUPPORTED_METHODS = ("eagle", "medusa", "mlp_speculator", "dflash", "ngram_gpu", "dspark",
                        "custom_class", "extract_hidden_states")
 # vLLM 0.32 SpeculativeConfig keys the embedded engine does not implement (vLLM takes them as is)
 VLLM_ONLY_KEYS = ("draft_sample_method", "parallel_drafting", "enable_adaptive_verification",
@@ -162,7 +162,7 @@ def _finish(raw):
     method = raw["method"]
     require(method not in UNSUPPORTED_METHODS,
             f"{FLAG}: method {method!r} runs on vLLM only ({USE_VLLM}); the embedded engine has "
-            "mtp, ngram, suffix, draft_model")
+            "mtp, ngram, suffix, draft_model, eagle3")
     require(method in METHOD_ALIASES, f"{FLAG}: unknown method {method!r}; use one of "
             f"{', '.join(sorted(METHOD_ALIASES))}")
     raw["method"] = METHOD_ALIASES[method]
@@ -174,6 +174,9 @@ def _finish(raw):
             f"(got {raw.get('draft_tensor_parallel_size')})")
     require(raw["method"] != "draft_model" or raw.get("model"),
             f"{FLAG}: method 'draft_model' needs \"model\": \"/path/to/draft/hf/checkpoint\"")
+    require(raw["method"] != "eagle3" or raw.get("model"),
+            f"{FLAG}: method 'eagle3' needs \"model\": \"/path/to/eagle3/draft\" (make one with "
+            "`python scripts/make_eagle3_draft.py --target CKPT --out DIR`)")
     return SpecConfig(**raw)
 
 
@@ -277,7 +280,7 @@ def check_draft_vocab(draft_path, draft_vocab, target_vocab):
 
 
 def check_against_checkpoint(spec, target_cfg):
-    """Checks that need the target's ModelConfig: MTP layers, draft vocabulary."""
+    """Checks that need the target's ModelConfig: MTP layers, draft vocabulary, an EAGLE-3 draft's fit."""
     if spec is None:
         return
     if spec.method == "mtp":
@@ -289,6 +292,19 @@ def check_against_checkpoint(spec, target_cfg):
 
         draft_cfg = read_config(spec.model)
         check_draft_vocab(spec.model, draft_cfg.vocab_size, target_cfg.vocab_size)
+    if spec.method == "eagle3":
+        check_eagle3_draft(spec.model, target_cfg)
+
+
+def check_eagle3_draft(draft_path, target_cfg):
+    """An EAGLE-3 draft is named, is a draft directory, fits the target, and the target's family
+    gives aux hidden states (one line each). Run for both backends: vLLM's own validation
+    accepts a MiMo target or a misfit draft and fails later inside its engine process."""
+    from vime.models.eagle3 import check_draft_fits_target, read_draft_config
+
+    require(draft_path, f"{FLAG}: method 'eagle3' needs \"model\": \"/path/to/eagle3/draft\" (make one with "
+            "`python scripts/make_eagle3_draft.py --target CKPT --out DIR`)")
+    check_draft_fits_target(draft_path, read_draft_config(draft_path), target_cfg)
 
 
 def require_lossless(spec, where="training"):

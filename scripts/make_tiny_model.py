@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from vime.models.families import DEFAULT_FAMILY, FAMILIES  # noqa: E402
+from vime.models.families import DEFAULT_FAMILY, MTP_FAMILIES  # noqa: E402
 from vime.models.hf_format import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from rollout.task import DEFAULT_TASK_VARIANT, TASK_VARIANTS, write_jsonl  # noqa: E402
 from rollout.tiny_model import TINY_CONFIG, init_model, pretrain  # noqa: E402
@@ -39,7 +39,7 @@ def parse_args(argv=None):
                    help="share of pretraining sequences in the step-by-step format")
     p.add_argument("--direct-error-rate", type=float, default=0.6,
                    help="share of direct-format corpus answers with a one-digit slip")
-    p.add_argument("--family", default=DEFAULT_FAMILY, choices=sorted(FAMILIES),
+    p.add_argument("--family", default=DEFAULT_FAMILY, choices=sorted(MTP_FAMILIES),
                    help="model family (trunk flavour and MTP layout)")
     p.add_argument("--task-variant", default=DEFAULT_TASK_VARIANT, choices=sorted(TASK_VARIANTS),
                    help="problems of the pretraining corpus and the prompt files (rollout/task.py)")

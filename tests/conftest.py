@@ -7,7 +7,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vime.models.families import FAMILIES  # noqa: E402
+from vime.models.families import MTP_FAMILIES  # noqa: E402
 from rollout.tiny_model import make_random_checkpoint  # noqa: E402
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -18,7 +18,7 @@ def pytest_configure(config):
     torch.set_num_threads(2)
 
 
-@pytest.fixture(scope="session", params=sorted(FAMILIES))
+@pytest.fixture(scope="session", params=sorted(MTP_FAMILIES))
 def small_ckpt(request, tmp_path_factory):
     """A small random checkpoint of each model family (1 MTP layer) with peaked, varied outputs."""
     path = str(tmp_path_factory.mktemp(f"small_ckpt_{request.param}"))

@@ -8,7 +8,7 @@ logits for every layer at every position it fills from true tokens, across verif
 import pytest
 import torch
 
-from vime.models.families import FAMILIES
+from vime.models.families import MTP_FAMILIES
 from fp32_bounds import reduction_rtol
 from rollout.embedded.engine import Engine, EngineConfig
 from vime.sample import samples_for_prompts
@@ -48,7 +48,7 @@ def depth_of_layer(j):
     return 10 * (TINY["num_hidden_layers"] + j + 1) + 4 * (j + 1) + 1
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=sorted(MTP_FAMILIES))
 def ckpt(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"mtp_chain_{request.param}")
     # no EOS: every request runs its full budget, so the catch-up spans many verify steps
@@ -99,7 +99,7 @@ def test_unchained_second_layer_would_differ_from_megatron(ckpt):
     assert (unchained - megatron).abs().max().item() > 100 * tol * max(1.0, megatron.abs().max().item())
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=sorted(MTP_FAMILIES))
 def one_layer_ckpt(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"mtp_repeat_{request.param}")
     make_tiny(path, seed=5, std=0.1, num_nextn_predict_layers=1, tie_word_embeddings=False, family=request.param,

@@ -88,7 +88,7 @@ def test_batch_size_schedule_expands_like_vllm():
     ('{"method": "mtp"}', "'num_speculative_tokens' is required"),
     ('{"num_speculative_tokens": 2}', "'method' is required"),
     ('{"method": "eagle", "num_speculative_tokens": 2}', "--rollout-backend vllm"),
-    ('{"method": "eagle3", "num_speculative_tokens": 2}', "--rollout-backend vllm"),
+    ('{"method": "eagle3", "num_speculative_tokens": 2}', "method 'eagle3' needs \"model\""),
     ('{"method": "magic", "num_speculative_tokens": 2}', "unknown method 'magic'"),
     ('{"method": "mtp", "num_speculative_tokens": 2, "parallel_drafting": true}', "--rollout-backend vllm"),
     ('{"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": "greedy"}', "--rollout-backend vllm"),

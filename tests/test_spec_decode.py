@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from vime.models.families import FAMILIES
+from vime.models.families import MTP_FAMILIES
 from rollout.embedded.engine import Engine, EngineConfig
 from vime.sample import samples_for_prompts
 from rollout.embedded.proposers.mtp import MTPProposer, reference_mtp_drafts
@@ -25,7 +25,7 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=20)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=sorted(MTP_FAMILIES))
 def markov_ckpt(request, tmp_path_factory):
     return save_checkpoint(markov_model(noise=0.2, family=request.param), str(tmp_path_factory.mktemp("markov")))
 
@@ -136,7 +136,7 @@ class _Checked:
         self.inner.move_slots(requests, old_slots)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(MTP_FAMILIES))
 @pytest.mark.parametrize("layers, k", [(1, 3), (2, 3), (3, 4)])
 @pytest.mark.parametrize("cycling", [False, True])
 def test_cached_mtp_drafting_equals_drafting_recomputed_without_cache(tmp_path, layers, k, family, cycling):

@@ -6,7 +6,7 @@ its default *is* that key's default, so the trainer, the YAML and `--help` canno
 """
 import dataclasses
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Any, Optional
 
 from vime.config import Config
 
@@ -15,6 +15,9 @@ def tree_field(key):
     """A field read from the config tree's `section.field` `key`, with that field's default."""
     section, name = key.split(".")
     default = getattr(getattr(Config(), section), name)
+    if isinstance(default, (dict, list)):  # a mutable default is made fresh per instance
+        return dataclasses.field(default_factory=lambda: getattr(getattr(Config(), section), name),
+                                 metadata={"tree_key": key})
     return dataclasses.field(default=default, metadata={"tree_key": key})
 
 
@@ -53,6 +56,11 @@ class TrainerConfig:
     seed: int = tree_field("train.seed")
     use_tis: bool = tree_field("train.use_tis")  # weight the loss by min(pi_old / pi_rollout, tis_clip)
     tis_clip: float = tree_field("train.tis_clip")
+    enable_draft_training: bool = tree_field("draft.enable_training")
+    draft_loss_scaling_factor: float = tree_field("draft.loss_scaling_factor")
+    draft_lr: Optional[float] = tree_field("draft.lr")  # None: same as lr
+    # the rollout's speculative config: the external draft the trainer trains is its `model`
+    speculative_config: Any = tree_field("rollout.vllm_speculative_config")
 
     @classmethod
     def from_tree(cls, cfg):

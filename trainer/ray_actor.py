@@ -118,9 +118,9 @@ class TrainerActorImpl:
 
 
 def _mtp_only(named, model_cfg, mtp):
-    from vime.models.families import is_mtp_name
+    from vime.models.families import is_draft_name
 
-    return [(k, v) for k, v in named if is_mtp_name(k, model_cfg.num_hidden_layers) == mtp]
+    return [(k, v) for k, v in named if is_draft_name(k, model_cfg.num_hidden_layers) == mtp]
 
 
 TrainerActor = ray.remote(TrainerActorImpl)

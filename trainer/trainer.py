@@ -16,6 +16,7 @@ from mtp.loss import DISTILLATION_LOSSES, mtp_loss, mtp_loss_mask
 from mtp.sampling import effective_temperature, token_logprobs
 from trainer import checkpoint, grads
 from trainer.distributed import ensure_distributed
+from trainer.draft import DraftTraining, load_draft_state, save_draft_state
 from trainer.losses import entropy_from_logits, policy_loss, token_mean
 from trainer.model import build_model, forward, is_mtp_param, spec_name
 from trainer.weights import load_hf_state, named_hf_weights
@@ -74,6 +75,8 @@ class Trainer:
             load_hf_state(self.model, hf_state, self.model_cfg)
         self._freeze_mtp_unless_trained()
         self.optimizer = self._build_optimizer()
+        # an external EAGLE-3 draft trained beside the policy (trainer/draft.py), or None
+        self.draft = DraftTraining(cfg, self.model, self.model_cfg) if cfg.enable_draft_training else None
         # earlier rollout batches the MTP-only steps also train on (--mtp-replay-batches; CPU
         # tensors, newest first; not checkpointed: after --load it refills over R steps)
         self._mtp_replay = collections.deque(maxlen=cfg.mtp_replay_batches)
@@ -170,9 +173,13 @@ class Trainer:
         num_tokens = _dp_sum(batch.num_response_tokens()).float()
         mtp_counts = self._mtp_counts(batch)
         totals = {}
-        for mb in batch.micro_batches(self.cfg.micro_batch_size):
+        micro_batches = list(batch.micro_batches(self.cfg.micro_batch_size))
+        for mb in micro_batches:
             loss, m = self._micro_batch_loss(mb, num_tokens, mtp_counts)
             loss.backward()
+            if self.draft is not None:  # after the policy's backward, on the forward's detached states
+                for i, x in enumerate(self.draft.backward_micro_batch(mb.tokens, mb.loss_mask, 1 / len(micro_batches))):
+                    m[f"draft_{i + 1}_loss"] = x
             for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
         grads.reduce_gradients(self.model.named_parameters())
@@ -239,6 +246,8 @@ class Trainer:
         if self.cfg.enable_mtp_training:
             metrics["train/mtp_grad_norm"] = grads.clip_by_norm(self.mtp_params(), self.cfg.effective_mtp_clip_grad)
         self.optimizer.step()
+        if self.draft is not None:
+            metrics["train/draft_grad_norm"] = self.draft.step()
         if self.cfg.mtp_steps_per_rollout > 1:
             metrics["train/mtp_final_loss"] = self._mtp_only_steps([batch, *self._mtp_replay],
                                                                    self.cfg.mtp_steps_per_rollout - 1)
@@ -249,6 +258,8 @@ class Trainer:
     def named_hf_weights(self):
         """Yield (canonical HF name, full tensor) of every weight, trunk and MTP, on every TP rank."""
         yield from named_hf_weights(self.model, self.model_cfg)
+        if self.draft is not None:
+            yield from self.draft.named_weights()
 
     def _meta(self):
         return {"model_config": dataclasses.asdict(self.model_cfg), "mtp_num_layers": self.mtp_num_layers,
@@ -257,6 +268,8 @@ class Trainer:
     def save(self, path):
         """torch_dist checkpoint of weights + optimizer state (collective: every rank calls it)."""
         checkpoint.save(path, self.model, self.optimizer, self._meta())
+        if self.draft is not None:
+            save_draft_state(path, self.draft.state())
 
     def load(self, path):
         """Load a torch_dist checkpoint saved at any TP size (collective)."""
@@ -265,3 +278,5 @@ class Trainer:
                 f"--load {path}: the checkpoint has {meta.get('mtp_num_layers', 0)} MTP layers, "
                 f"fewer than --mtp-num-layers {self.mtp_num_layers}")
         checkpoint.load(path, self.model, self.optimizer)
+        if self.draft is not None:
+            self.draft.load_state(load_draft_state(path))

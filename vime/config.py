@@ -222,6 +222,19 @@ class PlacementSection:
 
 
 @dataclass
+class DraftSection:
+    """An external draft (EAGLE-3, `model` in --vllm-speculative-config) trained online (`cfg.draft`)."""
+
+    enable_training: bool = field(default=False, metadata=flag(
+        "--enable-draft-training", "train the external EAGLE-3 draft online in the trainers, from the policy's "
+        "detached hidden states of the rollout batch, and sync it to the rollout every step"))
+    loss_scaling_factor: float = field(default=1.0, metadata=flag(
+        "--draft-loss-scaling-factor", "factor of the draft's loss (its own optimiser: the policy never sees it)"))
+    lr: Optional[float] = field(default=1e-3, metadata=flag(
+        "--draft-lr", "learning rate of the external draft (none: --lr)"))
+
+
+@dataclass
 class Config:
     """The whole tree train_rl.py runs on: one section per part, each handed only its own slice."""
 
@@ -231,6 +244,7 @@ class Config:
     mtp: MTPSection = field(default_factory=MTPSection)
     run: RunSection = field(default_factory=RunSection)
     placement: PlacementSection = field(default_factory=PlacementSection)
+    draft: DraftSection = field(default_factory=DraftSection)
 
 
 def flag_table():
@@ -344,6 +358,7 @@ RANGES = {
     "--actor-num-nodes": AT_LEAST_1, "--actor-num-gpus-per-node": AT_LEAST_0, "--actor-num-cpus-per-node": AT_LEAST_0,
     "--rollout-num-gpus-per-engine": AT_LEAST_0, "--rollout-num-cpus-per-engine": AT_LEAST_0,
     "--placement-timeout": POSITIVE,
+    "--draft-loss-scaling-factor": AT_LEAST_0, "--draft-lr": LEARNING_RATE,
 }
 
 

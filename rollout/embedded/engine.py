@@ -170,14 +170,25 @@ class Engine:
                            "tokens_per_s": generated / max(elapsed, 1e-9), **self.k_policy.summary()}
         return samples
 
+    def named_weights(self):
+        """(canonical name, tensor) of the weights the trainer syncs: the model's, and a trained
+        external draft's under its wire names (the proposer's `named_draft_weights`)."""
+        yield from self.model.named_parameters()
+        yield from self.proposer.named_draft_weights()
+
     def load_weights(self, named_tensors, version):
-        """Copy (canonical HF name, tensor) pairs into the model; every name must exist."""
+        """Copy (canonical HF name, tensor) pairs into the model (an external draft's names into the
+        proposer's draft); every name must exist."""
         params = dict(self.model.named_parameters())
+        draft = self.proposer.loadable_draft_weights()
+        params.update(draft)
         with torch.no_grad():
             for name, tensor in named_tensors:
                 if name not in params:
                     raise UserError(f"load_weights: unknown tensor {name!r}; expected canonical HF names")
                 params[name].copy_(tensor.to(params[name].dtype))
+                if name in draft:
+                    self.proposer.draft_synced()
         self.fast.refresh()
         self.weight_version = version
 
@@ -374,13 +385,15 @@ class Engine:
         return out
 
     def _forward(self, reqs, tokens, starts, n_new):
-        """(final-normed hidden states, the hidden states the MTP layer reads) of the new tokens."""
+        """(final-normed hidden states, the hidden states the proposer reads: the MTP layer's input,
+        or an EAGLE-3 draft's aux hidden states) of the new tokens."""
         slots = torch.tensor([r.slot for r in reqs], device=self.config.device)
         positions = (starts[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :])
         positions = positions.clamp(max=self.max_len)
         view = self.cache.step(slots, starts, n_new, self.backend)
         with torch.inference_mode():
-            return self.fast.states(tokens, positions, view.layers(self.cfg.num_hidden_layers))
+            return self.fast.states(tokens, positions, view.layers(self.cfg.num_hidden_layers),
+                                    getattr(self.proposer, "aux_hidden_layers", ()))
 
     def _propose(self, reqs, hidden, starts, n_valid):
         """Drafts for the live requests, at most step_k each; False when none was live.

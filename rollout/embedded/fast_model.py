@@ -105,15 +105,24 @@ class FastForward:
     def __call__(self, tokens, positions, caches):
         return self.states(tokens, positions, caches)[0]
 
-    def states(self, tokens, positions, caches):
-        """Fast twin of `CausalLMWithMTP.forward_states`: (final-normed hidden, MTP input hidden)."""
+    def states(self, tokens, positions, caches, aux_layers=()):
+        """Fast twin of `CausalLMWithMTP.forward_states`: (final-normed hidden, MTP input hidden);
+        with `aux_layers` (an EAGLE-3 draft's), the second is the concatenated aux hidden states
+        instead (twin of `CausalLMWithMTP.aux_hidden_states`)."""
         m = self.model
         x = F.embedding(tokens, m.model.embed_tokens.weight)
         cos = m.rotary.cos[positions].unsqueeze(2)
         sin = m.rotary.sin[positions].unsqueeze(2)
+        aux = []
         for i in range(m.cfg.num_hidden_layers):
+            if i in aux_layers:
+                aux.append(x)
             x = self.layer(self.layers[i], x, cos, sin, caches[i])
+        if m.cfg.num_hidden_layers in aux_layers:
+            aux.append(x)
         normed = self.norm(x, m.model.norm.weight)
+        if aux_layers:
+            return normed, torch.cat(aux, -1)
         return normed, (x if m.cfg.model_family.mtp_reads_pre_norm_hidden else normed)
 
     def mtp(self, k, next_tokens, hidden, positions, cache):

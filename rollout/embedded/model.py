@@ -197,6 +197,19 @@ class CausalLMWithMTP(nn.Module):
             x = self.model.layers[i](x, positions, self.rotary, caches[i] if caches else None)
         return x
 
+    def aux_hidden_states(self, tokens, positions, layer_ids):
+        """[B, Q, len(layer_ids) * H]: the residual stream before each target layer in `layer_ids`
+        (id i: after i layers; vLLM's EAGLE-3 aux hidden states), concatenated in id order."""
+        x = self.model.embed_tokens(tokens)
+        aux = []
+        for i in range(self.cfg.num_hidden_layers):
+            if i in layer_ids:
+                aux.append(x)
+            x = self.model.layers[i](x, positions, self.rotary)
+        if self.cfg.num_hidden_layers in layer_ids:
+            aux.append(x)
+        return torch.cat(aux, -1)
+
     def forward_states(self, tokens, positions, caches=None):
         """(final-normed hidden states, the hidden states the first MTP layer reads)."""
         x = self.trunk(tokens, positions, caches)

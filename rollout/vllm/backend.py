@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from vime.models.families import family_of_hf_config, from_canonical, is_mtp_name, to_canonical
+from vime.models.families import DRAFT_PREFIX, family_of_hf_config, from_canonical, is_draft_name, is_mtp_name, \
+    to_canonical
 from rollout.vllm import worker as vllm_worker
 from rollout.spec_stats import empty_counters
 from vime import weight_sync
@@ -196,18 +197,23 @@ class VLLMBackend:
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, named_tensors, version):
-        """Reload the sent canonical tensors into vLLM: trunk into the target, MTP into the drafter."""
+        """Reload the sent canonical tensors into vLLM: trunk into the target, MTP (or an external
+        EAGLE-3 draft's tensors, sent as `eagle3.<checkpoint name>`) into the drafter."""
         canonical = {name: t.detach().to(torch.float32).clone() for name, t in named_tensors}
-        trunk = {k: v for k, v in canonical.items() if not is_mtp_name(k, self.num_layers)}
+        trunk = {k: v for k, v in canonical.items() if not is_draft_name(k, self.num_layers)}
         mtp = {k: v for k, v in canonical.items() if is_mtp_name(k, self.num_layers)}
+        external = {k[len(DRAFT_PREFIX):]: v for k, v in canonical.items() if k.startswith(DRAFT_PREFIX)}
         if trunk:
             self._reload(self._to_checkpoint(trunk), draft=False)
         if mtp and self.has_draft:
             # the drafter's shared embedding/head come along: a drafter with its own copies stays current
             shared = {k: v for k, v in trunk.items() if "embed_tokens" in k or k.startswith("lm_head")}
             self._reload(self._to_checkpoint({**mtp, **shared}), draft=True)
+        if external and self.has_draft:
+            self._reload(external, draft=True)  # the draft's own checkpoint names (llama_eagle3.py)
+            self.shapes.update({DRAFT_PREFIX + k: tuple(v.shape) for k, v in external.items()})  # read back too
         for name, t in canonical.items():
-            if not is_mtp_name(name, self.num_layers) or self.has_draft:
+            if not is_draft_name(name, self.num_layers) or self.has_draft:
                 self.loader_stats[name] = weight_sync.tensor_stats(t)
         self.last_sent = canonical
         self._read_back()
@@ -263,10 +269,10 @@ class VLLMBackend:
         """{"mtp": ..., "trunk": ...} checksums of vLLM's parameters; "mtp" is None without a drafter
         (no speculation: nothing in vLLM holds the draft, so there is nothing to compare)."""
         stats = self._stats_by_name()
-        mtp = {k: v for k, v in stats.items() if is_mtp_name(k, self.num_layers)}
+        mtp = {k: v for k, v in stats.items() if is_draft_name(k, self.num_layers)}
         return {"mtp": weight_sync.checksum_from_stats(mtp) if self.has_draft else None,
                 "trunk": weight_sync.checksum_from_stats({k: v for k, v in stats.items()
-                                                          if not is_mtp_name(k, self.num_layers)})}
+                                                          if not is_draft_name(k, self.num_layers)})}
 
     def digests(self):
         out = {k: weight_sync.digests([(k, v)])[k] for k, v in self.last_sent.items()}

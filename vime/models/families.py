@@ -73,6 +73,11 @@ class ModelFamily:
     mtp_reads_pre_norm_hidden: bool = False
     mtp_zero_embedding_at_position_0: bool = False
     head_dim_free: bool = True  # False: head_dim must be hidden_size / num_attention_heads (Qwen2)
+    # vLLM's model of this family returns the aux hidden states an EAGLE-3 draft reads (its
+    # SupportsEagle3 path); vLLM 0.32's MiMo model does not, so a MiMo target cannot use eagle3
+    eagle3_aux_hidden_states: bool = True
+    # its checkpoints may carry MTP layers (the MTP tests and recipes run over these families)
+    has_mtp: bool = True
 
     @property
     def layer_tensors(self):
@@ -103,8 +108,17 @@ FAMILIES = {
         name="mimo", architectures=("MiMoForCausalLM",), model_type="qwen2",
         hf_trunk_class="Qwen2ForCausalLM", qkv_bias=True, qk_norm=False, mtp_layout=MIMO_LAYOUT,
         mtp_reads_pre_norm_hidden=True, mtp_zero_embedding_at_position_0=True, head_dim_free=False,
+        eagle3_aux_hidden_states=False,
+    ),
+    # Qwen2 without MTP layers: a target that drafts with an external EAGLE-3 draft. Its MTP
+    # layout is the canonical one only so names resolve; no Qwen2 checkpoint carries MTP layers.
+    "qwen2": ModelFamily(
+        name="qwen2", architectures=("Qwen2ForCausalLM",), model_type="qwen2",
+        hf_trunk_class="Qwen2ForCausalLM", qkv_bias=True, qk_norm=False, mtp_layout=GLM_LAYOUT,
+        head_dim_free=False, has_mtp=False,
     ),
 }
+MTP_FAMILIES = tuple(name for name, fam in FAMILIES.items() if fam.has_mtp)
 DEFAULT_FAMILY = "mimo"
 
 
@@ -124,6 +138,11 @@ def family_of_hf_config(raw, source="config.json"):
 
 def supported_families():
     return ", ".join(f"{f.name} ({f.architectures[0]})" for f in FAMILIES.values())
+
+
+def eagle3_target_families():
+    """The families whose vLLM model gives EAGLE-3 its aux hidden states, for error messages."""
+    return ", ".join(f"{f.name} ({f.architectures[0]})" for f in FAMILIES.values() if f.eagle3_aux_hidden_states)
 
 
 def get_family(name):
@@ -184,6 +203,15 @@ def to_canonical(state, layout, num_hidden_layers, num_mtp_layers):
 def from_canonical(state, layout, num_hidden_layers, num_mtp_layers):
     """Rename canonical tensors to the names `layout` (an MTPLayout or a family name) stores them under."""
     return _rename_mtp(state, CANONICAL_LAYOUT, _as_layout(layout), num_hidden_layers, num_mtp_layers)
+
+
+# canonical names of an external draft's tensors on the weight-sync wire: "eagle3.fc.weight", ...
+DRAFT_PREFIX = "eagle3."
+
+
+def is_draft_name(name, num_hidden_layers):
+    """True for a tensor of the draft: an MTP layer's, or an external draft's (`DRAFT_PREFIX`)."""
+    return name.startswith(DRAFT_PREFIX) or is_mtp_name(name, num_hidden_layers)
 
 
 def is_mtp_name(name, num_hidden_layers):

@@ -8,6 +8,8 @@ tables undo that so a parameter read from vLLM can be compared with the tensor s
 """
 import re
 
+from vime.models.families import DRAFT_PREFIX
+
 # fused vLLM module name -> the checkpoint modules stacked in it (dim 0, in this order)
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -15,10 +17,17 @@ _DRAFT_LAYER = re.compile(r"^model\.mtp_layers\.(\d+)\.")
 
 
 def draft_to_checkpoint_name(name, num_hidden_layers):
-    """MiMo drafter name (vLLM) -> checkpoint name; None for tensors the drafter shares."""
+    """Drafter parameter name (vLLM) -> checkpoint name: MiMo's MTP layers, or an EAGLE-3 draft's
+    tensors under their wire names (`eagle3.midlayer.*`, `eagle3.fc.*`, ...; vLLM numbers the
+    draft's layer after the target's); None for tensors the drafter shares (the embedding)."""
     m = _DRAFT_LAYER.match(name)
     if not m:
-        return None  # embed_tokens / lm_head: the target's, read back there
+        for vllm_prefix, ckpt_prefix in ((f"model.layers.{num_hidden_layers}.", "midlayer."), ("model.fc.", "fc."),
+                                         ("model.norm.", "norm."), ("lm_head.", "lm_head.")):
+            if name.startswith(vllm_prefix):
+                # only names the trainer sent are compared (unpack): a MiMo drafter's are never eagle3.*
+                return DRAFT_PREFIX + ckpt_prefix + name[len(vllm_prefix):]
+        return None  # embed_tokens: the target's, read back there
     k = int(m.group(1)) - num_hidden_layers
     return f"model.mtp_layers.{k}." + name[m.end():].replace("mtp_block.", "", 1)
 

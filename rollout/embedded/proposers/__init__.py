@@ -1,7 +1,8 @@
 """Draft proposers for speculative decoding, one registry for all methods.
 
 A proposer sees every target forward (`TargetForward`: the hidden states of the new
-positions that the family's first MTP layer reads, and how many of them are now followed by a known token) and leaves on
+positions that the family's first MTP layer reads — or, for a proposer naming
+`aux_hidden_layers`, those layers' hidden states concatenated — and how many of them are now followed by a known token) and leaves on
 each request the drafts for its next verify step (`request.drafts`, and
 `request.draft_probs` [k, V] when it has a draft distribution). The engine verifies them.
 """
@@ -24,6 +25,7 @@ class Proposer:
     """No speculation: plain decoding is verification with zero drafts."""
 
     num_speculative_tokens = 0
+    aux_hidden_layers = ()  # target layers whose hidden states it reads instead (EAGLE-3: three)
 
     def attach(self, engine):
         """Called once the engine exists (allocate caches, read the model)."""
@@ -34,6 +36,18 @@ class Proposer:
 
     def release(self, request):
         """The request finished: drop its per-request state."""
+
+    def named_draft_weights(self):
+        """(wire name, tensor) of an external draft the trainer trains and syncs, once it has
+        synced it (a frozen draft has nothing on the trainer to compare with)."""
+        return []
+
+    def loadable_draft_weights(self):
+        """{wire name: parameter} a weight sync may write into (an external draft's)."""
+        return {}
+
+    def draft_synced(self):
+        """A weight sync wrote the external draft."""
 
     def move_slots(self, requests, old_slots):
         """The engine moved each of `requests` from its old slot to `request.slot` (a free one):
@@ -63,4 +77,5 @@ PROPOSERS = {
     "ngram": _lazy("ngram", "NgramProposer"),
     "suffix": _lazy("suffix", "SuffixProposer"),
     "draft_model": _lazy("draft_model", "DraftModelProposer"),
+    "eagle3": _lazy("eagle3", "Eagle3Proposer"),
 }

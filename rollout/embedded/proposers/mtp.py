@@ -143,7 +143,7 @@ class MTPProposer(Proposer):
     def profile_draft(self, batch_size, k, new_tokens=2):
         """One drafting of k tokens for batch_size rows (catch-up over `new_tokens` verified
         positions, the deeper layers' and reuse steps, k heads) on dummy inputs in slots 0..batch_size-1."""
-        dev, hidden_size = self.engine.config.device, self.engine.cfg.hidden_size
+        dev, hidden_size = self.engine.config.device, self.target_hidden_width()
         slots = torch.arange(batch_size, device=dev)
         context = max(0, min(32, self.engine.max_len - new_tokens - k - self.num_layers))
         starts = torch.full((batch_size,), context, device=dev)
@@ -160,7 +160,7 @@ class MTPProposer(Proposer):
         tokens, probs = [], []
 
         def draft(hidden_at_last):
-            tok, q = pick_drafts(self.engine.fast.logits(hidden_at_last), sampling,
+            tok, q = pick_drafts(self.draft_logits(hidden_at_last), sampling,
                                  None if uniforms is None else uniforms[:, len(tokens)])
             tokens.append(tok)
             probs.append(q)
@@ -177,6 +177,19 @@ class MTPProposer(Proposer):
             hidden = self.reuse_step(layer, slots, tokens[-1], hidden, last_pos + i - layer)
             draft(hidden)
         return tokens, probs
+
+    # ---- the draft network (a subclass drafting with another network overrides these) ----
+    def layer_forward(self, j, tokens, hidden, positions, view):
+        """Draft layer j over (tokens t+j+1, hidden at t) at `positions`, writing its cache `view`."""
+        return self.engine.fast.mtp(j, tokens, hidden, positions, view)
+
+    def draft_logits(self, hidden):
+        """Next-token logits from a draft layer's output."""
+        return self.engine.fast.logits(hidden)
+
+    def target_hidden_width(self):
+        """Width of the target hidden states this proposer reads (TargetForward.hidden)."""
+        return self.engine.cfg.hidden_size
 
     # ---- catch-up: every layer's cache from true inputs --------------------------------
     @staticmethod
@@ -217,7 +230,7 @@ class MTPProposer(Proposer):
         tokens = token_rows(j, first, count)
         positions = first[:, None] + torch.arange(width, device=slots.device)[None, :]
         view = self.cache.step(slots, first, count, self.engine.backend).layers(self.num_layers)[j]
-        return LayerRun(self.engine.fast.mtp(j, tokens, hidden[:, :width], positions, view), first, count)
+        return LayerRun(self.layer_forward(j, tokens, hidden[:, :width], positions, view), first, count)
 
     # ---- drafting ------------------------------------------------------------------
     def deeper_layer_step(self, j, slots, last_pos, true_prev, speculative_prev, drafts):
@@ -230,15 +243,15 @@ class MTPProposer(Proposer):
         width = j - int(drop.min())
         positions = first[:, None] + torch.arange(width, device=slots.device)[None, :]
         view = self.cache.step(slots, first, j - drop, self.engine.backend).layers(self.num_layers)[j]
-        out = self.engine.fast.mtp(j, shift_rows(drafts, drop)[:, :width], shift_rows(hidden, drop)[:, :width],
-                                   positions, view)
+        out = self.layer_forward(j, shift_rows(drafts, drop)[:, :width], shift_rows(hidden, drop)[:, :width],
+                                 positions, view)
         return shift_rows(torch.nn.functional.pad(out, (0, 0, 0, j - width)), -drop)
 
     def reuse_step(self, layer, slots, tokens, hidden, positions):
         """One speculative step of `layer` at `positions` [B] on (its previous output, previous draft)."""
         view = self.cache.step(slots, positions, torch.ones_like(positions), self.engine.backend)
-        out = self.engine.fast.mtp(layer, tokens[:, None], hidden[:, None], positions[:, None],
-                                   view.layers(self.num_layers)[layer])
+        out = self.layer_forward(layer, tokens[:, None], hidden[:, None], positions[:, None],
+                                 view.layers(self.num_layers)[layer])
         return out[:, 0]
 
 

@@ -1,0 +1,211 @@
+"""The EAGLE-3 draft (pure torch), written as vLLM's `LlamaForCausalLMEagle3` computes it.
+
+Parameter names equal the checkpoint names vLLM loads (`fc`, `midlayer.*`, `norm`, `lm_head`),
+so a state dict saved from this module is a servable draft. The draft owns no embedding: it
+reads the target's (vLLM shares the target's `embed_tokens` with a draft that stores none).
+
+At position t the draft reads the embedding of token t+1 and a hidden state h_t: from the
+target, h_t = fc(cat(aux hidden states of three target layers at t)); from itself (a drafting
+step past the last true position), its own pre-norm output at t-1. One decoder layer runs
+attention over cat(input_layernorm(embedding), hidden_norm(h_t)) (width 2H) with h_t as the
+residual; the final norm of the residual stream gives the logits through `lm_head`, and the
+residual stream itself is what the next step reads (vLLM's `aux_output`).
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """The draft's architecture (the fields of its config.json that shape the tensors)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple  # the target layers whose hidden states fc reads (vLLM's numbering)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 256
+
+
+def rms(x, weight, eps):
+    """RMSNorm in fp32, scaled in the input dtype (vLLM's RMSNorm on CPU)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+class Norm(nn.Module):
+    """An RMSNorm scale (named `<norm>.weight`, as the checkpoint stores it)."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return rms(x, self.weight, self.eps)
+
+
+def rotate(x, positions, theta):
+    """Neox-style rotary embedding of x [B, heads, Q, D] at positions [B, Q]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=x.device).float() / d))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().unsqueeze(1).to(x.dtype), emb.sin().unsqueeze(1).to(x.dtype)
+    half = d // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+def causal_attention(q, k, v, positions):
+    """Attention over the same sequence, causal by position (no cache: training, references)."""
+    mask = positions[:, None, None, :] <= positions[:, None, :, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class Eagle3Attention(nn.Module):
+    """Grouped-query attention whose q/k/v read the concatenated 2H input (no bias, no q/k norm)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.cfg = cfg
+        self.q_proj = nn.Linear(2 * h, cfg.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, cfg.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, cfg.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+
+    def qkv(self, x, positions):
+        """x [B, Q, 2H] -> rotated q [B, heads, Q, D], rotated k and v [B, kv_heads, Q, D]."""
+        b, q_len, _ = x.shape
+        c = self.cfg
+        q = self.q_proj(x).view(b, q_len, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, q_len, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, q_len, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        return rotate(q, positions, c.rope_theta), rotate(k, positions, c.rope_theta), v
+
+    def output(self, attn):
+        """[B, heads, Q, D] attention output -> [B, Q, H]."""
+        return self.o_proj(attn.transpose(1, 2).flatten(2))
+
+    def forward(self, x, positions, cache=None):
+        """x [B, Q, 2H]; `cache` is a KV view with `attend(q, k, v, positions)` or None."""
+        q, k, v = self.qkv(x, positions)
+        out = causal_attention(q, k, v, positions) if cache is None else cache.attend(q, k, v, positions)
+        return self.output(out)
+
+
+class Eagle3MLP(nn.Module):
+    """SwiGLU feed-forward block."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3MidLayer(nn.Module):
+    """The draft's one decoder layer (vLLM's eagle3 `LlamaDecoderLayer` with layer_idx 0)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = Norm(h, eps)
+        self.hidden_norm = Norm(h, eps)
+        self.post_attention_layernorm = Norm(h, eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.mlp = Eagle3MLP(cfg)
+
+
+class Eagle3Draft(nn.Module):
+    """The EAGLE-3 draft: `forward` gives the residual stream (fed back), `logits` the next-token logits."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3MidLayer(cfg)
+        self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def combine(self, aux_hidden):
+        """[.., 3 * target H] concatenated aux hidden states -> the draft's hidden input [.., H]."""
+        return self.fc(aux_hidden)
+
+    def layer_input(self, embeds, hidden):
+        m = self.midlayer
+        return torch.cat([m.input_layernorm(embeds), m.hidden_norm(hidden)], -1)
+
+    def after_attention(self, attn_out, hidden):
+        """The residual stream after the layer, given the attention output and h_t (the residual)."""
+        m = self.midlayer
+        residual = attn_out + hidden
+        return m.mlp(m.post_attention_layernorm(residual)) + residual
+
+    def forward(self, embeds, hidden, positions, cache=None):
+        """embeds: the target's embedding of token t+1; hidden: h_t (combined or fed back) [B, Q, H];
+        returns the residual stream at t [B, Q, H] (what the next step reads)."""
+        attn = self.midlayer.self_attn(self.layer_input(embeds, hidden), positions, cache)
+        return self.after_attention(attn, hidden)
+
+    def logits(self, stream):
+        """Next-token logits from the residual stream (final norm, then the draft's own head)."""
+        return self.lm_head(self.norm(stream))
+
+
+def training_time_test(draft, embeds, aux_hidden, steps):
+    """EAGLE-3's training-time test: the draft unrolled on its own outputs for `steps` steps,
+    every position a drafting point at once, attending as the drafter does.
+
+    embeds [B, T, H]: the target's embedding of tokens 0..T-1; aux_hidden [B, T, 3H]: the target's
+    aux hidden states at positions 0..T-1 (both detached). Step m's entry t sits at position t+m,
+    reads token t+m+1 and (m >= 1) step m-1's output at entry t, attends over step 0's entries at
+    positions <= t and its own chain (entry t of steps 1..m, what the drafter's speculative cache
+    entries hold), and predicts token t+m+2. Returns one [B, T-1, V] logits tensor per step (entry
+    t; entries whose target lies past T are garbage for the caller to mask)."""
+    b, n, _ = embeds.shape
+    s = n - 1
+    t = torch.arange(s, device=embeds.device)
+    attn = draft.midlayer.self_attn
+    hidden = draft.combine(aux_hidden[:, :s])
+    keys, values, logits = [], [], []
+    base = t[None, :] <= t[:, None]  # step 0's entries at positions <= t
+    own = torch.eye(s, dtype=torch.bool, device=t.device)  # entry t of steps 1..m
+    for m in range(steps):
+        step_embeds = embeds[:, (t + m + 1).clamp(max=n - 1)]
+        positions = (t + m).expand(b, s)
+        q, k, v = attn.qkv(draft.layer_input(step_embeds, hidden), positions)
+        keys.append(k)
+        values.append(v)
+        mask = torch.cat([base] + [own] * m, 1)
+        out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        hidden = draft.after_attention(attn.output(out), hidden)
+        logits.append(draft.logits(hidden))
+    return logits
+
+
+def training_time_test_loss(draft, embeds, aux_hidden, tokens, loss_mask, steps):
+    """Mean cross-entropy of each step's prediction (token t+m+2) over the positions where
+    `loss_mask` [B, T] marks the predicted token; returns (total loss, per-step losses)."""
+    n = tokens.shape[1]
+    per_step = []
+    for m, logits in enumerate(training_time_test(draft, embeds, aux_hidden, steps)):
+        width = n - m - 2  # entries whose target t+m+2 exists
+        if width <= 0:
+            break
+        target = tokens[:, m + 2:]
+        mask = loss_mask[:, m + 2:].float()
+        ce = F.cross_entropy(logits[:, :width].transpose(1, 2), target, reduction="none")
+        per_step.append((ce * mask).sum() / mask.sum().clamp(min=1))
+    return sum(per_step) / max(len(per_step), 1), per_step

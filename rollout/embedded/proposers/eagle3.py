@@ -1,0 +1,101 @@
+"""EAGLE-3 proposer: an external one-layer draft reads three target layers' hidden states.
+
+It drafts exactly as vLLM's eagle3 path does. After a target forward, the draft runs over the
+newly verified positions t (token t+1, h_t = fc(cat(aux hidden states at t))) into its own KV
+cache; its output at the last position e gives draft 1, and each further draft runs the draft
+one position further on its own output (the residual stream) and the previous draft. That is
+the MTP proposer's bookkeeping for a single layer reused past itself (catch-up, reuse steps,
+speculative cache entries overwritten by the next catch-up, k = 0 steps deferred), so this
+proposer is that one with another network: the draft of mtp/eagle3.py, the target's embedding,
+the draft's own norm and head.
+"""
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from mtp.eagle3 import Eagle3Draft
+from rollout.embedded.proposers.drafting import draft_cache
+from rollout.embedded.proposers.mtp import MTPProposer
+from vime.errors import require
+from vime.models.eagle3 import FLAG, check_draft_fits_target, load_draft, resolve_aux_layers
+from vime.models.families import DRAFT_PREFIX
+
+
+def load_eagle3_draft(path, target_cfg, dtype=torch.float32, device="cpu"):
+    """The draft module of a draft directory, checked against the target's ModelConfig."""
+    cfg, state = load_draft(path)
+    check_draft_fits_target(path, cfg, target_cfg)
+    draft = Eagle3Draft(resolve_aux_layers(cfg, target_cfg))
+    require("embed_tokens.weight" not in state,
+            f"{FLAG}: draft {path} stores its own embed_tokens; vime's EAGLE-3 draft reads the target's "
+            "(remove the tensor from model.safetensors)")
+    draft.load_state_dict(state, strict=True)
+    return draft.to(device, dtype).eval().requires_grad_(False)
+
+
+class Eagle3Proposer(MTPProposer):
+    """Drafts with an external EAGLE-3 draft from the target's aux hidden states (its own KV cache)."""
+
+    def __init__(self, spec, draft=None, sample_drafts=False):
+        super().__init__(spec, sample_drafts)
+        self.draft_model = draft
+
+    def attach(self, engine):
+        self.engine = engine
+        ec = engine.config
+        if self.draft_model is None:
+            self.draft_model = load_eagle3_draft(self.spec.model, engine.cfg, ec.dtype, ec.device)
+        cfg = self.draft_model.cfg
+        self.aux_hidden_layers = tuple(cfg.aux_layer_ids)
+        self.num_layers = 1
+        shape = dataclasses.replace(engine.cfg, num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+        self.cache = draft_cache(engine, 1, shape, self.num_speculative_tokens)
+        self.carry = torch.zeros(ec.max_batch_size, 1, cfg.hidden_size, dtype=ec.dtype, device=ec.device)
+        self.pending, self.deferred = {}, []
+        self.synced = False
+
+    def loadable_draft_weights(self):
+        return {DRAFT_PREFIX + name: p for name, p in self.draft_model.named_parameters()}
+
+    def named_draft_weights(self):
+        # counted once a sync wrote the draft: only a trained draft has a trainer-side twin
+        return list(self.loadable_draft_weights().items()) if self.synced else []
+
+    def draft_synced(self):
+        self.synced = True
+
+    def catch_up(self, slots, out, token_rows):
+        combined = self.draft_model.combine(out.hidden)
+        return super().catch_up(slots, dataclasses.replace(out, hidden=combined), token_rows)
+
+    def layer_forward(self, j, tokens, hidden, positions, view):
+        embeds = F.embedding(tokens, self.engine.model.model.embed_tokens.weight)
+        return self.draft_model(embeds, hidden, positions, view)
+
+    def draft_logits(self, hidden):
+        return self.draft_model.logits(hidden)
+
+    def target_hidden_width(self):
+        return len(self.aux_hidden_layers) * self.engine.cfg.hidden_size
+
+
+def reference_eagle3_drafts(target, draft, ids, k):
+    """Greedy EAGLE-3 drafts for `ids` recomputed from scratch without any cache (the naive path
+    the cached proposer is tested against): the draft over every position of `ids` reading the
+    target's aux states, then k-1 steps each re-run over the whole extended sequence."""
+    n = len(ids)
+    tokens = torch.tensor([ids])
+    with torch.inference_mode():
+        aux = target.aux_hidden_states(tokens, torch.arange(n)[None], draft.cfg.aux_layer_ids)
+        hidden = draft.combine(aux[:, :n - 1])  # positions 0..n-2, tokens 1..n-1
+        ext = list(ids)
+        drafts = []
+        for i in range(k):
+            width = n - 1 + i
+            embeds = F.embedding(torch.tensor([ext[1:1 + width]]), target.model.embed_tokens.weight)
+            out = draft(embeds, hidden, torch.arange(width)[None])
+            drafts.append(int(draft.logits(out[0, -1]).argmax()))
+            ext.append(drafts[-1])
+            hidden = torch.cat([hidden, out[:, -1:]], 1)
+    return drafts

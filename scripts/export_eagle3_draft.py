@@ -1,0 +1,40 @@
+#!/usr/bin/env python
+"""Export the EAGLE-3 draft an online run trained (--enable-draft-training) as a directory vLLM serves.
+
+    python scripts/export_eagle3_draft.py --load SAVE_DIR --out DIR
+
+SAVE_DIR is a run's --save directory (its latest checkpoint is read). DIR then loads, unchanged,
+with `vllm.LLM(model=TARGET, speculative_config={"method": "eagle3", "model": DIR, ...})`, TARGET
+being the policy of the same checkpoint exported with checkpoint_convert.torch_dist_to_hf.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from trainer.draft import DRAFT_STATE_FILE  # noqa: E402
+from vime.checkpointing import check_loadable  # noqa: E402
+from vime.errors import exit_on_user_error, require  # noqa: E402
+from vime.models.eagle3 import save_draft  # noqa: E402
+
+
+@exit_on_user_error
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load", required=True, help="the run's --save directory")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    step, iteration = check_loadable(args.load)
+    file = os.path.join(iteration, "model", DRAFT_STATE_FILE)
+    require(os.path.isfile(file), f"--load {args.load}: step {step} holds no external draft ({DRAFT_STATE_FILE}); "
+            "the run was not trained with --enable-draft-training")
+    state = torch.load(file, map_location="cpu", weights_only=False)
+    save_draft(args.out, state["config"], state["draft"])
+    print(f"saved {args.out} (the draft at step {step})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""EAGLE-3 fixtures: the shipped tiny Qwen2 target and its draft, random tiny targets and drafts,
+and a cache-free reference of greedy acceptance per draft position."""
+import dataclasses
+import os
+
+import torch
+
+from mtp.eagle3 import Eagle3Draft
+from rollout.embedded.proposers.eagle3 import reference_eagle3_drafts
+from vime.models.eagle3 import draft_config_for_target
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET = os.path.join(REPO, "checkpoints", "tiny-qwen2")
+DRAFT = os.path.join(REPO, "checkpoints", "tiny-qwen2-eagle3")
+
+
+def random_draft(target_cfg, seed, std, aux_layer_ids=None):
+    """A random EAGLE-3 draft for `target_cfg` (norm weights perturbed too, so each norm matters)."""
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(draft_config_for_target(target_cfg, aux_layer_ids=aux_layer_ids))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_(0, std) if p.dim() == 2 else p.add_(torch.randn(p.shape) * std)
+    return draft.eval().requires_grad_(False)
+
+
+def greedy_continuation(target, ids, extra):
+    """`ids` followed by `extra` greedy tokens of the target (full forwards, no stop)."""
+    ids = list(ids)
+    with torch.inference_mode():
+        for _ in range(extra):
+            hidden = target(torch.tensor([ids]), torch.arange(len(ids))[None])
+            ids.append(int(target.logits(hidden)[0, -1].argmax()))
+    return ids
+
+
+def reference_acceptance(target, draft, prompt, response, k, max_new_tokens, past_end=False):
+    """(drafted, accepted) per draft position of greedy speculative decoding of `response`,
+    with drafts recomputed without any cache at every verify step. `past_end`: count drafts
+    accepted past the response's end too (vLLM counts acceptance before cutting at a stop
+    token or the length; the embedded engine never counts those)."""
+    ids = greedy_continuation(target, list(prompt) + list(response), k + 1) if past_end \
+        else list(prompt) + list(response)
+    drafted, accepted = [0] * k, [0] * k
+    p, end = len(prompt) + 1, len(prompt) + len(response)  # the prefill emitted the first token
+    while p < end:
+        # the embedded engine never drafts past the length budget; vLLM drafts k and counts them
+        budget = k if past_end else min(k, max_new_tokens - (p - len(prompt)) - 1)
+        drafts = reference_eagle3_drafts(target, draft, ids[:p], budget)
+        a = 0
+        while a < budget and p + a < len(ids) and ids[p + a] == drafts[a]:
+            a += 1
+        if not past_end:  # accepted drafts after a stop token never reach the output
+            a = min(a, end - p)
+        for i in range(budget):
+            drafted[i] += 1
+        for i in range(a):
+            accepted[i] += 1
+        p += a + 1
+    return drafted, accepted

@@ -1,0 +1,97 @@
+"""Bad EAGLE-3 inputs to train_rl.py: one line naming the flag and the directory, found by the
+preflight (before any actor starts) on both rollout backends; a subprocess shows `error: ...`, exit 2."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from eagle3_fixtures import DRAFT, REPO, TARGET
+from orchestration.preflight import preflight
+from vime.cli_config import load_config
+from vime.errors import UserError
+
+MIMO = os.path.join(REPO, "checkpoints", "tiny-mimo-mtp")
+
+
+def args_for(out, target=TARGET, draft=DRAFT, backend="embedded"):
+    spec = {"method": "eagle3", "num_speculative_tokens": 3}
+    if draft is not None:
+        spec["model"] = draft
+    return ["--hf-checkpoint", target, "--num-rollout", "2", "--output-dir", str(out), "--rollout-backend", backend,
+            "--vllm-speculative-config", json.dumps(spec)]
+
+
+def refused(argv, *needles):
+    with pytest.raises(UserError) as err:
+        preflight(load_config(argv))
+    message = str(err.value)
+    assert "\n" not in message
+    for needle in needles:
+        assert needle in message, message
+
+
+def misfit_draft(tmp_path, **changes):
+    out = tmp_path / "draft"
+    shutil.copytree(DRAFT, out)
+    raw = json.loads((out / "config.json").read_text())
+    raw.update(changes)
+    (out / "config.json").write_text(json.dumps(raw))
+    return str(out)
+
+
+def test_the_shipped_pair_passes_the_embedded_preflight(tmp_path):
+    preflight(load_config(args_for(tmp_path)))  # the negative control of every case below
+
+
+@pytest.mark.parametrize("backend", ["embedded", "vllm"])
+def test_eagle3_without_a_draft_is_refused(tmp_path, backend):
+    refused(args_for(tmp_path, draft=None, backend=backend), "method 'eagle3' needs \"model\"", "make_eagle3_draft.py")
+
+
+@pytest.mark.parametrize("backend", ["embedded", "vllm"])
+def test_a_directory_that_is_not_a_draft_is_refused(tmp_path, backend):
+    refused(args_for(tmp_path, draft=TARGET, backend=backend), TARGET, "is not an EAGLE-3 draft")
+
+
+@pytest.mark.parametrize("backend", ["embedded", "vllm"])
+def test_a_draft_of_another_hidden_size_or_vocabulary_is_refused(tmp_path, backend):
+    wide = misfit_draft(tmp_path, hidden_size=256, target_hidden_size=256)
+    refused(args_for(tmp_path, draft=wide, backend=backend), wide, "hidden size 256", "128")
+    shutil.rmtree(wide)
+    other = misfit_draft(tmp_path, vocab_size=64, draft_vocab_size=64)
+    refused(args_for(tmp_path, draft=other, backend=backend), other, "vocab_size 64", "32")
+
+
+@pytest.mark.parametrize("backend", ["embedded", "vllm"])
+def test_a_target_whose_vllm_model_gives_no_aux_hidden_states_is_refused(tmp_path, backend):
+    refused(args_for(tmp_path, target=MIMO, backend=backend), "MiMoForCausalLM", "EAGLE-3 targets: qwen3", "qwen2")
+
+
+def test_train_rl_prints_one_error_line_and_exits_2(tmp_path):
+    proc = subprocess.run([sys.executable, "train_rl.py", *args_for(tmp_path, draft=TARGET)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "is not an EAGLE-3 draft" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_draft_training_without_an_external_draft_is_refused(tmp_path):
+    refused(["--hf-checkpoint", TARGET, "--output-dir", str(tmp_path), "--enable-draft-training",
+             "--vllm-speculative-config", "none"], "--enable-draft-training", "eagle3", "no speculation")
+    refused(["--hf-checkpoint", TARGET, "--output-dir", str(tmp_path), "--enable-draft-training",
+             "--vllm-speculative-config", '{"method":"ngram","num_speculative_tokens":2}'],
+            "--enable-draft-training", "method 'ngram'")
+
+
+def test_an_mtp_method_with_draft_training_is_refused(tmp_path):
+    refused(["--hf-checkpoint", MIMO, "--output-dir", str(tmp_path), "--enable-draft-training",
+             "--vllm-speculative-config", '{"method":"mtp","num_speculative_tokens":2}'],
+            "method 'mtp' drafts with the policy's own MTP layers", "--enable-mtp-training")
+
+
+def test_the_shipped_pair_with_draft_training_passes_the_preflight(tmp_path):
+    preflight(load_config(args_for(tmp_path) + ["--enable-draft-training"]))

@@ -1,0 +1,114 @@
+"""Online EAGLE-3 draft training in the trainer: the policy's loss and gradients are bit-identical
+with and without it, the draft trains on the policy's own aux hidden states (the embedded engine's
+model, an independent implementation, recomputes them), its tensors go out under `eagle3.*`, and a
+checkpoint keeps it with its optimizer state."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle3_fixtures import random_draft
+from mtp.eagle3 import training_time_test_loss
+from rollout.embedded.model import CausalLMWithMTP
+from trainer.config import TrainerConfig
+from trainer.trainer import Trainer
+from trainer_fixtures import make_batch, make_tiny
+from fp32_bounds import reduction_rtol
+from vime.models.eagle3 import save_draft
+from vime.models.families import DRAFT_PREFIX
+from vime.models.hf_format import load_hf_checkpoint, read_config
+
+AUX = (0, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A 2-layer Qwen2 target without MTP and a random EAGLE-3 draft reading its layers 0, 1, 2."""
+    target = str(tmp_path_factory.mktemp("qwen2_target"))
+    make_tiny(target, seed=1, family="qwen2", num_nextn_predict_layers=0)
+    draft = random_draft(read_config(target), seed=2, std=0.05, aux_layer_ids=AUX)
+    path = str(tmp_path_factory.mktemp("draft"))
+    save_draft(path, draft.cfg, draft.state_dict())
+    return target, path
+
+
+def config(draft_dir, enable, **kw):
+    spec = json.dumps({"method": "eagle3", "model": draft_dir, "num_speculative_tokens": 3})
+    return TrainerConfig(**{"enable_draft_training": enable, "speculative_config": spec, "micro_batch_size": 2, **kw})
+
+
+def test_draft_training_leaves_the_policy_loss_and_gradients_bit_identical(pair):
+    target, draft = pair
+    batch = make_batch()
+    runs = {}
+    for enable in (False, True):
+        trainer = Trainer(config(draft, enable), target)
+        metrics = trainer.backward(batch)
+        runs[enable] = (metrics, {n: p.grad.clone() for n, p in trainer.model.named_parameters()}, trainer)
+    (m_off, g_off, _), (m_on, g_on, on) = runs[False], runs[True]
+    assert m_on["train/policy_loss"] == m_off["train/policy_loss"]
+    assert g_on.keys() == g_off.keys() and all(torch.equal(g_on[n], g_off[n]) for n in g_on)
+    assert all(p.grad is not None and p.grad.abs().max() > 0 for p in on.draft.draft.parameters())
+    assert m_on["train/draft_1_loss"] > 0 and "train/draft_3_loss" in m_on
+
+
+def test_the_draft_trains_on_the_policys_aux_hidden_states(pair):
+    """The loss the trainer computes from megatron's hooked states equals the same loss computed
+    from the embedded engine's model (its own aux_hidden_states) on one micro-batch."""
+    target, draft_dir = pair
+    batch = make_batch(n=2)
+    trainer = Trainer(config(draft_dir, True, micro_batch_size=0), target)
+    metrics = trainer.backward(batch)
+    got = sum(metrics[f"train/draft_{i}_loss"] for i in (1, 2, 3)) / 3
+    cfg, state, _ = load_hf_checkpoint(target)
+    model = CausalLMWithMTP(cfg)
+    model.load_state_dict(state)
+    tokens = batch.tokens
+    with torch.no_grad():
+        aux = model.aux_hidden_states(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), AUX)
+        embeds = F.embedding(tokens, model.model.embed_tokens.weight)
+        from vime.models.eagle3 import load_draft
+        from mtp.eagle3 import Eagle3Draft
+
+        draft_cfg, draft_state = load_draft(draft_dir)
+        draft = Eagle3Draft(draft_cfg)
+        draft.load_state_dict(draft_state)
+        expected, _ = training_time_test_loss(draft, embeds, aux, tokens, batch.loss_mask, 3)
+    # two fp32 implementations of the same trunk (reduction order differs): the trunk's reductions
+    # (4 per layer) and the draft's (fc over 3H, q/k/v over 2H, attention, o, MLP, norm, head: 8),
+    # the longest being fc's 3H terms, bound the relative error of the loss (Higham)
+    longest = max(cfg.intermediate_size, 3 * cfg.hidden_size)
+    assert abs(got - float(expected)) <= reduction_rtol(longest, 4 * cfg.num_hidden_layers + 8) \
+        * max(1.0, abs(float(expected)))
+
+
+def test_a_step_moves_the_draft_and_sends_it_under_its_wire_names(pair):
+    target, draft_dir = pair
+    trainer = Trainer(config(draft_dir, True), target)
+    before = {n: p.clone() for n, p in trainer.draft.draft.state_dict().items()}
+    metrics = trainer.train_step(make_batch())
+    assert metrics["train/draft_grad_norm"] > 0
+    sent = {n[len(DRAFT_PREFIX):]: t for n, t in trainer.named_hf_weights() if n.startswith(DRAFT_PREFIX)}
+    assert sent.keys() == before.keys()
+    assert any(not torch.equal(sent[n], before[n]) for n in sent)
+    assert all(torch.equal(sent[n], p) for n, p in trainer.draft.draft.state_dict().items())
+
+
+def test_save_and_load_keep_the_draft_and_its_optimizer_state(pair, tmp_path):
+    target, draft_dir = pair
+    trainer = Trainer(config(draft_dir, True), target)
+    trainer.train_step(make_batch())
+    trainer.save(str(tmp_path / "ckpt"))
+    resumed = Trainer(config(draft_dir, True), target, load=str(tmp_path / "ckpt"))
+    for (n, a), (_, b) in zip(trainer.draft.draft.state_dict().items(), resumed.draft.draft.state_dict().items()):
+        assert torch.equal(a, b), n
+    a, b = trainer.draft.optimizer.state_dict(), resumed.draft.optimizer.state_dict()
+    assert a["state"].keys() == b["state"].keys()
+    assert all(torch.equal(a["state"][k]["exp_avg"], b["state"][k]["exp_avg"]) for k in a["state"])
+    # the next step is the same on both
+    batch = make_batch(seed=3)
+    trainer.train_step(batch)
+    resumed.train_step(batch)
+    for (n, x), (_, y) in zip(trainer.draft.draft.state_dict().items(), resumed.draft.draft.state_dict().items()):
+        assert torch.equal(x, y), n
