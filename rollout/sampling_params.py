@@ -6,7 +6,8 @@ from vime.errors import require
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples: temperature (0 = greedy), top-p/top-k, length, stop tokens, seed."""
+    """How one request samples: temperature (0 = greedy), top-p/top-k, length, stop tokens, seed,
+    and whether the model's EOS ends it (`ignore_eos`, vLLM's parameter of that name)."""
 
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
@@ -14,6 +15,7 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: tuple = field(default_factory=tuple)  # in addition to the model's EOS
     seed: int = 0
+    ignore_eos: bool = False  # generate max_new_tokens regardless of the model's EOS (benchmarks: equal work)
 
     def __post_init__(self):
         require(self.max_new_tokens > 0, f"--max-new-tokens must be > 0 (got {self.max_new_tokens})")

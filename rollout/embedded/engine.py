@@ -327,15 +327,15 @@ class Engine:
         n_acc = res.num_accepted.tolist()
         emitted, emitted_lp = res.emitted.tolist(), res.emitted_logprobs.tolist()
         for i, r in enumerate(reqs):
-            kept = self._append(r, emitted[i][:n_acc[i] + 1], emitted_lp[i][:n_acc[i] + 1])
-            # accepted drafts cut off by a stop token (or the budget) never reach the output:
-            # they do not count as accepted
-            _record_spec(r.sample.spec, counts[i], min(n_acc[i], kept))
+            self._append(r, emitted[i][:n_acc[i] + 1], emitted_lp[i][:n_acc[i] + 1])
+            # vLLM's count (rollout/spec_stats.py): a draft the verifier accepted counts even when
+            # a stop token before it ends the response
+            _record_spec(r.sample.spec, counts[i], n_acc[i])
         return n_acc
 
     def _append(self, r, tokens, logprobs):
         """Append tokens until a stop token or the budget; returns how many were appended."""
-        stops = self.stop_ids | set(r.sampling.stop_token_ids)
+        stops = (set() if r.sampling.ignore_eos else self.stop_ids) | set(r.sampling.stop_token_ids)
         for n, (tok, lp) in enumerate(zip(tokens, logprobs), start=1):
             r.sample.response_ids.append(tok)
             r.sample.rollout_logprobs.append(lp)

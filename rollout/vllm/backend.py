@@ -158,8 +158,11 @@ class VLLMBackend:
         from vllm import SamplingParams as VSampling
 
         require(not self.paused, "the vLLM backend is paused (a weight update is in progress)")
-        stops = sorted(self.eos_ids | set(sampling.stop_token_ids))
+        # the LLM has no tokenizer, so the model's EOS reaches vLLM as a stop id (and stays out
+        # under ignore_eos, vLLM's own flag, which only covers the tokenizer's EOS)
+        stops = sorted((set() if sampling.ignore_eos else self.eos_ids) | set(sampling.stop_token_ids))
         params = [VSampling(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                            ignore_eos=sampling.ignore_eos,
                             max_tokens=min(sampling.max_new_tokens, self.max_len - len(s.prompt_ids)),
                             seed=_sample_seed(sampling, s), stop_token_ids=stops, logprobs=0, detokenize=False)
                   for s in samples]
@@ -293,16 +296,13 @@ class VLLMBackend:
 
 
 def _counter_delta(before, after):
-    """vLLM's counters over one call, in rollout/spec_stats.py's counter form.
-
-    vLLM counts a verify step per draft proposal: each emits its accepted drafts plus one
-    token, and proposes one token at every position (per-position rates divide by drafts)."""
+    """vLLM's counters over one call, in rollout/spec_stats.py's counter form (vLLM proposes
+    a token at every position of every draft, so each position was drafted `drafts` times)."""
     drafts = after["drafts"] - before["drafts"]
-    accepted = after["accepted_tokens"] - before["accepted_tokens"]
     per_pos_before = before["accepted_per_pos"] or [0] * len(after["accepted_per_pos"] or [])
     out = empty_counters()
-    out.update(decode_steps=drafts, decode_tokens=drafts + accepted,
-               draft_tokens=after["draft_tokens"] - before["draft_tokens"], accepted_tokens=accepted,
+    out.update(drafts=drafts, draft_tokens=after["draft_tokens"] - before["draft_tokens"],
+               accepted_tokens=after["accepted_tokens"] - before["accepted_tokens"],
                accepted_per_pos=[a - b for a, b in zip(after["accepted_per_pos"] or [], per_pos_before)])
     out["drafted_per_pos"] = [drafts] * len(out["accepted_per_pos"])
     return out
