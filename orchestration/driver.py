@@ -105,12 +105,20 @@ class WeightSync:
                                       f"from the trainer in {len(bad)} tensors (first: {bad[0]}); stopping")
 
 
+def vllm_logging_level(verbose):
+    """vLLM's log level: a VLLM_LOGGING_LEVEL the user set wins; else INFO under --verbose, else
+    WARNING (its INFO lines outnumber a run's own output a hundred to one)."""
+    return os.environ.get("VLLM_LOGGING_LEVEL") or ("INFO" if verbose else "WARNING")
+
+
 def init_ray(run_cfg, needed_cpus):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from vime.config import REPO_ROOT
 
     env = {"env_vars": {"PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                        "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}}
+                        "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1",
+                        # read by vLLM in the rollout actor and the engine process it spawns
+                        "VLLM_LOGGING_LEVEL": vllm_logging_level(run_cfg.verbose)}}
     if run_cfg.ray_address:
         ray.init(address=run_cfg.ray_address, runtime_env=env, log_to_driver=True)
     else:

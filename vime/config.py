@@ -174,6 +174,8 @@ class RunSection:
     load_debug_rollout_data: Optional[str] = field(default=None, metadata=flag(
         "--load-debug-rollout-data", "directory of pickled rollouts that --debug-train-only trains on"))
     progress: bool = field(default=True, metadata=flag("--progress", "tqdm progress bars"))
+    verbose: bool = field(default=False, metadata=flag(
+        "--verbose", "vLLM's INFO log lines too (default: its warnings and errors only)"))
 
 
 @dataclass

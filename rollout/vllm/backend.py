@@ -54,8 +54,11 @@ def spec_dict(speculative_config):
 
 
 def _set_env(device):
-    # collective_rpc ships our functions by pickle; the KV cache of a CPU run stays small
+    # collective_rpc ships our functions by pickle; the KV cache of a CPU run stays small;
+    # vLLM reads its log level at import and its engine process inherits it (train_rl.py sets
+    # INFO under --verbose)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
