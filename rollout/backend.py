@@ -22,12 +22,11 @@ The embedded backend can also time plain decoding of the same batch right beside
 speculative call (`generate_with_plain_baseline`, --rollout-time-plain-baseline): a benchmark's
 paired measurement of what speculation saved, free of the machine's minute-to-minute drift.
 """
-import importlib
-
 from vime.models.families import is_mtp_name
 from rollout.spec_stats import spec_counters
 from vime import weight_sync
 from vime.sample import Sample
+from vime.lazy import lazy_constructor
 
 
 class EmbeddedBackend:
@@ -114,18 +113,9 @@ class EmbeddedBackend:
         """Nothing to release: the engine lives in this process."""
 
 
-def _lazy(module, name):
-    """Import a backend module only when it is asked for (vLLM is an optional dependency)."""
-
-    def make(*args, **kwargs):
-        return getattr(importlib.import_module(module), name)(*args, **kwargs)
-
-    return make
-
-
 BACKENDS = {
     "embedded": EmbeddedBackend,
-    "vllm": _lazy("rollout.vllm.backend", "VLLMBackend"),
+    "vllm": lazy_constructor("rollout.vllm.backend", "VLLMBackend"),  # vLLM is optional
 }
 
 

@@ -26,3 +26,10 @@ class SamplingParams:
     @property
     def greedy(self):
         return self.temperature == 0
+
+
+def request_seed(sampling, sample):
+    """The seed of one request's random stream: the call's seed with the sample's prompt index
+    and sample index, so a request draws the same numbers whatever batch it runs in (both
+    backends seed their per-request generators with it)."""
+    return hash((sampling.seed, sample.index, sample.sample_index)) & 0x7FFFFFFF

@@ -26,9 +26,12 @@ import time
 
 import torch
 
-from vime.models.families import family_of_hf_config, from_canonical, is_mtp_name, to_canonical
+from vime.models.families import from_canonical, is_mtp_name, to_canonical
+from vime.models.hf_format import read_config
 from rollout.vllm import worker as vllm_worker
+from rollout.sampling_params import request_seed
 from rollout.spec_stats import empty_counters
+from rollout.tokenizer import codec_or_none
 from vime import weight_sync
 from vime.errors import UserError, require
 
@@ -67,10 +70,9 @@ def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device):
     """Keyword arguments of vllm.LLM / EngineArgs. fp32 on both devices: the trainer syncs fp32
     weights and the guard compares exact sums of them (a bf16 copy could never match); CPU also
     runs eager (no graph capture to gain there). Everything else is vLLM's default."""
-    hf = _read_json(os.path.join(hf_checkpoint, "config.json"))
     spec = spec_dict(speculative_config)
     kwargs = dict(model=hf_checkpoint, skip_tokenizer_init=True, seed=0, disable_log_stats=False,
-                  max_model_len=hf.get("max_position_embeddings", 2048), max_num_seqs=max_batch_size,
+                  max_model_len=read_config(hf_checkpoint).max_position_embeddings, max_num_seqs=max_batch_size,
                   speculative_config=spec,
                   logprobs_mode="processed_logprobs", dtype="float32")
     if device == "cpu":
@@ -123,11 +125,6 @@ def _first_line(e):
     return lines[0] if lines else type(e).__name__
 
 
-def _read_json(path):
-    with open(path) as f:
-        return json.load(f)
-
-
 class VLLMBackend:
     """A vllm.LLM behind the rollout-backend protocol (see the module docstring)."""
 
@@ -140,18 +137,16 @@ class VLLMBackend:
         from vllm import LLM
 
         self.path = hf_checkpoint
-        hf = _read_json(os.path.join(hf_checkpoint, "config.json"))
-        self.family = family_of_hf_config(hf).name  # its MTP layout renames canonical tensors for vLLM
-        self.num_layers = hf["num_hidden_layers"]
-        self.num_mtp = hf.get("num_nextn_predict_layers", 0) or 0
-        eos = hf.get("eos_token_id")
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-        self.max_len = hf.get("max_position_embeddings", 2048)
+        cfg = read_config(hf_checkpoint)
+        self.family = cfg.family  # its MTP layout renames canonical tensors for vLLM
+        self.num_layers, self.num_mtp = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
+        self.eos_ids = {cfg.eos_token_id} - {None}
+        self.max_len = cfg.max_position_embeddings
         self.spec = spec_dict(speculative_config)
         self.llm = LLM(**engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device))
         self.llm.collective_rpc(vllm_worker.repair_cpu_expand_kernel)  # before any sampled verification
         self.has_draft = bool(self.llm.collective_rpc(vllm_worker.has_draft)[0])
-        self.codec = _codec(hf_checkpoint)
+        self.codec = codec_or_none(hf_checkpoint)
         self.weight_version, self.paused = 0, False
         self.last = {"seconds": 0.0, "generated_tokens": 0, "spec": empty_counters()}
         self._init_fingerprint_state()
@@ -167,7 +162,7 @@ class VLLMBackend:
         params = [VSampling(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                             ignore_eos=sampling.ignore_eos,
                             max_tokens=min(sampling.max_new_tokens, self.max_len - len(s.prompt_ids)),
-                            seed=_sample_seed(sampling, s), stop_token_ids=stops, logprobs=0, detokenize=False)
+                            seed=request_seed(sampling, s), stop_token_ids=stops, logprobs=0, detokenize=False)
                   for s in samples]
         before = self._spec_counters()
         start = time.perf_counter()
@@ -310,15 +305,3 @@ def _counter_delta(before, after):
     out["drafted_per_pos"] = [drafts] * len(out["accepted_per_pos"])
     return out
 
-
-def _sample_seed(sampling, sample):
-    """The embedded engine's per-request seed rule (rollout/embedded/engine.py `_generator`)."""
-    return hash((sampling.seed, sample.index, sample.sample_index)) & 0x7FFFFFFF
-
-
-def _codec(path):
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return None
-    from rollout.tokenizer import TextCodec
-
-    return TextCodec(path)
