@@ -105,6 +105,12 @@ class WeightSync:
                                       f"from the trainer in {len(bad)} tensors (first: {bad[0]}); stopping")
 
 
+def vllm_logging_level(verbose):
+    """vLLM's log level: a VLLM_LOGGING_LEVEL the user set wins; else INFO under --verbose, else
+    WARNING (its INFO lines outnumber a run's own output a hundred to one)."""
+    return os.environ.get("VLLM_LOGGING_LEVEL") or ("INFO" if verbose else "WARNING")
+
+
 def init_ray(run_cfg, needed_cpus):
     """Join --ray-address (its own token auth applies) or start a local cluster closed to strangers:
     Ray's token authentication stays on (a new local cluster writes its token under ~/.ray/ and
@@ -115,7 +121,13 @@ def init_ray(run_cfg, needed_cpus):
     from orchestration.placement import code_runtime_env
 
     # the code travels to every node with the job (working_dir), not as a path of this machine
-    env = {**code_runtime_env(REPO_ROOT), "env_vars": {"OMP_NUM_THREADS": "1"}}
+    # the job's workers need the auth mode the driver joins with (a cluster started with `ray start` and
+    # RAY_AUTH_MODE=token refuses workers that do not say so); unset, Ray's default (token) applies
+    passed = {k: os.environ[k] for k in ("RAY_AUTH_MODE",) if k in os.environ}
+    env = {**code_runtime_env(REPO_ROOT), "env_vars": {
+        **passed, "OMP_NUM_THREADS": "1",
+        # read by vLLM in the rollout actor and the engine process it spawns
+        "VLLM_LOGGING_LEVEL": vllm_logging_level(run_cfg.verbose)}}
     if run_cfg.ray_address:
         ray.init(address=run_cfg.ray_address, runtime_env=env, log_to_driver=True)
     else:

@@ -96,11 +96,11 @@ def check_off_policy(cfg):
 
 
 def _codec(hf_checkpoint):
-    from rollout.tokenizer import TextCodec
+    from rollout.tokenizer import codec_or_none
 
-    has = os.path.isfile(os.path.join(hf_checkpoint, "tokenizer.json"))
-    require(has, f"--hf-checkpoint {hf_checkpoint}: tokenizer.json is missing; RL prompts are text")
-    return TextCodec(hf_checkpoint)
+    codec = codec_or_none(hf_checkpoint)
+    require(codec is not None, f"--hf-checkpoint {hf_checkpoint}: tokenizer.json is missing; RL prompts are text")
+    return codec
 
 
 def check_response_fits(prompts, codec, hf, rollout_cfg):

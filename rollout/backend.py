@@ -1,7 +1,8 @@
 """The rollout-backend protocol and its registry: the embedded engine and vLLM, side by side.
 
 A backend turns Samples into responses and holds the policy's weights. RolloutWorker talks
-to a backend only through this protocol, so nothing above the worker knows which one runs:
+to a backend only through this protocol (`RolloutBackend`, a typing.Protocol), so nothing above the
+worker knows which one runs:
 
     generate(samples, sampling) -> samples  fills response_ids / response / rollout_logprobs /
                                             finish_reason / weight_version of each Sample
@@ -22,12 +23,35 @@ The embedded backend can also time plain decoding of the same batch right beside
 speculative call (`generate_with_plain_baseline`, --rollout-time-plain-baseline): a benchmark's
 paired measurement of what speculation saved, free of the machine's minute-to-minute drift.
 """
-import importlib
+import typing
 
 from vime.models.families import is_draft_name
 from rollout.spec_stats import spec_counters
 from vime import weight_sync
 from vime.sample import Sample
+from vime.lazy import lazy_constructor
+
+
+class RolloutBackend(typing.Protocol):
+    """What RolloutWorker needs of a rollout backend (see the module docstring for each method)."""
+
+    name: str
+
+    def generate(self, samples: list, sampling) -> list: ...
+
+    def load_weights(self, named_tensors, version: int) -> None: ...
+
+    def fingerprint(self) -> dict: ...
+
+    def digests(self) -> dict: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def stats(self) -> dict: ...
+
+    def close(self) -> None: ...
 
 
 class EmbeddedBackend:
@@ -114,20 +138,12 @@ class EmbeddedBackend:
         """Nothing to release: the engine lives in this process."""
 
 
-def _lazy(module, name):
-    """Import a backend module only when it is asked for (vLLM is an optional dependency)."""
-
-    def make(*args, **kwargs):
-        return getattr(importlib.import_module(module), name)(*args, **kwargs)
-
-    return make
-
-
 BACKENDS = {
     "embedded": EmbeddedBackend,
-    "vllm": _lazy("rollout.vllm.backend", "VLLMBackend"),
+    "vllm": lazy_constructor("rollout.vllm.backend", "VLLMBackend"),  # vLLM is optional
 }
 
 
-def build_backend(name, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False):
+def build_backend(name, hf_checkpoint, speculative_config, max_batch_size, device="cpu",
+                  adaptive=False) -> RolloutBackend:
     return BACKENDS[name](hf_checkpoint, speculative_config, max_batch_size, device, adaptive)

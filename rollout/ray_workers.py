@@ -81,11 +81,9 @@ class RolloutWorkerImpl:
 
 
 def read_num_hidden_layers(hf_checkpoint):
-    import json
-    import os
+    from vime.models.hf_format import read_config
 
-    with open(os.path.join(hf_checkpoint, "config.json")) as f:
-        return json.load(f)["num_hidden_layers"]
+    return read_config(hf_checkpoint).num_hidden_layers
 
 
 RolloutWorker = ray.remote(RolloutWorkerImpl)

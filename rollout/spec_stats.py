@@ -5,9 +5,14 @@ of per-sample ratios would not). The sums are a plain dict of counters (`spec_co
 so counters from several workers, or read from another engine (vLLM's
 `vllm:spec_decode_*`), combine by addition before the rates are taken (`spec_rates`).
 Keys are logged as rollout/<key>.
+
+One definition for both backends, vLLM's: a *draft* is one drafting step of one request
+(a proposal of one or more tokens, verified in one forward); the acceptance length is
+1 + accepted tokens / drafts (each verification emits its accepted drafts plus one token);
+the rate at position i is the accepted tokens at i over the drafts that reached position i.
 """
 
-COUNTER_KEYS = ("decode_steps", "decode_tokens", "draft_tokens", "accepted_tokens")
+COUNTER_KEYS = ("drafts", "draft_tokens", "accepted_tokens")
 
 
 def empty_counters():
@@ -26,18 +31,15 @@ def add_counters(a, b):
 
 def spec_counters(samples):
     """Counters of `samples` (objects with .spec and .response_ids) from the embedded engine."""
-    # the prefill forward of each sample emits exactly one token and verifies nothing; leave
-    # it out so the length measures decode steps only (1.0 = no speculation gain)
-    prefills = sum(1 for s in samples if s.spec.verify_steps > 0)
     out = empty_counters()
-    out.update(decode_steps=sum(s.spec.verify_steps for s in samples) - prefills,
-               decode_tokens=sum(len(s.response_ids) for s in samples) - prefills,
-               draft_tokens=sum(s.spec.draft_tokens for s in samples),
+    out.update(draft_tokens=sum(s.spec.draft_tokens for s in samples),
                accepted_tokens=sum(s.spec.accepted_tokens for s in samples))
     width = max((len(s.spec.drafted_per_pos) for s in samples), default=0)
     for key in ("drafted_per_pos", "accepted_per_pos"):
         out[key] = [sum(getattr(s.spec, key)[i] for s in samples if i < len(getattr(s.spec, key)))
                     for i in range(width)]
+    # every drafting step proposes a token at position 0
+    out["drafts"] = out["drafted_per_pos"][0] if width else 0
     return out
 
 
@@ -48,8 +50,8 @@ def spec_rates(c):
         "spec_draft_tokens": c["draft_tokens"],
         "spec_accepted_tokens": c["accepted_tokens"],
         "spec_accept_rate": c["accepted_tokens"] / c["draft_tokens"] if c["draft_tokens"] else 0.0,
-        # every verify forward emits its accepted drafts plus one bonus/correction token
-        "spec_accept_length": c["decode_tokens"] / c["decode_steps"] if c["decode_steps"] > 0 else 1.0,
+        # every verification emits its accepted drafts plus one bonus/correction token
+        "spec_accept_length": 1.0 + c["accepted_tokens"] / c["drafts"] if c["drafts"] else 1.0,
     }
     for i, (d, a) in enumerate(zip(c["drafted_per_pos"], c["accepted_per_pos"])):
         out[f"spec_accept_rate_pos_{i}"] = a / d if d else 0.0

@@ -63,3 +63,10 @@ class TextCodec:
     @property
     def vocab_size(self):
         return self.tok.get_vocab_size()
+
+
+def codec_or_none(checkpoint_dir):
+    """The checkpoint's TextCodec, or None when it ships no tokenizer.json (token-id prompts only)."""
+    if not os.path.isfile(os.path.join(checkpoint_dir, "tokenizer.json")):
+        return None
+    return TextCodec(checkpoint_dir)

@@ -170,6 +170,29 @@ def test_eos_token_stops_a_request(small_ckpt, task_prompt_ids):
     assert out.response_ids == first[:first.index(first[2]) + 1] and out.finish_reason == "stop"
 
 
+def test_ignore_eos_generates_the_whole_budget_through_the_models_eos(small_ckpt, task_prompt_ids):
+    """vLLM's ignore_eos: the model's EOS no longer ends a request (a request's own stop ids still
+    do), and the tokens up to where EOS stood are unchanged."""
+    from rollout.sampling_params import SamplingParams
+    from vime.sample import samples_for_prompts
+
+    engine = Engine.from_checkpoint(small_ckpt)
+    outs = greedy(engine, task_prompt_ids[:6], n_new=30)
+    i = max(range(len(outs)), key=lambda j: len(outs[j].response_ids))
+    first = outs[i].response_ids
+    engine.stop_ids = {first[2]}  # the model's EOS is the token it emits third
+    cut = greedy(engine, [task_prompt_ids[i]], n_new=30)[0]
+    assert cut.finish_reason == "stop" and len(cut.response_ids) < 30
+    whole = samples_for_prompts([task_prompt_ids[i]])
+    engine.generate(whole, SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True))
+    assert len(whole[0].response_ids) == 30 and whole[0].finish_reason == "length"
+    assert whole[0].response_ids[:len(first)] == first  # the real EOS (if any) did not end it either
+    own_stop = samples_for_prompts([task_prompt_ids[i]])
+    engine.generate(own_stop, SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True,
+                                             stop_token_ids=(first[2],)))
+    assert own_stop[0].response_ids == cut.response_ids
+
+
 def test_generation_stops_at_the_context_length(small_ckpt, task_prompt_ids):
     engine = Engine.from_checkpoint(small_ckpt, EngineConfig(max_len=20))
     s = greedy(engine, [task_prompt_ids[0]], n_new=100)[0]

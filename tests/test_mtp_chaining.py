@@ -12,7 +12,8 @@ from vime.models.families import MTP_FAMILIES
 from fp32_bounds import reduction_rtol
 from rollout.embedded.engine import Engine, EngineConfig
 from vime.sample import samples_for_prompts
-from rollout.embedded.proposers.mtp import MTPProposer, mtp_input_hidden
+from rollout.embedded.proposers.mtp import MTPProposer
+from tests.mtp_oracles import mtp_input_hidden
 from rollout.sampling_params import SamplingParams
 from rollout.spec_config import parse_spec_config
 from trainer.config import TrainerConfig

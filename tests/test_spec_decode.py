@@ -9,7 +9,8 @@ import torch
 from vime.models.families import MTP_FAMILIES
 from rollout.embedded.engine import Engine, EngineConfig
 from vime.sample import samples_for_prompts
-from rollout.embedded.proposers.mtp import MTPProposer, reference_mtp_drafts
+from rollout.embedded.proposers.mtp import MTPProposer
+from tests.mtp_oracles import reference_mtp_drafts
 from rollout.sampling_params import SamplingParams
 from rollout.embedded.engine_builder import build_engine, build_proposer
 from rollout.spec_config import parse_spec_config

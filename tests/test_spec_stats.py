@@ -16,7 +16,8 @@ def test_aggregates_sum_counts_before_dividing():
     st = aggregate_spec_stats([a, b])
     assert st["spec_draft_tokens"] == 8 and st["spec_accepted_tokens"] == 5
     assert st["spec_accept_rate"] == 5 / 8  # a mean of ratios would give (5/6 + 0) / 2
-    assert st["spec_accept_length"] == (8 + 1) / (3 + 1)  # decode tokens / verify forwards
+    # vLLM's definition: 1 + accepted tokens per drafting step (4 steps drafted a position 0)
+    assert st["spec_accept_length"] == 1 + 5 / 4
     assert st["spec_accept_rate_pos_0"] == 3 / 4 and st["spec_accept_rate_pos_1"] == 2 / 4
 
 

@@ -130,7 +130,7 @@ def test_speculative_counters_are_per_call_deltas(vllm_mtp, prompts):
     first = vllm_mtp.stats()["spec"]
     vllm_greedy(vllm_mtp, prompts[:6], 16)
     assert vllm_mtp.stats()["spec"] == first and first["draft_tokens"] > 0
-    assert first["draft_tokens"] == 2 * first["decode_steps"]  # k = 2 drafts per verify step
+    assert first["draft_tokens"] == 2 * first["drafts"]  # k = 2 tokens per drafting step
 
 
 def perturbed(state, seed):
@@ -223,3 +223,26 @@ def test_vllm_greedy_and_acceptance_equal_the_embedded_engines(vllm_mtp, mimo_ck
         extra.append(vllm_mtp.stats()["spec"]["accepted_tokens"] - s.spec.accepted_tokens)
     assert all(0 <= e <= 2 for e in extra), extra
     assert sum(s.spec.accepted_tokens for s in samples[:12]) > 0  # drafts were accepted at all
+
+
+def test_identical_greedy_work_gives_identical_speculation_metrics(vllm_mtp, mimo_ckpt, prompts):
+    """One definition per metric on both backends (vLLM's): the same greedy requests give the
+    same whole rollout/spec_* dict. The requests are those that end at EOS well inside the
+    budget: near max_new_tokens the embedded engine drafts only what it may still emit, while
+    vLLM drafts k past the end, which is different work, not a different definition."""
+    from rollout.backend import build_backend
+    from rollout.spec_stats import spec_rates
+
+    embedded = build_backend("embedded", mimo_ckpt, {"method": "mtp", "num_speculative_tokens": 2}, 32)
+    budget = 48
+    probe = samples_for_prompts(prompts)
+    embedded.generate(probe, SamplingParams(temperature=0, max_new_tokens=budget))
+    ending = [p for p, s in zip(prompts, probe) if s.finish_reason == "stop" and len(s.response_ids) < budget - 2]
+    assert len(ending) >= 8, "the fixture model should end most answers with EOS"
+    ours = samples_for_prompts(ending)
+    embedded.generate(ours, SamplingParams(temperature=0, max_new_tokens=budget))
+    theirs = vllm_greedy(vllm_mtp, ending, budget)
+    assert theirs == [s.response_ids for s in ours]
+    want = spec_rates(vllm_mtp.stats()["spec"])
+    assert want["spec_accepted_tokens"] > 0 and "spec_accept_rate_pos_1" in want
+    assert spec_rates(embedded.stats()["spec"]) == want

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from vime.models.hf_format import load_hf_checkpoint, read_config
-from mtp.loss import DISTILLATION_LOSSES, mtp_loss, mtp_loss_mask
+from mtp.loss import DISTILLATION_LOSSES, mtp_loss, mtp_loss_mask, scaled_mtp_loss
 from mtp.sampling import effective_temperature, token_logprobs
 from trainer import checkpoint, grads
 from trainer.distributed import ensure_distributed
@@ -158,8 +158,7 @@ class Trainer:
             m["logprob_abs_diff"] = token_mean((lp - mb.rollout_logprobs[:, 1:]).abs(), mask, num_tokens)
         if self.cfg.enable_mtp_training:
             per_depth = self._mtp_losses(out, mb, mtp_counts)
-            scale = self.cfg.mtp_loss_scaling_factor / len(per_depth)
-            loss = loss + scale * torch.stack(per_depth).sum()
+            loss = loss + scaled_mtp_loss(per_depth, self.cfg.mtp_loss_scaling_factor)
             for i, l in enumerate(per_depth, start=1):
                 m[f"mtp_{i}_loss"] = l.detach()
         return loss, m
@@ -212,7 +211,7 @@ class Trainer:
         total = 0.0
         for mb, out in trunk_outputs:
             per_depth = self._mtp_losses(out, mb, mtp_counts)
-            (self.cfg.mtp_loss_scaling_factor / len(per_depth) * torch.stack(per_depth).sum()).backward()
+            scaled_mtp_loss(per_depth, self.cfg.mtp_loss_scaling_factor).backward()
             total += float(torch.stack(per_depth).detach().sum()) / len(per_depth)
         grads.reduce_gradients(self.model.named_parameters())
         grads.clip_by_norm(self.mtp_params(), self.cfg.effective_mtp_clip_grad)

@@ -130,14 +130,24 @@ def compose(overrides):
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
+    _register_defaults()
     try:
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
             raw = hydra_compose("config", overrides=overrides)
         merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
         return OmegaConf.to_object(merged)
     except Exception as e:  # Hydra/OmegaConf report bad overrides with their own exception types
+        e = e.__cause__ or e  # Hydra wraps the schema's own message ("could not be converted ...")
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"config override {overrides}: {first}{_closest_key_hint(overrides)}") from None
+
+
+def _register_defaults():
+    """The dataclass tree as Hydra's base config `vime_defaults` (configs/config.yaml composes it):
+    the one source of every default, and the schema key=value overrides are checked against."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="vime_defaults", node=Config)
 
 
 def config_keys():

@@ -192,6 +192,8 @@ class RunSection:
     async_rollout: bool = field(default=False, metadata=flag(
         "--async-rollout", "one step off-policy: the rollout of step t+1 runs while the trainer trains on step t "
         "(on the weights and draft synced after step t-1); see --use-tis"))
+    verbose: bool = field(default=False, metadata=flag(
+        "--verbose", "vLLM's INFO log lines too (default: its warnings and errors only)"))
 
 
 @dataclass

@@ -20,7 +20,6 @@ with the same seed speculative sampling reproduces plain sampling token for toke
 A run with speculation on and one with it off then roll out the same responses, which makes
 their timings comparable step by step (the drift benchmark).
 """
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from rollout.embedded.model import CausalLMWithMTP
 from rollout.embedded.padding import pad_token_rows
 from rollout.embedded.proposers import TargetForward, Proposer
 from rollout.embedded.spec_policy import FixedK, StepRecord
+from rollout.sampling_params import request_seed
 from vime.errors import UserError, require
 
 
@@ -132,12 +132,12 @@ class Engine:
 
     @classmethod
     def from_checkpoint(cls, path, config=None, proposer=None):
-        from rollout.tokenizer import TextCodec  # tokenizers is only needed with text I/O
+        from rollout.tokenizer import codec_or_none  # tokenizers is only needed with text I/O
 
         cfg, state, _ = load_hf_checkpoint(path)
         model = CausalLMWithMTP(cfg)
         model.load_state_dict(state, strict=True)
-        codec = TextCodec(path) if _has_tokenizer(path) else None
+        codec = codec_or_none(path)
         return cls(model, config, codec, proposer)
 
     def set_proposer(self, proposer, k_policy=None):
@@ -338,15 +338,15 @@ class Engine:
         n_acc = res.num_accepted.tolist()
         emitted, emitted_lp = res.emitted.tolist(), res.emitted_logprobs.tolist()
         for i, r in enumerate(reqs):
-            kept = self._append(r, emitted[i][:n_acc[i] + 1], emitted_lp[i][:n_acc[i] + 1])
-            # accepted drafts cut off by a stop token (or the budget) never reach the output:
-            # they do not count as accepted
-            _record_spec(r.sample.spec, counts[i], min(n_acc[i], kept))
+            self._append(r, emitted[i][:n_acc[i] + 1], emitted_lp[i][:n_acc[i] + 1])
+            # vLLM's count (rollout/spec_stats.py): a draft the verifier accepted counts even when
+            # a stop token before it ends the response
+            _record_spec(r.sample.spec, counts[i], n_acc[i])
         return n_acc
 
     def _append(self, r, tokens, logprobs):
         """Append tokens until a stop token or the budget; returns how many were appended."""
-        stops = self.stop_ids | set(r.sampling.stop_token_ids)
+        stops = (set() if r.sampling.ignore_eos else self.stop_ids) | set(r.sampling.stop_token_ids)
         for n, (tok, lp) in enumerate(zip(tokens, logprobs), start=1):
             r.sample.response_ids.append(tok)
             r.sample.rollout_logprobs.append(lp)
@@ -454,7 +454,7 @@ class Engine:
 
     def _generator(self, sampling, sample):
         g = torch.Generator()
-        g.manual_seed(hash((sampling.seed, sample.index, sample.sample_index)) & 0x7FFFFFFF)
+        g.manual_seed(request_seed(sampling, sample))
         return g
 
 
@@ -490,6 +490,3 @@ def _record_spec(spec, drafted, accepted):
         spec.drafted_per_pos[i] += 1
         spec.accepted_per_pos[i] += int(i < accepted)
 
-
-def _has_tokenizer(path):
-    return os.path.isfile(os.path.join(path, "tokenizer.json"))

@@ -26,10 +26,12 @@ import time
 
 import torch
 
-from vime.models.families import DRAFT_PREFIX, family_of_hf_config, from_canonical, is_draft_name, is_mtp_name, \
-    to_canonical
+from vime.models.families import DRAFT_PREFIX, from_canonical, is_draft_name, is_mtp_name, to_canonical
+from vime.models.hf_format import read_config
 from rollout.vllm import worker as vllm_worker
+from rollout.sampling_params import request_seed
 from rollout.spec_stats import empty_counters
+from rollout.tokenizer import codec_or_none
 from vime import weight_sync
 from vime.errors import UserError, require
 
@@ -55,8 +57,11 @@ def spec_dict(speculative_config):
 
 
 def _set_env(device):
-    # collective_rpc ships our functions by pickle; the KV cache of a CPU run stays small
+    # collective_rpc ships our functions by pickle; the KV cache of a CPU run stays small;
+    # vLLM reads its log level at import and its engine process inherits it (train_rl.py sets
+    # INFO under --verbose)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -65,10 +70,9 @@ def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device):
     """Keyword arguments of vllm.LLM / EngineArgs. fp32 on both devices: the trainer syncs fp32
     weights and the guard compares exact sums of them (a bf16 copy could never match); CPU also
     runs eager (no graph capture to gain there). Everything else is vLLM's default."""
-    hf = _read_json(os.path.join(hf_checkpoint, "config.json"))
     spec = spec_dict(speculative_config)
     kwargs = dict(model=hf_checkpoint, skip_tokenizer_init=True, seed=0, disable_log_stats=False,
-                  max_model_len=hf.get("max_position_embeddings", 2048), max_num_seqs=max_batch_size,
+                  max_model_len=read_config(hf_checkpoint).max_position_embeddings, max_num_seqs=max_batch_size,
                   speculative_config=spec,
                   logprobs_mode="processed_logprobs", dtype="float32")
     if device == "cpu":
@@ -121,11 +125,6 @@ def _first_line(e):
     return lines[0] if lines else type(e).__name__
 
 
-def _read_json(path):
-    with open(path) as f:
-        return json.load(f)
-
-
 class VLLMBackend:
     """A vllm.LLM behind the rollout-backend protocol (see the module docstring)."""
 
@@ -138,19 +137,17 @@ class VLLMBackend:
         from vllm import LLM
 
         self.path = hf_checkpoint
-        hf = _read_json(os.path.join(hf_checkpoint, "config.json"))
-        self.family = family_of_hf_config(hf).name  # its MTP layout renames canonical tensors for vLLM
-        self.num_layers = hf["num_hidden_layers"]
-        self.num_mtp = hf.get("num_nextn_predict_layers", 0) or 0
-        eos = hf.get("eos_token_id")
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-        self.max_len = hf.get("max_position_embeddings", 2048)
+        cfg = read_config(hf_checkpoint)
+        self.family = cfg.family  # its MTP layout renames canonical tensors for vLLM
+        self.num_layers, self.num_mtp = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
+        self.eos_ids = {cfg.eos_token_id} - {None}
+        self.max_len = cfg.max_position_embeddings
         self.spec = spec_dict(speculative_config)
         self.llm = LLM(**engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device))
         self.shared_memory = shared_memory_of_children()
         self.llm.collective_rpc(vllm_worker.repair_cpu_expand_kernel)  # before any sampled verification
         self.has_draft = bool(self.llm.collective_rpc(vllm_worker.has_draft)[0])
-        self.codec = _codec(hf_checkpoint)
+        self.codec = codec_or_none(hf_checkpoint)
         self.weight_version, self.paused = 0, False
         self.last = {"seconds": 0.0, "generated_tokens": 0, "spec": empty_counters()}
         self._init_fingerprint_state()
@@ -160,10 +157,13 @@ class VLLMBackend:
         from vllm import SamplingParams as VSampling
 
         require(not self.paused, "the vLLM backend is paused (a weight update is in progress)")
-        stops = sorted(self.eos_ids | set(sampling.stop_token_ids))
+        # the LLM has no tokenizer, so the model's EOS reaches vLLM as a stop id (and stays out
+        # under ignore_eos, vLLM's own flag, which only covers the tokenizer's EOS)
+        stops = sorted((set() if sampling.ignore_eos else self.eos_ids) | set(sampling.stop_token_ids))
         params = [VSampling(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                            ignore_eos=sampling.ignore_eos,
                             max_tokens=min(sampling.max_new_tokens, self.max_len - len(s.prompt_ids)),
-                            seed=_sample_seed(sampling, s), stop_token_ids=stops, logprobs=0, detokenize=False)
+                            seed=request_seed(sampling, s), stop_token_ids=stops, logprobs=0, detokenize=False)
                   for s in samples]
         before = self._spec_counters()
         start = time.perf_counter()
@@ -321,29 +321,14 @@ def shared_memory_of_children():
 
 
 def _counter_delta(before, after):
-    """vLLM's counters over one call, in rollout/spec_stats.py's counter form.
-
-    vLLM counts a verify step per draft proposal: each emits its accepted drafts plus one
-    token, and proposes one token at every position (per-position rates divide by drafts)."""
+    """vLLM's counters over one call, in rollout/spec_stats.py's counter form (vLLM proposes
+    a token at every position of every draft, so each position was drafted `drafts` times)."""
     drafts = after["drafts"] - before["drafts"]
-    accepted = after["accepted_tokens"] - before["accepted_tokens"]
     per_pos_before = before["accepted_per_pos"] or [0] * len(after["accepted_per_pos"] or [])
     out = empty_counters()
-    out.update(decode_steps=drafts, decode_tokens=drafts + accepted,
-               draft_tokens=after["draft_tokens"] - before["draft_tokens"], accepted_tokens=accepted,
+    out.update(drafts=drafts, draft_tokens=after["draft_tokens"] - before["draft_tokens"],
+               accepted_tokens=after["accepted_tokens"] - before["accepted_tokens"],
                accepted_per_pos=[a - b for a, b in zip(after["accepted_per_pos"] or [], per_pos_before)])
     out["drafted_per_pos"] = [drafts] * len(out["accepted_per_pos"])
     return out
 
-
-def _sample_seed(sampling, sample):
-    """The embedded engine's per-request seed rule (rollout/embedded/engine.py `_generator`)."""
-    return hash((sampling.seed, sample.index, sample.sample_index)) & 0x7FFFFFFF
-
-
-def _codec(path):
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return None
-    from rollout.tokenizer import TextCodec
-
-    return TextCodec(path)

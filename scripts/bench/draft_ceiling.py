@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Draft ceiling: how far an MTP draft is from what this policy allows, and what more training buys (issue 12).
+"""Draft ceiling: how far an MTP draft is from what this policy allows, and what more training buys.
 
     python scripts/bench/draft_ceiling.py --hf-checkpoint runs/ceiling_rl/hf   # an RL-trained policy
 

@@ -62,8 +62,8 @@ def main():
         p, q = ms["plain"][m], ms["packed"][m]
         print(f"{m:>4} {p:>9.2f} {q:>10.2f} {p / ms['plain'][rows[0]]:>11.2f} {q / ms['packed'][rows[0]]:>12.2f} "
               f"{q / p:>13.2f}")
-    print(f"goal: packed 4 rows <= 1.5x plain 1 row: {ms['packed'][4] / ms['plain'][1]:.2f}x" if 4 in rows and 1 in rows
-          else "")
+    if 4 in rows and 1 in rows:
+        print(f"packed 4 rows / plain 1 row: {ms['packed'][4] / ms['plain'][1]:.2f}x")
 
 
 if __name__ == "__main__":

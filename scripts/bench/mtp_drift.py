@@ -4,7 +4,7 @@
     python scripts/bench/mtp_drift.py            # default size (about 3 minutes on 2 cores)
     python scripts/bench/mtp_drift.py --full     # longer run
     python scripts/bench/mtp_drift.py --num-speculative-tokens 3 \
-        --arms online,online:loss=soft_ce,online:loss=tv,frozen   # the draft losses (issue 12)
+        --arms online,online:loss=soft_ce,online:loss=tv,frozen   # the draft losses
     python scripts/bench/mtp_drift.py --out runs/mtp_drift_vllm \
         --arms none:backend=vllm,online:backend=vllm:sync_draft=false,online:backend=vllm   # on vLLM
 

@@ -51,10 +51,10 @@ from vime.errors import exit_on_user_error, require  # noqa: E402
 from vime.sample import samples_for_prompts  # noqa: E402
 
 # conditional acceptance per position: every draft accepted, the online draft at the end of the
-# long-tail drift run (BENCHMARKS.md, issue 11: 0.70 at position 1, 1.79 tokens per verify at k = 2),
-# and the best online draft measured (issue 12: 0.88 / 0.66 / 0.53 absolute by position)
+# long-tail drift run (BENCHMARKS.md: 0.70 at position 1, 1.79 tokens per verify at k = 2),
+# and the best online draft measured (0.88 / 0.66 / 0.53 absolute by position)
 DEFAULT_SCENARIOS = ("every draft accepted=1,1,1", "online draft, long-tail drift end=0.70,0.13,0.13",
-                     "best online draft (issue 12)=0.88,0.75,0.80")
+                     "best online draft=0.88,0.75,0.80")
 
 
 ADAPTIVE = "adaptive"

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vime.lazy import lazy_constructor
+
 
 @dataclass
 class TargetForward:
@@ -61,14 +63,8 @@ class Proposer:
 
 
 def _lazy(module, name):
-    """Import a proposer module only when that method is asked for."""
-
-    def make(spec_config):
-        import importlib
-
-        return getattr(importlib.import_module(f"rollout.embedded.proposers.{module}"), name)(spec_config)
-
-    return make
+    """A proposer of this package, imported only when that method is asked for."""
+    return lazy_constructor(f"rollout.embedded.proposers.{module}", name)
 
 
 PROPOSERS = {
