@@ -21,6 +21,7 @@ def preflight(cfg):
     from vime.config import validate
 
     validate(cfg)
+    absolute_paths(cfg)
     check_dynamic_sampling(cfg.rollout)
     check_off_policy(cfg)
     check_placement_flags(cfg)
@@ -59,6 +60,16 @@ def preflight(cfg):
         get_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
     if cfg.run.load:
         check_resume(cfg)
+
+
+def absolute_paths(cfg):
+    """Paths the actors open, made absolute here: actors run in the job's working_dir copy, not in
+    the driver's directory, so a relative --save would land inside Ray's temp dir."""
+    for section, name in (("model", "hf_checkpoint"), ("rollout", "prompt_data"), ("run", "save"), ("run", "load"),
+                          ("run", "load_debug_rollout_data"), ("run", "save_debug_rollout_data")):
+        value = getattr(getattr(cfg, section), name)
+        if value:
+            setattr(getattr(cfg, section), name, os.path.abspath(value))
 
 
 def check_off_policy(cfg):
