@@ -21,6 +21,7 @@ def preflight(cfg):
     from vime.config import validate
 
     validate(cfg)
+    absolute_paths(cfg)
     check_dynamic_sampling(cfg.rollout)
     check_off_policy(cfg)
     check_placement_flags(cfg)
@@ -82,6 +83,32 @@ def check_weight_shapes(hf_checkpoint, hf):
             have, want = tuple(f.get_slice(name).get_shape()), tuple(expected[name].shape)
             require(have == want, f"{weights}: tensor {name} has shape {list(have)} but config.json implies "
                     f"{list(want)}; the weights and config.json disagree (fix config.json or re-convert)")
+
+
+def absolute_paths(cfg):
+    """Paths the actors open, made absolute here: actors run in the job's working_dir copy, not in
+    the driver's directory, so a relative --save would land inside Ray's temp dir."""
+    for section, name in (("model", "hf_checkpoint"), ("rollout", "prompt_data"), ("run", "save"), ("run", "load"),
+                          ("run", "load_debug_rollout_data"), ("run", "save_debug_rollout_data")):
+        value = getattr(getattr(cfg, section), name)
+        if value:
+            setattr(getattr(cfg, section), name, os.path.abspath(value))
+    absolute_draft_path(cfg.rollout)
+
+
+def absolute_draft_path(rollout_cfg):
+    """An external draft's `model` in --vllm-speculative-config, made absolute like the paths above
+    (the rollout workers and the trainers that train it open it from the job's working_dir)."""
+    import json
+
+    spec = rollout_cfg.vllm_speculative_config
+    try:  # a malformed config is reported by the backend's own check, with the flag's name
+        spec = json.loads(spec) if isinstance(spec, str) and spec.strip() else dict(spec or {})
+    except (ValueError, TypeError):
+        return
+    if isinstance(spec, dict) and isinstance(spec.get("model"), str) and not os.path.isabs(spec["model"]):
+        spec["model"] = os.path.abspath(spec["model"])
+        rollout_cfg.vllm_speculative_config = json.dumps(spec)
 
 
 def check_off_policy(cfg):

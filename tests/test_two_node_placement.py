@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from tests.test_train_rl import REPO
+from tests.test_bad_inputs import args_for, ckpt, refused  # noqa: F401  (module fixture reused)
+from tests.test_train_rl import REPO, run_train
 from vime.config import DEFAULT_TINY_MODEL
 
 STEPS, WINDOW = 12, 4
@@ -95,3 +96,29 @@ def test_losing_the_trainer_node_ends_the_run_with_one_line_naming_it_and_the_ch
     line = err.strip().splitlines()[-1]
     assert line.startswith("error: node ") and TRAINER in line and "was lost at step" in line, err[-3000:]
     assert f"--load {save}" in line and "last checkpoint: step" in line
+
+
+# ------------------------------------------------------------------ bad placement (one line, exit 2)
+@pytest.mark.parametrize("extra, needles", [
+    (["--colocate", "--rollout-num-workers", 2], ["--colocate", "--rollout-num-workers 2", "1 trainer ranks"]),
+    (["--colocate", "--async-rollout"], ["--colocate", "--async-rollout"]),
+    (["--colocate", "--debug-rollout-only"], ["--colocate", "debug"]),
+    (["--actor-num-nodes", 2], ["--actor-num-nodes 2", "1 trainer ranks"]),
+    (["--rollout-resources", "{oops"], ["--rollout-resources", "not JSON"]),
+    (["--actor-resources", '{"CPU": 2}'], ["--actor-resources", "own flags"]),
+    (["--placement-timeout", 0], ["--placement-timeout"]),
+])
+def test_layouts_that_cannot_be_placed_are_refused_before_ray_starts(ckpt, tmp_path, extra, needles):  # noqa: F811
+    refused(args_for(ckpt, tmp_path, *extra), *needles)
+
+
+@pytest.mark.parametrize("extra, missing", [
+    (["--rollout-resources", json.dumps({ROLLOUT: 1})], f"1 {ROLLOUT} (free: 0)"),
+    (["--actor-num-gpus-per-node", 1], "1 GPU (free: 0)"),
+])
+def test_placement_that_does_not_fit_the_cluster_is_one_line_and_no_wait(ckpt, tmp_path, extra, missing):  # noqa: F811
+    start = time.time()
+    proc = run_train(*args_for(ckpt, tmp_path, "--placement-timeout", 600, *extra), timeout=300)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith("error: the run's placement needs ") and missing in proc.stderr
+    assert time.time() - start < 300  # far from --placement-timeout: checked, not waited for
