@@ -109,6 +109,7 @@ def main(argv=None):
         return 130
     finally:
         _shutdown_ray()
+        stop.restore()
         if run_tmp:
             run_tmp.remove()
         if lock:

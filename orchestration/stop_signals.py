@@ -15,12 +15,19 @@ class StopRequest:
     def __init__(self):
         self.name = None
         self.signum = None
+        self.previous = {}
 
     def install(self):
         """(Re-)install the handlers: Ray's ray.init installs its own SIGTERM handler (and its C++ one
         prints stack lines), so call this again once Ray is up."""
         for signum in STOP_SIGNALS:
-            signal.signal(signum, self._note)
+            old = signal.signal(signum, self._note)
+            self.previous.setdefault(signum, old)
+
+    def restore(self):
+        """The handlers from before the first `install` (main() may run inside another program)."""
+        for signum, old in self.previous.items():
+            signal.signal(signum, old if old is not None else signal.SIG_DFL)
 
     def _note(self, signum, frame):
         if self.name is None:

@@ -47,8 +47,8 @@ def label(proc):
         cmd = " ".join(proc.cmdline())
     except psutil.Error:
         return None
-    if cmd.startswith("ray::"):  # a Ray worker's process title: ray::ActorClass
-        return cmd.split()[0][len("ray::"):]
+    if cmd.startswith("ray::"):  # a Ray worker's process title: ray::ActorClass[.method]
+        return cmd.split()[0][len("ray::"):].split(".")[0]
     for key in ("TrainerActor", "RolloutWorker", "RolloutManager", "EngineCore", "raylet", "gcs_server",
                 "log_monitor", "dashboard", "runtime_env", "monitor.py"):
         if key in cmd:
@@ -86,7 +86,9 @@ class Sampler(threading.Thread):
                     rss = p.memory_info().rss
                 except psutil.Error:
                     continue
-                self.names.setdefault(p.pid, label(p))
+                name = label(p)  # a worker takes its actor's title only once the actor is placed on it
+                if name and (p.pid not in self.names or name.endswith("Impl")):
+                    self.names[p.pid] = name
                 self.last[p.pid] = rss
                 if at_baseline:
                     self.baseline.setdefault(p.pid, rss)
