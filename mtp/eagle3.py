@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtp.blocks import SwiGLU
+
 
 @dataclass(frozen=True)
 class Eagle3Config:
@@ -101,18 +103,6 @@ class Eagle3Attention(nn.Module):
         return self.output(out)
 
 
-class Eagle3MLP(nn.Module):
-    """SwiGLU feed-forward block."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
 
 class Eagle3MidLayer(nn.Module):
     """The draft's one decoder layer (vLLM's eagle3 `LlamaDecoderLayer` with layer_idx 0)."""
@@ -124,7 +114,7 @@ class Eagle3MidLayer(nn.Module):
         self.hidden_norm = Norm(h, eps)
         self.post_attention_layernorm = Norm(h, eps)
         self.self_attn = Eagle3Attention(cfg)
-        self.mlp = Eagle3MLP(cfg)
+        self.mlp = SwiGLU(cfg)
 
 
 class Eagle3Draft(nn.Module):

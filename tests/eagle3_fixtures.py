@@ -36,11 +36,11 @@ def greedy_continuation(target, ids, extra):
 
 def reference_acceptance(target, draft, prompt, response, k, max_new_tokens, past_end=False):
     """(drafted, accepted) per draft position of greedy speculative decoding of `response`,
-    with drafts recomputed without any cache at every verify step. `past_end`: count drafts
-    accepted past the response's end too (vLLM counts acceptance before cutting at a stop
-    token or the length; the embedded engine never counts those)."""
-    ids = greedy_continuation(target, list(prompt) + list(response), k + 1) if past_end \
-        else list(prompt) + list(response)
+    with drafts recomputed without any cache at every verify step. Both backends count a draft the
+    verify accepted even where a stop token ends the response before it (vLLM's definition).
+    `past_end`: also draft k past the length budget (vLLM drafts k and counts them; the embedded
+    engine never drafts what it may not emit)."""
+    ids = greedy_continuation(target, list(prompt) + list(response), k + 1)
     drafted, accepted = [0] * k, [0] * k
     p, end = len(prompt) + 1, len(prompt) + len(response)  # the prefill emitted the first token
     while p < end:
@@ -50,8 +50,6 @@ def reference_acceptance(target, draft, prompt, response, k, max_new_tokens, pas
         a = 0
         while a < budget and p + a < len(ids) and ids[p + a] == drafts[a]:
             a += 1
-        if not past_end:  # accepted drafts after a stop token never reach the output
-            a = min(a, end - p)
         for i in range(budget):
             drafted[i] += 1
         for i in range(a):

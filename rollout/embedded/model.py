@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp.layer import combine_embedding_and_hidden, zero_embedding_at_position_0
+from mtp.blocks import SwiGLU
 
 
 def rms_norm(x, weight, eps):
@@ -93,18 +94,6 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward block: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
 
 class DecoderLayer(nn.Module):
     """Pre-norm transformer layer: attention then MLP, each with a residual."""
@@ -114,7 +103,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SwiGLU(cfg)
 
     def forward(self, x, positions, rotary, cache=None):
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache)
