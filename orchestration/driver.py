@@ -2,6 +2,7 @@
 
 train_rl.py's loop calls one method of these per stage; everything here runs in the driver.
 """
+import logging
 import os
 
 import ray
@@ -120,9 +121,12 @@ def init_ray(run_cfg, needed_cpus):
 
     from orchestration.placement import code_runtime_env
 
-    # the code travels to every node with the job (working_dir), not as a path of this machine
+    # Ray announces its token-auth default with a warning line at every local start; the auth stays
+    # as Ray sets it, only the line goes (a run's error output is one line; RAY_AUTH_MODE=disabled is
+    # announced below by vime itself)
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     # the job's workers need the auth mode the driver joins with (a cluster started with `ray start` and
-    # RAY_AUTH_MODE=token refuses workers that do not say so); unset, Ray's default (token) applies
+    # RAY_AUTH_MODE=token refuses workers that do not say so); the code travels with the job (working_dir)
     passed = {k: os.environ[k] for k in ("RAY_AUTH_MODE",) if k in os.environ}
     env = {**code_runtime_env(REPO_ROOT), "env_vars": {
         **passed, "OMP_NUM_THREADS": "1",
