@@ -49,8 +49,10 @@ def preflight(cfg):
     if cfg.rollout.prompt_data is None:
         cfg.rollout.prompt_data = os.path.join(cfg.model.hf_checkpoint, "train.jsonl")
     if not cfg.run.debug_train_only:
+        codec = _codec(cfg.model.hf_checkpoint)
+        check_chat_template(cfg.rollout, codec, cfg.model.hf_checkpoint)
         read_prompt_file(cfg.rollout.prompt_data, cfg.rollout.input_key, cfg.rollout.label_key,
-                         codec=_codec(cfg.model.hf_checkpoint))
+                         codec=codec, apply_chat_template=cfg.rollout.apply_chat_template)
         get_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
     if cfg.run.load:
         check_resume(cfg)
@@ -62,6 +64,13 @@ def _codec(hf_checkpoint):
     has = os.path.isfile(os.path.join(hf_checkpoint, "tokenizer.json"))
     require(has, f"--hf-checkpoint {hf_checkpoint}: tokenizer.json is missing; RL prompts are text")
     return TextCodec(hf_checkpoint)
+
+
+def check_chat_template(rollout_cfg, codec, hf_checkpoint):
+    """--apply-chat-template needs a tokenizer that carries a chat template (no silent plain text)."""
+    require(not rollout_cfg.apply_chat_template or codec.has_chat_template,
+            f"--apply-chat-template: the tokenizer of {hf_checkpoint} has no chat template "
+            "(tokenizer_config.json 'chat_template'); drop the flag and give plain-text prompts, or use a chat model")
 
 
 def check_spec_fits(spec, hf, rollout_cfg):

@@ -105,7 +105,8 @@ class RolloutManagerImpl:
         self.advantage_estimator = advantage_estimator
         self.codec = TextCodec(hf_checkpoint)
         self.bos = read_config(hf_checkpoint).bos_token_id
-        rows = read_prompt_file(rollout_cfg.prompt_data, rollout_cfg.input_key, rollout_cfg.label_key)
+        rows = read_prompt_file(rollout_cfg.prompt_data, rollout_cfg.input_key, rollout_cfg.label_key,
+                                apply_chat_template=rollout_cfg.apply_chat_template)
         self.data = PromptDataset(rows, rollout_cfg.rollout_batch_size, rollout_cfg.rollout_seed,
                                   rollout_cfg.rollout_shuffle)
         self.reward_fn = get_reward_fn(rollout_cfg.rm_type, rollout_cfg.custom_rm_path)
@@ -127,8 +128,9 @@ class RolloutManagerImpl:
 
     def _samples(self, prompts, version):
         n = self.cfg.n_samples_per_prompt
-        return [Sample(prompt_ids=self.codec.encode_prompt(p, self.bos), index=i, sample_index=j, prompt=p,
-                       label=label, weight_version=version)
+        chat = self.cfg.apply_chat_template
+        return [Sample(prompt_ids=self.codec.prompt_ids(p, self.bos, chat), index=i, sample_index=j,
+                       prompt=self.codec.render_chat(p) if chat else p, label=label, weight_version=version)
                 for i, (p, label) in enumerate(prompts) for j in range(n)]
 
     def generate(self, step):

@@ -74,6 +74,9 @@ class RolloutSection:
     rollout_seed: int = field(default=42, metadata=flag("--rollout-seed", "seed of prompt order and sampling"))
     rollout_shuffle: bool = field(default=True, metadata=flag(
         "--rollout-shuffle", "shuffle the prompts each epoch (--no-rollout-shuffle: file order)"))
+    apply_chat_template: bool = field(default=False, metadata=flag(
+        "--apply-chat-template", "the --input-key column holds chat messages, rendered with the tokenizer's "
+        "chat template (with the generation prompt)"))
 
 
 @dataclass
