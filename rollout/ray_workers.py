@@ -8,7 +8,7 @@ import torch
 
 from rollout.advantages import assign_advantages
 from rollout.data import PromptDataset, read_prompt_file
-from rollout.rewards import get_reward_fn
+from rollout.rewards import make_scorer
 from rollout.sampling_params import SamplingParams
 from rollout.spec_stats import add_counters, empty_counters, spec_rates
 from vime import weight_sync
@@ -109,7 +109,8 @@ class RolloutManagerImpl:
                                 apply_chat_template=rollout_cfg.apply_chat_template)
         self.data = PromptDataset(rows, rollout_cfg.rollout_batch_size, rollout_cfg.rollout_seed,
                                   rollout_cfg.rollout_shuffle)
-        self.reward_fn = get_reward_fn(rollout_cfg.rm_type, rollout_cfg.custom_rm_path)
+        self.scorer = make_scorer(rollout_cfg.rm_type, rollout_cfg.custom_rm_path, rollout_cfg.reward_timeout,
+                                  rollout_cfg.reward_num_workers)
         opts = worker_resources()
         self.workers = [RolloutWorker.options(**opts).remote(
             hf_checkpoint, rollout_cfg.vllm_speculative_config, rollout_cfg.rollout_max_batch_size,
@@ -144,16 +145,19 @@ class RolloutManagerImpl:
         engine_time = max(stats["seconds"] for _, stats in done)
         counters = functools.reduce(add_counters, [stats["spec"] for _, stats in done], empty_counters())
         samples = sorted([s for shard, _ in done for s in shard], key=lambda s: (s.index, s.sample_index))
-        for s in samples:
-            s.reward = float(self.reward_fn(s.response, s.label))
+        scores, reward_counts = self.scorer.score([(s.response, s.label) for s in samples])
+        for s, score in zip(samples, scores):
+            s.reward = score
         assign_advantages(samples, self.advantage_estimator)
         return samples, dict(self._metrics(samples, elapsed, counters), **{"perf/rollout_engine_time": engine_time},
+                             **{f"rollout/{k}": v for k, v in reward_counts.items()},
                              **_adaptive_metrics([stats for _, stats in done]),
                              **_plain_baseline_metrics([stats for _, stats in done], engine_time))
 
     def close_workers(self):
         """Stop what the backends started (vLLM's engine processes) before the actors go."""
         ray.get([w.close.remote() for w in self.workers])
+        self.scorer.close()
 
     def _metrics(self, samples, elapsed, counters):
         tokens = sum(len(s.response_ids) for s in samples)

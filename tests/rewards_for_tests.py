@@ -22,3 +22,15 @@ def dies_in_second_step(response, label):
     if _CALLS[0] > 16:
         os._exit(3)
     return parity_reward(response, label)
+
+
+def slow_on_hang(response, label):
+    """A pooled scorer that never returns on the response "hang" (a verification that runs away)
+    and scores like math-verify otherwise: the pool's timeout must cut it."""
+    import time
+
+    from rollout.math_reward import math_verify_score
+
+    if response == "hang":
+        time.sleep(3600)
+    return math_verify_score(response, label)

@@ -69,7 +69,7 @@ class RolloutSection:
         "--rollout-time-plain-baseline", "benchmark: also decode each batch without drafts, back to back, and log "
         "perf/rollout_plain_engine_time (embedded engine; doubles rollout work)"))
     rm_type: str = field(default="tiny_add", metadata=flag(
-        "--rm-type", "reward function by name (rollout/rewards.py REWARDS: tiny_add, exact_match)"))
+        "--rm-type", "reward function by name (rollout/rewards.py REWARDS: tiny_add, exact_match, math)"))
     custom_rm_path: Optional[str] = field(default=None, metadata=flag("--custom-rm-path", "module:function"))
     rollout_seed: int = field(default=42, metadata=flag("--rollout-seed", "seed of prompt order and sampling"))
     rollout_shuffle: bool = field(default=True, metadata=flag(
@@ -77,6 +77,11 @@ class RolloutSection:
     apply_chat_template: bool = field(default=False, metadata=flag(
         "--apply-chat-template", "the --input-key column holds chat messages, rendered with the tokenizer's "
         "chat template (with the generation prompt)"))
+    reward_timeout: float = field(default=10.0, metadata=flag(
+        "--reward-timeout", "seconds one pooled reward call (--rm-type math) may take; past it the sample "
+        "scores 0 and rollout/reward_timeouts counts it"))
+    reward_num_workers: int = field(default=2, metadata=flag(
+        "--reward-num-workers", "processes scoring pooled rewards (--rm-type math)"))
 
 
 @dataclass
@@ -250,6 +255,8 @@ def validate(cfg):
             f"--wandb-mode {run.wandb_mode!r}: use offline, online or disabled")
     _validate_rl_sampling(r)
     _validate_optimisation(t, m)
+    require(r.reward_timeout > 0, f"--reward-timeout must be > 0 seconds (got {r.reward_timeout})")
+    require(r.reward_num_workers >= 1, f"--reward-num-workers must be >= 1 (got {r.reward_num_workers})")
 
 
 def _validate_rl_sampling(r):
