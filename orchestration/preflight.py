@@ -53,6 +53,9 @@ def preflight(cfg):
         check_chat_template(cfg.rollout, codec, cfg.model.hf_checkpoint)
         read_prompt_file(cfg.rollout.prompt_data, cfg.rollout.input_key, cfg.rollout.label_key,
                          codec=codec, apply_chat_template=cfg.rollout.apply_chat_template)
+        if cfg.rollout.eval_prompt_data is not None:
+            read_prompt_file(cfg.rollout.eval_prompt_data, cfg.rollout.input_key, cfg.rollout.label_key, codec=codec,
+                             apply_chat_template=cfg.rollout.apply_chat_template, flag="--eval-prompt-data")
         get_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
     if cfg.run.load:
         check_resume(cfg)

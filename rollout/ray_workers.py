@@ -1,5 +1,6 @@
 """Ray rollout actors: `RolloutWorker` (one rollout backend, embedded or vLLM) and `RolloutManager`
 (prompts -> n samples each across the workers -> rewards -> advantages -> metrics)."""
+import dataclasses
 import functools
 import time
 
@@ -109,6 +110,9 @@ class RolloutManagerImpl:
                                 apply_chat_template=rollout_cfg.apply_chat_template)
         self.data = PromptDataset(rows, rollout_cfg.rollout_batch_size, rollout_cfg.rollout_seed,
                                   rollout_cfg.rollout_shuffle)
+        self.eval_rows = read_prompt_file(rollout_cfg.eval_prompt_data, rollout_cfg.input_key, rollout_cfg.label_key,
+                                          apply_chat_template=rollout_cfg.apply_chat_template,
+                                          flag="--eval-prompt-data") if rollout_cfg.eval_prompt_data else []
         self.scorer = make_scorer(rollout_cfg.rm_type, rollout_cfg.custom_rm_path, rollout_cfg.reward_timeout,
                                   rollout_cfg.reward_num_workers)
         opts = worker_resources()
@@ -153,6 +157,29 @@ class RolloutManagerImpl:
                              **{f"rollout/{k}": v for k, v in reward_counts.items()},
                              **_adaptive_metrics([stats for _, stats in done]),
                              **_plain_baseline_metrics([stats for _, stats in done], engine_time))
+
+    def evaluate(self, step):
+        """eval/* metrics of the held-out prompts with the workers' current weights ({} without
+        --eval-prompt-data or off the --eval-interval)."""
+        from rollout.evaluation import eval_metrics, is_eval_step
+
+        if not self.eval_rows or not is_eval_step(step, self.cfg.eval_interval):
+            return {}
+        k = self.cfg.n_samples_per_eval_prompt
+        chat = self.cfg.apply_chat_template
+        samples = [Sample(prompt_ids=self.codec.prompt_ids(p, self.bos, chat), index=i, sample_index=j,
+                          label=label, weight_version=step)
+                   for i, (p, label) in enumerate(self.eval_rows) for j in range(k)]
+        shards = [samples[i::len(self.workers)] for i in range(len(self.workers))]
+        sampling = dataclasses.replace(sampling_for(self.cfg, step), temperature=self.cfg.eval_temperature,
+                                       seed=self.cfg.rollout_seed * 1000003 + 7919 + step)
+        done = ray.get([w.generate.remote(shard, sampling) for w, shard in zip(self.workers, shards)])
+        counters = functools.reduce(add_counters, [stats["spec"] for _, stats in done], empty_counters())
+        samples = [s for shard, _ in done for s in shard]
+        scores, reward_counts = self.scorer.score([(s.response, s.label) for s in samples])
+        for s, score in zip(samples, scores):
+            s.reward = score
+        return dict(eval_metrics(samples, k, counters), **{f"eval/{n}": v for n, v in reward_counts.items()})
 
     def close_workers(self):
         """Stop what the backends started (vLLM's engine processes) before the actors go."""

@@ -51,3 +51,14 @@ def test_bad_messages_rows_are_refused(chat_ckpt, tmp_path, messages, needles):
     rows = tmp_path / "chat.jsonl"
     rows.write_text(json.dumps({"messages": messages, "label": "3"}) + "\n")
     refused(chat_args(chat_ckpt, tmp_path / "out", "--prompt-data", rows), "--prompt-data", *needles)
+
+
+def test_eval_prompt_data_missing_or_empty_is_refused(chat_ckpt, tmp_path):
+    refused(chat_args(chat_ckpt, tmp_path / "out", "--eval-prompt-data", tmp_path / "nope.jsonl"),
+            "--eval-prompt-data", "no such file")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    refused(chat_args(chat_ckpt, tmp_path / "out", "--eval-prompt-data", empty), "--eval-prompt-data", "no prompts")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "robot", "content": "1+2="}], "label": "3"}) + "\n")
+    refused(chat_args(chat_ckpt, tmp_path / "out", "--eval-prompt-data", bad), "--eval-prompt-data", "unknown role")

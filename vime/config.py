@@ -82,6 +82,14 @@ class RolloutSection:
         "scores 0 and rollout/reward_timeouts counts it"))
     reward_num_workers: int = field(default=2, metadata=flag(
         "--reward-num-workers", "processes scoring pooled rewards (--rm-type math)"))
+    eval_prompt_data: Optional[str] = field(default=None, metadata=flag(
+        "--eval-prompt-data", "JSONL held-out prompts (same keys as --prompt-data) evaluated at step 0 and "
+        "every --eval-interval steps"))
+    eval_interval: int = field(default=5, metadata=flag("--eval-interval", "steps between evaluations"))
+    n_samples_per_eval_prompt: int = field(default=4, metadata=flag(
+        "--n-samples-per-eval-prompt", "responses sampled per eval prompt (the k of eval/pass@k)"))
+    eval_temperature: float = field(default=1.0, metadata=flag(
+        "--eval-temperature", "sampling temperature of the evaluation (0: greedy)"))
 
 
 @dataclass
@@ -257,6 +265,10 @@ def validate(cfg):
     _validate_optimisation(t, m)
     require(r.reward_timeout > 0, f"--reward-timeout must be > 0 seconds (got {r.reward_timeout})")
     require(r.reward_num_workers >= 1, f"--reward-num-workers must be >= 1 (got {r.reward_num_workers})")
+    require(r.eval_interval >= 1, f"--eval-interval must be >= 1 (got {r.eval_interval})")
+    require(r.n_samples_per_eval_prompt >= 1,
+            f"--n-samples-per-eval-prompt must be >= 1 (got {r.n_samples_per_eval_prompt})")
+    require(r.eval_temperature >= 0, f"--eval-temperature must be >= 0 (got {r.eval_temperature})")
 
 
 def _validate_rl_sampling(r):
