@@ -24,6 +24,7 @@ setup(
         "tqdm",
         "psutil",  # megatron's torch_dist writer hangs without it
         "numpy",
+        "math-verify>=0.9",  # --rm-type math: Hugging Face's answer verifier
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "scipy"],

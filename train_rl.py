@@ -56,11 +56,13 @@ def _steps(run, logger, cfg, tqdm, stop):
     steps = tqdm(range(run.start_step, cfg.run.num_rollout), desc="RL steps", disable=not cfg.run.progress)
     for step in steps:
         start = time.perf_counter()
+        eval_metrics = run.evaluate(step)  # the weights this step's rollout uses (pushed after step - 1)
         samples, rollout_metrics = run.generate(step)
         run.start_next_rollout(step + 1)  # --async-rollout: step + 1 generates while this step trains
         train_metrics = run.train(samples)
         sync_metrics = run.push_weights(version=step + 1)
-        metrics = {**rollout_metrics, **train_metrics, **sync_metrics, "perf/step_time": time.perf_counter() - start}
+        metrics = {**rollout_metrics, **train_metrics, **sync_metrics, "perf/step_time": time.perf_counter() - start,
+                   **eval_metrics}
         logger.log(step, metrics)
         steps.set_postfix(reward=f"{metrics.get('rollout/reward', 0):.3f}",
                           accept_len=f"{metrics.get('rollout/spec_accept_length', 0):.2f}")

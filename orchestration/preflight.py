@@ -58,8 +58,13 @@ def preflight(cfg):
         cfg.rollout.prompt_data = os.path.join(cfg.model.hf_checkpoint, "train.jsonl")
     if not cfg.run.debug_train_only:
         codec = _codec(cfg.model.hf_checkpoint)
-        prompts = read_prompt_file(cfg.rollout.prompt_data, cfg.rollout.input_key, cfg.rollout.label_key, codec=codec)
+        check_chat_template(cfg.rollout, codec, cfg.model.hf_checkpoint)
+        prompts = read_prompt_file(cfg.rollout.prompt_data, cfg.rollout.input_key, cfg.rollout.label_key,
+                                   codec=codec, apply_chat_template=cfg.rollout.apply_chat_template)
         check_response_fits(prompts, codec, hf, cfg.rollout)
+        if cfg.rollout.eval_prompt_data is not None:
+            read_prompt_file(cfg.rollout.eval_prompt_data, cfg.rollout.input_key, cfg.rollout.label_key, codec=codec,
+                             apply_chat_template=cfg.rollout.apply_chat_template, flag="--eval-prompt-data")
         get_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
     if cfg.run.load:
         check_resume(cfg)
@@ -133,13 +138,21 @@ def _codec(hf_checkpoint):
 def check_response_fits(prompts, codec, hf, rollout_cfg):
     """The longest prompt plus --rollout-max-response-len fits the model's context (else responses
     would be cut at the context silently, shorter than the flag says)."""
-    longest = max(len(codec.encode_prompt(prompt, hf.bos_token_id)) for prompt, _ in prompts)
+    chat = rollout_cfg.apply_chat_template
+    longest = max(len(codec.prompt_ids(prompt, hf.bos_token_id, chat)) for prompt, _ in prompts)
     total = longest + rollout_cfg.rollout_max_response_len
     require(total <= hf.max_position_embeddings,
             f"--rollout-max-response-len {rollout_cfg.rollout_max_response_len}: with the longest prompt "
             f"({longest} tokens) that is {total} positions, beyond the model's context of "
             f"{hf.max_position_embeddings}; use --rollout-max-response-len "
             f"{max(hf.max_position_embeddings - longest, 1)} or less")
+
+
+def check_chat_template(rollout_cfg, codec, hf_checkpoint):
+    """--apply-chat-template needs a tokenizer that carries a chat template (no silent plain text)."""
+    require(not rollout_cfg.apply_chat_template or codec.has_chat_template,
+            f"--apply-chat-template: the tokenizer of {hf_checkpoint} has no chat template "
+            "(tokenizer_config.json 'chat_template'); drop the flag and give plain-text prompts, or use a chat model")
 
 
 def check_spec_fits(spec, hf, rollout_cfg):

@@ -58,6 +58,10 @@ class RLRun:
                 pickle.dump(samples, f)
         return samples, metrics
 
+    def evaluate(self, step):
+        """eval/* metrics of the held-out prompts at this step's weights ({} when none are due)."""
+        return ray_get(self.rollout.evaluate.remote(step)) if self.rollout else {}
+
     def train(self, samples):
         return self.trainers.train(samples) if self.trainers else {}
 

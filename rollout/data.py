@@ -34,22 +34,31 @@ def _utf8_line(raw, flag, path, lineno):
                         "save the file as UTF-8") from None
 
 
-def read_prompt_file(path, input_key, label_key, codec=None):
-    """[(prompt, label)] of the RL prompt file, with one-line errors naming the file and line.
+def read_prompt_file(path, input_key, label_key, codec=None, apply_chat_template=False, flag="--prompt-data"):
+    """[(prompt, label)] of a prompt file, with one-line errors naming `flag`, the file and line.
 
     Every row needs a label (the reward compares against it: a missing one would score 0
     silently); with `codec` (rollout.tokenizer.TextCodec) every prompt character must be in
-    the vocabulary."""
+    the vocabulary. With `apply_chat_template` the prompt is a list of chat messages
+    ({"role", "content"} dicts) the tokenizer's chat template renders."""
+    from rollout.tokenizer import check_messages
+
     rows = []
-    for lineno, row in read_jsonl_rows(path, "--prompt-data"):
-        require(input_key in row, f"--prompt-data {path}: line {lineno} has no key {input_key!r} (set --input-key)")
-        require(isinstance(row[input_key], str) and row[input_key],
-                f"--prompt-data {path}: line {lineno}: {input_key!r} must be a non-empty string")
-        require(row.get(label_key) is not None,
-                f"--prompt-data {path}: line {lineno} has no label {label_key!r}; add one (or set --label-key)")
+    for lineno, row in read_jsonl_rows(path, flag):
+        where = f"{flag} {path}: line {lineno}"
+        require(input_key in row, f"{where} has no key {input_key!r} (set --input-key)")
+        prompt = row[input_key]
+        if apply_chat_template:
+            check_messages(prompt, f"{where}: {input_key!r}")
+        else:
+            require(isinstance(prompt, str) and prompt,
+                    f"{where}: {input_key!r} must be a non-empty string"
+                    + (" (chat messages need --apply-chat-template)" if isinstance(prompt, list) else ""))
+        require(row.get(label_key) is not None, f"{where} has no label {label_key!r}; add one (or set --label-key)")
         if codec is not None:
-            codec.require_known(row[input_key], f"--prompt-data {path}: line {lineno}")
-        rows.append((row[input_key], row[label_key]))
+            for text in ([m["content"] for m in prompt] if apply_chat_template else [prompt]):
+                codec.require_known(text, where)
+        rows.append((prompt, row[label_key]))
     return rows
 
 

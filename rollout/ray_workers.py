@@ -1,5 +1,6 @@
 """Ray rollout actors: `RolloutWorker` (one rollout backend, embedded or vLLM) and `RolloutManager`
 (prompts -> n samples each across the workers -> rewards -> advantages -> metrics)."""
+import dataclasses
 import functools
 import time
 
@@ -9,7 +10,7 @@ import torch
 from rollout.advantages import assign_advantages
 from rollout.data import PromptDataset, read_prompt_file
 from rollout.group_batching import DynamicBatch, groups_of, renumber, spread_groups, zero_signal_share
-from rollout.rewards import get_reward_fn
+from rollout.rewards import make_scorer
 from rollout.sampling_params import SamplingParams
 from rollout.spec_stats import add_counters, empty_counters, spec_rates
 from vime import weight_sync
@@ -108,10 +109,16 @@ class RolloutManagerImpl:
         self.advantage_estimator = advantage_estimator
         self.codec = TextCodec(hf_checkpoint)
         self.bos = read_config(hf_checkpoint).bos_token_id
-        rows = read_prompt_file(rollout_cfg.prompt_data, rollout_cfg.input_key, rollout_cfg.label_key)
+        rows = read_prompt_file(rollout_cfg.prompt_data, rollout_cfg.input_key, rollout_cfg.label_key,
+                                apply_chat_template=rollout_cfg.apply_chat_template)
         self.data = PromptDataset(rows, rollout_cfg.rollout_batch_size, rollout_cfg.rollout_seed,
                                   rollout_cfg.rollout_shuffle)
-        self.reward_fn = get_reward_fn(rollout_cfg.rm_type, rollout_cfg.custom_rm_path)
+        self.eval_rows = read_prompt_file(rollout_cfg.eval_prompt_data, rollout_cfg.input_key, rollout_cfg.label_key,
+                                          apply_chat_template=rollout_cfg.apply_chat_template,
+                                          flag="--eval-prompt-data") if rollout_cfg.eval_prompt_data else []
+        self.scorer = make_scorer(rollout_cfg.rm_type, rollout_cfg.custom_rm_path, rollout_cfg.reward_timeout,
+                                  rollout_cfg.reward_num_workers)
+        self.reward_counts = {}  # the scorer's counts (timeouts, unparsable labels) over one step's draws
         self.warned_bound = False  # dynamic sampling's bound is said once, counted every step
         opts = worker_options or [worker_resources()] * rollout_cfg.rollout_num_workers  # placed, or anywhere
         self.workers = [RolloutWorker.options(**opts[i]).remote(
@@ -131,14 +138,16 @@ class RolloutManagerImpl:
 
     def _samples(self, prompts, version):
         n = self.cfg.n_samples_per_prompt
-        return [Sample(prompt_ids=self.codec.encode_prompt(p, self.bos), index=i, sample_index=j, prompt=p,
-                       label=label, weight_version=version)
+        chat = self.cfg.apply_chat_template
+        return [Sample(prompt_ids=self.codec.prompt_ids(p, self.bos, chat), index=i, sample_index=j,
+                       prompt=self.codec.render_chat(p) if chat else p, label=label, weight_version=version)
                 for i, (p, label) in enumerate(prompts) for j in range(n)]
 
     def generate(self, step):
         """One step's samples with rewards and advantages, and the rollout/* + perf/* metrics.
         With --dynamic-sampling, draws until the batch holds only groups with signal (bounded)."""
         start = time.perf_counter()
+        self.reward_counts = {}
         samples, done, engine_time = self._draw(self.data.next_prompts(self._prompts_per_draw()), step, draw=0)
         drawn, extra = samples, {}
         if self.cfg.dynamic_sampling:
@@ -148,7 +157,8 @@ class RolloutManagerImpl:
         extra["rollout/zero_signal_share"] = zero_signal_share(groups_of(samples))
         assign_advantages(samples, self.advantage_estimator)
         return samples, dict(self._metrics(drawn, elapsed, counters), **{"perf/rollout_engine_time": engine_time},
-                             **_adaptive_metrics(done), **_plain_baseline_metrics(done, engine_time), **extra)
+                             **_adaptive_metrics(done), **_plain_baseline_metrics(done, engine_time), **extra,
+                             **{f"rollout/{k}": v for k, v in self.reward_counts.items()})
 
     def _prompts_per_draw(self):
         dynamic = self.cfg.dynamic_sampling and self.cfg.over_sampling_batch_size
@@ -162,8 +172,11 @@ class RolloutManagerImpl:
         sampling = sampling_for(self.cfg, step, draw)
         done = ray.get([w.generate.remote(shard, sampling) for w, shard in zip(self.workers, shards) if shard])
         samples = sorted([s for shard, _ in done for s in shard], key=lambda s: (s.index, s.sample_index))
-        for s in samples:
-            s.reward = float(self.reward_fn(s.response, s.label))
+        scores, counts = self.scorer.score([(s.response, s.label) for s in samples])
+        for s, score in zip(samples, scores):
+            s.reward = score
+        for name, value in counts.items():
+            self.reward_counts[name] = self.reward_counts.get(name, 0) + value
         return samples, [stats for _, stats in done], max(stats["seconds"] for _, stats in done)
 
     def _dynamic_batch(self, first, done, engine_time, step):
@@ -188,9 +201,33 @@ class RolloutManagerImpl:
             "rollout/dynamic_sampling_draws": draws, "rollout/dynamic_sampling_kept_fraction": collected.kept_fraction(),
             "rollout/dynamic_sampling_filled_groups": filled, "rollout/dynamic_sampling_drawn_groups": collected.drawn}
 
+    def evaluate(self, step):
+        """eval/* metrics of the held-out prompts with the workers' current weights ({} without
+        --eval-prompt-data or off the --eval-interval)."""
+        from rollout.evaluation import eval_metrics, is_eval_step
+
+        if not self.eval_rows or not is_eval_step(step, self.cfg.eval_interval):
+            return {}
+        k = self.cfg.n_samples_per_eval_prompt
+        chat = self.cfg.apply_chat_template
+        samples = [Sample(prompt_ids=self.codec.prompt_ids(p, self.bos, chat), index=i, sample_index=j,
+                          label=label, weight_version=step)
+                   for i, (p, label) in enumerate(self.eval_rows) for j in range(k)]
+        shards = [samples[i::len(self.workers)] for i in range(len(self.workers))]
+        sampling = dataclasses.replace(sampling_for(self.cfg, step), temperature=self.cfg.eval_temperature,
+                                       seed=self.cfg.rollout_seed * 1000003 + 7919 + step)
+        done = ray.get([w.generate.remote(shard, sampling) for w, shard in zip(self.workers, shards)])
+        counters = functools.reduce(add_counters, [stats["spec"] for _, stats in done], empty_counters())
+        samples = [s for shard, _ in done for s in shard]
+        scores, reward_counts = self.scorer.score([(s.response, s.label) for s in samples])
+        for s, score in zip(samples, scores):
+            s.reward = score
+        return dict(eval_metrics(samples, k, counters), **{f"eval/{n}": v for n, v in reward_counts.items()})
+
     def close_workers(self):
         """Stop what the backends started (vLLM's engine processes) before the actors go."""
         ray.get([w.close.remote() for w in self.workers])
+        self.scorer.close()
 
     def _metrics(self, samples, elapsed, counters):
         tokens = sum(len(s.response_ids) for s in samples)

@@ -130,3 +130,26 @@ def write_jsonl(rows, path):
     with open(path, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
+
+
+# ------------------------------------------------------------------ the chat format
+# The chat model's rows: the prompt as chat messages, the answer ending in \boxed{<sum>} (as math
+# RL data and verifiers expect) instead of '#<sum>'.
+def chat_messages(operands):
+    return [{"role": "user", "content": multi_prompt_text(operands)}]
+
+
+def boxed_answer(answer):
+    """An `ANSWER_FORMATS` answer ('...;#632') with its final '#<sum>' as '\\boxed{<sum>}'."""
+    head, _, total = answer.rpartition("#")
+    return head + "\\boxed{" + total + "}"
+
+
+def chat_prompt_rows(draw_problem, n, seed):
+    """n rows {"messages": [{"role": "user", "content": "12+345="}], "label": "357"}."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        operands = draw_problem(rng)
+        rows.append({"messages": chat_messages(operands), "label": str(sum(operands))})
+    return rows

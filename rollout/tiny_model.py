@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from vime.models.hf_format import ModelConfig, save_hf_checkpoint
 from mtp.loss import mtp_loss
 from rollout.embedded.model import CausalLMWithMTP
-from rollout.task import ANSWER_FORMATS, BOS, DEFAULT_TASK_VARIANT, EOS, PAD, TASK_VARIANTS, multi_prompt_text
-from rollout.tokenizer import TextCodec, build_tokenizer, save_tokenizer
+from rollout.task import (ANSWER_FORMATS, BOS, DEFAULT_TASK_VARIANT, EOS, PAD, TASK_VARIANTS, boxed_answer,
+                          chat_messages, multi_prompt_text)
+from rollout.tokenizer import CHAT_IM_END, TextCodec, build_tokenizer, save_tokenizer
 
 # Shaped like real MTP models: the MTP layer (one decoder layer + input_proj) is <= 15 % of a
 # decode step's FLOPs (MiMo-7B: 1 MTP layer over 36), so drafting is cheap next to verifying.
@@ -53,19 +54,21 @@ def init_model(cfg, seed, std=0.02):
     return model
 
 
-def make_random_checkpoint(path, cfg=TINY_CONFIG, seed=0, std=0.02, **overrides):
+def make_random_checkpoint(path, cfg=TINY_CONFIG, seed=0, std=0.02, tokenizer="chars", **overrides):
     """Write a random-weight HF checkpoint (with tokenizer) and return its ModelConfig.
 
     `family="qwen3"` (or any ModelConfig field) overrides the tiny MiMo config. A larger
     `std` gives peaked, varied next-token distributions (useful in tests); q/k/v biases
-    and norm weights get `std` noise too, so a test sees them matter."""
+    and norm weights get `std` noise too, so a test sees them matter. `tokenizer=None` leaves
+    the directory's tokenizer files as they are."""
     cfg = dataclasses.replace(cfg, **overrides)
     model = init_model(cfg, seed, std)
     with torch.no_grad():  # norm weights away from 1, so a test sees which hidden state is normed where
         for name, p in model.named_parameters():
             if p.dim() == 1 and not name.endswith(".bias"):
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * std)
-    save_tokenizer(build_tokenizer(), path)
+    if tokenizer == "chars":
+        save_tokenizer(build_tokenizer(), path)
     save_hf_checkpoint(path, cfg, model.state_dict())
     return cfg
 
@@ -78,7 +81,21 @@ def slip_one_digit(rng, answer):
     return "".join(digits)
 
 
-def corpus_example(rng, codec, trace_fraction, direct_error_rate, variant=DEFAULT_TASK_VARIANT):
+def plain_sequence(codec, operands, answer):
+    """The character model's sequence: BOS prompt answer EOS."""
+    return [BOS] + codec.encode(multi_prompt_text(operands) + answer) + [EOS]
+
+
+def chat_sequence(codec, operands, answer):
+    """The chat model's sequence: the chat template's generation prompt (ids as the rollout makes
+    them), the answer with its sum in \\boxed{}, then <|im_end|> (the chat model's EOS)."""
+    return codec.chat_prompt_ids(chat_messages(operands)) + codec.encode(boxed_answer(answer)) + [CHAT_IM_END]
+
+
+SEQUENCE_FORMATS = {"plain": plain_sequence, "chat": chat_sequence}
+
+
+def corpus_example(rng, codec, trace_fraction, direct_error_rate, variant=DEFAULT_TASK_VARIANT, fmt_name="plain"):
     """(token ids, is_trace) of one pretraining sequence of `variant`'s problems: BOS prompt answer EOS.
 
     Direct answers in the corpus are often wrong (`direct_error_rate`): like unverified web
@@ -90,11 +107,13 @@ def corpus_example(rng, codec, trace_fraction, direct_error_rate, variant=DEFAUL
     answer = ANSWER_FORMATS[fmt](operands)
     if fmt == "direct" and rng.random() < direct_error_rate:
         answer = "#" + slip_one_digit(rng, answer[1:])
-    return [BOS] + codec.encode(multi_prompt_text(operands) + answer) + [EOS], fmt == "trace"
+    return SEQUENCE_FORMATS[fmt_name](codec, operands, answer), fmt == "trace"
 
 
-def corpus_batch(rng, codec, batch_size, trace_fraction, direct_error_rate, variant=DEFAULT_TASK_VARIANT):
-    rows = [corpus_example(rng, codec, trace_fraction, direct_error_rate, variant) for _ in range(batch_size)]
+def corpus_batch(rng, codec, batch_size, trace_fraction, direct_error_rate, variant=DEFAULT_TASK_VARIANT,
+                 fmt_name="plain"):
+    rows = [corpus_example(rng, codec, trace_fraction, direct_error_rate, variant, fmt_name)
+            for _ in range(batch_size)]
     width = max(len(ids) for ids, _ in rows)
     tokens = torch.full((batch_size, width), PAD)
     for i, (ids, _) in enumerate(rows):
@@ -118,16 +137,20 @@ def pretrain_loss(model, tokens, mask, is_trace):
 
 
 def pretrain(model, steps, batch_size=64, lr=3e-3, trace_fraction=0.2, seed=0, log_every=100, log=print,
-             direct_error_rate=0.6, variant=DEFAULT_TASK_VARIANT):
-    """AdamW with cosine decay on the synthetic corpus; returns the final (lm, mtp) loss."""
+             direct_error_rate=0.6, variant=DEFAULT_TASK_VARIANT, codec=None, fmt_name="plain"):
+    """AdamW with cosine decay on the synthetic corpus; returns the final (lm, mtp) loss.
+
+    `codec` and `fmt_name` (a SEQUENCE_FORMATS key) pick the tokenizer and the sequence layout:
+    the character model's plain text (default) or the chat model's template and boxed answers."""
     rng = random.Random(seed)
-    codec = TextCodec(tokenizer=build_tokenizer())
+    codec = codec or TextCodec(tokenizer=build_tokenizer())
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     start = time.time()
     for step in range(steps):
-        lm, mtp = pretrain_loss(model, *corpus_batch(rng, codec, batch_size, trace_fraction, direct_error_rate, variant))
+        lm, mtp = pretrain_loss(model, *corpus_batch(rng, codec, batch_size, trace_fraction, direct_error_rate, variant,
+                                                     fmt_name))
         opt.zero_grad()
         (lm + mtp).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -136,3 +159,47 @@ def pretrain(model, steps, batch_size=64, lr=3e-3, trace_fraction=0.2, seed=0, l
         if step % log_every == 0 or step == steps - 1:
             log(f"step {step:5d}  lm {lm.item():.4f}  mtp {mtp.item():.4f}  {time.time() - start:.0f}s")
     return lm.item(), mtp.item()
+
+
+# ------------------------------------------------------------------ the chat model
+def chat_corpus(n, seed, variant=DEFAULT_TASK_VARIANT):
+    """Texts the chat model's BPE is trained on: rendered conversations in both answer formats."""
+    from rollout.tokenizer import CHAT_TEMPLATE  # noqa: F401  (the texts below follow its ChatML layout)
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        operands = TASK_VARIANTS[variant].draw_problem(rng)
+        fmt = rng.choice(sorted(ANSWER_FORMATS))
+        out.append(f"<|im_start|>user\n{multi_prompt_text(operands)}<|im_end|>\n<|im_start|>assistant\n"
+                   f"{boxed_answer(ANSWER_FORMATS[fmt](operands))}<|im_end|>\n")
+    return out
+
+
+def transplant_embeddings(model, char_state, codec):
+    """Warm start from the character model: every weight but the vocabulary's is copied; a BPE token
+    that is one of the character vocabulary's symbols takes that symbol's embedding and head row
+    (the chat template's <|im_end|> takes <eos>'s, \\boxed{'s first token '#''s)."""
+    from rollout.task import CHARS
+
+    state = model.state_dict()
+    for name, value in char_state.items():
+        if name not in ("model.embed_tokens.weight", "lm_head.weight"):
+            state[name] = value
+    pairs = [(codec.encode(c), 3 + i) for i, c in enumerate(CHARS)]
+    pairs += [([CHAT_IM_END], EOS), (codec.encode("\\boxed{")[:1], 3 + CHARS.index("#"))]
+    for ids, src in pairs:
+        if len(ids) == 1:
+            for name in ("model.embed_tokens.weight", "lm_head.weight"):
+                state[name][ids[0]] = char_state[name][src]
+    model.load_state_dict(state)
+
+
+def make_random_chat_checkpoint(path, seed=0, std=0.02, corpus_size=2000, **overrides):
+    """A random-weight chat model (byte-level BPE with the chat template) for seconds-fast tests."""
+    from rollout.tokenizer import CHAT_PAD, build_bpe_tokenizer, save_chat_tokenizer
+
+    tok = build_bpe_tokenizer(chat_corpus(corpus_size, seed))
+    save_chat_tokenizer(tok, path)
+    return make_random_checkpoint(path, seed=seed, std=std, vocab_size=tok.get_vocab_size(), bos_token_id=None,
+                                  eos_token_id=CHAT_IM_END, pad_token_id=CHAT_PAD, tokenizer=None, **overrides)

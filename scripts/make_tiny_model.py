@@ -3,12 +3,18 @@
 
     python scripts/make_tiny_model.py --out DIR [--steps 3000] [--family mimo|qwen3]
         [--task-variant longtail --init-from checkpoints/tiny-mimo-mtp]
+        [--chat --warm-start-from checkpoints/tiny-mimo-mtp]
 
 The default, MiMo, is what vLLM serves with MTP speculation; the repository ships its
 result in checkpoints/tiny-mimo-mtp (this command reproduces it). `--task-variant longtail`
 pretrains on the long-tail problems instead (answers of ~10-100 tokens); `--init-from` continues
 from a checkpoint instead of a random init. checkpoints/tiny-mimo-longtail continues the shipped
 model, which already knows the digits and both formats (its PROVENANCE.json has the command).
+
+`--chat` makes the chat model (checkpoints/tiny-mimo-chat): a byte-level BPE trained with
+`tokenizers` on the task's conversations, a ChatML chat template in tokenizer_config.json, prompts
+as chat messages and answers ending in \\boxed{<sum>}; `--warm-start-from` copies the character
+model's weights (the shared symbols' embeddings included) before pretraining in the chat format.
 
 Also writes the task's prompt files next to the model: train.jsonl and eval.jsonl.
 """
@@ -45,6 +51,11 @@ def parse_args(argv=None):
                    help="problems of the pretraining corpus and the prompt files (rollout/task.py)")
     p.add_argument("--init-from", default=None,
                    help="an HF checkpoint of the same shape to continue from (default: random init)")
+    p.add_argument("--chat", action="store_true",
+                   help="byte-level BPE + chat template + chat-message prompts with \\boxed{} answers")
+    p.add_argument("--bpe-vocab-size", type=int, default=384)
+    p.add_argument("--warm-start-from", default=None,
+                   help="--chat: a character-vocabulary checkpoint whose weights start the chat model")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--num-train-prompts", type=int, default=4096)
@@ -65,6 +76,8 @@ def main(argv=None):
     args = parse_args(argv)
     require(args.steps >= 0, f"--steps must be >= 0 (got {args.steps})")
     torch.set_num_threads(args.threads)
+    if args.chat:
+        return make_chat_model(args)
     cfg = dataclasses.replace(TINY_CONFIG, family=args.family)
     model = init_model(cfg, args.seed)
     if args.init_from is not None:
@@ -77,6 +90,35 @@ def main(argv=None):
     prompts = TASK_VARIANTS[args.task_variant].prompts
     write_jsonl(prompts(args.num_train_prompts, seed=args.seed + 1), os.path.join(args.out, "train.jsonl"))
     write_jsonl(prompts(args.num_eval_prompts, seed=args.seed + 2), os.path.join(args.out, "eval.jsonl"))
+    print(f"saved {args.out}")
+
+
+def make_chat_model(args):
+    """--chat: BPE tokenizer with a chat template, (warm-started) pretraining in the chat format."""
+    from rollout.task import chat_prompt_rows
+    from rollout.tiny_model import chat_corpus, transplant_embeddings
+    from rollout.tokenizer import (CHAT_IM_END, CHAT_PAD, TextCodec, build_bpe_tokenizer,
+                                   save_chat_tokenizer)
+
+    save_chat_tokenizer(build_bpe_tokenizer(chat_corpus(20000, args.seed, args.task_variant),
+                                            args.bpe_vocab_size), args.out)
+    codec = TextCodec(args.out)
+    cfg = dataclasses.replace(TINY_CONFIG, family=args.family, vocab_size=codec.vocab_size, bos_token_id=None,
+                              eos_token_id=CHAT_IM_END, pad_token_id=CHAT_PAD)
+    model = init_model(cfg, args.seed)
+    if args.warm_start_from is not None:
+        _, char_state, _ = load_hf_checkpoint(args.warm_start_from)
+        transplant_embeddings(model, char_state, codec)
+    print(f"tiny chat model: vocabulary {cfg.vocab_size}, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+    pretrain(model, args.steps, args.batch_size, args.lr, args.trace_fraction, args.seed,
+             direct_error_rate=args.direct_error_rate, variant=args.task_variant, codec=codec, fmt_name="chat")
+    save_hf_checkpoint(args.out, cfg, model.state_dict())
+    variant = TASK_VARIANTS[args.task_variant]
+    write_jsonl(chat_prompt_rows(variant.draw_problem, args.num_train_prompts, args.seed + 1),
+                os.path.join(args.out, "train.jsonl"))
+    write_jsonl(chat_prompt_rows(variant.draw_problem, args.num_eval_prompts, args.seed + 2),
+                os.path.join(args.out, "eval.jsonl"))
     print(f"saved {args.out}")
 
 

@@ -28,3 +28,15 @@ def parity_reward_on_odd_labels(response, label):
     """parity_reward for prompts whose answer is odd, 0 for the others: about half the groups
     carry no GRPO signal whatever the model says (dynamic sampling's negative control)."""
     return parity_reward(response, label) if int(label) % 2 else 0.0
+
+
+def slow_on_hang(response, label):
+    """A pooled scorer that never returns on the response "hang" (a verification that runs away)
+    and scores like math-verify otherwise: the pool's timeout must cut it."""
+    import time
+
+    from rollout.math_reward import math_verify_score
+
+    if response == "hang":
+        time.sleep(3600)
+    return math_verify_score(response, label)

@@ -69,7 +69,7 @@ class RolloutSection:
         "--rollout-time-plain-baseline", "benchmark: also decode each batch without drafts, back to back, and log "
         "perf/rollout_plain_engine_time (embedded engine; doubles rollout work)"))
     rm_type: str = field(default="tiny_add", metadata=flag(
-        "--rm-type", "reward function by name (rollout/rewards.py REWARDS: tiny_add, exact_match)"))
+        "--rm-type", "reward function by name (rollout/rewards.py REWARDS: tiny_add, exact_match, math)"))
     custom_rm_path: Optional[str] = field(default=None, metadata=flag("--custom-rm-path", "module:function"))
     rollout_seed: int = field(default=42, metadata=flag("--rollout-seed", "seed of prompt order and sampling"))
     rollout_shuffle: bool = field(default=True, metadata=flag(
@@ -82,6 +82,22 @@ class RolloutSection:
     dynamic_sampling_max_draws: int = field(default=4, metadata=flag(
         "--dynamic-sampling-max-draws", "most draws per step under --dynamic-sampling; a batch still short then "
         "is filled with zero-signal groups (metric rollout/dynamic_sampling_filled_groups, one warning line)"))
+    apply_chat_template: bool = field(default=False, metadata=flag(
+        "--apply-chat-template", "the --input-key column holds chat messages, rendered with the tokenizer's "
+        "chat template (with the generation prompt)"))
+    reward_timeout: float = field(default=10.0, metadata=flag(
+        "--reward-timeout", "seconds one pooled reward call (--rm-type math) may take; past it the sample "
+        "scores 0 and rollout/reward_timeouts counts it"))
+    reward_num_workers: int = field(default=2, metadata=flag(
+        "--reward-num-workers", "processes scoring pooled rewards (--rm-type math)"))
+    eval_prompt_data: Optional[str] = field(default=None, metadata=flag(
+        "--eval-prompt-data", "JSONL held-out prompts (same keys as --prompt-data) evaluated at step 0 and "
+        "every --eval-interval steps"))
+    eval_interval: int = field(default=5, metadata=flag("--eval-interval", "steps between evaluations"))
+    n_samples_per_eval_prompt: int = field(default=4, metadata=flag(
+        "--n-samples-per-eval-prompt", "responses sampled per eval prompt (the k of eval/pass@k)"))
+    eval_temperature: float = field(default=1.0, metadata=flag(
+        "--eval-temperature", "sampling temperature of the evaluation (0: greedy)"))
 
 
 @dataclass
@@ -361,6 +377,8 @@ RANGES = {
     "--rollout-num-gpus-per-engine": AT_LEAST_0, "--rollout-num-cpus-per-engine": AT_LEAST_0,
     "--placement-timeout": POSITIVE,
     "--draft-loss-scaling-factor": AT_LEAST_0, "--draft-lr": LEARNING_RATE,
+    "--reward-timeout": POSITIVE, "--reward-num-workers": AT_LEAST_1, "--eval-interval": AT_LEAST_1,
+    "--n-samples-per-eval-prompt": AT_LEAST_1, "--eval-temperature": AT_LEAST_0,
 }
 
 

@@ -10,7 +10,8 @@ import os
 import sys
 
 SUMMARY_KEYS = ("rollout/reward", "rollout/spec_accept_length", "rollout/spec_accept_rate",
-                "perf/rollout_tokens_per_s", "train/policy_loss", "train/mtp_loss")
+                "perf/rollout_tokens_per_s", "train/policy_loss", "train/mtp_loss", "eval/reward",
+                "eval/spec_accept_length", "eval/response_len")
 
 
 def wandb_mode(run_cfg):
@@ -97,9 +98,12 @@ class RunLogger:
         import matplotlib.pyplot as plt
 
         steps = [r["rollout/step"] for r in self.history]
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-        for ax, key in zip(axes, ("rollout/reward", "rollout/spec_accept_length")):
-            ax.plot(steps, [r.get(key, float("nan")) for r in self.history], marker="o")
+        keys = ("rollout/reward", "rollout/spec_accept_length")
+        keys += ("eval/reward", "eval/spec_accept_length") if any("eval/reward" in r for r in self.history) else ()
+        fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5))
+        for ax, key in zip(axes, keys):
+            points = [(s, r[key]) for s, r in zip(steps, self.history) if key in r]  # eval: every N steps
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o")
             ax.set_xlabel("step")
             ax.set_title(key)
             ax.grid(alpha=0.3)
@@ -108,9 +112,9 @@ class RunLogger:
         plt.close(fig)
 
     def summary(self):
-        first, last = self.history[0], self.history[-1]
         lines = [f"{'metric':<30} {'first step':>12} {'last step':>12}"]
         for key in SUMMARY_KEYS:
-            if key in last:
-                lines.append(f"{key:<30} {first.get(key, float('nan')):>12.4f} {last[key]:>12.4f}")
+            rows = [r for r in self.history if key in r]  # eval/* rows are every --eval-interval steps
+            if rows and key in self.history[-1] or key.startswith("eval/") and rows:
+                lines.append(f"{key:<30} {rows[0][key]:>12.4f} {rows[-1][key]:>12.4f}")
         return "\n".join(lines)
