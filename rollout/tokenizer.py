@@ -66,6 +66,12 @@ def save_chat_tokenizer(tok, path, max_length=512):
         json.dump(config, f, indent=2)
 
 
+def _file_tokenizer(checkpoint_dir):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(os.path.join(checkpoint_dir, "tokenizer.json"))
+
+
 def load_hf_tokenizer(checkpoint_dir):
     """The checkpoint's tokenizer as its users load it (transformers.AutoTokenizer)."""
     from transformers import AutoTokenizer
@@ -96,6 +102,10 @@ class TextCodec:
         """From a checkpoint's tokenizer files, or from a `tokenizers.Tokenizer` in memory."""
         self.hf = None if tokenizer is not None else load_hf_tokenizer(checkpoint_dir)
         self.tok = tokenizer or self.hf.backend_tokenizer
+        # the file as written: AutoTokenizer may rebuild the model (a word-level vocabulary comes back
+        # as BPE without its unk token, dropping unknown characters silently), so the vocabulary check
+        # reads the tokenizer.json model itself
+        self.file_tok = tokenizer or _file_tokenizer(checkpoint_dir)
 
     def encode(self, text):
         if self.hf is not None:
@@ -124,11 +134,11 @@ class TextCodec:
 
     def unknown_characters(self, text):
         """Characters of `text` the vocabulary lacks (the tokenizer would map them to its unk token)."""
-        unk = getattr(self.tok.model, "unk_token", None)
-        unk_id = self.tok.token_to_id(unk) if unk else None
+        unk = getattr(self.file_tok.model, "unk_token", None)
+        unk_id = self.file_tok.token_to_id(unk) if unk else None
         if unk_id is None:
             return []
-        enc = self.tok.encode(text, add_special_tokens=False)
+        enc = self.file_tok.encode(text, add_special_tokens=False)
         bad = [text[a:b] for i, (a, b) in zip(enc.ids, enc.offsets) if i == unk_id and text[a:b] != unk]
         return sorted(set(bad))
 
