@@ -9,7 +9,7 @@ setup(
     packages=find_packages(include=["vime*", "orchestration*", "rollout*", "trainer*", "mtp*", "checkpoint_convert*"]),
     py_modules=["train_rl"],
     include_package_data=True,
-    package_data={"": ["*.yaml"]},
+    package_data={"": ["*.yaml", "*.json"]},
     install_requires=[
         "torch>=2.5,<2.14",  # the on-disk 2.13.0 CPU wheel satisfies this; see constraints.txt
         "megatron-core==0.16.1; python_version < '3.12'",

@@ -106,10 +106,12 @@ class WeightSync:
                                       f"from the trainer in {len(bad)} tensors (first: {bad[0]}); stopping")
 
 
-def vllm_logging_level(verbose):
-    """vLLM's log level: a VLLM_LOGGING_LEVEL the user set wins; else INFO under --verbose, else
-    WARNING (its INFO lines outnumber a run's own output a hundred to one)."""
-    return os.environ.get("VLLM_LOGGING_LEVEL") or ("INFO" if verbose else "WARNING")
+def vllm_logging_env(verbose):
+    """vLLM's logging for the job's actors: a VLLM_LOGGING_LEVEL the user set wins; else INFO under
+    --verbose; else nothing, and the vLLM backend keeps vLLM at WARNING without its known start-up
+    notices (rollout/vllm/quiet.py; its INFO lines outnumber a run's own output a hundred to one)."""
+    level = os.environ.get("VLLM_LOGGING_LEVEL") or ("INFO" if verbose else None)
+    return {"VLLM_LOGGING_LEVEL": level} if level else {}
 
 
 def init_ray(run_cfg, needed_cpus):
@@ -131,7 +133,7 @@ def init_ray(run_cfg, needed_cpus):
     env = {**code_runtime_env(REPO_ROOT), "env_vars": {
         **passed, "OMP_NUM_THREADS": "1",
         # read by vLLM in the rollout actor and the engine process it spawns
-        "VLLM_LOGGING_LEVEL": vllm_logging_level(run_cfg.verbose)}}
+        **vllm_logging_env(run_cfg.verbose)}}
     if run_cfg.ray_address:
         ray.init(address=run_cfg.ray_address, runtime_env=env, log_to_driver=True)
     else:

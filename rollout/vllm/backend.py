@@ -29,6 +29,7 @@ import torch
 from vime.models.families import DRAFT_PREFIX, from_canonical, is_draft_name, is_mtp_name, to_canonical
 from vime.models.hf_format import read_config
 from rollout.vllm import worker as vllm_worker
+from rollout.vllm.quiet import quiet_vllm_console
 from rollout.sampling_params import request_seed
 from rollout.spec_stats import empty_counters
 from rollout.tokenizer import codec_or_none
@@ -58,10 +59,10 @@ def spec_dict(speculative_config):
 
 def _set_env(device):
     # collective_rpc ships our functions by pickle; the KV cache of a CPU run stays small;
-    # vLLM reads its log level at import and its engine process inherits it (train_rl.py sets
-    # INFO under --verbose)
+    # vLLM reads its logging set-up at import and the processes it spawns inherit it
+    # (the driver passes INFO under --verbose)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    quiet_vllm_console()
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -74,7 +75,7 @@ def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device):
     kwargs = dict(model=hf_checkpoint, skip_tokenizer_init=True, seed=0, disable_log_stats=False,
                   max_model_len=read_config(hf_checkpoint).max_position_embeddings, max_num_seqs=max_batch_size,
                   speculative_config=spec,
-                  logprobs_mode="processed_logprobs", dtype="float32")
+                  logprobs_mode="processed_logprobs", dtype="float32", use_tqdm_on_load=False)
     if device == "cpu":
         kwargs.update(enforce_eager=True)
     return kwargs
