@@ -7,6 +7,8 @@ import os
 
 import ray
 
+from orchestration.stop_signals import stop_signals_blocked_in_children
+
 
 class WeightSyncError(RuntimeError):
     """A rollout worker's weights differ from the trainer's after a sync."""
@@ -139,6 +141,7 @@ def init_ray(run_cfg, needed_cpus):
     else:
         if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":  # unset: Ray turns token auth on
             print("[vime] RAY_AUTH_MODE=disabled: this Ray cluster accepts any client that reaches it", flush=True)
-        ray.init(num_cpus=max(os.cpu_count() or 1, needed_cpus), include_dashboard=False, runtime_env=env,
-                 log_to_driver=True, configure_logging=False)
+        with stop_signals_blocked_in_children():  # a signal to the whole job reaches only the driver
+            ray.init(num_cpus=max(os.cpu_count() or 1, needed_cpus), include_dashboard=False, runtime_env=env,
+                     log_to_driver=True, configure_logging=False)
 

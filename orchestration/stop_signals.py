@@ -3,6 +3,7 @@ pod stop) and SIGUSR1 (Slurm's `--signal`, ahead of the limit) stop the run at t
 point (the end of a step), where it saves when --save is set and says which checkpoint to --load.
 The scheduler's SIGKILL follows after a grace period, so the handler only notes the request: the
 step in flight finishes, and nothing is interrupted half-written."""
+import contextlib
 import os
 import signal
 
@@ -32,6 +33,25 @@ class StopRequest:
     def _note(self, signum, frame):
         if self.name is None:
             self.name, self.signum = signal.Signals(signum).name, signum
+
+
+@contextlib.contextmanager
+def stop_signals_blocked_in_children():
+    """Processes started inside this block (Ray's GCS and raylet, and through them every actor and
+    the vLLM engine processes those start) inherit STOP_SIGNALS blocked; the caller's own mask is
+    restored on exit, and so are its handlers (Ray installs its own at start; a signal that came
+    during the block is delivered to the caller's handler when the mask lifts). Why: Slurm signals every process of a job step and `kill -TERM -PGID` a whole
+    process group; Ray's processes would die of it (SIGUSR1's default action is to terminate too)
+    before the driver could finish its step and save. Blocked there, only the driver acts on the
+    signal; Ray's shutdown still stops them (SIGKILL after its one-second grace)."""
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class StoppedBySignal(Exception):

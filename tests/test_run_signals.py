@@ -22,11 +22,14 @@ RAY_CRASH_LINES = ("*** SIGTERM", "PC: @", "Traceback", "*** SIGUSR1")
 KEPT_BY_DESIGN = {f"torchinductor_{getpass.getuser()}"}  # torch names its compile cache so
 
 
-def start_run(ckpt, out, steps, *extra, **env_vars):
+def start_run(ckpt, out, steps, *extra, own_group=False, **env_vars):
+    """`python train_rl.py` started in the background; own_group: in a process group of its own, as a
+    batch job's step is (a signal to the group reaches the driver and every process it started)."""
     env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline", WANDB_SILENT="true", **env_vars)
     env.pop("RAY_AUTH_MODE", None)  # Ray's default: token authentication on
     return subprocess.Popen([sys.executable, "train_rl.py", *map(str, base_args(ckpt, out, steps, *extra))],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=own_group)
 
 
 def wait_for_first_step(proc, out, timeout=300):
@@ -107,12 +110,15 @@ def test_a_default_run_refuses_a_client_without_the_token_and_sigusr1_saves_and_
     shutil.rmtree(system_tmp, ignore_errors=True)
 
 
-def test_sigterm_saves_the_step_and_the_resumed_run_reproduces_an_uninterrupted_one_bit_for_bit(ckpt, tmp_path):
+def test_sigterm_to_the_whole_process_group_saves_the_step_and_the_resume_reproduces_an_uninterrupted_run(
+        ckpt, tmp_path):
+    # as Slurm signals every process of a job step: the driver, Ray's GCS and raylet, every actor
     out, save = tmp_path / "out", tmp_path / "save"
-    proc = start_run(ckpt, out, 100000, "--use-wandb", "false", "--save", save, "--save-interval", 1000)
+    proc = start_run(ckpt, out, 100000, "--use-wandb", "false", "--save", save, "--save-interval", 1000,
+                     own_group=True)
     try:
         wait_for_first_step(proc, out)
-        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
@@ -168,11 +174,12 @@ def test_sigterm_on_the_vllm_backend_saves_releases_shared_memory_and_resumes(tm
     env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline", WANDB_SILENT="true", TMPDIR=system_tmp)
     env.pop("RAY_AUTH_MODE", None)
     proc = subprocess.Popen([sys.executable, "train_rl.py", *map(str, v.base_args(ckpt, out, 100000, "--save", save))],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         wait_for_first_step(proc, out, timeout=900)
         shm = shared_memory_of(proc.pid)
-        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)  # the driver, Ray's processes, vLLM's engine processes
         stdout, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -180,7 +187,7 @@ def test_sigterm_on_the_vllm_backend_saves_releases_shared_memory_and_resumes(tm
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     m = re.fullmatch(rf"error: stopped by SIGTERM at step (\d+): saved the step-\1 checkpoint; "
                      rf"resume with --load {re.escape(str(save))}", stop_line(stderr))
-    # vLLM logs a warm-up traceback of its own as a WARNING at start-up: only other tracebacks count
+    # only tracebacks outside vLLM's WARNING lines count (vLLM's console is filtered, not silenced)
     crash = [x for x in (stdout + stderr).splitlines() if any(c in x for c in RAY_CRASH_LINES) and "WARNING" not in x]
     assert m and not crash, crash
     assert any("psm_" in p for p in shm), shm  # vLLM's shared-memory rings were in use ...
