@@ -106,7 +106,9 @@ def make_chat_model(args):
     cfg = dataclasses.replace(TINY_CONFIG, family=args.family, vocab_size=codec.vocab_size, bos_token_id=None,
                               eos_token_id=CHAT_IM_END, pad_token_id=CHAT_PAD)
     model = init_model(cfg, args.seed)
-    if args.warm_start_from is not None:
+    if args.init_from is not None:  # continue a chat model's pretraining (the BPE above is rebuilt identically)
+        load_same_shape(model, cfg, args.init_from)
+    elif args.warm_start_from is not None:
         _, char_state, _ = load_hf_checkpoint(args.warm_start_from)
         transplant_embeddings(model, char_state, codec)
     print(f"tiny chat model: vocabulary {cfg.vocab_size}, "

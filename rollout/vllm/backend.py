@@ -299,6 +299,7 @@ class VLLMBackend:
         names = getattr(self, "shared_memory", set()) | shared_memory_of_children()
         engine = getattr(self.llm, "llm_engine", None)
         if engine is not None and hasattr(engine, "engine_core"):
+            stop_engine_processes_holding_sigterm(engine.engine_core)
             engine.engine_core.shutdown()
         self.llm = None
         for path in names:
@@ -306,6 +307,51 @@ class VLLMBackend:
                 os.unlink(path)  # the engine is down: nobody reads the ring any more
             except FileNotFoundError:
                 pass
+
+
+def engine_processes(engine_core):
+    """psutil handles of vLLM's engine processes and every process under them (its workers)."""
+    import psutil
+
+    manager = getattr(getattr(engine_core, "resources", None), "engine_manager", None)
+    procs = []
+    for pid in [p.pid for p in getattr(manager, "processes", []) if p.pid is not None]:
+        try:
+            root = psutil.Process(pid)
+            procs += [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+    return procs
+
+
+def sigterm_blocked(pid):
+    """Whether process `pid` (its main thread) holds SIGTERM blocked (Linux /proc; False elsewhere)."""
+    import signal
+
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return bool(mask >> (signal.SIGTERM - 1) & 1)
+
+
+def stop_engine_processes_holding_sigterm(engine_core):
+    """Kill vLLM's engine processes at once where they hold SIGTERM blocked, as the processes of a
+    vime run do (orchestration/stop_signals.py: a job-wide signal reaches only the driver). Why:
+    vLLM's own shutdown would send them SIGTERM, wait out its grace (5 s) and warn that it
+    force-kills them; what that grace is for (their shared-memory rings) close() removes itself."""
+    import psutil
+
+    procs = engine_processes(engine_core)
+    if not any(sigterm_blocked(p.pid) for p in procs):
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
 
 
 def shared_memory_of_children():
