@@ -93,7 +93,8 @@ def check_weight_shapes(hf_checkpoint, hf):
 def absolute_paths(cfg):
     """Paths the actors open, made absolute here: actors run in the job's working_dir copy, not in
     the driver's directory, so a relative --save would land inside Ray's temp dir."""
-    for section, name in (("model", "hf_checkpoint"), ("rollout", "prompt_data"), ("run", "save"), ("run", "load"),
+    for section, name in (("model", "hf_checkpoint"), ("rollout", "prompt_data"), ("rollout", "eval_prompt_data"),
+                          ("run", "save"), ("run", "load"),
                           ("run", "load_debug_rollout_data"), ("run", "save_debug_rollout_data")):
         value = getattr(getattr(cfg, section), name)
         if value:

@@ -9,7 +9,7 @@ import pytest
 from rollout.task import TASK_VARIANTS, chat_prompt_rows, write_jsonl
 from rollout.tiny_model import make_random_chat_checkpoint
 from tests.conftest import SMALL
-from tests.test_train_rl import metrics, run_train
+from tests.test_train_rl import REPO, metrics, run_train
 
 
 @pytest.mark.slow
@@ -21,8 +21,10 @@ def test_chat_math_run_evaluates_at_step_zero_and_every_interval(tmp_path):
     write_jsonl(chat_prompt_rows(draw, 32, 1), os.path.join(ckpt, "train.jsonl"))
     write_jsonl(chat_prompt_rows(draw, 3, 2), os.path.join(ckpt, "eval.jsonl"))
     out = tmp_path / "out"
+    # relative to the driver's directory, as a user types it (the actors run in the job's copy of the code)
+    eval_file = os.path.relpath(os.path.join(ckpt, "eval.jsonl"), REPO)
     proc = run_train("--hf-checkpoint", ckpt, "--apply-chat-template", "--input-key", "messages", "--rm-type", "math",
-                     "--eval-prompt-data", os.path.join(ckpt, "eval.jsonl"), "--eval-interval", 2,
+                     "--eval-prompt-data", eval_file, "--eval-interval", 2,
                      "--n-samples-per-eval-prompt", 2, "--num-rollout", 4, "--rollout-batch-size", 4,
                      "--n-samples-per-prompt", 4, "--global-batch-size", 16, "--micro-batch-size", 8,
                      "--rollout-max-response-len", 12, "--enable-mtp-training", "--mtp-num-layers", 1,

@@ -63,9 +63,12 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
-def test_rollout_on_one_node_trainer_on_the_other_learns_and_syncs_every_step(cluster, tmp_path):
-    proc = subprocess.run(train_cmd(cluster, tmp_path, STEPS), cwd=REPO, env=cluster.env, capture_output=True,
-                          text=True, timeout=1200)
+@pytest.mark.parametrize("backend", ["embedded", "vllm"])
+def test_rollout_on_one_node_trainer_on_the_other_learns_and_syncs_every_step(cluster, tmp_path, backend):
+    if backend == "vllm":
+        pytest.importorskip("vllm")
+    proc = subprocess.run(train_cmd(cluster, tmp_path, STEPS, "--rollout-backend", backend), cwd=REPO,
+                          env=cluster.env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]  # --check-weight-update-equal: every tensor, every step
     rows = rows_of(tmp_path)
     assert [r["rollout/step"] for r in rows] == list(range(STEPS))
