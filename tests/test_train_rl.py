@@ -93,6 +93,7 @@ def test_online_run_logs_metrics_and_the_draft_follows_the_trainer_every_step(on
     assert os.path.getsize(os.path.join(out, "reward_and_accept_length.png")) > 1000
 
 
+@pytest.mark.slow  # a whole run of its own (1-2 min on 2 cores)
 def test_spec_adaptive_run_on_the_longtail_task_logs_k_and_predicted_vs_measured_speedup(ckpt, tmp_path):
     proc = run_train(*base_args(ckpt, tmp_path, 2, "--spec-adaptive", "--task-variant", "longtail",
                                 "--task-variant-prompts", 64, "--rollout-time-plain-baseline"))
@@ -119,6 +120,7 @@ def test_frozen_mtp_stays_bitwise_initial_while_the_trunk_trains(ckpt, tmp_path)
     assert all("train/mtp_loss" not in r for r in rows)
 
 
+@pytest.mark.slow  # a whole run of its own (1-2 min on 2 cores)
 def test_resume_from_the_step2_checkpoint_reproduces_step3_metrics_and_rewrites_the_log(online_run, ckpt, tmp_path):
     import shutil
 
@@ -312,6 +314,7 @@ def test_tensor_parallel_trainers_sync_full_weights_to_the_rollout(ckpt, tmp_pat
         assert r["train/logprob_abs_diff"] < 1e-5
 
 
+@pytest.mark.slow  # a whole run of its own (1-2 min on 2 cores)
 def test_two_data_parallel_trainers_train_like_one(ckpt, tmp_path):
     # --adam-eps = --lr keeps Adam from amplifying DP's different fp32 summation order (see the TP test)
     common = ("--enable-mtp-training", "--mtp-num-layers", 1, "--use-wandb", "false", "--adam-eps", 1e-3)

@@ -73,6 +73,7 @@ def test_vllm_rollouts_train_and_after_every_sync_vllm_holds_the_trainers_weight
     assert len({r["weight_sync/mtp_checksum"] for r in rows}) == 3  # the draft trained and followed
 
 
+@pytest.mark.slow  # a whole run of its own (1-2 min on 2 cores)
 def test_a_resumed_vllm_run_continues_from_the_checkpoint(vllm_run, ckpt, tmp_path):
     """The resumed run does step 3 only, from the saved weights (version 2) on the prompts the
     first run's step 3 had (the data cursor was restored). Its samples are not compared token for
@@ -97,6 +98,7 @@ def test_a_resumed_vllm_run_continues_from_the_checkpoint(vllm_run, ckpt, tmp_pa
     assert prompts(tmp_path / "r") == prompts(os.path.join(out, "rollouts"))
 
 
+@pytest.mark.slow  # a whole run of its own (1-2 min on 2 cores)
 def test_without_speculation_vllm_holds_no_draft_and_the_guard_checks_the_trunk(ckpt, tmp_path):
     proc = run_train(*base_args(ckpt, tmp_path, 1, "experiment=drift_none", speculate=False))
     assert proc.returncode == 0, proc.stderr[-3000:]
