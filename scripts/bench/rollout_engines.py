@@ -6,7 +6,7 @@
 Rollout only (--debug-rollout-only: the same checkpoint weights every step, so both arms sample
 the same tokens: every request has its own seeded generator, whichever engine runs it). Prints
 rollout tokens/s per arm from step 1 on, the ratio, and the generated token counts of both arms
-(equal: both did the same work). Goal: >= 1.6x with 2 engines where there are cores for both.
+(equal: both did the same work). With a core per engine, two engines should come near twice one engine's tokens/s.
 """
 import argparse
 import os
