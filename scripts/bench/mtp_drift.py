@@ -69,7 +69,7 @@ def parse_args():
     p.add_argument("--curves", default=None, help="also write the per-position acceptance PNG here")
     p.add_argument("--reuse", action="store_true",
                    help="an arm whose --out directory already holds all --steps steps is read, not rerun")
-    p.add_argument("--spec-adaptive", action="store_true", help="k per step from measured cost and acceptance")
+    p.add_argument("--spec-adaptive", action="store_true", help="k per batch size from a start-up cost profile and the measured acceptance")
     p.add_argument("--time-plain", action="store_true",
                    help="speculative arms also decode each batch without drafts, back to back "
                         "(--rollout-time-plain-baseline): a paired speedup per step")
