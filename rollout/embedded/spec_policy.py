@@ -8,23 +8,18 @@ drafts are verified, so every policy keeps the output exact.
   ScheduleK   vLLM's `num_speculative_tokens_per_batch_size`: inclusive batch-size ranges
               [(start, end, k), ...]; gaps and the tail carry the previous k; capped at
               num_speculative_tokens.
-  AdaptiveK   vime's --spec-adaptive: the same kind of per-batch-size schedule, written by the
-              policy at the start of every generate (`begin`):
-                  k(B) = argmax_k  B * E(k) / (verify(B, 1+k) + draft(B, k)),
-              E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j (expected_tokens), a_j the conditional
-              acceptance at draft position j, the step costs from a profile the engine takes at
-              its first generate (power-of-two batch grid, linear in between, made monotone:
-              monotone_envelope). Within a generate the batch only drains, so k changes at a
-              few batch sizes and the schedule is a lookup, as in vLLM.
-              a_j: rows accepted over rows that reached position j, counted over every step
-              drafted so far, read with ACCEPT_PRIOR_ROWS pseudo-rows at the previous
-              position's rate (ACCEPT_PRIOR at the first). At every generate on new weights the
-              counts shrink (ACCEPT_KEEP_PER_LOAD), so the estimate of a draft the schedule stopped
-              using drifts back toward the prior until drafting is tried again where it would
-              pay: a draft the trainer improved is found without probe steps.
-              Not priced: the one catch-up of the draft positions deferred by k = 0 steps at a
-              switch to drafting (one draft-layer pass over them, a fraction of what the trunk
-              already spent on the same positions).
+  AdaptiveK   vime's --spec-adaptive: the same kind of schedule, written at the start of every
+              generate (`begin`) as k(B) = argmax_k B E(k) / (verify(B, 1+k) + draft(B, k)):
+              E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j (expected_tokens), a_j the acceptance at draft
+              position j given the one before (rows accepted over rows that reached it, all steps
+              so far, plus ACCEPT_PRIOR_ROWS rows at the previous position's rate); the step costs
+              from a profile of the engine's own passes at its first generate (power-of-two
+              batch grid, linear in between, monotone_envelope). A batch only drains within a
+              generate, so k changes at a few batch sizes. At each generate on new weights the
+              counts shrink (ACCEPT_KEEP_PER_LOAD): the estimate of a draft no longer drafted
+              drifts back to the prior until drafting is tried again where that would pay.
+              Not priced: the one catch-up of draft positions deferred by k = 0 steps at a switch
+              to drafting (a draft-layer pass, a fraction of what the trunk spent on them).
 """
 import math
 
