@@ -14,7 +14,7 @@ records acceptance length and per-position acceptance, rollout tokens/s, tokens 
 forward, reward, response length and MTP loss; writes drift.csv and drift.png in --out, and
 prints start/end figures (rollout wall time per step, what RL waits for, beside tokens/s), the
 end ratios online/frozen and online/none, and at how many steps online took no longer than
-none. `--spec-adaptive` runs the speculative arms with k chosen per step; `--time-plain` has each
+none. `--spec-adaptive` runs the speculative arms with k chosen per batch size; `--time-plain` has each
 speculative arm also decode every batch without drafts, back to back in the same worker, and
 prints that paired speedup per step (free of the drift between arms run minutes apart); the
 none arm then pairs plain with plain, the control that shows the paired figure's own noise. Speculation is
