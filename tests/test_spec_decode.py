@@ -275,7 +275,7 @@ def test_schedule_drafts_the_k_of_the_live_batch_size(markov_ckpt, prompts):
     engine = build_engine(markov_ckpt, raw, EngineConfig(max_batch_size=8))
     seen = []
     choose = engine.k_policy.choose
-    engine.k_policy.choose = lambda b, backlog=None: seen.append((b, choose(b, backlog))) or seen[-1][1]
+    engine.k_policy.choose = lambda b: seen.append((b, choose(b))) or seen[-1][1]
     samples = engine.generate(samples_for_prompts(prompts[:20]), GREEDY)
     assert all(k == (0 if b <= 4 else 2) for b, k in seen) and {b for b, _ in seen} >= {8, 4}  # 20 = 8 + 8 + 4
     assert max(len(s.spec.drafted_per_pos) for s in samples) <= 2
