@@ -43,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--vllm-speculative-config", default=None,
                    help='speculative decoding, vLLM JSON schema, e.g. \'{"method":"mtp","num_speculative_tokens":3}\'')
     p.add_argument("--spec-adaptive", action="store_true",
-                   help="choose k in 0..num_speculative_tokens per step from measured cost and acceptance")
+                   help="k in 0..num_speculative_tokens per batch size from a start-up cost profile and measured acceptance")
     args = p.parse_args(argv)
     check_flag_ranges({f"--{k.replace('_', '-')}": v for k, v in vars(args).items()}, GENERATE_RANGES)
     return args

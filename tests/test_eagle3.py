@@ -235,7 +235,7 @@ def test_sampling_with_k_switching_per_step_follows_the_target_distribution(voca
             super().__init__(2)
             self.steps = 0
 
-        def choose(self, batch_size, backlog=None):
+        def choose(self, batch_size):
             self.steps += 1
             return 2 * (self.steps % 2)
 

@@ -79,27 +79,27 @@ def test_speculative_sampling_matches_the_target_joint_distribution(model, metho
 def test_sampling_with_k_chosen_per_step_matches_the_target_joint_distribution(model, policy):
     """k changes only how much is drafted: a per-step k (the adaptive policy, or one that
     alternates 0 and 2 so deferred MTP catch-up is exercised) keeps the distribution."""
-    from rollout.embedded.spec_policy import AdaptiveK, FixedK
+    from rollout.embedded.spec_policy import AdaptiveK, FixedK, batch_grid
 
     class Alternating(FixedK):
         def __init__(self):
             super().__init__(2)
             self.steps = 0
 
-        def choose(self, batch_size, backlog=None):
+        def choose(self, batch_size):
             self.steps += 1
             return 2 * (self.steps % 2)
 
     class EagerAdaptive(AdaptiveK):
-        """The adaptive policy with a profile in which a verify costs what a plain step costs and
-        a catch-up is free, so it drafts and switches k on this tiny CPU model whatever the timings
-        (its real profile finds nothing pays)."""
+        """The adaptive policy with a constructed profile (a drafted token costs 0.1 of a step on
+        1000 rows, 0.6 on none): at its prior acceptance 0.5 it drafts 2 tokens above 800 rows, 1
+        down to 200 and none below, so as the last wave drains k falls mid-response whatever this
+        CPU's timings."""
 
         def prepare(self, engine):
-            super().prepare(engine)
-            for table in (self.verify, self.draft):
-                table.profiled = {k: list(table.profiled[0]) for k in table.profiled}
-            self.catch_up_s = 0.0
+            grid = batch_grid(engine.config.max_batch_size)
+            self.set_profile(grid, {k: [1.0 + k * (0.1 + 0.5 * (1 - b / 1000)) for b in grid]
+                                    for k in range(self.k + 1)})
 
     k_policy = EagerAdaptive(2) if policy == "adaptive" else Alternating()
     # 1000 slots: requests of different waves are at different steps, so k switches mid-response

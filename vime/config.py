@@ -64,7 +64,7 @@ class RolloutSection:
     sync_draft_weights: bool = field(default=True, metadata=flag(
         "--sync-draft-weights", "--no-sync-draft-weights syncs only the target (benchmark arm: the draft goes stale)"))
     spec_adaptive: bool = field(default=False, metadata=flag(
-        "--spec-adaptive", "choose k in 0..num_speculative_tokens per step from measured cost and acceptance"))
+        "--spec-adaptive", "k in 0..num_speculative_tokens per batch size from a start-up cost profile and measured acceptance"))
     time_plain_baseline: bool = field(default=False, metadata=flag(
         "--rollout-time-plain-baseline", "benchmark: also decode each batch without drafts, back to back, and log "
         "perf/rollout_plain_engine_time (embedded engine; doubles rollout work)"))

@@ -213,7 +213,7 @@ class Engine:
                 admitted.append(r)
             decoding = list(running)
             running += admitted
-            self.step_k = self.k_policy.choose(len(running), lambda: self.proposer.deferred_positions(decoding, admitted))
+            self.step_k = self.k_policy.choose(len(running))
             if admitted:
                 self._prefill(admitted, sampling)
             if decoding:
@@ -312,19 +312,16 @@ class Engine:
         for r, a in zip(reqs, n_acc):
             r.num_cached += 1 + a
         verified = time.perf_counter()
-        # a first drafting step after k = 0 steps also catches up what they deferred (priced apart)
-        caught_up = self.proposer.deferred_positions(reqs) if self.k_policy.observes and self.step_k > 0 else 0
         drafted = self._propose(reqs, mtp_hidden, starts, torch.tensor([1 + a for a in n_acc], device=self.config.device))
         if self.k_policy.observes:
-            self._observe_step(reqs, drafts.shape[1], counts, n_acc, drafted, caught_up, start, verified,
-                               generated_before)
+            self._observe_step(reqs, drafts.shape[1], counts, n_acc, drafted, start, verified, generated_before)
 
-    def _observe_step(self, reqs, k_verified, counts, n_acc, drafted, caught_up, start, verified, generated_before):
+    def _observe_step(self, reqs, k_verified, counts, n_acc, drafted, start, verified, generated_before):
         """Tell the k policy what this step cost and what got accepted."""
         self.k_policy.observe(StepRecord(
             len(reqs), k_verified, verified - start, self.step_k if drafted else None,
             time.perf_counter() - verified, sum(r.num_generated for r in reqs) - generated_before,
-            *_per_position(counts, n_acc), caught_up=caught_up if drafted else 0))
+            *_per_position(counts, n_acc)))
 
     def _accept(self, reqs, logprobs, drafts, counts, sampling, draft_probs):
         """Verify drafts, append the emitted tokens (cut at stop / budget), update stats."""

@@ -18,7 +18,7 @@ def build_proposer(spec):
 
 def build_engine(checkpoint, spec=None, engine_config=None, adaptive=False):
     """An Engine on `checkpoint` with speculation per `spec` (SpecConfig, JSON string, mapping or None);
-    `adaptive` is vime's --spec-adaptive (k per step from measured cost and acceptance)."""
+    `adaptive` is vime's --spec-adaptive (k per batch size from a start-up cost profile and the measured acceptance)."""
     spec = spec if isinstance(spec, SpecConfig) or spec is None else parse_spec_config(spec)
     check_spec_adaptive(spec, adaptive)
     check_against_checkpoint(spec, read_config(checkpoint))

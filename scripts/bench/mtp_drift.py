@@ -14,7 +14,7 @@ records acceptance length and per-position acceptance, rollout tokens/s, tokens 
 forward, reward, response length and MTP loss; writes drift.csv and drift.png in --out, and
 prints start/end figures (rollout wall time per step, what RL waits for, beside tokens/s), the
 end ratios online/frozen and online/none, and at how many steps online took no longer than
-none. `--spec-adaptive` runs the speculative arms with k chosen per step; `--time-plain` has each
+none. `--spec-adaptive` runs the speculative arms with k chosen per batch size; `--time-plain` has each
 speculative arm also decode every batch without drafts, back to back in the same worker, and
 prints that paired speedup per step (free of the drift between arms run minutes apart); the
 none arm then pairs plain with plain, the control that shows the paired figure's own noise. Speculation is
@@ -69,7 +69,7 @@ def parse_args():
     p.add_argument("--curves", default=None, help="also write the per-position acceptance PNG here")
     p.add_argument("--reuse", action="store_true",
                    help="an arm whose --out directory already holds all --steps steps is read, not rerun")
-    p.add_argument("--spec-adaptive", action="store_true", help="k per step from measured cost and acceptance")
+    p.add_argument("--spec-adaptive", action="store_true", help="k per batch size from a start-up cost profile and the measured acceptance")
     p.add_argument("--time-plain", action="store_true",
                    help="speculative arms also decode each batch without drafts, back to back "
                         "(--rollout-time-plain-baseline): a paired speedup per step")

@@ -20,7 +20,7 @@ own objective, with its costs known exactly): the rollout's time with speculatio
 
 (T_rest: prefill and the loop outside the steps, taken as unchanged, which favours
 speculation). T_plain / T_spec is the speedup of an oracle that knows every cost and the
-acceptance and never probes: no adaptive policy can beat it on these costs. With a = 1 (every
+acceptance at every B: no adaptive policy can beat it on these costs. With a = 1 (every
 draft accepted) it bounds what any draft can buy on this machine. Rows that finish inside a
 step's drafts are not modelled (they favour speculation too). The script checks the model on
 what it ran: the fixed-k engine times against the model's prediction for them. Beside the oracle
@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from rollout.embedded.engine import EngineConfig  # noqa: E402
 from rollout.embedded.engine_builder import build_engine  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
-from rollout.embedded.spec_policy import FixedK, batch_band, expected_tokens  # noqa: E402
+from rollout.embedded.spec_policy import FixedK, expected_tokens  # noqa: E402
 from scripts.bench.slot_compaction import PROMPTS_PER_BATCH, SAMPLES_PER_PROMPT, rollout_batches  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
 from vime.sample import samples_for_prompts  # noqa: E402
@@ -78,6 +78,12 @@ class StepTimes(FixedK):
         for i, (d, a) in enumerate(zip(step.drafted_per_pos, step.accepted_per_pos)):
             reached[i] += d
             accepted[i] += a
+
+
+def batch_band(b):
+    """Batch sizes grouped 1, 2, 3-4, 5-8, 9-16, ...: the groups acceptance is kept by (the drain's
+    stragglers draft unlike its full batch)."""
+    return (b - 1).bit_length()
 
 
 def conditional_acceptance(bands):
@@ -206,7 +212,7 @@ def main(argv=None):
     print("check of the model on what ran, fixed k, predicted / real speedup: " + ", ".join(
         f"k={k} {seconds[0] / predicted_fixed_k(plain_steps, steps[k], seconds[k], curves[k], k, measured_at):.2f}x"
         f" / {seconds[0] / seconds[k]:.2f}x" for k in range(1, k_max + 1)))
-    print("\nceiling: an oracle picking the cheapest k per emitted token at every B, costs known, no probes")
+    print("\nceiling: an oracle picking the cheapest k per emitted token at every B, costs and acceptance known")
     print("| acceptance (conditional per position) | tokens/verify at k | share of plain steps drafting | "
           f"speedup of the rollout | of its steps at <= {args.tail_rows} rows |")
     print("|---|---|---|---|---|")

@@ -3,7 +3,7 @@
 For each method (none, mtp k=1..3, ngram, suffix, draft_model) and batch size, generate
 greedy responses to the same prompts and report tokens/s, tokens per target forward
 (acceptance length), acceptance rate per draft position and speedup vs `none` measured in
-the same run. `mtp adaptive` is MTP with --spec-adaptive (k in 0..3 per step); each batch
+the same run. `mtp adaptive` is MTP with --spec-adaptive (k in 0..3 per batch size); each batch
 size ends with its tokens/s against the best fixed k in 0..3 (none = k 0). Every request
 generates --max-new-tokens tokens (EOS ignored), and a batch size's rows are printed only after
 checking that every method generated as many tokens as the first (greedy: the same tokens;

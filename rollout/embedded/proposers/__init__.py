@@ -55,12 +55,6 @@ class Proposer:
         """The engine moved each of `requests` from its old slot to `request.slot` (a free one):
         move what this proposer keeps per slot."""
 
-    def deferred_positions(self, requests, admitted=()):
-        """How many positions k = 0 steps deferred that the next drafting step for `requests` (and
-        the prefill of the just `admitted` ones) must catch up first; the k policy prices that
-        catch-up apart from the cost of drafting k."""
-        return 0
-
 
 def _lazy(module, name):
     """A proposer of this package, imported only when that method is asked for."""

@@ -88,12 +88,6 @@ class MTPProposer(Proposer):
         moved = {new: self.pending.pop(old) for old, new in zip(old_slots, new_slots) if old in self.pending}
         self.pending.update(moved)
 
-    def deferred_positions(self, requests, admitted=()):
-        # a deferred slot's catch-up starts at its first position not caught up; a request just
-        # admitted has its whole prompt to catch up
-        return (sum(r.num_cached - self.pending[r.slot] for r in requests if r.slot in self.pending)
-                + sum(len(r.sample.prompt_ids) for r in admitted))
-
     def propose(self, out):
         k = min(self.num_speculative_tokens, self.engine.step_k)
         if k == 0:
