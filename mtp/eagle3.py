@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp.blocks import SwiGLU
+from mtp.loss import MTP_LOSSES
 
 
 @dataclass(frozen=True)
@@ -185,9 +186,15 @@ def training_time_test(draft, embeds, aux_hidden, steps):
     return logits
 
 
-def training_time_test_loss(draft, embeds, aux_hidden, tokens, loss_mask, steps):
-    """Mean cross-entropy of each step's prediction (token t+m+2) over the positions where
-    `loss_mask` [B, T] marks the predicted token; returns (total loss, per-step losses)."""
+def training_time_test_loss(draft, embeds, aux_hidden, tokens, loss_mask, steps, loss_type="ce", policy_logits=None,
+                            temperature=1.0, topk=0):
+    """Mean loss of each step's prediction (token t+m+2) over the positions where `loss_mask`
+    [B, T] marks the predicted token; returns (total loss, per-step losses).
+
+    `loss_type` names a per-position loss of mtp/loss.py's `MTP_LOSSES`: `ce` against the sampled
+    token, or a distillation loss (`soft_ce`, `tv`) against the policy's own distribution of that
+    token, read from `policy_logits` [B, T, V] (its next-token logits at position t+m+1, detached)
+    at `temperature`, truncated to its top-k when `topk` > 0."""
     n = tokens.shape[1]
     per_step = []
     for m, logits in enumerate(training_time_test(draft, embeds, aux_hidden, steps)):
@@ -196,6 +203,7 @@ def training_time_test_loss(draft, embeds, aux_hidden, tokens, loss_mask, steps)
             break
         target = tokens[:, m + 2:]
         mask = loss_mask[:, m + 2:].float()
-        ce = F.cross_entropy(logits[:, :width].transpose(1, 2), target, reduction="none")
-        per_step.append((ce * mask).sum() / mask.sum().clamp(min=1))
+        policy = policy_logits[:, m + 1:m + 1 + width] if policy_logits is not None else None
+        per_position = MTP_LOSSES[loss_type](logits[:, :width], target, policy, temperature, topk)
+        per_step.append((per_position * mask).sum() / mask.sum().clamp(min=1))
     return sum(per_step) / max(len(per_step), 1), per_step

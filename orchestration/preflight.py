@@ -234,6 +234,15 @@ def check_draft_training(cfg):
     """--enable-draft-training trains an external EAGLE-3 draft: the speculative config must name one."""
     import json
 
+    from mtp.loss import MTP_LOSSES
+
+    d = cfg.draft
+    require(d.loss_type in MTP_LOSSES, f"--draft-loss-type {d.loss_type!r}: use one of {', '.join(MTP_LOSSES)}")
+    require(not d.distill_topk or d.loss_type != "ce",
+            "--draft-distill-topk truncates a distillation target: use it with --draft-loss-type soft_ce or tv")
+    require(d.replay_batches == 0 or d.steps_per_rollout > 1,
+            "--draft-replay-batches feeds the draft-only steps: with --draft-steps-per-rollout 1 pass "
+            "--draft-replay-batches 0")
     if not cfg.draft.enable_training:
         return
     value = cfg.rollout.vllm_speculative_config

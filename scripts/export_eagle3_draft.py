@@ -3,7 +3,8 @@
 
     python scripts/export_eagle3_draft.py --load SAVE_DIR --out DIR
 
-SAVE_DIR is a run's --save directory (its latest checkpoint is read). DIR then loads, unchanged,
+SAVE_DIR is a run's --save directory (its latest checkpoint is read) or one iteration of it
+(`SAVE_DIR/iter_0000002`: the draft of that step). DIR then loads, unchanged,
 with `vllm.LLM(model=TARGET, speculative_config={"method": "eagle3", "model": DIR, ...})`, TARGET
 being the policy of the same checkpoint exported with checkpoint_convert.torch_dist_to_hf.
 """
@@ -17,8 +18,25 @@ import torch  # noqa: E402
 
 from trainer.draft import DRAFT_STATE_FILE  # noqa: E402
 from vime.checkpointing import check_loadable  # noqa: E402
-from vime.errors import exit_on_user_error, require  # noqa: E402
+from vime.errors import UserError, exit_on_user_error, require  # noqa: E402
 from vime.models.eagle3 import save_draft  # noqa: E402
+
+
+def one_iteration(path):
+    """(step, path) when `path` is one iteration of a --save directory (it holds loop_state.json), else None."""
+    import json
+
+    from vime.checkpointing import LOOP_STATE
+
+    file = os.path.join(path, LOOP_STATE)
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file) as f:
+            return int(json.load(f)["step"]), path
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"--load {path}: {LOOP_STATE} is damaged (expected a JSON object with an integer "
+                        "\"step\"); export another iteration") from None
 
 
 @exit_on_user_error
@@ -27,7 +45,7 @@ def main(argv=None):
     p.add_argument("--load", required=True, help="the run's --save directory")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    step, iteration = check_loadable(args.load)
+    step, iteration = one_iteration(args.load) or check_loadable(args.load)
     file = os.path.join(iteration, "model", DRAFT_STATE_FILE)
     require(os.path.isfile(file), f"--load {args.load}: step {step} holds no external draft ({DRAFT_STATE_FILE}); "
             "the run was not trained with --enable-draft-training")

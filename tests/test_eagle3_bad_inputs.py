@@ -95,3 +95,17 @@ def test_an_mtp_method_with_draft_training_is_refused(tmp_path):
 
 def test_the_shipped_pair_with_draft_training_passes_the_preflight(tmp_path):
     preflight(load_config(args_for(tmp_path) + ["--enable-draft-training"]))
+
+
+def test_bad_draft_training_settings_are_refused(tmp_path):
+    base = args_for(tmp_path) + ["--enable-draft-training"]
+    refused(base + ["--draft-loss-type", "kl"], "--draft-loss-type 'kl'", "ce", "soft_ce")
+    refused(base + ["--draft-distill-topk", "4"], "--draft-distill-topk", "soft_ce")
+    refused(base + ["--draft-steps-per-rollout", "1", "--draft-replay-batches", "2"], "--draft-replay-batches",
+            "--draft-steps-per-rollout 1")
+    refused(base + ["--draft-steps-per-rollout", "0"], "--draft-steps-per-rollout 0", ">= 1")
+    refused(base + ["--draft-ttt-steps", "0"], "--draft-ttt-steps 0", ">= 1")
+    # the negative control: each setting accepted alone
+    preflight(load_config(base + ["--draft-loss-type", "soft_ce", "--draft-distill-topk", "4",
+                                  "--draft-steps-per-rollout", "1", "--draft-replay-batches", "0",
+                                  "--draft-ttt-steps", "4"]))

@@ -53,34 +53,94 @@ def test_draft_training_leaves_the_policy_loss_and_gradients_bit_identical(pair)
     assert m_on["train/draft_1_loss"] > 0 and "train/draft_3_loss" in m_on
 
 
-def test_the_draft_trains_on_the_policys_aux_hidden_states(pair):
-    """The loss the trainer computes from megatron's hooked states equals the same loss computed
-    from the embedded engine's model (its own aux_hidden_states) on one micro-batch."""
-    target, draft_dir = pair
-    batch = make_batch(n=2)
-    trainer = Trainer(config(draft_dir, True, micro_batch_size=0), target)
-    metrics = trainer.backward(batch)
-    got = sum(metrics[f"train/draft_{i}_loss"] for i in (1, 2, 3)) / 3
+def embedded_model(target, named_weights=None):
+    """The embedded engine's model (an independent implementation of the target) with the
+    checkpoint's weights, or with the trainer's (`named_weights`: its HF-named tensors)."""
     cfg, state, _ = load_hf_checkpoint(target)
+    if named_weights is not None:
+        state = {n: t.clone() for n, t in named_weights if not n.startswith(DRAFT_PREFIX)}
     model = CausalLMWithMTP(cfg)
     model.load_state_dict(state)
-    tokens = batch.tokens
-    with torch.no_grad():
-        aux = model.aux_hidden_states(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), AUX)
-        embeds = F.embedding(tokens, model.model.embed_tokens.weight)
-        from vime.models.eagle3 import load_draft
-        from mtp.eagle3 import Eagle3Draft
+    return model
 
-        draft_cfg, draft_state = load_draft(draft_dir)
-        draft = Eagle3Draft(draft_cfg)
-        draft.load_state_dict(draft_state)
-        expected, _ = training_time_test_loss(draft, embeds, aux, tokens, batch.loss_mask, 3)
-    # two fp32 implementations of the same trunk (reduction order differs): the trunk's reductions
-    # (4 per layer) and the draft's (fc over 3H, q/k/v over 2H, attention, o, MLP, norm, head: 8),
-    # the longest being fc's 3H terms, bound the relative error of the loss (Higham)
+
+def reference_draft_loss(model, draft, batch, loss_type):
+    """The training-time-test loss recomputed from the embedded model's aux states and logits."""
+    tokens = batch.tokens
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        aux = model.aux_hidden_states(tokens, positions, AUX)
+        embeds = F.embedding(tokens, model.model.embed_tokens.weight)
+        logits = model.logits(model(tokens, positions))
+        loss, _ = training_time_test_loss(draft, embeds, aux, tokens, batch.loss_mask, 3, loss_type, logits)
+    return float(loss)
+
+
+def loss_bound(target, expected):
+    """Two fp32 implementations of the same trunk (reduction order differs): the trunk's reductions
+    (4 per layer), the policy head (1) and the draft's (fc over 3H, q/k/v over 2H, attention, o,
+    MLP, norm, head: 8), the longest being fc's 3H terms, bound the loss's relative error (Higham)."""
+    cfg = read_config(target)
     longest = max(cfg.intermediate_size, 3 * cfg.hidden_size)
-    assert abs(got - float(expected)) <= reduction_rtol(longest, 4 * cfg.num_hidden_layers + 8) \
-        * max(1.0, abs(float(expected)))
+    return reduction_rtol(longest, 4 * cfg.num_hidden_layers + 9) * max(1.0, abs(expected))
+
+
+def load_draft_module(draft_dir):
+    from mtp.eagle3 import Eagle3Draft
+    from vime.models.eagle3 import load_draft
+
+    draft_cfg, draft_state = load_draft(draft_dir)
+    draft = Eagle3Draft(draft_cfg)
+    draft.load_state_dict(draft_state)
+    return draft
+
+
+@pytest.mark.parametrize("loss_type", ["ce", "soft_ce", "tv"])
+def test_the_draft_trains_on_the_policys_aux_hidden_states(pair, loss_type):
+    """The loss the trainer computes from megatron's hooked states (and, for the distillation
+    losses, its logits) equals the same loss computed from the embedded engine's model (its own
+    aux_hidden_states and logits) on one micro-batch."""
+    target, draft_dir = pair
+    batch = make_batch(n=2)
+    trainer = Trainer(config(draft_dir, True, micro_batch_size=0, draft_loss_type=loss_type), target)
+    metrics = trainer.backward(batch)
+    got = sum(metrics[f"train/draft_{i}_loss"] for i in (1, 2, 3)) / 3
+    expected = reference_draft_loss(embedded_model(target), load_draft_module(draft_dir), batch, loss_type)
+    assert abs(got - expected) <= loss_bound(target, expected)
+
+
+@pytest.mark.parametrize("loss_type", ["ce", "soft_ce"])
+def test_draft_only_steps_and_replay_leave_the_policy_bit_identical(pair, loss_type):
+    target, draft_dir = pair
+    trainers = {enable: Trainer(config(draft_dir, enable, draft_steps_per_rollout=3, draft_replay_batches=1,
+                                       draft_loss_type=loss_type), target) for enable in (False, True)}
+    for seed in (0, 1):  # the second step replays the first step's batch
+        batch = make_batch(seed=seed)
+        m = {enable: t.train_step(batch) for enable, t in trainers.items()}
+        assert m[True]["train/policy_loss"] == m[False]["train/policy_loss"]
+        assert m[True]["train/grad_norm"] == m[False]["train/grad_norm"]
+    off, on = (dict(trainers[e].model.named_parameters()) for e in (False, True))
+    assert off.keys() == on.keys() and all(torch.equal(on[n], off[n]) for n in off)
+    assert m[True]["train/draft_final_loss"] > 0 and len(trainers[True].draft.replay) == 1
+
+
+def test_the_draft_only_steps_train_on_the_updated_policy(pair):
+    """The draft-only step's loss is the loss of the draft after the joint step on the hidden states
+    of the policy after its optimiser step (recomputed by the embedded model), not the old policy's."""
+    target, draft_dir = pair
+    # positive advantages: the random rollout log-probs sit above the policy's, so only these leave
+    # the PPO ratio unclipped (a non-zero policy gradient)
+    batch = make_batch(n=2, advantages=[1.0, 2.0])
+    kw = dict(micro_batch_size=0, lr=1e-2, draft_replay_batches=0)  # a policy step large enough to tell apart
+    joint_only = Trainer(config(draft_dir, True, draft_steps_per_rollout=1, **kw), target)
+    joint_only.train_step(batch)  # the policy and the draft the second trainer holds before its draft-only step
+    got = Trainer(config(draft_dir, True, draft_steps_per_rollout=2, **kw), target).train_step(batch)[
+        "train/draft_final_loss"]
+    draft = joint_only.draft.draft
+    updated = reference_draft_loss(embedded_model(target, joint_only.named_hf_weights()), draft, batch, "ce")
+    old = reference_draft_loss(embedded_model(target), draft, batch, "ce")
+    assert abs(got - updated) <= loss_bound(target, updated)
+    assert abs(got - old) > loss_bound(target, old)  # the negative control: the old policy's states differ
 
 
 def test_a_step_moves_the_draft_and_sends_it_under_its_wire_names(pair):
@@ -97,10 +157,12 @@ def test_a_step_moves_the_draft_and_sends_it_under_its_wire_names(pair):
 
 def test_save_and_load_keep_the_draft_and_its_optimizer_state(pair, tmp_path):
     target, draft_dir = pair
-    trainer = Trainer(config(draft_dir, True), target)
+    # the replayed batches are not checkpointed (they refill after a resume): none here, so the
+    # next step must be the same on both
+    trainer = Trainer(config(draft_dir, True, draft_replay_batches=0), target)
     trainer.train_step(make_batch())
     trainer.save(str(tmp_path / "ckpt"))
-    resumed = Trainer(config(draft_dir, True), target, load=str(tmp_path / "ckpt"))
+    resumed = Trainer(config(draft_dir, True, draft_replay_batches=0), target, load=str(tmp_path / "ckpt"))
     for (n, a), (_, b) in zip(trainer.draft.draft.state_dict().items(), resumed.draft.draft.state_dict().items()):
         assert torch.equal(a, b), n
     a, b = trainer.draft.optimizer.state_dict(), resumed.draft.optimizer.state_dict()

@@ -59,6 +59,11 @@ class TrainerConfig:
     enable_draft_training: bool = tree_field("draft.enable_training")
     draft_loss_scaling_factor: float = tree_field("draft.loss_scaling_factor")
     draft_lr: Optional[float] = tree_field("draft.lr")  # None: same as lr
+    draft_steps_per_rollout: int = tree_field("draft.steps_per_rollout")  # > 1: draft-only steps after the joint one
+    draft_replay_batches: int = tree_field("draft.replay_batches")  # earlier batches those steps also cycle over
+    draft_loss_type: str = tree_field("draft.loss_type")  # mtp/loss.py MTP_LOSSES
+    draft_distill_topk: int = tree_field("draft.distill_topk")  # soft_ce / tv: the target's top-k (0: all)
+    draft_ttt_steps: Optional[int] = tree_field("draft.ttt_steps")  # None: num_speculative_tokens
     # the rollout's speculative config: the external draft the trainer trains is its `model`
     speculative_config: Any = tree_field("rollout.vllm_speculative_config")
 

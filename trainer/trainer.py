@@ -139,6 +139,8 @@ class Trainer:
 
     def _micro_batch_loss(self, mb, num_tokens, mtp_counts):
         out = forward(self.model, mb.tokens)
+        if self.draft is not None:  # a detached copy: the policy's graph is untouched
+            self.draft.keep_policy_logits(out.logits)
         lp = self._token_logprobs(out, mb.tokens)
         mask = mb.label_mask
         ref = mb.ref_logprobs[:, 1:] if mb.ref_logprobs is not None else None
@@ -227,6 +229,31 @@ class Trainer:
             loss = self._mtp_only_step(*prepared[(steps - 1 - i) % len(prepared)])
         return loss
 
+    def _draft_inputs(self, batch):
+        """The draft's inputs (trainer/draft.py DraftInputs) of every micro-batch of `batch` under
+        the current policy: one no-grad forward each, read by the draft's hooks."""
+        batch = batch.to(self.device)
+        inputs = []
+        with torch.no_grad():
+            for mb in batch.micro_batches(self.cfg.micro_batch_size):
+                self.draft.keep_policy_logits(forward(self.model, mb.tokens).logits)
+                inputs.append(self.draft.take_inputs(mb.tokens, mb.loss_mask))
+        return inputs
+
+    def _draft_only_steps(self, batch):
+        """--draft-steps-per-rollout N: N-1 steps of the external draft alone, on the updated
+        policy's states of `batch` and the replayed earlier batches; the policy is not touched.
+        Returns {"train/draft_final_loss": the last step's loss, averaged over DP ranks} or {}."""
+        from trainer.distributed import dp_group
+
+        steps = self.cfg.draft_steps_per_rollout - 1
+        if steps < 1:
+            return {}
+        prepared = [self._draft_inputs(b) for b in [batch, *self.draft.replay]]
+        loss = self.draft.train_on(prepared, steps)
+        self.draft.replay.appendleft(batch)
+        return {"train/draft_final_loss": _dp_sum(loss).item() / dist.get_world_size(dp_group())}
+
     def _metrics(self, totals):
         out = {f"train/{k}": _dp_sum(v).item() for k, v in totals.items()}
         policy = out.pop("train/pg_loss")
@@ -247,6 +274,7 @@ class Trainer:
         self.optimizer.step()
         if self.draft is not None:
             metrics["train/draft_grad_norm"] = self.draft.step()
+            metrics.update(self._draft_only_steps(batch))
         if self.cfg.mtp_steps_per_rollout > 1:
             metrics["train/mtp_final_loss"] = self._mtp_only_steps([batch, *self._mtp_replay],
                                                                    self.cfg.mtp_steps_per_rollout - 1)

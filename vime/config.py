@@ -250,6 +250,19 @@ class DraftSection:
         "--draft-loss-scaling-factor", "factor of the draft's loss (its own optimiser: the policy never sees it)"))
     lr: Optional[float] = field(default=1e-3, metadata=flag(
         "--draft-lr", "learning rate of the external draft (none: --lr)"))
+    steps_per_rollout: int = field(default=8, metadata=flag(
+        "--draft-steps-per-rollout", "optimiser steps of the external draft per RL step: the one beside the "
+        "policy's, then N-1 on the aux hidden states of the updated policy (the one the next rollout drafts for)"))
+    replay_batches: int = field(default=4, metadata=flag(
+        "--draft-replay-batches", "the draft-only steps (--draft-steps-per-rollout) cycle over this RL step's batch "
+        "and the R previous ones, their hidden states recomputed with the current policy (0: this batch only)"))
+    loss_type: str = field(default="ce", metadata=flag(
+        "--draft-loss-type", "ce (sampled token) | soft_ce | tv (against the detached policy's distribution, "
+        "mtp/loss.py)"))
+    distill_topk: int = field(default=0, metadata=flag(
+        "--draft-distill-topk", "soft_ce / tv: truncate the policy target to its top-k (0: full vocabulary)"))
+    ttt_steps: Optional[int] = field(default=None, metadata=flag(
+        "--draft-ttt-steps", "drafting steps the training-time test unrolls (none: num_speculative_tokens)"))
 
 
 @dataclass
@@ -377,6 +390,8 @@ RANGES = {
     "--rollout-num-gpus-per-engine": AT_LEAST_0, "--rollout-num-cpus-per-engine": AT_LEAST_0,
     "--placement-timeout": POSITIVE,
     "--draft-loss-scaling-factor": AT_LEAST_0, "--draft-lr": LEARNING_RATE,
+    "--draft-steps-per-rollout": AT_LEAST_1, "--draft-replay-batches": AT_LEAST_0,
+    "--draft-distill-topk": AT_LEAST_0, "--draft-ttt-steps": AT_LEAST_1,
     "--reward-timeout": POSITIVE, "--reward-num-workers": AT_LEAST_1, "--eval-interval": AT_LEAST_1,
     "--n-samples-per-eval-prompt": AT_LEAST_1, "--eval-temperature": AT_LEAST_0,
 }

@@ -8,7 +8,9 @@ Every arm is one train_rl.py run on the same target (checkpoints/tiny-qwen2), se
 `none` rolls out without speculation, `frozen` drafts with the shipped draft
 (checkpoints/tiny-qwen2-eagle3), which RL never updates, so its acceptance shows how far the policy
 drifts away from it, and `online` drafts with the same draft trained every step
-(--enable-draft-training) and synced to the rollout. Writes eagle3_drift.csv and the
+(--enable-draft-training, the draft flags at their defaults unless given after `--`) and synced
+to the rollout. `--draft-warmup-steps N` starts the frozen and online arms from a draft made with
+a shorter offline warm-up instead (the same draft for both). Writes eagle3_drift.csv and the
 acceptance-length curves (PNG) in --out and prints, per backend, start/end acceptance length and
 tokens/s of each arm, the end ratio online/frozen, and the rewards at step 0 (the same weights
 everywhere: exact speculation must agree within noise). `--reuse` keeps arms already run to
@@ -44,10 +46,24 @@ def parse_args():
     p.add_argument("--png", default=None, help="acceptance-length curves (default: OUT/eagle3_drift.png)")
     p.add_argument("--window", type=int, default=5, help="steps averaged for the start and end figures")
     p.add_argument("--draft", default=DRAFT)
+    p.add_argument("--draft-warmup-steps", type=int, default=None,
+                   help="start the frozen and online arms from a draft made here with this many offline warm-up "
+                        "steps (scripts/make_eagle3_draft.py) instead of --draft")
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--reuse", action="store_true", help="keep arms already run to --steps in --out")
     p.add_argument("extra", nargs="*", help="after --: passed to train_rl.py")
     return p.parse_args()
+
+
+def make_draft(args):
+    """--draft-warmup-steps N: a draft of the target warmed up for N steps (made once into --out)."""
+    out = os.path.join(args.out, f"draft_warmup{args.draft_warmup_steps}")
+    if not os.path.isfile(os.path.join(out, "config.json")):
+        cmd = [sys.executable, os.path.join(REPO, "scripts", "make_eagle3_draft.py"), "--target", TARGET, "--out", out,
+               "--warmup-steps", str(args.draft_warmup_steps)]
+        print(f"[eagle3-drift] draft: {' '.join(cmd[1:])}", flush=True)
+        subprocess.run(cmd, cwd=REPO, check=True)
+    return out
 
 
 def run_arm(arm, backend, args):
@@ -99,6 +115,8 @@ def main():
         print(f"error: --backends / --arms {bad[0]!r}: choose from {', '.join(BACKENDS + ARMS)}", file=sys.stderr)
         sys.exit(2)
     os.makedirs(args.out, exist_ok=True)
+    if args.draft_warmup_steps is not None:
+        args.draft = make_draft(args)
     rows_by_arm = {f"{b}/{a}": run_arm(a, b, args) for b in backends for a in arms}
     with open(os.path.join(args.out, "eagle3_drift.csv"), "w", newline="") as f:
         rows = [r for rs in rows_by_arm.values() for r in rs]
