@@ -196,6 +196,6 @@ def training_time_test_loss(draft, embeds, aux_hidden, tokens, loss_mask, steps)
             break
         target = tokens[:, m + 2:]
         mask = loss_mask[:, m + 2:].float()
-        ce = F.cross_entropy(logits[:, :width].transpose(1, 2), target, reduction="none")
+        ce = F.cross_entropy(logits[:, :width].float().transpose(1, 2), target, reduction="none")  # fp32 under bf16 too
         per_step.append((ce * mask).sum() / mask.sum().clamp(min=1))
     return sum(per_step) / max(len(per_step), 1), per_step

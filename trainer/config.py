@@ -61,6 +61,7 @@ class TrainerConfig:
     draft_lr: Optional[float] = tree_field("draft.lr")  # None: same as lr
     # the rollout's speculative config: the external draft the trainer trains is its `model`
     speculative_config: Any = tree_field("rollout.vllm_speculative_config")
+    bf16: bool = tree_field("model.bf16")  # bf16 compute, fp32 master weights (trainer/mixed_precision.py)
 
     @classmethod
     def from_tree(cls, cfg):
