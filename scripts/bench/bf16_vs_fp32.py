@@ -18,6 +18,7 @@ the timing columns say by how much, they are not a claim about bf16 on hardware 
 Extra arguments after `--` go to every run.
 """
 import argparse
+import json
 import math
 import os
 import statistics
@@ -34,15 +35,24 @@ def parse_args():
     p.add_argument("--backend", default="embedded", help="--rollout-backend of every run")
     p.add_argument("--window", type=int, default=5, help="steps averaged for the start and end figures")
     p.add_argument("--out", default=os.path.join(REPO, "runs", "bf16_vs_fp32"))
+    p.add_argument("--reuse", action="store_true",
+                   help="a run whose --out directory already holds all --steps steps is read, not rerun")
     p.add_argument("extra", nargs="*", help="after --: passed to train_rl.py")
     return p.parse_args()
 
 
 def arm_rows(args, dtype, seed, rollout_seed):
+    name = f"{dtype}_seed{seed}_{rollout_seed}"
+    done = os.path.join(args.out, name, "metrics.jsonl")
+    if args.reuse and os.path.isfile(done):
+        rows = [json.loads(line) for line in open(done)]
+        if len(rows) == args.steps:
+            print(f"[bench] {name}: reusing {done}", flush=True)
+            return rows
     flags = ["--enable-mtp-training", "--mtp-num-layers", 1, "--num-rollout", args.steps, "--rollout-backend",
              args.backend, "--seed", seed, "--rollout-seed", rollout_seed, *(["--bf16"] if dtype == "bf16" else []),
              *args.extra]
-    return run_arm(f"{dtype}_seed{seed}_{rollout_seed}", args.out, flags)
+    return run_arm(name, args.out, flags)
 
 
 def window(rows, key, first, size):
