@@ -278,3 +278,53 @@ def test_the_online_eagle3_draft_trains_in_bf16_on_fp32_masters_and_syncs_bit_fo
     drafted = {k: v for k, v in sent if k.startswith(DRAFT_PREFIX)}
     assert drafted and {v.dtype for v in drafted.values()} == {torch.bfloat16}
     assert backend.fingerprint()["mtp"] == weight_sync.checksum(list(drafted.items()))
+
+
+# ---------------------------------------------------------------- vLLM in bf16 (in-process, no Ray)
+@pytest.mark.slow
+def test_vllm_in_bf16_speculates_exactly_takes_the_bf16_trainers_weights_and_agrees_on_logprobs(tmp_path):
+    """vLLM (CPU build) with dtype bfloat16: greedy MTP speculation equals plain greedy decoding; the
+    weights of a bf16 trainer step, sent as bf16, are reloaded in place and the fingerprint sums what
+    was sent (the bf16 bit patterns too); and the bf16 trainer's log-probs of vLLM's sampled
+    responses lie within the derived bf16 bound."""
+    pytest.importorskip("vllm")
+    from rollout.vllm.backend import VLLMBackend
+    from tests.mimo_fixtures import make_tiny_mimo
+    from vime.models.families import is_draft_name
+
+    ckpt = make_tiny_mimo(str(tmp_path / "mimo"), seed=1)
+    cfg = read_config(ckpt)
+    prompts = [[1, 5 + i % 20, 7, 9, 4 + i % 7] for i in range(16)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=16)
+    trainer = Trainer(TrainerConfig(bf16=True, lr=1e-3, enable_mtp_training=True, mtp_num_layers=1), ckpt)
+    trainer.train_step(make_batch())
+    sent = [(k, v.detach().cpu()) for k, v in trainer.named_hf_weights()]
+    outs = {}
+    for name, spec in (("plain", None), ("mtp", {"method": "mtp", "num_speculative_tokens": 2})):
+        backend = VLLMBackend(ckpt, spec, max_batch_size=16, dtype=torch.bfloat16)
+        try:
+            outs[name] = [s.response_ids for s in backend.generate(samples_for_prompts(prompts), greedy)]
+            if spec is None:
+                continue
+            assert backend.stats()["spec"]["accepted_tokens"] > 0
+            backend.load_weights(sent, version=1)
+            fp = backend.fingerprint()
+            n = cfg.num_hidden_layers
+            assert fp["trunk"] == weight_sync.checksum([(k, v) for k, v in sent if not is_draft_name(k, n)])
+            assert fp["mtp"] == weight_sync.checksum([(k, v) for k, v in sent if is_draft_name(k, n)])
+            assert backend.digests() == weight_sync.digests(sent)
+            samples = backend.generate(samples_for_prompts(prompts), SamplingParams(temperature=1.0,
+                                                                                     max_new_tokens=16, seed=3))
+        finally:
+            backend.close()
+    assert outs["mtp"] == outs["plain"]
+    for s in samples:
+        s.advantage = 1.0
+    batch = build_batch(samples)
+    with torch.no_grad():
+        logits = forward(trainer.model, batch.tokens).logits
+    tol = bf16_logprob_bound(cfg.num_hidden_layers, max(cfg.intermediate_size, cfg.hidden_size, cfg.vocab_size),
+                             logits.abs().max().item(), 1.0)
+    diff = trainer.backward(batch)["train/logprob_abs_diff"]
+    print(f"bf16 trainer vs bf16 vLLM: logprob_abs_diff {diff:.3g}, derived bound {tol:.3g}")
+    assert diff <= tol
