@@ -46,9 +46,9 @@ def arm_rows(args, dtype, seed, rollout_seed):
     done = os.path.join(args.out, name, "metrics.jsonl")
     if args.reuse and os.path.isfile(done):
         rows = [json.loads(line) for line in open(done)]
-        if len(rows) == args.steps:
-            print(f"[bench] {name}: reusing {done}", flush=True)
-            return rows
+        if len(rows) >= args.steps:  # a longer run's first steps are this run (same seed, same flags)
+            print(f"[bench] {name}: reusing the first {args.steps} steps of {done}", flush=True)
+            return rows[:args.steps]
     flags = ["--enable-mtp-training", "--mtp-num-layers", 1, "--num-rollout", args.steps, "--rollout-backend",
              args.backend, "--seed", seed, "--rollout-seed", rollout_seed, *(["--bf16"] if dtype == "bf16" else []),
              *args.extra]
@@ -80,9 +80,17 @@ def main():
     for dtype, (m, se) in stats.items():
         print(f"{dtype}: end acceptance length over {len(seeds)} seeds {m:.3f} ± {se:.3f} (standard error)")
     (mf, sf), (mb, sb) = stats["fp32"], stats["bf16"]
-    noise = math.hypot(sf, sb)
-    print(f"bf16 - fp32: {mb - mf:+.3f}; 3 standard errors of the difference: {3 * noise:.3f}; "
-          f"within noise: {abs(mb - mf) <= 3 * noise}")
+    if len(seeds) > 1:
+        noise = math.hypot(sf, sb)
+        print(f"bf16 - fp32 (end, over seeds): {mb - mf:+.3f}; 3 standard errors of the difference: {3 * noise:.3f}; "
+              f"within noise: {abs(mb - mf) <= 3 * noise}")
+    # paired by step: each step of a seed's two runs starts from the same prompts, so the per-step
+    # differences and their spread say whether bf16 drafts differently from fp32 over the whole run
+    diffs = [b - f for s in seeds for f, b in zip(column(runs[("fp32", s)], "rollout/spec_accept_length"),
+                                                  column(runs[("bf16", s)], "rollout/spec_accept_length"))]
+    d, se = mean_se(diffs)
+    print(f"bf16 - fp32 acceptance length, paired by step over {len(diffs)} steps: {d:+.4f} ± {se:.4f} "
+          f"(standard error); within 3 standard errors of 0: {abs(d) <= 3 * se}")
     speed = {dtype: statistics.fmean(mean_se(column(runs[(dtype, s)], "perf/train_time", skip=1))[0] for s in seeds)
              for dtype in ("fp32", "bf16")}
     print(f"trainer seconds per step bf16 / fp32: {speed['bf16'] / speed['fp32']:.2f}x")
