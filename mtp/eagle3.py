@@ -204,6 +204,7 @@ def training_time_test_loss(draft, embeds, aux_hidden, tokens, loss_mask, steps,
         target = tokens[:, m + 2:]
         mask = loss_mask[:, m + 2:].float()
         policy = policy_logits[:, m + 1:m + 1 + width] if policy_logits is not None else None
-        per_position = MTP_LOSSES[loss_type](logits[:, :width], target, policy, temperature, topk)
+        per_position = MTP_LOSSES[loss_type](logits[:, :width].float(), target,  # fp32 under bf16 too
+                                                policy.float() if policy is not None else None, temperature, topk)
         per_step.append((per_position * mask).sum() / mask.sum().clamp(min=1))
     return sum(per_step) / max(len(per_step), 1), per_step

@@ -14,6 +14,8 @@ k acceptances). Methods:
                  the extra token is argmax p (greedy) or a sample from p. LOSSY, for
                  benchmarks only (the output is not the target distribution).
 Otherwise greedy requests accept iff d == argmax p, and emit argmax p.
+All of this arithmetic is fp32 whatever the model's dtype (a bf16 model's log-probs and q are
+cast first), so --bf16 changes the distributions compared, never how they are compared.
 A plain decode step is k = 0: no drafts, the emitted token is a sample from p.
 
 Uniforms come as [B, k+2]: column i decides verify position i, the last column is for a
@@ -70,6 +72,10 @@ def verify(target_logprobs, drafts, draft_counts, uniforms, greedy, method="prob
     conditional rate or one per draft position."""
     b, k1, _ = target_logprobs.shape
     k = k1 - 1
+    # the accept test and the residual run in fp32 whatever the model's dtype: bf16 probabilities
+    # (8 significant bits) would shift every acceptance probability and the residual distribution
+    target_logprobs = target_logprobs.float()
+    draft_probs = draft_probs.float() if draft_probs is not None else None
     probs = target_logprobs.exp()
     if method == "synthetic":
         accept = uniforms[:, :k] < synthetic_rates(synthetic_acceptance_rates, k, uniforms.device)[None, :]

@@ -19,8 +19,10 @@ def preflight(cfg):
     from trainer.losses import check_kl_estimator
     from trainer.model import check_tensor_parallel
     from vime.config import validate
+    from vime.precision import check_bf16
 
     validate(cfg)
+    check_bf16(cfg.model.bf16)  # --bf16 on a device that cannot run a bf16 matmul
     absolute_paths(cfg)
     check_dynamic_sampling(cfg.rollout)
     check_off_policy(cfg)
@@ -227,7 +229,9 @@ def check_rollout_backend(cfg, hf):
     require(not raw or raw.get("rejection_sample_method") != "synthetic",
             "--vllm-speculative-config: rejection_sample_method 'synthetic' is benchmark-only (its outputs do not "
             "follow the policy), so train_rl.py refuses it")
-    check_speculative_config(cfg.model.hf_checkpoint, raw, r.rollout_max_batch_size)
+    from vime.precision import compute_dtype
+
+    check_speculative_config(cfg.model.hf_checkpoint, raw, r.rollout_max_batch_size, dtype=compute_dtype(cfg.model.bf16))
 
 
 def check_draft_training(cfg):

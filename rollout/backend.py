@@ -16,14 +16,18 @@ worker knows which one runs:
     close()                                 release processes the backend started
 
 `BACKENDS` maps `--rollout-backend` names to constructors taking
-(hf_checkpoint, speculative_config, max_batch_size, device, adaptive); `adaptive` is the
-embedded engine's --spec-adaptive (vLLM has its own per-batch-size k in the speculative config).
+(hf_checkpoint, speculative_config, max_batch_size, device, adaptive, dtype); `adaptive` is the
+embedded engine's --spec-adaptive (vLLM has its own per-batch-size k in the speculative config);
+`dtype` the model's (torch.bfloat16 under --bf16): weights are loaded and synced in it, and the
+fingerprint sums exactly the values the backend holds in it.
 
 The embedded backend can also time plain decoding of the same batch right beside the real,
 speculative call (`generate_with_plain_baseline`, --rollout-time-plain-baseline): a benchmark's
 paired measurement of what speculation saved, free of the machine's minute-to-minute drift.
 """
 import typing
+
+import torch
 
 from vime.models.families import is_draft_name
 from rollout.spec_stats import spec_counters
@@ -59,12 +63,14 @@ class EmbeddedBackend:
 
     name = "embedded"
 
-    def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False):
+    def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False,
+                 dtype=torch.float32):
         from rollout.embedded.engine import EngineConfig
         from rollout.embedded.engine_builder import build_engine, build_proposer
 
         self.engine = build_engine(hf_checkpoint, speculative_config,
-                                   EngineConfig(max_batch_size=max_batch_size, device=device), adaptive=adaptive)
+                                   EngineConfig(max_batch_size=max_batch_size, device=device, dtype=dtype),
+                                   adaptive=adaptive)
         self.plain_proposer = build_proposer(None)
         self.last_spec = spec_counters([])
 
@@ -145,5 +151,5 @@ BACKENDS = {
 
 
 def build_backend(name, hf_checkpoint, speculative_config, max_batch_size, device="cpu",
-                  adaptive=False) -> RolloutBackend:
-    return BACKENDS[name](hf_checkpoint, speculative_config, max_batch_size, device, adaptive)
+                  adaptive=False, dtype=torch.float32) -> RolloutBackend:
+    return BACKENDS[name](hf_checkpoint, speculative_config, max_batch_size, device, adaptive, dtype)

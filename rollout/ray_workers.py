@@ -21,12 +21,14 @@ class RolloutWorkerImpl:
     """One rollout backend (rollout/backend.py: embedded or vLLM) plus its end of the weight-sync group."""
 
     def __init__(self, hf_checkpoint, spec_config, max_batch_size, threads=1, backend="embedded", sync_draft=True,
-                 spec_adaptive=False, time_plain_baseline=False):
+                 spec_adaptive=False, time_plain_baseline=False, bf16=False):
         from rollout.backend import build_backend
+        from vime.precision import compute_dtype
 
         torch.set_num_threads(threads)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.backend = build_backend(backend, hf_checkpoint, spec_config, max_batch_size, device, adaptive=spec_adaptive)
+        self.backend = build_backend(backend, hf_checkpoint, spec_config, max_batch_size, device, adaptive=spec_adaptive,
+                                     dtype=compute_dtype(bf16))
         self.num_hidden_layers = read_num_hidden_layers(hf_checkpoint)
         self.sync_draft = sync_draft
         self.time_plain_baseline, self.calls = time_plain_baseline, 0
@@ -101,7 +103,7 @@ def sampling_for(rollout_cfg, step, draw=0):
 class RolloutManagerImpl:
     """Owns the prompt data, the rollout workers, the reward and the advantage estimator."""
 
-    def __init__(self, rollout_cfg, hf_checkpoint, advantage_estimator, worker_options=None):
+    def __init__(self, rollout_cfg, hf_checkpoint, advantage_estimator, worker_options=None, bf16=False):
         from vime.models.hf_format import read_config
         from rollout.tokenizer import TextCodec
 
@@ -124,7 +126,8 @@ class RolloutManagerImpl:
         self.workers = [RolloutWorker.options(**opts[i]).remote(
             hf_checkpoint, rollout_cfg.vllm_speculative_config, rollout_cfg.rollout_max_batch_size,
             backend=rollout_cfg.backend, sync_draft=rollout_cfg.sync_draft_weights,
-            spec_adaptive=rollout_cfg.spec_adaptive, time_plain_baseline=rollout_cfg.time_plain_baseline)
+            spec_adaptive=rollout_cfg.spec_adaptive, time_plain_baseline=rollout_cfg.time_plain_baseline,
+            bf16=bf16)
             for i in range(rollout_cfg.rollout_num_workers)]
 
     def get_workers(self):

@@ -5,7 +5,8 @@ different order. Higham's bound for a length-n sum is |error| <= n * u * sum|ter
 (u = 2**-24, the fp32 unit roundoff); a chain of `depth` such reductions compounds to
 about depth * n * u relative. Tolerances are that worst case, scaled by the quantity:
 still orders of magnitude below what a real bug (a wrong shard, a missing all-reduce)
-changes, and independent of the machine that runs the test.
+changes, and independent of the machine that runs the test. The bf16 bounds at the end follow
+the same rule with bf16's unit roundoff.
 """
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
 
@@ -20,3 +21,31 @@ def close(a, b, rtol, scale=None):
     terms, so when they cancel to near zero the terms' size, not the result's, sets the error."""
     scale = max(abs(a), abs(b), 1.0) if scale is None else scale
     return abs(a - b) <= rtol * scale
+
+
+# bf16 (--bf16): 8 significant bits, unit roundoff 2**-8. Matmuls and sums accumulate in fp32 on
+# every kernel vime runs (torch's CPU kernels, cuBLAS, vLLM's), so what differs between two bf16
+# forwards of the same weights is where each rounds a stored activation to bf16: each rounding is
+# a relative error <= u, and `depth` chained ones move a result by <= depth * u relative (first
+# order), plus the fp32 reduction-order term above.
+BF16_UNIT_ROUNDOFF = 2.0 ** -8
+
+
+def bf16_rtol(longest_reduction, depth):
+    """Worst-case relative error of a bf16 forward `depth` roundings deep (fp32 accumulation)."""
+    return depth * BF16_UNIT_ROUNDOFF + reduction_rtol(longest_reduction, depth)
+
+
+def forward_depth(num_layers):
+    """Chained roundings of a decoder forward: 2 per sub-layer (its output, the residual add),
+    2 sub-layers per layer, plus the embedding, the final norm, the head and the log-softmax."""
+    return 2 * 2 * num_layers + 4
+
+
+def bf16_logprob_bound(num_layers, longest_reduction, max_abs_logit, temperature):
+    """|log-prob difference| between two bf16 forwards of the same weights (the trainer's and the
+    rollout's): each side's logits are within bf16_rtol * max|logit| of the exact ones, so they
+    differ by twice that; log_softmax at T moves a log-prob by at most twice the largest logit
+    difference divided by T."""
+    rtol = bf16_rtol(longest_reduction, forward_depth(num_layers))
+    return 2 * 2 * rtol * max_abs_logit / temperature

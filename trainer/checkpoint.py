@@ -29,12 +29,18 @@ def _init_adam_state(optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+def _model_params_in_state_order(optimizer):
+    """The model parameters in the order of the optimizer's state: its own parameters, or those a
+    mixed-precision optimizer keeps fp32 copies of (`model_params`, trainer/mixed_precision.py)."""
+    return getattr(optimizer, "model_params", None) or _optimizer_params(optimizer)
+
+
 def _sharded_optimizer_state(optimizer, model_sharded):
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map, optim_state_to_sharding_state)
 
     state = optimizer.state_dict()
-    id_map = get_param_id_to_sharded_param_map(model_sharded, _optimizer_params(optimizer))
+    id_map = get_param_id_to_sharded_param_map(model_sharded, _model_params_in_state_order(optimizer))
     optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
     for param_state in state["state"].values():
         param_state.pop("step", None)  # saved once as the common step (all params share it)

@@ -66,6 +66,7 @@ class TrainerConfig:
     draft_ttt_steps: Optional[int] = tree_field("draft.ttt_steps")  # None: num_speculative_tokens
     # the rollout's speculative config: the external draft the trainer trains is its `model`
     speculative_config: Any = tree_field("rollout.vllm_speculative_config")
+    bf16: bool = tree_field("model.bf16")  # bf16 compute, fp32 master weights (trainer/mixed_precision.py)
 
     @classmethod
     def from_tree(cls, cfg):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from mtp.eagle3 import Eagle3Draft, training_time_test_loss
 from mtp.loss import DISTILLATION_LOSSES
+from trainer.mixed_precision import build_optimizer, fp32_params_for_checkpoint, grad_params
 from vime.errors import require
 from vime.models.eagle3 import check_draft_fits_target, load_draft, resolve_aux_layers
 from vime.models.families import DRAFT_PREFIX
@@ -63,10 +64,12 @@ class DraftTraining:
         check_draft_fits_target(path, draft_cfg, target_cfg)
         self.draft = Eagle3Draft(resolve_aux_layers(draft_cfg, target_cfg))
         self.draft.load_state_dict(state, strict=True)
-        self.draft.to(next(model.parameters()).device)
+        policy = next(model.parameters())
+        self.draft.to(policy.device, policy.dtype)  # --bf16: bf16 like the policy, fp32 masters in the optimizer
         self.cfg = cfg
-        self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=cfg.lr if cfg.draft_lr is None else cfg.draft_lr,
-                                           weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+        self.optimizer = build_optimizer([{"params": list(self.draft.parameters())}], cfg.bf16,
+                                         lr=cfg.lr if cfg.draft_lr is None else cfg.draft_lr,
+                                         weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
         self.kept = {}
         self._hook(model)
         # earlier rollout batches the draft-only steps also train on (--draft-replay-batches; CPU
@@ -139,7 +142,7 @@ class DraftTraining:
         from trainer.distributed import dp_group
 
         size = dist.get_world_size(dp_group())
-        params = [p for p in self.draft.parameters() if p.grad is not None]
+        params = [p for p in grad_params(self.optimizer, self.draft.parameters()) if p.grad is not None]
         if size > 1:
             for p in params:
                 dist.all_reduce(p.grad, group=dp_group())
@@ -156,11 +159,14 @@ class DraftTraining:
             yield DRAFT_PREFIX + name, p.detach()
 
     def state(self):
-        return {"draft": self.draft.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "config": self.draft.cfg}
+        """The draft's weights (under --bf16 its fp32 masters), optimizer state and config."""
+        with fp32_params_for_checkpoint(self.draft, self.optimizer):
+            weights = {k: v.clone() for k, v in self.draft.state_dict().items()}
+        return {"draft": weights, "optimizer": self.optimizer.state_dict(), "config": self.draft.cfg}
 
     def load_state(self, state):
-        self.draft.load_state_dict(state["draft"])
+        with fp32_params_for_checkpoint(self.draft, self.optimizer):
+            self.draft.load_state_dict(state["draft"])
         self.optimizer.load_state_dict(state["optimizer"])
 
 

@@ -207,15 +207,17 @@ def _vime_gpt_model_class():
     return VimeGPTModel
 
 
-def build_model(model_cfg, mtp_num_layers, tp=1, pp=1, seed=1234):
-    """A VimeGPTModel for `model_cfg` (a ModelConfig) on this rank's TP shard."""
+def build_model(model_cfg, mtp_num_layers, tp=1, pp=1, seed=1234, params_dtype=torch.float32):
+    """A VimeGPTModel for `model_cfg` (a ModelConfig) on this rank's TP shard, its parameters in
+    `params_dtype` (bf16: cast as megatron's Float16Module casts its module; the fp32 master weights
+    live in the optimizer, trainer/mixed_precision.py)."""
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     check_tensor_parallel(model_cfg, tp)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    config = transformer_config(model_cfg, mtp_num_layers, tp, pp)
+    config = transformer_config(model_cfg, mtp_num_layers, tp, pp, params_dtype)
     name = spec_name()
     layer_spec = LAYER_SPECS[name](model_cfg.model_family.qk_norm)
     mtp_spec = (get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=name == "te")
@@ -226,6 +228,9 @@ def build_model(model_cfg, mtp_num_layers, tp=1, pp=1, seed=1234):
         position_embedding_type="rope", rotary_base=model_cfg.rope_theta, rotary_percent=1.0,
         share_embeddings_and_output_weights=model_cfg.tie_word_embeddings, family=model_cfg.model_family,
     )
+    # megatron creates most parameters in params_dtype; the norms' weights come from torch
+    # modules in fp32, so the whole module is cast, exactly as Float16Module does (module.bfloat16())
+    model = model.to(params_dtype)
     if torch.cuda.is_available():
         model = model.cuda()
     return model

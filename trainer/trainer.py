@@ -15,12 +15,14 @@ from vime.models.hf_format import load_hf_checkpoint, read_config
 from mtp.loss import DISTILLATION_LOSSES, mtp_loss, mtp_loss_mask, scaled_mtp_loss
 from mtp.sampling import effective_temperature, token_logprobs
 from trainer import checkpoint, grads
+from trainer.mixed_precision import build_optimizer, fp32_params_for_checkpoint, grad_params, named_grad_params
 from trainer.distributed import ensure_distributed
 from trainer.draft import DraftTraining, load_draft_state, save_draft_state
 from trainer.losses import entropy_from_logits, policy_loss, token_mean
 from trainer.model import build_model, forward, is_mtp_param, spec_name
 from trainer.weights import load_hf_state, named_hf_weights
 from vime.errors import require
+from vime.precision import compute_dtype
 
 
 def resolve_mtp_layers(requested, available):
@@ -69,7 +71,7 @@ class Trainer:
                 "the Transformer Engine layers used on this GPU do not take; use --mtp-reuse-attention megatron")
         self.model_cfg = dataclasses.replace(hf_cfg, num_nextn_predict_layers=self.mtp_num_layers)
         self.model = build_model(self.model_cfg, self.mtp_num_layers, cfg.tensor_model_parallel_size,
-                                 cfg.pipeline_model_parallel_size, cfg.seed)
+                                 cfg.pipeline_model_parallel_size, cfg.seed, compute_dtype(cfg.bf16))
         if load is None:
             _, hf_state, _ = load_hf_checkpoint(hf_checkpoint)
             load_hf_state(self.model, hf_state, self.model_cfg)
@@ -100,7 +102,13 @@ class Trainer:
         if self.cfg.enable_mtp_training:
             groups.append({"params": self.mtp_params(),
                            "lr": self.cfg.lr if self.cfg.mtp_lr is None else self.cfg.mtp_lr})
-        return torch.optim.AdamW(groups, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, eps=self.cfg.adam_eps)
+        return build_optimizer(groups, self.cfg.bf16, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
+                               eps=self.cfg.adam_eps)
+
+    def _named_grads(self):
+        """(name, the tensor holding its gradient) of every parameter: the parameter itself, or
+        under --bf16 its fp32 main parameter (trainer/mixed_precision.py)."""
+        return named_grad_params(self.optimizer, self.model.named_parameters())
 
     # ---- forward pieces ---------------------------------------------------------------
     def _token_logprobs(self, out, tokens):
@@ -183,7 +191,7 @@ class Trainer:
                     m[f"draft_{i + 1}_loss"] = x
             for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
-        grads.reduce_gradients(self.model.named_parameters())
+        grads.reduce_gradients(self._named_grads())
         return self._metrics(totals)
 
     def _mtp_counts(self, batch):
@@ -215,8 +223,8 @@ class Trainer:
             per_depth = self._mtp_losses(out, mb, mtp_counts)
             scaled_mtp_loss(per_depth, self.cfg.mtp_loss_scaling_factor).backward()
             total += float(torch.stack(per_depth).detach().sum()) / len(per_depth)
-        grads.reduce_gradients(self.model.named_parameters())
-        grads.clip_by_norm(self.mtp_params(), self.cfg.effective_mtp_clip_grad)
+        grads.reduce_gradients(self._named_grads())
+        grads.clip_by_norm(grad_params(self.optimizer, self.mtp_params()), self.cfg.effective_mtp_clip_grad)
         self.optimizer.step()
         return _dp_sum(total).item()
 
@@ -268,9 +276,11 @@ class Trainer:
     def train_step(self, batch):
         """One optimiser step on `batch` (this DP rank's share). Returns the train/* metrics."""
         metrics = self.backward(batch)
-        metrics["train/grad_norm"] = grads.clip_by_norm(self.policy_params(), self.cfg.clip_grad)
+        metrics["train/grad_norm"] = grads.clip_by_norm(grad_params(self.optimizer, self.policy_params()),
+                                                        self.cfg.clip_grad)
         if self.cfg.enable_mtp_training:
-            metrics["train/mtp_grad_norm"] = grads.clip_by_norm(self.mtp_params(), self.cfg.effective_mtp_clip_grad)
+            metrics["train/mtp_grad_norm"] = grads.clip_by_norm(grad_params(self.optimizer, self.mtp_params()),
+                                                                self.cfg.effective_mtp_clip_grad)
         self.optimizer.step()
         if self.draft is not None:
             metrics["train/draft_grad_norm"] = self.draft.step()
@@ -294,7 +304,8 @@ class Trainer:
 
     def save(self, path):
         """torch_dist checkpoint of weights + optimizer state (collective: every rank calls it)."""
-        checkpoint.save(path, self.model, self.optimizer, self._meta())
+        with fp32_params_for_checkpoint(self.model, self.optimizer):  # under --bf16 the fp32 masters: a plain fp32 checkpoint
+            checkpoint.save(path, self.model, self.optimizer, self._meta())
         if self.draft is not None:
             save_draft_state(path, self.draft.state())
 
@@ -304,6 +315,7 @@ class Trainer:
         require(meta.get("mtp_num_layers", 0) >= self.mtp_num_layers,
                 f"--load {path}: the checkpoint has {meta.get('mtp_num_layers', 0)} MTP layers, "
                 f"fewer than --mtp-num-layers {self.mtp_num_layers}")
-        checkpoint.load(path, self.model, self.optimizer)
+        with fp32_params_for_checkpoint(self.model, self.optimizer):  # under --bf16 into the fp32 masters, then rounded
+            checkpoint.load(path, self.model, self.optimizer)
         if self.draft is not None:
             self.draft.load_state(load_draft_state(path))

@@ -29,6 +29,9 @@ class ModelSection:
     hf_checkpoint: str = field(default=DEFAULT_TINY_MODEL, metadata=flag("--hf-checkpoint", "HF checkpoint dir"))
     make_tiny_model_if_missing: bool = field(default=True, metadata=flag(
         "--make-tiny-model-if-missing", "pretrain the tiny model into --hf-checkpoint when it does not exist"))
+    bf16: bool = field(default=False, metadata=flag(
+        "--bf16", "bf16 end to end: the trainer computes in bf16 with fp32 master weights in its optimizer, the "
+        "rollout (embedded engine or vLLM) runs in bf16 and the weights are synced as bf16 (default: fp32)"))
 
 
 @dataclass

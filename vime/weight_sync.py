@@ -119,7 +119,12 @@ def checksum(named_tensors):
     return checksum_from_stats({name: tensor_stats(t) for name, t in named_tensors})
 
 
+def tensor_bytes(tensor):
+    """The raw bytes of a tensor of any dtype (numpy has no bf16, so they are read as uint8)."""
+    return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
 def digests(named_tensors):
-    """{name: sha256 of the bytes}: the full comparison of --check-weight-update-equal."""
-    return {name: hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
-            for name, t in named_tensors}
+    """{name: sha256 of the bytes}: the full comparison of --check-weight-update-equal (in the
+    synced dtype: the bf16 bit patterns under --bf16)."""
+    return {name: hashlib.sha256(tensor_bytes(t)).hexdigest() for name, t in named_tensors}

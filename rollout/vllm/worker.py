@@ -83,8 +83,9 @@ def _repack_kept_cpu_weights(model):
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
-def read_back(worker, draft, sent_shapes, layout, num_hidden_layers, num_mtp_layers):
-    """{canonical name: [sum, sumsq]} of every sent tensor vLLM still holds readable."""
+def read_back(worker, draft, sent_shapes, layout, num_hidden_layers, num_mtp_layers, dtype="float32"):
+    """{canonical name: [sum, sumsq]} of every sent tensor vLLM still holds readable (float64 sums of
+    its values, exact for fp32 and bf16 alike; `dtype` is the engine's, unused by the sums)."""
     from vime.models.families import to_canonical
     from vime.models.vllm_names import draft_to_checkpoint_name, unpack
     from vime.weight_sync import tensor_stats
@@ -101,21 +102,25 @@ def read_back(worker, draft, sent_shapes, layout, num_hidden_layers, num_mtp_lay
     return {name: tensor_stats(t.contiguous()).tolist() for name, t in found.items()}
 
 
-def digest_back(worker, draft, sent_shapes, layout, num_hidden_layers, num_mtp_layers):
-    """{canonical name: sha256} of the readable parameters (see read_back)."""
+def digest_back(worker, draft, sent_shapes, layout, num_hidden_layers, num_mtp_layers, dtype="float32"):
+    """{canonical name: sha256} of the readable parameters (see read_back), hashed as `dtype` (the
+    engine's: the bytes of what was sent, bf16 under --bf16)."""
     import hashlib
+
+    import torch
 
     from vime.models.families import to_canonical
     from vime.models.vllm_names import draft_to_checkpoint_name, unpack
+    from vime.weight_sync import tensor_bytes
 
     found = {}
     for name, param in _model(worker, draft).named_parameters():
         ckpt = draft_to_checkpoint_name(name, num_hidden_layers) if draft else name
         if ckpt is not None:
-            found.update(unpack(ckpt, param.detach().float().cpu(), sent_shapes))
+            found.update(unpack(ckpt, param.detach().cpu().to(getattr(torch, dtype)), sent_shapes))
     if layout and num_mtp_layers:
         found = to_canonical(found, layout, num_hidden_layers, num_mtp_layers)
-    return {n: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest() for n, t in found.items()}
+    return {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in found.items()}
 
 
 def has_draft(worker):

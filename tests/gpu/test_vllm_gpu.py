@@ -55,3 +55,32 @@ def test_vllm_on_cuda_speculates_exactly_and_takes_synced_weights(mimo_ckpt):
         finally:
             backend.close()
     assert outs["mtp"] == outs["plain"]
+
+
+def test_vllm_on_cuda_in_bf16_takes_bf16_weights_and_its_guard_sums_them(mimo_ckpt):
+    """--bf16 on a GPU: vLLM in bf16 (its default there), bf16 tensors reloaded in place, and the
+    fingerprint equal to the sums of the bf16 values sent (the sync guard's comparison)."""
+    from safetensors.torch import load_file
+
+    from rollout.sampling_params import SamplingParams
+    from rollout.vllm.backend import VLLMBackend
+    from vime import weight_sync
+    from vime.models.families import is_mtp_name, to_canonical
+    from vime.sample import samples_for_prompts
+
+    prompts = [[1, 5 + i, 7, 9] for i in range(16)]
+    backend = VLLMBackend(mimo_ckpt, {"method": "mtp", "num_speculative_tokens": 2}, max_batch_size=16,
+                          device="cuda", dtype=torch.bfloat16)
+    try:
+        samples = backend.generate(samples_for_prompts(prompts), SamplingParams(temperature=0, max_new_tokens=24))
+        assert all(len(s.response_ids) > 0 for s in samples)
+        L = 2
+        state = to_canonical(load_file(f"{mimo_ckpt}/model.safetensors"), "mimo", L, 1)
+        new = {k: (v * 1.01).to(torch.bfloat16) for k, v in state.items()}
+        backend.load_weights(list(new.items()), version=1)
+        fp = backend.fingerprint()
+        assert fp["mtp"] == weight_sync.checksum([(k, v) for k, v in new.items() if is_mtp_name(k, L)])
+        assert fp["trunk"] == weight_sync.checksum([(k, v) for k, v in new.items() if not is_mtp_name(k, L)])
+        assert backend.digests() == weight_sync.digests(list(new.items()))
+    finally:
+        backend.close()
