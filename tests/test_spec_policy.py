@@ -46,8 +46,11 @@ def brute_force_schedule(grid, step_s, conditional, max_batch_size):
 
 
 def observe_rows(policy, batch_size, reached, accepted, k=None):
+    """A step that took what the profile priced it at (no cost correction), or 1.1 ms without one."""
     k = len(reached) if k is None else k
-    policy.observe(StepRecord(batch_size, k, 1e-3, k, 1e-4, batch_size, list(reached), list(accepted)))
+    seconds = policy.costs[min(batch_size, len(policy.costs) - 1)][k] if policy.costs is not None else 1.1e-3
+    policy.observe(StepRecord(batch_size, k, seconds * 10 / 11, k, seconds / 11, batch_size, list(reached),
+                              list(accepted)))
 
 
 def memory_bound(grid, k_max, draft_share=0.05):
@@ -229,8 +232,9 @@ def synthetic_engine(ckpt, rate, profile=None):
     policy = Recorded(K)
     if profile is None:
         policy.costs = engine.k_policy.costs  # taken by build_engine
-    else:
+    else:  # a profile of another machine: this one's step times must not correct it
         policy.set_profile(batch_grid(SLOTS), profile(batch_grid(SLOTS), K))
+        policy.corrects_costs = False
     engine.k_policy = policy
     return engine
 
@@ -275,3 +279,26 @@ def test_a_draft_always_accepted_is_drafted_to_k_max_on_few_rows(ckpt, profile):
     if profile is memory_bound:
         assert {k for _, k in policy.chosen} == {K}
     assert sum(s.spec.accepted_tokens for s in samples) == sum(s.spec.draft_tokens for s in samples) > 0
+
+
+def test_steps_dearer_than_their_profile_move_the_schedule_as_the_corrected_costs_say():
+    # the profile prices drafting as nearly free; real k-draft steps take `factor` times that: the next
+    # schedule is the brute-force argmax over the profile with each k's measured/profiled ratio, and a
+    # k never run is priced at the largest ratio seen
+    k_max, max_b = 2, 32
+    grid = batch_grid(max_b)
+    step_s = {k: [(1 + 0.01 * b) * (1 + 0.05 * k) for b in grid] for k in range(k_max + 1)}
+    policy = AdaptiveK(k_max)
+    policy.set_profile(grid, step_s)
+    policy.begin(0)
+    factor = {0: 1.0, 1: 2.2}
+    for k in (0, 1):
+        for b in (4, 16, 32):
+            profiled = policy.costs[b][k]
+            policy.observe(StepRecord(b, k, profiled * factor[k], k, 0.0, b, [b] * k + [0] * (k_max - k),
+                                      [int(0.6 * b)] * k + [0] * (k_max - k)))
+    conditional = policy.acceptance()
+    policy.begin(0)
+    corrected = {k: [s * factor.get(k, max(factor.values())) for s in step_s[k]] for k in step_s}
+    assert policy.lookup == brute_force_schedule(grid, corrected, conditional, max_b)
+    assert policy.lookup != brute_force_schedule(grid, step_s, conditional, max_b)  # the correction mattered

@@ -14,7 +14,8 @@ drafts are verified, so every policy keeps the output exact.
               position j given the one before (rows accepted over rows that reached it, all steps
               so far, plus ACCEPT_PRIOR_ROWS rows at the previous position's rate); the step costs
               from a profile of the engine's own passes at its first generate (power-of-two
-              batch grid, linear in between, monotone_envelope). A batch only drains within a
+              batch grid, linear in between, monotone_envelope), each k's scaled by what real
+              k-draft steps took over what the profile priced them at (cost_correction). A batch only drains within a
               generate, so k changes at a few batch sizes. At each generate on new weights the
               counts shrink (ACCEPT_KEEP_PER_LOAD): the estimate of a draft no longer drafted
               drifts back to the prior until drafting is tried again where that would pay.
@@ -26,6 +27,7 @@ import math
 ACCEPT_PRIOR = 0.5  # acceptance assumed before a position was ever drafted
 ACCEPT_PRIOR_ROWS = 8  # pseudo-rows of prior (the previous position's rate) in each estimate
 ACCEPT_KEEP_PER_LOAD = 0.5  # share of the row counts kept when a generate runs on new weights
+COST_KEEP_PER_GENERATE = 0.5  # share of the measured/profiled step seconds kept at each generate
 PROFILE_REPEATS = 5  # best-of repeats per profiled point
 
 
@@ -104,11 +106,14 @@ class AdaptiveK(ScheduleK):
     start-up cost profile and the live acceptance estimate (see module doc)."""
 
     observes = True
+    corrects_costs = True  # False: the profile is the whole price (one made for another machine)
 
     def __init__(self, k_max):
         FixedK.__init__(self, k_max)
         self.drafted, self.accepted = [0.0] * k_max, [0.0] * k_max  # row counts per draft position
         self.costs = None  # [None, [seconds of a step at B rows with k drafts, k = 0..K] for B = 1..]
+        # per k, decayed sums of the seconds real steps took and of what the profile priced them at
+        self.measured_s, self.profiled_s = [0.0] * (k_max + 1), [0.0] * (k_max + 1)
         self.lookup = [k_max, k_max]  # until a profile exists (prepare)
         self.weight_version = None  # of the last generate (begin)
         self.tokens = [expected_tokens(self.acceptance(), k) for k in range(k_max + 1)]
@@ -139,10 +144,22 @@ class AdaptiveK(ScheduleK):
             out.append(prior)
         return out
 
-    def best_k(self, b):
+    def cost_correction(self):
+        """Per k, measured over profiled seconds of the steps run with k drafts; a k not run yet takes
+        the largest of the others (1 before any step). Why: the profile (dummy tokens, no verification
+        or bookkeeping) prices a drafting step below its real cost, more so as rows grow; priced by
+        the profile alone, the schedule drafted k = 1 at 32 rows where plain decoding was 1.25x faster."""
+        if not self.corrects_costs:
+            return [1.0] * (self.k + 1)
+        known = [m / p for m, p in zip(self.measured_s, self.profiled_s) if p > 0]
+        fallback = max(known) if known else 1.0
+        return [m / p if p > 0 else fallback for m, p in zip(self.measured_s, self.profiled_s)]
+
+    def best_k(self, b, correction=None):
         """argmax_k E(k) / cost(b, k), the smaller k on a tie (B cancels)."""
         costs = self.costs[b]
-        return max(range(self.k + 1), key=lambda k: (self.tokens[k] / max(costs[k], 1e-12), -k))
+        correction = correction or [1.0] * (self.k + 1)
+        return max(range(self.k + 1), key=lambda k: (self.tokens[k] / max(costs[k] * correction[k], 1e-12), -k))
 
     def begin(self, weight_version=None):
         """Shrink the evidence if the weights changed, then write this generate's schedule."""
@@ -152,7 +169,11 @@ class AdaptiveK(ScheduleK):
             self.accepted = [n * ACCEPT_KEEP_PER_LOAD for n in self.accepted]
         self.tokens = [expected_tokens(self.acceptance(), k) for k in range(self.k + 1)]
         if self.costs is not None:
-            self.lookup = [0] + [self.best_k(b) for b in range(1, len(self.costs))]
+            correction = self.cost_correction()
+            self.lookup = [0] + [self.best_k(b, correction) for b in range(1, len(self.costs))]
+            # the correction follows the machine's load: older steps count less at each generate
+            self.measured_s = [x * COST_KEEP_PER_GENERATE for x in self.measured_s]
+            self.profiled_s = [x * COST_KEEP_PER_GENERATE for x in self.profiled_s]
         self.trace = new_trace()
 
     def choose(self, batch_size):
@@ -171,6 +192,8 @@ class AdaptiveK(ScheduleK):
         b, k, t = min(step.batch_size, len(self.costs) - 1), step.k_verified, self.trace
         t["plain_s_pred"] += step.emitted * self.costs[b][0] / b
         t["measured_s"] += step.verify_s + (step.draft_s or 0.0)
+        self.measured_s[k] += step.verify_s + (step.draft_s or 0.0)
+        self.profiled_s[k] += self.costs[b][k]
         t["pred_tokens"] += b * self.tokens[k]
         t["pred_s"] += self.costs[b][k]
         t["emitted"] += step.emitted
