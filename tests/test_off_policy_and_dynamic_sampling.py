@@ -144,6 +144,7 @@ def rl_ckpt(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # a whole run of its own (1-2 min on 2 cores)
 def test_async_dynamic_run_trains_one_step_behind_on_groups_with_signal_only(rl_ckpt, tmp_path):
     out, rollouts = tmp_path / "out", tmp_path / "rollouts"
     args = base_args(rl_ckpt, out, 3, "--enable-mtp-training", "--mtp-num-layers", 1, "--async-rollout", "--use-tis",
@@ -168,6 +169,7 @@ def test_async_dynamic_run_trains_one_step_behind_on_groups_with_signal_only(rl_
         assert rows[step]["rollout/dynamic_sampling_kept_fraction"] <= 1 and drawn >= 4
 
 
+@pytest.mark.slow  # a whole run of its own (1-2 min on 2 cores)
 def test_dynamic_sampling_at_its_bound_trains_a_full_batch_and_says_so_once(rl_ckpt, tmp_path):
     out, rollouts = tmp_path / "out", tmp_path / "rollouts"
     args = base_args(rl_ckpt, out, 2, "--dynamic-sampling", "--dynamic-sampling-max-draws", 1,

@@ -110,6 +110,7 @@ def test_a_default_run_refuses_a_client_without_the_token_and_sigusr1_saves_and_
     shutil.rmtree(system_tmp, ignore_errors=True)
 
 
+@pytest.mark.slow  # a whole run of its own (1-2 min on 2 cores)
 def test_sigterm_to_the_whole_process_group_saves_the_step_and_the_resume_reproduces_an_uninterrupted_run(
         ckpt, tmp_path):
     # as Slurm signals every process of a job step: the driver, Ray's GCS and raylet, every actor

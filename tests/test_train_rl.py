@@ -187,6 +187,7 @@ def test_killing_the_process_during_a_save_leaves_the_previous_checkpoint_loadab
     assert sum(p.numel() for p in trainer.model.parameters()) > 0
 
 
+@pytest.mark.slow  # a whole run of its own (1-2 min on 2 cores)
 def test_a_dead_actor_ends_the_run_with_one_line_naming_it_and_the_checkpoint_to_load(ckpt, tmp_path):
     save = tmp_path / "save"
     proc = run_train(*base_args(ckpt, tmp_path / "out", 4, "--save", save, "--save-interval", 1, "--use-wandb", "false",
@@ -199,6 +200,7 @@ def test_a_dead_actor_ends_the_run_with_one_line_naming_it_and_the_checkpoint_to
     assert [r["rollout/step"] for r in metrics(tmp_path / "out")] == [0]
 
 
+@pytest.mark.slow  # a whole run of its own (1-2 min on 2 cores)
 def test_ctrl_c_prints_one_line_and_no_traceback(ckpt, tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline")
     out = tmp_path / "out"
@@ -288,6 +290,7 @@ def test_mtp_speculation_on_a_checkpoint_without_mtp_layers_is_refused(tmp_path)
     assert_refused_before_actors(run_train(*base_args(no_model_ckpt(tmp_path), tmp_path, 1), timeout=120), "mtp")
 
 
+@pytest.mark.slow  # a whole run of its own (1-2 min on 2 cores)
 def test_debug_rollout_only_saves_rollouts_that_debug_train_only_trains_on(ckpt, tmp_path):
     data = tmp_path / "rollouts"
     proc = run_train(*base_args(ckpt, tmp_path / "r", 2, "--debug-rollout-only", "--save-debug-rollout-data", data,
@@ -304,6 +307,7 @@ def test_debug_rollout_only_saves_rollouts_that_debug_train_only_trains_on(ckpt,
     assert train_rows[0]["train/logprob_abs_diff"] < 1e-4  # trained on exactly the saved rollouts
 
 
+@pytest.mark.slow  # a whole run of its own (1-2 min on 2 cores)
 def test_tensor_parallel_trainers_sync_full_weights_to_the_rollout(ckpt, tmp_path):
     proc = run_train(*base_args(ckpt, tmp_path, 2, "--tensor-model-parallel-size", 2, "--enable-mtp-training",
                                 "--mtp-num-layers", 1, "--check-weight-update-equal", "--use-wandb", "false"))
@@ -331,6 +335,7 @@ def test_two_data_parallel_trainers_train_like_one(ckpt, tmp_path):
             assert close(two[key], one[key], rtol, scale=max(abs(one[key]), 1.0)), key
 
 
+@pytest.mark.slow  # a whole run of its own (1-2 min on 2 cores)
 def test_kl_loss_is_zero_against_the_reference_at_the_start_and_grows_after(ckpt, tmp_path):
     proc = run_train(*base_args(ckpt, tmp_path, 2, "--use-kl-loss", "--kl-loss-coef", 0.1, "--use-wandb", "false"))
     assert proc.returncode == 0, proc.stderr[-3000:]
