@@ -109,6 +109,19 @@ def test_bf16_trainer_holds_bf16_params_and_fp32_masters_and_trains(hf_dir):
         assert torch.equal(p, trainer.optimizer.main_param(p).detach().to(torch.bfloat16))
 
 
+def batch_and_logprob_bound(trainer, cfg, samples, temperature):
+    """The trainer's batch of `samples` and the bf16 log-prob bound derived for it (the bound scales
+    with the largest logit the trainer's bf16 forward gives on these tokens)."""
+    for s in samples:
+        s.advantage = 1.0
+    batch = build_batch(samples)
+    with torch.no_grad():
+        logits = forward(trainer.model, batch.tokens).logits
+    tol = bf16_logprob_bound(cfg.num_hidden_layers, max(cfg.intermediate_size, cfg.hidden_size, cfg.vocab_size),
+                             logits.abs().max().item(), temperature)
+    return batch, tol
+
+
 def test_bf16_trainer_and_bf16_engine_logprobs_agree_within_the_derived_bf16_bound(hf_dir):
     temperature, cfg = 0.7, read_config(hf_dir)
     trainer = Trainer(TrainerConfig(temperature=temperature, bf16=True), hf_dir)
@@ -117,13 +130,7 @@ def test_bf16_trainer_and_bf16_engine_logprobs_agree_within_the_derived_bf16_bou
     engine = Engine.from_checkpoint(hf_dir, EngineConfig(dtype=torch.bfloat16))
     samples = engine.generate(samples_for_prompts(prompts, n=2),
                               SamplingParams(temperature=temperature, max_new_tokens=12, seed=3))
-    for s in samples:
-        s.advantage = 1.0
-    batch = build_batch(samples)
-    with torch.no_grad():
-        logits = forward(trainer.model, batch.tokens).logits
-    tol = bf16_logprob_bound(cfg.num_hidden_layers, max(cfg.intermediate_size, cfg.hidden_size, cfg.vocab_size),
-                             logits.abs().max().item(), temperature)
+    batch, tol = batch_and_logprob_bound(trainer, cfg, samples, temperature)
     got = trainer.compute_logprobs(batch)
     mask = batch.loss_mask.bool()
     assert (got - batch.rollout_logprobs)[mask].abs().max().item() <= tol
@@ -318,13 +325,7 @@ def test_vllm_in_bf16_speculates_exactly_takes_the_bf16_trainers_weights_and_agr
         finally:
             backend.close()
     assert outs["mtp"] == outs["plain"]
-    for s in samples:
-        s.advantage = 1.0
-    batch = build_batch(samples)
-    with torch.no_grad():
-        logits = forward(trainer.model, batch.tokens).logits
-    tol = bf16_logprob_bound(cfg.num_hidden_layers, max(cfg.intermediate_size, cfg.hidden_size, cfg.vocab_size),
-                             logits.abs().max().item(), 1.0)
+    batch, tol = batch_and_logprob_bound(trainer, cfg, samples, 1.0)
     diff = trainer.backward(batch)["train/logprob_abs_diff"]
     print(f"bf16 trainer vs bf16 vLLM: logprob_abs_diff {diff:.3g}, derived bound {tol:.3g}")
     assert diff <= tol
