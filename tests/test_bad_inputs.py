@@ -17,6 +17,7 @@ from tests.conftest import SMALL
 from orchestration.preflight import preflight
 from vime.cli_config import load_config
 from vime.errors import UserError
+from tests.bad_input_helpers import refused  # noqa: F401  (re-exported to the other bad-input tests)
 
 SPEC = '{"method":"mtp","num_speculative_tokens":2}'
 
@@ -33,16 +34,6 @@ def args_for(ckpt, out, *extra):
     return ["--hf-checkpoint", ckpt, "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
             "--global-batch-size", "16", "--micro-batch-size", "8", "--output-dir", str(out),
             "--vllm-speculative-config", SPEC, *map(str, extra)]
-
-
-def refused(argv, *needles):
-    with pytest.raises(UserError) as err:
-        preflight(load_config(argv))
-    message = str(err.value)
-    assert "\n" not in message
-    for needle in needles:
-        assert needle in message, message
-    return message
 
 
 def copy_ckpt(ckpt, tmp_path, name="copy"):

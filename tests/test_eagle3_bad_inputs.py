@@ -11,7 +11,7 @@ import pytest
 from eagle3_fixtures import DRAFT, REPO, TARGET
 from orchestration.preflight import preflight
 from vime.cli_config import load_config
-from vime.errors import UserError
+from tests.bad_input_helpers import refused  # noqa: F401  (re-exported to the other bad-input tests)
 
 MIMO = os.path.join(REPO, "checkpoints", "tiny-mimo-mtp")
 
@@ -22,15 +22,6 @@ def args_for(out, target=TARGET, draft=DRAFT, backend="embedded"):
         spec["model"] = draft
     return ["--hf-checkpoint", target, "--num-rollout", "2", "--output-dir", str(out), "--rollout-backend", backend,
             "--vllm-speculative-config", json.dumps(spec)]
-
-
-def refused(argv, *needles):
-    with pytest.raises(UserError) as err:
-        preflight(load_config(argv))
-    message = str(err.value)
-    assert "\n" not in message
-    for needle in needles:
-        assert needle in message, message
 
 
 def misfit_draft(tmp_path, **changes):

@@ -74,6 +74,25 @@ def stop_line(proc_stderr):
     return lines[0]
 
 
+def sigterm_the_group(proc, out, save, first_step_s, end_s, before=None):
+    """After the run's first step (and `before()`), SIGTERM to its whole process group, as a batch
+    system sends it (the driver, Ray's processes, vLLM's engine processes); waits for the end and
+    checks the exit code. Returns stdout, stderr and the match of the one line naming the saved step."""
+    try:
+        wait_for_first_step(proc, out, timeout=first_step_s)
+        if before is not None:
+            before()
+        os.killpg(proc.pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=end_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    m = re.fullmatch(rf"error: stopped by SIGTERM at step (\d+): saved the step-\1 checkpoint; "
+                     rf"resume with --load {re.escape(str(save))}", stop_line(stderr))
+    return stdout, stderr, m
+
+
 def test_a_default_run_refuses_a_client_without_the_token_and_sigusr1_saves_and_says_where(ckpt, tmp_path):
     if network_address().startswith("127."):
         pytest.skip("this machine has no network address besides loopback")
@@ -117,16 +136,7 @@ def test_sigterm_to_the_whole_process_group_saves_the_step_and_the_resume_reprod
     out, save = tmp_path / "out", tmp_path / "save"
     proc = start_run(ckpt, out, 100000, "--use-wandb", "false", "--save", save, "--save-interval", 1000,
                      own_group=True)
-    try:
-        wait_for_first_step(proc, out)
-        os.killpg(proc.pid, signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    m = re.fullmatch(rf"error: stopped by SIGTERM at step (\d+): saved the step-\1 checkpoint; "
-                     rf"resume with --load {re.escape(str(save))}", stop_line(stderr))
+    stdout, stderr, m = sigterm_the_group(proc, out, save, first_step_s=300, end_s=180)
     assert m, stderr[-3000:]
     assert not any(x in stdout + stderr for x in RAY_CRASH_LINES), stderr[-3000:]
     k = int(m.group(1))
@@ -177,17 +187,10 @@ def test_sigterm_on_the_vllm_backend_saves_releases_shared_memory_and_resumes(tm
     proc = subprocess.Popen([sys.executable, "train_rl.py", *map(str, v.base_args(ckpt, out, 100000, "--save", save))],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    try:
-        wait_for_first_step(proc, out, timeout=900)
-        shm = shared_memory_of(proc.pid)
-        os.killpg(proc.pid, signal.SIGTERM)  # the driver, Ray's processes, vLLM's engine processes
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    m = re.fullmatch(rf"error: stopped by SIGTERM at step (\d+): saved the step-\1 checkpoint; "
-                     rf"resume with --load {re.escape(str(save))}", stop_line(stderr))
+    seen = {}
+    stdout, stderr, m = sigterm_the_group(proc, out, save, first_step_s=900, end_s=300,
+                                          before=lambda: seen.update(shm=shared_memory_of(proc.pid)))
+    shm = seen["shm"]
     # only tracebacks outside vLLM's WARNING lines count (vLLM's console is filtered, not silenced)
     crash = [x for x in (stdout + stderr).splitlines() if any(c in x for c in RAY_CRASH_LINES) and "WARNING" not in x]
     assert m and not crash, crash
