@@ -123,6 +123,14 @@ def test_vllm_sampled_token_logprobs_equal_the_trainers_definition(vllm_mtp, mim
     assert_logprobs_match(vllm_mtp, hf_trunk_model(mimo_ckpt), prompts[:8], seed=7, temperature=temperature)
 
 
+def test_seeded_sampling_over_the_step_token_budget(vllm_mtp, mimo_ckpt, prompts):
+    """Seeded sampled requests whose prompts together exceed vLLM's per-step token budget (4096
+    on CPU) complete with the trainer's log-probs: vLLM's chunked prefill would split a prompt
+    and rewind its seeded generator, which the CPU generator cannot do (the engine died)."""
+    long_prompts = [(p * (200 // len(p) + 1))[:200] for p in prompts[:8]]  # 8 x 4 samples x 200 > 4096
+    assert_logprobs_match(vllm_mtp, hf_trunk_model(mimo_ckpt), long_prompts, seed=11)
+
+
 def test_speculative_counters_are_per_call_deltas(vllm_mtp, prompts):
     """Greedy is deterministic, so two identical calls must report identical counters:
     cumulative counters (vLLM's own) would double."""

@@ -75,7 +75,7 @@ def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dty
     """Keyword arguments of vllm.LLM / EngineArgs. `dtype` is the trainer's (fp32 by default,
     bf16 under --bf16): the trainer syncs weights in it and the guard compares exact sums of them
     (a bf16 copy of fp32 weights could never match); CPU also runs eager (no graph capture to
-    gain there). Everything else is vLLM's default."""
+    gain there) and prefills whole prompts. Everything else is vLLM's default."""
     spec = spec_dict(speculative_config)
     kwargs = dict(model=hf_checkpoint, skip_tokenizer_init=True, seed=0, disable_log_stats=False,
                   max_model_len=read_config(hf_checkpoint).max_position_embeddings, max_num_seqs=max_batch_size,
@@ -83,7 +83,10 @@ def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dty
                   logprobs_mode="processed_logprobs", dtype=dtype_name(dtype),
                   use_tqdm_on_load=False)
     if device == "cpu":
-        kwargs.update(enforce_eager=True)
+        # chunked prefill splits a prompt over steps and rewinds a seeded request's generator
+        # for the discarded token (`set_offset`), which CPU generators lack: the engine dies as
+        # soon as one step's prompts exceed the token budget (a large GRPO batch)
+        kwargs.update(enforce_eager=True, enable_chunked_prefill=False)
     return kwargs
 
 
