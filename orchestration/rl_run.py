@@ -24,7 +24,7 @@ class RLRun:
         engines = [self.placement.engine_options(i) for i in range(self.placement.demand.engines)]
         self.rollout = None if cfg.run.debug_train_only else RolloutManager.options(num_cpus=0).remote(
             cfg.rollout, cfg.model.hf_checkpoint, cfg.train.advantage_estimator, worker_options=engines,
-            bf16=cfg.model.bf16)
+            bf16=cfg.model.bf16, worker_cpus=self.placement.engine_cpus())
         self.trainers = None if cfg.run.debug_rollout_only else TrainerGroup(cfg, load=model_load,
                                                                              placement=self.placement)
         self.sync = None

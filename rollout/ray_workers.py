@@ -2,6 +2,7 @@
 (prompts -> n samples each across the workers -> rewards -> advantages -> metrics)."""
 import dataclasses
 import functools
+import os
 import time
 
 import ray
@@ -21,14 +22,16 @@ class RolloutWorkerImpl:
     """One rollout backend (rollout/backend.py: embedded or vLLM) plus its end of the weight-sync group."""
 
     def __init__(self, hf_checkpoint, spec_config, max_batch_size, threads=1, backend="embedded", sync_draft=True,
-                 spec_adaptive=False, time_plain_baseline=False, bf16=False):
+                 spec_adaptive=False, time_plain_baseline=False, bf16=False, cpu_slot=0):
         from rollout.backend import build_backend
+        from vime.cpu_cores import cores_for_slot
         from vime.precision import compute_dtype
 
-        torch.set_num_threads(threads)
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        cores = cores_for_slot(os.sched_getaffinity(0), cpu_slot, threads) if device == "cpu" else None
+        torch.set_num_threads(len(cores) if cores else threads)
         self.backend = build_backend(backend, hf_checkpoint, spec_config, max_batch_size, device, adaptive=spec_adaptive,
-                                     dtype=compute_dtype(bf16))
+                                     dtype=compute_dtype(bf16), cpu_cores=cores)
         self.num_hidden_layers = read_num_hidden_layers(hf_checkpoint)
         self.sync_draft = sync_draft
         self.time_plain_baseline, self.calls = time_plain_baseline, 0
@@ -103,7 +106,8 @@ def sampling_for(rollout_cfg, step, draw=0):
 class RolloutManagerImpl:
     """Owns the prompt data, the rollout workers, the reward and the advantage estimator."""
 
-    def __init__(self, rollout_cfg, hf_checkpoint, advantage_estimator, worker_options=None, bf16=False):
+    def __init__(self, rollout_cfg, hf_checkpoint, advantage_estimator, worker_options=None, bf16=False,
+                 worker_cpus=None):
         from vime.models.hf_format import read_config
         from rollout.tokenizer import TextCodec
 
@@ -122,13 +126,15 @@ class RolloutManagerImpl:
                                   rollout_cfg.reward_num_workers)
         self.reward_counts = {}  # the scorer's counts (timeouts, unparsable labels) over one step's draws
         self.warned_bound = False  # dynamic sampling's bound is said once, counted every step
-        opts = worker_options or [worker_resources()] * rollout_cfg.rollout_num_workers  # placed, or anywhere
+        n = rollout_cfg.rollout_num_workers
+        opts = worker_options or [worker_resources()] * n  # placed, or anywhere
+        cpus = worker_cpus or [{"threads": 1, "cpu_slot": i} for i in range(n)]  # {threads, cpu_slot} per engine
         self.workers = [RolloutWorker.options(**opts[i]).remote(
             hf_checkpoint, rollout_cfg.vllm_speculative_config, rollout_cfg.rollout_max_batch_size,
             backend=rollout_cfg.backend, sync_draft=rollout_cfg.sync_draft_weights,
             spec_adaptive=rollout_cfg.spec_adaptive, time_plain_baseline=rollout_cfg.time_plain_baseline,
-            bf16=bf16)
-            for i in range(rollout_cfg.rollout_num_workers)]
+            bf16=bf16, **cpus[i])
+            for i in range(n)]
 
     def get_workers(self):
         return self.workers

@@ -5,6 +5,8 @@ log-probs), vime's own checksum of the tensors sent (fingerprints), and the embe
 where it serves MiMo. One vLLM instance (MTP, k = 2) serves the whole module; the plain and
 k = 1 instances are in the slow run (vLLM takes 20-60 s to start on 2 busy cores).
 """
+import os
+
 import pytest
 import torch
 
@@ -18,9 +20,13 @@ from rollout.tokenizer import TextCodec  # noqa: E402
 from tests.fp32_bounds import reduction_rtol  # noqa: E402
 from tests.mimo_fixtures import MIMO_SMALL, make_tiny_mimo  # noqa: E402
 from vime import weight_sync  # noqa: E402
+from vime.cpu_cores import cores_for_slot  # noqa: E402
 from vime.errors import UserError  # noqa: E402
 
 L = MIMO_SMALL["num_hidden_layers"]
+# the module's engine is a node's second (slot 1): its second core (vLLM's own choice: all but the last,
+# for every engine of the node)
+ENGINE_CORES = cores_for_slot(os.sched_getaffinity(0), slot=1, threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +45,8 @@ def prompts(mimo_ckpt):
 def vllm_mtp(mimo_ckpt):
     from rollout.vllm.backend import VLLMBackend
 
-    backend = VLLMBackend(mimo_ckpt, {"method": "mtp", "num_speculative_tokens": 2}, max_batch_size=32)
+    backend = VLLMBackend(mimo_ckpt, {"method": "mtp", "num_speculative_tokens": 2}, max_batch_size=32,
+                          cpu_cores=ENGINE_CORES)
     yield backend
     backend.close()
 
@@ -129,6 +136,16 @@ def test_seeded_sampling_over_the_step_token_budget(vllm_mtp, mimo_ckpt, prompts
     and rewind its seeded generator, which the CPU generator cannot do (the engine died)."""
     long_prompts = [(p * (200 // len(p) + 1))[:200] for p in prompts[:8]]  # 8 x 4 samples x 200 > 4096
     assert_logprobs_match(vllm_mtp, hf_trunk_model(mimo_ckpt), long_prompts, seed=11)
+
+
+def test_the_engine_computes_on_the_cores_it_was_given(vllm_mtp):
+    """The OS's affinity of vLLM's worker process is the engine's cores (vLLM's automatic
+    binding gives every engine of a node the same cores), and the binding does not leak
+    into later engines of this process."""
+    from rollout.vllm.backend import BIND_ENV
+
+    assert vllm_mtp.compute_cores() == ENGINE_CORES
+    assert BIND_ENV not in os.environ
 
 
 def test_speculative_counters_are_per_call_deltas(vllm_mtp, prompts):

@@ -21,7 +21,12 @@
   that was not reloaded keeps its old value and the guard sees it). `stats()` reports the
   fraction of tensors read back.
 - Speculative metrics: the deltas of vLLM's `vllm:spec_decode_*` counters over a generate call.
+- CPU cores: vLLM binds its CPU worker's threads itself and, left to choose, binds every engine
+  of a node to the same cores (all but one, kept for its scheduler); an engine given its cores
+  (`cpu_cores`, vime/cpu_cores.py) binds there instead, unless VLLM_CPU_OMP_THREADS_BIND is set.
+  `compute_cores()` reads the binding back.
 """
+import contextlib
 import json
 import os
 import tempfile
@@ -41,6 +46,7 @@ from vime.errors import UserError, require
 from vime.precision import dtype_name
 
 FLAG = "--vllm-speculative-config"
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM's CPU thread binding: core ids, "auto" or "nobind"
 SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                 "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
                 "vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_per_pos"}
@@ -69,6 +75,20 @@ def _set_env(device):
     quiet_vllm_console()
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+@contextlib.contextmanager
+def cpu_binding(cpu_cores):
+    """While vLLM starts its processes: bind its CPU worker's threads to `cpu_cores` (vLLM's automatic
+    choice puts every engine of a node on the same cores) unless the user set the binding."""
+    if not cpu_cores or BIND_ENV in os.environ:
+        yield
+        return
+    os.environ[BIND_ENV] = ",".join(map(str, cpu_cores))
+    try:
+        yield
+    finally:
+        del os.environ[BIND_ENV]
 
 
 def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype=torch.float32):
@@ -142,7 +162,7 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False,
-                 dtype=torch.float32):
+                 dtype=torch.float32, cpu_cores=None):
         require(not adaptive, "--spec-adaptive is the embedded engine's; on vLLM put "
                 "num_speculative_tokens_per_batch_size in --vllm-speculative-config")
         _set_env(device)
@@ -155,7 +175,8 @@ class VLLMBackend:
         self.eos_ids = {cfg.eos_token_id} - {None}
         self.max_len = cfg.max_position_embeddings
         self.spec = spec_dict(speculative_config)
-        self.llm = LLM(**engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype))
+        with cpu_binding(cpu_cores if device == "cpu" else None):
+            self.llm = LLM(**engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype))
         self.shared_memory = shared_memory_of_children()
         self.llm.collective_rpc(vllm_worker.repair_cpu_expand_kernel)  # before any sampled verification
         self.has_draft = bool(self.llm.collective_rpc(vllm_worker.has_draft)[0])
@@ -301,6 +322,10 @@ class VLLMBackend:
 
     def resume(self):
         self.paused = False
+
+    def compute_cores(self):
+        """The cores vLLM's worker process may run on (what the OS reports, after vLLM's binding)."""
+        return self.llm.collective_rpc(vllm_worker.bound_cores)[0]
 
     def stats(self):
         readable = sum(1 for k in self.loader_stats if k in self.readback_stats)

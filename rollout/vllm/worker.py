@@ -43,6 +43,13 @@ def expand_per_token(output, input_val, cu_num_tokens, replace_from, replace_to,
     output[:expanded.numel()].copy_(expanded)
 
 
+def bound_cores(worker):
+    """The cores the OS lets vLLM's worker (its compute thread) run on."""
+    import os
+
+    return sorted(os.sched_getaffinity(0))
+
+
 def _model(worker, draft):
     runner = worker.model_runner
     return runner.get_draft_model() if draft else runner.get_model()
