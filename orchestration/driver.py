@@ -8,6 +8,7 @@ import os
 import ray
 
 from orchestration.stop_signals import stop_signals_blocked_in_children
+from vime.errors import require
 
 
 class WeightSyncError(RuntimeError):
@@ -46,16 +47,15 @@ class TrainerGroup:
         ray.get([a.save.remote(path) for a in self.actors])
 
 
-class WeightSync:
-    """Trainer rank 0 -> every rollout worker, versioned and verified after each push."""
+class GroupBroadcast:
+    """The default transport: trainer rank 0 broadcasts buckets to the rollout workers over a
+    torch.distributed group of their own (gloo on CPU, NCCL on GPU, across nodes), and each
+    worker loads them into its backend (vLLM: a file in shared memory, reloaded in place)."""
 
-    PARTS = {"mtp": "draft (MTP)", "trunk": "target (trunk)"}
+    needs_gpus = False
 
-    def __init__(self, trainers, workers, run_cfg, sync_draft=True):
+    def __init__(self, trainers, workers, run_cfg):
         self.trainers, self.workers = trainers, workers
-        self.check_all = run_cfg.check_weight_update_equal
-        self.sync_draft = sync_draft  # False: target-only sync, a stale draft is reported, not fatal
-        self.warned_stale = False
         layouts = ray.get([a.weight_layout.remote(run_cfg.update_weight_buffer_size) for a in trainers.actors])
         layout, world = layouts[0], 1 + len(workers)
         master_addr, port = ray.get(trainers.actors[0].rendezvous.remote())  # trainer rank 0 hosts the broadcast
@@ -65,11 +65,61 @@ class WeightSync:
                   for i, w in enumerate(workers)]
         ray.get(joins)
 
-    def push(self, version):
-        """Broadcast all weights, then prove every worker holds the trainer's (stop if not)."""
+    def move(self, version):
+        """(trainer rank 0's report, each worker's fingerprint) of one push."""
         sent = [a.send_weights.remote() for a in self.trainers.actors]
         received = ray.get([w.receive_weights.remote(version) for w in self.workers])
-        trainer = ray.get(sent)[0]
+        return ray.get(sent)[0], received
+
+
+class VLLMNcclTransfer:
+    """--vllm-weight-transfer nccl: trainer rank 0 broadcasts straight into every engine's vLLM
+    worker through vLLM's weight transfer engine, the target and then the drafter
+    (trainer/vllm_transfer.py); GPU only."""
+
+    needs_gpus = True
+
+    def __init__(self, trainers, workers, run_cfg):
+        self.trainers, self.workers = trainers, workers
+        self.plan = ray.get(workers[0].transfer_plan.remote())
+        master_addr, port = ray.get(trainers.actors[0].rendezvous.remote())
+        world = 1 + len(workers)  # one vLLM worker per engine (no tensor parallelism inside an engine)
+        joins = [a.join_vllm_transfer.remote(master_addr, port, world) for a in trainers.actors]
+        joins += [w.join_vllm_transfer.remote(master_addr, port, i + 1, world) for i, w in enumerate(workers)]
+        ray.get(joins)
+        self.infos = ray.get([a.vllm_transfer_infos.remote(self.plan) for a in trainers.actors])[0]
+
+    def move(self, version):
+        sent = [a.send_vllm_transfer.remote(self.plan) for a in self.trainers.actors]
+        received = ray.get([w.receive_vllm_transfer.remote(self.infos, version) for w in self.workers])
+        return ray.get(sent)[0], received
+
+
+TRANSPORTS = {"reload": GroupBroadcast, "nccl": VLLMNcclTransfer}  # --vllm-weight-transfer
+
+
+def check_transport_fits(transport):
+    """Before any actor starts: a GPU-only transport needs a cluster with GPUs."""
+    require(not TRANSPORTS[transport].needs_gpus or ray.cluster_resources().get("GPU", 0) > 0,
+            f"--vllm-weight-transfer {transport} moves weights between GPUs and this Ray cluster has none; "
+            "use --vllm-weight-transfer reload")
+
+
+class WeightSync:
+    """Trainer rank 0 -> every rollout worker, versioned and verified after each push."""
+
+    PARTS = {"mtp": "draft (MTP)", "trunk": "target (trunk)"}
+
+    def __init__(self, trainers, workers, run_cfg, sync_draft=True, transport="reload"):
+        self.trainers, self.workers = trainers, workers
+        self.check_all = run_cfg.check_weight_update_equal
+        self.sync_draft = sync_draft  # False: target-only sync, a stale draft is reported, not fatal
+        self.warned_stale = False
+        self.transport = TRANSPORTS[transport](trainers, workers, run_cfg)
+
+    def push(self, version):
+        """Broadcast all weights, then prove every worker holds the trainer's (stop if not)."""
+        trainer, received = self.transport.move(version)
         stale = self._check_fingerprints(version, trainer, received)
         if self.check_all:
             self._compare_every_tensor(version)

@@ -210,6 +210,7 @@ def check_rollout_backend(cfg, hf):
 
     r = cfg.rollout
     require(r.backend in BACKENDS, f"--rollout-backend {r.backend!r}: choose one of {', '.join(BACKENDS)}")
+    check_weight_transfer(r)
     if r.backend == "embedded":
         spec = parse_spec_config(r.vllm_speculative_config)
         check_spec_adaptive(spec, r.spec_adaptive)
@@ -232,6 +233,16 @@ def check_rollout_backend(cfg, hf):
     from vime.precision import compute_dtype
 
     check_speculative_config(cfg.model.hf_checkpoint, raw, r.rollout_max_batch_size, dtype=compute_dtype(cfg.model.bf16))
+
+
+def check_weight_transfer(rollout_cfg):
+    """--vllm-weight-transfer: a known transport, and nccl only into vLLM (it is vLLM's engine)."""
+    from orchestration.driver import TRANSPORTS
+
+    t = rollout_cfg.vllm_weight_transfer
+    require(t in TRANSPORTS, f"--vllm-weight-transfer {t!r}: choose one of {', '.join(TRANSPORTS)}")
+    require(t == "reload" or rollout_cfg.backend == "vllm",
+            f"--vllm-weight-transfer {t} is vLLM's weight transfer engine: use it with --rollout-backend vllm")
 
 
 def check_draft_training(cfg):

@@ -12,7 +12,7 @@ class RLRun:
     def __init__(self, cfg):
         from rollout.ray_workers import RolloutManager
         from vime import checkpointing
-        from orchestration.driver import TrainerGroup, WeightSync
+        from orchestration.driver import TrainerGroup, WeightSync, check_transport_fits
         from orchestration.placement import Placement
 
         self.cfg = cfg
@@ -20,6 +20,7 @@ class RLRun:
         if cfg.run.load:
             self.start_step, iteration = checkpointing.latest(cfg.run.load)
             state, model_load = checkpointing.load_loop_state(iteration), os.path.join(iteration, "model")
+        check_transport_fits(cfg.rollout.vllm_weight_transfer)
         self.placement = Placement(cfg)  # checked against the cluster first: one line if it cannot fit
         engines = [self.placement.engine_options(i) for i in range(self.placement.demand.engines)]
         self.rollout = None if cfg.run.debug_train_only else RolloutManager.options(num_cpus=0).remote(
@@ -33,7 +34,8 @@ class RLRun:
         self._name_nodes(workers)
         ray_get([w.weight_version.remote() for w in workers])  # started: step 0 times no actor start-up
         if self.rollout and self.trainers:
-            self.sync = WeightSync(self.trainers, workers, cfg.run, sync_draft=cfg.rollout.sync_draft_weights)
+            self.sync = WeightSync(self.trainers, workers, cfg.run, sync_draft=cfg.rollout.sync_draft_weights,
+                                   transport=cfg.rollout.vllm_weight_transfer)
         if state and self.rollout:
             ray_get(self.rollout.set_data_cursor.remote(state["data_cursor"]))
         self.weights_version = self.start_step  # the version the workers hold (after the first push)

@@ -16,11 +16,13 @@ worker knows which one runs:
     close()                                 release processes the backend started
 
 `BACKENDS` maps `--rollout-backend` names to constructors taking
-(hf_checkpoint, speculative_config, max_batch_size, device, adaptive, dtype, cpu_cores); `adaptive` is the
+(hf_checkpoint, speculative_config, max_batch_size, device, adaptive, dtype, cpu_cores, weight_transfer);
+`adaptive` is the
 embedded engine's --spec-adaptive (vLLM has its own per-batch-size k in the speculative config);
 `dtype` the model's (torch.bfloat16 under --bf16): weights are loaded and synced in it, and the
 fingerprint sums exactly the values the backend holds in it; `cpu_cores` the cores the backend
-computes on (vime/cpu_cores.py; None: torch's and vLLM's own choice).
+computes on (vime/cpu_cores.py; None: torch's and vLLM's own choice); `weight_transfer` vLLM's
+--vllm-weight-transfer (the embedded engine loads what its worker receives).
 
 The embedded backend can also time plain decoding of the same batch right beside the real,
 speculative call (`generate_with_plain_baseline`, --rollout-time-plain-baseline): a benchmark's
@@ -65,11 +67,11 @@ class EmbeddedBackend:
     name = "embedded"
 
     def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False,
-                 dtype=torch.float32, cpu_cores=None):
+                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload"):
         from rollout.embedded.engine import EngineConfig
         from rollout.embedded.engine_builder import build_engine, build_proposer
 
-        del cpu_cores  # the engine computes on this process's torch threads (RolloutWorker sets them)
+        del cpu_cores, weight_transfer  # computes on this process's torch threads (RolloutWorker sets them)
         self.engine = build_engine(hf_checkpoint, speculative_config,
                                    EngineConfig(max_batch_size=max_batch_size, device=device, dtype=dtype),
                                    adaptive=adaptive)
@@ -153,5 +155,6 @@ BACKENDS = {
 
 
 def build_backend(name, hf_checkpoint, speculative_config, max_batch_size, device="cpu",
-                  adaptive=False, dtype=torch.float32, cpu_cores=None) -> RolloutBackend:
-    return BACKENDS[name](hf_checkpoint, speculative_config, max_batch_size, device, adaptive, dtype, cpu_cores)
+                  adaptive=False, dtype=torch.float32, cpu_cores=None, weight_transfer="reload") -> RolloutBackend:
+    return BACKENDS[name](hf_checkpoint, speculative_config, max_batch_size, device, adaptive, dtype, cpu_cores,
+                          weight_transfer)

@@ -22,7 +22,7 @@ class RolloutWorkerImpl:
     """One rollout backend (rollout/backend.py: embedded or vLLM) plus its end of the weight-sync group."""
 
     def __init__(self, hf_checkpoint, spec_config, max_batch_size, threads=1, backend="embedded", sync_draft=True,
-                 spec_adaptive=False, time_plain_baseline=False, bf16=False, cpu_slot=0):
+                 spec_adaptive=False, time_plain_baseline=False, bf16=False, cpu_slot=0, weight_transfer="reload"):
         from rollout.backend import build_backend
         from vime.cpu_cores import cores_for_slot
         from vime.precision import compute_dtype
@@ -31,7 +31,7 @@ class RolloutWorkerImpl:
         cores = cores_for_slot(os.sched_getaffinity(0), cpu_slot, threads) if device == "cpu" else None
         torch.set_num_threads(len(cores) if cores else threads)
         self.backend = build_backend(backend, hf_checkpoint, spec_config, max_batch_size, device, adaptive=spec_adaptive,
-                                     dtype=compute_dtype(bf16), cpu_cores=cores)
+                                     dtype=compute_dtype(bf16), cpu_cores=cores, weight_transfer=weight_transfer)
         self.num_hidden_layers = read_num_hidden_layers(hf_checkpoint)
         self.sync_draft = sync_draft
         self.time_plain_baseline, self.calls = time_plain_baseline, 0
@@ -70,11 +70,28 @@ class RolloutWorkerImpl:
         if not self.sync_draft:
             named = ((k, v) for k, v in named if not is_draft_name(k, self.num_hidden_layers))
         self.backend.load_weights(named, version)
+        return self._received(version, start)
+
+    def _received(self, version, start):
         if self.sync_draft:
             self.draft_version = version
         self.backend.resume()
         fp = self.backend.fingerprint()
         return {"mtp_checksum": fp["mtp"], "trunk_checksum": fp["trunk"], "seconds": time.perf_counter() - start}
+
+    # --vllm-weight-transfer nccl: the trainer broadcasts into vLLM's workers (rollout/vllm/backend.py)
+    def transfer_plan(self):
+        return self.backend.transfer_plan(self.sync_draft)
+
+    def join_vllm_transfer(self, master_addr, master_port, rank_offset, world_size):
+        self.backend.join_transfer(master_addr, master_port, rank_offset, world_size)
+        return rank_offset
+
+    def receive_vllm_transfer(self, infos, version):
+        start = time.perf_counter()
+        self.backend.pause()
+        self.backend.receive_transfer(infos, version)
+        return self._received(version, start)
 
     def digests(self):
         return self.backend.digests()
@@ -133,7 +150,7 @@ class RolloutManagerImpl:
             hf_checkpoint, rollout_cfg.vllm_speculative_config, rollout_cfg.rollout_max_batch_size,
             backend=rollout_cfg.backend, sync_draft=rollout_cfg.sync_draft_weights,
             spec_adaptive=rollout_cfg.spec_adaptive, time_plain_baseline=rollout_cfg.time_plain_baseline,
-            bf16=bf16, **cpus[i])
+            bf16=bf16, weight_transfer=rollout_cfg.vllm_weight_transfer, **cpus[i])
             for i in range(n)]
 
     def get_workers(self):

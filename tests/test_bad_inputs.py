@@ -57,6 +57,8 @@ def test_the_fixture_passes_preflight(ckpt, tmp_path):
     (["--kl-loss-type", "k9"], ["--kl-loss-type 'k9'", "k1", "k3"]),
     (["--advantage-estimator", "ppo"], ["--advantage-estimator ppo", "critic", "grpo"]),
     (["--vllm-speculative-config", '{"method":"mtp","num_speculative_tokens":1000}'], ["num_speculative_tokens 1000"]),
+    (["--vllm-weight-transfer", "shm"], ["--vllm-weight-transfer 'shm'", "reload", "nccl"]),
+    (["--vllm-weight-transfer", "nccl"], ["--vllm-weight-transfer nccl", "--rollout-backend vllm"]),
 ])
 def test_flags_refused(ckpt, tmp_path, extra, needles):
     refused(args_for(ckpt, tmp_path, *extra), *needles)

@@ -125,3 +125,12 @@ def test_placement_that_does_not_fit_the_cluster_is_one_line_and_no_wait(ckpt, t
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
     assert proc.stderr.startswith("error: the run's placement needs ") and missing in proc.stderr
     assert time.time() - start < 300  # far from --placement-timeout: checked, not waited for
+
+
+def test_nccl_weight_transfer_on_a_cluster_without_gpus_is_one_line(ckpt, tmp_path):  # noqa: F811
+    pytest.importorskip("vllm")
+    proc = run_train(*args_for(ckpt, tmp_path, "--rollout-backend", "vllm", "--vllm-weight-transfer", "nccl"),
+                     timeout=300)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith("error: --vllm-weight-transfer nccl moves weights between GPUs")
+    assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))  # refused before any actor started

@@ -148,6 +148,25 @@ def test_the_engine_computes_on_the_cores_it_was_given(vllm_mtp):
     assert BIND_ENV not in os.environ
 
 
+def test_nccl_transfer_rounds_name_the_checkpoint_tensors_vllm_loads(vllm_mtp, mimo_ckpt):
+    """--vllm-weight-transfer nccl tells vLLM each round's names, dtypes and shapes before the
+    broadcast: the target round is the checkpoint's trunk tensors, the draft round its MTP
+    tensors plus the embedding and head the drafter shares (the checkpoint file is the reference)."""
+    from trainer.vllm_transfer import VLLMTransferSender
+
+    raw = checkpoint_tensors(mimo_ckpt)
+    infos = dict(VLLMTransferSender.infos(list(canonical(mimo_ckpt).items()), vllm_mtp.transfer_plan()))
+    mtp = {k for k in raw if k.startswith("model.mtp_layers.")}
+    shared = {k for k in raw if "embed_tokens" in k or k.startswith("lm_head")}
+    assert set(infos) == {"target", "mtp"}
+    assert set(infos["target"]["names"]) == set(raw) - mtp and set(infos["mtp"]["names"]) == mtp | shared
+    for info in infos.values():
+        assert info["shapes"] == [list(raw[k].shape) for k in info["names"]]
+        assert info["dtype_names"] == [str(raw[k].dtype).removeprefix("torch.") for k in info["names"]]
+    assert "mtp" not in dict(VLLMTransferSender.infos(list(canonical(mimo_ckpt).items()),
+                                                       vllm_mtp.transfer_plan(sync_draft=False)))
+
+
 def test_speculative_counters_are_per_call_deltas(vllm_mtp, prompts):
     """Greedy is deterministic, so two identical calls must report identical counters:
     cumulative counters (vLLM's own) would double."""

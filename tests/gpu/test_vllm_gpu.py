@@ -84,3 +84,52 @@ def test_vllm_on_cuda_in_bf16_takes_bf16_weights_and_its_guard_sums_them(mimo_ck
         assert backend.digests() == weight_sync.digests(list(new.items()))
     finally:
         backend.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the trainer's end and vLLM each need a GPU (one NCCL rank each)")
+def test_nccl_weight_transfer_loads_target_and_draft_into_vllm(mimo_ckpt):
+    """--vllm-weight-transfer nccl: this process, on GPU 1, plays trainer rank 0 and broadcasts new
+    weights through vLLM's weight transfer engine into vLLM on GPU 0 (target, then the drafter via
+    start_draft_weight_update); what vLLM's parameters hold afterwards is read back from vLLM and
+    equals what was sent, tensor for tensor."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    from rollout.vllm.backend import VLLMBackend
+    from trainer.vllm_transfer import VLLMTransferSender
+    from vime import weight_sync
+    from vime.models.families import is_mtp_name, to_canonical
+    from vime.net import free_port
+
+    L = 2
+    backend = VLLMBackend(mimo_ckpt, {"method": "mtp", "num_speculative_tokens": 2}, max_batch_size=16,
+                          device="cuda", weight_transfer="nccl")
+    try:
+        plan, port = backend.transfer_plan(), free_port()
+        new = {k: v * 1.01 for k, v in to_canonical(load_file(f"{mimo_ckpt}/model.safetensors"), "mimo", L, 1).items()}
+        infos = VLLMTransferSender.infos(list(new.items()), plan)
+        assert [kind for kind, _ in infos] == ["target", "mtp"]
+        errors = []
+
+        def trainer_rank0():
+            try:
+                torch.cuda.set_device(1)
+                sender = VLLMTransferSender("127.0.0.1", port, 2)
+                sender.send(list(new.items()), plan)
+                sender.close()
+            except Exception as e:  # surfaced by the assertion below
+                errors.append(e)
+
+        thread = threading.Thread(target=trainer_rank0)
+        thread.start()
+        backend.join_transfer("127.0.0.1", port, 1, 2)
+        backend.receive_transfer(infos, version=1)
+        thread.join(timeout=300)
+        assert not errors and not thread.is_alive(), errors
+        fp = backend.fingerprint()
+        assert fp["mtp"] == weight_sync.checksum([(k, v) for k, v in new.items() if is_mtp_name(k, L)])
+        assert fp["trunk"] == weight_sync.checksum([(k, v) for k, v in new.items() if not is_mtp_name(k, L)])
+        assert backend.stats()["readback_fraction"] == 1.0  # every tensor read from vLLM, none assumed
+    finally:
+        backend.close()

@@ -53,3 +53,32 @@ def unpack(name, tensor, sent_shapes):
     if rows is not None and tensor.dim() >= 1 and tensor.shape[0] > rows:
         tensor = tensor[:rows]  # padded vocabulary rows
     return [(name, tensor)] if tuple(tensor.shape) == tuple(sent_shapes[name]) else []
+
+
+def update_rounds(canonical, layout, num_hidden_layers, num_mtp_layers, has_draft):
+    """Canonical tensors sent to vLLM -> [(kind, {checkpoint name: tensor})], the loads a weight
+    update makes in order: "target" (the trunk), then into the drafter either "mtp" (the MTP
+    layers with the embedding and head they share, so a drafter with its own copies stays
+    current) or "external" (an EAGLE-3 draft's tensors, sent as `eagle3.<name>`, loaded under
+    their own names). Draft tensors are dropped when vLLM runs no drafter."""
+    from vime.models.families import from_canonical, is_draft_name, is_mtp_name
+
+    def to_checkpoint(named):
+        return from_canonical(named, layout, num_hidden_layers, num_mtp_layers) if layout else named
+
+    trunk = {k: v for k, v in canonical.items() if not is_draft_name(k, num_hidden_layers)}
+    mtp = {k: v for k, v in canonical.items() if is_mtp_name(k, num_hidden_layers)}
+    external = {k[len(DRAFT_PREFIX):]: v for k, v in canonical.items() if k.startswith(DRAFT_PREFIX)}
+    rounds = [("target", to_checkpoint(trunk))] if trunk else []
+    if mtp and has_draft:
+        shared = {k: v for k, v in trunk.items() if "embed_tokens" in k or k.startswith("lm_head")}
+        rounds.append(("mtp", to_checkpoint({**mtp, **shared})))
+    if external and has_draft:
+        rounds.append(("external", external))
+    return rounds
+
+
+def round_info(named):
+    """vLLM's per-round update info (names, dtype names, shapes, in sending order) of {name: tensor}."""
+    return {"names": list(named), "dtype_names": [str(t.dtype).removeprefix("torch.") for t in named.values()],
+            "shapes": [list(t.shape) for t in named.values()]}
