@@ -97,8 +97,9 @@ class RLRun:
     def lost_node_message(self, error, step):
         """One line when `error` comes from a node of the run that is gone (its actors died with it, or a
         peer's collective broke), naming the node and the checkpoint to resume from; else None.
-        An actor killed with its node is reported once the GCS has marked the node dead; a broken
-        connection to a peer can come first, so then the GCS is given a while to notice."""
+        An actor killed with its node can be reported dead before the GCS has marked the node dead
+        (its health checks must fail first), and a broken connection to a peer can come first too:
+        then the GCS is given the while it takes to notice."""
         import ray
         from ray.exceptions import RayError
 
@@ -106,7 +107,8 @@ class RLRun:
             return None
         text = str(error)
         broken_peer = any(word in text for word in ("onnection", "peer", "loo"))  # gloo: "Connection closed by peer"
-        wait_s = 30 if broken_peer else 3 if dead_actor(error) else 0
+        detect_s = node_death_detection_s()
+        wait_s = max(30, detect_s) if broken_peer else detect_s if dead_actor(error) else 0
         ours = set(self.actor_node_ids.values())
         deadline = time.time() + wait_s
         while True:
@@ -177,6 +179,14 @@ def _actor_names(rollout, workers, trainers):
     for rank, a in enumerate(trainers.actors if trainers else []):
         names[a._actor_id.hex()] = f"trainer rank {rank}"
     return names
+
+
+def node_death_detection_s():
+    """Seconds the GCS takes to mark a node whose raylet is gone as dead: its health checks
+    (one per period) must fail `threshold` times in a row; one period of margin."""
+    from ray._raylet import Config
+
+    return Config.health_check_period_ms() * (Config.health_check_failure_threshold() + 1) / 1000
 
 
 def dead_actor(error):
