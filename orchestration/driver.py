@@ -29,8 +29,9 @@ class TrainerGroup:
         gpus = ray.cluster_resources().get("GPU", 0)
         opts = {"num_gpus": 1} if gpus else {"num_cpus": 1}
         tcfg = TrainerConfig.from_tree(cfg)
+        threads = placement.trainer_threads() if placement else 1
         self.actors = [TrainerActor.options(**(placement.trainer_options(rank) if placement else opts)).remote(
-            rank, self.world, tcfg, cfg.model.hf_checkpoint, load) for rank in range(self.world)]
+            rank, self.world, tcfg, cfg.model.hf_checkpoint, load, threads=threads) for rank in range(self.world)]
         # rank 0 hosts the group: its node's IP, so ranks on other nodes can join
         master_addr, port = ray.get(self.actors[0].rendezvous.remote())
         ray.get([a.start.remote(master_addr, port) for a in self.actors])

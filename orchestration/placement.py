@@ -188,13 +188,19 @@ class Placement:
     def engine_options(self, index):
         return self._options("engine", index, self.demand.engine)
 
+    def trainer_threads(self):
+        """Torch threads of a trainer rank: the CPUs its bundle reserved for it (at least one)."""
+        from vime.cpu_cores import threads_for
+
+        return threads_for(self.demand.rank.get("CPU"))
+
     def engine_cpus(self):
         """[{threads, cpu_slot}] per engine: its reserved CPUs and its index among the engines on its
         node (vime/cpu_cores.py turns both into the cores it computes on)."""
-        from vime.cpu_cores import engine_threads, node_local_slots
+        from vime.cpu_cores import threads_for, node_local_slots
 
         slots = node_local_slots([self.node_id_of("engine", i) for i in range(self.demand.engines)])
-        threads = engine_threads(self.demand.engine.get("CPU"))
+        threads = threads_for(self.demand.engine.get("CPU"))
         return [{"threads": threads, "cpu_slot": slot} for slot in slots]
 
     def node_id_of(self, kind, index):

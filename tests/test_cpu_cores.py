@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from vime.cpu_cores import cores_for_slot, engine_threads, node_local_slots
+from vime.cpu_cores import cores_for_slot, threads_for, node_local_slots
 
 
 def test_node_local_slots_count_the_engines_before_on_the_same_node():
@@ -26,4 +26,4 @@ def test_more_engines_than_cores_share_and_an_engine_never_asks_for_more_cores_t
 
 @pytest.mark.parametrize("cpus,threads", [(None, 1), (0.5, 1), (1, 1), (3, 3)])
 def test_an_engine_computes_on_its_reserved_cpus_and_at_least_one(cpus, threads):
-    assert engine_threads(cpus) == threads
+    assert threads_for(cpus) == threads

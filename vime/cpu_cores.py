@@ -4,7 +4,8 @@ An engine reserves `--rollout-num-cpus-per-engine` CPUs in its Ray bundle, but R
 processes, and vLLM's CPU build binds its OpenMP threads itself: left to its automatic choice,
 every engine on a node binds to the same cores and two engines run slower than one. Each
 engine instead gets its node-local slot (the how-many-th engine on its node) and takes the next
-`threads` cores of the cores its process may use.
+`threads` cores of the cores its process may use. Engines and trainer ranks compute with as many
+torch threads as CPUs their bundle reserved.
 """
 
 
@@ -13,8 +14,8 @@ def node_local_slots(node_ids):
     return [node_ids[:i].count(node) for i, node in enumerate(node_ids)]
 
 
-def engine_threads(cpus):
-    """Compute threads of an engine that reserved `cpus` CPUs (a fraction or none still computes on one)."""
+def threads_for(cpus):
+    """Compute threads of an actor that reserved `cpus` CPUs (a fraction or none still computes on one)."""
     return max(1, int(cpus or 0))
 
 
