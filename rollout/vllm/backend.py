@@ -34,9 +34,9 @@ import time
 
 import torch
 
-from vime.models.families import DRAFT_PREFIX, from_canonical, is_draft_name, is_mtp_name, to_canonical
+from vime.models.families import DRAFT_PREFIX, is_draft_name, is_mtp_name, to_canonical
 from vime.models.hf_format import read_config
-from vime.models.vllm_names import update_rounds
+from vime.models.vllm_names import checkpoint_names, update_rounds
 from rollout.vllm import worker as vllm_worker
 from rollout.vllm.quiet import quiet_vllm_console
 from rollout.sampling_params import request_seed
@@ -279,7 +279,7 @@ class VLLMBackend:
             self.shapes.update({DRAFT_PREFIX + k: shape for k, shape in shapes.items()})
 
     def _to_checkpoint(self, canonical):
-        return from_canonical(canonical, self.layout, self.num_layers, self.num_mtp) if self.layout else canonical
+        return checkpoint_names(canonical, self.layout, self.num_layers, self.num_mtp)
 
     def _reload(self, named, draft):
         from safetensors.torch import save_file

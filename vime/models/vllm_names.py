@@ -5,10 +5,13 @@ vLLM renames and fuses checkpoint tensors when it loads them: q/k/v projections 
 to a multiple of 64 rows, and the MiMo drafter stores MTP layer k as
 `model.mtp_layers.{num_hidden_layers + k}` with its decoder layer under `mtp_block`. These
 tables undo that so a parameter read from vLLM can be compared with the tensor sent.
+`update_rounds` goes the other way: it cuts an update into the loads vLLM makes (target, drafter),
+under checkpoint names, for both ways weights enter vLLM (in-place reload, NCCL transfer).
 """
 import re
 
-from vime.models.families import DRAFT_PREFIX
+from vime.models.families import DRAFT_PREFIX, from_canonical, is_draft_name, is_mtp_name
+from vime.precision import dtype_name
 
 # fused vLLM module name -> the checkpoint modules stacked in it (dim 0, in this order)
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -55,24 +58,25 @@ def unpack(name, tensor, sent_shapes):
     return [(name, tensor)] if tuple(tensor.shape) == tuple(sent_shapes[name]) else []
 
 
+def checkpoint_names(canonical, layout, num_hidden_layers, num_mtp_layers):
+    """Canonical tensors under the checkpoint's names (its family's MTP layout; as they are without one)."""
+    return from_canonical(canonical, layout, num_hidden_layers, num_mtp_layers) if layout else canonical
+
+
 def update_rounds(canonical, layout, num_hidden_layers, num_mtp_layers, has_draft):
     """Canonical tensors sent to vLLM -> [(kind, {checkpoint name: tensor})], the loads a weight
     update makes in order: "target" (the trunk), then into the drafter either "mtp" (the MTP
     layers with the embedding and head they share, so a drafter with its own copies stays
     current) or "external" (an EAGLE-3 draft's tensors, sent as `eagle3.<name>`, loaded under
     their own names). Draft tensors are dropped when vLLM runs no drafter."""
-    from vime.models.families import from_canonical, is_draft_name, is_mtp_name
-
-    def to_checkpoint(named):
-        return from_canonical(named, layout, num_hidden_layers, num_mtp_layers) if layout else named
-
+    model = (layout, num_hidden_layers, num_mtp_layers)
     trunk = {k: v for k, v in canonical.items() if not is_draft_name(k, num_hidden_layers)}
     mtp = {k: v for k, v in canonical.items() if is_mtp_name(k, num_hidden_layers)}
     external = {k[len(DRAFT_PREFIX):]: v for k, v in canonical.items() if k.startswith(DRAFT_PREFIX)}
-    rounds = [("target", to_checkpoint(trunk))] if trunk else []
+    rounds = [("target", checkpoint_names(trunk, *model))] if trunk else []
     if mtp and has_draft:
         shared = {k: v for k, v in trunk.items() if "embed_tokens" in k or k.startswith("lm_head")}
-        rounds.append(("mtp", to_checkpoint({**mtp, **shared})))
+        rounds.append(("mtp", checkpoint_names({**mtp, **shared}, *model)))
     if external and has_draft:
         rounds.append(("external", external))
     return rounds
@@ -80,5 +84,5 @@ def update_rounds(canonical, layout, num_hidden_layers, num_mtp_layers, has_draf
 
 def round_info(named):
     """vLLM's per-round update info (names, dtype names, shapes, in sending order) of {name: tensor}."""
-    return {"names": list(named), "dtype_names": [str(t.dtype).removeprefix("torch.") for t in named.values()],
+    return {"names": list(named), "dtype_names": [dtype_name(t.dtype) for t in named.values()],
             "shapes": [list(t.shape) for t in named.values()]}
