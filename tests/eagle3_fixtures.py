@@ -4,9 +4,9 @@ import dataclasses
 import os
 
 import torch
+import torch.nn.functional as F
 
 from mtp.eagle3 import Eagle3Draft
-from rollout.embedded.proposers.eagle3 import reference_eagle3_drafts
 from vime.models.eagle3 import draft_config_for_target
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,6 +22,27 @@ def random_draft(target_cfg, seed, std, aux_layer_ids=None):
         for p in draft.parameters():
             p.normal_(0, std) if p.dim() == 2 else p.add_(torch.randn(p.shape) * std)
     return draft.eval().requires_grad_(False)
+
+
+def reference_eagle3_drafts(target, draft, ids, k):
+    """Greedy EAGLE-3 drafts for `ids` recomputed from scratch without any cache (the naive path
+    the cached proposer is tested against): the draft over every position of `ids` reading the
+    target's aux states, then k-1 steps each re-run over the whole extended sequence."""
+    n = len(ids)
+    tokens = torch.tensor([ids])
+    with torch.inference_mode():
+        aux = target.aux_hidden_states(tokens, torch.arange(n)[None], draft.cfg.aux_layer_ids)
+        hidden = draft.combine(aux[:, :n - 1])  # positions 0..n-2, tokens 1..n-1
+        ext = list(ids)
+        drafts = []
+        for i in range(k):
+            width = n - 1 + i
+            embeds = F.embedding(torch.tensor([ext[1:1 + width]]), target.model.embed_tokens.weight)
+            out = draft(embeds, hidden, torch.arange(width)[None])
+            drafts.append(int(draft.logits(out[0, -1]).argmax()))
+            ext.append(drafts[-1])
+            hidden = torch.cat([hidden, out[:, -1:]], 1)
+    return drafts
 
 
 def greedy_continuation(target, ids, extra):
