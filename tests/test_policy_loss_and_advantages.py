@@ -18,10 +18,11 @@ def test_grpo_advantage_is_group_centred_and_std_normalised():
     assert torch.allclose(adv, torch.tensor([0.5 / s, -0.5 / s, -0.5 / s, 0.5 / s, 0.0, 0.0]), atol=1e-5)
 
 
-def test_gspo_uses_the_grpo_group_advantage_and_ppo_without_a_critic_is_refused():
+def test_gspo_advantage_is_group_centred_and_std_normalised_and_ppo_without_a_critic_is_refused():
     r, g = [3.0, 1.0, 2.0, 0.0], [0, 0, 1, 1]
-    expected = compute_advantages("grpo", r, g)
-    assert torch.equal(compute_advantages("gspo", r, g), expected)
+    # each group of two: mean in the middle, unbiased std |a - b| / sqrt(2) = sqrt(2) -> +-1/sqrt(2)
+    half = 1 / math.sqrt(2)
+    assert compute_advantages("gspo", r, g).tolist() == pytest.approx([half, -half, half, -half], rel=1e-5)
     with pytest.raises(UserError, match="needs a critic"):
         compute_advantages("ppo", r, g)
 
@@ -87,3 +88,42 @@ def test_gspo_ratio_is_the_sequence_mean_with_token_gradients():
     assert torch.allclose(seq[0, :2], torch.tensor([0.3, 0.3]))
     token_mean(seq, mask).backward()
     assert torch.allclose(log_ratio.grad, torch.tensor([[0.5, 0.5, 0.0]]))
+
+
+def gspo_by_hand(log_ratios, advantages, eps_low, eps_high):
+    """GSPO's token-mean loss, its clip fraction and d loss / d log-prob per token, in python floats.
+    Each sequence's importance ratio is exp(mean of its tokens' log ratios); every token of it takes
+    -A * ratio, or -A * clip(ratio) where clipping makes that the larger (pessimistic) term; a clipped
+    term has no gradient, an unclipped token's own log-prob carries -A * ratio (GSPO-token)."""
+    tokens = sum(len(seq) for seq in log_ratios)
+    loss, clipped, grads = 0.0, 0, []
+    for seq, adv in zip(log_ratios, advantages):
+        ratio = math.exp(sum(seq) / len(seq))
+        unclipped = -adv * ratio
+        clip_term = -adv * min(max(ratio, 1 - eps_low), 1 + eps_high)
+        is_clipped = clip_term > unclipped
+        loss += len(seq) * max(unclipped, clip_term)
+        clipped += len(seq) * is_clipped
+        grads.append([0.0 if is_clipped else -adv * ratio / tokens for _ in seq])
+    return loss / tokens, clipped / tokens, grads
+
+
+def test_gspo_loss_clips_the_sequence_ratio_and_takes_the_token_mean_as_computed_by_hand():
+    """Sequence 0 (A = +1): token ratios e^.3, e^.1, e^.2 straddle 1.2, the sequence ratio e^.2 is
+    clipped for all three tokens; sequence 1 (A = -0.5, one padding token) stays inside the clip range.
+    Token-level PPO would clip only two tokens of sequence 0, so the value tells the ratios apart."""
+    log_ratios = [[0.3, 0.1, 0.2], [-0.05, 0.01]]
+    advantages = [1.0, -0.5]
+    want_loss, want_clipfrac, want_grads = gspo_by_hand(log_ratios, advantages, 0.2, 0.2)
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.7, -3.0]])
+    lp = (old + torch.tensor([[0.3, 0.1, 0.2], [-0.05, 0.01, 4.0]])).requires_grad_(True)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor(advantages)[:, None].expand(2, 3)
+    cfg = TrainerConfig(advantage_estimator="gspo", eps_clip=0.2, eps_clip_high=0.2)
+    loss, metrics = policy_loss(lp, old, adv, mask, cfg)
+    loss.backward()
+    assert loss.item() == pytest.approx(want_loss, rel=1e-6)
+    assert metrics["clipfrac"].item() == pytest.approx(want_clipfrac)
+    assert lp.grad[0].tolist() == pytest.approx(want_grads[0], abs=1e-7)
+    assert lp.grad[1, :2].tolist() == pytest.approx(want_grads[1], rel=1e-6)
+    assert lp.grad[1, 2].item() == 0.0  # padding
