@@ -68,4 +68,5 @@ PROPOSERS = {
     "suffix": _lazy("suffix", "SuffixProposer"),
     "draft_model": _lazy("draft_model", "DraftModelProposer"),
     "eagle3": _lazy("eagle3", "Eagle3Proposer"),
+    "dflash": _lazy("dflash", "DFlashProposer"),
 }

@@ -1,0 +1,128 @@
+"""DFlash proposer: an external block-diffusion draft proposes a whole block in one forward.
+
+It drafts as vLLM's dflash path does (vllm/v1/spec_decode/dflash.py). After every target
+forward (prefill or verify), the newly verified positions' target states (the draft's
+`target_layer_ids`, concatenated) become context: each draft layer's key and value of
+hidden_norm(fc(states)) are written into the draft's own KV cache at those positions. That
+happens at every step, also where the k policy asks for no drafts, so the cache is always
+complete and there is nothing to catch up. To draft, one forward runs the block [newest token,
+mask x k] at positions n-1 .. n-1+k over the cached context (positions < n-1) and the block
+itself, with no causal mask inside the block; the logits at block slot i are draft i.
+The block's own keys are never cached: the next step's context overwrites those positions.
+Drafts are verified exactly as every proposer's (rejection sampler of mtp/); sampled drafts
+come with their distribution q, each slot's drawn independently (the draft reads no draft).
+"""
+import dataclasses
+
+import torch
+
+from mtp.dflash import DFlashDraft
+from rollout.embedded.proposers import Proposer
+from rollout.embedded.proposers.drafting import assign_drafts, draft_cache, pick_drafts, uniforms_if_sampling
+from vime.models.dflash import WIRE_PREFIX, check_draft_fits_target, load_draft
+
+
+def load_dflash_draft(path, target_cfg, num_speculative_tokens, dtype=torch.float32, device="cpu"):
+    """The draft module of a draft directory, checked against the target and the block asked for."""
+    cfg, state = load_draft(path)
+    check_draft_fits_target(path, cfg, target_cfg, num_speculative_tokens)
+    draft = DFlashDraft(cfg)
+    draft.load_state_dict(state, strict=True)
+    return draft.to(device, dtype).eval().requires_grad_(False)
+
+
+class DFlashProposer(Proposer):
+    """Drafts a block per request in one forward of an external DFlash draft (its own KV cache of context)."""
+
+    def __init__(self, spec, draft=None, sample_drafts=False):
+        self.spec, self.draft_model, self.sample_drafts = spec, draft, sample_drafts  # see drafting.py
+        self.num_speculative_tokens = spec.num_speculative_tokens
+        self.synced = False
+
+    def attach(self, engine):
+        self.engine = engine
+        ec = engine.config
+        if self.draft_model is None:
+            self.draft_model = load_dflash_draft(self.spec.model, engine.cfg, self.num_speculative_tokens,
+                                                 ec.dtype, ec.device)
+        else:
+            check_draft_fits_target("(in memory)", self.draft_model.cfg, engine.cfg, self.num_speculative_tokens)
+        cfg = self.draft_model.cfg
+        self.aux_hidden_layers = cfg.aux_layer_ids
+        shape = dataclasses.replace(engine.cfg, num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+        self.cache = draft_cache(engine, cfg.num_hidden_layers, shape, self.num_speculative_tokens)
+
+    # ---- weight sync (an external draft the trainer trains) ----
+    def loadable_draft_weights(self):
+        return {WIRE_PREFIX + name: p for name, p in self.draft_model.named_parameters()}
+
+    def named_draft_weights(self):
+        # counted once a sync wrote the draft: only a trained draft has a trainer-side twin
+        return list(self.loadable_draft_weights().items()) if self.synced else []
+
+    def draft_synced(self):
+        self.synced = True
+
+    def move_slots(self, requests, old_slots):
+        self.cache.move_slots(old_slots, [r.slot for r in requests], max(r.num_tokens for r in requests))
+
+    # ---- drafting ----
+    def propose(self, out):
+        reqs = out.requests
+        slots = torch.tensor([r.slot for r in reqs], device=out.hidden.device)
+        self.write_context(slots, out.hidden, out.starts, out.n_valid)
+        k = min(self.num_speculative_tokens, self.engine.step_k)
+        if k == 0:
+            for r in reqs:
+                r.drafts, r.draft_probs = [], None
+            return
+        anchor_tokens = torch.tensor([r.all_ids[-1] for r in reqs], device=slots.device)
+        logits = self.block_logits(slots, anchor_tokens, out.starts + out.n_valid)
+        uniforms = uniforms_if_sampling(self.spec, reqs, k, self.sample_drafts)
+        picked = [pick_drafts(logits[:, 1 + i], reqs[0].sampling, None if uniforms is None else uniforms[:, i])
+                  for i in range(k)]
+        tokens = torch.stack([t for t, _ in picked], 1)
+        assign_drafts(reqs, tokens, torch.stack([q for _, q in picked], 1) if uniforms is not None else None)
+
+    def write_context(self, slots, hidden, starts, n_valid):
+        """Every draft layer's keys/values of the verified positions starts .. starts+n_valid-1 into the cache."""
+        width = int(n_valid.max())
+        if width == 0:
+            return
+        offsets = torch.arange(width, device=slots.device)
+        positions = starts[:, None] + offsets[None, :]
+        valid = offsets[None, :] < n_valid[:, None]
+        rows, cols = slots[:, None].expand(-1, width)[valid], positions[valid]
+        kv = self.draft_model.context_kv(self.draft_model.context(hidden[:, :width]), positions)
+        for j, (k, v) in enumerate(kv):
+            self.cache.k[j][rows, cols] = k.transpose(1, 2)[valid]
+            self.cache.v[j][rows, cols] = v.transpose(1, 2)[valid]
+
+    def block_logits(self, slots, anchor_tokens, anchors):
+        """[B, block_size, V] logits of the block [anchor, mask x k] at positions anchors .. anchors+k,
+        over the cached context before each anchor and the whole block (not causal)."""
+        draft, target = self.draft_model, self.engine.model
+        size = draft.cfg.block_size
+        length = int(anchors.max())
+        kv = [(self.cache.k[j][slots, :length].transpose(1, 2), self.cache.v[j][slots, :length].transpose(1, 2))
+              for j in range(draft.cfg.num_hidden_layers)]
+        context = torch.arange(length, device=slots.device)[None, :] < anchors[:, None]
+        mask = torch.cat([context[:, None, :].expand(-1, size, -1),
+                          torch.ones(len(slots), size, size, dtype=torch.bool, device=slots.device)], 2)
+        positions = anchors[:, None] + torch.arange(size, device=slots.device)[None, :]
+        states = draft(draft.block_input(anchor_tokens, target.model.embed_tokens.weight), positions, kv, mask)
+        return draft.logits(states, target.head_weight())
+
+    def profile_draft(self, batch_size, k, new_tokens=2):
+        """One drafting for batch_size rows (context for `new_tokens` verified positions, the block
+        forward) on dummy inputs in slots 0..batch_size-1. The block costs the same for any k."""
+        ec = self.engine.config
+        slots = torch.arange(batch_size, device=ec.device)
+        context = max(0, min(32, self.engine.max_len - new_tokens - self.num_speculative_tokens - 1))
+        starts = torch.full((batch_size,), context, device=ec.device)
+        n_valid = torch.full((batch_size,), new_tokens, device=ec.device)
+        width = len(self.aux_hidden_layers) * self.engine.cfg.hidden_size
+        hidden = torch.zeros(batch_size, new_tokens, width, device=ec.device, dtype=ec.dtype)
+        with torch.inference_mode():
+            self.write_context(slots, hidden, starts, n_valid)
+            self.block_logits(slots, torch.zeros_like(slots), starts + n_valid)

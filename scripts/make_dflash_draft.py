@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""Make a DFlash draft for a target without MTP layers, in the directory vLLM serves.
+
+    python scripts/make_dflash_draft.py --target checkpoints/tiny-qwen2 --out DIR [--block-size 4] [--warmup-steps 400]
+
+The draft (mtp/dflash.py, format vime/models/dflash.py) is shaped for the target: its hidden
+size, heads and vocabulary, `fc` over the outputs of three target layers spread over its depth
+(`--target-layer-ids` to choose), `--num-layers` decoder layers of its own, blocks of
+`--block-size` (the anchor plus block_size - 1 drafts: serve it with num_speculative_tokens =
+block_size - 1), the target's pad token as the mask token. It reads the target's embedding and
+head (vLLM shares them with a draft that stores none); its final norm starts as the target's, the
+rest is a small random init. `--warmup-steps N` then trains it offline for N steps on the target's
+own samples (prompts from the target directory's train.jsonl, temperature 1) with DFlash's block
+objective (mtp/dflash.py `block_loss`). The result loads, unchanged, with
+`vllm.LLM(model=TARGET, speculative_config={"method": "dflash", "model": DIR, "num_speculative_tokens": K})`.
+"""
+import argparse
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from make_eagle3_draft import target_samples  # noqa: E402
+from mtp.dflash import DFlashDraft, block_loss  # noqa: E402
+from vime.errors import exit_on_user_error, require  # noqa: E402
+from vime.models.dflash import check_draft_fits_target, draft_config_for_target, save_draft  # noqa: E402
+from vime.models.hf_format import load_hf_checkpoint  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="the target's HF checkpoint (a family vLLM drafts for with dflash)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--block-size", type=int, default=4, help="anchor + drafts (num_speculative_tokens + 1)")
+    p.add_argument("--num-layers", type=int, default=2, help="the draft's decoder layers")
+    p.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
+                   help="target layers whose outputs the draft reads (default: three spread over its depth)")
+    p.add_argument("--mask-token-id", type=int, default=None, help="default: the target's pad token")
+    p.add_argument("--intermediate-size", type=int, default=None, help="the draft's MLP width (default: the target's)")
+    p.add_argument("--warmup-steps", type=int, default=0, help="offline training steps on the target's samples")
+    p.add_argument("--warmup-samples", type=int, default=512)
+    p.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step")
+    p.add_argument("--gamma", type=float, default=None, help="loss decay over block slots (default: the paper's)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def init_draft(target_cfg, target_state, args, std=0.02):
+    """A draft for the target: final norm copied from the target, the rest normal(std)."""
+    cfg = draft_config_for_target(target_cfg, args.num_layers, args.block_size, args.target_layer_ids,
+                                  args.mask_token_id, args.intermediate_size)
+    check_draft_fits_target(args.out, cfg, target_cfg, args.block_size - 1)
+    torch.manual_seed(args.seed)
+    draft = DFlashDraft(cfg)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() == 2:
+                torch.nn.init.normal_(p, std=std)
+        draft.norm.weight.copy_(target_state["model.norm.weight"])
+    return draft
+
+
+def batch_of(sequences, rng, batch_size):
+    """(tokens [B, T] zero-padded, mask [B, T] of real positions) of batch_size sequences drawn at random."""
+    batch = [rng.choice(sequences) for _ in range(batch_size)]
+    width = max(len(x) for x in batch)
+    tokens = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros(len(batch), width)
+    for i, x in enumerate(batch):
+        tokens[i, :len(x)] = torch.tensor(x)
+        mask[i, :len(x)] = 1
+    return tokens, mask
+
+
+def warm_up(draft, target, sequences, args, log=print):
+    """Offline block-objective steps on the target's own sequences (target states recomputed, detached)."""
+    rng = random.Random(args.seed)
+    generator = torch.Generator().manual_seed(args.seed)
+    opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.0)
+    embed, head = target.model.embed_tokens.weight.detach(), target.head_weight().detach()
+    start = time.time()
+    for step in range(args.warmup_steps):
+        tokens, mask = batch_of(sequences, rng, args.batch_size)
+        with torch.no_grad():
+            aux = target.aux_hidden_states(tokens, torch.arange(tokens.shape[1]).expand_as(tokens),
+                                           draft.cfg.aux_layer_ids)
+        loss, per_slot = block_loss(draft, aux, tokens, mask, embed, head, args.anchors, args.gamma, generator)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0 or step == args.warmup_steps - 1:
+            log(f"warm-up step {step:4d}  loss by block slot " + " ".join(f"{x.item():.3f}" for x in per_slot)
+                + f"  {time.time() - start:.0f}s")
+
+
+@exit_on_user_error
+def main(argv=None):
+    args = parse_args(argv)
+    require(args.warmup_steps >= 0, f"--warmup-steps must be >= 0 (got {args.warmup_steps})")
+    require(args.block_size >= 2, f"--block-size must be >= 2: the anchor and at least one draft (got {args.block_size})")
+    require(args.num_layers >= 1, f"--num-layers must be >= 1 (got {args.num_layers})")
+    require(args.anchors >= 1, f"--anchors must be >= 1 (got {args.anchors})")
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    target_cfg, target_state, _ = load_hf_checkpoint(args.target)
+    draft = init_draft(target_cfg, target_state, args)
+    if args.warmup_steps:
+        sequences, target = target_samples(args.target, args.warmup_samples, args.max_new_tokens, args.seed)
+        warm_up(draft, target, sequences, args)
+    save_draft(args.out, draft.cfg, draft.state_dict())
+    print(f"saved {args.out} (target layers {list(draft.cfg.target_layer_ids)} of {target_cfg.num_hidden_layers}, "
+          f"blocks of {draft.cfg.block_size}: num_speculative_tokens {draft.cfg.num_drafts})")
+
+
+if __name__ == "__main__":
+    main()
