@@ -48,105 +48,74 @@ class TrainerGroup:
         ray.get([a.save.remote(path) for a in self.actors])
 
 
-class GroupBroadcast:
-    """The default transport: trainer rank 0 broadcasts buckets to the rollout workers over a
-    torch.distributed group of their own (gloo on CPU, NCCL on GPU, across nodes), and each
-    worker loads them into its backend (vLLM: a file in shared memory, reloaded in place)."""
-
-    needs_gpus = False
-
-    def __init__(self, trainers, workers, run_cfg):
-        self.trainers, self.workers = trainers, workers
-        layouts = ray.get([a.weight_layout.remote(run_cfg.update_weight_buffer_size) for a in trainers.actors])
-        layout, world = layouts[0], 1 + len(workers)
-        master_addr, port = ray.get(trainers.actors[0].rendezvous.remote())  # trainer rank 0 hosts the broadcast
-        backend = "nccl" if ray.cluster_resources().get("GPU", 0) else "gloo"
-        joins = [trainers.actors[0].join_weight_sync.remote(master_addr, port, world, layout, backend)]
-        joins += [w.join_weight_sync.remote(master_addr, port, i + 1, world, layout, backend)
-                  for i, w in enumerate(workers)]
-        ray.get(joins)
-
-    def move(self, version):
-        """(trainer rank 0's report, each worker's fingerprint) of one push."""
-        sent = [a.send_weights.remote() for a in self.trainers.actors]
-        received = ray.get([w.receive_weights.remote(version) for w in self.workers])
-        return ray.get(sent)[0], received
-
-
-class VLLMNcclTransfer:
-    """--vllm-weight-transfer nccl: trainer rank 0 broadcasts straight into every engine's vLLM
-    worker through vLLM's weight transfer engine, the target and then the drafter
-    (trainer/vllm_transfer.py); GPU only."""
-
-    needs_gpus = True
-
-    def __init__(self, trainers, workers, run_cfg):
-        self.trainers, self.workers = trainers, workers
-        self.plan = ray.get(workers[0].transfer_plan.remote())
-        master_addr, port = ray.get(trainers.actors[0].rendezvous.remote())
-        world = 1 + len(workers)  # one vLLM worker per engine (no tensor parallelism inside an engine)
-        joins = [a.join_vllm_transfer.remote(master_addr, port, world) for a in trainers.actors]
-        joins += [w.join_vllm_transfer.remote(master_addr, port, i + 1, world) for i, w in enumerate(workers)]
-        ray.get(joins)
-        self.infos = ray.get([a.vllm_transfer_infos.remote(self.plan) for a in trainers.actors])[0]
-
-    def move(self, version):
-        sent = [a.send_vllm_transfer.remote(self.plan) for a in self.trainers.actors]
-        received = ray.get([w.receive_vllm_transfer.remote(self.infos, version) for w in self.workers])
-        return ray.get(sent)[0], received
-
-
-TRANSPORTS = {"reload": GroupBroadcast, "nccl": VLLMNcclTransfer}  # --vllm-weight-transfer
-
-
 def check_transport_fits(transport):
     """Before any actor starts: a GPU-only transport needs a cluster with GPUs."""
-    require(not TRANSPORTS[transport].needs_gpus or ray.cluster_resources().get("GPU", 0) > 0,
+    from trainer.weight_senders import SENDERS
+
+    require(not SENDERS[transport].needs_gpus or ray.cluster_resources().get("GPU", 0) > 0,
             f"--vllm-weight-transfer {transport} moves weights between GPUs and this Ray cluster has none; "
             "use --vllm-weight-transfer reload")
 
 
 class WeightSync:
-    """Trainer rank 0 -> every rollout worker, versioned and verified after each push."""
+    """Trainer rank 0 -> every rollout worker, versioned and verified after each push.
 
-    PARTS = {"mtp": "draft (MTP)", "trunk": "target (trunk)"}
+    The transport (--vllm-weight-transfer) is a sender on trainer rank 0 (trainer/weight_senders.py)
+    and each engine's receiver (rollout/weight_receiver.py, given by its backend); this class only
+    introduces them: the engines' plan to the sender, one rendezvous for all, the sender's header
+    to the engines with each push."""
 
     def __init__(self, trainers, workers, run_cfg, sync_draft=True, transport="reload"):
         self.trainers, self.workers = trainers, workers
         self.check_all = run_cfg.check_weight_update_equal
         self.sync_draft = sync_draft  # False: target-only sync, a stale draft is reported, not fatal
         self.warned_stale = False
-        self.transport = TRANSPORTS[transport](trainers, workers, run_cfg)
+        self.header = self._connect(transport, run_cfg.update_weight_buffer_size)
+
+    def _connect(self, transport, buffer_size):
+        """Every engine takes its receiver; trainer rank 0 (the group's rank 0, on its node's address)
+        and the engines (ranks 1..n) join at once; returns the sender's header of a push."""
+        plan = ray.get([w.weight_plan.remote(transport) for w in self.workers])[0]  # the engines are alike
+        master_addr, port = ray.get(self.trainers.actors[0].rendezvous.remote())
+        device = "cuda" if ray.cluster_resources().get("GPU", 0) else "cpu"
+        rendezvous = {"master_addr": master_addr, "master_port": port, "world_size": 1 + len(self.workers),
+                      "device": device}
+        opened = [a.open_weight_sender.remote(transport, plan, rendezvous, buffer_size) for a in self.trainers.actors]
+        ray.get([w.join_weight_sync.remote(rendezvous, i + 1) for i, w in enumerate(self.workers)])
+        return ray.get(opened)[0]
 
     def push(self, version):
-        """Broadcast all weights, then prove every worker holds the trainer's (stop if not)."""
-        trainer, received = self.transport.move(version)
+        """Send all weights, then prove every worker holds the trainer's (stop if not)."""
+        sent = [a.send_weights.remote() for a in self.trainers.actors]
+        received = ray.get([w.receive_weights.remote(self.header, version) for w in self.workers])
+        trainer = ray.get(sent)[0]
         stale = self._check_fingerprints(version, trainer, received)
         if self.check_all:
             self._compare_every_tensor(version)
-        return {"weight_sync/bytes": trainer["bytes"], "weight_sync/seconds": max(r["seconds"] for r in received),
-                "weight_sync/bytes_per_s": trainer["bytes"] / max(max(r["seconds"] for r in received), 1e-9),
-                "weight_sync/mtp_checksum": trainer["mtp_checksum"][0],
-                "weight_sync/trunk_checksum": trainer["trunk_checksum"][0],
-                "weight_sync/worker_mtp_checksum": (received[0]["mtp_checksum"] or [float("nan")])[0],
+        seconds = max(r["seconds"] for r in received)
+        return {"weight_sync/bytes": trainer["bytes"], "weight_sync/seconds": seconds,
+                "weight_sync/bytes_per_s": trainer["bytes"] / max(seconds, 1e-9),
+                "weight_sync/draft_checksum": trainer["draft_checksum"][0],
+                "weight_sync/target_checksum": trainer["target_checksum"][0],
+                "weight_sync/worker_draft_checksum": (received[0]["draft_checksum"] or [float("nan")])[0],
                 "rollout/weight_version_synced": version, "weight_sync/draft_stale": int(stale)}
 
     def _check_fingerprints(self, version, trainer, received):
         """Stop on any difference, except a stale draft under target-only sync (returns True then)."""
         stale = False
         for i, got in enumerate(received):
-            for part, what in self.PARTS.items():
+            for part in ("draft", "target"):
                 if got[f"{part}_checksum"] in (trainer[f"{part}_checksum"], None):  # None: holds no such part
                     continue
-                if part == "mtp" and not self.sync_draft:
+                if part == "draft" and not self.sync_draft:
                     stale = True
                     continue
                 raise WeightSyncError(
-                    f"weight sync v{version}: rollout worker {i}'s {what} weights differ from the trainer's "
+                    f"weight sync v{version}: rollout worker {i}'s {part} weights differ from the trainer's "
                     f"(checksum {got[f'{part}_checksum']} vs {trainer[f'{part}_checksum']}); stopping")
         if stale and not self.warned_stale:
             self.warned_stale = True
-            print(f"[vime] weight sync v{version}: the rollout draft (MTP) is stale — "
+            print(f"[vime] weight sync v{version}: the rollout draft is stale — "
                   "--no-sync-draft-weights syncs only the target", flush=True)
         return stale
 
@@ -168,13 +137,15 @@ def vllm_logging_env(verbose):
 
 
 def init_ray(run_cfg, needed_cpus):
-    """Join --ray-address (its own token auth applies) or start a local cluster closed to strangers:
+    """Join --ray-address once a Ray head answers there within --ray-connect-timeout (its own token
+    auth applies; orchestration/ray_connect.py) or start a local cluster closed to strangers:
     Ray's token authentication stays on (a new local cluster writes its token under ~/.ray/ and
     refuses clients without it), and no dashboard or debugger listens (they would bind ports of
     their own). Ray's GCS, raylet and object servers bind every interface; the token guards them."""
     from vime.config import REPO_ROOT
 
     from orchestration.placement import code_runtime_env
+    from orchestration.ray_connect import check_ray_address
 
     # Ray announces its token-auth default with a warning line at every local start; the auth stays
     # as Ray sets it, only the line goes (a run's error output is one line; RAY_AUTH_MODE=disabled is
@@ -188,6 +159,7 @@ def init_ray(run_cfg, needed_cpus):
         # read by vLLM in the rollout actor and the engine process it spawns
         **vllm_logging_env(run_cfg.verbose)}}
     if run_cfg.ray_address:
+        check_ray_address(run_cfg.ray_address, run_cfg.ray_connect_timeout)
         ray.init(address=run_cfg.ray_address, runtime_env=env, log_to_driver=True)
     else:
         if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":  # unset: Ray turns token auth on

@@ -237,10 +237,10 @@ def check_rollout_backend(cfg, hf):
 
 def check_weight_transfer(rollout_cfg):
     """--vllm-weight-transfer: a known transport, and nccl only into vLLM (it is vLLM's engine)."""
-    from orchestration.driver import TRANSPORTS
+    from trainer.weight_senders import SENDERS
 
     t = rollout_cfg.vllm_weight_transfer
-    require(t in TRANSPORTS, f"--vllm-weight-transfer {t!r}: choose one of {', '.join(TRANSPORTS)}")
+    require(t in SENDERS, f"--vllm-weight-transfer {t!r}: choose one of {', '.join(SENDERS)}")
     require(t == "reload" or rollout_cfg.backend == "vllm",
             f"--vllm-weight-transfer {t} is vLLM's weight transfer engine: use it with --rollout-backend vllm")
 

@@ -6,9 +6,13 @@ worker knows which one runs:
 
     generate(samples, sampling) -> samples  fills response_ids / response / rollout_logprobs /
                                             finish_reason / weight_version of each Sample
-    load_weights(named_tensors, version)    (canonical HF name, tensor) pairs, trunk and draft
-    fingerprint() -> {"trunk": [s, ss], "mtp": [s, ss]}  weight_sync.checksum of the weights the
-                                            backend serves with, under canonical names
+    load_weights(named_tensors, version)    (canonical HF name, tensor) pairs, target and draft
+    weight_receiver(transport, keep_draft) -> its receiving end of a push by --vllm-weight-transfer
+                                            `transport` (rollout/weight_receiver.py; keep_draft False
+                                            leaves the draft's weights as they are)
+    fingerprint() -> {"target": [s, ss], "draft": [s, ss] or None}  weight_sync.checksum of the
+                                            weights the backend serves with, under canonical names
+                                            (None: it holds no draft)
     digests() -> {canonical name: sha256}   the full comparison of --check-weight-update-equal
     pause() / resume()                      around a weight update
     stats() -> {"seconds", "generated_tokens", "spec": counters}   of the last generate call
@@ -21,8 +25,8 @@ worker knows which one runs:
 embedded engine's --spec-adaptive (vLLM has its own per-batch-size k in the speculative config);
 `dtype` the model's (torch.bfloat16 under --bf16): weights are loaded and synced in it, and the
 fingerprint sums exactly the values the backend holds in it; `cpu_cores` the cores the backend
-computes on (vime/cpu_cores.py; None: torch's and vLLM's own choice); `weight_transfer` vLLM's
---vllm-weight-transfer (the embedded engine loads what its worker receives).
+computes on (vime/cpu_cores.py; None: torch's and vLLM's own choice); `weight_transfer`
+--vllm-weight-transfer, for a backend that must prepare for its transport when it starts.
 
 The embedded backend can also time plain decoding of the same batch right beside the real,
 speculative call (`generate_with_plain_baseline`, --rollout-time-plain-baseline): a benchmark's
@@ -34,6 +38,7 @@ import torch
 
 from vime.models.families import is_draft_name
 from rollout.spec_stats import spec_counters
+from rollout.weight_receiver import BucketReceiver
 from vime import weight_sync
 from vime.sample import Sample
 from vime.lazy import lazy_constructor
@@ -47,6 +52,8 @@ class RolloutBackend(typing.Protocol):
     def generate(self, samples: list, sampling) -> list: ...
 
     def load_weights(self, named_tensors, version: int) -> None: ...
+
+    def weight_receiver(self, transport: str, keep_draft: bool = True): ...
 
     def fingerprint(self) -> dict: ...
 
@@ -117,11 +124,17 @@ class EmbeddedBackend:
     def load_weights(self, named_tensors, version):
         self.engine.load_weights(named_tensors, version)
 
+    def weight_receiver(self, transport, keep_draft=True):
+        """vime's bucket broadcast, loaded in place (the engine has no transport of its own)."""
+        if transport != "reload":  # the run's checks refuse any other before an actor starts
+            raise ValueError(f"the embedded engine has no weight transport {transport!r}")
+        return BucketReceiver(self.load_weights, self.engine.cfg.num_hidden_layers, keep_draft)
+
     def _parts(self):
         n = self.engine.cfg.num_hidden_layers
         named = list(self.engine.named_weights())
-        return {"mtp": [(k, v) for k, v in named if is_draft_name(k, n)],
-                "trunk": [(k, v) for k, v in named if not is_draft_name(k, n)]}
+        return {"draft": [(k, v) for k, v in named if is_draft_name(k, n)],
+                "target": [(k, v) for k, v in named if not is_draft_name(k, n)]}
 
     def fingerprint(self):
         return {part: weight_sync.checksum(named) for part, named in self._parts().items()}

@@ -14,12 +14,12 @@ from rollout.group_batching import DynamicBatch, groups_of, renumber, spread_gro
 from rollout.rewards import make_scorer
 from rollout.sampling_params import SamplingParams
 from rollout.spec_stats import add_counters, empty_counters, spec_rates
-from vime import weight_sync
 from vime.sample import Sample
 
 
 class RolloutWorkerImpl:
-    """One rollout backend (rollout/backend.py: embedded or vLLM) plus its end of the weight-sync group."""
+    """One rollout backend (rollout/backend.py: embedded or vLLM) plus its end of the weight push
+    (the backend's receiver for the run's transport, rollout/weight_receiver.py)."""
 
     def __init__(self, hf_checkpoint, spec_config, max_batch_size, threads=1, backend="embedded", sync_draft=True,
                  spec_adaptive=False, time_plain_baseline=False, bf16=False, cpu_slot=0, weight_transfer="reload"):
@@ -32,10 +32,9 @@ class RolloutWorkerImpl:
         torch.set_num_threads(len(cores) if cores else threads)
         self.backend = build_backend(backend, hf_checkpoint, spec_config, max_batch_size, device, adaptive=spec_adaptive,
                                      dtype=compute_dtype(bf16), cpu_cores=cores, weight_transfer=weight_transfer)
-        self.num_hidden_layers = read_num_hidden_layers(hf_checkpoint)
         self.sync_draft = sync_draft
         self.time_plain_baseline, self.calls = time_plain_baseline, 0
-        self.group, self.layout = None, None
+        self.receiver = None
         self.draft_version = 0  # the checkpoint's draft until a push loads one
 
     def generate(self, samples, sampling):
@@ -52,46 +51,29 @@ class RolloutWorkerImpl:
             s.weight_version, s.draft_version = self.backend.weight_version, self.draft_version
         return samples, dict(self.backend.stats(), **baseline)
 
-    def join_weight_sync(self, master_addr, master_port, rank, world_size, layout, backend="gloo"):
-        self.layout, self.sync_device = layout, weight_sync.device_for(backend)
-        self.group = weight_sync.make_group(master_addr, master_port, rank, world_size, backend)
+    def weight_plan(self, transport):
+        """Take the backend's receiver for `transport`; returns what the trainer's sender must know of
+        this engine. With sync_draft False (the target-only benchmark arm) the receiver leaves the
+        drafter's weights as they are, and the guard reports the draft stale."""
+        self.receiver = self.backend.weight_receiver(transport, keep_draft=self.sync_draft)
+        return self.receiver.plan()
+
+    def join_weight_sync(self, rendezvous, rank):
+        """Join trainer rank 0's push group at `rank` (blocks until every member joined)."""
+        self.receiver.join(rendezvous, rank)
         return rank
 
-    def receive_weights(self, version):
-        """pause -> load every bucket -> resume; returns the backend's fingerprint and seconds.
-
-        With sync_draft False (the target-only benchmark arm) the MTP tensors are received
-        but not loaded, so the drafter keeps its old weights and the guard reports it stale."""
-        from vime.models.families import is_draft_name
-
+    def receive_weights(self, header, version):
+        """pause -> receive the push into the backend -> resume; returns the backend's fingerprint
+        (target and draft checksums) and the seconds it took."""
         start = time.perf_counter()
         self.backend.pause()
-        named = weight_sync.receive(self.group, self.layout, self.sync_device)
-        if not self.sync_draft:
-            named = ((k, v) for k, v in named if not is_draft_name(k, self.num_hidden_layers))
-        self.backend.load_weights(named, version)
-        return self._received(version, start)
-
-    def _received(self, version, start):
+        self.receiver.receive(header, version)
         if self.sync_draft:
             self.draft_version = version
         self.backend.resume()
         fp = self.backend.fingerprint()
-        return {"mtp_checksum": fp["mtp"], "trunk_checksum": fp["trunk"], "seconds": time.perf_counter() - start}
-
-    # --vllm-weight-transfer nccl: the trainer broadcasts into vLLM's workers (rollout/vllm/backend.py)
-    def transfer_plan(self):
-        return self.backend.transfer_plan(self.sync_draft)
-
-    def join_vllm_transfer(self, master_addr, master_port, rank_offset, world_size):
-        self.backend.join_transfer(master_addr, master_port, rank_offset, world_size)
-        return rank_offset
-
-    def receive_vllm_transfer(self, infos, version):
-        start = time.perf_counter()
-        self.backend.pause()
-        self.backend.receive_transfer(infos, version)
-        return self._received(version, start)
+        return {"draft_checksum": fp["draft"], "target_checksum": fp["target"], "seconds": time.perf_counter() - start}
 
     def digests(self):
         return self.backend.digests()
@@ -101,12 +83,6 @@ class RolloutWorkerImpl:
 
     def close(self):
         self.backend.close()
-
-
-def read_num_hidden_layers(hf_checkpoint):
-    from vime.models.hf_format import read_config
-
-    return read_config(hf_checkpoint).num_hidden_layers
 
 
 RolloutWorker = ray.remote(RolloutWorkerImpl)

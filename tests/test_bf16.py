@@ -183,8 +183,8 @@ def test_bf16_weights_go_on_the_wire_as_bf16_and_the_engine_fingerprint_sums_wha
     from vime.models.families import is_draft_name
 
     fp = backend.fingerprint()
-    assert fp["trunk"] == weight_sync.checksum([(k, v) for k, v in sent if not is_draft_name(k, n)])
-    assert fp["mtp"] == weight_sync.checksum([(k, v) for k, v in sent if is_draft_name(k, n)])
+    assert fp["target"] == weight_sync.checksum([(k, v) for k, v in sent if not is_draft_name(k, n)])
+    assert fp["draft"] == weight_sync.checksum([(k, v) for k, v in sent if is_draft_name(k, n)])
     assert fp != before  # the step changed the weights: the comparison is not of two initial states
     assert backend.digests() == weight_sync.digests(sent)  # --check-weight-update-equal: the bf16 bit patterns
 
@@ -284,7 +284,7 @@ def test_the_online_eagle3_draft_trains_in_bf16_on_fp32_masters_and_syncs_bit_fo
     backend.load_weights(sent, version=1)
     drafted = {k: v for k, v in sent if k.startswith(DRAFT_PREFIX)}
     assert drafted and {v.dtype for v in drafted.values()} == {torch.bfloat16}
-    assert backend.fingerprint()["mtp"] == weight_sync.checksum(list(drafted.items()))
+    assert backend.fingerprint()["draft"] == weight_sync.checksum(list(drafted.items()))
 
 
 # ---------------------------------------------------------------- vLLM in bf16 (in-process, no Ray)
@@ -317,8 +317,8 @@ def test_vllm_in_bf16_speculates_exactly_takes_the_bf16_trainers_weights_and_agr
             backend.load_weights(sent, version=1)
             fp = backend.fingerprint()
             n = cfg.num_hidden_layers
-            assert fp["trunk"] == weight_sync.checksum([(k, v) for k, v in sent if not is_draft_name(k, n)])
-            assert fp["mtp"] == weight_sync.checksum([(k, v) for k, v in sent if is_draft_name(k, n)])
+            assert fp["target"] == weight_sync.checksum([(k, v) for k, v in sent if not is_draft_name(k, n)])
+            assert fp["draft"] == weight_sync.checksum([(k, v) for k, v in sent if is_draft_name(k, n)])
             assert backend.digests() == weight_sync.digests(sent)
             samples = backend.generate(samples_for_prompts(prompts), SamplingParams(temperature=1.0,
                                                                                      max_new_tokens=16, seed=3))

@@ -36,8 +36,8 @@ def test_the_online_draft_reaches_the_rollout_every_step_and_exports(tmp_path, b
 
     metrics, save = run_online(tmp_path, backend)
     for m in metrics:
-        assert m["weight_sync/mtp_checksum"] != 0.0  # the draft is in the guard's comparison
-        assert m["weight_sync/mtp_checksum"] == m["weight_sync/worker_mtp_checksum"]
+        assert m["weight_sync/draft_checksum"] != 0.0  # the draft is in the guard's comparison
+        assert m["weight_sync/draft_checksum"] == m["weight_sync/worker_draft_checksum"]
         assert m["weight_sync/draft_stale"] == 0
         assert m["train/draft_1_loss"] > 0
     out = tmp_path / "exported"

@@ -36,6 +36,13 @@ LAYERS = (
 # the shared layer vime/ (model families included) too, so both sides and tools can use it.
 PURE = ("mtp", "vime")
 HEAVY = ("ray", "megatron", "vllm")
+# vLLM's weight-transfer API: its modules, and the methods of vllm.LLM that drive its transfer engine.
+# Only the vLLM backend speaks it (both ends: the engine's receiver and the trainer's sending end it
+# hands over); the trainer and the rollout worker move weights through the transport registries.
+WEIGHT_TRANSFER_MODULES = ("vllm.distributed.weight_transfer", "vllm.config.weight_transfer", "vllm.entrypoints.rl")
+WEIGHT_TRANSFER_METHODS = ("init_weight_transfer_engine", "start_weight_update", "start_draft_weight_update",
+                           "update_weights", "finish_weight_update")
+WEIGHT_TRANSFER_HOME = "rollout.vllm"
 
 
 def module_files():
@@ -190,7 +197,56 @@ def test_pure_modules_and_what_they_import_need_no_ray_megatron_or_vllm(graph):
             assert not heavy, f"pure {module} imports {dependency}, which imports {sorted(heavy)}"
 
 
+def weight_transfer_uses(source, module, is_package):
+    """The vLLM weight-transfer modules `source` imports and the weight-transfer methods it calls."""
+    modules = {n for n in imported_names(source, module, is_package)
+               if any(n == m or n.startswith(m + ".") for m in WEIGHT_TRANSFER_MODULES)}
+    methods = {node.attr for node in ast.walk(ast.parse(source))
+               if isinstance(node, ast.Attribute) and node.attr in WEIGHT_TRANSFER_METHODS}
+    return modules | methods
+
+
+def weight_transfer_users():
+    """{module: what of vLLM's weight-transfer API it uses} over the packages and scripts."""
+    found = {}
+    for module, path in module_files().items():
+        used = weight_transfer_uses(path.read_text(), module, path.name == "__init__.py")
+        if used:
+            found[module] = used
+    return found
+
+
+def test_only_the_vllm_backend_uses_vllms_weight_transfer_api():
+    users = weight_transfer_users()
+    assert users, "the vLLM backend's NCCL transfer is no longer found: the check has nothing to check"
+    outside = {m: sorted(used) for m, used in users.items()
+               if not (m == WEIGHT_TRANSFER_HOME or m.startswith(WEIGHT_TRANSFER_HOME + "."))}
+    assert outside == {}
+
+
+def test_the_rollout_worker_and_the_trainer_actor_name_no_engines_transport(graph):
+    """They move weights through the backend protocol and the sender registry, whatever the engine."""
+    inside, outside = graph
+    files = module_files()
+    for module in ("rollout.ray_workers", "trainer.ray_actor"):
+        assert "vllm" not in outside[module], module
+        assert [t for t in inside[module] if t.startswith(WEIGHT_TRANSFER_HOME)] == [], module
+        tree = ast.parse(files[module].read_text())
+        defined = {node.name for node in ast.walk(tree)
+                   if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))}
+        assert [n for n in sorted(defined) if "vllm" in n.lower() or "nccl" in n.lower()] == [], module
+
+
 # negative controls: the checks above can fail
+
+
+def test_a_weight_transfer_import_or_call_outside_the_vllm_backend_is_seen():
+    source = ("from vllm.distributed.weight_transfer.nccl_common import trainer_init\n"
+              "def f(llm):\n    llm.start_draft_weight_update()\n")
+    assert weight_transfer_uses(source, "trainer.x", False) == {
+        "vllm.distributed.weight_transfer.nccl_common", "vllm.distributed.weight_transfer.nccl_common.trainer_init",
+        "start_draft_weight_update"}
+    assert weight_transfer_uses("import vllm\nfrom vllm import LLM\n", "trainer.x", False) == set()
 
 
 def test_a_function_level_import_is_an_import():

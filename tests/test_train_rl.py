@@ -67,7 +67,7 @@ def online_run(ckpt, tmp_path_factory):
     return str(out), str(save)
 
 
-def initial_mtp_checksum(ckpt):
+def initial_draft_checksum(ckpt):
     from vime.models.families import is_mtp_name
     from vime.models.hf_format import load_hf_checkpoint
     from vime.weight_sync import checksum
@@ -85,7 +85,7 @@ def test_online_run_logs_metrics_and_the_draft_follows_the_trainer_every_step(on
                     "train/policy_loss", "train/mtp_loss", "train/mtp_grad_norm", "perf/rollout_tokens_per_s"):
             assert key in r and math.isfinite(r[key])
         assert r["train/logprob_abs_diff"] < 1e-4  # trainer and rollout agree on log-probs
-    mtp = [initial_mtp_checksum(ckpt)] + [r["weight_sync/mtp_checksum"] for r in rows]
+    mtp = [initial_draft_checksum(ckpt)] + [r["weight_sync/draft_checksum"] for r in rows]
     assert len(set(mtp)) == len(mtp)  # the draft changed at every step
     wandb_runs = [d for d in os.listdir(os.path.join(out, "wandb")) if d.startswith("offline-run")]
     assert len(wandb_runs) == 1
@@ -114,8 +114,8 @@ def test_frozen_mtp_stays_bitwise_initial_while_the_trunk_trains(ckpt, tmp_path)
     proc = run_train(*base_args(ckpt, tmp_path, 3, "--check-weight-update-equal"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
-    assert {r["weight_sync/worker_mtp_checksum"] for r in rows} == {initial_mtp_checksum(ckpt)}
-    trunk = [r["weight_sync/trunk_checksum"] for r in rows]
+    assert {r["weight_sync/worker_draft_checksum"] for r in rows} == {initial_draft_checksum(ckpt)}
+    trunk = [r["weight_sync/target_checksum"] for r in rows]
     assert len(set(trunk)) == 3
     assert all("train/mtp_loss" not in r for r in rows)
 
@@ -149,7 +149,7 @@ def test_a_training_save_directory_converts_to_the_hf_weights_the_rollout_was_sy
     cfg, state, _ = load_hf_checkpoint(str(tmp_path / "hf"))
     mtp = checksum([(k, v) for k, v in state.items() if is_mtp_name(k, cfg.num_hidden_layers)])[0]
     # the latest checkpoint (step 3: the last step is always saved) holds the weights synced after training step 2
-    assert mtp == metrics(out)[2]["weight_sync/mtp_checksum"]
+    assert mtp == metrics(out)[2]["weight_sync/draft_checksum"]
 
 
 def test_killing_the_process_during_a_save_leaves_the_previous_checkpoint_loadable(online_run, ckpt, tmp_path):
@@ -330,8 +330,8 @@ def test_two_data_parallel_trainers_train_like_one(ckpt, tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[dp] = metrics(out)
     for one, two in zip(runs[1], runs[2]):  # same samples; DP splits them and all-reduces the gradients
-        for key in ("train/policy_loss", "train/mtp_loss", "train/grad_norm", "weight_sync/trunk_checksum",
-                    "weight_sync/mtp_checksum"):
+        for key in ("train/policy_loss", "train/mtp_loss", "train/grad_norm", "weight_sync/target_checksum",
+                    "weight_sync/draft_checksum"):
             assert close(two[key], one[key], rtol, scale=max(abs(one[key]), 1.0)), key
 
 

@@ -82,7 +82,7 @@ def check_bf16_run(rows, rollouts, ckpt):
     assert [r["rollout/step"] for r in rows] == list(range(STEPS))
     for step, r in enumerate(rows):
         # the guard compared the worker's bf16 sums with the trainer's (a difference stops the run)
-        assert r["weight_sync/worker_mtp_checksum"] == r["weight_sync/mtp_checksum"]
+        assert r["weight_sync/worker_draft_checksum"] == r["weight_sync/draft_checksum"]
         assert r["weight_sync/draft_stale"] == 0
         assert r["weight_sync/bytes"] == synced_bytes(ckpt)  # bf16 on the wire: half the fp32 bytes
         with open(os.path.join(rollouts, f"step_{step:07d}.pkl"), "rb") as f:
@@ -91,7 +91,7 @@ def check_bf16_run(rows, rollouts, ckpt):
                                  max_abs_logit(ckpt, samples), 1.0)
         assert r["train/logprob_abs_diff"] <= tol, (step, r["train/logprob_abs_diff"], tol)
         assert r["rollout/spec_draft_tokens"] > 0 and r["rollout/spec_accepted_tokens"] > 0
-    assert len({r["weight_sync/mtp_checksum"] for r in rows}) == STEPS  # the draft trained and followed
+    assert len({r["weight_sync/draft_checksum"] for r in rows}) == STEPS  # the draft trained and followed
 
 
 @pytest.mark.slow

@@ -62,7 +62,7 @@ def test_vllm_rollouts_train_and_after_every_sync_vllm_holds_the_trainers_weight
     assert len(rows) == 3
     for r in rows:
         # the guard compared vLLM's fingerprints with the trainer's (it stops the run otherwise)
-        assert r["weight_sync/worker_mtp_checksum"] == r["weight_sync/mtp_checksum"]
+        assert r["weight_sync/worker_draft_checksum"] == r["weight_sync/draft_checksum"]
         assert r["weight_sync/draft_stale"] == 0
         # trainer and vLLM agree on log-probs: fp32, two kernels, same weights (tolerance:
         # tests/test_vllm_rollout.py's bound for this model size is ~1e-3 at worst)
@@ -70,7 +70,7 @@ def test_vllm_rollouts_train_and_after_every_sync_vllm_holds_the_trainers_weight
         assert r["rollout/spec_draft_tokens"] > 0 and 0 <= r["rollout/spec_accept_rate"] <= 1
         assert "rollout/spec_accept_rate_pos_1" in r and r["rollout/spec_accept_length"] >= 1
     assert [r["rollout/weight_version_synced"] for r in rows] == [1, 2, 3]
-    assert len({r["weight_sync/mtp_checksum"] for r in rows}) == 3  # the draft trained and followed
+    assert len({r["weight_sync/draft_checksum"] for r in rows}) == 3  # the draft trained and followed
 
 
 @pytest.mark.slow  # a whole run of its own (1-2 min on 2 cores)
@@ -89,7 +89,7 @@ def test_a_resumed_vllm_run_continues_from_the_checkpoint(vllm_run, ckpt, tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
     assert len(rows) == 1 and rows[0]["rollout/weight_version"] == 2
-    assert rows[0]["weight_sync/worker_mtp_checksum"] == rows[0]["weight_sync/mtp_checksum"]
+    assert rows[0]["weight_sync/worker_draft_checksum"] == rows[0]["weight_sync/draft_checksum"]
 
     def prompts(folder):
         with open(os.path.join(folder, "step_0000002.pkl"), "rb") as f:
@@ -103,7 +103,7 @@ def test_without_speculation_vllm_holds_no_draft_and_the_guard_checks_the_trunk(
     proc = run_train(*base_args(ckpt, tmp_path, 1, "experiment=drift_none", speculate=False))
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = metrics(tmp_path)
-    assert row["weight_sync/worker_mtp_checksum"] != row["weight_sync/worker_mtp_checksum"]  # NaN: no drafter
+    assert row["weight_sync/worker_draft_checksum"] != row["weight_sync/worker_draft_checksum"]  # NaN: no drafter
     assert "rollout/spec_draft_tokens" not in row or row["rollout/spec_draft_tokens"] == 0
 
 
@@ -113,8 +113,8 @@ def test_target_only_sync_leaves_the_draft_stale_and_says_so(ckpt, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
     assert all(r["weight_sync/draft_stale"] == 1 for r in rows)
-    assert all(r["weight_sync/worker_mtp_checksum"] != r["weight_sync/mtp_checksum"] for r in rows)
-    assert "the rollout draft (MTP) is stale" in proc.stdout + proc.stderr
+    assert all(r["weight_sync/worker_draft_checksum"] != r["weight_sync/draft_checksum"] for r in rows)
+    assert "the rollout draft is stale" in proc.stdout + proc.stderr
 
 
 def processes_with_marker(marker):

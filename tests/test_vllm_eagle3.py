@@ -176,11 +176,11 @@ def test_a_draft_reloaded_in_place_is_the_one_vllm_drafts_with(backend, prompts)
     draft = Eagle3Draft(resolve_aux_layers(cfg, read_config(TARGET)))
     draft.load_state_dict(changed)
     engine = build_engine(TARGET, None)
-    readback = backend.readback_stats
+    readback = backend.weights.readback_stats
     assert torch.allclose(readback[DRAFT_PREFIX + "norm.weight"].float(),
                           torch.tensor([float(changed["norm.weight"].sum()), float(changed["norm.weight"].pow(2).sum())]),
                           rtol=1e-6)
-    assert backend.fingerprint()["mtp"] is not None
+    assert backend.fingerprint()["draft"] is not None
     total = [0] * K
     for prompt in prompts[:8]:
         samples = samples_for_prompts([prompt])

@@ -152,10 +152,10 @@ def test_nccl_transfer_rounds_name_the_checkpoint_tensors_vllm_loads(vllm_mtp, m
     """--vllm-weight-transfer nccl tells vLLM each round's names, dtypes and shapes before the
     broadcast: the target round is the checkpoint's trunk tensors, the draft round its MTP
     tensors plus the embedding and head the drafter shares (the checkpoint file is the reference)."""
-    from trainer.vllm_transfer import VLLMTransferSender
+    from rollout.vllm.weight_transfer import update_infos
 
     raw = checkpoint_tensors(mimo_ckpt)
-    infos = dict(VLLMTransferSender.infos(list(canonical(mimo_ckpt).items()), vllm_mtp.transfer_plan()))
+    infos = dict(update_infos(list(canonical(mimo_ckpt).items()), vllm_mtp.weight_receiver("nccl").plan()))
     mtp = {k for k in raw if k.startswith("model.mtp_layers.")}
     shared = {k for k in raw if "embed_tokens" in k or k.startswith("lm_head")}
     assert set(infos) == {"target", "mtp"}
@@ -163,8 +163,8 @@ def test_nccl_transfer_rounds_name_the_checkpoint_tensors_vllm_loads(vllm_mtp, m
     for info in infos.values():
         assert info["shapes"] == [list(raw[k].shape) for k in info["names"]]
         assert info["dtype_names"] == [str(raw[k].dtype).removeprefix("torch.") for k in info["names"]]
-    assert "mtp" not in dict(VLLMTransferSender.infos(list(canonical(mimo_ckpt).items()),
-                                                       vllm_mtp.transfer_plan(sync_draft=False)))
+    target_only = vllm_mtp.weight_receiver("nccl", keep_draft=False).plan()
+    assert "mtp" not in dict(update_infos(list(canonical(mimo_ckpt).items()), target_only))
 
 
 def test_speculative_counters_are_per_call_deltas(vllm_mtp, prompts):
@@ -192,8 +192,8 @@ def test_reloaded_weights_are_served_and_fingerprinted_like_the_trainers(vllm_mt
     try:
         vllm_mtp.load_weights(list(new.items()), version=1)
         fp = vllm_mtp.fingerprint()
-        assert fp["trunk"] == weight_sync.checksum([(k, v) for k, v in new.items() if not is_mtp_name(k, L)])
-        assert fp["mtp"] == weight_sync.checksum([(k, v) for k, v in new.items() if is_mtp_name(k, L)])
+        assert fp["target"] == weight_sync.checksum([(k, v) for k, v in new.items() if not is_mtp_name(k, L)])
+        assert fp["draft"] == weight_sync.checksum([(k, v) for k, v in new.items() if is_mtp_name(k, L)])
         assert vllm_mtp.stats()["readback_fraction"] > 0
         ref = hf_trunk_model(mimo_ckpt, from_canonical(new, "mimo", L, 1))
         assert_logprobs_match(vllm_mtp, ref, prompts[:8], seed=8)
@@ -209,9 +209,9 @@ def test_a_target_only_reload_leaves_the_draft_fingerprint_stale(vllm_mtp, mimo_
     try:
         vllm_mtp.load_weights([(k, v) for k, v in new.items() if not is_mtp_name(k, L)], version=1)
         fp = vllm_mtp.fingerprint()
-        assert fp["trunk"] == weight_sync.checksum([(k, v) for k, v in new.items() if not is_mtp_name(k, L)])
-        assert fp["mtp"] == weight_sync.checksum([(k, v) for k, v in original.items() if is_mtp_name(k, L)])
-        assert fp["mtp"] != weight_sync.checksum([(k, v) for k, v in new.items() if is_mtp_name(k, L)])
+        assert fp["target"] == weight_sync.checksum([(k, v) for k, v in new.items() if not is_mtp_name(k, L)])
+        assert fp["draft"] == weight_sync.checksum([(k, v) for k, v in original.items() if is_mtp_name(k, L)])
+        assert fp["draft"] != weight_sync.checksum([(k, v) for k, v in new.items() if is_mtp_name(k, L)])
     finally:
         vllm_mtp.load_weights(list(original.items()), version=0)
 

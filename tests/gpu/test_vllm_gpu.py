@@ -50,8 +50,8 @@ def test_vllm_on_cuda_speculates_exactly_and_takes_synced_weights(mimo_ckpt):
                 new = {k: v * 1.01 for k, v in state.items()}
                 backend.load_weights(list(new.items()), version=1)
                 fp = backend.fingerprint()
-                assert fp["mtp"] == weight_sync.checksum([(k, v) for k, v in new.items() if is_mtp_name(k, L)])
-                assert fp["trunk"] == weight_sync.checksum([(k, v) for k, v in new.items() if not is_mtp_name(k, L)])
+                assert fp["draft"] == weight_sync.checksum([(k, v) for k, v in new.items() if is_mtp_name(k, L)])
+                assert fp["target"] == weight_sync.checksum([(k, v) for k, v in new.items() if not is_mtp_name(k, L)])
         finally:
             backend.close()
     assert outs["mtp"] == outs["plain"]
@@ -79,8 +79,8 @@ def test_vllm_on_cuda_in_bf16_takes_bf16_weights_and_its_guard_sums_them(mimo_ck
         new = {k: (v * 1.01).to(torch.bfloat16) for k, v in state.items()}
         backend.load_weights(list(new.items()), version=1)
         fp = backend.fingerprint()
-        assert fp["mtp"] == weight_sync.checksum([(k, v) for k, v in new.items() if is_mtp_name(k, L)])
-        assert fp["trunk"] == weight_sync.checksum([(k, v) for k, v in new.items() if not is_mtp_name(k, L)])
+        assert fp["draft"] == weight_sync.checksum([(k, v) for k, v in new.items() if is_mtp_name(k, L)])
+        assert fp["target"] == weight_sync.checksum([(k, v) for k, v in new.items() if not is_mtp_name(k, L)])
         assert backend.digests() == weight_sync.digests(list(new.items()))
     finally:
         backend.close()
@@ -97,7 +97,7 @@ def test_nccl_weight_transfer_loads_target_and_draft_into_vllm(mimo_ckpt):
     from safetensors.torch import load_file
 
     from rollout.vllm.backend import VLLMBackend
-    from trainer.vllm_transfer import VLLMTransferSender
+    from rollout.vllm.weight_transfer import NcclSendingEnd, update_infos
     from vime import weight_sync
     from vime.models.families import is_mtp_name, to_canonical
     from vime.net import free_port
@@ -106,30 +106,33 @@ def test_nccl_weight_transfer_loads_target_and_draft_into_vllm(mimo_ckpt):
     backend = VLLMBackend(mimo_ckpt, {"method": "mtp", "num_speculative_tokens": 2}, max_batch_size=16,
                           device="cuda", weight_transfer="nccl")
     try:
-        plan, port = backend.transfer_plan(), free_port()
+        receiver = backend.weight_receiver("nccl")
+        plan, port = receiver.plan(), free_port()
+        assert plan["sending_end"] is NcclSendingEnd
+        rendezvous = {"master_addr": "127.0.0.1", "master_port": port, "world_size": 2, "device": "cuda"}
         new = {k: v * 1.01 for k, v in to_canonical(load_file(f"{mimo_ckpt}/model.safetensors"), "mimo", L, 1).items()}
-        infos = VLLMTransferSender.infos(list(new.items()), plan)
+        infos = update_infos(list(new.items()), plan)
         assert [kind for kind, _ in infos] == ["target", "mtp"]
         errors = []
 
         def trainer_rank0():
             try:
                 torch.cuda.set_device(1)
-                sender = VLLMTransferSender("127.0.0.1", port, 2)
-                sender.send(list(new.items()), plan)
+                sender = NcclSendingEnd(plan, rendezvous)
+                sender.send([(k, v.cuda()) for k, v in new.items()])  # the trainer's tensors live on its GPU
                 sender.close()
             except Exception as e:  # surfaced by the assertion below
                 errors.append(e)
 
         thread = threading.Thread(target=trainer_rank0)
         thread.start()
-        backend.join_transfer("127.0.0.1", port, 1, 2)
-        backend.receive_transfer(infos, version=1)
+        receiver.join(rendezvous, 1)
+        receiver.receive(infos, version=1)
         thread.join(timeout=300)
         assert not errors and not thread.is_alive(), errors
         fp = backend.fingerprint()
-        assert fp["mtp"] == weight_sync.checksum([(k, v) for k, v in new.items() if is_mtp_name(k, L)])
-        assert fp["trunk"] == weight_sync.checksum([(k, v) for k, v in new.items() if not is_mtp_name(k, L)])
+        assert fp["draft"] == weight_sync.checksum([(k, v) for k, v in new.items() if is_mtp_name(k, L)])
+        assert fp["target"] == weight_sync.checksum([(k, v) for k, v in new.items() if not is_mtp_name(k, L)])
         assert backend.stats()["readback_fraction"] == 1.0  # every tensor read from vLLM, none assumed
     finally:
         backend.close()
