@@ -15,7 +15,7 @@ from rollout.data import read_jsonl_rows
 from rollout.embedded.engine import EngineConfig
 from rollout.sampling_params import SamplingParams
 from rollout.embedded.engine_builder import build_engine
-from rollout.spec_config import parse_spec_config
+from vime.spec_config import parse_spec_config
 from rollout.spec_stats import aggregate_spec_stats, format_spec_stats
 from vime.config import AT_LEAST_0, AT_LEAST_1, SEED, Range, check_flag_ranges
 from vime.errors import UserError, exit_on_user_error, require

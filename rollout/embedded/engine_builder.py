@@ -6,8 +6,8 @@ engine runs any proposer), so neither of them imports the other's configuration.
 from vime.models.hf_format import read_config
 from rollout.embedded.engine import Engine, EngineConfig
 from rollout.embedded.proposers import PROPOSERS
-from rollout.spec_config import SpecConfig, check_against_checkpoint, check_spec_adaptive, engine_config_for, \
-    parse_spec_config
+from rollout.spec_config import check_against_checkpoint, check_spec_adaptive, engine_config_for
+from vime.spec_config import as_spec_config
 from rollout.embedded.spec_policy import build_k_policy
 
 
@@ -19,7 +19,7 @@ def build_proposer(spec):
 def build_engine(checkpoint, spec=None, engine_config=None, adaptive=False):
     """An Engine on `checkpoint` with speculation per `spec` (SpecConfig, JSON string, mapping or None);
     `adaptive` is vime's --spec-adaptive (k per batch size from a start-up cost profile and the measured acceptance)."""
-    spec = spec if isinstance(spec, SpecConfig) or spec is None else parse_spec_config(spec)
+    spec = as_spec_config(spec)
     check_spec_adaptive(spec, adaptive)
     check_against_checkpoint(spec, read_config(checkpoint))
     config = engine_config_for(spec, engine_config or EngineConfig())

@@ -39,28 +39,13 @@ from rollout.spec_stats import empty_counters
 from rollout.tokenizer import codec_or_none
 from rollout.weight_receiver import BucketReceiver
 from vime.errors import UserError, require
+from vime.spec_config import FLAG, as_spec_config
 from vime.precision import dtype_name
 
-FLAG = "--vllm-speculative-config"
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM's CPU thread binding: core ids, "auto" or "nobind"
 SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                 "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
                 "vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_per_pos"}
-
-
-def spec_dict(speculative_config):
-    """The user's speculative config as a dict for vLLM (JSON string, mapping or None)."""
-    if speculative_config is None or (isinstance(speculative_config, str) and not speculative_config.strip()):
-        return None
-    if isinstance(speculative_config, str):
-        try:
-            raw = json.loads(speculative_config)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{FLAG}: malformed JSON ({e.msg} at column {e.colno})") from None
-    else:
-        raw = dict(speculative_config)
-    require(isinstance(raw, dict), f"{FLAG} must be a JSON object")
-    return raw
 
 
 def _set_env(device):
@@ -94,10 +79,10 @@ def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dty
     (a bf16 copy of fp32 weights could never match); CPU also runs eager (no graph capture to
     gain there) and prefills whole prompts; --vllm-weight-transfer nccl turns on vLLM's weight
     transfer engine. Everything else is vLLM's default."""
-    spec = spec_dict(speculative_config)
+    spec = as_spec_config(speculative_config, "vllm")
     kwargs = dict(model=hf_checkpoint, skip_tokenizer_init=True, seed=0, disable_log_stats=False,
                   max_model_len=read_config(hf_checkpoint).max_position_embeddings, max_num_seqs=max_batch_size,
-                  speculative_config=spec,
+                  speculative_config=spec.to_vllm() if spec else None,
                   logprobs_mode="processed_logprobs", dtype=dtype_name(dtype),
                   use_tqdm_on_load=False)
     if weight_transfer == "nccl":
@@ -108,6 +93,27 @@ def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dty
         # soon as one step's prompts exceed the token budget (a large GRPO batch)
         kwargs.update(enforce_eager=True, enable_chunked_prefill=False)
     return kwargs
+
+
+def check_config(cfg, hf):
+    """This backend's own pre-start checks of a run's config (rollout/backend.py BACKEND_CHECKS): the
+    embedded engine's switches refused, an external draft against the target, then vLLM's own
+    validation of the engine config, all in the driver before any actor starts."""
+    from rollout.spec_config import check_external_draft
+    from vime.precision import compute_dtype
+
+    r = cfg.rollout
+    require_not_adaptive(r.spec_adaptive)
+    require(not r.time_plain_baseline, "--rollout-time-plain-baseline times the embedded engine without drafts; "
+            "vLLM cannot switch speculation off in place: drop the flag or use --rollout-backend embedded")
+    check_external_draft(r.vllm_speculative_config, hf)
+    check_speculative_config(cfg.model.hf_checkpoint, r.vllm_speculative_config, r.rollout_max_batch_size,
+                             dtype=compute_dtype(cfg.model.bf16))
+
+
+def require_not_adaptive(adaptive):
+    require(not adaptive, "--spec-adaptive is the embedded engine's; on vLLM put "
+            "num_speculative_tokens_per_batch_size in --vllm-speculative-config")
 
 
 def check_speculative_config(hf_checkpoint, speculative_config, max_batch_size=8, device="cpu",
@@ -163,8 +169,7 @@ class VLLMBackend:
 
     def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False,
                  dtype=torch.float32, cpu_cores=None, weight_transfer="reload"):
-        require(not adaptive, "--spec-adaptive is the embedded engine's; on vLLM put "
-                "num_speculative_tokens_per_batch_size in --vllm-speculative-config")
+        require_not_adaptive(adaptive)
         _set_env(device)
         from vllm import LLM
 
@@ -172,9 +177,9 @@ class VLLMBackend:
         self.num_layers = cfg.num_hidden_layers
         self.eos_ids = {cfg.eos_token_id} - {None}
         self.max_len = cfg.max_position_embeddings
-        self.spec = spec_dict(speculative_config)
+        self.spec = as_spec_config(speculative_config, "vllm")
         with cpu_binding(cpu_cores if device == "cpu" else None):
-            self.llm = LLM(**engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype,
+            self.llm = LLM(**engine_kwargs(hf_checkpoint, self.spec, max_batch_size, device, dtype,
                                            weight_transfer))
         self.shared_memory = shared_memory_of_children()
         self.llm.collective_rpc(vllm_worker.repair_cpu_expand_kernel)  # before any sampled verification

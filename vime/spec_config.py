@@ -1,0 +1,300 @@
+"""The speculative-decoding config (`--vllm-speculative-config`): one typed `SpecConfig`, parsed once.
+
+The config is vLLM's SpeculativeConfig JSON (or a YAML mapping). It is read once, where the run's
+config is loaded (vime/cli_config.py), into a frozen `SpecConfig` in vLLM's field names; the engines,
+the trainer and the pre-start checks all read that object. What the fields may hold depends on the
+engine that runs them, so each rollout backend has its reader (`SPEC_READERS`):
+
+- embedded: vime's engine implements a subset of vLLM's schema, validated here in full (every bad
+  input is one `UserError` line naming the flag and what to do), aliases resolved, vLLM's defaults;
+- vllm: vLLM validates its own schema (rollout/vllm/backend.py runs that before any actor starts);
+  only what vime itself acts on is read (method, draft, verification).
+
+Either way `to_vllm()` gives the config exactly as written, the draft path made absolute, which is
+what vLLM is handed. Checks that need the target checkpoint live on the engine side
+(rollout/spec_config.py).
+"""
+import copy
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass
+
+from mtp.rejection import REJECTION_METHODS
+from vime.errors import UserError, require
+
+FLAG = "--vllm-speculative-config"
+EXAMPLE = '\'{"method":"mtp","num_speculative_tokens":3}\''
+
+# the embedded engine's methods under every name vLLM gives them
+METHOD_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "mimo_mtp": "mtp", "glm4_moe_mtp": "mtp",
+                  "ngram": "ngram", "suffix": "suffix", "draft_model": "draft_model", "eagle3": "eagle3",
+                  "dflash": "dflash"}
+UNSUPPORTED_METHODS = ("eagle", "medusa", "mlp_speculator", "ngram_gpu", "dspark",
+                       "custom_class", "extract_hidden_states")
+# vLLM 0.32 SpeculativeConfig keys the embedded engine does not implement (vLLM takes them as is)
+VLLM_ONLY_KEYS = ("draft_sample_method", "parallel_drafting", "enable_adaptive_verification",
+                  "disable_padded_drafter_batch", "quantization", "revision", "code_revision", "max_model_len",
+                  "enforce_eager", "kv_cache_dtype", "attention_backend", "moe_backend", "use_local_argmax_reduction",
+                  "index_share_for_mtp_iteration", "disable_eagle_block_drop", "dspark_draft_topk",
+                  "use_heterogeneous_vocab", "draft_load_config")
+USE_VLLM = "add --rollout-backend vllm, which hands the config to vLLM unchanged"
+
+# keys users reach for that belong elsewhere: key -> what to say instead
+MISPLACED_KEYS = {
+    "tensor_parallel_size": "is not a speculative-config key; use draft_tensor_parallel_size",
+    "temperature": "is a sampling parameter, not a speculative-config key; set it with the sampling flags",
+    "top_p": "is a sampling parameter, not a speculative-config key; set it with the sampling flags",
+    "top_k": "is a sampling parameter, not a speculative-config key; set it with the sampling flags",
+    "seed": "is a sampling parameter, not a speculative-config key; set it with the sampling flags",
+}
+
+# methods that draft with a separate checkpoint -> what to give (the same on every backend)
+NEEDS_MODEL = {
+    "draft_model": "\"model\": \"/path/to/draft/hf/checkpoint\"",
+    "eagle3": "\"model\": \"/path/to/eagle3/draft\" (make one with "
+              "`python scripts/make_eagle3_draft.py --target CKPT --out DIR`)",
+    "dflash": "\"model\": \"/path/to/dflash/draft\" (make one with "
+              "`python scripts/make_dflash_draft.py --target CKPT --out DIR`)",
+}
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """A speculative config in vLLM's SpeculativeConfig field names (no config: no speculation).
+
+    The typed fields are what vime acts on; `given` keeps the (key, value) pairs as written, so
+    `to_vllm()` hands vLLM every key it knows, unchanged."""
+
+    method: str
+    num_speculative_tokens: int
+    model: str = None
+    draft_tensor_parallel_size: int = 1
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    rejection_sample_method: str = "strict"
+    synthetic_acceptance_rate: float = None
+    # vLLM's per-position *unconditional* rates: entry i = P(first i+1 drafts all accepted)
+    synthetic_acceptance_rates: tuple = None
+    synthetic_acceptance_length: float = None
+    # vLLM's dynamic schedule: ((range_start, range_end, k), ...), inclusive, sorted
+    num_speculative_tokens_per_batch_size: tuple = None
+    given: tuple = dataclasses.field(default=(), repr=False)
+
+    @property
+    def is_lossy(self):
+        """True when outputs no longer follow the target distribution (synthetic acceptance):
+        benchmark-only; training must refuse it."""
+        return self.rejection_sample_method == "synthetic"
+
+    def to_vllm(self):
+        """The config as vLLM takes it: the keys as written (a fresh dict each call)."""
+        return {key: copy.deepcopy(value) for key, value in self.given}
+
+    def with_model(self, path):
+        """The same config with its draft at `path` (e.g. made absolute for actors in another directory)."""
+        given = tuple((key, path if key == "model" else value) for key, value in self.given)
+        return dataclasses.replace(self, model=path, given=given)
+
+
+# key -> (accepted python types, type name for the error)
+_TYPES = {
+    "method": ((str,), "a string"),
+    "num_speculative_tokens": ((int,), "an integer"),
+    "model": ((str,), "a string (a checkpoint directory)"),
+    "draft_tensor_parallel_size": ((int,), "an integer"),
+    "prompt_lookup_min": ((int,), "an integer"),
+    "prompt_lookup_max": ((int,), "an integer"),
+    "suffix_decoding_max_tree_depth": ((int,), "an integer"),
+    "suffix_decoding_max_cached_requests": ((int,), "an integer"),
+    "suffix_decoding_max_spec_factor": ((int, float), "a number"),
+    "suffix_decoding_min_token_prob": ((int, float), "a number"),
+    "rejection_sample_method": ((str,), "a string"),
+    "synthetic_acceptance_rate": ((int, float), "a number"),
+    "synthetic_acceptance_rates": ((list,), "a list of numbers in [0, 1], one per draft position"),
+    "synthetic_acceptance_length": ((int, float), "a number"),
+    "num_speculative_tokens_per_batch_size": ((list,), "a list of [range_start, range_end, k] entries"),
+}
+
+_NULLABLE = ("model", "synthetic_acceptance_rate", "synthetic_acceptance_rates", "synthetic_acceptance_length",
+             "num_speculative_tokens_per_batch_size")
+
+# key -> (predicate, wording of the allowed range)
+_RANGES = {
+    "num_speculative_tokens": (lambda v: v > 0, "> 0"),
+    "draft_tensor_parallel_size": (lambda v: v >= 1, ">= 1"),
+    "prompt_lookup_min": (lambda v: v >= 1, ">= 1"),
+    "prompt_lookup_max": (lambda v: v >= 1, ">= 1"),
+    "suffix_decoding_max_tree_depth": (lambda v: v >= 1, ">= 1"),
+    "suffix_decoding_max_cached_requests": (lambda v: v >= 0, ">= 0 (0 disables the cache)"),
+    "suffix_decoding_max_spec_factor": (lambda v: v > 0, "> 0"),
+    "suffix_decoding_min_token_prob": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "synthetic_acceptance_rate": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+}
+
+
+def parse_spec_config(value, backend="embedded"):
+    """SpecConfig for `backend` from a JSON string, a mapping, or None / "" / "none" (-> None: no speculation)."""
+    read = spec_reader(backend)
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
+        return None
+    raw = _load_json(value) if isinstance(value, str) else value
+    require(isinstance(raw, dict), f"{FLAG} must be a JSON object like {EXAMPLE} (got {type(raw).__name__})")
+    return read(dict(raw))
+
+
+def as_spec_config(value, backend="embedded"):
+    """`value` when it is already a SpecConfig (or None), else `parse_spec_config(value, backend)`: for
+    callers that take either (tools and tests hand the engines JSON or mappings)."""
+    return value if value is None or isinstance(value, SpecConfig) else parse_spec_config(value, backend)
+
+
+def _load_json(text):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{FLAG}: malformed JSON ({e.msg} at column {e.colno}); pass an object like {EXAMPLE}") \
+            from None
+
+
+def _read_for_embedded(raw):
+    """vime's engine: the whole config validated against the subset of vLLM's schema it implements."""
+    _check_keys(raw)
+    for key, val in raw.items():
+        _check_type(key, val)
+        _check_range(key, val)
+    given = tuple(raw.items())
+    method = raw["method"]
+    require(method not in UNSUPPORTED_METHODS,
+            f"{FLAG}: method {method!r} runs on vLLM only ({USE_VLLM}); the embedded engine has "
+            f"{', '.join(dict.fromkeys(METHOD_ALIASES.values()))}")
+    require(method in METHOD_ALIASES, f"{FLAG}: unknown method {method!r}; use one of "
+            f"{', '.join(sorted(METHOD_ALIASES))}")
+    raw["method"] = METHOD_ALIASES[method]
+    _lookup_bounds(raw)
+    _rejection(raw)
+    _batch_schedule(raw)
+    require(raw.get("draft_tensor_parallel_size", 1) == 1,
+            f"{FLAG}: draft_tensor_parallel_size must be 1 for the embedded engine "
+            f"(got {raw.get('draft_tensor_parallel_size')})")
+    _require_model(raw)
+    return SpecConfig(**raw, given=given)
+
+
+def _read_for_vllm(raw):
+    """vLLM: its own validation judges the config (before any actor starts); vime reads the method,
+    the draft and the verification, and needs the draft named (the pre-start checks open it)."""
+    method = raw.get("method")
+    if isinstance(method, str):
+        method = METHOD_ALIASES.get(method, method)
+        _require_model(dict(raw, method=method))
+    kept = {key: raw[key] for key in ("num_speculative_tokens", "model", "rejection_sample_method") if key in raw}
+    return SpecConfig(method=method, **{"num_speculative_tokens": None, **kept}, given=tuple(raw.items()))
+
+
+# --rollout-backend -> how its speculative config is read (rollout/backend.py BACKENDS has the same names)
+SPEC_READERS = {"embedded": _read_for_embedded, "vllm": _read_for_vllm}
+
+
+def spec_reader(backend):
+    """The reader of `backend`'s speculative config; an unknown backend is one line naming the choices."""
+    require(backend in SPEC_READERS, f"--rollout-backend {backend!r}: choose one of {', '.join(SPEC_READERS)}")
+    return SPEC_READERS[backend]
+
+
+def _require_model(raw):
+    method = raw["method"]
+    require(method not in NEEDS_MODEL or raw.get("model"), f"{FLAG}: method {method!r} needs {NEEDS_MODEL.get(method)}")
+
+
+def _check_keys(raw):
+    known = set(_TYPES)
+    for key in raw:
+        if key in MISPLACED_KEYS:
+            raise UserError(f"{FLAG}: {key!r} {MISPLACED_KEYS[key]}")
+        if key in VLLM_ONLY_KEYS and key not in known:
+            raise UserError(f"{FLAG}: key {key!r} is vLLM's; the embedded engine does not implement it: {USE_VLLM}")
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(known))}"
+            raise UserError(f"{FLAG}: unknown key {key!r}{hint}")
+    require("method" in raw, f"{FLAG}: 'method' is required (one of {', '.join(sorted(METHOD_ALIASES))})")
+    require("num_speculative_tokens" in raw, f"{FLAG}: 'num_speculative_tokens' is required (an integer > 0)")
+
+
+def _check_type(key, val):
+    types, name = _TYPES[key]
+    if key in _NULLABLE and val is None:
+        return
+    ok = isinstance(val, types) and not isinstance(val, bool)
+    require(ok, f"{FLAG}: {key} must be {name} (got {json.dumps(val)})")
+
+
+def _check_range(key, val):
+    if key not in _RANGES or val is None:
+        return
+    pred, wording = _RANGES[key]
+    require(pred(val), f"{FLAG}: {key} must be {wording} (got {val})")
+
+
+def _lookup_bounds(raw):
+    lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+    lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
+    require(lo <= hi, f"{FLAG}: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+    raw["prompt_lookup_min"], raw["prompt_lookup_max"] = lo, hi
+
+
+def _rejection(raw):
+    method = raw.setdefault("rejection_sample_method", "strict")
+    require(method in REJECTION_METHODS,
+            f"{FLAG}: rejection_sample_method must be one of {', '.join(REJECTION_METHODS)} (got {method!r})")
+    given = [key for key in ("synthetic_acceptance_rate", "synthetic_acceptance_rates", "synthetic_acceptance_length")
+             if raw.get(key) is not None]
+    if method != "synthetic":
+        require(not given, f"{FLAG}: {given[0] if given else ''} only applies with rejection_sample_method 'synthetic'")
+        return
+    require(len(given) == 1, f"{FLAG}: rejection_sample_method 'synthetic' needs exactly one of "
+            "synthetic_acceptance_rate (per draft), synthetic_acceptance_rates (per position) or "
+            f"synthetic_acceptance_length (got {', '.join(given) or 'none'})")
+    n = raw["num_speculative_tokens"]
+    if raw.get("synthetic_acceptance_rates") is not None:
+        rates = raw["synthetic_acceptance_rates"]
+        require(len(rates) == n and all(isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= r <= 1
+                                        for r in rates),
+                f"{FLAG}: synthetic_acceptance_rates must be {n} numbers in [0, 1] "
+                f"(one per draft position; got {json.dumps(rates)})")
+        require(all(b <= a for a, b in zip(rates, rates[1:])),
+                f"{FLAG}: synthetic_acceptance_rates must be non-increasing (entry i is the chance that "
+                f"the first i+1 drafts are all accepted; got {json.dumps(rates)})")
+        raw["synthetic_acceptance_rates"] = tuple(float(r) for r in rates)
+    if raw.get("synthetic_acceptance_length") is not None:
+        length = raw["synthetic_acceptance_length"]
+        require(1 <= length <= n + 1, f"{FLAG}: synthetic_acceptance_length must be in [1, {n + 1}] (got {length})")
+
+
+def _batch_schedule(raw):
+    """vLLM's num_speculative_tokens_per_batch_size, validated like vLLM and stored sorted."""
+    sched = raw.get("num_speculative_tokens_per_batch_size")
+    if sched is None:
+        return
+    key = f"{FLAG}: num_speculative_tokens_per_batch_size"
+    require(sched, f"{key} must not be empty; give [[1, 8, 3], [9, 128, 1]]-style [range_start, range_end, k] entries")
+    entries = []
+    for e in sched:
+        ok = isinstance(e, list) and len(e) == 3 and all(isinstance(v, int) and not isinstance(v, bool) for v in e)
+        require(ok, f"{key}: each entry must be [range_start, range_end, k] integers (got {json.dumps(e)})")
+        start, end, k = e
+        require(start >= 1 and end >= 1, f"{key}: batch-size range {json.dumps(e[:2])} must be positive")
+        require(start <= end, f"{key}: range start must be <= end (got {json.dumps(e)})")
+        require(k >= 0, f"{key}: k must be >= 0 (got {json.dumps(e)})")
+        entries.append((start, end, k))
+    entries.sort()
+    for (_, prev_end, _), (start, _, _) in zip(entries, entries[1:]):
+        require(start > prev_end, f"{key}: batch-size ranges overlap at {start}")
+    require(entries[0][0] == 1, f"{key}: the first range must start at 1 so every batch size has a k "
+            f"(got {entries[0][0]})")
+    raw["num_speculative_tokens_per_batch_size"] = tuple(entries)
