@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from trainer.draft import DRAFT_STATE_FILE  # noqa: E402
+from trainer.drafts import DRAFT_STATE_FILE, saved_draft_state_file  # noqa: E402
 from vime.checkpointing import check_loadable  # noqa: E402
 from vime.errors import UserError, exit_on_user_error, require  # noqa: E402
 from vime.models.eagle3 import save_draft  # noqa: E402
@@ -46,10 +46,12 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     step, iteration = one_iteration(args.load) or check_loadable(args.load)
-    file = os.path.join(iteration, "model", DRAFT_STATE_FILE)
-    require(os.path.isfile(file), f"--load {args.load}: step {step} holds no external draft ({DRAFT_STATE_FILE}); "
+    file = saved_draft_state_file(os.path.join(iteration, "model"))
+    require(file is not None, f"--load {args.load}: step {step} holds no external draft ({DRAFT_STATE_FILE}); "
             "the run was not trained with --enable-draft-training")
     state = torch.load(file, map_location="cpu", weights_only=False)
+    require(state.get("kind", "eagle3") == "eagle3",
+            f"--load {args.load}: step {step} holds a {state.get('kind')} draft, not an EAGLE-3 one")
     save_draft(args.out, state["config"], state["draft"])
     print(f"saved {args.out} (the draft at step {step})")
 

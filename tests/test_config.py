@@ -47,19 +47,20 @@ def test_bad_flags_are_one_line_user_errors(argv, needle):
     (["--micro-batch-size", "48"], "--micro-batch-size 48"),
     (["--save-interval", "2"], "--save-interval needs --save"),
     (["--debug-train-only"], "--load-debug-rollout-data"),
-    (["--mtp-loss-type", "kl"], "--mtp-loss-type 'kl': use one of ce, soft_ce, tv"),
-    (["--mtp-loss-type", "soft_ce", "--mtp-distill-topk", "-1"], "--mtp-distill-topk -1: must be >= 0"),
-    (["--mtp-distill-topk", "8"], "--mtp-distill-topk truncates a distillation target"),
+    (["--draft-loss-type", "kl"], "--draft-loss-type 'kl': use one of ce, soft_ce, tv"),
+    (["--draft-loss-type", "soft_ce", "--draft-distill-topk", "-1"], "--draft-distill-topk -1: must be >= 0"),
+    (["--draft-distill-topk", "8"], "--draft-distill-topk truncates a distillation target"),
     (["--enable-mtp-training", "--mtp-num-layers", "1", "--mtp-train-depths", "0"], "--mtp-train-depths 0: must be >= 1"),
     (["--mtp-train-depths", "3"], "--mtp-train-depths sets what the online MTP loss trains"),
     (["--mtp-reuse-attention", "eagle"], "--mtp-reuse-attention 'eagle': use one of drafter, megatron"),
-    (["--enable-mtp-training", "--mtp-num-layers", "1", "--mtp-steps-per-rollout", "0"],
-     "--mtp-steps-per-rollout 0: must be >= 1"),
-    (["--mtp-steps-per-rollout", "4"], "--mtp-steps-per-rollout sets how the online MTP loss trains"),
-    (["--enable-mtp-training", "--mtp-num-layers", "1", "--mtp-steps-per-rollout", "4", "--mtp-replay-batches", "-1"],
-     "--mtp-replay-batches -1: must be >= 0"),
-    (["--enable-mtp-training", "--mtp-num-layers", "1", "--mtp-replay-batches", "2"],
-     "--mtp-replay-batches feeds the MTP-only steps"),
+    (["--enable-mtp-training", "--mtp-num-layers", "1", "--draft-steps-per-rollout", "0"],
+     "--draft-steps-per-rollout 0: must be >= 1"),
+    (["--draft-steps-per-rollout", "4"], "--draft-steps-per-rollout sets how the online draft trains"),
+    (["--draft-lr", "1e-3"], "--draft-lr sets how the online draft trains"),
+    (["--enable-mtp-training", "--mtp-num-layers", "1", "--draft-steps-per-rollout", "4", "--draft-replay-batches", "-1"],
+     "--draft-replay-batches -1: must be >= 0"),
+    (["--enable-mtp-training", "--mtp-num-layers", "1", "--enable-draft-training"],
+     "--enable-mtp-training and --enable-draft-training each train the run's one draft"),
 ])
 def test_validation_refuses_inconsistent_settings(argv, needle):
     with pytest.raises(UserError, match=needle.replace("-", r"\-")):
@@ -139,8 +140,8 @@ def test_trainer_config_defaults_are_the_config_trees():
 def test_trainer_config_from_the_tree_carries_every_flag():
     from trainer.config import TrainerConfig
 
-    cfg = load_config(["--lr", "3e-5", "--mtp-lr", "7e-3", "--kl-loss-type", "k1", "--rollout-temperature", "0.7",
+    cfg = load_config(["--lr", "3e-5", "--draft-lr", "7e-3", "--kl-loss-type", "k1", "--rollout-temperature", "0.7",
                        "--enable-mtp-training", "--mtp-num-layers", "2", "--micro-batch-size", "4", "--seed", "9"])
     t = TrainerConfig.from_tree(cfg)
-    assert (t.lr, t.mtp_lr, t.kl_estimator, t.temperature, t.enable_mtp_training, t.mtp_num_layers,
+    assert (t.lr, t.draft_lr, t.kl_estimator, t.temperature, t.enable_mtp_training, t.mtp_num_layers,
             t.micro_batch_size, t.seed) == (3e-5, 7e-3, "k1", 0.7, True, 2, 4, 9)

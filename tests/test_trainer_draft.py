@@ -2,8 +2,6 @@
 with and without it, the draft trains on the policy's own aux hidden states (the embedded engine's
 model, an independent implementation, recomputes them), its tensors go out under `eagle3.*`, and a
 checkpoint keeps it with its optimizer state."""
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +9,7 @@ import torch.nn.functional as F
 from eagle3_fixtures import random_draft
 from mtp.eagle3 import training_time_test_loss
 from rollout.embedded.model import CausalLMWithMTP
+from rollout.spec_config import parse_spec_config
 from trainer.config import TrainerConfig
 from trainer.trainer import Trainer
 from trainer_fixtures import make_batch, make_tiny
@@ -34,7 +33,7 @@ def pair(tmp_path_factory):
 
 
 def config(draft_dir, enable, **kw):
-    spec = json.dumps({"method": "eagle3", "model": draft_dir, "num_speculative_tokens": 3})
+    spec = parse_spec_config({"method": "eagle3", "model": draft_dir, "num_speculative_tokens": 3})
     return TrainerConfig(**{"enable_draft_training": enable, "speculative_config": spec, "micro_batch_size": 2, **kw})
 
 
@@ -49,7 +48,7 @@ def test_draft_training_leaves_the_policy_loss_and_gradients_bit_identical(pair)
     (m_off, g_off, _), (m_on, g_on, on) = runs[False], runs[True]
     assert m_on["train/policy_loss"] == m_off["train/policy_loss"]
     assert g_on.keys() == g_off.keys() and all(torch.equal(g_on[n], g_off[n]) for n in g_on)
-    assert all(p.grad is not None and p.grad.abs().max() > 0 for p in on.draft.draft.parameters())
+    assert all(p.grad is not None and p.grad.abs().max() > 0 for p in on.draft.module.parameters())
     assert m_on["train/draft_1_loss"] > 0 and "train/draft_3_loss" in m_on
 
 
@@ -121,7 +120,7 @@ def test_draft_only_steps_and_replay_leave_the_policy_bit_identical(pair, loss_t
         assert m[True]["train/grad_norm"] == m[False]["train/grad_norm"]
     off, on = (dict(trainers[e].model.named_parameters()) for e in (False, True))
     assert off.keys() == on.keys() and all(torch.equal(on[n], off[n]) for n in off)
-    assert m[True]["train/draft_final_loss"] > 0 and len(trainers[True].draft.replay) == 1
+    assert m[True]["train/draft_final_loss"] > 0 and len(trainers[True]._draft_replay) == 1
 
 
 def test_the_draft_only_steps_train_on_the_updated_policy(pair):
@@ -136,7 +135,7 @@ def test_the_draft_only_steps_train_on_the_updated_policy(pair):
     joint_only.train_step(batch)  # the policy and the draft the second trainer holds before its draft-only step
     got = Trainer(config(draft_dir, True, draft_steps_per_rollout=2, **kw), target).train_step(batch)[
         "train/draft_final_loss"]
-    draft = joint_only.draft.draft
+    draft = joint_only.draft.module
     updated = reference_draft_loss(embedded_model(target, joint_only.named_hf_weights()), draft, batch, "ce")
     old = reference_draft_loss(embedded_model(target), draft, batch, "ce")
     assert abs(got - updated) <= loss_bound(target, updated)
@@ -146,13 +145,13 @@ def test_the_draft_only_steps_train_on_the_updated_policy(pair):
 def test_a_step_moves_the_draft_and_sends_it_under_its_wire_names(pair):
     target, draft_dir = pair
     trainer = Trainer(config(draft_dir, True), target)
-    before = {n: p.clone() for n, p in trainer.draft.draft.state_dict().items()}
+    before = {n: p.clone() for n, p in trainer.draft.module.state_dict().items()}
     metrics = trainer.train_step(make_batch())
     assert metrics["train/draft_grad_norm"] > 0
     sent = {n[len(DRAFT_PREFIX):]: t for n, t in trainer.named_hf_weights() if n.startswith(DRAFT_PREFIX)}
     assert sent.keys() == before.keys()
     assert any(not torch.equal(sent[n], before[n]) for n in sent)
-    assert all(torch.equal(sent[n], p) for n, p in trainer.draft.draft.state_dict().items())
+    assert all(torch.equal(sent[n], p) for n, p in trainer.draft.module.state_dict().items())
 
 
 def test_save_and_load_keep_the_draft_and_its_optimizer_state(pair, tmp_path):
@@ -163,7 +162,7 @@ def test_save_and_load_keep_the_draft_and_its_optimizer_state(pair, tmp_path):
     trainer.train_step(make_batch())
     trainer.save(str(tmp_path / "ckpt"))
     resumed = Trainer(config(draft_dir, True, draft_replay_batches=0), target, load=str(tmp_path / "ckpt"))
-    for (n, a), (_, b) in zip(trainer.draft.draft.state_dict().items(), resumed.draft.draft.state_dict().items()):
+    for (n, a), (_, b) in zip(trainer.draft.module.state_dict().items(), resumed.draft.module.state_dict().items()):
         assert torch.equal(a, b), n
     a, b = trainer.draft.optimizer.state_dict(), resumed.draft.optimizer.state_dict()
     assert a["state"].keys() == b["state"].keys()
@@ -172,5 +171,5 @@ def test_save_and_load_keep_the_draft_and_its_optimizer_state(pair, tmp_path):
     batch = make_batch(seed=3)
     trainer.train_step(batch)
     resumed.train_step(batch)
-    for (n, x), (_, y) in zip(trainer.draft.draft.state_dict().items(), resumed.draft.draft.state_dict().items()):
+    for (n, x), (_, y) in zip(trainer.draft.module.state_dict().items(), resumed.draft.module.state_dict().items()):
         assert torch.equal(x, y), n

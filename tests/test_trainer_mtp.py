@@ -159,7 +159,7 @@ def test_mtp_grad_clip_never_shrinks_the_policy_update(hf_dir):
     batch = make_batch()
     params = {}
     for mtp_clip in (1e-6, 1e6):
-        trainer = Trainer(TrainerConfig(lr=1e-2, clip_grad=1e6, enable_mtp_training=True, mtp_clip_grad=mtp_clip), hf_dir)
+        trainer = Trainer(TrainerConfig(lr=1e-2, clip_grad=1e6, enable_mtp_training=True, draft_clip_grad=mtp_clip), hf_dir)
         metrics = trainer.train_step(batch)
         assert metrics["train/mtp_grad_norm"] > 1e-3
         params[mtp_clip] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -207,9 +207,9 @@ def test_train_depths_fewer_than_the_layers_are_refused(tmp_path):
         Trainer(TrainerConfig(enable_mtp_training=True, mtp_train_depths=1), str(tmp_path))
 
 
-def test_mtp_lr_sets_the_draft_step_size_independently_of_the_policy(hf_dir):
+def test_draft_lr_sets_the_mtp_the_draft_step_size_independently_of_the_policy(hf_dir):
     def mtp_change(mtp_lr):
-        trainer = Trainer(TrainerConfig(lr=1e-3, enable_mtp_training=True, mtp_lr=mtp_lr), hf_dir)
+        trainer = Trainer(TrainerConfig(lr=1e-3, enable_mtp_training=True, draft_lr=mtp_lr), hf_dir)
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         trainer.train_step(make_batch())
         delta = {n: (p.detach() - before[n]).abs().max().item() for n, p in trainer.model.named_parameters()}
@@ -224,7 +224,7 @@ def test_mtp_lr_sets_the_draft_step_size_independently_of_the_policy(hf_dir):
 
 @pytest.mark.parametrize("loss_type, topk", [("ce", 0), ("soft_ce", 0), ("soft_ce", 4), ("tv", 0)])
 def test_every_mtp_loss_type_reaches_only_mtp_params(hf_dir, loss_type, topk):
-    trainer = Trainer(TrainerConfig(enable_mtp_training=True, mtp_loss_type=loss_type, mtp_distill_topk=topk,
+    trainer = Trainer(TrainerConfig(enable_mtp_training=True, draft_loss_type=loss_type, draft_distill_topk=topk,
                                     temperature=0.8), hf_dir)
     metrics = trainer.backward(make_batch(advantages=[0.0] * 4))
     assert metrics["train/policy_loss"] == 0.0 and metrics["train/mtp_1_loss"] > 0
@@ -238,7 +238,7 @@ def test_distillation_target_is_the_policy_at_the_predicted_position(hf_dir, los
     target = the policy's distribution of token t+2, i.e. its next-token logits at t+1."""
     temperature = 0.7
     batch = make_batch()
-    trainer = Trainer(TrainerConfig(enable_mtp_training=True, mtp_loss_type=loss_type, temperature=temperature), hf_dir)
+    trainer = Trainer(TrainerConfig(enable_mtp_training=True, draft_loss_type=loss_type, temperature=temperature), hf_dir)
     got = trainer.backward(batch)["train/mtp_1_loss"]
     ref = engine_model(hf_dir)
     tokens = batch.tokens
@@ -283,10 +283,10 @@ def test_trainer_mtp_logits_equal_the_engine_mtp_layer_for_each_family(hf_dir):
     assert (other - want).abs().max().item() > 100 * tol  # negative control: the input the family does not use
 
 
-def test_mtp_steps_per_rollout_train_the_draft_further_and_leave_the_policy_as_the_joint_step_left_it(hf_dir):
+def test_draft_steps_per_rollout_train_the_mtp_layers_further_and_leave_the_policy_as_the_joint_step_left_it(hf_dir):
     def after_step(steps):
         torch.manual_seed(0)
-        trainer = Trainer(TrainerConfig(lr=1e-3, enable_mtp_training=True, mtp_steps_per_rollout=steps), hf_dir)
+        trainer = Trainer(TrainerConfig(lr=1e-3, enable_mtp_training=True, draft_steps_per_rollout=steps), hf_dir)
         m = trainer.train_step(make_batch())
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         # the MTP loss on the same batch after the step(s), weights frozen
@@ -298,7 +298,7 @@ def test_mtp_steps_per_rollout_train_the_draft_further_and_leave_the_policy_as_t
     policy = [n for n in one if not n.startswith("mtp.")]
     assert policy and all(torch.equal(one[n], four[n]) for n in policy)  # bit for bit: AdamW skipped them
     assert all(not torch.equal(one[n], four[n]) for n in one if n.startswith("mtp.") and one[n].dim() > 1)
-    assert "train/mtp_final_loss" in m4 and "train/mtp_final_loss" not in m1
+    assert "train/draft_final_loss" in m4 and "train/draft_final_loss" not in m1
     assert loss4 < loss1  # three more steps on the batch fit the draft to it further
 
 
@@ -310,26 +310,26 @@ def test_mtp_only_steps_on_the_cached_trunk_equal_steps_that_rerun_the_trunk(hf_
 
     def trainer_after_joint_step():
         torch.manual_seed(0)
-        cfg = TrainerConfig(lr=1e-3, enable_mtp_training=True, mtp_train_depths=2, mtp_loss_type=loss_type,
+        cfg = TrainerConfig(lr=1e-3, enable_mtp_training=True, mtp_train_depths=2, draft_loss_type=loss_type,
                             micro_batch_size=3)
         trainer = Trainer(cfg, hf_dir)
         trainer.train_step(make_batch())
         return trainer
 
     cached = trainer_after_joint_step()
-    cached._mtp_only_steps([make_batch()], 3)
+    cached._draft_only_steps([make_batch()], 3)
 
     rerun = trainer_after_joint_step()
     batch = make_batch()
-    counts = rerun._mtp_counts(batch)
+    counts = rerun.draft.normaliser(batch, None)
     for _ in range(3):
         rerun.optimizer.zero_grad(set_to_none=True)
         for mb in batch.micro_batches(rerun.cfg.micro_batch_size):
             with torch.no_grad():
                 out = forward(rerun.model, mb.tokens)
-            per_depth = rerun._mtp_losses(out, mb, counts)
-            (rerun.cfg.mtp_loss_scaling_factor / len(per_depth) * torch.stack(per_depth).sum()).backward()
-        grads.clip_by_norm(rerun.mtp_params(), rerun.cfg.effective_mtp_clip_grad)
+            rerun.draft.loss(rerun.draft.inputs(out, mb, counts))[0].backward()
+        grads.clip_by_norm([p for n, p in rerun.model.named_parameters() if n.startswith("mtp.")],
+                           rerun.cfg.effective_draft_clip_grad)
         rerun.optimizer.step()
 
     got, want = dict(cached.model.named_parameters()), dict(rerun.model.named_parameters())
@@ -339,14 +339,14 @@ def test_mtp_only_steps_on_the_cached_trunk_equal_steps_that_rerun_the_trunk(hf_
 
 
 def test_mtp_replay_batches_train_the_draft_on_earlier_batches_through_the_current_trunk(hf_dir):
-    """--mtp-replay-batches 1: at the second RL step the MTP-only steps run on the first batch, then
+    """--draft-replay-batches 1: at the second RL step the MTP-only steps run on the first batch, then
     the second, each through the trunk as it is now. Reference: the same steps, one batch at a time."""
     first, second = make_batch(seed=1), make_batch(seed=2)
 
     def trainer(replay, steps):
         torch.manual_seed(0)
-        return Trainer(TrainerConfig(lr=1e-3, enable_mtp_training=True, mtp_steps_per_rollout=steps,
-                                     mtp_replay_batches=replay), hf_dir)
+        return Trainer(TrainerConfig(lr=1e-3, enable_mtp_training=True, draft_steps_per_rollout=steps,
+                                     draft_replay_batches=replay), hf_dir)
 
     replayed = trainer(1, 3)
     replayed.train_step(first)   # nothing to replay yet: two MTP-only steps on `first`
@@ -354,10 +354,10 @@ def test_mtp_replay_batches_train_the_draft_on_earlier_batches_through_the_curre
 
     reference = trainer(0, 1)
     reference.train_step(first)
-    reference._mtp_only_steps([first], 2)
+    reference._draft_only_steps([first], 2)
     reference.train_step(second)
-    reference._mtp_only_steps([first], 1)
-    reference._mtp_only_steps([second], 1)
+    reference._draft_only_steps([first], 1)
+    reference._draft_only_steps([second], 1)
 
     no_replay = trainer(0, 3)  # negative control: both MTP-only steps on `second`
     no_replay.train_step(first)

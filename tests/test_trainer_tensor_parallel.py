@@ -14,7 +14,7 @@ from trainer_tp_worker import run_tp2
 # adam_eps = lr: Adam's update lr*m/(sqrt(v)+eps) then changes by at most lr/eps = 1 times a change in
 # the gradient, so TP's different fp32 reduction order is not amplified from one step to the next
 # (with eps = 1e-8 a gradient near zero turns a rounding difference into a weight change 1e6x larger).
-CFG = dict(lr=1e-2, adam_eps=1e-2, enable_mtp_training=True, micro_batch_size=2, clip_grad=0.5, mtp_clip_grad=0.05)
+CFG = dict(lr=1e-2, adam_eps=1e-2, enable_mtp_training=True, micro_batch_size=2, clip_grad=0.5, draft_clip_grad=0.05)
 SEEDS = (0, 1)
 KEYS = ("train/policy_loss", "train/mtp_loss", "train/mtp_1_loss", "train/grad_norm", "train/mtp_grad_norm",
         "train/entropy", "train/clipfrac", "train/logprob_abs_diff")

@@ -29,9 +29,6 @@ class TrainerConfig:
     weight_decay: float = tree_field("train.weight_decay")
     adam_eps: float = tree_field("train.adam_eps")
     clip_grad: float = tree_field("train.clip_grad")
-    mtp_clip_grad: Optional[float] = tree_field("mtp.clip_grad")  # None: same as clip_grad
-    # None: same as lr (Adam is scale-free: the loss factor barely moves a detached draft)
-    mtp_lr: Optional[float] = tree_field("mtp.lr")
     eps_clip: float = tree_field("train.eps_clip")
     eps_clip_high: Optional[float] = tree_field("train.eps_clip_high")  # None: same as eps_clip
     use_kl_loss: bool = tree_field("train.use_kl_loss")
@@ -43,12 +40,8 @@ class TrainerConfig:
     mtp_num_layers: Optional[int] = tree_field("mtp.num_layers")  # None: as many as the HF checkpoint has
     mtp_train_depths: Optional[int] = tree_field("mtp.train_depths")  # None: one per MTP layer
     mtp_reuse_attention: str = tree_field("mtp.reuse_attention")  # mtp/reuse.py REUSE_ATTENTION
-    mtp_steps_per_rollout: int = tree_field("mtp.steps_per_rollout")  # > 1: MTP-only steps after the joint one
-    mtp_replay_batches: int = tree_field("mtp.replay_batches")  # earlier batches those steps also cycle over
     mtp_loss_scaling_factor: float = tree_field("mtp.loss_scaling_factor")
     mtp_detach_trunk: bool = tree_field("mtp.detach_trunk")
-    mtp_loss_type: str = tree_field("mtp.loss_type")  # mtp/loss.py MTP_LOSSES
-    mtp_distill_topk: int = tree_field("mtp.distill_topk")  # soft_ce / tv: the target's top-k (0: all)
     tensor_model_parallel_size: int = tree_field("train.tensor_model_parallel_size")
     pipeline_model_parallel_size: int = tree_field("train.pipeline_model_parallel_size")
     micro_batch_size: int = tree_field("train.micro_batch_size")  # 0: the whole local batch at once
@@ -56,31 +49,42 @@ class TrainerConfig:
     seed: int = tree_field("train.seed")
     use_tis: bool = tree_field("train.use_tis")  # weight the loss by min(pi_old / pi_rollout, tis_clip)
     tis_clip: float = tree_field("train.tis_clip")
-    enable_draft_training: bool = tree_field("draft.enable_training")
-    draft_loss_scaling_factor: float = tree_field("draft.loss_scaling_factor")
-    draft_lr: Optional[float] = tree_field("draft.lr")  # None: same as lr
-    draft_steps_per_rollout: int = tree_field("draft.steps_per_rollout")  # > 1: draft-only steps after the joint one
-    draft_replay_batches: int = tree_field("draft.replay_batches")  # earlier batches those steps also cycle over
+    enable_draft_training: bool = tree_field("draft.enable_training")  # the external draft of speculative_config
+    # how the trained draft (MTP layers or external) steps; None: the kind's own default (trainer/drafts/<kind>.py)
+    draft_lr: Optional[float] = tree_field("draft.lr")
+    draft_steps_per_rollout: Optional[int] = tree_field("draft.steps_per_rollout")  # > 1: draft-only steps
+    draft_replay_batches: Optional[int] = tree_field("draft.replay_batches")  # earlier batches they also cycle over
     draft_loss_type: str = tree_field("draft.loss_type")  # mtp/loss.py MTP_LOSSES
     draft_distill_topk: int = tree_field("draft.distill_topk")  # soft_ce / tv: the target's top-k (0: all)
+    draft_clip_grad: Optional[float] = tree_field("draft.clip_grad")  # None: same as clip_grad
+    draft_loss_scaling_factor: float = tree_field("draft.loss_scaling_factor")  # an external draft's
     draft_ttt_steps: Optional[int] = tree_field("draft.ttt_steps")  # None: num_speculative_tokens
-    # the rollout's speculative config: the external draft the trainer trains is its `model`
+    # the rollout's speculative config (vime.spec_config.SpecConfig, or None): an external draft is its `model`
     speculative_config: Any = tree_field("rollout.vllm_speculative_config")
     bf16: bool = tree_field("model.bf16")  # bf16 compute, fp32 master weights (trainer/mixed_precision.py)
 
     @classmethod
     def from_tree(cls, cfg):
-        """The trainer's slice of a whole `Config` (vime/config.py)."""
+        """The trainer's slice of a whole `Config` (vime/config.py), the speculative config typed."""
         values = {}
         for f in fields(cls):
             section, name = f.metadata["tree_key"].split(".")
             values[f.name] = getattr(getattr(cfg, section), name)
+        values["speculative_config"] = _typed_spec(values["speculative_config"], cfg.rollout.backend)
         return cls(**values)
 
     @property
-    def effective_mtp_clip_grad(self):
-        return self.clip_grad if self.mtp_clip_grad is None else self.mtp_clip_grad
+    def effective_draft_clip_grad(self):
+        return self.clip_grad if self.draft_clip_grad is None else self.draft_clip_grad
 
     @property
     def effective_eps_clip_high(self):
         return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+
+def _typed_spec(value, backend):
+    """The speculative config as the `SpecConfig` the config load made of it (None: no speculation);
+    a tree built in code may still hold the JSON or mapping, parsed here the one time."""
+    from vime.spec_config import as_spec_config
+
+    return as_spec_config(value, backend)

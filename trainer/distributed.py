@@ -103,3 +103,12 @@ def dp_group():
     from megatron.core import parallel_state as ps
 
     return ps.get_data_parallel_group()
+
+
+def dp_sum(value):
+    """`value` summed over the data-parallel ranks, as a float64 tensor on the collective's device
+    (NCCL reduces CUDA tensors only); callers read it with .item()."""
+    t = torch.as_tensor(value, dtype=torch.float64).detach().clone().to(collective_device())
+    if dist.get_world_size(dp_group()) > 1:
+        dist.all_reduce(t, group=dp_group())
+    return t

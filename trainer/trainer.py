@@ -1,25 +1,25 @@
-"""`Trainer`: one megatron-core policy (+ MTP) trainer process, usable in-process or in a Ray actor.
+"""`Trainer`: one megatron-core policy trainer process (+ the draft it trains), in-process or in a Ray actor.
 
 Call `trainer.distributed.init_distributed(...)` first in multi-process setups; a lone
-Trainer starts a one-process group itself. Per step:
-policy loss (PPO-clip on the rollout log-probs) + factor/num_layers * MTP loss, where the
-MTP block reads detached trunk outputs (DESIGN §4) and has its own grad-norm clip.
+Trainer starts a one-process group itself. Per step: the policy loss (PPO-clip on the rollout
+log-probs) plus the loss of the draft the run trains, whatever its kind (trainer/drafts: the MTP
+layers or an external EAGLE-3 draft), which reads detached policy states and has its own grad-norm
+clip; then the draft's own steps on the updated policy (trainer/drafts/base.py).
 """
 import collections
 import dataclasses
+import re
 
 import torch
-import torch.distributed as dist
 
 from vime.models.hf_format import load_hf_checkpoint, read_config
-from mtp.loss import DISTILLATION_LOSSES, mtp_loss, mtp_loss_mask, scaled_mtp_loss
 from mtp.sampling import effective_temperature, token_logprobs
 from trainer import checkpoint, grads
 from trainer.mixed_precision import build_optimizer, fp32_params_for_checkpoint, grad_params, named_grad_params
-from trainer.distributed import ensure_distributed
-from trainer.draft import DraftTraining, load_draft_state, save_draft_state
+from trainer.distributed import dp_sum, ensure_distributed
+from trainer.drafts import build_draft, load_draft_state, save_draft_state
 from trainer.losses import entropy_from_logits, policy_loss, token_mean
-from trainer.model import build_model, forward, is_mtp_param, spec_name
+from trainer.model import build_model, forward, is_mtp_param
 from trainer.weights import load_hf_state, named_hf_weights
 from vime.errors import require
 from vime.precision import compute_dtype
@@ -32,27 +32,8 @@ def resolve_mtp_layers(requested, available):
     return n
 
 
-def resolve_train_depths(requested, num_layers):
-    """Draft depths the MTP loss trains: one per layer by default; fewer than the layers is refused."""
-    depths = num_layers if requested is None else requested
-    require(depths >= num_layers, f"--mtp-train-depths {depths} is fewer than the {num_layers} MTP layers: "
-            f"every layer trains at its own depth; pass at least {num_layers}")
-    return depths
-
-
-def _dp_sum(value):
-    from trainer.distributed import collective_device, dp_group
-
-    # on the collective's device (NCCL reduces CUDA tensors only); callers read it with .item()
-    t = torch.as_tensor(value, dtype=torch.float64).detach().clone().to(collective_device())
-
-    if dist.get_world_size(dp_group()) > 1:
-        dist.all_reduce(t, group=dp_group())
-    return t
-
-
 class Trainer:
-    """Policy + MTP trainer on this rank's TP shard. See module docstring."""
+    """The policy (and the draft the run trains) on this rank's TP shard. See module docstring."""
 
     def __init__(self, cfg, hf_checkpoint, load=None):
         """cfg: TrainerConfig; hf_checkpoint: HF dir (architecture, and weights unless `load`);
@@ -61,54 +42,42 @@ class Trainer:
         ensure_distributed(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
         hf_cfg = read_config(hf_checkpoint)
         self.mtp_num_layers = resolve_mtp_layers(cfg.mtp_num_layers, hf_cfg.num_nextn_predict_layers)
-        require(not cfg.enable_mtp_training or self.mtp_num_layers > 0,
-                "--enable-mtp-training needs MTP layers; the HF checkpoint has none or --mtp-num-layers is 0")
-        self.mtp_depths = resolve_train_depths(cfg.mtp_train_depths, self.mtp_num_layers)
-        # the drafter-exact reuse needs an arbitrary attention mask, which the local attention
-        # applies; Transformer Engine's layers are built causal and would ignore it silently
-        require(self.mtp_depths <= self.mtp_num_layers or cfg.mtp_reuse_attention != "drafter" or spec_name() != "te",
-                "--mtp-reuse-attention drafter runs the reused depths with an arbitrary attention mask, which "
-                "the Transformer Engine layers used on this GPU do not take; use --mtp-reuse-attention megatron")
         self.model_cfg = dataclasses.replace(hf_cfg, num_nextn_predict_layers=self.mtp_num_layers)
         self.model = build_model(self.model_cfg, self.mtp_num_layers, cfg.tensor_model_parallel_size,
                                  cfg.pipeline_model_parallel_size, cfg.seed, compute_dtype(cfg.bf16))
         if load is None:
             _, hf_state, _ = load_hf_checkpoint(hf_checkpoint)
             load_hf_state(self.model, hf_state, self.model_cfg)
-        self._freeze_mtp_unless_trained()
+        for name, p in self.model.named_parameters():  # loaded frozen, still synced, unless they are the draft
+            if is_mtp_param(name):
+                p.requires_grad_(False)
+        # the draft trained beside the policy (trainer/drafts: MTP layers, EAGLE-3), or None
+        self.draft = build_draft(cfg, self.model, self.model_cfg)
         self.optimizer = self._build_optimizer()
-        # an external EAGLE-3 draft trained beside the policy (trainer/draft.py), or None
-        self.draft = DraftTraining(cfg, self.model, self.model_cfg) if cfg.enable_draft_training else None
-        # earlier rollout batches the MTP-only steps also train on (--mtp-replay-batches; CPU
+        if self.draft is not None:
+            self.draft.attach(self.optimizer)
+        # earlier rollout batches the draft-only steps also train on (--draft-replay-batches; CPU
         # tensors, newest first; not checkpointed: after --load it refills over R steps)
-        self._mtp_replay = collections.deque(maxlen=cfg.mtp_replay_batches)
+        self._draft_replay = collections.deque(maxlen=self.draft.knobs.replay_batches if self.draft else 0)
         if load is not None:
             self.load(load)
 
     # ---- parameters -------------------------------------------------------------------
-    def _freeze_mtp_unless_trained(self):
-        for name, p in self.model.named_parameters():
-            if is_mtp_param(name):
-                p.requires_grad_(self.cfg.enable_mtp_training)
+    def named_policy_params(self):
+        return [(n, p) for n, p in self.model.named_parameters() if not is_mtp_param(n)]
 
     def policy_params(self):
-        return [p for n, p in self.model.named_parameters() if not is_mtp_param(n)]
-
-    def mtp_params(self):
-        return [p for n, p in self.model.named_parameters() if is_mtp_param(n)]
+        return [p for _, p in self.named_policy_params()]
 
     def _build_optimizer(self):
-        groups = [{"params": self.policy_params()}]
-        if self.cfg.enable_mtp_training:
-            groups.append({"params": self.mtp_params(),
-                           "lr": self.cfg.lr if self.cfg.mtp_lr is None else self.cfg.mtp_lr})
+        groups = [{"params": self.policy_params()}, *(self.draft.param_groups() if self.draft else [])]
         return build_optimizer(groups, self.cfg.bf16, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
                                eps=self.cfg.adam_eps)
 
-    def _named_grads(self):
-        """(name, the tensor holding its gradient) of every parameter: the parameter itself, or
-        under --bf16 its fp32 main parameter (trainer/mixed_precision.py)."""
-        return named_grad_params(self.optimizer, self.model.named_parameters())
+    def _optimizers(self):
+        """The trainer's optimizer, and the draft's when it has one of its own."""
+        own = self.draft is not None and self.draft.optimizer is not self.optimizer
+        return [self.optimizer, self.draft.optimizer] if own else [self.optimizer]
 
     # ---- forward pieces ---------------------------------------------------------------
     def _token_logprobs(self, out, tokens):
@@ -131,24 +100,8 @@ class Trainer:
             rows.append(torch.nn.functional.pad(lp, (1, 0)))
         return torch.cat(rows)
 
-    def _mtp_losses(self, out, mb, mtp_counts):
-        """Per-depth MTP loss (--mtp-loss-type), each a share of the step's token mean (sums to it
-        over micro-batches). The distillation target is the detached policy (mtp/loss.py)."""
-        logits = self.model.mtp_logits(out, detach_trunk=self.cfg.mtp_detach_trunk, depths=self.mtp_depths,
-                                       reuse_attention=self.cfg.mtp_reuse_attention)
-        policy_logits = out.logits.detach() if out.logits is not None else None
-        losses = []
-        for d, lg in enumerate(logits, start=1):
-            local = mtp_loss_mask(mb.loss_mask, d).sum()
-            loss = mtp_loss(lg, mb.tokens, mb.loss_mask, d, self.cfg.mtp_loss_type, policy_logits,
-                            self.cfg.temperature, self.cfg.mtp_distill_topk)
-            losses.append(loss * local / mtp_counts[d - 1].clamp(min=1))
-        return losses
-
-    def _micro_batch_loss(self, mb, num_tokens, mtp_counts):
-        out = forward(self.model, mb.tokens)
-        if self.draft is not None:  # a detached copy: the policy's graph is untouched
-            self.draft.keep_policy_logits(out.logits)
+    def _policy_loss(self, out, mb, num_tokens):
+        """(policy loss of one micro-batch, its metrics), a share of the step's token mean."""
         lp = self._token_logprobs(out, mb.tokens)
         mask = mb.label_mask
         ref = mb.ref_logprobs[:, 1:] if mb.ref_logprobs is not None else None
@@ -166,129 +119,101 @@ class Trainer:
             temp = effective_temperature(self.cfg.temperature)
             m["entropy"] = token_mean(entropy_from_logits(out.logits[:, :-1], temp), mask, num_tokens)
             m["logprob_abs_diff"] = token_mean((lp - mb.rollout_logprobs[:, 1:]).abs(), mask, num_tokens)
-        if self.cfg.enable_mtp_training:
-            per_depth = self._mtp_losses(out, mb, mtp_counts)
-            loss = loss + scaled_mtp_loss(per_depth, self.cfg.mtp_loss_scaling_factor)
-            for i, l in enumerate(per_depth, start=1):
-                m[f"mtp_{i}_loss"] = l.detach()
         return loss, m
+
+    def _draft_loss(self, inputs, metrics=None):
+        """The draft's loss on one micro-batch's `inputs`; its parts (depths, drafting steps) go into
+        `metrics` as <prefix>_<i>_loss. Returns (loss, the micro-batch's share of the reported mean)."""
+        loss, parts = self.draft.loss(inputs)
+        if metrics is not None:
+            for i, x in enumerate(parts, start=1):
+                metrics[f"{self.draft.metric_prefix}_{i}_loss"] = x
+        return loss, sum(parts) / max(len(parts), 1)
 
     # ---- step -------------------------------------------------------------------------
     def backward(self, batch):
-        """Forward + backward over micro-batches; grads left on the parameters. Returns metrics."""
+        """Forward + backward over micro-batches, the policy's loss and the draft's; grads left on the
+        parameters, reduced over ranks. Returns metrics."""
         batch = batch.to(self.device)
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        num_tokens = _dp_sum(batch.num_response_tokens()).float()
-        mtp_counts = self._mtp_counts(batch)
-        totals = {}
+        for optimizer in self._optimizers():
+            optimizer.zero_grad(set_to_none=True)
+        num_tokens = dp_sum(batch.num_response_tokens()).float()
         micro_batches = list(batch.micro_batches(self.cfg.micro_batch_size))
+        normaliser = self.draft.normaliser(batch, len(micro_batches)) if self.draft else None
+        totals = {}
         for mb in micro_batches:
-            loss, m = self._micro_batch_loss(mb, num_tokens, mtp_counts)
+            out = forward(self.model, mb.tokens)
+            loss, m = self._policy_loss(out, mb, num_tokens)
+            if self.draft is not None:  # on detached policy states: the policy's gradients are untouched
+                loss = loss + self._draft_loss(self.draft.inputs(out, mb, normaliser), m)[0]
             loss.backward()
-            if self.draft is not None:  # after the policy's backward, on the forward's detached states
-                for i, x in enumerate(self.draft.backward_micro_batch(mb.tokens, mb.loss_mask, 1 / len(micro_batches))):
-                    m[f"draft_{i + 1}_loss"] = x
             for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
-        grads.reduce_gradients(self._named_grads())
+        grads.reduce_gradients(named_grad_params(self.optimizer, self.named_policy_params()))
+        if self.draft is not None:
+            self.draft.reduce_gradients()
         return self._metrics(totals)
 
-    def _mtp_counts(self, batch):
-        """Tokens each MTP depth's loss averages over, summed over data-parallel ranks."""
-        return [_dp_sum(mtp_loss_mask(batch.loss_mask, d).sum()).float() for d in range(1, self.mtp_depths + 1)]
-
-    def _frozen_trunk_outputs(self, batch):
-        """(micro-batch, trunk ForwardOutput) pairs for the MTP-only steps, computed once: the
-        trunk does not change between those steps, so one no-grad forward serves them all. The
-        [b, s, V] policy logits are kept only where the loss type reads them (distillation)."""
-        batch = batch.to(self.device)
-        keep_logits = self.cfg.mtp_loss_type in DISTILLATION_LOSSES
-        pairs = []
-        with torch.no_grad():
-            for mb in batch.micro_batches(self.cfg.micro_batch_size):
-                out = forward(self.model, mb.tokens)
-                pairs.append((mb, out if keep_logits else dataclasses.replace(out, logits=None)))
-        return pairs
-
-    def _mtp_only_step(self, trunk_outputs, mtp_counts):
-        """One more optimiser step of the MTP layers alone (--mtp-steps-per-rollout) on the
-        micro-batches of `trunk_outputs` (`_frozen_trunk_outputs`).
-
-        The trunk's parameters keep no grad, so AdamW skips them: the policy is exactly what the
-        joint step left. Returns the step's MTP loss (depth mean)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for mb, out in trunk_outputs:
-            per_depth = self._mtp_losses(out, mb, mtp_counts)
-            scaled_mtp_loss(per_depth, self.cfg.mtp_loss_scaling_factor).backward()
-            total += float(torch.stack(per_depth).detach().sum()) / len(per_depth)
-        grads.reduce_gradients(self._named_grads())
-        grads.clip_by_norm(grad_params(self.optimizer, self.mtp_params()), self.cfg.effective_mtp_clip_grad)
-        self.optimizer.step()
-        return _dp_sum(total).item()
-
-    def _mtp_only_steps(self, batches, steps):
-        """`steps` MTP-only optimiser steps cycling over `batches` (this step's first), ordered so
-        that the last step is on this step's batch; returns that step's MTP loss."""
-        prepared = [(self._frozen_trunk_outputs(b), self._mtp_counts(b.to(self.device))) for b in batches]
-        loss = None
-        for i in range(steps):
-            loss = self._mtp_only_step(*prepared[(steps - 1 - i) % len(prepared)])
-        return loss
-
     def _draft_inputs(self, batch):
-        """The draft's inputs (trainer/draft.py DraftInputs) of every micro-batch of `batch` under
-        the current policy: one no-grad forward each, read by the draft's hooks."""
+        """The draft's inputs of every micro-batch of `batch` under the current policy: one no-grad
+        forward each (the policy does not change between the draft-only steps)."""
         batch = batch.to(self.device)
-        inputs = []
+        micro_batches = list(batch.micro_batches(self.cfg.micro_batch_size))
+        normaliser = self.draft.normaliser(batch, len(micro_batches))
         with torch.no_grad():
-            for mb in batch.micro_batches(self.cfg.micro_batch_size):
-                self.draft.keep_policy_logits(forward(self.model, mb.tokens).logits)
-                inputs.append(self.draft.take_inputs(mb.tokens, mb.loss_mask))
-        return inputs
+            return [self.draft.inputs(forward(self.model, mb.tokens), mb, normaliser) for mb in micro_batches]
 
-    def _draft_only_steps(self, batch):
-        """--draft-steps-per-rollout N: N-1 steps of the external draft alone, on the updated
-        policy's states of `batch` and the replayed earlier batches; the policy is not touched.
-        Returns {"train/draft_final_loss": the last step's loss, averaged over DP ranks} or {}."""
-        from trainer.distributed import dp_group
+    def _draft_only_step(self, inputs):
+        """One optimiser step of the draft alone on one batch's `inputs`: the policy's parameters keep
+        no grad, so the optimizer skips them. Returns this rank's share of the step's loss."""
+        self.draft.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for micro in inputs:
+            loss, reported = self._draft_loss(micro)
+            loss.backward()
+            total += reported
+        self.draft.reduce_gradients()
+        self.draft.clip_gradients()
+        self.draft.optimizer.step()
+        return total
 
-        steps = self.cfg.draft_steps_per_rollout - 1
-        if steps < 1:
-            return {}
-        prepared = [self._draft_inputs(b) for b in [batch, *self.draft.replay]]
-        loss = self.draft.train_on(prepared, steps)
-        self.draft.replay.appendleft(batch)
-        return {"train/draft_final_loss": _dp_sum(loss).item() / dist.get_world_size(dp_group())}
+    def _draft_only_steps(self, batches, steps):
+        """`steps` draft-only steps cycling over `batches` (this RL step's first), ordered so that the
+        last step is on this step's batch; returns that step's loss (mean over parts and ranks)."""
+        prepared = [self._draft_inputs(b) for b in batches]
+        total = None
+        for i in range(steps):
+            total = self._draft_only_step(prepared[(steps - 1 - i) % len(prepared)])
+        return dp_sum(total).item()
 
     def _metrics(self, totals):
-        out = {f"train/{k}": _dp_sum(v).item() for k, v in totals.items()}
+        out = {f"train/{k}": dp_sum(v).item() for k, v in totals.items()}
         policy = out.pop("train/pg_loss")
         if self.cfg.use_kl_loss:
             policy += self.cfg.kl_loss_coef * out["train/kl"]
         out["train/policy_loss"] = policy
-        depths = [out[f"train/mtp_{i}_loss"] for i in range(1, self.mtp_depths + 1) if f"train/mtp_{i}_loss" in out]
-        if depths:
-            out["train/mtp_loss"] = sum(depths) / len(depths)
+        if self.draft is not None:
+            prefix = self.draft.metric_prefix
+            parts = [v for k, v in out.items() if re.fullmatch(f"train/{prefix}_[0-9]+_loss", k)]
+            if parts:  # the mean over depths / drafting steps
+                out[f"train/{prefix}_loss"] = sum(parts) / len(parts)
         return out
 
     def train_step(self, batch):
-        """One optimiser step on `batch` (this DP rank's share). Returns the train/* metrics."""
+        """One optimiser step on `batch` (this DP rank's share), then --draft-steps-per-rollout - 1
+        steps of the draft alone on the updated policy. Returns the train/* metrics."""
         metrics = self.backward(batch)
         metrics["train/grad_norm"] = grads.clip_by_norm(grad_params(self.optimizer, self.policy_params()),
                                                         self.cfg.clip_grad)
-        if self.cfg.enable_mtp_training:
-            metrics["train/mtp_grad_norm"] = grads.clip_by_norm(grad_params(self.optimizer, self.mtp_params()),
-                                                                self.cfg.effective_mtp_clip_grad)
-        self.optimizer.step()
         if self.draft is not None:
-            metrics["train/draft_grad_norm"] = self.draft.step()
-            metrics.update(self._draft_only_steps(batch))
-        if self.cfg.mtp_steps_per_rollout > 1:
-            metrics["train/mtp_final_loss"] = self._mtp_only_steps([batch, *self._mtp_replay],
-                                                                   self.cfg.mtp_steps_per_rollout - 1)
-            self._mtp_replay.appendleft(batch)
+            metrics[f"train/{self.draft.metric_prefix}_grad_norm"] = self.draft.clip_gradients()
+        for optimizer in self._optimizers():
+            optimizer.step()
+        steps = self.draft.knobs.steps_per_rollout - 1 if self.draft else 0
+        if steps > 0:
+            metrics["train/draft_final_loss"] = self._draft_only_steps([batch, *self._draft_replay], steps)
+            self._draft_replay.appendleft(batch)
         return metrics
 
     # ---- weights and checkpoints ------------------------------------------------------
@@ -307,7 +232,7 @@ class Trainer:
         with fp32_params_for_checkpoint(self.model, self.optimizer):  # under --bf16 the fp32 masters: a plain fp32 checkpoint
             checkpoint.save(path, self.model, self.optimizer, self._meta())
         if self.draft is not None:
-            save_draft_state(path, self.draft.state())
+            save_draft_state(path, self.draft)
 
     def load(self, path):
         """Load a torch_dist checkpoint saved at any TP size (collective)."""
@@ -318,4 +243,4 @@ class Trainer:
         with fp32_params_for_checkpoint(self.model, self.optimizer):  # under --bf16 into the fp32 masters, then rounded
             checkpoint.load(path, self.model, self.optimizer)
         if self.draft is not None:
-            self.draft.load_state(load_draft_state(path))
+            load_draft_state(path, self.draft)

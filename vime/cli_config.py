@@ -3,9 +3,11 @@
 The flags are an argparse parser generated from the config fields' metadata (vime/config.py
 `flag_table`): name, help, type. Every argparse error is one `UserError` line. Flags are applied
 to the dataclass tree after Hydra composes, so values Hydra's override grammar cannot hold (a JSON
-speculative config) pass through unchanged.
+speculative config) pass through unchanged. The speculative config is then parsed, once, into the
+`SpecConfig` the tree holds from there on (vime/spec_config.py).
 """
 import argparse
+import dataclasses
 import difflib
 import json
 import os
@@ -16,8 +18,43 @@ from omegaconf import OmegaConf
 
 from vime.config import REPO_ROOT, Config, flag_table
 from vime.errors import UserError, require
+from vime.spec_config import SpecConfig, parse_spec_config
 
 CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
+
+# flags that were replaced: old flag -> the one that now sets the same thing. The draft's knobs exist
+# once, in the draft section, for whichever draft the run trains (MTP layers or an external one).
+REMOVED_FLAGS = {
+    "--mtp-steps-per-rollout": "--draft-steps-per-rollout", "--mtp-replay-batches": "--draft-replay-batches",
+    "--mtp-loss-type": "--draft-loss-type", "--mtp-distill-topk": "--draft-distill-topk",
+    "--mtp-lr": "--draft-lr", "--mtp-clip-grad": "--draft-clip-grad",
+}
+
+
+def _key_of(name):
+    """The Hydra key a flag spells (`--mtp-lr` -> `mtp.lr`): section, then the field in snake case."""
+    section, _, field = name[2:].partition("-")
+    return f"{section}.{field.replace('-', '_')}"
+
+
+# the same replacements as Hydra keys (`mtp.lr=...` -> draft.lr)
+REMOVED_KEYS = {_key_of(old): _key_of(new) for old, new in REMOVED_FLAGS.items()}
+
+
+def _refuse_removed_flag(name):
+    new = REMOVED_FLAGS.get(name)
+    if new is not None:
+        raise UserError(f"{name} was replaced by {new} (one set of draft knobs for MTP layers and external "
+                        f"drafts alike): pass {new}")
+
+
+def _refuse_removed_keys(overrides):
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        new = REMOVED_KEYS.get(key)
+        if new is not None:
+            raise UserError(f"config override {key} was replaced by {new} (one set of draft knobs for MTP "
+                            f"layers and external drafts alike): set {new}")
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -57,6 +94,9 @@ def build_parser(defaults=None):
 def split_argv(argv):
     """(hydra overrides, {config key: value}) from argv; the values already have their field's type."""
     table = flag_table()
+    for arg in argv:  # before argparse, which would read `--mtp-lr` as an abbreviation or a stray value
+        if arg.startswith("--"):
+            _refuse_removed_flag(arg.partition("=")[0])
     flags, rest = build_parser().parse_known_args(_normalise_bools(list(argv), table))
     for arg in rest:
         if arg.startswith("--"):
@@ -167,20 +207,24 @@ def _closest_key_hint(overrides):
 
 
 def load_config(argv):
-    """The validated-later Config for argv (see module docstring)."""
+    """The Config for argv (see module docstring), its speculative config parsed into a `SpecConfig`;
+    the other rules are checked later (vime.config.validate)."""
     overrides, values = split_argv(list(argv))
+    _refuse_removed_keys(overrides)
     cfg = compose(overrides)
     for path, value in values.items():
         section, key = path.split(".")
         setattr(getattr(cfg, section), key, value)
-    spec = cfg.rollout.vllm_speculative_config
-    if isinstance(spec, str) and spec.strip().lower() in ("", "none", "null"):
-        cfg.rollout.vllm_speculative_config = None
+    # read once, here: from now on the tree holds a SpecConfig (or None) that every part reads
+    cfg.rollout.vllm_speculative_config = parse_spec_config(cfg.rollout.vllm_speculative_config, cfg.rollout.backend)
     return cfg
 
 
 def describe(cfg):
-    """The config as YAML text (for the run directory)."""
+    """The config as YAML text (for the run directory); the speculative config as it was written."""
+    spec = cfg.rollout.vllm_speculative_config
+    if isinstance(spec, SpecConfig):
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, vllm_speculative_config=spec.to_vllm()))
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 

@@ -144,22 +144,18 @@ class TrainSection:
 
 @dataclass
 class MTPSection:
-    """The MTP layers: how many, whether and how they train online (`cfg.mtp`)."""
+    """The policy's MTP layers: how many, whether they train online, and the MTP-only parts of their loss
+    (`cfg.mtp`). How a trained draft steps (lr, steps, replay, loss type, clip) is the draft section's."""
 
     num_layers: Optional[int] = field(default=None, metadata=flag(
         "--mtp-num-layers", "MTP layers to load, train and sync (none: as many as the checkpoint has)"))
     enable_training: bool = field(default=False, metadata=flag(
-        "--enable-mtp-training", "train the MTP layers online on the rollout tokens (else loaded frozen, still synced)"))
+        "--enable-mtp-training", "train the MTP layers online on the rollout tokens (else loaded frozen, still synced); "
+        "the --draft-* knobs set how"))
     loss_scaling_factor: float = field(default=0.2, metadata=flag(
         "--mtp-loss-scaling-factor", "factor of the MTP loss added to the policy loss"))
     detach_trunk: bool = field(default=True, metadata=flag(
         "--mtp-detach-trunk", "--no-mtp-detach-trunk trains jointly"))
-    clip_grad: Optional[float] = field(default=None, metadata=flag(
-        "--mtp-clip-grad", "max grad norm of the MTP parameters, clipped apart from the policy's (none: --clip-grad)"))
-    loss_type: str = field(default="ce", metadata=flag(
-        "--mtp-loss-type", "ce (sampled token) | soft_ce | tv (against the detached policy distribution)"))
-    distill_topk: int = field(default=0, metadata=flag(
-        "--mtp-distill-topk", "soft_ce / tv: truncate the policy target to its top-k (0: full vocabulary)"))
     train_depths: Optional[int] = field(default=None, metadata=flag(
         "--mtp-train-depths", "draft depths the MTP loss trains (none: one per MTP layer); depths past the "
         "last layer reuse it on its own output, as the drafter does for k > layers (see --mtp-reuse-attention)"))
@@ -167,15 +163,6 @@ class MTPSection:
         "--mtp-reuse-attention", "how --mtp-train-depths past the last layer attend: drafter (exactly as the "
         "drafter runs the reused layer: one position further, over the layer's entries before it) or "
         "megatron (chained as megatron chains layers)"))
-    steps_per_rollout: int = field(default=1, metadata=flag(
-        "--mtp-steps-per-rollout", "optimiser steps of the draft per RL step: the joint step, then N-1 steps "
-        "of the MTP layers alone on the same rollout batch (the MTP loss is detached, so the policy is "
-        "unchanged; the draft catches up with the policy it drafts for)"))
-    replay_batches: int = field(default=0, metadata=flag(
-        "--mtp-replay-batches", "the MTP-only steps (--mtp-steps-per-rollout) cycle over this RL step's batch "
-        "and the R previous ones, their trunk states recomputed with the current policy (0: this batch only)"))
-    lr: Optional[float] = field(default=5e-3, metadata=flag(
-        "--mtp-lr", "learning rate of the MTP layers (none: --lr); Adam makes the loss factor nearly scale-free"))
 
 
 @dataclass
@@ -248,28 +235,60 @@ class PlacementSection:
 
 @dataclass
 class DraftSection:
-    """An external draft (EAGLE-3, `model` in --vllm-speculative-config) trained online (`cfg.draft`)."""
+    """The draft trained online beside the policy, whatever its kind (`cfg.draft`): the policy's MTP layers
+    (--enable-mtp-training) or an external draft named by --vllm-speculative-config (--enable-draft-training,
+    EAGLE-3). The knobs apply to whichever trains; those left at none take the kind's own default
+    (trainer/drafts/<kind>.py)."""
 
     enable_training: bool = field(default=False, metadata=flag(
-        "--enable-draft-training", "train the external EAGLE-3 draft online in the trainers, from the policy's "
-        "detached hidden states of the rollout batch, and sync it to the rollout every step"))
-    loss_scaling_factor: float = field(default=1.0, metadata=flag(
-        "--draft-loss-scaling-factor", "factor of the draft's loss (its own optimiser: the policy never sees it)"))
-    lr: Optional[float] = field(default=1e-3, metadata=flag(
-        "--draft-lr", "learning rate of the external draft (none: --lr)"))
-    steps_per_rollout: int = field(default=8, metadata=flag(
-        "--draft-steps-per-rollout", "optimiser steps of the external draft per RL step: the one beside the "
-        "policy's, then N-1 on the aux hidden states of the updated policy (the one the next rollout drafts for)"))
-    replay_batches: int = field(default=4, metadata=flag(
+        "--enable-draft-training", "train the external draft of --vllm-speculative-config (EAGLE-3) online in the "
+        "trainers, from the policy's detached hidden states of the rollout batch, and sync it to the rollout "
+        "every step (the policy's own MTP layers: --enable-mtp-training)"))
+    lr: Optional[float] = field(default=None, metadata=flag(
+        "--draft-lr", "learning rate of the trained draft (default none: the kind's own, 5e-3 for MTP layers, "
+        "1e-3 for EAGLE-3; Adam makes the loss factor nearly scale-free)"))
+    steps_per_rollout: Optional[int] = field(default=None, metadata=flag(
+        "--draft-steps-per-rollout", "optimiser steps of the draft per RL step: the one beside the policy's, then "
+        "N-1 of the draft alone on the states of the updated policy, the one the next rollout drafts for "
+        "(default none: the kind's own, 1 for MTP layers, 8 for EAGLE-3)"))
+    replay_batches: Optional[int] = field(default=None, metadata=flag(
         "--draft-replay-batches", "the draft-only steps (--draft-steps-per-rollout) cycle over this RL step's batch "
-        "and the R previous ones, their hidden states recomputed with the current policy (0: this batch only)"))
+        "and the R previous ones, their states recomputed with the current policy (default none: the kind's "
+        "own, 0 for MTP layers, 4 for EAGLE-3)"))
     loss_type: str = field(default="ce", metadata=flag(
         "--draft-loss-type", "ce (sampled token) | soft_ce | tv (against the detached policy's distribution, "
         "mtp/loss.py)"))
     distill_topk: int = field(default=0, metadata=flag(
         "--draft-distill-topk", "soft_ce / tv: truncate the policy target to its top-k (0: full vocabulary)"))
+    clip_grad: Optional[float] = field(default=None, metadata=flag(
+        "--draft-clip-grad", "max grad norm of the draft's parameters, clipped apart from the policy's "
+        "(default none: --clip-grad)"))
+    loss_scaling_factor: float = field(default=1.0, metadata=flag(
+        "--draft-loss-scaling-factor", "factor of an external draft's loss (its own optimiser: the policy never "
+        "sees it; MTP layers: --mtp-loss-scaling-factor)"))
     ttt_steps: Optional[int] = field(default=None, metadata=flag(
-        "--draft-ttt-steps", "drafting steps the training-time test unrolls (none: num_speculative_tokens)"))
+        "--draft-ttt-steps", "drafting steps EAGLE-3's training-time test unrolls (none: num_speculative_tokens; "
+        "MTP layers: --mtp-train-depths)"))
+
+
+def _validate_drafts(d, m):
+    """The draft section against itself and the MTP section (the kind-dependent rules are the
+    trainer's own: trainer/drafts)."""
+    require(not (m.enable_training and d.enable_training),
+            "--enable-mtp-training and --enable-draft-training each train the run's one draft: keep the one "
+            "that --vllm-speculative-config drafts with")
+    require(d.loss_type in MTP_LOSSES, f"--draft-loss-type {d.loss_type!r}: use one of {', '.join(MTP_LOSSES)}")
+    require(not d.distill_topk or d.loss_type != "ce",
+            "--draft-distill-topk truncates a distillation target: use it with --draft-loss-type soft_ce or tv")
+    trains = m.enable_training or d.enable_training
+    for name, value in (("--draft-steps-per-rollout", d.steps_per_rollout),
+                        ("--draft-replay-batches", d.replay_batches), ("--draft-lr", d.lr)):
+        require(value is None or trains, f"{name} sets how the online draft trains: use it with "
+                "--enable-mtp-training (the MTP layers) or --enable-draft-training (an external draft)")
+    require(m.train_depths is None or m.enable_training,
+            "--mtp-train-depths sets what the online MTP loss trains: use it with --enable-mtp-training")
+    require(m.reuse_attention in REUSE_ATTENTION,
+            f"--mtp-reuse-attention {m.reuse_attention!r}: use one of {', '.join(REUSE_ATTENTION)}")
 
 
 @dataclass
@@ -313,18 +332,7 @@ def validate(cfg):
     require(not run.debug_train_only or run.load_debug_rollout_data,
             "--debug-train-only trains on saved rollouts: give --load-debug-rollout-data DIR "
             "(written by a run with --save-debug-rollout-data DIR)")
-    require(m.loss_type in MTP_LOSSES,
-            f"--mtp-loss-type {m.loss_type!r}: use one of {', '.join(MTP_LOSSES)}")
-    require(not m.distill_topk or m.loss_type != "ce",
-            "--mtp-distill-topk truncates a distillation target: use it with --mtp-loss-type soft_ce or tv")
-    require(m.reuse_attention in REUSE_ATTENTION,
-            f"--mtp-reuse-attention {m.reuse_attention!r}: use one of {', '.join(REUSE_ATTENTION)}")
-    require(m.steps_per_rollout == 1 or m.enable_training,
-            "--mtp-steps-per-rollout sets how the online MTP loss trains: use it with --enable-mtp-training")
-    require(m.replay_batches == 0 or m.steps_per_rollout > 1,
-            "--mtp-replay-batches feeds the MTP-only steps: use it with --mtp-steps-per-rollout 2 or more")
-    require(m.train_depths is None or m.enable_training,
-            "--mtp-train-depths sets what the online MTP loss trains: use it with --enable-mtp-training")
+    _validate_drafts(cfg.draft, m)
     require(not run.save_interval or run.save, "--save-interval needs --save DIR")
     require(run.save_keep is None or run.save, "--save-keep needs --save DIR")
     require(run.wandb_mode in (None, "offline", "online", "disabled"),
@@ -386,9 +394,7 @@ RANGES = {
     "--eps-clip-high": POSITIVE, "--kl-loss-coef": AT_LEAST_0,
     "--global-batch-size": AT_LEAST_1, "--micro-batch-size": AT_LEAST_1, "--tensor-model-parallel-size": AT_LEAST_1,
     "--pipeline-model-parallel-size": AT_LEAST_1, "--data-parallel-size": AT_LEAST_1, "--seed": SEED,
-    "--mtp-num-layers": AT_LEAST_0, "--mtp-loss-scaling-factor": AT_LEAST_0, "--mtp-clip-grad": AT_LEAST_0,
-    "--mtp-distill-topk": AT_LEAST_0, "--mtp-train-depths": AT_LEAST_1, "--mtp-steps-per-rollout": AT_LEAST_1,
-    "--mtp-replay-batches": AT_LEAST_0, "--mtp-lr": LEARNING_RATE,
+    "--mtp-num-layers": AT_LEAST_0, "--mtp-loss-scaling-factor": AT_LEAST_0, "--mtp-train-depths": AT_LEAST_1,
     "--num-rollout": AT_LEAST_1, "--save-interval": AT_LEAST_0, "--update-weight-buffer-size": AT_LEAST_1,
     "--save-keep": AT_LEAST_1,
     "--dynamic-sampling-max-draws": AT_LEAST_1, "--over-sampling-batch-size": AT_LEAST_1,
@@ -398,7 +404,7 @@ RANGES = {
     "--placement-timeout": POSITIVE,
     "--draft-loss-scaling-factor": AT_LEAST_0, "--draft-lr": LEARNING_RATE,
     "--draft-steps-per-rollout": AT_LEAST_1, "--draft-replay-batches": AT_LEAST_0,
-    "--draft-distill-topk": AT_LEAST_0, "--draft-ttt-steps": AT_LEAST_1,
+    "--draft-distill-topk": AT_LEAST_0, "--draft-ttt-steps": AT_LEAST_1, "--draft-clip-grad": AT_LEAST_0,
     "--reward-timeout": POSITIVE, "--reward-num-workers": AT_LEAST_1, "--eval-interval": AT_LEAST_1,
     "--n-samples-per-eval-prompt": AT_LEAST_1, "--eval-temperature": AT_LEAST_0,
 }

@@ -1,0 +1,138 @@
+"""The draft-trainer interface: one kind of draft trained online beside the policy.
+
+The Trainer (trainer/trainer.py) runs one loop for every kind:
+
+1. Beside the policy's step: per micro-batch, the policy's forward; the draft's `inputs` read what it
+   needs from that forward (detached, so the policy's loss and gradients are those without a draft),
+   `loss` gives the draft's loss, added to the policy's before the one backward. Then
+   `reduce_gradients` (over ranks), `clip_gradients` (apart from the policy's clip) and the step of
+   the optimizer that holds the draft's parameters (`optimizer`: the trainer's, the draft's
+   parameters in a group of their own, or the draft's own).
+2. `--draft-steps-per-rollout N`: N-1 steps of the draft alone, on the states of the *updated*
+   policy (the one the next rollout drafts for), cycling over this batch and the
+   `--draft-replay-batches` previous ones, recomputed with one no-grad forward each.
+
+A kind declares its defaults of the shared knobs (`DEFAULTS`, used where a `--draft-*` knob is left
+unset), the names of its metrics, its weights for the push to the rollout and its checkpoint state.
+"""
+import abc
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from vime.errors import require
+
+DRAFT_STATE_FILE = "draft.pt"  # in a --save checkpoint: a draft's own state (`DraftTrainer.state`)
+LEGACY_STATE_FILES = ("eagle3_draft.pt",)  # what checkpoints held before: still read
+
+
+@dataclass(frozen=True)
+class DraftKnobs:
+    """The shared knobs (`--draft-lr`, `--draft-steps-per-rollout`, `--draft-replay-batches`) resolved."""
+
+    lr: float
+    steps_per_rollout: int
+    replay_batches: int
+
+    @classmethod
+    def resolve(cls, kind, defaults, lr, steps_per_rollout, replay_batches):
+        """The knobs given (None: the kind's `defaults`); replay without draft-only steps is refused."""
+        knobs = cls(lr=defaults.lr if lr is None else lr,
+                    steps_per_rollout=defaults.steps_per_rollout if steps_per_rollout is None else steps_per_rollout,
+                    replay_batches=defaults.replay_batches if replay_batches is None else replay_batches)
+        require(knobs.replay_batches == 0 or knobs.steps_per_rollout > 1,
+                f"--draft-replay-batches {knobs.replay_batches} feeds the draft-only steps, but the {kind} draft "
+                f"takes --draft-steps-per-rollout {knobs.steps_per_rollout}: pass --draft-steps-per-rollout 2 or "
+                "more, or --draft-replay-batches 0")
+        return knobs
+
+
+class DraftTrainer(abc.ABC):
+    """One kind of draft trained beside the policy (see module docstring); `trainer/drafts/<kind>.py`."""
+
+    kind = None  # the registry name (trainer/drafts/__init__.py DRAFT_TRAINERS)
+    metric_prefix = "draft"  # train/<prefix>_<i>_loss, train/<prefix>_loss, train/<prefix>_grad_norm
+    DEFAULTS = None  # DraftKnobs: this kind's value of each shared knob left unset
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.knobs = DraftKnobs.resolve(self.kind, self.DEFAULTS, cfg.draft_lr, cfg.draft_steps_per_rollout,
+                                        cfg.draft_replay_batches)
+        self.optimizer = None  # the optimizer that steps the draft's parameters (see `param_groups`)
+
+    # ---- parameters and optimizer ----------------------------------------------------
+    def param_groups(self):
+        """Parameter groups the trainer's optimizer takes for the draft (none: the draft has its own)."""
+        return []
+
+    def attach(self, trainer_optimizer):
+        """Called once the trainer's optimizer exists: a draft without one of its own steps with it."""
+        if self.optimizer is None:
+            self.optimizer = trainer_optimizer
+
+    @abc.abstractmethod
+    def reduce_gradients(self):
+        """Reduce the draft's gradients over the ranks (each kind its own convention)."""
+
+    @abc.abstractmethod
+    def clip_gradients(self):
+        """Clip the draft's gradients to --draft-clip-grad apart from the policy's; returns the pre-clip norm."""
+
+    # ---- the loss ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def normaliser(self, batch, num_micro_batches):
+        """What each micro-batch's loss divides by so that they sum to the step's loss (per batch)."""
+
+    @abc.abstractmethod
+    def inputs(self, out, mb, normaliser):
+        """What the loss reads of one policy forward `out` (trainer/model.py ForwardOutput) over the
+        micro-batch `mb`; called right after that forward."""
+
+    @abc.abstractmethod
+    def loss(self, inputs):
+        """(loss to backward, [this micro-batch's share of each part's reported loss]) on `inputs`:
+        the parts (depths, drafting steps) sum over micro-batches and data-parallel ranks to the step's."""
+
+    # ---- sync and checkpoints ---------------------------------------------------------
+    def named_weights(self):
+        """(wire name, tensor) the rollout receives beside the policy's (none: the policy's own carry it)."""
+        return iter(())
+
+    def state(self):
+        """What a checkpoint keeps of the draft beyond the policy's torch_dist checkpoint (None: nothing)."""
+        return None
+
+    def load_state(self, state):
+        """Restore what `state` returned."""
+
+
+def save_draft_state(path, draft):
+    """The draft's own state into a --save checkpoint `path` (rank 0 writes; collective)."""
+    state = draft.state()
+    if state is not None and dist.get_rank() == 0:
+        torch.save({"kind": draft.kind, **state}, os.path.join(path, DRAFT_STATE_FILE))
+    dist.barrier()
+
+
+def saved_draft_state_file(path):
+    """The draft-state file of the checkpoint `path` (a model directory), or None when it holds none."""
+    for name in (DRAFT_STATE_FILE, *LEGACY_STATE_FILES):
+        if os.path.isfile(os.path.join(path, name)):
+            return os.path.join(path, name)
+    return None
+
+
+def load_draft_state(path, draft):
+    """What save_draft_state wrote into `path`, into `draft`; one line when it holds none or another kind's."""
+    if draft.state() is None:
+        return
+    file = saved_draft_state_file(path)
+    require(file is not None, f"--load {path}: the checkpoint holds no external draft ({DRAFT_STATE_FILE}); "
+            "it was saved without --enable-draft-training: resume without it")
+    state = torch.load(file, map_location="cpu", weights_only=False)
+    kind = state.pop("kind", "eagle3")  # the legacy file held an EAGLE-3 draft
+    require(kind == draft.kind, f"--load {path}: the checkpoint's draft is {kind}, this run trains {draft.kind}: "
+            "resume with the same --vllm-speculative-config")
+    draft.load_state(state)

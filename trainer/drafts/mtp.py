@@ -1,0 +1,91 @@
+"""The policy's MTP layers trained as the draft (--enable-mtp-training).
+
+The layers live in the megatron model (`mtp.*`) and are stepped by the trainer's optimizer in a
+parameter group of their own (--draft-lr). Their loss (mtp/loss.py: token-mean loss of depth d on
+token t+d+1, masked by m(t+d)·m(t+d+1), times --mtp-loss-scaling-factor / depths) reads the trunk's
+outputs detached by default (--mtp-detach-trunk), so the policy's loss and gradients are those
+without it; its gradients are clipped apart from the policy's (--draft-clip-grad), so they never
+trigger clipping of the policy update. Their weights reach the rollout and the checkpoints with the
+policy's, so this kind pushes and saves nothing of its own.
+"""
+import dataclasses
+
+from mtp.loss import DISTILLATION_LOSSES, mtp_loss, mtp_loss_mask, scaled_mtp_loss
+from trainer import grads
+from trainer.distributed import dp_sum
+from trainer.drafts.base import DraftKnobs, DraftTrainer
+from trainer.mixed_precision import grad_params, named_grad_params
+from trainer.model import is_mtp_param, spec_name
+from vime.errors import require
+
+
+def resolve_train_depths(requested, num_layers):
+    """Draft depths the MTP loss trains: one per layer by default; fewer than the layers is refused."""
+    depths = num_layers if requested is None else requested
+    require(depths >= num_layers, f"--mtp-train-depths {depths} is fewer than the {num_layers} MTP layers: "
+            f"every layer trains at its own depth; pass at least {num_layers}")
+    return depths
+
+
+class MTPDraftTrainer(DraftTrainer):
+    """The MTP layers of the policy's model as the trained draft (see module docstring)."""
+
+    kind = "mtp"
+    metric_prefix = "mtp"  # train/mtp_loss, train/mtp_<d>_loss, train/mtp_grad_norm (the names users know)
+    # layers inside the policy, stepped once beside each policy step; Adam with a larger lr than the
+    # policy's moves a detached draft as fast as the loss factor alone would not
+    DEFAULTS = DraftKnobs(lr=5e-3, steps_per_rollout=1, replay_batches=0)
+
+    def __init__(self, cfg, model, model_cfg):
+        super().__init__(cfg)
+        num_layers = model_cfg.num_nextn_predict_layers  # the layers the trainer built
+        require(num_layers > 0,
+                "--enable-mtp-training needs MTP layers; the HF checkpoint has none or --mtp-num-layers is 0")
+        self.model = model
+        self.depths = resolve_train_depths(cfg.mtp_train_depths, num_layers)
+        # the drafter-exact reuse needs an arbitrary attention mask, which the local attention
+        # applies; Transformer Engine's layers are built causal and would ignore it silently
+        require(self.depths <= num_layers or cfg.mtp_reuse_attention != "drafter" or spec_name() != "te",
+                "--mtp-reuse-attention drafter runs the reused depths with an arbitrary attention mask, which "
+                "the Transformer Engine layers used on this GPU do not take; use --mtp-reuse-attention megatron")
+        self.named_params = [(n, p) for n, p in model.named_parameters() if is_mtp_param(n)]
+        for _, p in self.named_params:
+            p.requires_grad_(True)
+
+    def param_groups(self):
+        return [{"params": [p for _, p in self.named_params], "lr": self.knobs.lr}]
+
+    # ---- the loss ----------------------------------------------------------------------
+    def normaliser(self, batch, num_micro_batches):
+        """Tokens each depth's loss averages over, summed over data-parallel ranks."""
+        return [dp_sum(mtp_loss_mask(batch.loss_mask, d).sum()).float() for d in range(1, self.depths + 1)]
+
+    def inputs(self, out, mb, normaliser):
+        # the [b, s, V] policy logits are kept only where the loss reads them (distillation)
+        keep_logits = self.cfg.draft_loss_type in DISTILLATION_LOSSES
+        return out if keep_logits else dataclasses.replace(out, logits=None), mb, normaliser
+
+    def loss(self, inputs):
+        """The per-depth losses (--draft-loss-type), each a share of the step's token mean (sums to it
+        over micro-batches and ranks); the distillation target is the detached policy (mtp/loss.py)."""
+        out, mb, counts = inputs
+        c = self.cfg
+        logits = self.model.mtp_logits(out, detach_trunk=c.mtp_detach_trunk, depths=self.depths,
+                                       reuse_attention=c.mtp_reuse_attention)
+        policy_logits = out.logits.detach() if out.logits is not None else None
+        per_depth = []
+        for d, lg in enumerate(logits, start=1):
+            local = mtp_loss_mask(mb.loss_mask, d).sum()
+            loss = mtp_loss(lg, mb.tokens, mb.loss_mask, d, c.draft_loss_type, policy_logits, c.temperature,
+                            c.draft_distill_topk)
+            per_depth.append(loss * local / counts[d - 1].clamp(min=1))
+        return scaled_mtp_loss(per_depth, c.mtp_loss_scaling_factor), [float(x.detach()) for x in per_depth]
+
+    # ---- gradients -----------------------------------------------------------------------
+    def reduce_gradients(self):
+        """Summed over ranks as the policy's (the loss is normalised by the global token count)."""
+        grads.reduce_gradients(named_grad_params(self.optimizer, self.named_params))
+
+    def clip_gradients(self):
+        return grads.clip_by_norm(grad_params(self.optimizer, [p for _, p in self.named_params]),
+                                  self.cfg.effective_draft_clip_grad)
