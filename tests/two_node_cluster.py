@@ -23,7 +23,8 @@ def free_port():
 
 
 class TwoNodeCluster:
-    """head: `head_resources`; second node: `node_resources`; `env` reaches it (token included)."""
+    """head: `head_resources`; second node: `node_resources` (None: the head alone); `env` reaches it
+    (token included)."""
 
     def __init__(self, head_resources, node_resources, cpus=2):
         # a short root: Ray's unix sockets live under it and their paths must stay under 108 bytes
@@ -35,6 +36,9 @@ class TwoNodeCluster:
                                          "--dashboard-host", "127.0.0.1", "--dashboard-port", str(free_port())],
                                 cpus, head_resources)
         self._wait_nodes(1)
+        self.node = None
+        if node_resources is None:
+            return
         self.node = self._start("node", ["--address", self.address], cpus, node_resources)
         self._wait_nodes(2)
 
@@ -73,7 +77,7 @@ class TwoNodeCluster:
         """Every process of this cluster: the two `ray start`s, their children, and any process
         started for it that names one of its temp dirs (workers re-parented by a dead raylet)."""
         found = {}
-        for starter in (self.head, self.node):
+        for starter in filter(None, (self.head, self.node)):
             try:
                 p = psutil.Process(starter.pid)
                 found[p.pid] = p

@@ -179,6 +179,8 @@ class RunSection:
     load: Optional[str] = field(default=None, metadata=flag("--load", "checkpoint directory to resume from"))
     ray_address: Optional[str] = field(default=None, metadata=flag(
         "--ray-address", "join a running Ray cluster (none: start a local one)"))
+    ray_connect_timeout: float = field(default=30.0, metadata=flag(
+        "--ray-connect-timeout", "seconds to wait for --ray-address to answer before stopping with what to check"))
     use_wandb: bool = field(default=True, metadata=flag(
         "--use-wandb", "log to wandb (--no-use-wandb: metrics.jsonl only)"))
     wandb_project: str = field(default="vime", metadata=flag("--wandb-project", "wandb project"))
@@ -380,6 +382,7 @@ class Range:
 AT_LEAST_1, AT_LEAST_0, POSITIVE = Range(1), Range(0), Range(0, low_open=True)
 SEED = Range(0, 2**32 - 1, why="seeds are unsigned 32-bit")
 LEARNING_RATE = Range(0, why="a negative learning rate ascends the loss")
+A_PROCESS_CPU = Range(1, why="every trainer rank and rollout engine is a process computing on at least one CPU")
 # Every numeric flag's accepted values, checked in one place (`check_ranges`) before any actor
 # starts; tests/test_bad_inputs.py checks that every numeric field of the tree has an entry here.
 RANGES = {
@@ -399,9 +402,9 @@ RANGES = {
     "--save-keep": AT_LEAST_1,
     "--dynamic-sampling-max-draws": AT_LEAST_1, "--over-sampling-batch-size": AT_LEAST_1,
     "--tis-clip": Range(1, why="below 1 the cap shrinks even on-policy tokens"),
-    "--actor-num-nodes": AT_LEAST_1, "--actor-num-gpus-per-node": AT_LEAST_0, "--actor-num-cpus-per-node": AT_LEAST_0,
-    "--rollout-num-gpus-per-engine": AT_LEAST_0, "--rollout-num-cpus-per-engine": AT_LEAST_0,
-    "--placement-timeout": POSITIVE,
+    "--actor-num-nodes": AT_LEAST_1, "--actor-num-gpus-per-node": AT_LEAST_0,
+    "--actor-num-cpus-per-node": A_PROCESS_CPU, "--rollout-num-gpus-per-engine": AT_LEAST_0,
+    "--rollout-num-cpus-per-engine": A_PROCESS_CPU, "--placement-timeout": POSITIVE, "--ray-connect-timeout": POSITIVE,
     "--draft-loss-scaling-factor": AT_LEAST_0, "--draft-lr": LEARNING_RATE,
     "--draft-steps-per-rollout": AT_LEAST_1, "--draft-replay-batches": AT_LEAST_0,
     "--draft-distill-topk": AT_LEAST_0, "--draft-ttt-steps": AT_LEAST_1, "--draft-clip-grad": AT_LEAST_0,
