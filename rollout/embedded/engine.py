@@ -30,7 +30,7 @@ from vime.models.hf_format import load_hf_checkpoint
 from mtp.rejection import verify
 from mtp.sampling import processed_logprobs
 from rollout.embedded.fast_model import FastForward
-from rollout.embedded.kv_cache import KVCache, pick_attention_backend
+from rollout.embedded.kv_cache import make_kv_cache, pick_attention_backend
 from rollout.embedded.model import CausalLMWithMTP
 from rollout.embedded.padding import pad_token_rows
 from rollout.embedded.proposers import TargetForward, Proposer
@@ -121,8 +121,8 @@ class Engine:
         self.max_len = self.config.max_len or self.cfg.max_position_embeddings
         self.codec = codec
         self.backend = pick_attention_backend(self.config.device, self.config.attention_backend, self.config.dtype)
-        self.cache = KVCache(self.cfg.num_hidden_layers, self.config.max_batch_size, self.max_len + 1,
-                             self.cfg.num_key_value_heads, self.cfg.head_dim, self.config.dtype, self.config.device)
+        self.cache = make_kv_cache(self.cfg, self.cfg.num_hidden_layers, self.config.max_batch_size, self.max_len + 1,
+                                   self.config.dtype, self.config.device)
         self.stop_ids = {self.cfg.eos_token_id} - {None}
         self.weight_version = 0
         self.paused = False
@@ -292,9 +292,7 @@ class Engine:
         src = torch.tensor([leaders[i].slot for i in source.tolist()], device=self.config.device)
         dst = torch.tensor([r.slot for r in reqs], device=self.config.device)
         follow = src != dst
-        src, dst = src[follow], dst[follow]
-        for kv in (self.cache.k, self.cache.v):
-            kv[:, dst, :width] = kv[:, src, :width]
+        self.cache.copy_slots(src[follow], dst[follow], width)
 
     def _verify_step(self, reqs, sampling):
         start = time.perf_counter()

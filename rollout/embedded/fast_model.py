@@ -1,7 +1,10 @@
 """The engine's fast forward: the same math as rollout/embedded/model.py on fused plain tensors.
 
-Every family's trunk runs here: the q/k/v bias (Qwen2, MiMo) and the per-head q/k norm
-(Qwen3) are optional parts of a layer's weights.
+Every family's trunk runs here: the q/k/v bias (Qwen2, MiMo, GLM-4.5) and the per-head q/k
+norm (Qwen3) are optional parts of a layer's weights; partial rotary (GLM-4.5) rotates the first
+channels only; a layer's attention may be multi-head latent attention over the latent cache
+(DeepSeek-V3: `MLAWeights`, absorbed projections, rollout/embedded/mla.py) and its MLP a
+mixture of experts (`MoEWeights`: the router in fp32, each chosen expert's packed weights).
 
 Per decoder layer it runs 4 matmuls instead of 7 (q|k|v and gate|up fused), no nn.Module
 dispatch, and a grouped-query attention written as two batched matmuls that read the KV
@@ -18,39 +21,106 @@ import torch.nn.functional as F
 
 from mtp.layer import combine_embedding_and_hidden, zero_embedding_at_position_0
 from rollout.embedded.linear import PackedWeight, linear, pack, pick_backend
+from rollout.embedded.mla import MLA_NORM_EPS, MLAttention, absorbed_attention, split_kv_b
+from rollout.embedded.moe import MoE, routed_experts
+from rollout.embedded.primitives import apply_rotary
+from vime.models.moe_routing import route
+
+
+@dataclass
+class MLAWeights:
+    """One layer's multi-head latent attention, packed: x -> [q (latent) ; kv latent ; rope key] in one matmul."""
+
+    a: PackedWeight  # cat(q_a_proj or q_proj, kv_a_proj_with_mqa)
+    q_width: int  # leading output columns of `a` that belong to the query path
+    q_a_norm: Optional[torch.Tensor]  # q LoRA's RMSNorm (None without q LoRA)
+    q_b: Optional[PackedWeight]
+    kv_a_norm: torch.Tensor
+    w_uk: torch.Tensor  # [H, nope, R]: kv_b_proj's key half, folded into the query
+    w_uv: torch.Tensor  # [H, v, R]: kv_b_proj's value half, applied after attention
+    o: PackedWeight
+    scale: float
+
+
+@dataclass
+class MoEWeights:
+    """One layer's mixture of experts: fp32 router, packed experts (gate|up fused) and shared experts."""
+
+    router: torch.Tensor  # [E, H] fp32
+    bias: torch.Tensor  # [E] e_score_correction_bias
+    gate_up: list  # PackedWeight per expert
+    down: list
+    shared_gate_up: Optional[PackedWeight]
+    shared_down: Optional[PackedWeight]
+    config: object  # MoEConfig
 
 
 @dataclass
 class LayerWeights:
-    """One decoder layer's weights, packed for the fast inference path."""
+    """One decoder layer's weights, packed for the fast inference path. Grouped-query attention
+    and a dense MLP use the flat fields; `mla` / `moe` replace them where the layer has those."""
 
     ln1: torch.Tensor
-    qkv: PackedWeight
+    qkv: Optional[PackedWeight]
     qkv_bias: Optional[torch.Tensor]  # families with q/k/v bias
     qk_norm: Optional[torch.Tensor]  # [heads + kv_heads, head_dim]: q_norm rows, then k_norm rows
-    o: PackedWeight
+    o: Optional[PackedWeight]
     ln2: torch.Tensor
-    gate_up: PackedWeight
-    down: PackedWeight
+    gate_up: Optional[PackedWeight]
+    down: Optional[PackedWeight]
+    mla: Optional[MLAWeights] = None
+    moe: Optional[MoEWeights] = None
 
 
 def _cat_or_none(tensors):
     return None if tensors[0] is None else torch.cat(tensors).detach()
 
 
-def fuse_layer(layer, backend="dense"):
-    a, m = layer.self_attn, layer.mlp
+def _gqa_fields(a, backend):
     qk_norm = None
     if hasattr(a.q_norm, "weight"):  # nn.Identity in families without q/k norm
         qk_norm = torch.cat([a.q_norm.weight.expand(a.n_heads, -1), a.k_norm.weight.expand(a.n_kv, -1)]).detach()
-    return LayerWeights(
-        ln1=layer.input_layernorm.weight.detach(),
-        qkv=pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), backend),
-        qkv_bias=_cat_or_none([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
-        qk_norm=qk_norm, o=pack(a.o_proj.weight, backend),
-        ln2=layer.post_attention_layernorm.weight.detach(),
-        gate_up=pack(torch.cat([m.gate_proj.weight, m.up_proj.weight]), backend),
-        down=pack(m.down_proj.weight, backend))
+    return dict(qkv=pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), backend),
+                qkv_bias=_cat_or_none([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
+                qk_norm=qk_norm, o=pack(a.o_proj.weight, backend))
+
+
+def _mla_fields(a, backend):
+    q_first = a.q_a_proj.weight if a.mla.q_lora_rank else a.q_proj.weight
+    w_uk, w_uv = split_kv_b(a.kv_b_proj.weight.detach(), a.mla, a.n_heads)
+    lora = bool(a.mla.q_lora_rank)
+    mla = MLAWeights(
+        a=pack(torch.cat([q_first, a.kv_a_proj_with_mqa.weight]), backend), q_width=q_first.shape[0],
+        q_a_norm=a.q_a_layernorm.weight.detach() if lora else None,
+        q_b=pack(a.q_b_proj.weight, backend) if lora else None,
+        kv_a_norm=a.kv_a_layernorm.weight.detach(), w_uk=w_uk, w_uv=w_uv, o=pack(a.o_proj.weight, backend),
+        scale=a.scale)
+    return dict(qkv=None, qkv_bias=None, qk_norm=None, o=None, mla=mla)
+
+
+def _dense_mlp_fields(m, backend):
+    return dict(gate_up=pack(torch.cat([m.gate_proj.weight, m.up_proj.weight]), backend),
+                down=pack(m.down_proj.weight, backend))
+
+
+def _moe_fields(m, backend):
+    def gate_up(expert):
+        return pack(torch.cat([expert.gate_proj.weight, expert.up_proj.weight]), backend)
+    shared = getattr(m, "shared_experts", None)
+    moe = MoEWeights(
+        router=m.gate.weight.detach().float(), bias=m.gate.e_score_correction_bias.detach(),
+        gate_up=[gate_up(e) for e in m.experts], down=[pack(e.down_proj.weight, backend) for e in m.experts],
+        shared_gate_up=gate_up(shared) if shared is not None else None,
+        shared_down=pack(shared.down_proj.weight, backend) if shared is not None else None, config=m.moe)
+    return dict(gate_up=None, down=None, moe=moe)
+
+
+def fuse_layer(layer, backend="dense"):
+    a, m = layer.self_attn, layer.mlp
+    attention = _mla_fields(a, backend) if isinstance(a, MLAttention) else _gqa_fields(a, backend)
+    mlp = _moe_fields(m, backend) if isinstance(m, MoE) else _dense_mlp_fields(m, backend)
+    return LayerWeights(ln1=layer.input_layernorm.weight.detach(), ln2=layer.post_attention_layernorm.weight.detach(),
+                        **attention, **mlp)
 
 
 class FastForward:
@@ -80,27 +150,55 @@ class FastForward:
     def norm(self, x, w):
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
-    def rope(self, x, cos, sin):
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
     def layer(self, w, x, cos, sin, cache):
+        attention = self.mla_attention if w.mla is not None else self.gqa_attention
+        x = x + attention(w, self.norm(x, w.ln1), cos, sin, cache)
+        h = self.norm(x, w.ln2)
+        return x + (self.moe(w.moe, h) if w.moe is not None else swiglu(h, w.gate_up, w.down))
+
+    def gqa_attention(self, w, x, cos, sin, cache):
         b, q_len, _ = x.shape
         h, d = self.n_heads, self.head_dim
         nqk = (h + self.n_kv) * d
-        qkv = linear(self.norm(x, w.ln1), w.qkv)
+        qkv = linear(x, w.qkv)
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
         # q and k heads side by side: one norm and one rotary call serve both
         qk = qkv[..., :nqk].unflatten(-1, (-1, d))
         if w.qk_norm is not None:
             qk = F.rms_norm(qk, (d,), eps=self.eps) * w.qk_norm
-        qk = self.rope(qk, cos, sin)
+        qk = apply_rotary(qk, cos, sin)
         v = qkv[..., nqk:].unflatten(-1, (self.n_kv, d))
         attn = cache.attend_bqhd(qk[:, :, :h], qk[:, :, h:], v)
-        x = x + linear(attn.reshape(b, q_len, h * d), w.o)
-        gate, up = linear(self.norm(x, w.ln2), w.gate_up).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, w.down)
+        return linear(attn.reshape(b, q_len, h * d), w.o)
+
+    def mla_attention(self, w, x, cos, sin, cache):
+        """MLA over the latent cache with absorbed projections (rollout/embedded/mla.py)."""
+        m = self.model.cfg.mla
+        b, q_len, _ = x.shape
+        a = w.mla
+        projected = linear(x, a.a)
+        q, kv = projected[..., :a.q_width], projected[..., a.q_width:]
+        if a.q_b is not None:
+            q = linear(F.rms_norm(q, (q.shape[-1],), a.q_a_norm, MLA_NORM_EPS), a.q_b)
+        q_nope, q_rope = q.unflatten(-1, (self.n_heads, m.qk_head_dim)).split(
+            [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        q_rope = apply_rotary(q_rope, cos, sin, m.rope_interleave)
+        latent = F.rms_norm(kv[..., :m.kv_lora_rank], (m.kv_lora_rank,), a.kv_a_norm, MLA_NORM_EPS)
+        k_rope = apply_rotary(kv[..., m.kv_lora_rank:], cos[:, :, 0], sin[:, :, 0], m.rope_interleave)
+        entries, _ = cache.exchange_latent(torch.cat([latent, k_rope], dim=-1))
+        out = absorbed_attention(q_nope, q_rope, entries, cache.step.mask(q_len), a.w_uk, a.w_uv, a.scale)
+        return linear(out.reshape(b, q_len, -1), a.o)
+
+    def moe(self, w, x):
+        """Routed experts on packed weights plus the shared experts; routing as moe.MoE does it."""
+        flat = x.reshape(-1, x.shape[-1])
+        weights, indices = route(flat.float() @ w.router.t(), w.bias, w.config)
+        out = routed_experts(flat, weights, indices, lambda e, rows: swiglu(rows, w.gate_up[e], w.down[e]))
+        out = out.view_as(x)
+        if w.shared_gate_up is not None:
+            out = out + swiglu(x, w.shared_gate_up, w.shared_down)
+        return out
 
     def __call__(self, tokens, positions, caches):
         return self.states(tokens, positions, caches)[0]
@@ -139,6 +237,12 @@ class FastForward:
         sin = m.rotary.sin[positions].unsqueeze(2)
         x = self.layer(self.layers[m.cfg.num_hidden_layers + k], x, cos, sin, cache)
         return self.norm(x, layer.shared_head.norm.weight)
+
+
+def swiglu(x, gate_up, down):
+    """down(silu(gate(x)) * up(x)) with gate|up fused into one packed weight."""
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down)
 
 
 def gqa_attention(q, keys, values, mask):

@@ -4,11 +4,15 @@ Layout [layers, slots, max_len, kv_heads, head_dim]. A slot's valid length lives
 request; rolling back rejected speculative entries is just setting that length back, the
 stale entries are overwritten by the next write. One `StepView` per forward precomputes the
 ragged write indices once and hands every layer a `LayerView` with `attend`.
+
+Multi-head latent attention caches one latent row per token instead (`LatentKVCache`, layout
+[layers, slots, max_len, kv_lora_rank + qk_rope_head_dim]); `make_kv_cache` picks the kind a
+model config needs.
 """
 import torch
 
 from rollout.embedded.fast_model import gqa_attention
-from rollout.embedded.model import sdpa_attention
+from rollout.embedded.primitives import sdpa_attention
 
 
 class KVCache:
@@ -20,17 +24,46 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
 
+    @property
+    def tensors(self):
+        """Every per-slot tensor of the cache (slot copies and moves apply to each)."""
+        return (self.k, self.v)
+
+    def copy_slots(self, src, dst, length):
+        """Copy the first `length` positions of slots `src` (a tensor) into slots `dst` (every layer)."""
+        for t in self.tensors:
+            t[:, dst, :length] = t[:, src, :length]
+
     def move_slots(self, src, dst, length):
         """Copy the first `length` positions of slots `src` into slots `dst` (every layer), e.g. to
         keep a batch in consecutive slots."""
         length = min(length, self.max_len)
-        src, dst = torch.tensor(src, device=self.k.device), torch.tensor(dst, device=self.k.device)
-        for kv in (self.k, self.v):
-            kv[:, dst, :length] = kv[:, src, :length]
+        device = self.tensors[0].device
+        self.copy_slots(torch.tensor(src, device=device), torch.tensor(dst, device=device), length)
 
     def step(self, slots, starts, n_new, backend="sdpa"):
         """A view for one forward: row b writes n_new[b] tokens at positions starts[b]..."""
         return StepView(self, slots, starts, n_new, backend)
+
+
+class LatentKVCache(KVCache):
+    """Multi-head latent attention's cache: one [kv latent ; rope key] row per token and layer
+    [layers, slots, max_len, width], read by every head (rollout/embedded/mla.py)."""
+
+    def __init__(self, num_layers, num_slots, max_len, width, dtype=torch.float32, device="cpu"):
+        self.latent = torch.zeros((num_layers, num_slots, max_len, width), dtype=dtype, device=device)
+        self.max_len = max_len
+
+    @property
+    def tensors(self):
+        return (self.latent,)
+
+
+def make_kv_cache(cfg, num_layers, num_slots, max_len, dtype=torch.float32, device="cpu"):
+    """The cache `cfg`'s attention needs: latent rows for MLA, per-head K/V otherwise."""
+    if cfg.mla is not None:
+        return LatentKVCache(num_layers, num_slots, max_len, cfg.mla.latent_width, dtype, device)
+    return KVCache(num_layers, num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim, dtype, device)
 
 
 class StepView:
@@ -75,6 +108,14 @@ class LayerView:
     def attend(self, q, k, v, positions):
         """q [B,H,Q,D], k/v [B,KV,Q,D] for the new tokens; returns [B,H,Q,D]."""
         return ATTENTION_BACKENDS[self.step.backend](self, q, k, v, positions)
+
+    def exchange_latent(self, entries):
+        """Latent cache: write the new tokens' rows entries [B, Q, W]; return (every cached row of
+        these slots [B, L, W], key positions [L])."""
+        s = self.step
+        layer = s.cache.latent[self.layer]
+        layer[s.rows, s.cols] = entries[s.valid]
+        return s.read(layer), torch.arange(s.k_len, device=entries.device)
 
     def attend_bqhd(self, q, k, v):
         """The fast path's layout: q [B,Q,H,D], k/v [B,Q,KV,D] -> [B,Q,H,D]."""

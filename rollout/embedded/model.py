@@ -1,8 +1,10 @@
 """The decoder-only transformer with MTP layers of every family, written for inference
 (and reused to pretrain).
 
-The family (vime/models/families.py) sets the trunk flavour — q/k/v bias (Qwen2,
-MiMo) or per-head q/k norm (Qwen3) — and which hidden state the first MTP layer reads.
+The family (vime/models/families.py) and the config set the trunk flavour — q/k/v bias (Qwen2,
+MiMo, GLM-4.5), per-head q/k norm (Qwen3, GLM-4.5 with use_qk_norm), partial rotary (GLM-4.5),
+multi-head latent attention with YaRN (DeepSeek-V3, mla.py), mixture-of-experts layers after
+the first dense ones (GLM-4.5, DeepSeek-V3, moe.py) — and which hidden state the first MTP layer reads.
 Module names equal vime's canonical HF names, so an HF state dict loads with
 `load_state_dict` unchanged. One attention function serves the
 full-sequence forward (no cache) and the cached ragged forward used by prefill, decode
@@ -10,59 +12,13 @@ and speculative verification: every call passes token positions, and with a cach
 row may bring a different number of new tokens.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mtp.layer import combine_embedding_and_hidden, zero_embedding_at_position_0
 from mtp.blocks import SwiGLU
-
-
-def rms_norm(x, weight, eps):
-    """Qwen3 RMSNorm: normalise in fp32, scale in the input dtype."""
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm with a learned scale."""
-
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
-
-
-class Rotary(nn.Module):
-    """RoPE cos/sin tables indexed by absolute position."""
-
-    def __init__(self, head_dim, theta, max_positions):
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, x, positions):
-        """x [B, heads, Q, D], positions [B, Q]."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
-
-
-def sdpa_attention(q, k, v, q_positions, k_positions):
-    """Causal-by-position attention. q [B,H,Q,D], k/v [B,KV,L,D], positions [B,Q] / [B,L] or [L]."""
-    if k_positions.dim() == 1:
-        k_positions = k_positions.unsqueeze(0)
-    mask = k_positions[:, None, None, :] <= q_positions[:, None, :, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+from rollout.embedded.mla import MLAttention
+from rollout.embedded.moe import MoE
+from rollout.embedded.primitives import RMSNorm, Rotary, rms_norm, sdpa_attention  # noqa: F401 (re-exported)
 
 
 class Attention(nn.Module):
@@ -71,13 +27,12 @@ class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
-        fam = cfg.model_family
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=fam.qkv_bias)
-        self.k_proj = nn.Linear(h, self.n_kv * d, bias=fam.qkv_bias)
-        self.v_proj = nn.Linear(h, self.n_kv * d, bias=fam.qkv_bias)
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
-        norm = (lambda: RMSNorm(d, cfg.rms_norm_eps)) if fam.qk_norm else nn.Identity
+        norm = (lambda: RMSNorm(d, cfg.rms_norm_eps)) if cfg.qk_norm else nn.Identity
         self.q_norm, self.k_norm = norm(), norm()
 
     def forward(self, x, positions, rotary, cache=None):
@@ -95,15 +50,19 @@ class Attention(nn.Module):
 
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm transformer layer: attention then MLP, each with a residual."""
+ATTENTIONS = {"gqa": Attention, "mla": MLAttention}  # keyed by ModelFamily.attention
 
-    def __init__(self, cfg):
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer layer: attention then MLP (dense, or MoE from first_k_dense_replace on),
+    each with a residual. `index` numbers the layer (MTP layers continue after the trunk's)."""
+
+    def __init__(self, cfg, index=0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = ATTENTIONS[cfg.model_family.attention](cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = MoE(cfg) if cfg.moe and cfg.moe.is_moe_layer(index) else SwiGLU(cfg)
 
     def forward(self, x, positions, rotary, cache=None):
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache)
@@ -121,8 +80,8 @@ class SharedHead(nn.Module):
 class MTPLayer(DecoderLayer):
     """DeepSeek-V3 style MTP layer: eh_proj(cat(enorm(emb), hnorm(h))) -> decoder layer -> norm."""
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, index):
+        super().__init__(cfg, index)
         self.zero_first_embedding = cfg.model_family.mtp_zero_embedding_at_position_0
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -145,8 +104,8 @@ class Trunk(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         n = cfg.num_hidden_layers
-        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(n)] +
-                                    [MTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(n)] +
+                                    [MTPLayer(cfg, n + k) for k in range(cfg.num_nextn_predict_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -160,7 +119,8 @@ class CausalLMWithMTP(nn.Module):
         self.model = Trunk(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings + 64)
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings + 64, cfg.rope_yarn,
+                             interleaved=bool(cfg.mla and cfg.mla.rope_interleave))
 
     @property
     def num_mtp_layers(self):

@@ -36,7 +36,7 @@ def check_raw_config(raw, source="config.json"):
         require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
                 f"{source}: {key!r} must be a number > 0 (got {value!r}); fix config.json")
     heads, kv = raw.get("num_attention_heads"), raw.get("num_key_value_heads")
-    if _is_int(heads) and _is_int(kv):
+    if _is_int(heads) and _is_int(kv) and raw.get("kv_lora_rank") is None:  # MLA has no KV heads
         require(heads % kv == 0, f"{source}: num_attention_heads {heads} must be a multiple of "
                 f"num_key_value_heads {kv}; fix config.json")
     if raw.get("head_dim") is None and _is_int(heads) and _is_int(raw.get("hidden_size")):
@@ -67,3 +67,16 @@ def check_finite_weights(weights_file):
     except Exception as e:  # safetensors raises its own error types for damaged files
         raise UserError(f"{weights_file}: unreadable safetensors file ({str(e).splitlines()[0]}); "
                         "re-create or re-download it") from None
+
+
+def check_mtp_layers(num_layers, model_cfg, hf_checkpoint):
+    """--mtp-num-layers against the checkpoint: the rollout drafts with every MTP layer it has, so training
+    fewer would leave the rest stale in the draft, and the sync guard could never match the trainer's."""
+    have = model_cfg.num_nextn_predict_layers
+    if num_layers is None:
+        return
+    require(num_layers <= have, f"--mtp-num-layers {num_layers}: {hf_checkpoint} has only {have} MTP layers")
+    require(num_layers >= have,
+            f"--mtp-num-layers {num_layers}: {hf_checkpoint} has {have} MTP layers and the rollout drafts with all of "
+            f"them; pass --mtp-num-layers {have}, or keep the first {num_layers} with "
+            f"checkpoint_convert.hf_to_torch_dist --mtp-num-layers {num_layers} and torch_dist_to_hf")

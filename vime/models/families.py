@@ -78,6 +78,14 @@ class ModelFamily:
     eagle3_aux_hidden_states: bool = True
     # its checkpoints may carry MTP layers (the MTP tests and recipes run over these families)
     has_mtp: bool = True
+    attention: str = "gqa"  # "gqa": grouped-query attention; "mla": multi-head latent attention (DeepSeek-V3)
+    moe: bool = False  # decoder layers from first_k_dense_replace on are mixture-of-experts
+    # q/k/v bias and q/k norm are read from the config (`attention_bias`, `use_qk_norm`: GLM-4.5)
+    # instead of being fixed for the family
+    qkv_from_config: bool = False
+    # the megatron-core trainer, the converters and weight sync build this family; False: the
+    # embedded engine runs it (and its MTP layers), the training side does not yet
+    trained: bool = True
 
     @property
     def layer_tensors(self):
@@ -117,8 +125,24 @@ FAMILIES = {
         hf_trunk_class="Qwen2ForCausalLM", qkv_bias=True, qk_norm=False, mtp_layout=GLM_LAYOUT,
         head_dim_free=False, has_mtp=False,
     ),
+    # GLM-4.5/4.6/4.7: GQA with q/k/v bias (and q/k norm where `use_qk_norm`), partial rotary, the
+    # first layers dense then MoE with a sigmoid router; MTP layers as `model.layers.{L+k}`
+    "glm4_moe": ModelFamily(
+        name="glm4_moe", architectures=("Glm4MoeForCausalLM",), model_type="glm4_moe",
+        hf_trunk_class="Glm4MoeForCausalLM", qkv_bias=True, qk_norm=False, mtp_layout=GLM_LAYOUT,
+        moe=True, qkv_from_config=True, trained=False, eagle3_aux_hidden_states=False,
+    ),
+    # DeepSeek-V3/R1/V3.1: multi-head latent attention with YaRN, the same MoE as GLM-4.5
+    "deepseek_v3": ModelFamily(
+        name="deepseek_v3", architectures=("DeepseekV3ForCausalLM",), model_type="deepseek_v3",
+        hf_trunk_class="DeepseekV3ForCausalLM", qkv_bias=False, qk_norm=False, mtp_layout=GLM_LAYOUT,
+        attention="mla", moe=True, trained=False, eagle3_aux_hidden_states=False,
+    ),
 }
-MTP_FAMILIES = tuple(name for name, fam in FAMILIES.items() if fam.has_mtp)
+# the families the whole stack (engine, trainer, converters, weight sync) runs with MTP layers
+MTP_FAMILIES = tuple(name for name, fam in FAMILIES.items() if fam.has_mtp and fam.trained)
+# the families the embedded engine runs with MTP layers (and scripts/make_tiny_model.py makes)
+ENGINE_MTP_FAMILIES = tuple(name for name, fam in FAMILIES.items() if fam.has_mtp)
 DEFAULT_FAMILY = "mimo"
 
 

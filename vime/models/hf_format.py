@@ -17,6 +17,9 @@ from safetensors.torch import load_file, save_file
 from vime.models.config_checks import check_finite_state, check_raw_config
 from vime.models.families import (DEFAULT_FAMILY, FAMILIES, family_of_hf_config, from_canonical,
                                         mtp_layer_indices, to_canonical)
+from vime.models.moe_mla_config import (MLAConfig, MoEConfig, check_unsupported, parse_glm_attention, parse_mla,
+                                        parse_moe, parse_partial_rotary, parse_yarn)
+from vime.models.rope import YarnScaling
 from vime.errors import UserError, require
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -43,10 +46,30 @@ class ModelConfig:
     eos_token_id: int = None
     pad_token_id: int = None
     family: str = DEFAULT_FAMILY  # a key of vime.models.families.FAMILIES
+    # read from the config only by the families that have them (GLM-4.5, DeepSeek-V3)
+    partial_rotary_factor: float = 1.0  # share of each head's channels RoPE rotates
+    attention_bias: bool = None  # q/k/v bias; None: the family's
+    use_qk_norm: bool = None  # per-head q/k RMSNorm; None: the family's
+    moe: MoEConfig = None  # None: every layer has a dense MLP
+    mla: MLAConfig = None  # None: grouped-query attention
+    rope_yarn: YarnScaling = None  # None: plain RoPE
 
     @property
     def model_family(self):
         return FAMILIES[self.family]
+
+    @property
+    def qkv_bias(self):
+        return self.model_family.qkv_bias if self.attention_bias is None else self.attention_bias
+
+    @property
+    def qk_norm(self):
+        return self.model_family.qk_norm if self.use_qk_norm is None else self.use_qk_norm
+
+    @property
+    def rotary_dim(self):
+        """Channels RoPE rotates per head: MLA's rope part, else head_dim * partial_rotary_factor."""
+        return self.mla.qk_rope_head_dim if self.mla else int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_hf_dict(cls, d, source="config.json"):
@@ -61,7 +84,7 @@ class ModelConfig:
         require(family.head_dim_free or d.get("head_dim") in (None, natural_head_dim),
                 f"{source}: head_dim {d.get('head_dim')} must be hidden_size / num_attention_heads = "
                 f"{natural_head_dim} for {family.architectures[0]}")
-        return cls(
+        fields = dict(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=d["num_attention_heads"],
@@ -76,16 +99,65 @@ class ModelConfig:
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
             pad_token_id=d.get("pad_token_id"), family=family.name,
         )
+        fields.update(family_keys(d, family, source))
+        return cls(**fields)
 
     def to_hf_dict(self):
         fam = self.model_family
         d = asdict(self)
-        del d["family"]
+        for key in ("family", *FAMILY_KEY_FIELDS):
+            del d[key]
         d.update(model_type=fam.model_type, architectures=list(fam.architectures[:1]), hidden_act="silu",
-                 attention_bias=fam.qkv_bias, attention_dropout=0.0, torch_dtype="float32",
+                 attention_bias=self.qkv_bias, attention_dropout=0.0, torch_dtype="float32",
                  rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
                  use_cache=True, use_sliding_window=False)
+        d.update(family_hf_keys(self))
         return d
+
+
+# ModelConfig fields that only some families' configs carry (family_keys / family_hf_keys)
+FAMILY_KEY_FIELDS = ("partial_rotary_factor", "attention_bias", "use_qk_norm", "moe", "mla", "rope_yarn")
+
+
+def family_keys(d, family, source):
+    """The ModelConfig fields of the MoE / MLA / GLM attention / RoPE keys `family` reads from config dict `d`."""
+    out = {}
+    if not (family.moe or family.attention == "mla" or family.qkv_from_config):
+        return out
+    arch = family.architectures[0]
+    check_unsupported(d, source, arch)
+    if family.moe:
+        out["moe"] = parse_moe(d, source)
+    if family.qkv_from_config:
+        out["attention_bias"], out["use_qk_norm"] = parse_glm_attention(d, source)
+    out["rope_yarn"] = parse_yarn(d, source)
+    if family.attention == "mla":
+        mla = out["mla"] = parse_mla(d, source)
+        # MLA has one latent per token, not KV heads: every head reads it
+        out.update(head_dim=mla.qk_head_dim, num_key_value_heads=d["num_attention_heads"])
+    else:
+        head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+        out["partial_rotary_factor"] = parse_partial_rotary(d, source, head_dim)
+    return out
+
+
+def family_hf_keys(cfg):
+    """The config.json keys of `cfg`'s MoE / MLA / GLM attention / RoPE fields, as the public configs spell them."""
+    out = {}
+    if cfg.use_qk_norm is not None:
+        out["use_qk_norm"] = cfg.use_qk_norm
+    if cfg.partial_rotary_factor != 1.0:
+        out["partial_rotary_factor"] = cfg.partial_rotary_factor
+        out["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                                  "partial_rotary_factor": cfg.partial_rotary_factor}
+    if cfg.rope_yarn is not None:
+        out["rope_parameters"] = {"rope_type": "yarn", "rope_theta": cfg.rope_theta,
+                                  **{k: v for k, v in asdict(cfg.rope_yarn).items() if v is not None}}
+    if cfg.moe is not None:
+        out.update(asdict(cfg.moe), scoring_func="sigmoid", topk_method="noaux_tc")
+    if cfg.mla is not None:
+        out.update(asdict(cfg.mla), head_dim=cfg.mla.qk_rope_head_dim)
+    return out
 
 
 def expected_tensor_names(cfg, num_mtp_layers=None):
@@ -95,10 +167,50 @@ def expected_tensor_names(cfg, num_mtp_layers=None):
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
     for i in range(cfg.num_hidden_layers + n_mtp):
-        names += [f"model.layers.{i}.{t}" for t in cfg.model_family.layer_tensors]
+        names += [f"model.layers.{i}.{t}" for t in layer_tensor_names(cfg, i)]
     for k in range(n_mtp):
         names += [f"model.layers.{cfg.num_hidden_layers + k}.{t}" for t in MTP_TENSORS]
     return names
+
+
+GQA_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+               "self_attn.o_proj.weight")
+DENSE_MLP_TENSORS = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+EXPERT_TENSORS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+def attention_tensor_names(cfg):
+    """Canonical suffixes of one layer's attention tensors."""
+    mla = cfg.mla
+    if mla is not None:
+        q = (("self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight")
+             if mla.q_lora_rank else ("self_attn.q_proj.weight",))
+        return q + ("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
+                    "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight")
+    names = GQA_TENSORS
+    if cfg.qkv_bias:
+        names += ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+    if cfg.qk_norm:
+        names += ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+    return names
+
+
+def mlp_tensor_names(cfg, index):
+    """Canonical suffixes of decoder layer `index`'s MLP: dense, or router + experts + shared experts."""
+    moe = cfg.moe
+    if moe is None or not moe.is_moe_layer(index):
+        return DENSE_MLP_TENSORS
+    names = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+    names += tuple(f"mlp.experts.{e}.{t}" for e in range(moe.n_routed_experts) for t in EXPERT_TENSORS)
+    if moe.n_shared_experts:
+        names += tuple(f"mlp.shared_experts.{t}" for t in EXPERT_TENSORS)
+    return names
+
+
+def layer_tensor_names(cfg, index):
+    """Canonical suffixes of decoder layer `index` (MTP layers continue the numbering)."""
+    return (("input_layernorm.weight", "post_attention_layernorm.weight")
+            + attention_tensor_names(cfg) + mlp_tensor_names(cfg, index))
 
 
 def read_config(path):
@@ -124,6 +236,9 @@ def _weights_file(path):
 
 def _check_names(cfg, names, weights):
     """One-line errors when `names` (tensor names of `weights`) do not match the config."""
+    quantised = [n for n in names if n.endswith("_scale_inv")]
+    require(not quantised, f"{weights}: quantised tensors ({quantised[0] if quantised else ''}, ...) are not "
+            "supported; dequantise the checkpoint to bf16/fp32 first")
     layout = cfg.model_family.mtp_layout
     n_found = len(mtp_layer_indices(names, layout, cfg.num_hidden_layers))
     declared = cfg.num_nextn_predict_layers
@@ -163,8 +278,25 @@ def load_hf_checkpoint(path):
     except Exception as e:  # safetensors raises its own error types for truncated files
         raise UserError(f"{weights}: unreadable safetensors file ({e}); re-create or re-download it") from None
     check_finite_state(raw, weights)
+    check_shared_copies(cfg, raw, weights)
     state = to_canonical(raw, cfg.model_family.mtp_layout, cfg.num_hidden_layers, cfg.num_nextn_predict_layers)
     return cfg, state, cfg.family
+
+
+def check_shared_copies(cfg, raw, weights):
+    """An MTP layer's own copies of the embedding and output head (DeepSeek-V3 and GLM-4.5 store
+    them; GLM-4.6 omits them and the main ones serve) must equal the main ones: vime's MTP layers
+    share the trunk's, as megatron-core's MTP block does, so a different copy is refused, not dropped."""
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    layout = cfg.model_family.mtp_layout
+    for k in range(cfg.num_nextn_predict_layers):
+        prefix = layout.layer_prefix(k, cfg.num_hidden_layers)
+        for copy, main in (("embed_tokens.weight", "model.embed_tokens.weight"), ("shared_head.head.weight", head)):
+            name = f"{prefix}.{copy}"
+            if name in raw and copy in layout.shared_copies:
+                require(torch.equal(raw[name], raw[main]),
+                        f"{weights}: {name} differs from {main}; vime's MTP layers share the trunk's embedding "
+                        f"and output head: drop the copy (GLM-4.6 stores none) or make it equal")
 
 
 def save_hf_checkpoint(path, cfg, state, tokenizer_dir=None):

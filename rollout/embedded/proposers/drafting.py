@@ -14,7 +14,7 @@ drafts; it only applies with `probabilistic` verification (strict ignores q).
 import torch
 
 from mtp.sampling import processed_logprobs, sample_with_uniforms
-from rollout.embedded.kv_cache import KVCache
+from rollout.embedded.kv_cache import make_kv_cache
 
 
 def samples_drafts(spec, sampling, enabled):
@@ -34,8 +34,8 @@ def uniforms_if_sampling(spec, reqs, k, sample_drafts):
 def draft_cache(engine, num_layers, model_cfg, num_speculative_tokens):
     """A proposer's own KV cache: one slot per engine slot, room for the drafts past the context."""
     ec = engine.config
-    return KVCache(num_layers, ec.max_batch_size, engine.max_len + num_speculative_tokens + 2,
-                   model_cfg.num_key_value_heads, model_cfg.head_dim, ec.dtype, ec.device)
+    return make_kv_cache(model_cfg, num_layers, ec.max_batch_size, engine.max_len + num_speculative_tokens + 2,
+                         ec.dtype, ec.device)
 
 
 def pick_drafts(logits, sampling, uniforms=None):
