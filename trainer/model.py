@@ -6,7 +6,7 @@ bias, q/k norm) and which hidden state the first MTP layer reads.
 `_postprocess` returns the policy logits (TP-gathered, [b, s, V]) and the inputs the MTP
 block needs, instead of running megatron's own MTP loss. The trainer then calls
 `mtp_logits(...)`, which runs the MTP block on detached trunk outputs by default, and adds
-the MTP loss itself (see DESIGN §4).
+the MTP loss itself (docs/design.md#the-draft-trains-on-detached-policy-states).
 """
 from dataclasses import dataclass
 
