@@ -1,9 +1,15 @@
-"""The speculation-ceiling benchmark's arithmetic (scripts/bench/spec_ceiling.py) against direct
-formulas, and its refusals of bad input."""
+"""The speculation-ceiling model's arithmetic (rollout/embedded/spec_ceiling.py) against direct
+formulas, and the benchmark's refusals of bad input (scripts/bench/spec_ceiling.py, run as a user runs it)."""
+import pathlib
+import subprocess
+import sys
+
 import pytest
 
+from rollout.embedded import spec_ceiling
 from rollout.embedded.spec_policy import StepRecord, expected_tokens
-from scripts.bench import spec_ceiling
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_conditional_acceptance_is_the_share_accepted_among_rows_that_reached_the_position():
@@ -47,11 +53,11 @@ def test_oracle_never_drafts_when_nothing_is_accepted_and_gains_one_plus_k_when_
     (["--threads", "0"], "--threads"),
     (["--hf-checkpoint", "/no/such/checkpoint"], "--hf-checkpoint"),
 ])
-def test_spec_ceiling_refuses_bad_input_with_one_line(argv, flag, capsys):
-    with pytest.raises(SystemExit) as ex:
-        spec_ceiling.main(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert ex.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {flag}"), err
+def test_spec_ceiling_refuses_bad_input_with_one_line(argv, flag):
+    proc = subprocess.run([sys.executable, "scripts/bench/spec_ceiling.py", *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and err[0].startswith(f"error: {flag}"), err
 
 
 def test_acceptance_by_band_reads_the_rows_at_that_batch_size_and_falls_back_to_the_overall_rate():

@@ -1,40 +1,192 @@
-"""Run train_rl.py arms as subprocesses and summarise their metrics.jsonl (shared by the RL-at-scale
-benchmarks: async_rollout.py, dynamic_sampling.py, rollout_engines.py)."""
-import json
+#!/usr/bin/env python
+"""The RL-arms benchmarks: train_rl.py runs side by side, one per arm, and a table of their metrics.
+
+    python scripts/bench/rl_arms.py drift [--draft mtp|eagle3] [--arms online,frozen,none] [--steps 40]
+    python scripts/bench/rl_arms.py async [--steps 12]          # --async-rollout against synchronous
+    python scripts/bench/rl_arms.py dynamic [--seeds 42,2,3]    # --dynamic-sampling against plain
+    python scripts/bench/rl_arms.py dtype [--seeds 1234:42,1:1] # --bf16 against fp32
+    python scripts/bench/rl_arms.py engines [--workers 2]       # N rollout engines against one
+
+Every experiment takes --steps, --out, --reuse (an arm whose directory already holds --steps steps
+is read, not rerun), and train_rl.py flags after `--` for every arm. `EXPERIMENT --help` says what
+each prints. Arms run one after the other on the same machine; compare them within one run.
+"""
+import argparse
 import math
 import os
 import statistics
-import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from scripts.bench.lib import drift  # noqa: E402
+from scripts.bench.lib.arm_runs import REPO, column, fmt, mean_se, run_arm, user_error, window  # noqa: E402
+
+DEFAULT_RUN = ["--enable-mtp-training", "--mtp-num-layers", 1]  # the README's run: MTP k = 2, trained online
 
 
-def run_arm(name, out_root, flags, timeout=3600):
-    """train_rl.py with `flags` into OUT_ROOT/name; returns its metrics rows (exits on failure)."""
-    out = os.path.join(out_root, name)
-    cmd = [sys.executable, os.path.join(REPO, "train_rl.py"), "--output-dir", out, "--progress", "false",
-           "--no-use-wandb", *map(str, flags)]
-    print(f"[bench] {name}: {' '.join(cmd[2:])}", flush=True)
-    env = dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"), WANDB_SILENT="true")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        sys.exit(f"[bench] arm {name} failed:\n{proc.stderr[-3000:]}")
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+def run_async(args):
+    """Sync against --async-rollout (one step off-policy), and with --use-tis: step time from step 1
+    (step 0 of an async run is synchronous and holds the start-up), reward, acceptance length
+    (async: drafted by a draft one step old), tokens per step (the same work when these match
+    within noise) and the staleness logged."""
+    arms = {"sync": [], "async": ["--async-rollout"], "async_tis": ["--async-rollout", "--use-tis"]}
+    base = ["--num-rollout", args.steps, *DEFAULT_RUN]
+    results = {arm: run_arm(arm, args.out, base + arms[arm] + args.extra, args.steps, args.reuse) for arm in arms}
+    sync_time = mean_se(column(results["sync"], "perf/step_time", skip=1))[0]
+    print("| arm | step time s (steps 1..) | x sync | reward | accept length | tokens/step | weight / draft staleness |")
+    print("|---|---|---|---|---|---|---|")
+    for arm, rows in results.items():
+        t = mean_se(column(rows, "perf/step_time", skip=1))
+        tokens = mean_se(r["rollout/response_len"] * r["rollout/num_samples"] for r in rows)
+        stale = " / ".join(f"{mean_se(column(rows, f'rollout/{k}_staleness', default=0))[0]:.2f}" for k in ("weight", "draft"))
+        print(f"| {arm} | {fmt(*t)} | {t[0] / sync_time:.2f} | {fmt(*mean_se(column(rows, 'rollout/reward')))} | "
+              f"{fmt(*mean_se(column(rows, 'rollout/spec_accept_length')))} | {fmt(*tokens)} | {stale} |")
 
 
-def mean_se(values):
-    """(mean, standard error of the mean) of a list of per-step values."""
-    values = list(values)
-    if len(values) < 2:
-        return (values[0] if values else float("nan")), float("nan")
-    return statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
+def run_dynamic(args):
+    """Plain against --dynamic-sampling (DAPO) per seed (--rollout-seed, the same for both arms of a
+    seed): zero-signal share of the trained batches, reward per step (over every sample drawn),
+    draws per step, kept fraction, rollout seconds per step; then the paired reward difference per
+    seed and its mean ± SE over seeds (one run's steps are correlated, seeds are independent)."""
+    arms = {"plain": [], "dynamic": ["--dynamic-sampling"]}
+    base = ["--num-rollout", args.steps, *DEFAULT_RUN]
+    results = {seed: {arm: run_arm(f"seed{seed}_{arm}", args.out, base + ["--rollout-seed", seed] + flags + args.extra,
+                                   args.steps, args.reuse)
+                      for arm, flags in arms.items()} for seed in int_list(args.seeds, "--seeds")}
+    print("| arm | seed | zero-signal share trained | reward | reward last half | draws/step | kept fraction "
+          "| rollout s/step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for seed, by_arm in results.items():
+        for arm, rows in by_arm.items():
+            cells = [column(rows, "rollout/zero_signal_share"), column(rows, "rollout/reward"),
+                     column(rows, "rollout/reward", skip=len(rows) // 2),
+                     column(rows, "rollout/dynamic_sampling_draws", default=1),
+                     column(rows, "rollout/dynamic_sampling_kept_fraction", default=1.0),
+                     column(rows, "perf/rollout_time", skip=1)]
+            print(f"| {arm} | {seed} | " + " | ".join(fmt(*mean_se(c)) for c in cells) + " |")
+    diffs = [mean_se(column(a["dynamic"], "rollout/reward"))[0] - mean_se(column(a["plain"], "rollout/reward"))[0]
+             for a in results.values()]
+    print("reward, dynamic - plain, per seed: " + ", ".join(f"{d:+.3f}" for d in diffs))
+    if len(diffs) > 1:
+        print(f"over {len(diffs)} seeds: {fmt(*mean_se(diffs))}")
 
 
-def column(rows, key, skip=0, default=None):
-    """Per-step values of `key` from step `skip` on (skip the warm-up step of timings)."""
-    return [r.get(key, default) for r in rows[skip:]]
+def run_dtype(args):
+    """fp32 against --bf16, one run per dtype and seed pair (--seed:--rollout-seed): acceptance length
+    and reward over the first and last --window steps, the trainer-vs-rollout log-prob difference,
+    trainer and rollout seconds per step; the bf16 - fp32 acceptance difference paired by step and,
+    over several seeds, against the seed-to-seed spread. On a CPU without native bf16 (AVX2) bf16
+    matmuls are emulated: the timings say by how much there, not what bf16 hardware does."""
+    seeds = [tuple(pair.split(":")) for pair in args.seeds.split(",")]
+    if any(len(s) != 2 for s in seeds):
+        user_error(f"--seeds {args.seeds!r}: write TRAINER_SEED:ROLLOUT_SEED pairs, comma-separated")
+    dtypes = {"fp32": [], "bf16": ["--bf16"]}
+    runs = {(dtype, s): run_arm(f"{dtype}_seed{s[0]}_{s[1]}", args.out,
+                                ["--num-rollout", args.steps, *DEFAULT_RUN, "--seed", s[0], "--rollout-seed", s[1],
+                                 *flags, *args.extra], args.steps, args.reuse)
+            for s in seeds for dtype, flags in dtypes.items()}
+    w = args.window
+    print(f"\n{'run':<22} {'accept_len start':>16} {'end':>7} {'reward start':>13} {'end':>7} "
+          f"{'logprob diff':>13} {'train s/step':>13} {'rollout s/step':>15}")
+    for (dtype, (seed, rseed)), rows in runs.items():
+        print(f"{dtype + ' seed ' + seed + '/' + rseed:<22} {window(rows, 'rollout/spec_accept_length', True, w):>16.3f} "
+              f"{window(rows, 'rollout/spec_accept_length', False, w):>7.3f} {window(rows, 'rollout/reward', True, w):>13.3f} "
+              f"{window(rows, 'rollout/reward', False, w):>7.3f} {mean_se(column(rows, 'train/logprob_abs_diff'))[0]:>13.2e} "
+              f"{mean_se(column(rows, 'perf/train_time', skip=1))[0]:>13.2f} "
+              f"{mean_se(column(rows, 'perf/rollout_time', skip=1))[0]:>15.2f}")
+    end = {dtype: mean_se(window(runs[(dtype, s)], "rollout/spec_accept_length", False, w) for s in seeds)
+           for dtype in dtypes}
+    if len(seeds) > 1:
+        (mf, sf), (mb, sb) = end["fp32"], end["bf16"]
+        print(f"bf16 - fp32 end acceptance over seeds: {mb - mf:+.3f}; within 3 SE ({3 * math.hypot(sf, sb):.3f}): "
+              f"{abs(mb - mf) <= 3 * math.hypot(sf, sb)}")
+    # paired by step: each step of a seed's two runs starts from the same prompts
+    diffs = [b - f for s in seeds for f, b in zip(column(runs[("fp32", s)], "rollout/spec_accept_length"),
+                                                  column(runs[("bf16", s)], "rollout/spec_accept_length"))]
+    d, se = mean_se(diffs)
+    print(f"bf16 - fp32 acceptance length, paired by step over {len(diffs)} steps: {d:+.4f} ± {se:.4f} (SE)")
+    speed = {dtype: statistics.fmean(mean_se(column(runs[(dtype, s)], "perf/train_time", skip=1))[0] for s in seeds)
+             for dtype in dtypes}
+    print(f"trainer seconds per step bf16 / fp32: {speed['bf16'] / speed['fp32']:.2f}x")
 
 
-def fmt(mean, se):
-    return f"{mean:.4g} ± {se:.2g}" if not math.isnan(se) else f"{mean:.4g}"
+def run_engines(args):
+    """Rollout tokens/s of --workers rollout engines against one, rollout only (--debug-rollout-only:
+    the same weights every step, so both arms sample the same tokens), at each batch size (prompts
+    per step, each sampled --samples times; one engine may batch them all). Prints tokens/s from
+    step 1 on, the ratio, and both arms' token counts; no ratio where the counts differ."""
+    lines = []
+    for prompts in int_list(args.batch_sizes, "--batch-sizes"):
+        rows = prompts * args.samples
+        base = ["--num-rollout", args.steps, "--debug-rollout-only", "--rollout-batch-size", prompts,
+                "--n-samples-per-prompt", args.samples, "--rollout-max-batch-size", rows,
+                "--global-batch-size", rows]  # nothing is trained: any batch size divides
+        out = os.path.join(args.out, f"b{prompts}")
+        results = {n: run_arm(f"engines_{n}", out, base + ["--rollout-num-workers", n] + args.extra, args.steps, args.reuse)
+                   for n in (1, args.workers)}
+        counts = {n: round(sum(r["rollout/response_len"] * r["rollout/num_samples"] for r in rs)) for n, rs in results.items()}
+        one = mean_se(column(results[1], "perf/rollout_tokens_per_s", skip=1))[0]
+        for n, rs in results.items():
+            rate = mean_se(column(rs, "perf/rollout_tokens_per_s", skip=1))
+            ratio = f"{rate[0] / one:.2f}" if len(set(counts.values())) == 1 else "— (token counts differ)"
+            lines.append(f"| {prompts} x {args.samples} | {n} | {fmt(*rate)} | {ratio} | {counts[n]} |")
+    print(f"cores: {os.cpu_count()}")
+    print("| prompts x samples | engines | rollout tokens/s (steps 1..) | x one engine | tokens generated |")
+    print("|---|---|---|---|---|")
+    print("\n".join(lines))
+
+
+def int_list(text, flag):
+    values = [int(x) for x in text.split(",") if x.strip().lstrip("-").isdigit()]
+    if not values or len(values) != len([x for x in text.split(",") if x.strip()]):
+        user_error(f"{flag} {text!r}: give comma-separated integers")
+    return values
+
+
+def add_dtype_arguments(p):
+    p.add_argument("--seeds", default="1234:42,1:1", help="comma-separated TRAINER_SEED:ROLLOUT_SEED pairs")
+    p.add_argument("--window", type=int, default=5, help="steps averaged for the start and end figures")
+
+
+def add_engines_arguments(p):
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch-sizes", default="16,64,128", help="prompts per step, comma-separated")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt (a GRPO group)")
+
+
+# experiment -> (runner, default --steps, extra arguments); each runner's docstring is its --help
+EXPERIMENTS = {
+    "drift": (drift.run, 40, drift.add_arguments),
+    "async": (run_async, 12, lambda p: None),
+    "dynamic": (run_dynamic, 12, lambda p: p.add_argument("--seeds", default="42", help="--rollout-seed values")),
+    "dtype": (run_dtype, 40, add_dtype_arguments),
+    "engines": (run_engines, 6, add_engines_arguments),
+}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="experiment", required=True)
+    for name, (runner, steps, add_arguments) in EXPERIMENTS.items():
+        doc = sys.modules[runner.__module__].__doc__ if name == "drift" else runner.__doc__
+        s = sub.add_parser(name, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_arguments(s)
+        if name != "drift":  # drift declares its own --steps
+            s.add_argument("--steps", type=int, default=steps, help="RL steps per arm")
+        s.add_argument("--out", default=os.path.join(REPO, "runs", f"bench_{name}"))
+        s.add_argument("--reuse", action="store_true", help="read an arm already run to --steps in --out")
+        s.add_argument("extra", nargs="*", help="after --: passed to every train_rl.py run")
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        user_error(f"--steps must be >= 1 (got {args.steps})")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    EXPERIMENTS[args.experiment][0](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -24,7 +24,8 @@ acceptance at every B: no adaptive policy can beat it on these costs. With a = 1
 draft accepted) it bounds what any draft can buy on this machine. Rows that finish inside a
 step's drafts are not modelled (they favour speculation too). The script checks the model on
 what it ran: the fixed-k engine times against the model's prediction for them. Beside the oracle
-it reports the real `--spec-adaptive` engine on the same batches.
+it reports the real `--spec-adaptive` engine on the same batches. The arithmetic lives in
+rollout/embedded/spec_ceiling.py.
 
     python scripts/bench/spec_ceiling.py [--hf-checkpoint checkpoints/tiny-mimo-longtail] [--batches 16]
         [--acceptance "online end=0.70,0.13,0.13" ...]
@@ -34,24 +35,14 @@ responses: the script checks it, and the costs compare the same work.
 """
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from rollout.embedded.engine import EngineConfig  # noqa: E402
-from rollout.embedded.engine_builder import build_engine  # noqa: E402
-from rollout.sampling_params import SamplingParams  # noqa: E402
-from rollout.embedded.spec_policy import FixedK, expected_tokens  # noqa: E402
-from scripts.bench.slot_compaction import PROMPTS_PER_BATCH, SAMPLES_PER_PROMPT, rollout_batches  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
-from vime.sample import samples_for_prompts  # noqa: E402
 
 # conditional acceptance per position: every draft accepted, the online draft at the end of the
-# long-tail drift run (BENCHMARKS.md: 0.70 at position 1, 1.79 tokens per verify at k = 2),
+# 40-step long-tail drift run (0.70 at position 1, 1.79 tokens per verify at k = 2),
 # and the best online draft measured (0.88 / 0.66 / 0.53 absolute by position)
 DEFAULT_SCENARIOS = ("every draft accepted=1,1,1", "online draft, long-tail drift end=0.70,0.13,0.13",
                      "best online draft=0.88,0.75,0.80")
@@ -60,52 +51,16 @@ DEFAULT_SCENARIOS = ("every draft accepted=1,1,1", "online draft, long-tail drif
 ADAPTIVE = "adaptive"
 
 
-class StepTimes(FixedK):
-    """Fixed k that keeps each step's batch size and seconds (verify + draft) from the engine's StepRecords,
-    and per batch-size band the rows that reached each draft position and the rows that accepted it
-    (the engine's conditional counts, as the adaptive policy reads them)."""
-
-    observes = True
-
-    def __init__(self, k):
-        super().__init__(k)
-        self.steps = []
-        self.bands = {}  # band -> ([rows reaching position i], [rows accepting it])
-
-    def observe(self, step):
-        self.steps.append((step.batch_size, step.verify_s + (step.draft_s or 0.0)))
-        reached, accepted = self.bands.setdefault(batch_band(step.batch_size), ([0] * self.k, [0] * self.k))
-        for i, (d, a) in enumerate(zip(step.drafted_per_pos, step.accepted_per_pos)):
-            reached[i] += d
-            accepted[i] += a
-
-
-def batch_band(b):
-    """Batch sizes grouped 1, 2, 3-4, 5-8, 9-16, ...: the groups acceptance is kept by (the drain's
-    stragglers draft unlike its full batch)."""
-    return (b - 1).bit_length()
-
-
-def conditional_acceptance(bands):
-    """Per draft position over every band: rows that accepted it / rows that reached it."""
-    reached = [sum(r) for r in zip(*(band[0] for band in bands.values()))]
-    accepted = [sum(a) for a in zip(*(band[1] for band in bands.values()))]
-    return [a / r if r else 0.0 for r, a in zip(reached, accepted)]
-
-
-def acceptance_by_band(bands, overall):
-    """b -> conditional acceptance per position measured at b's band (`overall` where a position was
-    never reached there). Why per band: the long stragglers are the hard answers (on the long-tail
-    RL checkpoint, 0.52 at position 1 on <= 8 rows against 0.72 over the whole batch), so one
-    rate for all rows overstated what drafting buys in the tail."""
-    table = {key: [a / d if d else fallback for d, a, fallback in zip(reached, accepted, overall)]
-             for key, (reached, accepted) in bands.items()}
-    return lambda b: table.get(batch_band(b), overall)
-
-
 def measure(checkpoint, batches, k_max, max_new_tokens):
     """(per arm: k = 0..k_max fixed, and "adaptive": --spec-adaptive up to k_max) engine seconds over all
     batches, the fixed arms' StepTimes, and (samples equal to plain's, samples compared)."""
+    from rollout.embedded.engine import EngineConfig
+    from rollout.embedded.engine_builder import build_engine
+    from rollout.embedded.spec_ceiling import StepTimes
+    from rollout.sampling_params import SamplingParams
+    from scripts.bench.throughput import PROMPTS_PER_BATCH, SAMPLES_PER_PROMPT
+    from vime.sample import samples_for_prompts
+
     rows = PROMPTS_PER_BATCH * SAMPLES_PER_PROMPT
     arms = list(range(k_max + 1)) + [ADAPTIVE]
     engines = {}
@@ -128,35 +83,6 @@ def measure(checkpoint, batches, k_max, max_new_tokens):
             same += sum(a.response_ids == b.response_ids for a, b in zip(out[0], out[arm]))
             total += rows
     return seconds, {k: engines[k].k_policy for k in range(k_max + 1)}, (same, total)
-
-
-def cost_curve(steps):
-    """B -> median seconds of the steps at B rows, linearly interpolated between the B's seen (flat outside)."""
-    by_b = {}
-    for b, s in steps:
-        by_b.setdefault(b, []).append(s)
-    xs = sorted(by_b)
-    ys = [statistics.median(by_b[b]) for b in xs]
-    return lambda b: float(np.interp(b, xs, ys))
-
-
-def oracle_time(plain_steps, curves, acceptance_at):
-    """(seconds of the plain steps replaced by the cheapest-per-token k at each B, the k chosen per plain
-    step); acceptance_at(B): conditional acceptance per position at B rows."""
-    total, chosen = 0.0, []
-    for b, _ in plain_steps:
-        per_token = {k: curve(b) / expected_tokens(acceptance_at(b), k) for k, curve in curves.items()}
-        k = min(per_token, key=per_token.get)
-        total += per_token[k]
-        chosen.append(k)
-    return total, chosen
-
-
-def predicted_fixed_k(plain_steps, k_steps, k_seconds, curve, k, acceptance_at):
-    """The model's engine seconds for fixed k: the k run's own time outside its steps, plus each plain
-    step replaced by 1 / E(k) of a k step at the same B."""
-    outside = k_seconds - sum(s for _, s in k_steps)
-    return outside + sum(curve(b) / expected_tokens(acceptance_at(b), k) for b, _ in plain_steps)
 
 
 def parse_scenario(text, k_max):
@@ -189,6 +115,19 @@ def main(argv=None):
     require(os.path.isfile(os.path.join(args.hf_checkpoint, "config.json")),
             f"--hf-checkpoint {args.hf_checkpoint}: no config.json there (give an HF checkpoint directory)")
     scenarios = [parse_scenario(s, k_max) for s in (args.acceptance or DEFAULT_SCENARIOS)]
+    run(args, scenarios)  # bad input is refused above, before the engine's imports
+
+
+def run(args, scenarios):
+    """Measure the fixed-k and adaptive engines on the same batches, then print the model's figures."""
+    import torch
+
+    from rollout.embedded.spec_ceiling import (acceptance_by_band, conditional_acceptance, cost_curve, oracle_time,
+                                               predicted_fixed_k)
+    from rollout.embedded.spec_policy import expected_tokens
+    from scripts.bench.throughput import PROMPTS_PER_BATCH, SAMPLES_PER_PROMPT, rollout_batches
+
+    k_max = args.num_speculative_tokens
     torch.set_num_threads(args.threads)
     batches = rollout_batches(args.hf_checkpoint, args.batches)
     seconds, timed, (same, total) = measure(args.hf_checkpoint, batches, k_max, args.max_new_tokens)

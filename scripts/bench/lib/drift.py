@@ -1,0 +1,342 @@
+"""The drift benchmark for either draft kind: an online-trained draft against a frozen one and no
+speculation, one RL run per arm, same target, seed and prompts.
+
+    python scripts/bench/rl_arms.py drift --draft mtp                  # tiny MiMo, its MTP layer, k = 2
+    python scripts/bench/rl_arms.py drift --draft eagle3 --backends embedded,vllm   # tiny Qwen2 + EAGLE-3, k = 3
+
+RL moves the policy away from what a frozen draft was trained on; the online arm trains the draft
+every step (--enable-mtp-training or --enable-draft-training) and syncs it with the target.
+Arms are `online`, `frozen` or `none`, each optionally followed by `:key=value` options that
+append train_rl.py flags: loss (--draft-loss-type), topk (--draft-distill-topk), lr (--draft-lr),
+steps (--draft-steps-per-rollout), replay (--draft-replay-batches), layers (--mtp-num-layers),
+depths (--mtp-train-depths), reuse (--mtp-reuse-attention), ckpt (--hf-checkpoint), sync_draft
+(--sync-draft-weights: false syncs only the target, the draft goes stale); e.g.
+`online:depths=3:steps=16:replay=8`. Every arm runs on each of --backends.
+
+Writes drift.csv and drift.png (reward, acceptance length, rollout tokens/s, response length per
+step) in --out, and with --curves the per-position acceptance. Prints per arm the end window
+(tokens per verify, acceptance by position, tokens/s, trainer seconds, reward ± SE), start and end
+figures, and per backend whether the step-0 rewards agree (same weights everywhere: exact
+speculation must agree within noise), the end ratios online/frozen and online/none, and at how
+many steps online rolled out the same responses as none (strict verification reproduces plain
+sampling, so there the arms timed the same work). --time-plain adds the paired speedup against
+plain decoding of the same batch (on the none arm: plain against plain, the noise control).
+vLLM counts drafts accepted past a request's end too, so compare arms within one backend.
+A draft kind (DRAFT_KINDS) names its target, its speculative config and the flags that train it
+online: adding a kind is one entry there.
+"""
+import csv
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+from scripts.bench.lib.arm_runs import REPO, run_arm, user_error, window
+
+
+def _mtp_spec(k, draft_model):
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+def _eagle3_spec(k, draft_model):
+    return {"method": "eagle3", "model": draft_model, "num_speculative_tokens": k}
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftKind:
+    """What the drift benchmark needs to know of one draft kind."""
+
+    target: str  # the checkpoint the draft drafts for
+    default_k: int
+    spec: callable  # (k, draft model dir) -> vLLM speculative config
+    online_flags: tuple  # train_rl.py flags that train this draft online
+    draft_model: str = None  # an external draft's shipped directory (None: the draft is in the target)
+
+
+DRAFT_KINDS = {
+    "mtp": DraftKind("checkpoints/tiny-mimo-mtp", 2, _mtp_spec, ("--enable-mtp-training", "--mtp-num-layers", "1")),
+    "eagle3": DraftKind("checkpoints/tiny-qwen2", 3, _eagle3_spec, ("--enable-draft-training",),
+                        draft_model="checkpoints/tiny-qwen2-eagle3"),
+}
+ARMS = ("online", "frozen", "none")
+BACKENDS = ("embedded", "vllm")
+# arm options: "online:loss=tv:steps=16" appends these flags last (later flags win in train_rl.py)
+ARM_OPTIONS = {"loss": "--draft-loss-type", "topk": "--draft-distill-topk", "lr": "--draft-lr",
+               "steps": "--draft-steps-per-rollout", "replay": "--draft-replay-batches",
+               "layers": "--mtp-num-layers", "depths": "--mtp-train-depths", "reuse": "--mtp-reuse-attention",
+               "ckpt": "--hf-checkpoint", "sync_draft": "--sync-draft-weights"}
+MAX_POSITIONS = 8
+
+
+def add_arguments(p):
+    """The drift experiment's flags on its argparse sub-parser."""
+    p.add_argument("--draft", default="mtp", choices=list(DRAFT_KINDS), help="the draft kind")
+    p.add_argument("--steps", type=int, default=40, help="RL steps per arm")
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms, each NAME[:key=value...]")
+    p.add_argument("--backends", default="embedded", help=f"comma-separated, of {', '.join(BACKENDS)}")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="k (default: the kind's, mtp 2, eagle3 3)")
+    p.add_argument("--draft-model", default=None, help="an external draft's directory (default: the shipped one)")
+    p.add_argument("--draft-warmup-steps", type=int, default=None,
+                   help="external draft: start the frozen and online arms from a draft made here with this many "
+                        "offline warm-up steps (scripts/make_eagle3_draft.py)")
+    p.add_argument("--window", type=int, default=5, help="steps averaged for the start and end figures")
+    p.add_argument("--png", default=None, help="the reward / acceptance / tokens/s curves (default OUT/drift.png)")
+    p.add_argument("--curves", default=None, help="also write the per-position acceptance PNG here")
+    p.add_argument("--spec-adaptive", action="store_true", help="k per batch size (--spec-adaptive)")
+    p.add_argument("--time-plain", action="store_true",
+                   help="speculative arms also decode each batch without drafts, back to back "
+                        "(--rollout-time-plain-baseline): a paired speedup per step")
+
+
+def arm_options(arm):
+    """(base arm, option flags) of an arm spec such as 'online:loss=soft_ce:layers=2'."""
+    base, *options = arm.split(":")
+    if base not in ARMS:
+        user_error(f"--arms {arm!r}: the arm must start with one of {', '.join(ARMS)}")
+    flags = []
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in ARM_OPTIONS or not value:
+            user_error(f"--arms {arm!r}: options are key=value with key in {', '.join(ARM_OPTIONS)}")
+        flags += [ARM_OPTIONS[key], value]
+    return base, flags
+
+
+def arm_label(backend, arm):
+    """backend/arm, checkpoint paths shortened to their directory name (tables, legends)."""
+    arm = ":".join(os.path.basename(o.rstrip("/")) if o.startswith("ckpt=") else o for o in arm.split(":"))
+    return f"{backend}/{arm}"
+
+
+def arm_dir(label):
+    return label.replace("/", "_").replace(":", "_").replace("=", "-")
+
+
+def check_args(args):
+    """One line and exit 2 for a bad arm, backend or draft option, before any run starts."""
+    kind = DRAFT_KINDS[args.draft]
+    for backend in args.backends.split(","):
+        if backend not in BACKENDS:
+            user_error(f"--backends {backend!r}: choose from {', '.join(BACKENDS)}")
+    for arm in args.arms.split(","):
+        arm_options(arm)
+    if kind.draft_model is None and (args.draft_model or args.draft_warmup_steps is not None):
+        user_error(f"--draft-model / --draft-warmup-steps: the {args.draft} draft lives in the target checkpoint; "
+                   "these options are for an external draft (--draft eagle3)")
+    if (args.num_speculative_tokens or kind.default_k) < 1:
+        user_error("--num-speculative-tokens must be >= 1")
+
+
+def warmed_up_draft(kind, args):
+    """--draft-warmup-steps N: a draft of the target warmed up for N offline steps (made once into --out)."""
+    out = os.path.join(args.out, f"draft_warmup{args.draft_warmup_steps}")
+    if not os.path.isfile(os.path.join(out, "config.json")):
+        cmd = [sys.executable, os.path.join(REPO, "scripts", "make_eagle3_draft.py"), "--target",
+               os.path.join(REPO, kind.target), "--out", out, "--warmup-steps", str(args.draft_warmup_steps)]
+        print(f"[drift] draft: {' '.join(cmd[1:])}", flush=True)
+        subprocess.run(cmd, cwd=REPO, check=True)
+    return out
+
+
+def arm_flags(kind, base, args, k, draft_model):
+    """train_rl.py flags of one base arm (before its options and the shared extra flags)."""
+    flags = ["--hf-checkpoint", os.path.join(REPO, kind.target), "--num-rollout", args.steps]
+    if base == "none":
+        flags += ["--vllm-speculative-config", "none"]
+    else:
+        flags += ["--vllm-speculative-config", json.dumps(kind.spec(k, draft_model))]
+        flags += ["--spec-adaptive"] if args.spec_adaptive else []
+    flags += list(kind.online_flags) if base == "online" else []
+    # on the none arm the paired pass decodes plain twice: the A/A control of the paired figure
+    return flags + (["--rollout-time-plain-baseline"] if args.time_plain else [])
+
+
+def rollout_wall(m):
+    """(rollout wall seconds, tokens/s) of the speculative call alone: with --time-plain the worker
+    also decoded the batch without drafts inside the same rollout, which is taken out here."""
+    seconds, tokens = m["perf/rollout_time"], m["perf/rollout_tokens_per_s"] * m["perf/rollout_time"]
+    seconds -= m.get("perf/rollout_plain_engine_time", 0.0)
+    return seconds, tokens / max(seconds, 1e-9)
+
+
+def row(label, m):
+    """One drift-table row of a step's metrics."""
+    accept_len = m.get("rollout/spec_accept_length") or 1.0  # no speculation: one token per forward
+    rollout_time, tokens_per_s = rollout_wall(m)
+    draft_loss = m.get("train/draft_loss", m.get("train/mtp_loss", ""))
+    return {"arm": label, "step": m["rollout/step"], "num_samples": m["rollout/num_samples"],
+            "reward": m["rollout/reward"], "response_len": m["rollout/response_len"],
+            "spec_accept_length": accept_len, "spec_accept_rate": m.get("rollout/spec_accept_rate", 0.0),
+            **{f"spec_accept_rate_pos_{i}": m.get(f"rollout/spec_accept_rate_pos_{i}", "") for i in range(MAX_POSITIONS)},
+            "rollout_tokens_per_s": tokens_per_s, "rollout_time": rollout_time, "draft_loss": draft_loss,
+            "trainer_time": m.get("perf/train_time", ""),
+            **{k: m.get(f"rollout/{k}", "") for k in ("spec_k_mean", "spec_predicted_speedup", "spec_measured_speedup",
+                                                      "plain_same_responses")},
+            "rollout_engine_time": m.get("perf/rollout_engine_time", ""),
+            "plain_engine_time": m.get("perf/rollout_plain_engine_time", ""),
+            "spec_speedup_vs_plain": m.get("perf/spec_speedup_vs_plain", "")}
+
+
+def run(args):
+    """Every arm on every backend; writes drift.csv and the PNGs, prints the tables."""
+    check_args(args)
+    kind = DRAFT_KINDS[args.draft]
+    k = args.num_speculative_tokens or kind.default_k
+    os.makedirs(args.out, exist_ok=True)
+    draft_model = kind.draft_model and os.path.join(REPO, args.draft_model or kind.draft_model)
+    if args.draft_warmup_steps is not None:
+        draft_model = warmed_up_draft(kind, args)
+    rows_by_arm = {}
+    for backend in args.backends.split(","):
+        for arm in args.arms.split(","):
+            base, options = arm_options(arm)
+            label = arm_label(backend, arm)
+            flags = arm_flags(kind, base, args, k, draft_model) + ["--rollout-backend", backend]
+            # an arm's own options win over the shared extra arguments
+            metrics = run_arm(arm_dir(label), args.out, flags + args.extra + options, args.steps, args.reuse)
+            rows_by_arm[label] = [row(label, m) for m in metrics]
+    report(rows_by_arm, args, k)
+
+
+def report(rows_by_arm, args, k):
+    w = args.window
+    write_csv(rows_by_arm, os.path.join(args.out, "drift.csv"))
+    png = args.png or os.path.join(args.out, "drift.png")
+    plot(rows_by_arm, ("reward", "spec_accept_length", "rollout_tokens_per_s", "response_len"),
+         ("reward", "tokens per verify (acceptance length)", "rollout tokens/s", "response length"), png)
+    if args.curves:
+        keys = [f"spec_accept_rate_pos_{i}" for i in range(k)] + ["spec_accept_length", "reward"]
+        titles = [f"acceptance at draft position {i + 1}" for i in range(k)] + ["tokens per verify", "reward"]
+        plot(rows_by_arm, keys, titles, args.curves)
+    print_end_table(rows_by_arm, k, w)
+    print_start_end(rows_by_arm, w)
+    for backend, arms in backend_groups(rows_by_arm).items():
+        print_comparisons(backend, arms, rows_by_arm, w)
+    for label, rows in rows_by_arm.items():
+        print_adaptive(label, rows, w)
+        print_paired(label, rows, w)
+    print(f"wrote {os.path.join(args.out, 'drift.csv')}, {png}" + (f" and {args.curves}" if args.curves else ""))
+
+
+def write_csv(rows_by_arm, path):
+    rows = [r for rs in rows_by_arm.values() for r in rs]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot(rows_by_arm, keys, titles, path):
+    """One panel per key over the RL steps, one line per arm (arms without the key left out)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8))
+    for ax, key, title in zip(axes, keys, titles):
+        for label, rows in rows_by_arm.items():
+            if rows and rows[0][key] != "":
+                ax.plot([r["step"] for r in rows], [r[key] for r in rows], label=label)
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def reward_stats(rows):
+    """(mean reward, binomial standard error) over `rows`."""
+    p = sum(r["reward"] for r in rows) / len(rows)
+    samples = sum(r["num_samples"] for r in rows)
+    return p, math.sqrt(max(p * (1 - p), 1e-12) / samples)
+
+
+def agree_within_3_se(stats):
+    arms = list(stats)
+    return all(abs(stats[a][0] - stats[b][0]) <= 3 * math.hypot(stats[a][1], stats[b][1])
+               for i, a in enumerate(arms) for b in arms[i + 1:])
+
+
+def print_end_table(rows_by_arm, k, size):
+    """Per arm: tokens per verify, acceptance at positions 1..k, tokens/s, trainer s/step, reward (end window)."""
+    pos_head = " ".join(f"{'acc@' + str(i + 1):>6}" for i in range(k))
+    print(f"\n{'arm (end = last ' + str(size) + ' steps)':<40} {'tok/verify':>10} {pos_head} {'tok/s':>7} "
+          f"{'train s':>8} {'reward':>13}")
+    for label, rows in rows_by_arm.items():
+        pos = " ".join(f"{window(rows, f'spec_accept_rate_pos_{i}', False, size):>6.3f}" for i in range(k))
+        p, se = reward_stats(rows[-size:])
+        print(f"{label:<40} {window(rows, 'spec_accept_length', False, size):>10.3f} {pos} "
+              f"{window(rows, 'rollout_tokens_per_s', False, size):>7.0f} "
+              f"{window(rows, 'trainer_time', False, size):>8.2f} {p:>7.3f}±{se:.3f}")
+
+
+def print_start_end(rows_by_arm, w):
+    print(f"\n{'arm':<40} {'accept_len start':>16} {'end':>6} {'tok/s start':>12} {'end':>6} "
+          f"{'rollout s start':>15} {'end':>6} {'resp len end':>12} {'reward start':>12} {'end':>6}")
+    for label, rows in rows_by_arm.items():
+        print(f"{label:<40} {window(rows, 'spec_accept_length', True, w):>16.3f} "
+              f"{window(rows, 'spec_accept_length', False, w):>6.3f} "
+              f"{window(rows, 'rollout_tokens_per_s', True, w):>12.0f} {window(rows, 'rollout_tokens_per_s', False, w):>6.0f} "
+              f"{window(rows, 'rollout_time', True, w):>15.3f} {window(rows, 'rollout_time', False, w):>6.3f} "
+              f"{window(rows, 'response_len', False, w):>12.1f} "
+              f"{window(rows, 'reward', True, w):>12.3f} {window(rows, 'reward', False, w):>6.3f}")
+
+
+def backend_groups(rows_by_arm):
+    """{backend: {base arm: label}}: the online/frozen/none comparisons are made within one backend
+    (the first arm of each base counts)."""
+    groups = {}
+    for label in rows_by_arm:
+        backend, arm = label.split("/", 1)
+        groups.setdefault(backend, {}).setdefault(arm.split(":")[0], label)
+    return groups
+
+
+def print_comparisons(backend, arms, rows_by_arm, w):
+    """Step-0 reward agreement, online vs none step by step, end ratios online/frozen and online/none."""
+    print(f"-- {backend}: " + ", ".join(f"{base} = {label}" for base, label in arms.items()))
+    # only step 0 compares like with like: every arm samples from the same weights there, so exact
+    # speculation must give the same reward distribution; later the RL trajectories part
+    step0 = {label: reward_stats(rows_by_arm[label][:1]) for label in arms.values()}
+    print("step-0 rewards (same weights in every arm) agree within 3 SE: "
+          + ("yes" if agree_within_3_se(step0) else "NO — speculation should not change what is sampled"))
+    if "online" in arms and "none" in arms:
+        pairs = list(zip(rows_by_arm[arms["online"]], rows_by_arm[arms["none"]]))
+        slower = [o["step"] for o, n in pairs if o["rollout_time"] > n["rollout_time"]]
+        same = sum(o["reward"] == n["reward"] and o["response_len"] == n["response_len"] for o, n in pairs)
+        print(f"rollout wall time per step, online <= none at {len(pairs) - len(slower)} of {len(pairs)} steps; "
+              f"same rollouts as none (strict verification reproduces plain sampling) at {same} of {len(pairs)}")
+    end = {base: {key: window(rows_by_arm[label], key, False, w) for key in ("rollout_tokens_per_s", "spec_accept_length")}
+           for base, label in arms.items()}
+    for other in ("frozen", "none"):
+        if "online" in end and other in end:
+            print(f"end ratio online/{other}: rollout tokens/s "
+                  f"{end['online']['rollout_tokens_per_s'] / end[other]['rollout_tokens_per_s']:.2f}x, "
+                  f"acceptance length {end['online']['spec_accept_length'] / end[other]['spec_accept_length']:.2f}x")
+
+
+def print_adaptive(label, rows, w):
+    """--spec-adaptive: the mean k chosen, and the predicted against the measured speedup."""
+    if rows[-1]["spec_k_mean"] != "":
+        print(f"{label}: adaptive k mean start {window(rows, 'spec_k_mean', True, w):.2f} end "
+              f"{window(rows, 'spec_k_mean', False, w):.2f}; speedup vs plain at end predicted "
+              f"{window(rows, 'spec_predicted_speedup', False, w):.2f}x measured "
+              f"{window(rows, 'spec_measured_speedup', False, w):.2f}x")
+
+
+def print_paired(label, rows, w):
+    """--time-plain: the arm's engine time against plain decoding of the same batch, step by step."""
+    paired = [r for r in rows if r["spec_speedup_vs_plain"] != ""]
+    if not paired:
+        return
+    slower = [r["step"] for r in paired if r["spec_speedup_vs_plain"] < 1]
+    whole = sum(r["plain_engine_time"] for r in paired) / sum(r["rollout_engine_time"] for r in paired)
+    print(f"{label}: paired with plain decoding of the same batch: engine time <= plain at "
+          f"{len(paired) - len(slower)} of {len(paired)} steps; speedup start "
+          f"{window(paired, 'spec_speedup_vs_plain', True, w):.2f}x end {window(paired, 'spec_speedup_vs_plain', False, w):.2f}x, "
+          f"whole run {whole:.2f}x; plain reproduced {window(paired, 'plain_same_responses', False, len(paired)):.3f} "
+          "of the samples")

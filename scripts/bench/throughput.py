@@ -1,0 +1,400 @@
+#!/usr/bin/env python
+"""Rollout throughput: tokens/s of the embedded engine against other engines and against itself
+with speculation, timed by one harness.
+
+    python scripts/bench/throughput.py vs-hf [--hf-checkpoint DIR]        # engine vs transformers generate
+    python scripts/bench/throughput.py vs-vllm [--hf-checkpoint DIR]      # embedded vs vLLM backend, plain and MTP
+    python scripts/bench/throughput.py spec-decode [--methods "none,mtp k=2"]   # speculative methods vs none
+    python scripts/bench/throughput.py spec-scale [--device cuda --dtype bfloat16]  # synthetic acceptance, big model
+    python scripts/bench/throughput.py compaction                          # slot compaction on / off
+
+The harness times every side on the same prompts, sides interleaved within each repeat (load from
+other jobs hits all alike), best of --repeats, after a warm-up; a ratio is printed only after
+checking both sides did the same work (as many tokens; greedy: the same tokens). Without
+--hf-checkpoint, vs-hf and vs-vllm make a random-weight tiny model (speed does not depend on the
+weights; acceptance does). `MODE --help` says what each prints.
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from rollout.embedded.engine import EngineConfig  # noqa: E402
+from rollout.embedded.engine_builder import build_engine, build_proposer  # noqa: E402
+from rollout.sampling_params import SamplingParams  # noqa: E402
+from rollout.spec_config import parse_spec_config  # noqa: E402
+from rollout.spec_stats import aggregate_spec_stats, spec_rates  # noqa: E402
+from rollout.task import TASK_VARIANTS, make_prompts  # noqa: E402
+from rollout.tiny_model import make_random_checkpoint  # noqa: E402
+from rollout.tokenizer import TextCodec  # noqa: E402
+from vime.sample import Sample, samples_for_prompts  # noqa: E402
+
+PROMPTS_PER_BATCH, SAMPLES_PER_PROMPT = 16, 8  # a GRPO rollout batch of the long-tail task
+
+
+# ------------------------------------------------------------------ the harness
+def mismatch(a, b, greedy):
+    """Why two lists of responses (token-id lists) are not the same work, or None when they are."""
+    if len(a) != len(b):
+        return f"{len(a)} vs {len(b)} requests"
+    counts_a, counts_b = sum(map(len, a)), sum(map(len, b))
+    if counts_a != counts_b:
+        return f"{counts_a} vs {counts_b} generated tokens"
+    for i, (x, y) in enumerate(zip(a, b)):
+        if greedy and x != y:
+            at = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+            return f"greedy request {i} differs at token {at}"
+    return None
+
+
+def require_same_work(label, a, b, greedy):
+    """Exit (status 1) with one line unless responses `a` and `b` are the same work: a tokens/s
+    ratio of unequal work (or of greedy runs that diverged) measures different text."""
+    why = mismatch(a, b, greedy)
+    if why is not None:
+        print(f"error: {label}: the two sides did different work ({why}); no ratio printed", file=sys.stderr)
+        sys.exit(1)
+
+
+def responses(samples):
+    return [list(s.response_ids) for s in samples]
+
+
+def time_interleaved(runs, repeats):
+    """{name: (best tokens/s, samples of the last repeat)}: each run (a callable returning samples)
+    once per repeat, runs interleaved so a busy machine slows every one alike."""
+    best, last = {}, {}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            samples = run()
+            rate = sum(len(s.response_ids) for s in samples) / (time.perf_counter() - start)
+            best[name], last[name] = max(best.get(name, 0.0), rate), samples
+    return {name: (best[name], last[name]) for name in runs}
+
+
+def generator(engine, prompts, sampling, n=1):
+    """A run for time_interleaved: `engine` (anything with generate(samples, sampling)) on the prompts."""
+    return lambda: engine.generate(samples_for_prompts(prompts, n), sampling)
+
+
+def greedy(max_new_tokens):
+    # fixed-length responses (EOS ignored): every side generates the same number of tokens
+    return SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True)
+
+
+def checkpoint_or_random(path):
+    """The given HF checkpoint, else a random tiny MiMo made in a temp dir."""
+    if path:
+        return path
+    path = tempfile.mkdtemp()
+    make_random_checkpoint(path)
+    return path
+
+
+def task_prompts(path, n, seed=11):
+    codec = TextCodec(path)
+    return [codec.encode_prompt(r["prompt"], 1) for r in make_prompts(n, seed=seed)]
+
+
+def batch_sizes(text):
+    return [int(b) for b in text.split(",")]
+
+
+# ------------------------------------------------------------------ vs-hf
+def hf_generator(path, prompts, max_new_tokens):
+    """A run of transformers' `generate` (SDPA, left padding, EOS ignored) returning Samples."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # EOS ignored, as on the engine's side
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+
+    def run():
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+        return [Sample(prompt_ids=p, response_ids=r) for p, r in zip(prompts, out[:, width:].tolist())]
+    return run
+
+
+def vs_hf(args):
+    """Greedy tokens/s of the embedded engine and of transformers `generate` per batch size, and the ratio."""
+    path = checkpoint_or_random(args.hf_checkpoint)
+    print(f"{'batch':>5} {'engine tok/s':>13} {'HF tok/s':>10} {'ratio':>7}")
+    for bs in batch_sizes(args.batch_sizes):
+        prompts = task_prompts(path, bs)
+        engine = build_engine(path, None, EngineConfig(max_batch_size=bs))
+        runs = {"engine": generator(engine, prompts, greedy(args.max_new_tokens)),
+                "hf": hf_generator(path, prompts, args.max_new_tokens)}
+        for run in runs.values():
+            run()  # warm-up
+        got = time_interleaved(runs, args.repeats)
+        require_same_work(f"batch {bs}", responses(got["engine"][1]), responses(got["hf"][1]), greedy=True)
+        print(f"{bs:>5} {got['engine'][0]:>13.1f} {got['hf'][0]:>10.1f} {got['engine'][0] / got['hf'][0]:>6.2f}x")
+
+
+# ------------------------------------------------------------------ vs-vllm
+VLLM_ARMS = {"plain": None, "mtp k=1": {"method": "mtp", "num_speculative_tokens": 1},
+             "mtp k=2": {"method": "mtp", "num_speculative_tokens": 2}}
+
+
+def backend_rates(name, path, spec, prompt_sets, args):
+    """{batch size: (tokens/s, spec rates, samples)} of one rollout backend, closed afterwards (one
+    backend alive at a time: each holds the cores it needs)."""
+    from rollout.backend import build_backend
+
+    backend = build_backend(name, path, spec, max(prompt_sets))
+    try:
+        out = {}
+        for bs, prompts in prompt_sets.items():
+            backend.generate(samples_for_prompts(prompts[:2]), greedy(args.max_new_tokens))  # warm-up
+            rate, samples = time_interleaved({name: generator(backend, prompts, greedy(args.max_new_tokens))},
+                                             args.repeats)[name]
+            out[bs] = (rate, spec_rates(backend.stats()["spec"]), samples)
+        return out
+    finally:
+        backend.close()
+
+
+def vs_vllm(args):
+    """Per arm (plain, MTP k = 1, 2) and batch size, greedy: tokens/s of the embedded backend and the
+    vLLM backend (rollout/backend.py, as train_rl.py runs them), the ratio, and each side's
+    acceptance rate and length (one definition for both). vLLM's start-up is not timed."""
+    path = checkpoint_or_random(args.hf_checkpoint)
+    prompt_sets = {bs: task_prompts(path, bs) for bs in batch_sizes(args.batch_sizes)}
+    print(f"{'arm':>8} {'batch':>5} {'embedded tok/s':>15} {'vLLM tok/s':>11} {'ratio':>7} "
+          f"{'accept emb':>11} {'accept vLLM':>12} {'length emb':>11} {'length vLLM':>12}", flush=True)
+    for arm in args.arms.split(","):
+        ours, theirs = (backend_rates(name, path, VLLM_ARMS[arm], prompt_sets, args) for name in ("embedded", "vllm"))
+        for bs in prompt_sets:
+            (a, st_a, out_a), (b, st_b, out_b) = ours[bs], theirs[bs]
+            require_same_work(f"{arm} at batch {bs}", responses(out_a), responses(out_b), greedy=True)
+            print(f"{arm:>8} {bs:>5} {a:>15.1f} {b:>11.1f} {a / b:>6.2f}x {st_a['spec_accept_rate']:>11.3f} "
+                  f"{st_b['spec_accept_rate']:>12.3f} {st_a['spec_accept_length']:>11.3f} "
+                  f"{st_b['spec_accept_length']:>12.3f}", flush=True)
+
+
+# ------------------------------------------------------------------ spec-decode
+def spec_methods(draft, rejection):
+    table = {
+        "none": None,
+        "mtp k=1": {"method": "mtp", "num_speculative_tokens": 1},
+        "mtp k=2": {"method": "mtp", "num_speculative_tokens": 2},
+        "mtp k=3": {"method": "mtp", "num_speculative_tokens": 3},
+        "mtp adaptive": {"method": "mtp", "num_speculative_tokens": 3},
+        "ngram k=3": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+        "suffix k=3": {"method": "suffix", "num_speculative_tokens": 3},
+        "draft_model k=3": {"method": "draft_model", "num_speculative_tokens": 3, "model": draft},
+    }
+    return {name: spec and dict(spec, rejection_sample_method=rejection) for name, spec in table.items()}
+
+
+ADAPTIVE = {"mtp adaptive"}  # methods run with --spec-adaptive
+FIXED_K = ("none", "mtp k=1", "mtp k=2", "mtp k=3")  # what adaptive k is compared with
+
+
+def fresh_proposer_run(engine, spec, prompts, sampling):
+    """A run that gives the engine a fresh proposer first: suffix decoding would otherwise replay the
+    previous repeat (the k policy is kept: an adaptive engine keeps its profile and acceptance)."""
+    def run():
+        engine.set_proposer(build_proposer(parse_spec_config(spec) if spec is not None else None), engine.k_policy)
+        return engine.generate(samples_for_prompts(prompts), sampling)
+    return run
+
+
+def spec_decode(args):
+    """Per batch size and method (none, mtp k=1..3, mtp adaptive, ngram, suffix, draft_model):
+    tokens/s, speedup against the first method, tokens per verify, acceptance rate and per position;
+    the adaptive method against the best fixed k."""
+    prompts = [[1] + TextCodec(args.hf_checkpoint).encode(r["prompt"]) for r in make_prompts(args.num_prompts, seed=1234)]
+    sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    table = spec_methods(args.draft_model or args.hf_checkpoint, args.rejection_sample_method)
+    wanted = args.methods.split(",") if args.methods else list(table)
+    print(f"checkpoint {args.hf_checkpoint}, temperature {args.temperature}, {args.num_prompts} prompts, "
+          f"{args.max_new_tokens} new tokens, best of {args.repeats} (methods interleaved)")
+    print("| batch | method | tokens/s | speedup | tokens/verify | accept rate | per position |")
+    print("|---|---|---|---|---|---|---|")
+    for batch in batch_sizes(args.batch_sizes):
+        engines = {name: build_engine(args.hf_checkpoint, table[name], EngineConfig(max_batch_size=batch),
+                                      adaptive=name in ADAPTIVE) for name in wanted}
+        for engine in engines.values():
+            engine.generate(samples_for_prompts(prompts[:batch]), sampling)  # warm-up (and the adaptive profile)
+        got = time_interleaved({name: fresh_proposer_run(engines[name], table[name], prompts, sampling)
+                                for name in wanted}, args.repeats)
+        for name in wanted[1:]:
+            require_same_work(f"{name} vs {wanted[0]} at batch {batch}", responses(got[name][1]),
+                              responses(got[wanted[0]][1]), greedy=args.temperature == 0)
+        base = got[wanted[0]][0]
+        for name in wanted:
+            rate, samples = got[name]
+            st = aggregate_spec_stats(samples)
+            pos = " / ".join(f"{st[k]:.2f}" for k in sorted(st) if k.startswith("spec_accept_rate_pos_"))
+            print(f"| {batch} | {name} | {rate:.0f} | {rate / base:.2f}x | {st['spec_accept_length']:.2f} | "
+                  f"{st['spec_accept_rate']:.2f} | {pos or '-'} |", flush=True)
+        fixed = [n for n in FIXED_K if n in got]
+        for name in [n for n in wanted if n in ADAPTIVE and fixed]:
+            best = max(fixed, key=lambda n: got[n][0])
+            print(f"batch {batch}: {name} / best fixed k ({best}) = {got[name][0] / got[best][0]:.3f}", flush=True)
+
+
+# ------------------------------------------------------------------ spec-scale
+# the drift benchmark's end-of-run per-position acceptance (BENCHMARKS.md, online vs frozen, k = 2)
+ONLINE_RATES, FROZEN_RATES = "0.79,0.30", "0.077,0.010"
+# deep and narrow like real LLMs: the MTP layer is 1/16 of this trunk (DeepSeek-V3 1/61, MiMo-7B 1/36)
+SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=12,
+             num_key_value_heads=6, head_dim=64, max_position_embeddings=512)
+
+
+def synthetic_spec(rates):
+    rates = [float(r) for r in rates.split(",")]
+    return {"method": "mtp", "num_speculative_tokens": len(rates), "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": rates}
+
+
+def spec_scale(args):
+    """Speculation where decoding is memory-bound: a random model of the default family (112 M
+    parameters by default) decodes fixed-length responses with no speculation and with MTP drafting
+    whose acceptance is set by synthetic verification (vLLM's synthetic_acceptance_rates) to the
+    frozen and online drafts' rates. Prints the cost of a verify of 1..4 tokens and of drafting
+    against a plain step, then per row count tokens/s of none / frozen / online / online adaptive
+    and the speedups online/none, online/frozen, adaptive/none. The acceptance is assumed, not
+    measured: the figures say what a draft at those rates buys on this device."""
+    dtype = getattr(torch, args.dtype)
+    heads = args.hidden // SHAPE["head_dim"]
+    shape = dict(SHAPE, num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                 num_attention_heads=heads, num_key_value_heads=heads // 2)
+    sizes = batch_sizes(args.batch_sizes)
+    online, frozen = synthetic_spec(args.online_rates), synthetic_spec(args.frozen_rates)
+    arms = {"none": (None, False), "frozen": (frozen, False), "online": (online, False), "online adaptive": (online, True)}
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = make_random_checkpoint(tmp, **shape)
+        config = EngineConfig(max_batch_size=max(sizes), device=args.device, dtype=dtype)
+        engines = {name: build_engine(tmp, spec, config, adaptive=adaptive) for name, (spec, adaptive) in arms.items()}
+    prompts = [[1] + [3 + (7 * i + j) % 20 for j in range(8)] for i in range(max(sizes))]
+    for engine in engines.values():  # warm-up, and the adaptive arm's cost profile, outside the timing
+        engine.generate(samples_for_prompts(prompts), greedy(4))
+    params = sum(p.numel() for p in engines["none"].model.parameters())
+    print(f"random {cfg.num_hidden_layers}-layer model + {cfg.num_nextn_predict_layers} MTP layer, {params / 1e6:.0f} M "
+          f"parameters {args.dtype} on {args.device}; synthetic acceptance online {args.online_rates}, frozen "
+          f"{args.frozen_rates}; {args.max_new_tokens} new tokens per row, greedy, EOS off")
+    ms = [1e3 * engines["none"].profile_verify(1, q, repeats=5) for q in range(1, 5)]
+    print("verify forward at 1 row, 1..4 tokens: " + " / ".join(f"{t:.1f}" for t in ms) + " ms = "
+          + " / ".join(f"{t / ms[0]:.2f}x" for t in ms) + " a plain step")
+    k = len(args.online_rates.split(","))
+    draft_ms = 1e3 * engines["online"].profile_draft(1, k, repeats=5)
+    print(f"drafting {k} tokens at 1 row: {draft_ms:.1f} ms = {draft_ms / ms[0]:.2f}x a plain step")
+    names = list(engines)
+    print(f"{'rows':>4} " + " ".join(f"{n + ' tok/s':>20}" for n in names)
+          + f" {'online/none':>12} {'online/frozen':>14} {'adaptive/none':>14} {'adaptive k':>11}")
+    for b in sizes:
+        got = time_interleaved({n: generator(engines[n], prompts[:b], greedy(args.max_new_tokens)) for n in names},
+                               args.repeats)
+        for name in names[1:]:  # synthetic acceptance keeps wrong drafts: equal counts, not equal tokens
+            require_same_work(f"{name} vs none at {b} rows", responses(got[name][1]), responses(got["none"][1]), False)
+        rate = {n: got[n][0] for n in names}
+        k_mean = engines["online adaptive"].stats().get("spec_k_mean", float("nan"))
+        print(f"{b:>4} " + " ".join(f"{rate[n]:>20.1f}" for n in names)
+              + f" {rate['online'] / rate['none']:>11.2f}x {rate['online'] / rate['frozen']:>13.2f}x"
+              f" {rate['online adaptive'] / rate['none']:>13.2f}x {k_mean:>11.2f}")
+
+
+# ------------------------------------------------------------------ compaction
+def rollout_batches(checkpoint, n):
+    """n long-tail rollout batches of PROMPTS_PER_BATCH prompt id lists (they drain to stragglers)."""
+    codec = TextCodec(checkpoint)
+    rows = TASK_VARIANTS["longtail"].prompts(PROMPTS_PER_BATCH * n, seed=7)
+    ids = [codec.encode_prompt(r["prompt"], 1) for r in rows]
+    return [ids[i * PROMPTS_PER_BATCH:(i + 1) * PROMPTS_PER_BATCH] for i in range(n)]
+
+
+def compaction(args):
+    """Engine seconds of the same long-tail batches (16 prompts x 8 samples, T = 1) with slot
+    compaction on and off (EngineConfig.compact_slots), interleaved, their ratio, and how many
+    responses were the same (all: compaction only moves requests between KV slots)."""
+    rows = PROMPTS_PER_BATCH * SAMPLES_PER_PROMPT
+    engines = {on: build_engine(args.hf_checkpoint, None, EngineConfig(max_batch_size=rows, compact_slots=on))
+               for on in (True, False)}
+    seconds, same = {True: 0.0, False: 0.0}, 0
+    for i, prompts in enumerate(rollout_batches(args.hf_checkpoint, args.batches)):
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=i)
+        out = {}
+        for on in ((True, False) if i % 2 == 0 else (False, True)):  # drift hits both alike
+            out[on] = engines[on].generate(samples_for_prompts(prompts, SAMPLES_PER_PROMPT), sampling)
+            seconds[on] += engines[on].last_stats["seconds"]
+        same += sum(a.response_ids == b.response_ids for a, b in zip(out[True], out[False]))
+    print(f"{args.batches} long-tail batches of {rows} rows, plain decoding")
+    print(f"engine seconds: compact {seconds[True]:.3f}, with holes {seconds[False]:.3f}, "
+          f"ratio {seconds[True] / seconds[False]:.3f}; same responses {same} of {rows * args.batches}")
+
+
+# ------------------------------------------------------------------ command line
+def add_compare_arguments(p):
+    p.add_argument("--hf-checkpoint", default=None, help="default: a random-weight tiny MiMo")
+    p.add_argument("--batch-sizes", default="1,32")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1)
+
+
+def add_vllm_arguments(p):
+    add_compare_arguments(p)
+    p.add_argument("--arms", default=",".join(VLLM_ARMS), help=f"comma-separated subset of {list(VLLM_ARMS)}")
+
+
+def add_spec_decode_arguments(p):
+    p.add_argument("--hf-checkpoint", default="checkpoints/tiny-mimo-mtp")
+    p.add_argument("--draft-model", default=None, help="draft_model checkpoint (default: the target itself)")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; RL rollouts use 1")
+    p.add_argument("--rejection-sample-method", default="probabilistic", choices=["strict", "probabilistic"])
+    p.add_argument("--methods", default=None, help="comma-separated subset of the method names")
+
+
+def add_spec_scale_arguments(p):
+    p.add_argument("--batch-sizes", default="1,2,4,8,16")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--online-rates", default=ONLINE_RATES, help="synthetic acceptance per position of the online draft")
+    p.add_argument("--frozen-rates", default=FROZEN_RATES, help="... of the frozen draft")
+    p.add_argument("--device", default="cpu", help="torch device of the engine (cpu or cuda)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
+    p.add_argument("--hidden", type=int, default=SHAPE["hidden_size"])
+    p.add_argument("--intermediate", type=int, default=SHAPE["intermediate_size"])
+
+
+def add_compaction_arguments(p):
+    p.add_argument("--hf-checkpoint", default="checkpoints/tiny-mimo-longtail")
+    p.add_argument("--batches", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+
+
+MODES = {"vs-hf": (vs_hf, add_compare_arguments), "vs-vllm": (vs_vllm, add_vllm_arguments),
+         "spec-decode": (spec_decode, add_spec_decode_arguments), "spec-scale": (spec_scale, add_spec_scale_arguments),
+         "compaction": (compaction, add_compaction_arguments)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="mode", required=True)
+    for name, (run, add_arguments) in MODES.items():
+        s = sub.add_parser(name, description=run.__doc__)
+        add_arguments(s)
+        s.add_argument("--threads", type=int, default=1,
+                       help="torch threads (1: fastest for a tiny model and least noisy on a shared machine)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    MODES[args.mode][0](args)
+
+
+if __name__ == "__main__":
+    main()
