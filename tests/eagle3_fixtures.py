@@ -77,3 +77,27 @@ def reference_acceptance(target, draft, prompt, response, k, max_new_tokens, pas
             accepted[i] += 1
         p += a + 1
     return drafted, accepted
+
+
+def reference_ttt_losses(target, draft, tokens, loss_mask, steps):
+    """EAGLE-3's training-time-test cross-entropy per drafting step, recomputed as the drafter runs,
+    one prefix at a time and without any cache: for the prefix ending at token t+1 the draft runs over
+    positions 0..t from the target's aux states, then each further step re-runs it over the whole
+    extended sequence, its last entry reading the true next token and the draft's own previous output.
+    Step m predicts token t+m+2; the loss is the mean over the batch's positions `loss_mask` marks."""
+    sums, counts = [0.0] * steps, [0] * steps
+    with torch.inference_mode():
+        for b in range(tokens.shape[0]):
+            row, n = tokens[b:b + 1], tokens.shape[1]
+            aux = target.aux_hidden_states(row, torch.arange(n)[None], draft.cfg.aux_layer_ids)
+            embeds = F.embedding(row, target.model.embed_tokens.weight)
+            for t in range(n - 2):
+                hidden = draft.combine(aux[:, :t + 1])
+                for m in range(min(steps, n - t - 2)):
+                    width = t + 1 + m  # positions 0..t+m, reading tokens 1..t+m+1
+                    out = draft(embeds[:, 1:1 + width], hidden, torch.arange(width)[None])
+                    if loss_mask[b, t + m + 2]:
+                        sums[m] += float(F.cross_entropy(draft.logits(out[0, -1]).float(), tokens[b, t + m + 2]))
+                        counts[m] += 1
+                    hidden = torch.cat([hidden, out[:, -1:]], 1)
+    return [s / c for s, c in zip(sums, counts)]

@@ -1,0 +1,71 @@
+"""The draft's knobs on the command line: each shared knob exists once, a replaced flag (or Hydra key)
+is refused in one line naming its replacement (train_rl.py: exit 2), and the kind-dependent rules
+read the kind's own defaults."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trainer.config import TrainerConfig
+from trainer.drafts import check_draft_config
+from vime.cli_config import REMOVED_FLAGS, REMOVED_KEYS, help_text, load_config
+from vime.config import flag_table
+from vime.errors import UserError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = ("--draft-lr", "--draft-steps-per-rollout", "--draft-replay-batches", "--draft-loss-type",
+          "--draft-distill-topk", "--draft-clip-grad")
+
+
+def one_line_error(argv):
+    with pytest.raises(UserError) as err:
+        load_config(argv)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("old, new", sorted(REMOVED_FLAGS.items()))
+def test_a_replaced_flag_is_refused_in_one_line_naming_its_replacement(old, new):
+    assert new in flag_table() and old not in flag_table()
+    for argv in ([old, "1"], [f"{old}=1"], ["--enable-mtp-training", "--mtp-num-layers", "1", old, "1"]):
+        message = one_line_error(argv)
+        assert message.startswith(old) and f"pass {new}" in message, message
+    old_key, new_key = next((k, v) for k, v in REMOVED_KEYS.items() if v == flag_table()[new][0])
+    message = one_line_error([f"{old_key}=1"])
+    assert old_key in message and f"set {new_key}" in message, message
+
+
+def test_train_rl_refuses_a_replaced_flag_with_exit_2():
+    proc = subprocess.run([sys.executable, "train_rl.py", "--mtp-lr", "1e-3"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--mtp-lr" in lines[0] and "--draft-lr" in lines[0], proc.stderr
+
+
+def test_help_lists_each_shared_draft_knob_once_and_no_replaced_flag():
+    text = help_text()
+    options = [word.rstrip(",") for line in text.splitlines() for word in line.split()[:1]]
+    for name in SHARED:
+        assert options.count(name) == 1, name
+    assert not set(REMOVED_FLAGS) & set(options)
+    assert "5e-3 for MTP layers" in text and "1e-3 for EAGLE-3" in text  # the kinds' defaults, said once
+
+
+def test_replay_without_draft_only_steps_is_refused_against_the_kinds_own_default():
+    base = ["--enable-mtp-training", "--mtp-num-layers", "1"]
+    with pytest.raises(UserError, match="--draft-replay-batches 2 .* --draft-steps-per-rollout 1"):
+        check_draft_config(TrainerConfig.from_tree(load_config(base + ["--draft-replay-batches", "2"])))
+    # the negative control: with draft-only steps the same replay is accepted
+    check_draft_config(TrainerConfig.from_tree(load_config(base + ["--draft-replay-batches", "2",
+                                                                   "--draft-steps-per-rollout", "3"])))
+
+
+def test_draft_training_needs_an_external_draft_in_the_speculative_config():
+    with pytest.raises(UserError, match="method 'mtp' drafts with the policy's own MTP layers"):
+        check_draft_config(TrainerConfig.from_tree(load_config(["--enable-draft-training"])))
+    with pytest.raises(UserError, match="trains an external draft .*got no speculation"):
+        check_draft_config(TrainerConfig.from_tree(load_config(["--enable-draft-training",
+                                                                "--vllm-speculative-config", "none"])))

@@ -1,0 +1,131 @@
+"""Both draft kinds (MTP layers, an external EAGLE-3 draft) train through the Trainer's one step loop:
+each kind's loss equals its own formula recomputed by an independent implementation (the embedded
+engine's model, cache-free), the policy's loss, gradients and update are bit-identical with and
+without the draft, and a shared knob left unset takes the kind's own default."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle3_fixtures import random_draft, reference_ttt_losses
+from fp32_bounds import reduction_rtol
+from mtp_oracles import reference_mtp_hidden
+from rollout.embedded.model import CausalLMWithMTP
+from rollout.spec_config import parse_spec_config
+from trainer.config import TrainerConfig
+from trainer.drafts import DRAFT_TRAINERS
+from trainer.trainer import Trainer
+from trainer_fixtures import make_batch, make_tiny
+from vime.models.eagle3 import save_draft
+from vime.models.hf_format import load_hf_checkpoint, read_config
+
+TTT_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def mtp_target(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("drafts_mtp_target"))
+    make_tiny(path, seed=1)
+    return path
+
+
+@pytest.fixture(scope="module")
+def eagle3_pair(tmp_path_factory):
+    """A 2-layer Qwen2 target without MTP layers and a random EAGLE-3 draft reading its layers 0, 1, 2."""
+    target = str(tmp_path_factory.mktemp("drafts_qwen2_target"))
+    make_tiny(target, seed=1, family="qwen2", num_nextn_predict_layers=0)
+    draft = random_draft(read_config(target), seed=2, std=0.05, aux_layer_ids=(0, 1, 2))
+    path = str(tmp_path_factory.mktemp("drafts_eagle3"))
+    save_draft(path, draft.cfg, draft.state_dict())
+    return target, path, draft
+
+
+@pytest.fixture(params=sorted(DRAFT_TRAINERS))
+def kind(request, mtp_target, eagle3_pair):
+    """(kind, target checkpoint, the TrainerConfig settings that train that kind)."""
+    if request.param == "mtp":
+        return "mtp", mtp_target, dict(enable_mtp_training=True)
+    target, draft_dir, _ = eagle3_pair
+    spec = parse_spec_config({"method": "eagle3", "model": draft_dir, "num_speculative_tokens": TTT_STEPS})
+    return "eagle3", target, dict(enable_draft_training=True, speculative_config=spec)
+
+
+def engine_model(target):
+    """The embedded engine's model: an implementation of the target that shares no code with megatron's."""
+    cfg, state, _ = load_hf_checkpoint(target)
+    model = CausalLMWithMTP(cfg)
+    model.load_state_dict(state, strict=False)
+    return model.eval()
+
+
+def reference_mtp_loss(model, batch, mask_of=lambda m, t: m[t + 1] * m[t + 2]):
+    """Token-mean cross-entropy of MTP depth 1 at position t on token t+2, over the positions where
+    `mask_of(loss mask row, t)` holds (the MTP loss: the fed token t+1 and the label t+2 both trained)."""
+    total, count = 0.0, 0
+    for b in range(batch.tokens.shape[0]):
+        ids = batch.tokens[b].tolist()
+        with torch.inference_mode():
+            logits = model.logits(reference_mtp_hidden(model, ids, num_layers=1)[0])[0]  # row t predicts t+2
+        for t in range(len(ids) - 2):
+            if mask_of(batch.loss_mask[b], t):
+                total += float(F.cross_entropy(logits[t], batch.tokens[b, t + 2]))
+                count += 1
+    return total / count
+
+
+def loss_tolerance(target, expected):
+    """Two fp32 implementations (reduction order differs): the trunk's reductions (4 per layer), the
+    draft's layer and heads (9 more), the longest over the vocabulary or the 3H-wide fc (Higham)."""
+    cfg = read_config(target)
+    longest = max(cfg.intermediate_size, 3 * cfg.hidden_size, cfg.vocab_size)
+    return reduction_rtol(longest, 4 * cfg.num_hidden_layers + 13) * max(1.0, abs(expected))
+
+
+def test_each_kind_trains_through_the_one_step_loop_on_its_own_loss_formula(kind, eagle3_pair):
+    name, target, settings = kind
+    batch = make_batch(n=3)
+    # the whole batch in one micro-batch: EAGLE-3's loss is a mean per micro-batch
+    trainer = Trainer(TrainerConfig(micro_batch_size=0, draft_steps_per_rollout=2, **settings), target)
+    metrics = trainer.train_step(batch)  # the reported losses are the joint step's, before it moved anything
+    model = engine_model(target)
+    if name == "mtp":
+        want = reference_mtp_loss(model, batch)
+        got = metrics["train/mtp_1_loss"]
+        assert metrics["train/mtp_loss"] == got and metrics["train/mtp_grad_norm"] > 0
+        # negative control: counting positions whose fed token is a prompt token changes the loss
+        other = reference_mtp_loss(model, batch, mask_of=lambda m, t: m[t + 2])
+        assert abs(other - want) > loss_tolerance(target, other)
+        assert abs(got - want) <= loss_tolerance(target, want)
+    else:
+        wants = reference_ttt_losses(model, eagle3_pair[2], batch.tokens, batch.loss_mask, TTT_STEPS)
+        for step, want in enumerate(wants, start=1):
+            assert abs(metrics[f"train/draft_{step}_loss"] - want) <= loss_tolerance(target, want), step
+        assert metrics["train/draft_grad_norm"] > 0
+    assert metrics["train/draft_final_loss"] > 0  # the same loop's draft-only step ran
+
+
+def test_the_policy_loss_gradients_and_update_are_bit_identical_with_and_without_the_draft(kind):
+    name, target, settings = kind
+    extra = dict(draft_steps_per_rollout=3, draft_replay_batches=1, micro_batch_size=2)
+    trainers = {on: Trainer(TrainerConfig(**extra, **(settings if on else {})), target) for on in (False, True)}
+    first = {on: t.backward(make_batch(seed=0)) for on, t in trainers.items()}
+    assert first[True]["train/policy_loss"] == first[False]["train/policy_loss"]
+    off, on = ({n: p.grad for n, p in trainers[e].named_policy_params()} for e in (False, True))
+    assert off.keys() == on.keys() and all(torch.equal(on[n], off[n]) for n in off)
+    draft_params = trainers[True].draft.optimizer.param_groups[-1]["params"]  # the draft's own group
+    assert any(p.grad is not None and p.grad.abs().max() > 0 for p in draft_params)  # and it did train
+    for seed in (0, 1):  # the second step's draft-only steps replay the first step's batch
+        m = {e: t.train_step(make_batch(seed=seed)) for e, t in trainers.items()}
+        assert m[True]["train/policy_loss"] == m[False]["train/policy_loss"]
+        assert m[True]["train/grad_norm"] == m[False]["train/grad_norm"]
+    off, on = (dict(trainers[e].named_policy_params()) for e in (False, True))
+    assert all(torch.equal(on[n], off[n]) for n in off)
+    assert len(trainers[True]._draft_replay) == 1
+
+
+def test_a_shared_knob_left_unset_takes_the_kinds_own_default(kind):
+    name, target, settings = kind
+    defaults = DRAFT_TRAINERS[name].DEFAULTS
+    assert Trainer(TrainerConfig(**settings), target).draft.knobs == defaults
+    given = Trainer(TrainerConfig(draft_lr=3e-4, draft_steps_per_rollout=2, draft_replay_batches=1, **settings), target)
+    assert (given.draft.knobs.lr, given.draft.knobs.steps_per_rollout, given.draft.knobs.replay_batches) == (3e-4, 2, 1)
+    assert given.draft.optimizer.param_groups[-1]["lr"] == 3e-4
