@@ -11,7 +11,6 @@ weights, MTP layers included, to every rollout worker and verify them -> log -> 
 import sys
 import time
 
-from orchestration.preflight import preflight
 from orchestration.rl_run import ActorLost, RLRun, dead_actor, lost_actor_message
 from orchestration.stop_signals import Interrupted, StopRequest, StoppedBySignal, stop_message
 from vime.errors import UserError
@@ -72,6 +71,21 @@ def _steps(run, logger, cfg, tqdm, stop):
     return None
 
 
+def prepare(cfg):
+    """Everything before Ray starts, in order: the checks (orchestration/preflight.py, which change
+    nothing) and, between them, the named steps that change the config or the disk
+    (orchestration/run_setup.py). A bad input stops it with one UserError line."""
+    from orchestration.preflight import check_config, check_inputs, check_prompts
+    from orchestration.run_setup import make_tiny_model_if_missing, resolve_paths, write_variant_prompts
+
+    check_config(cfg)  # reads no file: a typo stops the run before a 25-minute pretraining
+    resolve_paths(cfg)
+    make_tiny_model_if_missing(cfg.model)
+    hf = check_inputs(cfg)  # the checkpoint, the draft, the backend, the output directories, --load
+    write_variant_prompts(cfg)  # into --output-dir, checked writable just above
+    check_prompts(cfg, hf)
+
+
 def main(argv=None):
     from vime.checkpointing import CheckpointSaveError, SaveLock
     from vime.cli_config import help_text, load_config
@@ -88,7 +102,7 @@ def main(argv=None):
     try:
         stop.install()
         cfg = load_config(argv)
-        preflight(cfg)
+        prepare(cfg)
         lock = SaveLock(cfg.run.save) if cfg.run.save else None  # refuse a second run on the same --save
         run_tmp = RunTempDir()  # before Ray starts: the actors inherit TMPDIR through the raylet
         init_ray(cfg.run, needed_cpus(cfg))

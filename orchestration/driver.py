@@ -23,7 +23,7 @@ class TrainerGroup:
         from trainer.ray_actor import TrainerActor
 
         t = cfg.train
-        self.world = t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.data_parallel_size
+        self.world = t.world_size
         self.dp = t.data_parallel_size
         self.steps_per_rollout = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt // t.global_batch_size
         gpus = ray.cluster_resources().get("GPU", 0)

@@ -43,15 +43,10 @@ def resources_flag(text, flag):
     return dict(value)
 
 
-def trainer_world(cfg):
-    t = cfg.train
-    return t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.data_parallel_size
-
-
 def check_placement_flags(cfg):
     """Checks that need no cluster: the layout can be placed at all (preflight calls this)."""
     p, r, run = cfg.placement, cfg.rollout, cfg.run
-    world = trainer_world(cfg)
+    world = cfg.train.world_size
     # the flags' own ranges are in vime.config.RANGES, checked before this
     require(world % p.actor_num_nodes == 0, f"--actor-num-nodes {p.actor_num_nodes} must divide the {world} trainer "
             "ranks (TP x PP x DP) so that every node holds as many")
@@ -103,7 +98,7 @@ def _add(a, b):
 def demand_of(cfg, cluster_gpus):
     """The run's `Demand` (trainers absent under --debug-rollout-only, engines under --debug-train-only)."""
     p = cfg.placement
-    world = trainer_world(cfg)
+    world = cfg.train.world_size
     per_node = world // p.actor_num_nodes
     gpus = p.actor_num_gpus_per_node if p.actor_num_gpus_per_node is not None else (per_node if cluster_gpus else 0)
     cpus = p.actor_num_cpus_per_node if p.actor_num_cpus_per_node is not None else per_node

@@ -165,6 +165,20 @@ BACKENDS = {
     "embedded": EmbeddedBackend,
     "vllm": lazy_constructor("rollout.vllm.backend", "VLLMBackend"),  # vLLM is optional
 }
+# each backend's own pre-start checks of a run's config against the target checkpoint: check(cfg, hf)
+BACKEND_CHECKS = {
+    "embedded": lazy_constructor("rollout.embedded.engine_builder", "check_config"),
+    "vllm": lazy_constructor("rollout.vllm.backend", "check_config"),
+}
+
+
+def check_backend(cfg, hf):
+    """The rollout side of a training run before any actor starts: its samples must follow the policy
+    (no synthetic acceptance), then the chosen backend's own checks against the checkpoint `hf`."""
+    from rollout.spec_config import require_lossless
+
+    require_lossless(cfg.rollout.vllm_speculative_config, where="train_rl.py")
+    BACKEND_CHECKS[cfg.rollout.backend](cfg, hf)
 
 
 def build_backend(name, hf_checkpoint, speculative_config, max_batch_size, device="cpu",

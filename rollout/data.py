@@ -92,3 +92,36 @@ class PromptDataset:
             out.append(self.rows[self._order_of(epoch)[offset]])
             self.cursor += 1
         return out
+
+
+def check_prompt_files(rollout_cfg, hf_checkpoint, hf):
+    """--prompt-data and --eval-prompt-data against the checkpoint `hf` (its ModelConfig): readable rows the
+    tokenizer knows, a chat template when --apply-chat-template asks for one, and the longest prompt
+    plus --rollout-max-response-len within the model's context."""
+    from rollout.tokenizer import codec_or_none
+
+    r = rollout_cfg
+    codec = codec_or_none(hf_checkpoint)
+    require(codec is not None, f"--hf-checkpoint {hf_checkpoint}: tokenizer.json is missing; RL prompts are text")
+    require(not r.apply_chat_template or codec.has_chat_template,
+            f"--apply-chat-template: the tokenizer of {hf_checkpoint} has no chat template "
+            "(tokenizer_config.json 'chat_template'); drop the flag and give plain-text prompts, or use a chat model")
+    prompts = read_prompt_file(r.prompt_data, r.input_key, r.label_key, codec=codec,
+                               apply_chat_template=r.apply_chat_template)
+    _check_response_fits(prompts, codec, hf, r)
+    if r.eval_prompt_data is not None:
+        read_prompt_file(r.eval_prompt_data, r.input_key, r.label_key, codec=codec,
+                         apply_chat_template=r.apply_chat_template, flag="--eval-prompt-data")
+
+
+def _check_response_fits(prompts, codec, hf, rollout_cfg):
+    """The longest prompt plus --rollout-max-response-len fits the model's context (else responses
+    would be cut at the context silently, shorter than the flag says)."""
+    chat = rollout_cfg.apply_chat_template
+    longest = max(len(codec.prompt_ids(prompt, hf.bos_token_id, chat)) for prompt, _ in prompts)
+    total = longest + rollout_cfg.rollout_max_response_len
+    require(total <= hf.max_position_embeddings,
+            f"--rollout-max-response-len {rollout_cfg.rollout_max_response_len}: with the longest prompt "
+            f"({longest} tokens) that is {total} positions, beyond the model's context of "
+            f"{hf.max_position_embeddings}; use --rollout-max-response-len "
+            f"{max(hf.max_position_embeddings - longest, 1)} or less")

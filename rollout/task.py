@@ -126,6 +126,14 @@ TASK_VARIANTS = {
 DEFAULT_TASK_VARIANT = "add"
 
 
+def check_task_variant(variant):
+    """--task-variant names a variant of `TASK_VARIANTS` (None: prompts from --prompt-data)."""
+    from vime.errors import require
+
+    require(variant is None or variant in TASK_VARIANTS,
+            f"--task-variant {variant!r}: choose one of {', '.join(sorted(TASK_VARIANTS))}")
+
+
 def write_jsonl(rows, path):
     with open(path, "w") as f:
         for row in rows:

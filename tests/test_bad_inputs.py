@@ -1,6 +1,6 @@
 """Bad inputs to train_rl.py found before any actor starts: one-line UserError naming the flag or file.
 
-Checked in-process through `orchestration.preflight.preflight` (exactly what main runs before `ray.init`);
+Checked in-process through `train_rl.prepare` (exactly what main runs before `ray.init`);
 test_train_rl.py proves in a subprocess that such an error is `error: ...`, exit code 2.
 """
 import json
@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from rollout.task import make_prompts, write_jsonl
 from rollout.tiny_model import make_random_checkpoint
 from tests.conftest import SMALL
-from orchestration.preflight import preflight
+from train_rl import prepare
 from vime.cli_config import load_config
 from vime.errors import UserError
 from tests.bad_input_helpers import refused  # noqa: F401  (re-exported to the other bad-input tests)
@@ -43,7 +43,7 @@ def copy_ckpt(ckpt, tmp_path, name="copy"):
 
 
 def test_the_fixture_passes_preflight(ckpt, tmp_path):
-    preflight(load_config(args_for(ckpt, tmp_path)))  # the negative control of every case below
+    prepare(load_config(args_for(ckpt, tmp_path)))  # the negative control of every case below
 
 
 @pytest.mark.parametrize("extra, needles", [
@@ -107,7 +107,7 @@ def test_training_fewer_mtp_layers_than_the_checkpoint_drafts_with_is_refused(tm
     two = str(tmp_path / "two_mtp")
     make_random_checkpoint(two, seed=5, num_nextn_predict_layers=2, **SMALL)
     write_jsonl(make_prompts(8, seed=1), os.path.join(two, "train.jsonl"))
-    preflight(load_config(args_for(two, tmp_path, "--enable-mtp-training", "--mtp-num-layers", 2)))  # control
+    prepare(load_config(args_for(two, tmp_path, "--enable-mtp-training", "--mtp-num-layers", 2)))  # control
     refused(args_for(two, tmp_path, "--enable-mtp-training", "--mtp-num-layers", 1),
             "--mtp-num-layers 1", "has 2 MTP layers", "--mtp-num-layers 2")
 
@@ -149,7 +149,7 @@ def fake_checkpoint(root, step=2, mtp_trained=True):
 
 def test_a_complete_checkpoint_passes(ckpt, tmp_path):
     fake_checkpoint(str(tmp_path / "ck"))
-    preflight(load_config(args_for(ckpt, tmp_path, "--load", tmp_path / "ck", "--num-rollout", 4,
+    prepare(load_config(args_for(ckpt, tmp_path, "--load", tmp_path / "ck", "--num-rollout", 4,
                                    "--enable-mtp-training", "--mtp-num-layers", 1)))
 
 

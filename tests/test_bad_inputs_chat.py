@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from orchestration.preflight import preflight
+from train_rl import prepare
 from rollout.task import TASK_VARIANTS, chat_prompt_rows, write_jsonl
 from rollout.tiny_model import make_random_chat_checkpoint, make_random_checkpoint
 from tests.bad_input_helpers import refused
@@ -28,7 +28,7 @@ def chat_args(ckpt, out, *extra):
 
 
 def test_the_chat_fixture_passes_preflight(chat_ckpt, tmp_path):
-    preflight(load_config(chat_args(chat_ckpt, tmp_path)))  # the negative control of every case below
+    prepare(load_config(chat_args(chat_ckpt, tmp_path)))  # the negative control of every case below
 
 
 def test_apply_chat_template_on_a_tokenizer_without_one_is_refused(tmp_path):

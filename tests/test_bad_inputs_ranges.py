@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from checkpoint_convert import hf_to_torch_dist, torch_dist_to_hf
-from orchestration.preflight import preflight
+from train_rl import prepare
 from rollout import generate
 from rollout.task import make_prompts, write_jsonl
 from rollout.tiny_model import make_random_checkpoint
@@ -108,7 +108,7 @@ def test_a_response_longer_than_the_context_is_refused_with_both_numbers(ckpt, t
     longest = max(len(codec.encode_prompt(p["prompt"], 1)) for p in map(json.loads, open(os.path.join(ckpt, "train.jsonl"))))
     context = json.load(open(os.path.join(ckpt, "config.json")))["max_position_embeddings"]
     fits = context - longest
-    preflight(load_config(args_for(ckpt, tmp_path, "--rollout-max-response-len", fits)))  # the edge passes
+    prepare(load_config(args_for(ckpt, tmp_path, "--rollout-max-response-len", fits)))  # the edge passes
     refused(args_for(ckpt, tmp_path, "--rollout-max-response-len", fits + 1),
             f"--rollout-max-response-len {fits + 1}", f"({longest} tokens)", f"{context + 1} positions",
             f"context of {context}")

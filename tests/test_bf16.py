@@ -47,14 +47,14 @@ def test_the_bf16_probe_passes_on_this_cpu_and_fails_on_a_device_without_a_usabl
 
 def test_preflight_refuses_bf16_when_the_matmul_probe_fails_and_accepts_it_here(tmp_path, monkeypatch):
     from bad_input_helpers import refused
-    from orchestration.preflight import preflight
+    from train_rl import prepare
     from vime.cli_config import load_config
 
     argv = ["--bf16", "--output-dir", str(tmp_path), "--num-rollout", "1"]
-    preflight(load_config(argv))  # the negative control: this CPU runs bf16 matmuls
+    prepare(load_config(argv))  # the negative control: this CPU runs bf16 matmuls
     monkeypatch.setattr("vime.precision.bf16_matmul_problem", lambda device: "no bf16 GEMM kernel on this build")
     refused(argv, "--bf16", "cannot run a bf16 matmul", "no bf16 GEMM kernel", "drop --bf16")
-    preflight(load_config(argv[1:]))  # without --bf16 the probe is never asked
+    prepare(load_config(argv[1:]))  # without --bf16 the probe is never asked
 
 
 # ---------------------------------------------------------------- fp32 master weights

@@ -1,4 +1,6 @@
 """train_rl.py's config: YAML defaults, Hydra overrides and --kebab-flags land on one dataclass tree."""
+import json
+
 import pytest
 
 from vime.cli_config import load_config
@@ -18,11 +20,12 @@ def test_every_flag_maps_to_one_field_and_equals_its_hydra_override():
 def test_flags_override_hydra_which_overrides_yaml_and_presets_apply():
     cfg = load_config(["train.lr=1e-3", "--lr", "2e-3"])
     assert cfg.train.lr == 2e-3
-    assert load_config([]).rollout.vllm_speculative_config == {"method": "mtp", "num_speculative_tokens": 2}
+    # the tree holds the parsed config; to_vllm() is the config as written
+    assert load_config([]).rollout.vllm_speculative_config.to_vllm() == {"method": "mtp", "num_speculative_tokens": 2}
     assert load_config(["experiment=drift_none"]).rollout.vllm_speculative_config is None
     assert load_config(["--no-mtp-detach-trunk"]).mtp.detach_trunk is False
     spec = '{"method":"ngram","num_speculative_tokens":3}'
-    assert load_config(["--vllm-speculative-config", spec]).rollout.vllm_speculative_config == spec
+    assert load_config(["--vllm-speculative-config", spec]).rollout.vllm_speculative_config.to_vllm() == json.loads(spec)
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from eagle3_fixtures import DRAFT, REPO, TARGET
-from orchestration.preflight import preflight
+from train_rl import prepare
 from vime.cli_config import load_config
 from tests.bad_input_helpers import refused  # noqa: F401  (re-exported to the other bad-input tests)
 
@@ -34,7 +34,7 @@ def misfit_draft(tmp_path, **changes):
 
 
 def test_the_shipped_pair_passes_the_embedded_preflight(tmp_path):
-    preflight(load_config(args_for(tmp_path)))  # the negative control of every case below
+    prepare(load_config(args_for(tmp_path)))  # the negative control of every case below
 
 
 @pytest.mark.parametrize("backend", ["embedded", "vllm"])
@@ -85,7 +85,7 @@ def test_an_mtp_method_with_draft_training_is_refused(tmp_path):
 
 
 def test_the_shipped_pair_with_draft_training_passes_the_preflight(tmp_path):
-    preflight(load_config(args_for(tmp_path) + ["--enable-draft-training"]))
+    prepare(load_config(args_for(tmp_path) + ["--enable-draft-training"]))
 
 
 def test_bad_draft_training_settings_are_refused(tmp_path):
@@ -97,6 +97,6 @@ def test_bad_draft_training_settings_are_refused(tmp_path):
     refused(base + ["--draft-steps-per-rollout", "0"], "--draft-steps-per-rollout 0", ">= 1")
     refused(base + ["--draft-ttt-steps", "0"], "--draft-ttt-steps 0", ">= 1")
     # the negative control: each setting accepted alone
-    preflight(load_config(base + ["--draft-loss-type", "soft_ce", "--draft-distill-topk", "4",
+    prepare(load_config(base + ["--draft-loss-type", "soft_ce", "--draft-distill-topk", "4",
                                   "--draft-steps-per-rollout", "1", "--draft-replay-batches", "0",
                                   "--draft-ttt-steps", "4"]))

@@ -2,8 +2,9 @@
 
 Every `--kebab-flag` maps to exactly one field (declared in the field's metadata), so
 `--mtp-num-layers 1` and the Hydra override `mtp.num_layers=1` are the same thing.
-`validate` checks the tree before any actor starts (the registries behind `--advantage-estimator`
-and `--kl-loss-type` check their own names: train_rl.py's preflight calls them).
+`validate` checks the tree before any actor starts: each section's rules sit beside its fields
+(`_validate_<section>`), the numeric ranges in `RANGES` (the registries behind `--advantage-estimator`,
+`--kl-loss-type` and the like check their own names: orchestration/preflight.py lists them).
 """
 import os
 from dataclasses import dataclass, field, fields
@@ -107,6 +108,21 @@ class RolloutSection:
         "--eval-temperature", "sampling temperature of the evaluation (0: greedy)"))
 
 
+def _validate_rollout(r):
+    """The rollout section's combinations: RL samples come from the policy the trainer scores (the full
+    softmax; T > 0 is in RANGES), and the prompts from one source."""
+    # the trainer computes log-probs under the full softmax; top-p/top-k samples come from a
+    # truncated one, which would bias the PPO ratio silently
+    require(r.rollout_top_p == 1.0,
+            f"--rollout-top-p {r.rollout_top_p}: RL samples from the full softmax (the trainer's log-probs "
+            "do not truncate); leave --rollout-top-p at 1.0")
+    require(r.rollout_top_k == 0,
+            f"--rollout-top-k {r.rollout_top_k}: RL samples from the full softmax (the trainer's log-probs "
+            "do not truncate); leave --rollout-top-k at 0")
+    require(r.task_variant is None or r.prompt_data is None,
+            f"--task-variant {r.task_variant} makes the prompts; drop --prompt-data {r.prompt_data} or the variant")
+
+
 @dataclass
 class TrainSection:
     """Optimiser, policy loss, batch sizes and parallelism of the trainers (`cfg.train`)."""
@@ -141,6 +157,19 @@ class TrainSection:
         "pi_old recomputed by the trainer before the step (corrects off-policy rollouts, e.g. --async-rollout)"))
     tis_clip: float = field(default=2.0, metadata=flag("--tis-clip", "cap of the truncated importance weight"))
 
+    @property
+    def world_size(self):
+        """Trainer ranks: TP x PP x DP (the one place this product is taken)."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+
+
+def _validate_train(t):
+    """The train section's combinations: every data-parallel rank gets whole micro-batches."""
+    local = t.global_batch_size // t.data_parallel_size
+    require(t.global_batch_size % t.data_parallel_size == 0 and local % t.micro_batch_size == 0,
+            f"--micro-batch-size {t.micro_batch_size} x --data-parallel-size {t.data_parallel_size} must divide "
+            f"--global-batch-size {t.global_batch_size}")
+
 
 @dataclass
 class MTPSection:
@@ -163,6 +192,16 @@ class MTPSection:
         "--mtp-reuse-attention", "how --mtp-train-depths past the last layer attend: drafter (exactly as the "
         "drafter runs the reused layer: one position further, over the layer's entries before it) or "
         "megatron (chained as megatron chains layers)"))
+
+
+def _validate_mtp(m):
+    """The MTP section's combinations (how a trained draft steps is the draft section's)."""
+    require(not m.enable_training or (m.num_layers or 0) > 0,
+            "--enable-mtp-training needs --mtp-num-layers N (N >= 1, the MTP layers to train)")
+    require(m.train_depths is None or m.enable_training,
+            "--mtp-train-depths sets what the online MTP loss trains: use it with --enable-mtp-training")
+    require(m.reuse_attention in REUSE_ATTENTION,
+            f"--mtp-reuse-attention {m.reuse_attention!r}: use one of {', '.join(REUSE_ATTENTION)}")
 
 
 @dataclass
@@ -206,6 +245,26 @@ class RunSection:
         "(on the weights and draft synced after step t-1); see --use-tis"))
     verbose: bool = field(default=False, metadata=flag(
         "--verbose", "vLLM's INFO log lines too (default: its warnings and errors only)"))
+
+
+def _validate_run(run):
+    """The run section's combinations: the debugging switches, what needs --save, the wandb mode, and
+    --async-rollout, which overlaps the rollout with training and so needs both."""
+    require(not (run.debug_rollout_only and run.debug_train_only),
+            "--debug-rollout-only and --debug-train-only exclude each other")
+    require(not run.debug_train_only or run.load_debug_rollout_data,
+            "--debug-train-only trains on saved rollouts: give --load-debug-rollout-data DIR "
+            "(written by a run with --save-debug-rollout-data DIR)")
+    require(not run.save_interval or run.save, "--save-interval needs --save DIR")
+    require(run.save_keep is None or run.save, "--save-keep needs --save DIR")
+    require(run.wandb_mode in (None, "offline", "online", "disabled"),
+            f"--wandb-mode {run.wandb_mode!r}: use offline, online or disabled")
+    require(not (run.async_rollout and run.debug_rollout_only),
+            "--async-rollout overlaps the rollout with training, and --debug-rollout-only starts no trainers: "
+            "drop one of them")
+    require(not (run.async_rollout and run.debug_train_only),
+            "--async-rollout overlaps the rollout with training, and --debug-train-only generates nothing: "
+            "drop one of them")
 
 
 @dataclass
@@ -287,10 +346,6 @@ def _validate_drafts(d, m):
                         ("--draft-replay-batches", d.replay_batches), ("--draft-lr", d.lr)):
         require(value is None or trains, f"{name} sets how the online draft trains: use it with "
                 "--enable-mtp-training (the MTP layers) or --enable-draft-training (an external draft)")
-    require(m.train_depths is None or m.enable_training,
-            "--mtp-train-depths sets what the online MTP loss trains: use it with --enable-mtp-training")
-    require(m.reuse_attention in REUSE_ATTENTION,
-            f"--mtp-reuse-attention {m.reuse_attention!r}: use one of {', '.join(REUSE_ATTENTION)}")
 
 
 @dataclass
@@ -316,42 +371,19 @@ def flag_table():
 
 
 def validate(cfg):
-    """One-line errors for bad combinations, before any actor starts."""
-    r, t, m, run = cfg.rollout, cfg.train, cfg.mtp, cfg.run
+    """One-line errors for values outside their range (RANGES) and for bad combinations, before any actor
+    starts: each section's own rules (beside its fields), then the rules between sections."""
+    r, t = cfg.rollout, cfg.train
     check_ranges(cfg)
-    require(not m.enable_training or (m.num_layers or 0) > 0,
-            "--enable-mtp-training needs --mtp-num-layers N (N >= 1, the MTP layers to train)")
+    _validate_mtp(cfg.mtp)
     per_step = r.rollout_batch_size * r.n_samples_per_prompt
     require(per_step % t.global_batch_size == 0,
             f"--global-batch-size {t.global_batch_size} must divide --rollout-batch-size x --n-samples-per-prompt "
             f"= {per_step} samples per step")
-    local = t.global_batch_size // t.data_parallel_size
-    require(t.global_batch_size % t.data_parallel_size == 0 and local % t.micro_batch_size == 0,
-            f"--micro-batch-size {t.micro_batch_size} x --data-parallel-size {t.data_parallel_size} must divide "
-            f"--global-batch-size {t.global_batch_size}")
-    require(not (run.debug_rollout_only and run.debug_train_only),
-            "--debug-rollout-only and --debug-train-only exclude each other")
-    require(not run.debug_train_only or run.load_debug_rollout_data,
-            "--debug-train-only trains on saved rollouts: give --load-debug-rollout-data DIR "
-            "(written by a run with --save-debug-rollout-data DIR)")
-    _validate_drafts(cfg.draft, m)
-    require(not run.save_interval or run.save, "--save-interval needs --save DIR")
-    require(run.save_keep is None or run.save, "--save-keep needs --save DIR")
-    require(run.wandb_mode in (None, "offline", "online", "disabled"),
-            f"--wandb-mode {run.wandb_mode!r}: use offline, online or disabled")
-    _validate_rl_sampling(r)
-
-
-def _validate_rl_sampling(r):
-    """RL samples must come from the policy the trainer scores: the full softmax (T > 0: RANGES)."""
-    # the trainer computes log-probs under the full softmax; top-p/top-k samples come from a
-    # truncated one, which would bias the PPO ratio silently
-    require(r.rollout_top_p == 1.0,
-            f"--rollout-top-p {r.rollout_top_p}: RL samples from the full softmax (the trainer's log-probs "
-            "do not truncate); leave --rollout-top-p at 1.0")
-    require(r.rollout_top_k == 0,
-            f"--rollout-top-k {r.rollout_top_k}: RL samples from the full softmax (the trainer's log-probs "
-            "do not truncate); leave --rollout-top-k at 0")
+    _validate_train(t)
+    _validate_run(cfg.run)
+    _validate_drafts(cfg.draft, cfg.mtp)
+    _validate_rollout(r)
 
 
 @dataclass(frozen=True)

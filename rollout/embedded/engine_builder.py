@@ -7,7 +7,8 @@ from vime.models.hf_format import read_config
 from rollout.embedded.engine import Engine, EngineConfig
 from rollout.embedded.proposers import PROPOSERS
 from rollout.spec_config import check_against_checkpoint, check_spec_adaptive, engine_config_for
-from vime.spec_config import as_spec_config
+from vime.errors import require
+from vime.spec_config import FLAG, as_spec_config
 from rollout.embedded.spec_policy import build_k_policy
 
 
@@ -27,3 +28,18 @@ def build_engine(checkpoint, spec=None, engine_config=None, adaptive=False):
     engine.k_policy = build_k_policy(spec, adaptive, config.max_batch_size)
     engine.k_policy.prepare(engine)  # the adaptive cost profile, here rather than inside the first generate
     return engine
+
+
+def check_config(cfg, hf):
+    """The embedded engine's own pre-start checks of a run's config (rollout/backend.py BACKEND_CHECKS):
+    --spec-adaptive, the speculative config against the target checkpoint `hf`, and drafts per
+    verify step within its context."""
+    r = cfg.rollout
+    spec = r.vllm_speculative_config
+    check_spec_adaptive(spec, r.spec_adaptive)
+    check_against_checkpoint(spec, hf)
+    if spec is not None:
+        room = hf.max_position_embeddings - 2
+        require(spec.num_speculative_tokens <= room,
+                f"{FLAG}: num_speculative_tokens {spec.num_speculative_tokens} exceeds the model's context "
+                f"({hf.max_position_embeddings} positions); use at most {min(room, r.rollout_max_response_len)}")

@@ -1,0 +1,59 @@
+"""The steps before a run that change something, each named for what it changes; train_rl.py calls
+them one by one between the checks (orchestration/preflight.py), which change nothing.
+
+- `resolve_paths`: the config's paths made absolute, the default prompt file filled in;
+- `make_tiny_model_if_missing`: pretrains the shipped tiny model when its directory was deleted;
+- `write_variant_prompts`: a --task-variant's prompts written into the run's directory.
+"""
+import os
+import subprocess
+import sys
+
+from vime.config import DEFAULT_TINY_MODEL, REPO_ROOT
+from vime.errors import require
+
+# (section, field) of every path an actor opens
+PATH_FIELDS = (("model", "hf_checkpoint"), ("rollout", "prompt_data"), ("rollout", "eval_prompt_data"),
+               ("run", "save"), ("run", "load"), ("run", "load_debug_rollout_data"), ("run", "save_debug_rollout_data"))
+
+
+def resolve_paths(cfg):
+    """Paths the actors open, made absolute: actors run in the job's working_dir copy, not in the
+    driver's directory, so a relative --save would land inside Ray's temp dir. An external draft's
+    `model` in the speculative config too (the rollout workers and the trainers open it). With
+    neither --prompt-data nor --task-variant, the prompts are the checkpoint's train.jsonl."""
+    for section, name in PATH_FIELDS:
+        value = getattr(getattr(cfg, section), name)
+        if value:
+            setattr(getattr(cfg, section), name, os.path.abspath(value))
+    r = cfg.rollout
+    spec = r.vllm_speculative_config
+    if spec is not None and isinstance(spec.model, str):
+        r.vllm_speculative_config = spec.with_model(os.path.abspath(spec.model))
+    if r.prompt_data is None and r.task_variant is None:
+        r.prompt_data = os.path.join(cfg.model.hf_checkpoint, "train.jsonl")
+
+
+def make_tiny_model_if_missing(model_cfg):
+    """Re-make the tiny model if its shipped copy (the default path) was deleted (only that path)."""
+    path = model_cfg.hf_checkpoint
+    if os.path.isdir(path) or not model_cfg.make_tiny_model_if_missing:
+        return
+    require(os.path.abspath(path) == os.path.abspath(DEFAULT_TINY_MODEL), f"--hf-checkpoint {path}: no such directory")
+    print(f"[vime] {path} is missing: pretraining the tiny model into it (once; about 25 minutes on 2 cores)",
+          flush=True)
+    subprocess.run([sys.executable, os.path.join(REPO_ROOT, "scripts", "make_tiny_model.py"), "--out", path], check=True)
+
+
+def write_variant_prompts(cfg):
+    """--task-variant: that variant's prompt set (seeded by --rollout-seed) as JSONL in the run's directory,
+    which becomes --prompt-data. The variant's name and flags are checked before (preflight.check_config)."""
+    from rollout.task import TASK_VARIANTS, write_jsonl
+
+    r = cfg.rollout
+    if r.task_variant is None:
+        return
+    os.makedirs(cfg.run.output_dir, exist_ok=True)
+    path = os.path.join(cfg.run.output_dir, f"prompts_{r.task_variant}.jsonl")
+    write_jsonl(TASK_VARIANTS[r.task_variant].prompts(r.task_variant_prompts, r.rollout_seed), path)
+    r.prompt_data = path
