@@ -17,26 +17,15 @@ import pytest
 
 from orchestration.placement import demand_of
 from orchestration.ray_connect import check_ray_address
-from rollout.task import make_prompts, write_jsonl
-from rollout.tiny_model import make_random_checkpoint
-from tests.conftest import SMALL
 from tests.bad_input_helpers import refused
-from tests.test_bad_inputs import args_for
-from vime.cli_config import load_config
+from tests.test_bad_inputs import args_for, ckpt  # noqa: F401  (ckpt: the bad-input tests' fixture)
 from tests.two_node_cluster import TwoNodeCluster, free_port
+from vime.cli_config import load_config
 from vime.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Slack on top of the timeout for starting the probe's Python on a loaded machine
 STARTUP_SLACK_S = 10
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("ray_connect_ckpt"))
-    make_random_checkpoint(path, seed=5, std=0.3, **SMALL)
-    write_jsonl(make_prompts(8, seed=1), os.path.join(path, "train.jsonl"))
-    return path
 
 
 @pytest.fixture
