@@ -1,5 +1,5 @@
-"""The tiny MiMo-family (or Qwen3) model with MTP that vime tests and demos on: config,
-random init, and pretraining.
+"""The tiny MiMo-family (or Qwen3, GLM-4.5 MoE, DeepSeek-V3 MoE + MLA) model with MTP that vime
+tests and demos on: config, random init, and pretraining.
 
 `scripts/make_tiny_model.py` is the command line; tests call `make_random_checkpoint` for a
 seconds-fast fixture. Pretraining trains the trunk on a corpus mixing the `direct` and the
@@ -15,8 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from vime.models.hf_format import ModelConfig, save_hf_checkpoint
+from vime.models.moe_mla_config import MLAConfig, MoEConfig
+from vime.models.moe_routing import tokens_per_expert, update_expert_bias
+from vime.models.rope import YarnScaling
 from mtp.loss import mtp_loss
 from rollout.embedded.model import CausalLMWithMTP
+from rollout.embedded.moe import MoE
 from rollout.task import (ANSWER_FORMATS, BOS, DEFAULT_TASK_VARIANT, EOS, PAD, TASK_VARIANTS, boxed_answer,
                           chat_messages, multi_prompt_text)
 from rollout.tokenizer import CHAT_IM_END, TextCodec, build_tokenizer, save_tokenizer
@@ -30,6 +34,31 @@ TINY_CONFIG = ModelConfig(
     rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
     num_nextn_predict_layers=1, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, family="mimo",
 )
+
+
+# The MoE families at about the MiMo model's size and decode cost: one dense layer, then MoE
+# layers of 8 experts (2 routed per token, group-limited in the DeepSeek model) + one shared
+# expert, each 64 wide (2 routed + 1 shared ~ 0.6 of the dense MLP's 320). DeepSeek's MLA latent
+# is 64 + 16 rope channels for 8 heads of 16 + 16 (q/k) and 16 (v): 0.21 of an expanded cache.
+# (vLLM's CPU MLA kernel compiles only the 512 + 64 latent: at that size the model would be
+# several times larger and slower to pretrain on a CPU, so the shipped one runs on the embedded engine.)
+_TINY_MOE = MoEConfig(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1,
+                      first_k_dense_replace=1, routed_scaling_factor=2.5)
+TINY_FAMILY_CONFIGS = {
+    "glm4_moe": dataclasses.replace(
+        TINY_CONFIG, family="glm4_moe", num_hidden_layers=5, attention_bias=True, use_qk_norm=False,
+        partial_rotary_factor=0.5, moe=_TINY_MOE),
+    "deepseek_v3": dataclasses.replace(
+        TINY_CONFIG, family="deepseek_v3", num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=8,
+        head_dim=32, moe=dataclasses.replace(_TINY_MOE, n_group=4, topk_group=2),
+        mla=MLAConfig(kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, q_lora_rank=64),
+        rope_yarn=YarnScaling(factor=4.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=1.0)),
+}
+
+
+def tiny_config(family):
+    """The tiny model's config for `family` (the MiMo shape for the dense families)."""
+    return TINY_FAMILY_CONFIGS.get(family) or dataclasses.replace(TINY_CONFIG, family=family)
 
 
 def decode_flops_per_token(cfg):
@@ -136,9 +165,20 @@ def pretrain_loss(model, tokens, mask, is_trace):
     return lm, mtp
 
 
+def balance_experts(model, rate):
+    """DeepSeek-V3's auxiliary-loss-free balancing after an optimiser step: every MoE layer's
+    correction bias moves `rate` towards the experts its last batch under-used."""
+    for module in model.modules():
+        if isinstance(module, MoE) and module.last_indices is not None:
+            load = tokens_per_expert(module.last_indices, module.moe.n_routed_experts)
+            with torch.no_grad():
+                update_expert_bias(module.gate.e_score_correction_bias, load, rate)
+
+
 def pretrain(model, steps, batch_size=64, lr=3e-3, trace_fraction=0.2, seed=0, log_every=100, log=print,
-             direct_error_rate=0.6, variant=DEFAULT_TASK_VARIANT, codec=None, fmt_name="plain"):
+             direct_error_rate=0.6, variant=DEFAULT_TASK_VARIANT, codec=None, fmt_name="plain", balance_rate=1e-3):
     """AdamW with cosine decay on the synthetic corpus; returns the final (lm, mtp) loss.
+    MoE layers balance their experts with the correction bias (`balance_rate` per step).
 
     `codec` and `fmt_name` (a SEQUENCE_FORMATS key) pick the tokenizer and the sequence layout:
     the character model's plain text (default) or the chat model's template and boxed answers."""
@@ -156,6 +196,7 @@ def pretrain(model, steps, batch_size=64, lr=3e-3, trace_fraction=0.2, seed=0, l
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        balance_experts(model, balance_rate)
         if step % log_every == 0 or step == steps - 1:
             log(f"step {step:5d}  lm {lm.item():.4f}  mtp {mtp.item():.4f}  {time.time() - start:.0f}s")
     return lm.item(), mtp.item()

@@ -1,12 +1,14 @@
 #!/usr/bin/env python
 """Make vime's tiny model with MTP: tokenizer, pretraining on the synthetic task, HF directory.
 
-    python scripts/make_tiny_model.py --out DIR [--steps 3000] [--family mimo|qwen3]
+    python scripts/make_tiny_model.py --out DIR [--steps 3000] [--family mimo|qwen3|glm4_moe|deepseek_v3]
         [--task-variant longtail --init-from checkpoints/tiny-mimo-mtp]
         [--chat --warm-start-from checkpoints/tiny-mimo-mtp]
 
 The default, MiMo, is what vLLM serves with MTP speculation; the repository ships its
-result in checkpoints/tiny-mimo-mtp (this command reproduces it). `--task-variant longtail`
+result in checkpoints/tiny-mimo-mtp (this command reproduces it). `--family glm4_moe` and
+`--family deepseek_v3` make the mixture-of-experts models (checkpoints/tiny-glm4-moe-mtp,
+checkpoints/tiny-deepseek-v3-mtp; their PROVENANCE.json has the command). `--task-variant longtail`
 pretrains on the long-tail problems instead (answers of ~10-100 tokens); `--init-from` continues
 from a checkpoint instead of a random init. checkpoints/tiny-mimo-longtail continues the shipped
 model, which already knows the digits and both formats (its PROVENANCE.json has the command).
@@ -27,10 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from vime.models.families import DEFAULT_FAMILY, MTP_FAMILIES  # noqa: E402
+from vime.models.families import DEFAULT_FAMILY, ENGINE_MTP_FAMILIES  # noqa: E402
 from vime.models.hf_format import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from rollout.task import DEFAULT_TASK_VARIANT, TASK_VARIANTS, write_jsonl  # noqa: E402
-from rollout.tiny_model import TINY_CONFIG, init_model, pretrain  # noqa: E402
+from rollout.tiny_model import TINY_CONFIG, init_model, pretrain, tiny_config  # noqa: E402
 from rollout.tokenizer import build_tokenizer, save_tokenizer  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
 
@@ -45,7 +47,7 @@ def parse_args(argv=None):
                    help="share of pretraining sequences in the step-by-step format")
     p.add_argument("--direct-error-rate", type=float, default=0.6,
                    help="share of direct-format corpus answers with a one-digit slip")
-    p.add_argument("--family", default=DEFAULT_FAMILY, choices=sorted(MTP_FAMILIES),
+    p.add_argument("--family", default=DEFAULT_FAMILY, choices=sorted(ENGINE_MTP_FAMILIES),
                    help="model family (trunk flavour and MTP layout)")
     p.add_argument("--task-variant", default=DEFAULT_TASK_VARIANT, choices=sorted(TASK_VARIANTS),
                    help="problems of the pretraining corpus and the prompt files (rollout/task.py)")
@@ -78,7 +80,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     if args.chat:
         return make_chat_model(args)
-    cfg = dataclasses.replace(TINY_CONFIG, family=args.family)
+    cfg = tiny_config(args.family)
     model = init_model(cfg, args.seed)
     if args.init_from is not None:
         load_same_shape(model, cfg, args.init_from)
