@@ -19,7 +19,9 @@ worker knows which one runs:
                                             (counters as in rollout/spec_stats.py)
     close()                                 release processes the backend started
 
-`BACKENDS` maps `--rollout-backend` names to constructors taking
+`BACKEND_CHECKS` maps the same names to each backend's own pre-start check of a run's config
+(`check_backend` runs the chosen one, before any actor starts). `BACKENDS` maps `--rollout-backend`
+names to constructors taking
 (hf_checkpoint, speculative_config, max_batch_size, device, adaptive, dtype, cpu_cores, weight_transfer);
 `adaptive` is the
 embedded engine's --spec-adaptive (vLLM has its own per-batch-size k in the speculative config);

@@ -148,3 +148,17 @@ def test_trainer_config_from_the_tree_carries_every_flag():
     t = TrainerConfig.from_tree(cfg)
     assert (t.lr, t.draft_lr, t.kl_estimator, t.temperature, t.enable_mtp_training, t.mtp_num_layers,
             t.micro_batch_size, t.seed) == (3e-5, 7e-3, "k1", 0.7, True, 2, 4, 9)
+
+
+def test_the_config_dump_holds_the_speculative_config_as_written_and_loads_back():
+    from omegaconf import OmegaConf
+
+    from vime.cli_config import describe
+
+    written = {"method": "deepseek_mtp", "num_speculative_tokens": 3}
+    cfg = load_config(["--vllm-speculative-config", json.dumps(written)])
+    dumped = OmegaConf.to_container(OmegaConf.create(describe(cfg)))["rollout"]["vllm_speculative_config"]
+    assert dumped == written  # not vime's reading of it (method 'mtp', vLLM's defaults filled in)
+    hydra_dict = "{" + ",".join(f"{key}:{value}" for key, value in dumped.items()) + "}"  # Hydra's own grammar
+    again = load_config([f"rollout.vllm_speculative_config={hydra_dict}"])
+    assert again.rollout.vllm_speculative_config == cfg.rollout.vllm_speculative_config

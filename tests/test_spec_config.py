@@ -160,6 +160,31 @@ def test_every_method_builds_a_proposer_through_the_registry(tmp_path):
     assert isinstance(parse_spec_config(json.dumps({"method": "suffix", "num_speculative_tokens": 3})), SpecConfig)
 
 
+def test_each_backend_reads_the_config_and_vllm_gets_it_as_written():
+    from rollout.backend import BACKEND_CHECKS, BACKENDS
+    from vime.spec_config import SPEC_READERS
+
+    assert set(SPEC_READERS) == set(BACKENDS) == set(BACKEND_CHECKS)
+    written = {"method": "deepseek_mtp", "num_speculative_tokens": 2, "parallel_drafting": True}
+    spec = parse_spec_config(json.dumps(written), backend="vllm")  # a vLLM-only key: vLLM judges it
+    assert (spec.method, spec.num_speculative_tokens) == ("mtp", 2) and spec.to_vllm() == written
+    with pytest.raises(UserError, match="is vLLM's; the embedded engine does not implement it"):
+        parse_spec_config(written)
+    embedded = parse_spec_config({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    assert embedded.prompt_lookup_min == 3  # vime's reading; vLLM is handed only what was written
+    assert embedded.to_vllm() == {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    moved = parse_spec_config({"method": "eagle3", "num_speculative_tokens": 2, "model": "d"}).with_model("/abs/d")
+    assert moved.model == "/abs/d" and moved.to_vllm()["model"] == "/abs/d"
+    with pytest.raises(UserError, match="--rollout-backend 'sglang': choose one of embedded, vllm"):
+        parse_spec_config(None, backend="sglang")
+
+
+def test_a_draft_method_needs_its_draft_on_every_backend():
+    for backend in ("embedded", "vllm"):
+        with pytest.raises(UserError, match="method 'eagle3' needs \"model\""):
+            parse_spec_config({"method": "eagle3", "num_speculative_tokens": 2}, backend=backend)
+
+
 def run_cli(args, tmp_path):
     import subprocess
     import sys
