@@ -199,9 +199,12 @@ def position_weights(block_size, gamma, device=None):
     return torch.where(i > 0, torch.exp(-(i - 1) / gamma), torch.zeros_like(i))
 
 
+PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the loss decay the DFlash paper trains its block sizes with
+
+
 def default_gamma(block_size):
-    """The paper's decay for its block sizes (16 -> 7, 10 -> 5, 8 -> 4), continued as ~ (S - 1) / 2."""
-    return max(1.0, math.floor((block_size - 1) / 2))
+    """The paper's decay for its block sizes, about half the block otherwise."""
+    return PAPER_GAMMA.get(block_size, max(1.0, block_size / 2))
 
 
 def block_logits(draft, aux_hidden, tokens, anchors, keep, embed_weight, head_weight):

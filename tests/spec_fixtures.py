@@ -8,10 +8,12 @@ rejections. `tiny_vocab_model`: 5-token vocabulary, no EOS, peaked-but-random
 distributions for exact distribution tests.
 """
 import dataclasses
+import itertools
 
 import pytest
 import torch
 
+from mtp.sampling import processed_logprobs
 from vime.models.hf_format import save_hf_checkpoint
 from rollout.embedded.model import CausalLMWithMTP
 from rollout.tiny_model import TINY_CONFIG
@@ -64,6 +66,25 @@ def tiny_vocab_model(seed=0, vocab=5, family=TINY_CONFIG.family, tie_word_embedd
     cfg = dataclasses.replace(TINY_CONFIG, vocab_size=vocab, eos_token_id=None, bos_token_id=0, pad_token_id=0,
                               tie_word_embeddings=tie_word_embeddings, family=family, **SMALL)
     return random_model(cfg, seed, 0.35)
+
+
+def exact_joint(model, prompt=(0, 3, 1), steps=3):
+    """{(t1, .., t_steps): p} the exact joint of the first `steps` tokens after `prompt` at temperature 1,
+    enumerated over the (tiny) vocabulary."""
+    v = model.cfg.vocab_size
+    probs = {}
+    with torch.inference_mode():
+        for prefix in itertools.chain.from_iterable(itertools.product(range(v), repeat=n) for n in range(steps)):
+            ids = torch.tensor([list(prompt) + list(prefix)])
+            logits = model.logits(model(ids, torch.arange(ids.shape[1])[None]))[0, -1]
+            probs[prefix] = processed_logprobs(logits, 1.0).exp()
+    joint = {}
+    for cell in itertools.product(range(v), repeat=steps):
+        p = 1.0
+        for i in range(steps):
+            p *= float(probs[cell[:i]][cell[i]])
+        joint[cell] = p
+    return joint
 
 
 def chi_square_p_value(counts, exact, n):

@@ -6,7 +6,6 @@ distribution of the first three tokens (chi-square, with a wrong sampler as nega
 and vLLM's own aux-layer choice written down from its source. Bad drafts and targets are one line.
 """
 import dataclasses
-import itertools
 import json
 import os
 import shutil
@@ -17,7 +16,6 @@ import torch
 import mtp.rejection as rejection
 from eagle3_fixtures import DRAFT, TARGET, random_draft, reference_acceptance
 from mtp.eagle3 import Eagle3Draft
-from mtp.sampling import processed_logprobs
 from rollout.embedded.engine import Engine, EngineConfig
 from rollout.embedded.engine_builder import build_engine
 from rollout.embedded.proposers.eagle3 import Eagle3Proposer
@@ -26,7 +24,7 @@ from rollout.spec_config import check_against_checkpoint, parse_spec_config
 from rollout.spec_stats import aggregate_spec_stats
 from rollout.task import make_prompts
 from rollout.tokenizer import TextCodec
-from spec_fixtures import chi_square_p_value, one_thread, tiny_vocab_model  # noqa: F401
+from spec_fixtures import chi_square_p_value, exact_joint, one_thread, tiny_vocab_model  # noqa: F401
 from vime.errors import UserError
 from vime.models.eagle3 import default_aux_layer_ids, draft_config_for_target, save_draft
 from vime.models.hf_format import read_config
@@ -123,18 +121,6 @@ def vocab_pair():
     model = CausalLMWithMTP(target.cfg)
     model.load_state_dict(keep)
     return model.eval(), random_draft(model.cfg, seed=3, std=0.35, aux_layer_ids=(0, 1, 2))
-
-
-def exact_joint(model, steps=3):
-    v = model.cfg.vocab_size
-    probs = {}
-    with torch.inference_mode():
-        for prefix in itertools.chain.from_iterable(itertools.product(range(v), repeat=n) for n in range(steps)):
-            ids = torch.tensor([PROMPT + list(prefix)])
-            logits = model.logits(model(ids, torch.arange(ids.shape[1])[None]))[0, -1]
-            probs[prefix] = processed_logprobs(logits, 1.0).exp()
-    return {cell: float(probs[()][cell[0]] * probs[cell[:1]][cell[1]] * probs[cell[:2]][cell[2]])
-            for cell in itertools.product(range(v), repeat=steps)}
 
 
 def sampled_joint(target, draft, method, sample_drafts):

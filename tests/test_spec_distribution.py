@@ -8,19 +8,17 @@ Both draft modes are covered: sampled drafts with their q, and argmax drafts (q 
 A deliberately wrong sampler (on rejection, resample from p instead of the residual
 max(p - q, 0)) must fail the same test.
 """
-import itertools
 
 import pytest
 import torch
 
 import mtp.rejection as rejection
-from mtp.sampling import processed_logprobs
 from rollout.embedded.engine import Engine, EngineConfig
 from vime.sample import samples_for_prompts
 from rollout.sampling_params import SamplingParams
 from rollout.embedded.proposers.mtp import MTPProposer
 from rollout.spec_config import parse_spec_config
-from spec_fixtures import chi_square_p_value, one_thread, tiny_vocab_model  # noqa: F401
+from spec_fixtures import chi_square_p_value, exact_joint, one_thread, tiny_vocab_model  # noqa: F401
 
 N, PROMPT, ALPHA = 20000, [0, 3, 1], 1e-3
 
@@ -33,18 +31,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def model(request):
     family, tied = request.param
     return tiny_vocab_model(seed=1, family=family, tie_word_embeddings=tied)
-
-
-def exact_joint(model, steps=3):
-    v = model.cfg.vocab_size
-    probs = {}
-    with torch.inference_mode():
-        for prefix in itertools.chain.from_iterable(itertools.product(range(v), repeat=n) for n in range(steps)):
-            ids = torch.tensor([PROMPT + list(prefix)])
-            logits = model.logits(model(ids, torch.arange(ids.shape[1])[None]))[0, -1]
-            probs[prefix] = processed_logprobs(logits, 1.0).exp()
-    return {cell: float(probs[()][cell[0]] * probs[cell[:1]][cell[1]] * probs[cell[:2]][cell[2]])
-            for cell in itertools.product(range(v), repeat=steps)}
 
 
 def sampled_joint(model, method, sample_drafts=True, k_policy=None, max_batch_size=N):

@@ -14,11 +14,9 @@ layer); vLLM adds one to get its aux-hidden-state ids (id i: the residual stream
 The block: `block_size` = 1 + the number of drafts; attention is not causal inside the block,
 so a draft only drafts the block it was trained for (num_speculative_tokens = block_size - 1).
 """
-import json
-import os
-
 from mtp.dflash import DFlashConfig
 from vime.errors import UserError, require
+from vime.models.draft_dir import read_draft_json, read_draft_tensors, write_draft_dir
 from vime.models.families import eagle3_target_families
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -74,26 +72,9 @@ def _not_a_draft(path, why):
     return UserError(f"{FLAG}: model {path} is not a DFlash draft ({why}); make one with {MAKE}")
 
 
-def _read_json(path):
-    cfg_file = os.path.join(str(path), "config.json")
-    if not os.path.isdir(str(path)):
-        raise _not_a_draft(path, "no such directory")
-    if not os.path.isfile(cfg_file):
-        raise _not_a_draft(path, "config.json is missing")
-    try:
-        with open(cfg_file) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise _not_a_draft(path, f"config.json is malformed JSON: {e.msg} at line {e.lineno}") from None
-
-
 def read_draft_config(path):
     """DFlashConfig of a draft directory; one line naming the directory when it is not a draft."""
-    raw = _read_json(path)
-    if ARCHITECTURE not in (raw.get("architectures") or []):
-        raise _not_a_draft(path, f"architectures {raw.get('architectures')} lack {ARCHITECTURE}")
-    if not os.path.isfile(os.path.join(str(path), "model.safetensors")):
-        raise _not_a_draft(path, "model.safetensors is missing")
+    raw = read_draft_json(path, _not_a_draft, ARCHITECTURE)
     dflash = raw.get("dflash_config") or {}
     try:
         heads = raw["num_attention_heads"]
@@ -151,28 +132,14 @@ def check_draft_fits_target(path, draft_cfg, target_cfg, num_speculative_tokens=
 
 def save_draft(path, cfg, state):
     """Write a draft directory (config.json + model.safetensors) vLLM serves unchanged."""
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(to_hf_dict(cfg), f, indent=2)
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, os.path.join(path, "model.safetensors"))
+    write_draft_dir(path, to_hf_dict(cfg), state)
 
 
 def load_draft(path):
     """(DFlashConfig, state dict) of a draft directory."""
-    from safetensors.torch import load_file
-
     cfg = read_draft_config(path)
-    try:
-        state = load_file(os.path.join(str(path), "model.safetensors"))
-    except Exception as e:  # safetensors raises its own error types for damaged files
-        raise _not_a_draft(path, f"unreadable model.safetensors: {str(e).splitlines()[0]}") from None
-    missing = [n for n in REQUIRED_TENSORS if n not in state]
-    if missing:
-        raise _not_a_draft(path, f"model.safetensors lacks {missing[0]}")
+    state = read_draft_tensors(path, _not_a_draft, REQUIRED_TENSORS)
     own = [n for n in ("embed_tokens.weight", "lm_head.weight") if n in state]
     require(not own, f"{FLAG}: draft {path} stores its own {own[0] if own else ''}; vime's DFlash draft reads the "
             "target's embedding and head (remove the tensor from model.safetensors)")
     return cfg, state
-

@@ -10,11 +10,9 @@ Which target layers feed the draft: the ids written in config.json (vLLM reads
 `eagle_aux_hidden_state_layer_ids` from the draft's config first), by default vLLM's own choice
 (2, L // 2, L - 3) for an L-layer target. Id i is the residual stream before target layer i.
 """
-import json
-import os
-
 from mtp.eagle3 import Eagle3Config
 from vime.errors import UserError, require
+from vime.models.draft_dir import read_draft_json, read_draft_tensors, write_draft_dir
 from vime.models.families import eagle3_target_families
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -65,20 +63,7 @@ def _not_a_draft(path, why):
 
 def read_draft_config(path):
     """Eagle3Config of a draft directory; one line naming the directory when it is not a draft."""
-    cfg_file = os.path.join(str(path), "config.json")
-    if not os.path.isdir(str(path)):
-        raise _not_a_draft(path, "no such directory")
-    if not os.path.isfile(cfg_file):
-        raise _not_a_draft(path, "config.json is missing")
-    try:
-        with open(cfg_file) as f:
-            raw = json.load(f)
-    except json.JSONDecodeError as e:
-        raise _not_a_draft(path, f"config.json is malformed JSON: {e.msg} at line {e.lineno}") from None
-    if ARCHITECTURE not in (raw.get("architectures") or []):
-        raise _not_a_draft(path, f"architectures {raw.get('architectures')} lack {ARCHITECTURE}")
-    if not os.path.isfile(os.path.join(str(path), "model.safetensors")):
-        raise _not_a_draft(path, "model.safetensors is missing")
+    raw = read_draft_json(path, _not_a_draft, ARCHITECTURE)
     require(raw.get("num_hidden_layers", 1) == 1,
             f"{FLAG}: draft {path} has num_hidden_layers {raw.get('num_hidden_layers')}; vime's EAGLE-3 draft has one")
     draft_vocab = raw.get("draft_vocab_size") or raw.get("vocab_size")
@@ -131,24 +116,11 @@ def check_draft_fits_target(path, draft_cfg, target_cfg):
 
 def save_draft(path, cfg, state):
     """Write a draft directory (config.json + model.safetensors) vLLM serves unchanged."""
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(to_hf_dict(cfg), f, indent=2)
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, os.path.join(path, "model.safetensors"))
+    write_draft_dir(path, to_hf_dict(cfg), state)
 
 
 def load_draft(path):
     """(Eagle3Config, state dict) of a draft directory."""
-    from safetensors.torch import load_file
-
     cfg = read_draft_config(path)
-    try:
-        state = load_file(os.path.join(str(path), "model.safetensors"))
-    except Exception as e:  # safetensors raises its own error types for damaged files
-        raise _not_a_draft(path, f"unreadable model.safetensors: {str(e).splitlines()[0]}") from None
-    missing = [n for n in ("fc.weight", "midlayer.self_attn.q_proj.weight", "lm_head.weight") if n not in state]
-    if missing:
-        raise _not_a_draft(path, f"model.safetensors lacks {missing[0]}")
-    return cfg, state
+    return cfg, read_draft_tensors(path, _not_a_draft, ("fc.weight", "midlayer.self_attn.q_proj.weight",
+                                                        "lm_head.weight"))
