@@ -254,11 +254,10 @@ def test_the_rejection_sampler_computes_in_fp32_on_bf16_inputs(method):
 
 # ---------------------------------------------------------------- the online EAGLE-3 draft in bf16
 def test_the_online_eagle3_draft_trains_in_bf16_on_fp32_masters_and_syncs_bit_for_bit(tmp_path):
-    import json
-
     from eagle3_fixtures import random_draft
     from rollout.backend import EmbeddedBackend
     from vime.models.eagle3 import save_draft
+    from rollout.spec_config import parse_spec_config
     from vime.models.families import DRAFT_PREFIX
 
     target = str(tmp_path / "target")
@@ -267,17 +266,17 @@ def test_the_online_eagle3_draft_trains_in_bf16_on_fp32_masters_and_syncs_bit_fo
     draft_dir = str(tmp_path / "draft")
     save_draft(draft_dir, draft.cfg, draft.state_dict())
     spec = {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": 2}
-    trainer = Trainer(TrainerConfig(bf16=True, enable_draft_training=True, speculative_config=json.dumps(spec),
+    trainer = Trainer(TrainerConfig(bf16=True, enable_draft_training=True, speculative_config=parse_spec_config(spec),
                                     micro_batch_size=2), target)
     d = trainer.draft
-    assert {p.dtype for p in d.draft.parameters()} == {torch.bfloat16}
-    before = {n: p.detach().clone() for n, p in d.draft.named_parameters()}
+    assert {p.dtype for p in d.module.parameters()} == {torch.bfloat16}
+    before = {n: p.detach().clone() for n, p in d.module.named_parameters()}
     metrics = trainer.train_step(make_batch())
     assert metrics["train/draft_grad_norm"] > 0 and metrics["train/draft_1_loss"] > 0
-    for n, p in d.draft.named_parameters():
+    for n, p in d.module.named_parameters():
         main = d.optimizer.main_param(p)
         assert main.dtype == torch.float32 and torch.equal(p, main.detach().to(torch.bfloat16)), n
-    assert any(not torch.equal(p, before[n]) for n, p in d.draft.named_parameters())
+    assert any(not torch.equal(p, before[n]) for n, p in d.module.named_parameters())
     assert {v.dtype for v in d.state()["draft"].values()} == {torch.float32}  # checkpoints keep the masters
     sent = [(k, v.detach().cpu()) for k, v in trainer.named_hf_weights()]
     backend = EmbeddedBackend(target, spec, 4, dtype=torch.bfloat16)

@@ -69,3 +69,15 @@ def test_draft_training_needs_an_external_draft_in_the_speculative_config():
     with pytest.raises(UserError, match="trains an external draft .*got no speculation"):
         check_draft_config(TrainerConfig.from_tree(load_config(["--enable-draft-training",
                                                                 "--vllm-speculative-config", "none"])))
+
+
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--draft-ttt-steps", "2", "--mtp-train-depths"),
+    ("--draft-loss-scaling-factor", "2", "--mtp-loss-scaling-factor"),
+])
+def test_an_external_drafts_own_knob_is_refused_for_the_mtp_layers_naming_theirs(flag, value, needle):
+    from vime.config import validate
+
+    with pytest.raises(UserError) as err:
+        validate(load_config(["--enable-mtp-training", "--mtp-num-layers", "1", flag, value]))
+    assert str(err.value).startswith(flag) and needle in str(err.value) and "\n" not in str(err.value)

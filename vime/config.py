@@ -346,6 +346,13 @@ def _validate_drafts(d, m):
                         ("--draft-replay-batches", d.replay_batches), ("--draft-lr", d.lr)):
         require(value is None or trains, f"{name} sets how the online draft trains: use it with "
                 "--enable-mtp-training (the MTP layers) or --enable-draft-training (an external draft)")
+    # an external draft's own knobs: the MTP layers have theirs in the MTP section
+    require(d.ttt_steps is None or not m.enable_training,
+            "--draft-ttt-steps unrolls an external draft's training-time test; the MTP layers train the depths "
+            "of --mtp-train-depths")
+    require(d.loss_scaling_factor == 1.0 or not m.enable_training,
+            "--draft-loss-scaling-factor scales an external draft's loss; the MTP layers' factor is "
+            "--mtp-loss-scaling-factor")
 
 
 @dataclass
