@@ -12,6 +12,8 @@ is read, not rerun), and train_rl.py flags after `--` for every arm. `EXPERIMENT
 each prints. Arms run one after the other on the same machine; compare them within one run.
 """
 import argparse
+import dataclasses
+import inspect
 import math
 import os
 import statistics
@@ -138,10 +140,10 @@ def run_engines(args):
 
 
 def int_list(text, flag):
-    values = [int(x) for x in text.split(",") if x.strip().lstrip("-").isdigit()]
-    if not values or len(values) != len([x for x in text.split(",") if x.strip()]):
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
         user_error(f"{flag} {text!r}: give comma-separated integers")
-    return values
 
 
 def add_dtype_arguments(p):
@@ -155,25 +157,36 @@ def add_engines_arguments(p):
     p.add_argument("--samples", type=int, default=8, help="samples per prompt (a GRPO group)")
 
 
-# experiment -> (runner, default --steps, extra arguments); each runner's docstring is its --help
+def add_seeds_argument(p):
+    p.add_argument("--seeds", default="42", help="--rollout-seed values, comma-separated")
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """One RL-arms benchmark: its runner, its default --steps, its own flags and its --help text."""
+
+    run: callable
+    default_steps: int
+    add_arguments: callable
+    description: str
+
+
 EXPERIMENTS = {
-    "drift": (drift.run, 40, drift.add_arguments),
-    "async": (run_async, 12, lambda p: None),
-    "dynamic": (run_dynamic, 12, lambda p: p.add_argument("--seeds", default="42", help="--rollout-seed values")),
-    "dtype": (run_dtype, 40, add_dtype_arguments),
-    "engines": (run_engines, 6, add_engines_arguments),
+    "drift": Experiment(drift.run, 40, drift.add_arguments, drift.__doc__),
+    "async": Experiment(run_async, 12, lambda p: None, run_async.__doc__),
+    "dynamic": Experiment(run_dynamic, 12, add_seeds_argument, run_dynamic.__doc__),
+    "dtype": Experiment(run_dtype, 40, add_dtype_arguments, run_dtype.__doc__),
+    "engines": Experiment(run_engines, 6, add_engines_arguments, run_engines.__doc__),
 }
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="experiment", required=True)
-    for name, (runner, steps, add_arguments) in EXPERIMENTS.items():
-        doc = sys.modules[runner.__module__].__doc__ if name == "drift" else runner.__doc__
-        s = sub.add_parser(name, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-        add_arguments(s)
-        if name != "drift":  # drift declares its own --steps
-            s.add_argument("--steps", type=int, default=steps, help="RL steps per arm")
+    for name, experiment in EXPERIMENTS.items():
+        s = sub.add_parser(name, description=inspect.cleandoc(experiment.description), formatter_class=argparse.RawDescriptionHelpFormatter)
+        experiment.add_arguments(s)
+        s.add_argument("--steps", type=int, default=experiment.default_steps, help="RL steps per arm")
         s.add_argument("--out", default=os.path.join(REPO, "runs", f"bench_{name}"))
         s.add_argument("--reuse", action="store_true", help="read an arm already run to --steps in --out")
         s.add_argument("extra", nargs="*", help="after --: passed to every train_rl.py run")
@@ -185,7 +198,7 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
-    EXPERIMENTS[args.experiment][0](args)
+    EXPERIMENTS[args.experiment].run(args)
 
 
 if __name__ == "__main__":

@@ -73,7 +73,6 @@ MAX_POSITIONS = 8
 def add_arguments(p):
     """The drift experiment's flags on its argparse sub-parser."""
     p.add_argument("--draft", default="mtp", choices=list(DRAFT_KINDS), help="the draft kind")
-    p.add_argument("--steps", type=int, default=40, help="RL steps per arm")
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms, each NAME[:key=value...]")
     p.add_argument("--backends", default="embedded", help=f"comma-separated, of {', '.join(BACKENDS)}")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="k (default: the kind's, mtp 2, eagle3 3)")
