@@ -1,0 +1,100 @@
+"""A weight push end to end, without Ray: trainer rank 0's sender from the transport registry
+(trainer/weight_senders.py) and a rollout backend's receiver (rollout/weight_receiver.py) meet over a
+real gloo group on loopback, and the engine then holds what was sent.
+
+References: vime's checksum and sha256 of the tensors the sender was given (computed on the sending
+side, before the wire), and the checkpoint's own draft tensors for the target-only push.
+"""
+import threading
+
+import pytest
+import torch
+
+from rollout.backend import EmbeddedBackend
+from trainer.weight_senders import SENDERS
+from trainer_fixtures import make_tiny
+from vime import weight_sync
+from vime.models.families import is_draft_name
+from vime.models.hf_format import load_hf_checkpoint
+from vime.net import free_port
+
+SPEC = {"method": "mtp", "num_speculative_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("push_hf")
+    make_tiny(path, seed=2, std=0.3)
+    return str(path)
+
+
+def new_weights(ckpt):
+    """The checkpoint's canonical tensors, each moved by independent noise (as an RL step moves them)."""
+    cfg, state, _ = load_hf_checkpoint(ckpt)
+    g = torch.Generator().manual_seed(7)
+    return cfg, [(k, v + 0.05 * torch.randn(v.shape, generator=g)) for k, v in state.items()]
+
+
+def push(receiver, named, buffer_size=1 << 12):
+    """One push over a fresh group: rank 0 (the trainer's sender) in a thread, the receiver at rank 1.
+    Returns (the sender's header, the bytes it reports sent)."""
+    plan = receiver.plan()
+    rendezvous = {"master_addr": "127.0.0.1", "master_port": free_port(), "world_size": 2, "device": "cpu"}
+    sent, errors = {}, []
+
+    def trainer_rank0():
+        try:
+            sender = SENDERS["reload"](plan, rendezvous, buffer_size)
+            sent["header"] = sender.header(named)
+            sent["bytes"] = sender.send(named)
+        except Exception as e:  # surfaced by the assertion below
+            errors.append(e)
+
+    thread = threading.Thread(target=trainer_rank0)
+    thread.start()
+    receiver.join(rendezvous, 1)
+    while "header" not in sent and not errors and thread.is_alive():
+        thread.join(timeout=0.05)
+    if not errors:
+        receiver.receive(sent["header"], version=1)
+    thread.join(timeout=120)
+    assert not errors and not thread.is_alive(), errors
+    return sent["header"], sent["bytes"]
+
+
+def parts(named, num_hidden_layers):
+    return ([(k, v) for k, v in named if not is_draft_name(k, num_hidden_layers)],
+            [(k, v) for k, v in named if is_draft_name(k, num_hidden_layers)])
+
+
+def test_a_pushed_update_is_what_the_engine_holds_target_and_draft(ckpt):
+    cfg, named = new_weights(ckpt)
+    backend = EmbeddedBackend(ckpt, SPEC, 4)
+    header, sent_bytes = push(backend.weight_receiver("reload"), named)
+    target, draft = parts(named, cfg.num_hidden_layers)
+    assert draft, "the checkpoint has MTP layers: the draft is part of the comparison"
+    assert backend.fingerprint() == {"target": weight_sync.checksum(target), "draft": weight_sync.checksum(draft)}
+    assert backend.digests() == weight_sync.digests(named)  # every tensor, bit for bit
+    assert backend.weight_version == 1
+    assert sent_bytes == sum(v.numel() * v.element_size() for _, v in named)
+    assert len(header) > 1  # small buckets: the update crossed the wire in several broadcasts
+
+
+def test_a_target_only_push_leaves_the_engines_draft_as_the_checkpoint_had_it(ckpt):
+    cfg, named = new_weights(ckpt)
+    _, original, _ = load_hf_checkpoint(ckpt)
+    backend = EmbeddedBackend(ckpt, SPEC, 4)
+    push(backend.weight_receiver("reload", keep_draft=False), named)
+    target, draft = parts(named, cfg.num_hidden_layers)
+    _, original_draft = parts(list(original.items()), cfg.num_hidden_layers)
+    fp = backend.fingerprint()
+    assert fp["target"] == weight_sync.checksum(target)
+    assert fp["draft"] == weight_sync.checksum(original_draft) != weight_sync.checksum(draft)
+
+
+def test_every_transport_has_a_sender_and_a_vllm_receiver_and_the_embedded_engine_takes_reload_only(ckpt):
+    from rollout.vllm.backend import RECEIVERS  # imports no vLLM until an engine is built
+
+    assert set(SENDERS) == set(RECEIVERS)
+    with pytest.raises(ValueError, match="nccl"):
+        EmbeddedBackend(ckpt, SPEC, 4).weight_receiver("nccl")
