@@ -173,3 +173,23 @@ def test_save_and_load_keep_the_draft_and_its_optimizer_state(pair, tmp_path):
     resumed.train_step(batch)
     for (n, x), (_, y) in zip(trainer.draft.module.state_dict().items(), resumed.draft.module.state_dict().items()):
         assert torch.equal(x, y), n
+
+
+def test_a_checkpoint_of_the_earlier_layout_still_resumes_its_draft(pair, tmp_path):
+    """Checkpoints written before the draft state had a kind held `eagle3_draft.pt` without one."""
+    import os
+
+    from trainer.drafts import DRAFT_STATE_FILE
+
+    target, draft_dir = pair
+    trainer = Trainer(config(draft_dir, True, draft_replay_batches=0, draft_steps_per_rollout=1), target)
+    trainer.train_step(make_batch())
+    path = str(tmp_path / "ckpt")
+    trainer.save(path)
+    state = torch.load(os.path.join(path, DRAFT_STATE_FILE), weights_only=False)
+    assert state.pop("kind") == "eagle3"
+    torch.save(state, os.path.join(path, "eagle3_draft.pt"))
+    os.remove(os.path.join(path, DRAFT_STATE_FILE))
+    resumed = Trainer(config(draft_dir, True, draft_replay_batches=0, draft_steps_per_rollout=1), target, load=path)
+    for (n, a), (_, b) in zip(trainer.draft.module.state_dict().items(), resumed.draft.module.state_dict().items()):
+        assert torch.equal(a, b), n
