@@ -87,6 +87,30 @@ def exact_joint(model, prompt=(0, 3, 1), steps=3):
     return joint
 
 
+def sampled_counts(target, proposer, method, n, prompt=(0, 3, 1)):
+    """({first 3 tokens: count} of n temperature-1 samples after `prompt` drafted by `proposer` and
+    verified by `method`, the acceptance rate)."""
+    from rollout.embedded.engine import Engine, EngineConfig
+    from rollout.sampling_params import SamplingParams
+    from vime.sample import samples_for_prompts
+
+    engine = Engine(target, EngineConfig(max_batch_size=n, max_len=16, rejection_sample_method=method),
+                    proposer=proposer)
+    samples = engine.generate(samples_for_prompts([list(prompt)] * n),
+                              SamplingParams(temperature=1.0, max_new_tokens=3, seed=7))
+    counts = {}
+    for s in samples:
+        counts[tuple(s.response_ids[:3])] = counts.get(tuple(s.response_ids[:3]), 0) + 1
+    return counts, sum(s.spec.accepted_tokens for s in samples) / sum(s.spec.draft_tokens for s in samples)
+
+
+def resample_from_p(probs, drafts, draft_probs, n_acc, draft_counts, u):
+    """A wrong residual for the negative controls: after a rejection, sample p itself, not (p - q)+."""
+    from mtp import rejection
+
+    return rejection.sample_with_uniforms(rejection._row_select(probs, n_acc), u)
+
+
 def chi_square_p_value(counts, exact, n):
     """Chi-square goodness of fit of `n` observed outcomes (`counts`: outcome -> count) to the
     exact probabilities (`exact`: outcome -> p); cells expected below 5 are pooled into one."""

@@ -24,7 +24,8 @@ from rollout.spec_config import check_against_checkpoint, parse_spec_config
 from rollout.spec_stats import aggregate_spec_stats
 from rollout.task import make_prompts
 from rollout.tokenizer import TextCodec
-from spec_fixtures import chi_square_p_value, exact_joint, one_thread, tiny_vocab_model  # noqa: F401
+from spec_fixtures import chi_square_p_value, exact_joint, one_thread, resample_from_p, sampled_counts, \
+    tiny_vocab_model  # noqa: F401
 from vime.errors import UserError
 from vime.models.eagle3 import default_aux_layer_ids, draft_config_for_target, save_draft
 from vime.models.hf_format import read_config
@@ -126,14 +127,7 @@ def vocab_pair():
 def sampled_joint(target, draft, method, sample_drafts):
     sc = parse_spec_config({"method": "eagle3", "num_speculative_tokens": 2, "model": "unused",
                             "rejection_sample_method": method})
-    engine = Engine(target, EngineConfig(max_batch_size=N, max_len=16, rejection_sample_method=method),
-                    proposer=Eagle3Proposer(sc, draft=draft, sample_drafts=sample_drafts))
-    samples = engine.generate(samples_for_prompts([PROMPT] * N), SamplingParams(temperature=1.0, max_new_tokens=3, seed=7))
-    counts = {}
-    for s in samples:
-        counts[tuple(s.response_ids[:3])] = counts.get(tuple(s.response_ids[:3]), 0) + 1
-    rate = sum(s.spec.accepted_tokens for s in samples) / sum(s.spec.draft_tokens for s in samples)
-    return counts, rate
+    return sampled_counts(target, Eagle3Proposer(sc, draft=draft, sample_drafts=sample_drafts), method, N)
 
 
 @pytest.mark.parametrize("method, sample_drafts", [("probabilistic", True), ("strict", False)])
@@ -145,10 +139,7 @@ def test_sampled_eagle3_output_follows_the_target_distribution(vocab_pair, metho
 
 
 def test_the_distribution_test_rejects_a_sampler_that_resamples_from_p(vocab_pair, monkeypatch):
-    def wrong_residual(probs, drafts, draft_probs, n_acc, draft_counts, u):
-        return rejection.sample_with_uniforms(rejection._row_select(probs, n_acc), u)
-
-    monkeypatch.setattr(rejection, "_residual_sample", wrong_residual)
+    monkeypatch.setattr(rejection, "_residual_sample", resample_from_p)
     target, draft = vocab_pair
     counts, _ = sampled_joint(target, draft, "probabilistic", True)
     assert chi_square_p_value(counts, exact_joint(target), N) < ALPHA
