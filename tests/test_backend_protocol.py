@@ -26,7 +26,7 @@ def protocol_gaps(cls):
 
 
 def test_every_backend_has_every_protocol_method_with_its_parameters():
-    assert {"generate", "load_weights", "fingerprint", "digests", "pause", "resume", "stats",
+    assert {"generate", "load_weights", "weight_receiver", "fingerprint", "digests", "pause", "resume", "stats",
             "close"} <= set(protocol_methods())
     for cls in backend_classes():
         assert isinstance(cls.name, str) and protocol_gaps(cls) == [], (cls.__name__, protocol_gaps(cls))
