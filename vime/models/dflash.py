@@ -16,8 +16,8 @@ so a draft only drafts the block it was trained for (num_speculative_tokens = bl
 """
 from mtp.dflash import DFlashConfig
 from vime.errors import UserError, require
-from vime.models.draft_dir import read_draft_json, read_draft_tensors, write_draft_dir
-from vime.models.families import eagle3_target_families
+from vime.models.draft_dir import (check_target_gives_what_drafts_read, read_draft_json, read_draft_tensors,
+                                   write_draft_dir)
 
 ARCHITECTURE = "DFlashDraftModel"
 FLAG = "--vllm-speculative-config"
@@ -100,18 +100,7 @@ def read_draft_config(path):
 def check_draft_fits_target(path, draft_cfg, target_cfg, num_speculative_tokens=None):
     """The target's family gives aux hidden states, and the draft's width, vocabulary, target layers,
     mask token and block fit the target and the requested drafts (one line each)."""
-    fam = target_cfg.model_family
-    require(fam.eagle3_aux_hidden_states,
-            f"{FLAG}: method 'dflash' needs a target whose vLLM model returns aux hidden states; "
-            f"{fam.architectures[0]} ({fam.name}) does not. DFlash targets: {eagle3_target_families()}; "
-            "a model with MTP layers drafts with method 'mtp'")
-    require(draft_cfg.target_hidden_size == target_cfg.hidden_size and draft_cfg.hidden_size == target_cfg.hidden_size,
-            f"{FLAG}: draft {path} has hidden size {draft_cfg.hidden_size} (target_hidden_size "
-            f"{draft_cfg.target_hidden_size}) but the target's is {target_cfg.hidden_size}; make the draft for "
-            f"this target with {MAKE}")
-    require(draft_cfg.vocab_size == target_cfg.vocab_size,
-            f"{FLAG}: draft {path} has vocab_size {draft_cfg.vocab_size} but the target has "
-            f"{target_cfg.vocab_size}; the draft must share the target's tokenizer")
+    check_target_gives_what_drafts_read(path, draft_cfg, target_cfg, "dflash", "DFlash", MAKE)
     ids, layers = list(draft_cfg.target_layer_ids), target_cfg.num_hidden_layers
     require(ids and all(isinstance(i, int) and 0 <= i < layers for i in ids) and ids == sorted(set(ids)),
             f"{FLAG}: draft {path} reads target_layer_ids {ids} but the target has {layers} layers "

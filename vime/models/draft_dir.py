@@ -7,6 +7,11 @@ one-line error, so a bad directory is named with what to do for that kind.
 import json
 import os
 
+from vime.errors import require
+from vime.models.families import eagle3_target_families
+
+FLAG = "--vllm-speculative-config"
+
 
 def read_draft_json(path, not_a_draft, architecture):
     """The draft's config.json as a dict: the directory, the file, valid JSON, the architecture, the weights file."""
@@ -49,3 +54,20 @@ def write_draft_dir(path, hf_config, state):
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
     save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, os.path.join(path, "model.safetensors"))
+
+
+def check_target_gives_what_drafts_read(path, draft_cfg, target_cfg, method, kind, make):
+    """What every external draft needs of its target (one line each): a family whose vLLM model returns
+    aux hidden states, the draft's width (it reads the target's embedding) and vocabulary."""
+    fam = target_cfg.model_family
+    require(fam.eagle3_aux_hidden_states,
+            f"{FLAG}: method '{method}' needs a target whose vLLM model returns aux hidden states; "
+            f"{fam.architectures[0]} ({fam.name}) does not. {kind} targets: {eagle3_target_families()}; "
+            "a model with MTP layers drafts with method 'mtp'")
+    require(draft_cfg.target_hidden_size == target_cfg.hidden_size and draft_cfg.hidden_size == target_cfg.hidden_size,
+            f"{FLAG}: draft {path} has hidden size {draft_cfg.hidden_size} (target_hidden_size "
+            f"{draft_cfg.target_hidden_size}) but the target's is {target_cfg.hidden_size}; make the draft "
+            f"for this target with {make}")
+    require(draft_cfg.vocab_size == target_cfg.vocab_size,
+            f"{FLAG}: draft {path} has vocab_size {draft_cfg.vocab_size} but the target has "
+            f"{target_cfg.vocab_size}; the draft must share the target's tokenizer")

@@ -12,8 +12,8 @@ Which target layers feed the draft: the ids written in config.json (vLLM reads
 """
 from mtp.eagle3 import Eagle3Config
 from vime.errors import UserError, require
-from vime.models.draft_dir import read_draft_json, read_draft_tensors, write_draft_dir
-from vime.models.families import eagle3_target_families
+from vime.models.draft_dir import (check_target_gives_what_drafts_read, read_draft_json, read_draft_tensors,
+                                   write_draft_dir)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 NUM_AUX = 3  # vLLM's eagle3 fc reads three aux hidden states unless the config says otherwise
@@ -96,18 +96,8 @@ def resolve_aux_layers(draft_cfg, target_cfg):
 
 def check_draft_fits_target(path, draft_cfg, target_cfg):
     """The target's family gives aux hidden states and the draft's shapes fit the target (one line each)."""
-    fam = target_cfg.model_family
-    require(fam.eagle3_aux_hidden_states,
-            f"{FLAG}: method 'eagle3' needs a target whose vLLM model returns aux hidden states; "
-            f"{fam.architectures[0]} ({fam.name}) does not. EAGLE-3 targets: {eagle3_target_families()}; "
-            "a model with MTP layers drafts with method 'mtp'")
-    require(draft_cfg.target_hidden_size == target_cfg.hidden_size and draft_cfg.hidden_size == target_cfg.hidden_size,
-            f"{FLAG}: draft {path} has hidden size {draft_cfg.hidden_size} (target_hidden_size "
-            f"{draft_cfg.target_hidden_size}) but the target's is {target_cfg.hidden_size}; make the draft "
-            "for this target with scripts/make_eagle3_draft.py")
-    require(draft_cfg.vocab_size == target_cfg.vocab_size,
-            f"{FLAG}: draft {path} has vocab_size {draft_cfg.vocab_size} but the target has "
-            f"{target_cfg.vocab_size}; the draft must share the target's tokenizer")
+    check_target_gives_what_drafts_read(path, draft_cfg, target_cfg, "eagle3", "EAGLE-3",
+                                        "scripts/make_eagle3_draft.py")
     ids = resolve_aux_layers(draft_cfg, target_cfg).aux_layer_ids
     require(len(ids) == NUM_AUX and all(0 <= i <= target_cfg.num_hidden_layers for i in ids),
             f"{FLAG}: draft {path} reads aux layers {list(ids)} but the target has "
