@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from trainer.config import TrainerConfig
-from trainer.drafts import check_draft_config
+from trainer.drafts import DRAFT_TRAINERS, check_draft_config
 from vime.cli_config import REMOVED_FLAGS, REMOVED_KEYS, help_text, load_config
 from vime.config import flag_table
 from vime.errors import UserError
@@ -51,7 +51,11 @@ def test_help_lists_each_shared_draft_knob_once_and_no_replaced_flag():
     for name in SHARED:
         assert options.count(name) == 1, name
     assert not set(REMOVED_FLAGS) & set(options)
-    assert "5e-3 for MTP layers" in text and "1e-3 for EAGLE-3" in text  # the kinds' defaults, said once
+    # the kinds' own defaults (declared in their files) are what --help says
+    for kind, words in (("mtp", "MTP layers"), ("eagle3", "EAGLE-3")):
+        d = DRAFT_TRAINERS[kind].DEFAULTS
+        for knob in (f"{d.lr:g} for {words}", f"{d.steps_per_rollout} for {words}", f"{d.replay_batches} for {words}"):
+            assert knob in " ".join(text.split()), knob
 
 
 def test_replay_without_draft_only_steps_is_refused_against_the_kinds_own_default():

@@ -306,8 +306,8 @@ class DraftSection:
         "trainers, from the policy's detached hidden states of the rollout batch, and sync it to the rollout "
         "every step (the policy's own MTP layers: --enable-mtp-training)"))
     lr: Optional[float] = field(default=None, metadata=flag(
-        "--draft-lr", "learning rate of the trained draft (default none: the kind's own, 5e-3 for MTP layers, "
-        "1e-3 for EAGLE-3; Adam makes the loss factor nearly scale-free)"))
+        "--draft-lr", "learning rate of the trained draft (default none: the kind's own, 0.005 for MTP layers, "
+        "0.001 for EAGLE-3; Adam makes the loss factor nearly scale-free)"))
     steps_per_rollout: Optional[int] = field(default=None, metadata=flag(
         "--draft-steps-per-rollout", "optimiser steps of the draft per RL step: the one beside the policy's, then "
         "N-1 of the draft alone on the states of the updated policy, the one the next rollout drafts for "
