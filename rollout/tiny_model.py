@@ -90,6 +90,8 @@ def make_random_checkpoint(path, cfg=TINY_CONFIG, seed=0, std=0.02, tokenizer="c
     `std` gives peaked, varied next-token distributions (useful in tests); q/k/v biases
     and norm weights get `std` noise too, so a test sees them matter. `tokenizer=None` leaves
     the directory's tokenizer files as they are."""
+    if cfg is TINY_CONFIG and "family" in overrides:  # the family's own tiny shape (MoE, MLA)
+        cfg = tiny_config(overrides["family"])
     cfg = dataclasses.replace(cfg, **overrides)
     model = init_model(cfg, seed, std)
     with torch.no_grad():  # norm weights away from 1, so a test sees which hidden state is normed where

@@ -7,6 +7,7 @@ wrong value is one line naming the file and the key instead of a traceback insid
   otherwise and generates garbage).
 """
 from vime.errors import UserError, require
+from vime.models.families import FAMILIES
 
 # key -> smallest allowed value; every one must be a JSON integer
 POSITIVE_INT_KEYS = {
@@ -19,6 +20,12 @@ POSITIVE_FLOAT_KEYS = ("rms_norm_eps", "rope_theta")
 
 def _is_int(value):
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _latent_attention(raw):
+    """The config is of a family with multi-head latent attention (its num_key_value_heads means nothing)."""
+    archs = raw.get("architectures") or []
+    return any(f.attention == "mla" and any(a in f.architectures for a in archs) for f in FAMILIES.values())
 
 
 def check_raw_config(raw, source="config.json"):
@@ -36,7 +43,7 @@ def check_raw_config(raw, source="config.json"):
         require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
                 f"{source}: {key!r} must be a number > 0 (got {value!r}); fix config.json")
     heads, kv = raw.get("num_attention_heads"), raw.get("num_key_value_heads")
-    if _is_int(heads) and _is_int(kv) and raw.get("kv_lora_rank") is None:  # MLA has no KV heads
+    if _is_int(heads) and _is_int(kv) and not _latent_attention(raw):  # MLA has no KV heads
         require(heads % kv == 0, f"{source}: num_attention_heads {heads} must be a multiple of "
                 f"num_key_value_heads {kv}; fix config.json")
     if raw.get("head_dim") is None and _is_int(heads) and _is_int(raw.get("hidden_size")):

@@ -89,8 +89,8 @@ def _positive(raw, key, source, default):
 def check_unsupported(raw, source, arch):
     """One line for a key whose value changes the forward pass in a way vime does not implement."""
     require(raw.get("quantization_config") is None,
-            f"{source}: quantised checkpoints ({raw.get('quantization_config', {}).get('quant_method', '?')}"
-            f" with *_scale_inv tensors) are not supported; dequantise {arch} to bf16/fp32 first")
+            f"{source}: quantised checkpoints (quantization_config, *_scale_inv tensors) are not supported; "
+            f"dequantise the {arch} checkpoint to bf16/fp32 first")
     require(raw.get("hidden_act", "silu") in ACTIVATIONS,
             f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported; {arch} uses silu")
     require(raw.get("scoring_func", "sigmoid") in SCORING_FUNCS,
