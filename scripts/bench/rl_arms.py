@@ -123,7 +123,7 @@ def run_engines(args):
         rows = prompts * args.samples
         base = ["--num-rollout", args.steps, "--debug-rollout-only", "--rollout-batch-size", prompts,
                 "--n-samples-per-prompt", args.samples, "--rollout-max-batch-size", rows,
-                "--global-batch-size", rows]  # nothing is trained: any batch size divides
+                "--global-batch-size", rows, "--micro-batch-size", rows]  # nothing is trained: any size fits
         out = os.path.join(args.out, f"b{prompts}")
         results = {n: run_arm(f"engines_{n}", out, base + ["--rollout-num-workers", n] + args.extra, args.steps, args.reuse)
                    for n in (1, args.workers)}
