@@ -1,7 +1,10 @@
-"""The monkeypatches megatron-core 0.16.1 needs on CPU-only torch (the only place that has them).
+"""The monkeypatches and module fixes megatron-core 0.16.1 needs (the only place that has them).
 
-`apply_cpu_patches()` is idempotent and does nothing when CUDA is available. Each patch
-names the megatron-core call site that calls CUDA unconditionally.
+`apply_cpu_patches()` is idempotent. On CPU-only torch it applies `PATCHES`, each naming the
+megatron-core call site that calls CUDA unconditionally; everywhere it applies `MODEL_PATCHES`,
+where megatron-core's model code differs from the checkpoints' reference (DeepSeek-V3's routing)
+or fails without Transformer Engine. `latent_core_attention()` is the core attention the local
+(non-Transformer-Engine) multi-latent-attention layer needs.
 """
 import warnings
 
@@ -56,18 +59,99 @@ def _patch_rng():
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
 
+def _disable_dynamo():
+    # megatron.core.jit.jit_fuser is torch.compile, bound when `import megatron.core` imports the
+    # MoE router and experts: on CPU their first step would spend ~13 s compiling C++ kernels.
+    import torch._dynamo as dynamo
+
+    dynamo.config.disable = True
+
+
+def _patch_te_general_gemm():
+    # moe_utils names te_general_gemm only when Transformer Engine imports; the router's gating
+    # linear reads it regardless (NameError without TE).
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _patch_mla_without_te():
+    # multi_latent_attention imports megatron.core.extensions.transformer_engine, which without
+    # Transformer Engine succeeds with mock classes; MLASelfAttention.__init__ then calls
+    # isinstance(linear_proj, <mock TELinear>) and fails. Its own no-TE branch is the right one.
+    import importlib.util
+
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        mla.HAVE_TE = False
+
+
+def _group_limited_topk(scores, topk, num_tokens, num_experts, num_groups, group_topk):
+    """megatron's group_limited_topk with the checkpoints' group rank (vime.models.moe_routing)."""
+    from vime.models.moe_routing import group_limited_mask
+
+    allowed = group_limited_mask(scores, num_groups, group_topk)
+    return scores.masked_fill(~allowed, float("-inf")).topk(topk, dim=-1)
+
+
+def _patch_group_limited_topk():
+    # moe_utils.topk_routing_with_score_function ranks an expert group by the sum of its top
+    # (topk / group_topk) scores; DeepSeek-V3 and GLM-4.5 (and their engines) rank it by its top 2,
+    # which agree only when topk = 2 * group_topk (DeepSeek-V3's 8 and 4).
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    moe_utils.group_limited_topk = _group_limited_topk
+
+
 PATCHES = {
     "torch.cuda.current_device -> 'cpu'": _patch_current_device,
     "torch.cuda.synchronize -> no-op": _patch_synchronize,
     "CUDA RNG tracker -> CPU generator": _patch_rng,
+    "torch._dynamo disabled (megatron's jit_fuser would compile MoE kernels)": _disable_dynamo,
+}
+MODEL_PATCHES = {
+    "moe_utils.te_general_gemm = None without Transformer Engine": _patch_te_general_gemm,
+    "group-limited routing ranks a group by its top-2 scores": _patch_group_limited_topk,
+    "multi_latent_attention.HAVE_TE = False without Transformer Engine": _patch_mla_without_te,
 }
 
 
 def apply_cpu_patches():
-    """Apply every patch once when CUDA is absent; return the names applied so far."""
-    if torch.cuda.is_available() or _APPLIED:
+    """Apply every patch once (`PATCHES` only when CUDA is absent); return the names applied so far."""
+    if _APPLIED:
         return list(_APPLIED)
-    for name, patch in PATCHES.items():
+    patches = dict(MODEL_PATCHES) if torch.cuda.is_available() else {**PATCHES, **MODEL_PATCHES}
+    for name, patch in patches.items():
         patch()
         _APPLIED.append(name)
     return list(_APPLIED)
+
+
+class _LatentCoreAttention:
+    """Holds the class built on first use (megatron is imported after the patches)."""
+
+    cls = None
+
+
+def latent_core_attention():
+    """The local core attention for multi-latent attention: megatron's DotProductAttention taking the
+    `k_channels`/`v_channels` MLASelfAttention passes (0.16.1's local one does not), its output
+    sized by `v_channels` (the value head width, not kv_channels)."""
+    if _LatentCoreAttention.cls is not None:
+        return _LatentCoreAttention.cls
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.utils import divide
+
+    class LatentDotProductAttention(DotProductAttention):
+        """DotProductAttention whose queries/keys and values have their own head widths (MLA)."""
+
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                heads = self.config.num_attention_heads
+                self.hidden_size_per_partition = divide(v_channels * heads, self.pg_collection.tp.size())
+
+    _LatentCoreAttention.cls = LatentDotProductAttention
+    return LatentDotProductAttention

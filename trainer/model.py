@@ -36,16 +36,27 @@ def _use_transformer_engine():
     return True
 
 
-def _local_spec(qk_layernorm):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def _block_spec(config, use_transformer_engine):
+    """Per-layer specs from the config: dense and MoE layers as `moe_layer_freq` says; MLA's core
+    attention replaced where the local spec's cannot take its head widths (cpu_patches.py)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine,
+                                       normalization="RMSNorm")
+    if config.multi_latent_attention and not use_transformer_engine:
+        from trainer.cpu_patches import latent_core_attention
+
+        for layer in block.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = latent_core_attention()
+    return block
 
 
-def _te_spec(qk_layernorm):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+def _local_spec(config):
+    return _block_spec(config, use_transformer_engine=False)
 
-    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+
+def _te_spec(config):
+    return _block_spec(config, use_transformer_engine=True)
 
 
 LAYER_SPECS = {"local": _local_spec, "te": _te_spec}
@@ -66,11 +77,12 @@ def check_tensor_parallel(model_cfg, tp):
 
 
 def transformer_config(model_cfg, mtp_num_layers, tp=1, pp=1, params_dtype=torch.float32):
-    """megatron TransformerConfig of a dense model of `model_cfg`'s family (RMSNorm, RoPE, GQA, SwiGLU,
-    and the family's q/k/v bias or q/k norm)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """megatron TransformerConfig of `model_cfg` (RMSNorm, RoPE, SwiGLU; GQA with the config's q/k/v
+    bias and q/k norm, or MLA; dense MLPs, or MoE from `first_k_dense_replace` on)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    return TransformerConfig(**model_cfg.model_family.megatron_options,
+    check_trainable(model_cfg)
+    options = dict(
         num_layers=model_cfg.num_hidden_layers, hidden_size=model_cfg.hidden_size,
         ffn_hidden_size=model_cfg.intermediate_size, num_attention_heads=model_cfg.num_attention_heads,
         num_query_groups=model_cfg.num_key_value_heads, kv_channels=model_cfg.head_dim,
@@ -82,7 +94,75 @@ def transformer_config(model_cfg, mtp_num_layers, tp=1, pp=1, params_dtype=torch
         pipeline_model_parallel_size=pp, mtp_num_layers=mtp_num_layers or None,
         mtp_loss_scaling_factor=0.0, use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+        add_qkv_bias=model_cfg.qkv_bias, qk_layernorm=model_cfg.qk_norm,
     )
+    if model_cfg.moe is not None:
+        options.update(moe_options(model_cfg))
+    if model_cfg.mla is not None:
+        options.update(mla_options(model_cfg))
+        return MLATransformerConfig(**options)
+    return TransformerConfig(**options)
+
+
+def moe_options(model_cfg):
+    """TransformerConfig options of the MoE layers (SequentialMLP experts, allgather dispatch: what
+    runs without Transformer Engine on CPU; the router's sigmoid + expert bias + group-limited choice
+    as vime.models.moe_routing does it)."""
+    moe = model_cfg.moe
+    grouped = moe.n_group > 1
+    return dict(
+        num_moe_experts=moe.n_routed_experts, moe_ffn_hidden_size=moe.moe_intermediate_size,
+        moe_router_topk=moe.num_experts_per_tok, moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True, moe_router_pre_softmax=False,
+        moe_router_num_groups=moe.n_group if grouped else None,
+        moe_router_group_topk=moe.topk_group if grouped else None,
+        moe_router_topk_scaling_factor=moe.routed_scaling_factor, moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_shared_expert_intermediate_size=(moe.n_shared_experts * moe.moe_intermediate_size
+                                             if moe.n_shared_experts else None),
+        moe_shared_expert_overlap=False, moe_layer_freq=[int(moe.is_moe_layer(i))
+                                                         for i in range(model_cfg.num_hidden_layers)],
+        moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_permute_fusion=False,
+    )
+
+
+def mla_options(model_cfg):
+    """MLATransformerConfig options: the latent sizes, and YaRN (with its mscale) or plain RoPE."""
+    mla, yarn = model_cfg.mla, model_cfg.rope_yarn
+    options = dict(
+        multi_latent_attention=True, q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_nope_head_dim, qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
+        rotary_base=model_cfg.rope_theta, add_qkv_bias=False,
+        qk_layernorm=True,  # MLA's q/kv latent norms (q_a_layernorm, kv_a_layernorm)
+        rope_type="rope" if yarn is None else "yarn", apply_rope_fusion=False,
+    )
+    if yarn is not None:
+        options.update(rotary_scaling_factor=yarn.factor,
+                       original_max_position_embeddings=yarn.original_max_position_embeddings,
+                       beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow, mscale=yarn.mscale,
+                       mscale_all_dim=yarn.mscale_all_dim)
+    return options
+
+
+def check_trainable(model_cfg):
+    """One line for a MoE / MLA variant the engine runs but megatron-core's layers cannot express."""
+    moe, mla, yarn = model_cfg.moe, model_cfg.mla, model_cfg.rope_yarn
+    what = f"the trainer (megatron-core) cannot train this {model_cfg.model_family.architectures[0]} checkpoint"
+    if moe is not None:
+        require(moe.norm_topk_prob and moe.num_experts_per_tok > 1,
+                f"{what}: its router must normalise the top-k weights (norm_topk_prob true, "
+                f"num_experts_per_tok > 1; got {moe.norm_topk_prob}, {moe.num_experts_per_tok})")
+        require(moe.first_k_dense_replace < model_cfg.num_hidden_layers,
+                f"{what}: first_k_dense_replace {moe.first_k_dense_replace} leaves no MoE layer, but the MTP "
+                "layers are built like the last decoder layer")
+    if mla is not None:
+        require(mla.rope_interleave, f"{what}: megatron's MLA rotates interleaved rope channels (rope_interleave "
+                "true, as DeepSeek-V3 stores them)")
+    if yarn is not None:
+        require(mla is not None, f"{what}: megatron applies YaRN only with multi-latent attention")
+        require(yarn.attention_factor is None and yarn.truncate,
+                f"{what}: megatron's YaRN derives the attention factor from mscale/mscale_all_dim and rounds the "
+                "ramp ends; drop attention_factor and truncate from rope_scaling")
 
 
 def _import_gpt_model():
@@ -219,13 +299,14 @@ def build_model(model_cfg, mtp_num_layers, tp=1, pp=1, seed=1234, params_dtype=t
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     config = transformer_config(model_cfg, mtp_num_layers, tp, pp, params_dtype)
     name = spec_name()
-    layer_spec = LAYER_SPECS[name](model_cfg.model_family.qk_norm)
+    layer_spec = LAYER_SPECS[name](config)
     mtp_spec = (get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=name == "te")
                 if mtp_num_layers else None)
     model = _vime_gpt_model_class()(
         config=config, transformer_layer_spec=layer_spec, vocab_size=model_cfg.vocab_size,
         max_sequence_length=model_cfg.max_position_embeddings, mtp_block_spec=mtp_spec,
-        position_embedding_type="rope", rotary_base=model_cfg.rope_theta, rotary_percent=1.0,
+        position_embedding_type="rope", rotary_base=model_cfg.rope_theta,
+        rotary_percent=model_cfg.partial_rotary_factor,
         share_embeddings_and_output_weights=model_cfg.tie_word_embeddings, family=model_cfg.model_family,
     )
     # megatron creates most parameters in params_dtype; the norms' weights come from torch

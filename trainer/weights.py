@@ -2,12 +2,13 @@
 
 Sharding follows megatron's parameter attributes (`tensor_model_parallel`, `partition_dim`);
 the one exception is `linear_fc1`, whose rows are [gate; up] on *every* rank, so each half
-is split separately. Names go through vime/models/megatron_names.py.
+is split separately. Names go through vime/models/megatron_names.py. Besides the parameters, the
+buffers that are checkpoint weights (the MoE router's expert bias) move too.
 """
 import torch
 import torch.distributed as dist
 
-from vime.models.megatron_names import hf_to_megatron, megatron_to_hf
+from vime.models.megatron_names import hf_to_megatron, is_synced_buffer, megatron_to_hf
 from trainer.distributed import tp_group, tp_rank_and_size
 
 _PER_HALF = ("mlp.linear_fc1.weight",)  # [gate; up] stacked within each TP shard
@@ -46,17 +47,23 @@ def gather(name, param):
     return torch.cat(parts, dim=dim)
 
 
+def named_weight_tensors(model):
+    """(megatron name, tensor) of every parameter and every buffer that is a checkpoint weight."""
+    yield from model.named_parameters()
+    yield from ((n, b) for n, b in model.named_buffers() if is_synced_buffer(n))
+
+
 @torch.no_grad()
 def load_hf_state(model, hf_state, model_cfg):
-    """Copy canonical HF tensors into every parameter of `model` (this rank's shards)."""
+    """Copy canonical HF tensors into every weight of `model` (this rank's shards)."""
     tp_rank, tp = tp_rank_and_size()
-    for name, param in model.named_parameters():
+    for name, param in named_weight_tensors(model):
         full = hf_to_megatron(name, hf_state, model_cfg)
         param.copy_(shard(name, full, param, tp_rank, tp).to(param.dtype))
 
 
 @torch.no_grad()
 def named_hf_weights(model, model_cfg):
-    """Yield (canonical HF name, full tensor) for every parameter, trunk and MTP, gathered over TP."""
-    for name, param in model.named_parameters():
+    """Yield (canonical HF name, full tensor) for every weight, trunk and MTP, gathered over TP."""
+    for name, param in named_weight_tensors(model):
         yield from megatron_to_hf(name, gather(name, param), model_cfg)

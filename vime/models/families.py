@@ -99,11 +99,6 @@ class ModelFamily:
             names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
         return tuple(names)
 
-    @property
-    def megatron_options(self):
-        """The megatron-core TransformerConfig / layer-spec options of this trunk."""
-        return {"add_qkv_bias": self.qkv_bias, "qk_layernorm": self.qk_norm}
-
 
 FAMILIES = {
     "qwen3": ModelFamily(
@@ -229,13 +224,20 @@ def from_canonical(state, layout, num_hidden_layers, num_mtp_layers):
     return _rename_mtp(state, CANONICAL_LAYOUT, _as_layout(layout), num_hidden_layers, num_mtp_layers)
 
 
-# canonical names of an external draft's tensors on the weight-sync wire: "eagle3.fc.weight", ...
-DRAFT_PREFIX = "eagle3."
+# canonical names of an external draft's tensors on the weight-sync wire: "<method>.<checkpoint name>"
+DRAFT_PREFIX = "eagle3."  # an EAGLE-3 draft's: "eagle3.fc.weight", ...
+DFLASH_PREFIX = "dflash."  # a DFlash draft's: "dflash.layers.0.self_attn.q_proj.weight", ...
+EXTERNAL_DRAFT_PREFIXES = (DRAFT_PREFIX, DFLASH_PREFIX)
+
+
+def external_draft_prefix(name):
+    """The wire prefix of an external draft's tensor `name` ("eagle3.", "dflash."), or None."""
+    return next((p for p in EXTERNAL_DRAFT_PREFIXES if name.startswith(p)), None)
 
 
 def is_draft_name(name, num_hidden_layers):
-    """True for a tensor of the draft: an MTP layer's, or an external draft's (`DRAFT_PREFIX`)."""
-    return name.startswith(DRAFT_PREFIX) or is_mtp_name(name, num_hidden_layers)
+    """True for a tensor of the draft: an MTP layer's, or an external draft's (`EXTERNAL_DRAFT_PREFIXES`)."""
+    return external_draft_prefix(name) is not None or is_mtp_name(name, num_hidden_layers)
 
 
 def is_mtp_name(name, num_hidden_layers):

@@ -8,6 +8,12 @@ q/k/v bias has `linear_qkv.bias`: megatron's own parameter list says which entri
 Megatron fuses q/k/v into `linear_qkv` (rows per query group: [q heads of the group, k, v])
 and gate/up into `linear_fc1` (rows: [gate; up]). MTP layer k lives under
 `mtp.layers.{k}` with its decoder layer in the submodule named `MTP_INNER_LAYER`.
+
+Multi-latent attention (DeepSeek-V3) has its own projections (`MLA_LAYER`; its q/kv latent norms
+take the `q_layernorm`/`kv_layernorm` slots), and a mixture-of-experts layer (SequentialMLP) its
+router, per-expert `local_experts.{e}` MLPs and shared experts (`MOE_LAYER`, `EXPERT`); the
+router's `expert_bias` is a buffer, not a parameter (`SYNCED_BUFFERS`), and it is the
+checkpoints' `e_score_correction_bias`.
 """
 import re
 
@@ -35,12 +41,38 @@ LAYER = {  # decoder-layer suffix, megatron -> HF (1:1 renames)
     "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
 }
 
+MLA_LAYER = {  # multi-latent attention, megatron -> HF (1:1 renames); replaces the GQA attention names
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    # the Transformer-Engine spec fuses the latent norms into the up projections
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",
+}
+ATTENTION_LAYERS = {"gqa": {}, "mla": MLA_LAYER}  # per attention kind: renames that override LAYER
+
+MOE_LAYER = {  # router and shared experts, megatron -> HF (1:1 renames)
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight",
+}
+# buffers that are weights of the checkpoint (synced, converted): the aux-loss-free routing bias
+SYNCED_BUFFERS = ("mlp.router.expert_bias",)
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+
 FUSED = {  # decoder-layer suffix, megatron -> (fusion kind, HF parts in order)
     "self_attention.linear_qkv.weight": ("qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                                   "self_attn.v_proj.weight")),
     "self_attention.linear_qkv.bias": ("qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
                                                 "self_attn.v_proj.bias")),
     "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    "mlp.shared_experts.linear_fc1.weight": ("gate_up", ("mlp.shared_experts.gate_proj.weight",
+                                                          "mlp.shared_experts.up_proj.weight")),
 }
 
 MTP_OWN = {  # MTP-layer suffix, megatron -> HF
@@ -54,23 +86,39 @@ _DECODER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 
 
-def _layer_targets(suffix, hf_prefix):
+def _expert_targets(suffix, hf_prefix):
+    """(fusion kind or None, HF names) of one routed expert's linear, or None for another suffix."""
+    m = _EXPERT.match(suffix)
+    if not m:
+        return None
+    expert = f"{hf_prefix}mlp.experts.{m.group(1)}."
+    if m.group(2) == "linear_fc1":  # rows [gate; up], as the dense MLP's
+        return "gate_up", (expert + "gate_proj.weight", expert + "up_proj.weight")
+    return None, (expert + "down_proj.weight",)
+
+
+def _layer_targets(suffix, hf_prefix, attention):
     """(fusion kind or None, HF names) of a decoder-layer suffix."""
-    if suffix in LAYER:
-        return None, (hf_prefix + LAYER[suffix],)
+    renames = {**LAYER, **MOE_LAYER, **ATTENTION_LAYERS[attention]}
+    if suffix in renames:
+        return None, (hf_prefix + renames[suffix],)
     if suffix in FUSED:
         kind, parts = FUSED[suffix]
         return kind, tuple(hf_prefix + p for p in parts)
+    expert = _expert_targets(suffix, hf_prefix)
+    if expert is not None:
+        return expert
     raise KeyError(suffix)
 
 
-def hf_targets(megatron_name, num_hidden_layers):
-    """(fusion kind or None, canonical HF names) a megatron parameter name maps to."""
+def hf_targets(megatron_name, num_hidden_layers, attention="gqa"):
+    """(fusion kind or None, canonical HF names) a megatron parameter (or synced buffer) name maps to;
+    `attention`: "gqa" or "mla" (a family's `attention`)."""
     if megatron_name in TOP_LEVEL:
         return None, (TOP_LEVEL[megatron_name],)
     m = _DECODER.match(megatron_name)
     if m:
-        return _layer_targets(m.group(2), f"model.layers.{m.group(1)}.")
+        return _layer_targets(m.group(2), f"model.layers.{m.group(1)}.", attention)
     m = _MTP.match(megatron_name)
     if m:
         hf_prefix = f"model.layers.{num_hidden_layers + int(m.group(1))}."
@@ -79,7 +127,7 @@ def hf_targets(megatron_name, num_hidden_layers):
             return None, (hf_prefix + MTP_OWN[suffix],)
         inner = MTP_INNER_LAYER + "."
         if suffix.startswith(inner):
-            return _layer_targets(suffix[len(inner):], hf_prefix)
+            return _layer_targets(suffix[len(inner):], hf_prefix, attention)
     raise KeyError(f"no HF name for megatron parameter {megatron_name}")
 
 
@@ -111,9 +159,18 @@ def _split(kind, tensor, cfg):
     return tuple(t.contiguous() for t in tensor.chunk(2, dim=0))
 
 
+def _attention(cfg):
+    return "mla" if cfg.mla is not None else "gqa"
+
+
+def is_synced_buffer(megatron_name):
+    """True for a megatron buffer that is a checkpoint weight (see SYNCED_BUFFERS)."""
+    return megatron_name.endswith(SYNCED_BUFFERS)
+
+
 def megatron_to_hf(name, tensor, cfg):
     """[(canonical HF name, tensor)] for one full megatron tensor. cfg: a ModelConfig."""
-    kind, targets = hf_targets(name, cfg.num_hidden_layers)
+    kind, targets = hf_targets(name, cfg.num_hidden_layers, _attention(cfg))
     if kind is None:
         return [(targets[0], tensor)]
     return list(zip(targets, _split(kind, tensor, cfg)))
@@ -121,7 +178,7 @@ def megatron_to_hf(name, tensor, cfg):
 
 def hf_to_megatron(name, hf_state, cfg):
     """The full megatron tensor for megatron parameter `name`, built from canonical HF tensors."""
-    kind, targets = hf_targets(name, cfg.num_hidden_layers)
+    kind, targets = hf_targets(name, cfg.num_hidden_layers, _attention(cfg))
     missing = [t for t in targets if t not in hf_state]
     if missing:
         raise KeyError(f"HF tensor {missing[0]} (for megatron {name}) is missing")
