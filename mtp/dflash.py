@@ -34,6 +34,7 @@ from torch import nn
 
 from mtp.blocks import SwiGLU
 from mtp.eagle3 import Norm, rotate
+from mtp.loss import MTP_LOSSES
 
 
 @dataclass(frozen=True)
@@ -225,23 +226,30 @@ def block_logits(draft, aux_hidden, tokens, anchors, keep, embed_weight, head_we
 
 
 def block_loss(draft, aux_hidden, tokens, loss_mask, embed_weight, head_weight, num_anchors, gamma=None,
-               generator=None):
-    """DFlash's training objective on whole sequences: (weighted mean cross-entropy, per-slot mean CE [S-1]).
+               generator=None, loss_type="ce", policy_logits=None, temperature=1.0, topk=0):
+    """DFlash's training objective on whole sequences: (weighted mean loss, per-slot mean loss [S-1]).
 
     Blocks anchored at random positions of the responses (`sample_anchors`), each slot i >= 1
-    predicting token anchor+i where loss_mask marks it, weighted by exp(-(i-1)/gamma)."""
+    predicting token anchor+i where loss_mask marks it, weighted by exp(-(i-1)/gamma).
+    `loss_type` names a per-position loss of mtp/loss.py's `MTP_LOSSES`: `ce` against the true
+    token, or a distillation loss (`soft_ce`, `tv`) against the target's own distribution of that
+    token: `policy_logits` [B, T, V] at position anchor+i-1 (its next-token logits), detached."""
     s = draft.cfg.block_size
     gamma = default_gamma(s) if gamma is None else gamma
     anchors, keep = sample_anchors(loss_mask, num_anchors, generator)
     logits, positions = block_logits(draft, aux_hidden, tokens, anchors, keep, embed_weight, head_weight)
     t = tokens.shape[1]
     inside = positions < t
-    targets = tokens.gather(1, positions.clamp(max=t - 1))
-    learn = loss_mask.gather(1, positions.clamp(max=t - 1)).float() * inside * keep.repeat_interleave(s, 1)
-    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(learn)
+    at = positions.clamp(max=t - 1)
+    targets = tokens.gather(1, at)
+    learn = loss_mask.gather(1, at).float() * inside * keep.repeat_interleave(s, 1)
+    policy = None
+    if policy_logits is not None:  # row r of the policy's logits is its distribution of token r + 1
+        policy = policy_logits[torch.arange(tokens.shape[0], device=tokens.device)[:, None], (at - 1).clamp(min=0)]
+    per_position = MTP_LOSSES[loss_type](logits.float(), targets, policy, temperature, topk)
     weights = position_weights(s, gamma, tokens.device).repeat(anchors.shape[1])[None] * learn
-    loss = (ce * weights).sum() / weights.sum().clamp(min=1e-9)
+    loss = (per_position * weights).sum() / weights.sum().clamp(min=1e-9)
     b, n = anchors.shape
     slot_learn = learn.view(b, n, s)[..., 1:]
-    per_slot = (ce.view(b, n, s)[..., 1:] * slot_learn).sum((0, 1)) / slot_learn.sum((0, 1)).clamp(min=1)
+    per_slot = (per_position.view(b, n, s)[..., 1:] * slot_learn).sum((0, 1)) / slot_learn.sum((0, 1)).clamp(min=1)
     return loss, per_slot

@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""Export the EAGLE-3 draft an online run trained (--enable-draft-training) as a directory vLLM serves.
+"""Export the external draft an online run trained (--enable-draft-training) as a directory vLLM serves.
 
-    python scripts/export_eagle3_draft.py --load SAVE_DIR --out DIR
+    python scripts/export_draft.py --load SAVE_DIR --out DIR
 
 SAVE_DIR is a run's --save directory (its latest checkpoint is read) or one iteration of it
-(`SAVE_DIR/iter_0000002`: the draft of that step). DIR then loads, unchanged,
-with `vllm.LLM(model=TARGET, speculative_config={"method": "eagle3", "model": DIR, ...})`, TARGET
-being the policy of the same checkpoint exported with checkpoint_convert.torch_dist_to_hf.
+(`SAVE_DIR/iter_0000002`: the draft of that step). The draft is written in its kind's format
+(EAGLE-3: `LlamaForCausalLMEagle3`; DFlash: `DFlashDraftModel`), so DIR loads, unchanged, with
+`vllm.LLM(model=TARGET, speculative_config={"method": KIND, "model": DIR, ...})`, TARGET being the
+policy of the same checkpoint exported with checkpoint_convert.torch_dist_to_hf.
 """
 import argparse
 import os
@@ -19,7 +20,10 @@ import torch  # noqa: E402
 from trainer.drafts import DRAFT_STATE_FILE, saved_draft_state_file  # noqa: E402
 from vime.checkpointing import check_loadable  # noqa: E402
 from vime.errors import UserError, exit_on_user_error, require  # noqa: E402
-from vime.models.eagle3 import save_draft  # noqa: E402
+from vime.models import dflash, eagle3  # noqa: E402
+
+# a draft kind -> the writer of its directory format (vime/models/<kind>.py)
+DRAFT_WRITERS = {"eagle3": eagle3.save_draft, "dflash": dflash.save_draft}
 
 
 def one_iteration(path):
@@ -50,10 +54,11 @@ def main(argv=None):
     require(file is not None, f"--load {args.load}: step {step} holds no external draft ({DRAFT_STATE_FILE}); "
             "the run was not trained with --enable-draft-training")
     state = torch.load(file, map_location="cpu", weights_only=False)
-    require(state.get("kind", "eagle3") == "eagle3",
-            f"--load {args.load}: step {step} holds a {state.get('kind')} draft, not an EAGLE-3 one")
-    save_draft(args.out, state["config"], state["draft"])
-    print(f"saved {args.out} (the draft at step {step})")
+    kind = state.get("kind", "eagle3")  # the legacy file held an EAGLE-3 draft
+    require(kind in DRAFT_WRITERS, f"--load {args.load}: step {step} holds a {kind} draft, which has no directory "
+            f"format of its own (exported kinds: {', '.join(DRAFT_WRITERS)})")
+    DRAFT_WRITERS[kind](args.out, state["config"], state["draft"])
+    print(f"saved {args.out} (the {kind} draft at step {step})")
 
 
 if __name__ == "__main__":

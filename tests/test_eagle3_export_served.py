@@ -4,7 +4,7 @@ what the run logged (slow: a 3-step run on the vLLM backend, then a second vLLM 
 The run (--enable-draft-training, --rollout-backend vllm) evaluates the held-out prompts greedily
 (--eval-temperature 0) at its last step, with the policy and the draft of step 2 that the trainer
 synced into vLLM in place, and saves that step (--save-interval 2). Step 2's policy
-(checkpoint_convert.torch_dist_to_hf) and draft (scripts/export_eagle3_draft.py) are then served by
+(checkpoint_convert.torch_dist_to_hf) and draft (scripts/export_draft.py) are then served by
 `vllm.LLM(model=POLICY, speculative_config={"method": "eagle3", "model": DRAFT, ...})` on the same
 prompts, greedy, and vLLM's own spec-decode counters (`llm.get_metrics()`) are read.
 
@@ -50,7 +50,7 @@ def trained(tmp_path_factory):
          "--save-interval", str(STEPS - 1), "--output-dir", str(tmp / "run"), "--progress", "false"], timeout=1500)
     metrics = [json.loads(line) for line in open(tmp / "run" / "metrics.jsonl")]
     iteration = str(tmp / "save" / f"iter_{STEPS - 1:07d}")  # the weights the last step evaluated
-    run([sys.executable, "scripts/export_eagle3_draft.py", "--load", iteration, "--out", str(tmp / "draft")], 300)
+    run([sys.executable, "scripts/export_draft.py", "--load", iteration, "--out", str(tmp / "draft")], 300)
     run([sys.executable, "-m", "checkpoint_convert.torch_dist_to_hf", "--input-dir", iteration,
          "--output-dir", str(tmp / "policy"), "--origin-hf-dir", TARGET], 300)
     return metrics[-1], str(tmp / "policy"), str(tmp / "draft")

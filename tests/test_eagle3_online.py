@@ -2,7 +2,7 @@
 rollouts accepts more drafts on held-out prompts than the same draft left frozen (the control arm),
 measured by the embedded engine's speculative decoding. End to end on both backends (real Ray,
 megatron-core, vLLM): after every sync the rollout's draft equals the trainer's, and
-`scripts/export_eagle3_draft.py` writes exactly the checkpoint's draft as a directory the engines load.
+`scripts/export_draft.py` writes exactly the checkpoint's draft as a directory the engines load.
 All slow: the online loop trains for minutes on two cores.
 """
 import json
@@ -119,7 +119,7 @@ def test_the_online_draft_reaches_the_rollout_every_step_and_exports(tmp_path, b
         assert m["weight_sync/draft_checksum"] == m["weight_sync/worker_draft_checksum"]
         assert m["weight_sync/draft_stale"] == 0
     out = tmp_path / "exported"
-    proc = subprocess.run([sys.executable, "scripts/export_eagle3_draft.py", "--load", save, "--out", str(out)],
+    proc = subprocess.run([sys.executable, "scripts/export_draft.py", "--load", save, "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     from trainer.drafts import saved_draft_state_file

@@ -1,11 +1,14 @@
-"""Both draft kinds (MTP layers, an external EAGLE-3 draft) train through the Trainer's one step loop:
-each kind's loss equals its own formula recomputed by an independent implementation (the embedded
-engine's model, cache-free), the policy's loss, gradients and update are bit-identical with and
-without the draft, and a shared knob left unset takes the kind's own default."""
+"""Every draft kind (MTP layers, external EAGLE-3 and DFlash drafts) trains through the Trainer's one
+step loop: each kind's loss equals its own formula recomputed by an independent implementation (the
+embedded engine's model or transformers, cache-free), the policy's loss, gradients and update are
+bit-identical with and without the draft, and a shared knob left unset takes the kind's own default."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from dflash_fixtures import reference_block_logits
 from eagle3_fixtures import random_draft, reference_ttt_losses
 from fp32_bounds import reduction_rtol
 from mtp_oracles import reference_mtp_hidden
@@ -15,6 +18,8 @@ from trainer.config import TrainerConfig
 from trainer.drafts import DRAFT_TRAINERS
 from trainer.trainer import Trainer
 from trainer_fixtures import make_batch, make_tiny
+from mtp.dflash import DFlashDraft, default_gamma
+from vime.models import dflash as dflash_format
 from vime.models.eagle3 import save_draft
 from vime.models.hf_format import load_hf_checkpoint, read_config
 
@@ -39,14 +44,32 @@ def eagle3_pair(tmp_path_factory):
     return target, path, draft
 
 
+@pytest.fixture(scope="module")
+def dflash_pair(tmp_path_factory):
+    """A 3-layer Qwen2 target and a random two-layer DFlash draft (blocks of TTT_STEPS + 1) reading the
+    outputs of its layers 0 and 1 (below the last, whose transformers state is after the final norm)."""
+    target = str(tmp_path_factory.mktemp("drafts_dflash_target"))
+    make_tiny(target, seed=1, family="qwen2", num_nextn_predict_layers=0, num_hidden_layers=3)
+    torch.manual_seed(3)
+    cfg = dflash_format.draft_config_for_target(read_config(target), num_layers=2, block_size=TTT_STEPS + 1,
+                                                target_layer_ids=(0, 1))
+    draft = DFlashDraft(cfg)
+    with torch.no_grad():
+        for p in draft.parameters():  # norms perturbed too, so that each matters
+            p.normal_(0, 0.05) if p.dim() == 2 else p.add_(torch.randn(p.shape) * 0.3)
+    path = str(tmp_path_factory.mktemp("drafts_dflash"))
+    dflash_format.save_draft(path, cfg, draft.state_dict())
+    return target, path
+
+
 @pytest.fixture(params=sorted(DRAFT_TRAINERS))
-def kind(request, mtp_target, eagle3_pair):
+def kind(request, mtp_target, eagle3_pair, dflash_pair):
     """(kind, target checkpoint, the TrainerConfig settings that train that kind)."""
     if request.param == "mtp":
         return "mtp", mtp_target, dict(enable_mtp_training=True)
-    target, draft_dir, _ = eagle3_pair
-    spec = parse_spec_config({"method": "eagle3", "model": draft_dir, "num_speculative_tokens": TTT_STEPS})
-    return "eagle3", target, dict(enable_draft_training=True, speculative_config=spec)
+    target, draft_dir = (eagle3_pair[:2] if request.param == "eagle3" else dflash_pair)
+    spec = parse_spec_config({"method": request.param, "model": draft_dir, "num_speculative_tokens": TTT_STEPS})
+    return request.param, target, dict(enable_draft_training=True, speculative_config=spec)
 
 
 def engine_model(target):
@@ -80,11 +103,50 @@ def loss_tolerance(target, expected):
     return reduction_rtol(longest, 4 * cfg.num_hidden_layers + 13) * max(1.0, abs(expected))
 
 
+def reference_dflash_losses(target, draft_dir, tokens, loss_mask, weigh=True):
+    """DFlash's block objective from its definition, every block recomputed from scratch on transformers'
+    states (dflash_fixtures): a block at every anchor a >= 1 whose next token is a response token, slot
+    i >= 1 predicting token a+i where it is a response token, cross-entropy weighted by exp(-(i-1)/gamma).
+    Returns (weighted mean over all slots of the batch, per-slot mean [k]); weigh=False: every slot weighs 1."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
+    with open(os.path.join(draft_dir, "config.json")) as f:
+        cfg = json.load(f)
+    state = load_file(os.path.join(draft_dir, "model.safetensors"))
+    size = cfg["block_size"]
+    gamma = default_gamma(size) if weigh else float("inf")
+    weighted, weights = 0.0, 0.0
+    slot_sum, slot_count = [0.0] * (size - 1), [0] * (size - 1)
+    for b in range(tokens.shape[0]):
+        ids, mask = tokens[b].tolist(), loss_mask[b].tolist()
+        for a in range(1, len(ids) - 1):
+            if not mask[a + 1]:
+                continue
+            logits = reference_block_logits(model, state, cfg, ids[:a + 1])
+            for i in range(1, size):
+                if a + i < len(ids) and mask[a + i]:
+                    ce = float(F.cross_entropy(logits[i], torch.tensor(ids[a + i])))
+                    w = math.exp(-(i - 1) / gamma)
+                    weighted, weights = weighted + w * ce, weights + w
+                    slot_sum[i - 1] += ce
+                    slot_count[i - 1] += 1
+    return weighted / weights, [x / max(n, 1) for x, n in zip(slot_sum, slot_count)]
+
+
 def test_each_kind_trains_through_the_one_step_loop_on_its_own_loss_formula(kind, eagle3_pair):
     name, target, settings = kind
     batch = make_batch(n=3)
     # the whole batch in one micro-batch: EAGLE-3's loss is a mean per micro-batch
     trainer = Trainer(TrainerConfig(micro_batch_size=0, draft_steps_per_rollout=2, **settings), target)
+    if name == "dflash":  # a block at every anchor the responses offer: the objective with no sampling left
+        trainer.draft.anchors_per_sequence = batch.tokens.shape[1]
+        losses = []
+        trainer.draft.loss = lambda inputs, own=trainer.draft.loss: losses.append(own(inputs)) or losses[-1]
     metrics = trainer.train_step(batch)  # the reported losses are the joint step's, before it moved anything
     model = engine_model(target)
     if name == "mtp":
@@ -95,6 +157,16 @@ def test_each_kind_trains_through_the_one_step_loop_on_its_own_loss_formula(kind
         other = reference_mtp_loss(model, batch, mask_of=lambda m, t: m[t + 2])
         assert abs(other - want) > loss_tolerance(target, other)
         assert abs(got - want) <= loss_tolerance(target, want)
+    elif name == "dflash":
+        draft_dir = settings["speculative_config"].model
+        want, per_slot = reference_dflash_losses(target, draft_dir, batch.tokens, batch.loss_mask)
+        assert abs(float(losses[0][0].detach()) - want) <= loss_tolerance(target, want)
+        for slot, want_slot in enumerate(per_slot, start=1):
+            assert abs(metrics[f"train/draft_{slot}_loss"] - want_slot) <= loss_tolerance(target, want_slot), slot
+        # negative control: the same slots unweighted give another loss
+        unweighted, _ = reference_dflash_losses(target, draft_dir, batch.tokens, batch.loss_mask, weigh=False)
+        assert abs(unweighted - want) > loss_tolerance(target, want)
+        assert metrics["train/draft_grad_norm"] > 0
     else:
         wants = reference_ttt_losses(model, eagle3_pair[2], batch.tokens, batch.loss_mask, TTT_STEPS)
         for step, want in enumerate(wants, start=1):

@@ -20,7 +20,7 @@ import torch
 
 from rollout.vllm import worker as vllm_worker
 from vime import weight_sync
-from vime.models.families import DRAFT_PREFIX, is_draft_name, is_mtp_name, to_canonical
+from vime.models.families import EXTERNAL_DRAFT_PREFIXES, is_draft_name, is_mtp_name, to_canonical
 from vime.models.vllm_names import checkpoint_names, update_rounds
 from vime.precision import dtype_name
 
@@ -42,7 +42,7 @@ class ServedWeights:
     # ---------------------------------------------------------------- loading in place
     def load(self, named_tensors):
         """Reload the sent canonical tensors into vLLM: trunk into the target, MTP (or an external
-        EAGLE-3 draft's tensors, sent as `eagle3.<checkpoint name>`) into the drafter."""
+        draft's tensors, sent as `eagle3.<checkpoint name>` / `dflash.<checkpoint name>`) into the drafter."""
         canonical = {name: t.detach().to(self.dtype).clone() for name, t in named_tensors}  # as sent: bf16 under --bf16
         for kind, named in update_rounds(canonical, self.layout, self.num_layers, self.num_mtp, self.has_draft):
             self._reload(named, draft=kind != "target")
@@ -54,9 +54,10 @@ class ServedWeights:
         self.read_back()
 
     def note_round(self, kind, shapes):
-        """An external draft's tensors are read back under their wire names: their shapes unpack them."""
-        if kind == "external":
-            self.shapes.update({DRAFT_PREFIX + k: shape for k, shape in shapes.items()})
+        """An external draft's tensors (a round named by their wire prefix) are read back under their
+        wire names: their shapes unpack them."""
+        if kind in EXTERNAL_DRAFT_PREFIXES:
+            self.shapes.update({kind + k: shape for k, shape in shapes.items()})
 
     def _reload(self, named, draft):
         from safetensors.torch import save_file

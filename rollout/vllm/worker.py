@@ -99,7 +99,7 @@ def read_back(worker, draft, sent_shapes, layout, num_hidden_layers, num_mtp_lay
 
     found = {}
     for name, param in _model(worker, draft).named_parameters():
-        ckpt = draft_to_checkpoint_name(name, num_hidden_layers) if draft else name
+        ckpt = draft_to_checkpoint_name(name, num_hidden_layers, sent_shapes) if draft else name
         if ckpt is None:
             continue
         for ckpt_name, tensor in unpack(ckpt, param.detach().float().cpu(), sent_shapes):
@@ -122,7 +122,7 @@ def digest_back(worker, draft, sent_shapes, layout, num_hidden_layers, num_mtp_l
 
     found = {}
     for name, param in _model(worker, draft).named_parameters():
-        ckpt = draft_to_checkpoint_name(name, num_hidden_layers) if draft else name
+        ckpt = draft_to_checkpoint_name(name, num_hidden_layers, sent_shapes) if draft else name
         if ckpt is not None:
             found.update(unpack(ckpt, param.detach().cpu().to(getattr(torch, dtype)), sent_shapes))
     if layout and num_mtp_layers:

@@ -5,11 +5,12 @@
 (--enable-draft-training). Adding a kind is a file and a line here.
 """
 from trainer.drafts.base import DRAFT_STATE_FILE, DraftKnobs, DraftTrainer, load_draft_state, save_draft_state, saved_draft_state_file
+from trainer.drafts.dflash import DFlashDraftTrainer
 from trainer.drafts.eagle3 import Eagle3DraftTrainer
 from trainer.drafts.mtp import MTPDraftTrainer
 from vime.errors import require
 
-DRAFT_TRAINERS = {"mtp": MTPDraftTrainer, "eagle3": Eagle3DraftTrainer}
+DRAFT_TRAINERS = {"mtp": MTPDraftTrainer, "eagle3": Eagle3DraftTrainer, "dflash": DFlashDraftTrainer}
 EXTERNAL_EXAMPLE = '\'{"method":"eagle3","model":DRAFT_DIR,"num_speculative_tokens":3}\''
 
 __all__ = ["DRAFT_STATE_FILE", "DRAFT_TRAINERS", "DraftTrainer", "build_draft", "check_draft_config", "draft_kind",
@@ -41,6 +42,7 @@ def check_draft_config(cfg):
     """A TrainerConfig's draft flags, checked before any trainer starts: the kind, then its knobs."""
     kind = draft_kind(cfg)
     if kind is not None:
+        DRAFT_TRAINERS[kind].check_config(cfg)
         DraftKnobs.resolve(kind, DRAFT_TRAINERS[kind].DEFAULTS, cfg.draft_lr, cfg.draft_steps_per_rollout,
                            cfg.draft_replay_batches)
 

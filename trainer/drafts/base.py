@@ -57,10 +57,15 @@ class DraftTrainer(abc.ABC):
     DEFAULTS = None  # DraftKnobs: this kind's value of each shared knob left unset
 
     def __init__(self, cfg):
+        self.check_config(cfg)
         self.cfg = cfg
         self.knobs = DraftKnobs.resolve(self.kind, self.DEFAULTS, cfg.draft_lr, cfg.draft_steps_per_rollout,
                                         cfg.draft_replay_batches)
         self.optimizer = None  # the optimizer that steps the draft's parameters (see `param_groups`)
+
+    @classmethod
+    def check_config(cls, cfg):
+        """Refuse (one line) a TrainerConfig setting this kind cannot honour; run before any trainer starts."""
 
     # ---- parameters and optimizer ----------------------------------------------------
     def param_groups(self):

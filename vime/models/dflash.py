@@ -18,11 +18,12 @@ from mtp.dflash import DFlashConfig
 from vime.errors import UserError, require
 from vime.models.draft_dir import (check_target_gives_what_drafts_read, read_draft_json, read_draft_tensors,
                                    write_draft_dir)
+from vime.models.families import DFLASH_PREFIX
 
 ARCHITECTURE = "DFlashDraftModel"
 FLAG = "--vllm-speculative-config"
 MAKE = "`python scripts/make_dflash_draft.py --target CKPT --out DIR`"
-WIRE_PREFIX = "dflash."  # the draft's tensors on the weight-sync wire
+WIRE_PREFIX = DFLASH_PREFIX  # the draft's tensors on the weight-sync wire
 REQUIRED_TENSORS = ("fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight")
 
 

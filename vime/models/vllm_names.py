@@ -10,7 +10,8 @@ under checkpoint names, for both ways weights enter vLLM (in-place reload, NCCL 
 """
 import re
 
-from vime.models.families import DRAFT_PREFIX, from_canonical, is_draft_name, is_mtp_name
+from vime.models.families import (DFLASH_PREFIX, DRAFT_PREFIX, external_draft_prefix, from_canonical,
+                                   is_draft_name, is_mtp_name)
 from vime.precision import dtype_name
 
 # fused vLLM module name -> the checkpoint modules stacked in it (dim 0, in this order)
@@ -19,20 +20,33 @@ PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 _DRAFT_LAYER = re.compile(r"^model\.mtp_layers\.(\d+)\.")
 
 
-def draft_to_checkpoint_name(name, num_hidden_layers):
-    """Drafter parameter name (vLLM) -> checkpoint name: MiMo's MTP layers, or an EAGLE-3 draft's
-    tensors under their wire names (`eagle3.midlayer.*`, `eagle3.fc.*`, ...; vLLM numbers the
-    draft's layer after the target's); None for tensors the drafter shares (the embedding)."""
+# vLLM drafter module -> checkpoint module of each external draft's tensors (`L`: the target's
+# layers, after which vLLM numbers the draft's); embed_tokens (and DFlash's lm_head) are the target's
+EXTERNAL_DRAFTER_NAMES = {
+    DRAFT_PREFIX: ((r"model\.layers\.{L}\.", "midlayer."), (r"model\.fc\.", "fc."), (r"model\.norm\.", "norm."),
+                   (r"lm_head\.", "lm_head.")),
+    DFLASH_PREFIX: ((r"model\.layers\.(\d+)\.", "layers.{}."), (r"model\.fc\.", "fc."),
+                    (r"model\.hidden_norm\.", "hidden_norm."), (r"model\.norm\.", "norm.")),
+}
+
+
+def draft_to_checkpoint_name(name, num_hidden_layers, sent_shapes=()):
+    """Drafter parameter name (vLLM) -> checkpoint name: MiMo's MTP layers, or an external draft's
+    tensors under their wire names (`eagle3.midlayer.*`, `dflash.layers.0.*`, ...; the kind is the
+    one whose names `sent_shapes` holds, EAGLE-3 by default); None for tensors the drafter shares
+    with the target (the embedding)."""
     m = _DRAFT_LAYER.match(name)
-    if not m:
-        for vllm_prefix, ckpt_prefix in ((f"model.layers.{num_hidden_layers}.", "midlayer."), ("model.fc.", "fc."),
-                                         ("model.norm.", "norm."), ("lm_head.", "lm_head.")):
-            if name.startswith(vllm_prefix):
-                # only names the trainer sent are compared (unpack): a MiMo drafter's are never eagle3.*
-                return DRAFT_PREFIX + ckpt_prefix + name[len(vllm_prefix):]
-        return None  # embed_tokens: the target's, read back there
-    k = int(m.group(1)) - num_hidden_layers
-    return f"model.mtp_layers.{k}." + name[m.end():].replace("mtp_block.", "", 1)
+    if m:
+        k = int(m.group(1)) - num_hidden_layers
+        return f"model.mtp_layers.{k}." + name[m.end():].replace("mtp_block.", "", 1)
+    prefix = next((external_draft_prefix(n) for n in sent_shapes if external_draft_prefix(n)), DRAFT_PREFIX)
+    for vllm_module, ckpt_module in EXTERNAL_DRAFTER_NAMES[prefix]:
+        # only names the trainer sent are compared (unpack): a MiMo drafter's are never external
+        found = re.match(vllm_module.replace("{L}", str(num_hidden_layers)), name)
+        if found:
+            layer = [int(g) - num_hidden_layers for g in found.groups()]
+            return prefix + ckpt_module.format(*layer) + name[found.end():]
+    return None
 
 
 def unpack(name, tensor, sent_shapes):
@@ -67,18 +81,19 @@ def update_rounds(canonical, layout, num_hidden_layers, num_mtp_layers, has_draf
     """Canonical tensors sent to vLLM -> [(kind, {checkpoint name: tensor})], the loads a weight
     update makes in order: "target" (the trunk), then into the drafter either "mtp" (the MTP
     layers with the embedding and head they share, so a drafter with its own copies stays
-    current) or "external" (an EAGLE-3 draft's tensors, sent as `eagle3.<name>`, loaded under
-    their own names). Draft tensors are dropped when vLLM runs no drafter."""
+    current) or an external draft's wire prefix ("eagle3.", "dflash.": its tensors, sent as
+    `<prefix><name>`, loaded under their own names). Draft tensors are dropped when vLLM runs no drafter."""
     model = (layout, num_hidden_layers, num_mtp_layers)
     trunk = {k: v for k, v in canonical.items() if not is_draft_name(k, num_hidden_layers)}
     mtp = {k: v for k, v in canonical.items() if is_mtp_name(k, num_hidden_layers)}
-    external = {k[len(DRAFT_PREFIX):]: v for k, v in canonical.items() if k.startswith(DRAFT_PREFIX)}
     rounds = [("target", checkpoint_names(trunk, *model))] if trunk else []
     if mtp and has_draft:
         shared = {k: v for k, v in trunk.items() if "embed_tokens" in k or k.startswith("lm_head")}
         rounds.append(("mtp", checkpoint_names({**mtp, **shared}, *model)))
-    if external and has_draft:
-        rounds.append(("external", external))
+    for prefix in EXTERNAL_DRAFTER_NAMES:
+        external = {k[len(prefix):]: v for k, v in canonical.items() if k.startswith(prefix)}
+        if external and has_draft:
+            rounds.append((prefix, external))
     return rounds
 
 
