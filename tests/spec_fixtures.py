@@ -111,6 +111,35 @@ def resample_from_p(probs, drafts, draft_probs, n_acc, draft_counts, u):
     return rejection.sample_with_uniforms(rejection._row_select(probs, n_acc), u)
 
 
+def hf_first_two_joint(checkpoint, prompt, temperature):
+    """{(t1, t2): p} of the first two tokens after `prompt` by transformers' Qwen2ForCausalLM at
+    `temperature`; a first EOS ends the response: {(EOS,): p}."""
+    from transformers import Qwen2ForCausalLM
+
+    from rollout.task import EOS
+
+    model = Qwen2ForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double() / temperature, -1)
+        vocab = p1.numel()
+        p2 = torch.softmax(model(torch.tensor([prompt + [t] for t in range(vocab)])).logits[:, -1].double()
+                           / temperature, -1)
+    joint = {(t1, t2): float(p1[t1] * p2[t1, t2]) for t1 in range(vocab) if t1 != EOS for t2 in range(vocab)}
+    joint[(EOS,)] = float(p1[EOS])
+    return joint
+
+
+def first_two_counts(samples):
+    """{(t1, t2) or (EOS,): count} of the samples' first two response tokens (the cells of hf_first_two_joint)."""
+    from rollout.task import EOS
+
+    counts = {}
+    for s in samples:
+        key = tuple(s.response_ids[:1]) if s.response_ids[0] == EOS else tuple(s.response_ids[:2])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def chi_square_p_value(counts, exact, n):
     """Chi-square goodness of fit of `n` observed outcomes (`counts`: outcome -> count) to the
     exact probabilities (`exact`: outcome -> p); cells expected below 5 are pooled into one."""

@@ -30,7 +30,7 @@ from rollout.tokenizer import TextCodec
 from spec_fixtures import chi_square_p_value, exact_joint, one_thread, resample_from_p, sampled_counts, \
     tiny_vocab_model  # noqa: F401
 from vime.errors import UserError
-from vime.models.dflash import draft_config_for_target, load_draft
+from vime.models.dflash import draft_config_for_target, load_draft, save_draft
 from vime.models.hf_format import read_config
 from vime.sample import samples_for_prompts
 
@@ -100,14 +100,29 @@ def logits_tolerance(cfg, draft_cfg, logits):
         float(logits.abs().max())
 
 
-def test_block_logits_equal_an_independent_reference_of_vllms_dflash_model(prompts, reference):
+@pytest.fixture(scope="module")
+def two_layer_draft(tmp_path_factory):
+    """A random two-layer draft (norms perturbed too, so each layer's own weights matter)."""
+    torch.manual_seed(5)
+    draft = DFlashDraft(draft_config_for_target(read_config(TARGET), num_layers=2, block_size=K + 1))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_(0, 0.05) if p.dim() == 2 else p.add_(torch.randn(p.shape) * 0.3)
+    path = str(tmp_path_factory.mktemp("dflash") / "two-layer")
+    save_draft(path, draft.cfg, draft.state_dict())
+    return path
+
+
+@pytest.mark.parametrize("which", ["shipped", "two-layer"])
+def test_block_logits_equal_an_independent_reference_of_vllms_dflash_model(which, prompts, reference, two_layer_draft):
     """Every block the engine drafted (cached context written step by step, ragged batches, moved
     slots) has the logits of vLLM's DFlash computation redone from scratch on transformers' states."""
-    sc = parse_spec_config(spec())
+    path = DRAFT if which == "shipped" else two_layer_draft
+    sc = parse_spec_config(spec(model=path))
     proposer = RecordingProposer(sc)
     engine = Engine.from_checkpoint(TARGET, EngineConfig(max_batch_size=6), proposer)
     engine.generate(samples_for_prompts(prompts[:10]), GREEDY)
-    target, state, cfg = reference
+    target, state, cfg = reference if which == "shipped" else load_reference(path)
     assert len(proposer.records) > 30
     for known, logits in proposer.records:
         expected = reference_block_logits(target, state, cfg, known)

@@ -6,7 +6,9 @@ scratch at every verify step from vLLM's DFlash semantics (tests/dflash_fixtures
 accepted drafts per position and its number of blocks equal that reference, counted as vLLM counts
 (a whole block even past the length budget), and the embedded engine's equal it counted as the
 embedded engine drafts: the same weights and prompts give the same acceptance on both backends.
-One vLLM start (20-60 s on 2 busy cores): the slow run.
+Sampled: through the vLLM rollout backend, the joint of the first two tokens fits the exact one
+(transformers) by a chi-square test, and the negative control (the policy at temperature 1.3) fails.
+Two vLLM starts (20-60 s each on 2 busy cores): the slow run.
 """
 import os
 
@@ -98,3 +100,39 @@ def test_vllm_dflash_greedy_equals_plain_and_accepts_as_the_embedded_engine(llm,
             assert (s.spec.accepted_per_pos + [0] * K)[:K] == accepted
         total = [a + b for a, b in zip(total, accepted)]
     assert all(total)  # accepted at every block slot: not vacuous
+
+
+# ---------------------------------------------------------------- sampled output on vLLM
+N, ALPHA = 4000, 1e-3
+
+
+@pytest.fixture(scope="module")
+def vllm_dflash_samples():
+    """N samples of 4 tokens after one prompt through the vLLM rollout backend's dflash path."""
+    from rollout.vllm.backend import VLLMBackend
+
+    backend = VLLMBackend(TARGET, {"method": "dflash", "model": DRAFT, "num_speculative_tokens": K},
+                          max_batch_size=256)
+    try:
+        prompt = TextCodec(TARGET).encode_prompt("37+58=", 1)
+        samples = samples_for_prompts([prompt], n=N)
+        backend.generate(samples, SamplingParams(temperature=1.0, max_new_tokens=4))
+        return prompt, samples, backend.stats()["spec"]["draft_tokens"]
+    finally:
+        backend.close()
+
+
+def test_vllm_sampled_dflash_tokens_follow_the_policy(vllm_dflash_samples):
+    from spec_fixtures import chi_square_p_value, first_two_counts, hf_first_two_joint
+
+    prompt, samples, drafted = vllm_dflash_samples
+    assert drafted > 0  # speculation really ran
+    assert chi_square_p_value(first_two_counts(samples), hf_first_two_joint(TARGET, prompt, 1.0), N) > ALPHA
+
+
+def test_the_vllm_distribution_test_rejects_a_distorted_policy(vllm_dflash_samples):
+    """Negative control: the same counts against the policy at temperature 1.3."""
+    from spec_fixtures import chi_square_p_value, first_two_counts, hf_first_two_joint
+
+    prompt, samples, _ = vllm_dflash_samples
+    assert chi_square_p_value(first_two_counts(samples), hf_first_two_joint(TARGET, prompt, 1.3), N) < ALPHA

@@ -118,43 +118,20 @@ def vllm_eagle3_samples(backend):
     return prompt, samples, backend.stats()["spec"]["draft_tokens"]
 
 
-def exact_joint(prompt, temperature):
-    """{(t1, t2): p} of the first two tokens by transformers' Qwen2ForCausalLM; a first EOS: {(EOS,): p}."""
-    from transformers import Qwen2ForCausalLM
-
-    model = Qwen2ForCausalLM.from_pretrained(TARGET, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double() / temperature, -1)
-        vocab = p1.numel()
-        p2 = torch.softmax(model(torch.tensor([prompt + [t] for t in range(vocab)])).logits[:, -1].double()
-                           / temperature, -1)
-    joint = {(t1, t2): float(p1[t1] * p2[t1, t2]) for t1 in range(vocab) if t1 != EOS for t2 in range(vocab)}
-    joint[(EOS,)] = float(p1[EOS])
-    return joint
-
-
-def observed_joint(samples):
-    counts = {}
-    for s in samples:
-        key = tuple(s.response_ids[:1]) if s.response_ids[0] == EOS else tuple(s.response_ids[:2])
-        counts[key] = counts.get(key, 0) + 1
-    return counts
-
-
 def test_vllm_sampled_eagle3_tokens_follow_the_policy(vllm_eagle3_samples):
-    from spec_fixtures import chi_square_p_value
+    from spec_fixtures import chi_square_p_value, first_two_counts, hf_first_two_joint
 
     prompt, samples, drafted = vllm_eagle3_samples
     assert drafted > 0  # speculation really ran
-    assert chi_square_p_value(observed_joint(samples), exact_joint(prompt, 1.0), N) > ALPHA
+    assert chi_square_p_value(first_two_counts(samples), hf_first_two_joint(TARGET, prompt, 1.0), N) > ALPHA
 
 
 def test_the_vllm_distribution_test_rejects_a_distorted_policy(vllm_eagle3_samples):
     """Negative control: the same counts against the policy at temperature 1.3."""
-    from spec_fixtures import chi_square_p_value
+    from spec_fixtures import chi_square_p_value, first_two_counts, hf_first_two_joint
 
     prompt, samples, _ = vllm_eagle3_samples
-    assert chi_square_p_value(observed_joint(samples), exact_joint(prompt, 1.3), N) < ALPHA
+    assert chi_square_p_value(first_two_counts(samples), hf_first_two_joint(TARGET, prompt, 1.3), N) < ALPHA
 
 
 def test_a_draft_reloaded_in_place_is_the_one_vllm_drafts_with(backend, prompts):

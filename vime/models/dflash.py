@@ -35,7 +35,7 @@ def default_target_layer_ids(num_target_layers, count=3):
     return tuple(sorted({round(1 + i * (last - 1) / (count - 1)) for i in range(count)}))
 
 
-def draft_config_for_target(target_cfg, num_layers=2, block_size=4, target_layer_ids=None, mask_token_id=None,
+def draft_config_for_target(target_cfg, num_layers, block_size, target_layer_ids=None, mask_token_id=None,
                             intermediate_size=None):
     """A DFlashConfig shaped for `target_cfg` (a ModelConfig): its hidden size, heads and vocabulary;
     the mask token defaults to the target's pad token."""
