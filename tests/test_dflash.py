@@ -123,7 +123,7 @@ def test_block_logits_equal_an_independent_reference_of_vllms_dflash_model(which
     engine = Engine.from_checkpoint(TARGET, EngineConfig(max_batch_size=6), proposer)
     engine.generate(samples_for_prompts(prompts[:10]), GREEDY)
     target, state, cfg = reference if which == "shipped" else load_reference(path)
-    assert len(proposer.records) > 30
+    assert len(proposer.records) >= 2 * 10  # several blocks per request, across steps and slots
     for known, logits in proposer.records:
         expected = reference_block_logits(target, state, cfg, known)
         tol = logits_tolerance(engine.cfg, proposer.draft_model.cfg, expected)
