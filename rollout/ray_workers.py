@@ -242,6 +242,9 @@ class RolloutManagerImpl:
             "perf/rollout_tokens_per_s": tokens / max(elapsed, 1e-9),
             "rollout/weight_version": min(s.weight_version for s in samples),
         })
+        spec = self.cfg.vllm_speculative_config
+        if spec is not None and spec.block_size:  # a block draft: the block its acceptance per position spans
+            m["rollout/spec_block_size"] = spec.block_size
         return m
 
 

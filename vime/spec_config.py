@@ -30,6 +30,7 @@ EXAMPLE = '\'{"method":"mtp","num_speculative_tokens":3}\''
 METHOD_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "mimo_mtp": "mtp", "glm4_moe_mtp": "mtp",
                   "ngram": "ngram", "suffix": "suffix", "draft_model": "draft_model", "eagle3": "eagle3",
                   "dflash": "dflash"}
+BLOCK_METHODS = frozenset({"dflash"})  # drafts that propose a whole block in one forward
 UNSUPPORTED_METHODS = ("eagle", "medusa", "mlp_speculator", "ngram_gpu", "dspark",
                        "custom_class", "extract_hidden_states")
 # vLLM 0.32 SpeculativeConfig keys the embedded engine does not implement (vLLM takes them as is)
@@ -90,6 +91,12 @@ class SpecConfig:
         """True when outputs no longer follow the target distribution (synthetic acceptance):
         benchmark-only; training must refuse it."""
         return self.rejection_sample_method == "synthetic"
+
+    @property
+    def block_size(self):
+        """Tokens one draft forward fills, anchor included, for a block draft (DFlash: its drafts plus
+        the newest verified token; the draft's checks tie it to its own block); None otherwise."""
+        return self.num_speculative_tokens + 1 if self.method in BLOCK_METHODS else None
 
     def to_vllm(self):
         """The config as vLLM takes it: the keys as written (a fresh dict each call)."""
