@@ -2,15 +2,16 @@
 
 The architecture and family come from `--origin-hf-dir` (config.json), the MTP layer count
 from the torch_dist checkpoint; the weights are exported through the same name maps as
-`Trainer.named_hf_weights()`, written in the family's layout, and the tokenizer files are
-copied. `--input-dir` is a converted checkpoint (hf_to_torch_dist's --save), one iteration of a
-training run (`iter_0000040`), or a training run's --save directory (its latest iteration).
+`Trainer.named_hf_weights()`, written in the family's layout (with the MTP layers' copies of the
+embedding and head where the origin stores them), and the tokenizer files are copied.
+`--input-dir` is a converted checkpoint (hf_to_torch_dist's --save), one iteration of a training
+run (`iter_0000040`), or a training run's --save directory (its latest iteration).
 """
 import argparse
 import dataclasses
 import os
 
-from vime.models.hf_format import read_config, save_hf_checkpoint
+from vime.models.hf_format import has_mtp_head_copies, read_config, save_hf_checkpoint
 from vime.errors import UserError, exit_on_user_error, require
 
 
@@ -83,7 +84,9 @@ def convert(args):
         model = build_model(cfg, n_mtp)
         checkpoint.load(args.input_dir, model)
         state = dict(named_hf_weights(model, cfg))
-    save_hf_checkpoint(args.output_dir, cfg, state, tokenizer_dir=args.origin_hf_dir)
+    # MTP layers' copies of the embedding and head are written back where the origin stores them
+    save_hf_checkpoint(args.output_dir, cfg, state, tokenizer_dir=args.origin_hf_dir,
+                       mtp_head_copies=bool(n_mtp) and has_mtp_head_copies(args.origin_hf_dir, origin))
     return cfg.family
 
 

@@ -23,6 +23,18 @@ def close(a, b, rtol, scale=None):
     return abs(a - b) <= rtol * scale
 
 
+def model_logprob_bound(cfg, context, max_abs_logit):
+    """|log-prob difference| of two fp32 forwards of the model of `cfg` (a ModelConfig, MLA's latent
+    widths included) that differ in reduction order only: each logit is within reduction_rtol *
+    max|logit| of the exact one (the longest sum of the model, chained through its depth, MTP layer
+    included), and log_softmax moves a log-prob by at most twice the largest logit change."""
+    widths = [cfg.hidden_size, cfg.intermediate_size, 2 * cfg.hidden_size, context,
+              cfg.num_attention_heads * cfg.head_dim]
+    if cfg.mla:
+        widths += [cfg.mla.latent_width, cfg.num_attention_heads * cfg.mla.v_head_dim]
+    return 2 * 2 * reduction_rtol(max(widths), forward_depth(cfg.num_hidden_layers + 1)) * max_abs_logit
+
+
 # bf16 (--bf16): 8 significant bits, unit roundoff 2**-8. Matmuls and sums accumulate in fp32 on
 # every kernel vime runs (torch's CPU kernels, cuBLAS, vLLM's), so what differs between two bf16
 # forwards of the same weights is where each rounds a stored activation to bf16: each rounding is

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp32_bounds import forward_depth, reduction_rtol
+from fp32_bounds import model_logprob_bound as logprob_bound
 from moe_fixtures import transformers_mtp_layer, transformers_trunk, write_checkpoint
 from rollout.embedded.engine import Engine, EngineConfig
 from rollout.embedded.engine_builder import build_engine
@@ -54,17 +54,6 @@ def random_prompts(n=6, seed=0):
 def greedy(engine, prompts, n_new=16):
     sampling = SamplingParams(temperature=0, max_new_tokens=n_new, ignore_eos=True)
     return engine.generate(samples_for_prompts(prompts), sampling)
-
-
-def logprob_bound(cfg, context, max_abs_logit):
-    """|log-prob difference| of two fp32 forwards that differ in reduction order only: each logit
-    is within reduction_rtol * max|logit| of the exact one (the longest sum of the model, chained
-    through its depth), and log_softmax moves a log-prob by at most twice the largest logit change."""
-    widths = [cfg.hidden_size, cfg.intermediate_size, 2 * cfg.hidden_size, context,
-              cfg.num_attention_heads * cfg.head_dim]
-    if cfg.mla:
-        widths += [cfg.mla.latent_width, cfg.num_attention_heads * cfg.mla.v_head_dim]
-    return 2 * 2 * reduction_rtol(max(widths), forward_depth(cfg.num_hidden_layers + 1)) * max_abs_logit
 
 
 def test_greedy_tokens_and_logprobs_equal_transformers(moe_ckpt, hf_trunk):
@@ -278,3 +267,30 @@ def test_checkpoints_vime_writes_load_in_transformers_with_equal_logits(tmp_path
         theirs = reference(tokens).logits
     assert (ours - theirs).abs().max().item() <= logprob_bound(cfg, 24, theirs.abs().max().item()) / 2
     assert type(reference).__name__ == cfg.model_family.hf_trunk_class
+
+
+SHIPPED = {"glm4_moe": "tiny-glm4-moe-mtp", "deepseek_v3": "tiny-deepseek-v3-mtp"}
+CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shipped_moe_model_is_its_family_and_its_mtp_layer_drafts_what_the_trunk_says(family):
+    from rollout.spec_stats import aggregate_spec_stats
+    from rollout.tokenizer import TextCodec
+
+    path = os.path.join(CHECKPOINTS, SHIPPED[family])
+    engine = build_engine(path, json.dumps({"method": "mtp", "num_speculative_tokens": 2}),
+                          EngineConfig(max_batch_size=32))
+    assert engine.cfg.family == family
+    codec = TextCodec(path)
+    with open(os.path.join(path, "eval.jsonl")) as f:
+        prompts = [codec.encode_prompt(json.loads(line)["prompt"], engine.cfg.bos_token_id) for line in f][:32]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=32, seed=0)
+    trained = aggregate_spec_stats(engine.generate(samples_for_prompts(prompts), sampling))["spec_accept_length"]
+    assert trained > 1.3
+    # negative control: the same engine with the MTP layer's input projection scrambled drafts far worse
+    name = f"model.layers.{engine.cfg.num_hidden_layers}.eh_proj.weight"
+    weight = dict(engine.model.named_parameters())[name]
+    engine.load_weights([(name, weight[torch.randperm(weight.shape[0], generator=torch.Generator().manual_seed(0))])], 1)
+    scrambled = aggregate_spec_stats(engine.generate(samples_for_prompts(prompts), sampling))["spec_accept_length"]
+    assert scrambled < trained - 0.1

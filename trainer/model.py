@@ -317,6 +317,31 @@ def build_model(model_cfg, mtp_num_layers, tp=1, pp=1, seed=1234, params_dtype=t
     return model
 
 
+def routers(model):
+    """The MoE routers of `model` (decoder and MTP layers) that carry an expert bias."""
+    return [m for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+
+
+@torch.no_grad()
+def update_expert_biases(model, rate):
+    """Auxiliary-loss-free balancing after an optimiser step: each router's expert bias moves by `rate`
+    towards balance over the tokens it routed in training forwards since the last update (megatron
+    counts them in `local_tokens_per_expert`), summed over data-parallel ranks; the counts restart.
+    Returns [(router's module name, tokens per expert)] as counted."""
+    from trainer.distributed import dp_sum
+    from vime.models.moe_routing import update_expert_bias
+
+    names = {m: n for n, m in model.named_modules()}
+    counted = []
+    for router in routers(model):
+        load = dp_sum(router.local_tokens_per_expert)
+        if rate:
+            update_expert_bias(router.expert_bias, load, rate)
+        router.local_tokens_per_expert.zero_()
+        counted.append((names[router], load))
+    return counted
+
+
 def causal_mask(seq_len, device=None):
     """megatron's attention mask convention: True = masked out."""
     return torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)

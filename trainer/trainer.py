@@ -19,7 +19,7 @@ from trainer.mixed_precision import build_optimizer, fp32_params_for_checkpoint,
 from trainer.distributed import dp_sum, ensure_distributed
 from trainer.drafts import build_draft, load_draft_state, save_draft_state
 from trainer.losses import entropy_from_logits, policy_loss, token_mean
-from trainer.model import build_model, forward, is_mtp_param
+from trainer.model import build_model, forward, is_mtp_param, update_expert_biases
 from trainer.weights import load_hf_state, named_hf_weights
 from vime.errors import require
 from vime.precision import compute_dtype
@@ -214,6 +214,8 @@ class Trainer:
         if steps > 0:
             metrics["train/draft_final_loss"] = self._draft_only_steps([batch, *self._draft_replay], steps)
             self._draft_replay.appendleft(batch)
+        # MoE: the routers' expert biases step towards balance over this step's routed tokens
+        update_expert_biases(self.model, self.cfg.moe_router_bias_update_rate)
         return metrics
 
     # ---- weights and checkpoints ------------------------------------------------------

@@ -156,6 +156,9 @@ class TrainSection:
         "--use-tis", "truncated importance sampling: weight the loss by min(pi_old / pi_rollout, --tis-clip), "
         "pi_old recomputed by the trainer before the step (corrects off-policy rollouts, e.g. --async-rollout)"))
     tis_clip: float = field(default=2.0, metadata=flag("--tis-clip", "cap of the truncated importance weight"))
+    moe_router_bias_update_rate: float = field(default=1e-3, metadata=flag(
+        "--moe-router-bias-update-rate", "MoE models: after each step every router's expert bias moves by this "
+        "much towards balance (DeepSeek-V3's auxiliary-loss-free balancing; 0: fixed bias)"))
 
     @property
     def world_size(self):
@@ -441,6 +444,7 @@ RANGES = {
     "--save-keep": AT_LEAST_1,
     "--dynamic-sampling-max-draws": AT_LEAST_1, "--over-sampling-batch-size": AT_LEAST_1,
     "--tis-clip": Range(1, why="below 1 the cap shrinks even on-policy tokens"),
+    "--moe-router-bias-update-rate": AT_LEAST_0,
     "--actor-num-nodes": AT_LEAST_1, "--actor-num-gpus-per-node": AT_LEAST_0,
     "--actor-num-cpus-per-node": A_PROCESS_CPU, "--rollout-num-gpus-per-engine": AT_LEAST_0,
     "--rollout-num-cpus-per-engine": A_PROCESS_CPU, "--placement-timeout": POSITIVE, "--ray-connect-timeout": POSITIVE,

@@ -283,15 +283,20 @@ def load_hf_checkpoint(path):
     return cfg, state, cfg.family
 
 
+def shared_copy_sources(cfg):
+    """{suffix of an MTP layer's copy: the main tensor it copies} (embedding and output head)."""
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    return {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": head}
+
+
 def check_shared_copies(cfg, raw, weights):
     """An MTP layer's own copies of the embedding and output head (DeepSeek-V3 and GLM-4.5 store
     them; GLM-4.6 omits them and the main ones serve) must equal the main ones: vime's MTP layers
     share the trunk's, as megatron-core's MTP block does, so a different copy is refused, not dropped."""
-    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     layout = cfg.model_family.mtp_layout
     for k in range(cfg.num_nextn_predict_layers):
         prefix = layout.layer_prefix(k, cfg.num_hidden_layers)
-        for copy, main in (("embed_tokens.weight", "model.embed_tokens.weight"), ("shared_head.head.weight", head)):
+        for copy, main in shared_copy_sources(cfg).items():
             name = f"{prefix}.{copy}"
             if name in raw and copy in layout.shared_copies:
                 require(torch.equal(raw[name], raw[main]),
@@ -299,10 +304,35 @@ def check_shared_copies(cfg, raw, weights):
                         f"and output head: drop the copy (GLM-4.6 stores none) or make it equal")
 
 
-def save_hf_checkpoint(path, cfg, state, tokenizer_dir=None):
-    """Write `state` (canonical names) as an HF directory in the config's family layout; copy tokenizer files."""
+def has_mtp_head_copies(path, cfg):
+    """True when checkpoint `path` stores its MTP layers' own copies of the embedding and output head
+    (DeepSeek-V3, GLM-4.5; GLM-4.6 stores none), read from the safetensors header."""
+    layout = cfg.model_family.mtp_layout
+    if not (layout.shared_copies and cfg.num_nextn_predict_layers):
+        return False
+    with safe_open(_weights_file(path), framework="pt") as f:
+        names = set(f.keys())
+    return f"{layout.layer_prefix(0, cfg.num_hidden_layers)}.{layout.shared_copies[0]}" in names
+
+
+def with_mtp_head_copies(named, cfg):
+    """`named` (the family layout's names) plus each MTP layer's copies of the embedding and output head."""
+    sources, layout = shared_copy_sources(cfg), cfg.model_family.mtp_layout
+    out = dict(named)
+    for k in range(cfg.num_nextn_predict_layers):
+        for copy in layout.shared_copies:
+            # a storage of its own: safetensors refuses to write tensors that share one
+            out[f"{layout.layer_prefix(k, cfg.num_hidden_layers)}.{copy}"] = named[sources[copy]].clone()
+    return out
+
+
+def save_hf_checkpoint(path, cfg, state, tokenizer_dir=None, mtp_head_copies=False):
+    """Write `state` (canonical names) as an HF directory in the config's family layout; copy tokenizer
+    files. mtp_head_copies: also write each MTP layer's copies of the shared embedding and head."""
     os.makedirs(path, exist_ok=True)
     named = from_canonical(state, cfg.model_family.mtp_layout, cfg.num_hidden_layers, cfg.num_nextn_predict_layers)
+    if mtp_head_copies:
+        named = with_mtp_head_copies(named, cfg)
     save_file({k: v.detach().contiguous().cpu() for k, v in named.items()},
               os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:

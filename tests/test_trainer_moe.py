@@ -1,0 +1,155 @@
+"""The megatron-core trainer on GLM-4.5 (MoE) and DeepSeek-V3 (MoE + MLA) checkpoints.
+
+The checkpoints are unseen random ones written by transformers' own classes with MTP layers in the
+public layout (tests/moe_fixtures.py). References: transformers' trunk for the trainer's log-probs
+(and the embedded engine, itself checked against transformers in test_moe_families.py), the engine's
+MTP layer for the trainer's MTP block, the aux-loss-free rule written out here for the expert-bias
+step, and the checkpoint's own tensors for the converters and the weights the trainer pushes.
+"""
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from checkpoint_convert import hf_to_torch_dist, torch_dist_to_hf
+from fp32_bounds import model_logprob_bound
+from moe_fixtures import transformers_trunk, write_checkpoint
+from mtp.sampling import token_logprobs
+from rollout.backend import EmbeddedBackend
+from rollout.embedded.model import CausalLMWithMTP
+from test_weight_push import push
+from trainer.config import TrainerConfig
+from trainer.model import forward, routers
+from trainer.trainer import Trainer
+from trainer_fixtures import make_batch
+from vime import weight_sync
+from vime.models.hf_format import load_hf_checkpoint
+
+VARIANTS = {
+    "glm4_moe": ("glm4_moe", dict(seed=21)),  # q/k/v bias, q/k norm, partial rotary, 2 expert groups
+    "glm4_moe-4.6-layout": ("glm4_moe", dict(seed=22, head_copies=False, use_qk_norm=False, n_group=1,
+                                              topk_group=1)),
+    "deepseek_v3": ("deepseek_v3", dict(seed=23)),  # MLA with q LoRA, YaRN, 4 groups of which 2 are kept
+    "deepseek_v3-no-q-lora": ("deepseek_v3", dict(seed=24, q_lora_rank=None)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def moe_ckpt(request, tmp_path_factory):
+    family, options = VARIANTS[request.param]
+    path = str(tmp_path_factory.mktemp(f"trainer_moe_{request.param}"))
+    write_checkpoint(path, family, **options)
+    return path
+
+
+def engine_model(path):
+    cfg, state, _ = load_hf_checkpoint(path)
+    model = CausalLMWithMTP(cfg)
+    model.load_state_dict(state, strict=False)
+    return model.eval()
+
+
+def test_trainer_logprobs_equal_transformers_and_the_engine(moe_ckpt):
+    trainer = Trainer(TrainerConfig(temperature=1.0), moe_ckpt)
+    batch = make_batch(seed=3)
+    got = trainer.compute_logprobs(batch)[:, 1:]
+    tokens = batch.tokens  # right-padded rows: causal attention keeps the padding out of earlier positions
+    with torch.no_grad():
+        logits = transformers_trunk(moe_ckpt)(tokens).logits[:, :-1]
+        engine = engine_model(moe_ckpt)
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        engine_logits = engine.logits(engine(tokens, positions))[:, :-1]
+    bound = model_logprob_bound(trainer.model_cfg, tokens.shape[1], logits.abs().max().item())
+    assert (got - token_logprobs(logits, tokens[:, 1:], 1.0)).abs().max().item() <= bound
+    assert (got - token_logprobs(engine_logits, tokens[:, 1:], 1.0)).abs().max().item() <= bound
+    assert got.std().item() > 0.5  # peaked, varied distributions: not a comparison of two uniform ones
+
+
+def test_trainer_mtp_logits_equal_the_engine_mtp_drafter(moe_ckpt):
+    """megatron's MTP block over MoE (and MLA) layers, as the trainer runs it, gives the logits of the
+    engine's MTP layer reading the final-normed trunk state (checked against transformers' MtpLayer)."""
+    trainer = Trainer(TrainerConfig(enable_mtp_training=True), moe_ckpt)
+    tokens = make_batch(seed=4).tokens
+    trainer.model.eval()
+    with torch.no_grad():
+        got = trainer.model.mtp_logits(forward(trainer.model, tokens))[0][:, :-1]
+        engine = engine_model(moe_ckpt)
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        _, mtp_hidden = engine.forward_states(tokens, positions)
+        want = engine.logits(engine.mtp_forward(0, tokens[:, 1:], mtp_hidden[:, :-1], positions[:, :-1]))
+    bound = model_logprob_bound(trainer.model_cfg, tokens.shape[1], want.abs().max().item()) / 2
+    assert (got - want).abs().max().item() <= bound
+    assert want.std().item() > 0.5
+
+
+def test_a_train_step_with_the_mtp_loss_over_moe_layers_moves_policy_and_mtp_experts(moe_ckpt):
+    trainer = Trainer(TrainerConfig(lr=1e-3, enable_mtp_training=True), moe_ckpt)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    metrics = trainer.train_step(make_batch(seed=5))
+    assert torch.isfinite(torch.tensor(metrics["train/mtp_loss"])) and metrics["train/mtp_loss"] > 0
+    moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    experts = [n for n in before if ".local_experts." in n]
+    assert any(n.startswith("mtp.") and n in moved for n in experts)  # the MTP layer's experts learn
+    assert any(n.startswith("decoder.") and n in moved for n in experts)  # and the trunk's
+    assert any(n.endswith("router.weight") and n.startswith("decoder.") for n in moved)
+
+
+def routed_tokens(trainer):
+    """Hooks counting, per router, the tokens each expert receives in grad-enabled forwards."""
+    counts = {}
+
+    def hook(module, inputs, output):
+        if torch.is_grad_enabled():
+            counts[module] = counts.get(module, 0) + output[1].sum(dim=0).double()
+
+    handles = [r.register_forward_hook(hook) for r in routers(trainer.model)]
+    return counts, handles
+
+
+@pytest.mark.parametrize("rate", [1e-3, 0.0])
+def test_expert_bias_steps_by_the_aux_loss_free_rule_and_is_pushed(tmp_path, rate):
+    """After a step every router's bias moved by rate * sign(mean load - load), load being the
+    tokens it routed in that step (counted here by hooks on the routers); rate 0 keeps it."""
+    write_checkpoint(str(tmp_path), "deepseek_v3", seed=25)
+    trainer = Trainer(TrainerConfig(lr=1e-3, enable_mtp_training=True, moe_router_bias_update_rate=rate),
+                      str(tmp_path))
+    before = {r: r.expert_bias.clone() for r in routers(trainer.model)}
+    assert len(before) == 2  # the MoE decoder layer's router and the MTP layer's
+    counts, handles = routed_tokens(trainer)
+    trainer.train_step(make_batch(seed=6))
+    for h in handles:
+        h.remove()
+    for router, bias in before.items():
+        load = counts[router]
+        expected = bias.double() + rate * torch.sign(load.mean() - load)
+        assert torch.allclose(router.expert_bias.double(), expected, rtol=0, atol=1e-7)
+        assert load.min() < load.max()  # an unbalanced load: some biases rise, some fall
+    pushed = dict(trainer.named_hf_weights())
+    assert torch.equal(pushed["model.layers.1.mlp.gate.e_score_correction_bias"],
+                       routers(trainer.model)[0].expert_bias)
+    _, original, _ = load_hf_checkpoint(str(tmp_path))
+    moved = not torch.equal(pushed["model.layers.1.mlp.gate.e_score_correction_bias"],
+                            original["model.layers.1.mlp.gate.e_score_correction_bias"])
+    assert moved == (rate > 0)
+
+
+def test_hf_to_torch_dist_to_hf_is_bit_identical_with_mtp(moe_ckpt, tmp_path):
+    td, back = str(tmp_path / "td"), str(tmp_path / "back")
+    hf_to_torch_dist.main(["--hf-checkpoint", moe_ckpt, "--save", td, "--mtp-num-layers", "1"])
+    torch_dist_to_hf.main(["--input-dir", td, "--output-dir", back, "--origin-hf-dir", moe_ckpt])
+    original, converted = load_file(f"{moe_ckpt}/model.safetensors"), load_file(f"{back}/model.safetensors")
+    assert set(original) == set(converted)
+    assert any(".mlp.experts.7." in n for n in converted) and any("e_score_correction_bias" in n for n in converted)
+    assert all(torch.equal(original[n], converted[n]) for n in original)
+
+
+def test_pushed_weights_are_the_checkpoints_and_load_bit_exactly_into_the_engine(moe_ckpt):
+    trainer = Trainer(TrainerConfig(), moe_ckpt)
+    named = list(trainer.named_hf_weights())
+    _, state, _ = load_hf_checkpoint(moe_ckpt)
+    assert sorted(n for n, _ in named) == sorted(state)
+    assert all(torch.equal(v, state[n]) for n, v in named)
+    g = torch.Generator().manual_seed(8)  # an RL step's change, so the engine must take what is pushed
+    moved = [(n, v + 0.05 * torch.randn(v.shape, generator=g)) for n, v in named]
+    backend = EmbeddedBackend(moe_ckpt, {"method": "mtp", "num_speculative_tokens": 2}, 4)
+    push(backend.weight_receiver("reload"), moved)
+    assert backend.digests() == weight_sync.digests(moved)
