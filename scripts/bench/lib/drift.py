@@ -3,6 +3,7 @@ speculation, one RL run per arm, same target, seed and prompts.
 
     python scripts/bench/rl_arms.py drift --draft mtp                  # tiny MiMo, its MTP layer, k = 2
     python scripts/bench/rl_arms.py drift --draft eagle3 --backends embedded,vllm   # tiny Qwen2 + EAGLE-3, k = 3
+    python scripts/bench/rl_arms.py drift --draft dflash               # tiny Qwen2 + DFlash, blocks of 4
 
 RL moves the policy away from what a frozen draft was trained on; the online arm trains the draft
 every step (--enable-mtp-training or --enable-draft-training) and syncs it with the target.
@@ -40,8 +41,9 @@ def _mtp_spec(k, draft_model):
     return {"method": "mtp", "num_speculative_tokens": k}
 
 
-def _eagle3_spec(k, draft_model):
-    return {"method": "eagle3", "model": draft_model, "num_speculative_tokens": k}
+def _external_spec(method):
+    """(k, draft model dir) -> the speculative config of an external draft of `method`."""
+    return lambda k, draft_model: {"method": method, "model": draft_model, "num_speculative_tokens": k}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +55,17 @@ class DraftKind:
     spec: callable  # (k, draft model dir) -> vLLM speculative config
     online_flags: tuple  # train_rl.py flags that train this draft online
     draft_model: str = None  # an external draft's shipped directory (None: the draft is in the target)
+    make_draft: tuple = ()  # an external draft's maker: (script under scripts/, its flags given k)
 
 
 DRAFT_KINDS = {
     "mtp": DraftKind("checkpoints/tiny-mimo-mtp", 2, _mtp_spec, ("--enable-mtp-training", "--mtp-num-layers", "1")),
-    "eagle3": DraftKind("checkpoints/tiny-qwen2", 3, _eagle3_spec, ("--enable-draft-training",),
-                        draft_model="checkpoints/tiny-qwen2-eagle3"),
+    "eagle3": DraftKind("checkpoints/tiny-qwen2", 3, _external_spec("eagle3"), ("--enable-draft-training",),
+                        draft_model="checkpoints/tiny-qwen2-eagle3", make_draft=("make_eagle3_draft.py", lambda k: [])),
+    # a block draft: k is its block size less the anchor (the shipped one drafts blocks of 4)
+    "dflash": DraftKind("checkpoints/tiny-qwen2", 3, _external_spec("dflash"), ("--enable-draft-training",),
+                        draft_model="checkpoints/tiny-qwen2-dflash",
+                        make_draft=("make_dflash_draft.py", lambda k: ["--block-size", str(k + 1)])),
 }
 ARMS = ("online", "frozen", "none")
 BACKENDS = ("embedded", "vllm")
@@ -75,11 +82,12 @@ def add_arguments(p):
     p.add_argument("--draft", default="mtp", choices=list(DRAFT_KINDS), help="the draft kind")
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms, each NAME[:key=value...]")
     p.add_argument("--backends", default="embedded", help=f"comma-separated, of {', '.join(BACKENDS)}")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="k (default: the kind's, mtp 2, eagle3 3)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="k (default: the kind's, mtp 2, eagle3 3, dflash 3: its block less the anchor)")
     p.add_argument("--draft-model", default=None, help="an external draft's directory (default: the shipped one)")
     p.add_argument("--draft-warmup-steps", type=int, default=None,
                    help="external draft: start the frozen and online arms from a draft made here with this many "
-                        "offline warm-up steps (scripts/make_eagle3_draft.py)")
+                        "offline warm-up steps (the kind's scripts/make_<kind>_draft.py)")
     p.add_argument("--window", type=int, default=5, help="steps averaged for the start and end figures")
     p.add_argument("--png", default=None, help="the reward / acceptance / tokens/s curves (default OUT/drift.png)")
     p.add_argument("--curves", default=None, help="also write the per-position acceptance PNG here")
@@ -123,17 +131,18 @@ def check_args(args):
         arm_options(arm)
     if kind.draft_model is None and (args.draft_model or args.draft_warmup_steps is not None):
         user_error(f"--draft-model / --draft-warmup-steps: the {args.draft} draft lives in the target checkpoint; "
-                   "these options are for an external draft (--draft eagle3)")
+                   "these options are for an external draft (--draft eagle3, --draft dflash)")
     if (args.num_speculative_tokens or kind.default_k) < 1:
         user_error("--num-speculative-tokens must be >= 1")
 
 
-def warmed_up_draft(kind, args):
+def warmed_up_draft(kind, args, k):
     """--draft-warmup-steps N: a draft of the target warmed up for N offline steps (made once into --out)."""
-    out = os.path.join(args.out, f"draft_warmup{args.draft_warmup_steps}")
+    out = os.path.join(args.out, f"{args.draft}_draft_warmup{args.draft_warmup_steps}")
     if not os.path.isfile(os.path.join(out, "config.json")):
-        cmd = [sys.executable, os.path.join(REPO, "scripts", "make_eagle3_draft.py"), "--target",
-               os.path.join(REPO, kind.target), "--out", out, "--warmup-steps", str(args.draft_warmup_steps)]
+        script, flags = kind.make_draft
+        cmd = [sys.executable, os.path.join(REPO, "scripts", script), "--target", os.path.join(REPO, kind.target),
+               "--out", out, "--warmup-steps", str(args.draft_warmup_steps), *flags(k)]
         print(f"[drift] draft: {' '.join(cmd[1:])}", flush=True)
         subprocess.run(cmd, cwd=REPO, check=True)
     return out
@@ -186,7 +195,7 @@ def run(args):
     os.makedirs(args.out, exist_ok=True)
     draft_model = kind.draft_model and os.path.join(REPO, args.draft_model or kind.draft_model)
     if args.draft_warmup_steps is not None:
-        draft_model = warmed_up_draft(kind, args)
+        draft_model = warmed_up_draft(kind, args, k)
     rows_by_arm = {}
     for backend in args.backends.split(","):
         for arm in args.arms.split(","):
