@@ -1,4 +1,4 @@
-"""The drift benchmark for either draft kind: an online-trained draft against a frozen one and no
+"""The drift benchmark for any draft kind: an online-trained draft against a frozen one and no
 speculation, one RL run per arm, same target, seed and prompts.
 
     python scripts/bench/rl_arms.py drift --draft mtp                  # tiny MiMo, its MTP layer, k = 2
