@@ -36,7 +36,7 @@ def check_inputs(cfg):
     """The checks that read the checkpoint, the draft and the output directories; returns the
     checkpoint's ModelConfig (for `check_prompts`)."""
     from rollout.backend import check_backend
-    from trainer.model import check_tensor_parallel
+    from trainer.model import check_tensor_parallel, check_trainable
     from vime.models.config_checks import check_finite_weights, check_mtp_layers
     from vime.models.hf_format import inspect_hf_checkpoint
     from vime.paths import require_writable_dir
@@ -44,6 +44,7 @@ def check_inputs(cfg):
     hf = inspect_hf_checkpoint(cfg.model.hf_checkpoint)
     check_mtp_layers(cfg.mtp.num_layers, hf, cfg.model.hf_checkpoint)
     check_tensor_parallel(hf, cfg.train.tensor_model_parallel_size)
+    check_trainable(hf)
     check_backend(cfg, hf)
     check_finite_weights(os.path.join(cfg.model.hf_checkpoint, "model.safetensors"))
     check_weight_shapes(cfg.model.hf_checkpoint, hf)

@@ -6,9 +6,13 @@ public layout (tests/moe_fixtures.py). References: transformers' trunk for the t
 MTP layer for the trainer's MTP block, the aux-loss-free rule written out here for the expert-bias
 step, and the checkpoint's own tensors for the converters and the weights the trainer pushes.
 """
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from bad_input_helpers import refused
 
 from checkpoint_convert import hf_to_torch_dist, torch_dist_to_hf
 from fp32_bounds import model_logprob_bound
@@ -16,6 +20,7 @@ from moe_fixtures import transformers_trunk, write_checkpoint
 from mtp.sampling import token_logprobs
 from rollout.backend import EmbeddedBackend
 from rollout.embedded.model import CausalLMWithMTP
+from rollout.task import make_prompts, write_jsonl
 from test_weight_push import push
 from trainer.config import TrainerConfig
 from trainer.model import forward, routers
@@ -153,3 +158,25 @@ def test_pushed_weights_are_the_checkpoints_and_load_bit_exactly_into_the_engine
     backend = EmbeddedBackend(moe_ckpt, {"method": "mtp", "num_speculative_tokens": 2}, 4)
     push(backend.weight_receiver("reload"), moved)
     assert backend.digests() == weight_sync.digests(moved)
+
+
+def run_args(ckpt, out, *extra):
+    write_jsonl(make_prompts(8, seed=1), f"{ckpt}/train.jsonl")
+    return ["--hf-checkpoint", ckpt, "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt",
+            "4", "--global-batch-size", "16", "--micro-batch-size", "8", "--output-dir", str(out), *extra]
+
+
+@pytest.mark.parametrize("extra, config_changes, needles", [
+    (("--tensor-model-parallel-size", "2"), {}, ("--tensor-model-parallel-size 2", "mixture-of-experts",
+                                                 "--data-parallel-size")),
+    ((), {"norm_topk_prob": False}, ("cannot train", "norm_topk_prob true")),
+], ids=["tensor-parallel-moe", "unnormalised-topk"])
+def test_what_megatron_cannot_train_is_refused_in_one_line_before_start(tmp_path, extra, config_changes, needles):
+    ckpt = str(tmp_path / "hf")
+    write_checkpoint(ckpt, "glm4_moe", seed=26)
+    with open(f"{ckpt}/config.json") as f:
+        raw = json.load(f)
+    raw.update(config_changes)
+    with open(f"{ckpt}/config.json", "w") as f:
+        json.dump(raw, f)
+    refused(run_args(ckpt, tmp_path / "out", *extra), *needles)

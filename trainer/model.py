@@ -8,12 +8,14 @@ block needs, instead of running megatron's own MTP loss. The trainer then calls
 `mtp_logits(...)`, which runs the MTP block on detached trunk outputs by default, and adds
 the MTP loss itself (docs/design.md#the-draft-trains-on-detached-policy-states).
 """
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from mtp.reuse import reuse_attention_mask, reuse_positions
+from vime.models.megatron_names import MTP_INNER_LAYER
 from vime.errors import require
 
 
@@ -68,7 +70,12 @@ def spec_name():
 
 
 def check_tensor_parallel(model_cfg, tp):
-    """One-line errors for a TP size that does not divide the heads / vocabulary."""
+    """One-line errors for a TP size that does not divide the heads / vocabulary, or TP over experts."""
+    # megatron shards MoE layers over TP only with sequence parallelism, which its local
+    # (non-Transformer-Engine) norm does not implement
+    require(tp == 1 or model_cfg.moe is None, f"--tensor-model-parallel-size {tp}: mixture-of-experts models "
+            f"({model_cfg.model_family.architectures[0]}) train at --tensor-model-parallel-size 1; scale out "
+            "with --data-parallel-size")
     for what, n in (("attention heads", model_cfg.num_attention_heads),
                     ("key/value heads", model_cfg.num_key_value_heads),
                     ("vocabulary size", model_cfg.vocab_size)):
@@ -270,11 +277,15 @@ def _vime_gpt_model_class():
                 input_ids, _ = roll_tensor(input_ids, shifts=-1, dims=-1, cp_group=layer.cp_group)
                 blocks.append((output.detach(), embed(input_ids, position_ids, zero_first=False)))
                 n = len(blocks)
-                rotary = self.rotary_pos_emb.get_emb(s + n)[reuse_positions(s, n, hidden_in.device)]
+                positions = reuse_positions(s, n, hidden_in.device)
                 mask = reuse_attention_mask(s, n, hidden_in.device)[None, None]
-                output = layer._proj_and_transformer_layer(
-                    hidden_states=torch.cat([h for h, _ in blocks]), decoder_input=torch.cat([e for _, e in blocks]),
-                    attention_mask=mask, rotary_pos_emb=rotary)[(n - 1) * s:]
+                with _latent_rope_at(layer, positions) as own_rope:
+                    # MLA rotates inside its attention (own_rope); the others take the table here
+                    rotary = None if own_rope else self.rotary_pos_emb.get_emb(s + n)[positions]
+                    output = layer._proj_and_transformer_layer(
+                        hidden_states=torch.cat([h for h, _ in blocks]),
+                        decoder_input=torch.cat([e for _, e in blocks]),
+                        attention_mask=mask, rotary_pos_emb=rotary)[(n - 1) * s:]
                 yield output
 
         def mtp_layer_per_depth(self, depths=None):
@@ -285,6 +296,27 @@ def _vime_gpt_model_class():
 
     _Lazy.cls = VimeGPTModel
     return VimeGPTModel
+
+
+@contextlib.contextmanager
+def _latent_rope_at(mtp_layer, positions):
+    """Under multi-latent attention, make the MTP layer's attention rotate row i at `positions[i]`
+    (it computes its rope table itself, for rows 0..n-1); yields whether it did. Others: no change."""
+    attention = getattr(mtp_layer, MTP_INNER_LAYER).self_attention
+    if not getattr(attention.config, "multi_latent_attention", False):
+        yield False
+        return
+    rope = attention.rotary_pos_emb
+
+    def at_positions(*args, **kwargs):
+        table = rope.get_emb(int(positions.max()) + 1)  # YaRN: (table, mscale)
+        return (table[0][positions], table[1]) if isinstance(table, tuple) else table[positions]
+
+    rope.forward = at_positions
+    try:
+        yield True
+    finally:
+        del rope.forward  # the class's own again
 
 
 def build_model(model_cfg, mtp_num_layers, tp=1, pp=1, seed=1234, params_dtype=torch.float32):

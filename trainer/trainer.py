@@ -176,6 +176,7 @@ class Trainer:
         self.draft.reduce_gradients()
         self.draft.clip_gradients()
         self.draft.optimizer.step()
+        self._balance_experts()
         return total
 
     def _draft_only_steps(self, batches, steps):
@@ -210,13 +211,17 @@ class Trainer:
             metrics[f"train/{self.draft.metric_prefix}_grad_norm"] = self.draft.clip_gradients()
         for optimizer in self._optimizers():
             optimizer.step()
+        self._balance_experts()
         steps = self.draft.knobs.steps_per_rollout - 1 if self.draft else 0
         if steps > 0:
             metrics["train/draft_final_loss"] = self._draft_only_steps([batch, *self._draft_replay], steps)
             self._draft_replay.appendleft(batch)
-        # MoE: the routers' expert biases step towards balance over this step's routed tokens
-        update_expert_biases(self.model, self.cfg.moe_router_bias_update_rate)
         return metrics
+
+    def _balance_experts(self):
+        """After every optimiser step (joint or draft-only), MoE routers' expert biases step towards
+        balance over the tokens they routed in it; a router that routed none keeps its bias."""
+        update_expert_biases(self.model, self.cfg.moe_router_bias_update_rate)
 
     # ---- weights and checkpoints ------------------------------------------------------
     def named_hf_weights(self):

@@ -125,13 +125,13 @@ FAMILIES = {
     "glm4_moe": ModelFamily(
         name="glm4_moe", architectures=("Glm4MoeForCausalLM",), model_type="glm4_moe",
         hf_trunk_class="Glm4MoeForCausalLM", qkv_bias=True, qk_norm=False, mtp_layout=GLM_LAYOUT,
-        moe=True, qkv_from_config=True, trained=False, eagle3_aux_hidden_states=False,
+        moe=True, qkv_from_config=True, eagle3_aux_hidden_states=False,
     ),
     # DeepSeek-V3/R1/V3.1: multi-head latent attention with YaRN, the same MoE as GLM-4.5
     "deepseek_v3": ModelFamily(
         name="deepseek_v3", architectures=("DeepseekV3ForCausalLM",), model_type="deepseek_v3",
         hf_trunk_class="DeepseekV3ForCausalLM", qkv_bias=False, qk_norm=False, mtp_layout=GLM_LAYOUT,
-        attention="mla", moe=True, trained=False, eagle3_aux_hidden_states=False,
+        attention="mla", moe=True, eagle3_aux_hidden_states=False,
     ),
 }
 # the families the whole stack (engine, trainer, converters, weight sync) runs with MTP layers

@@ -159,7 +159,8 @@ def _split(kind, tensor, cfg):
     return tuple(t.contiguous() for t in tensor.chunk(2, dim=0))
 
 
-def _attention(cfg):
+def attention_kind(cfg):
+    """The `attention` argument of hf_targets for a ModelConfig: \"mla\" or \"gqa\"."""
     return "mla" if cfg.mla is not None else "gqa"
 
 
@@ -170,7 +171,7 @@ def is_synced_buffer(megatron_name):
 
 def megatron_to_hf(name, tensor, cfg):
     """[(canonical HF name, tensor)] for one full megatron tensor. cfg: a ModelConfig."""
-    kind, targets = hf_targets(name, cfg.num_hidden_layers, _attention(cfg))
+    kind, targets = hf_targets(name, cfg.num_hidden_layers, attention_kind(cfg))
     if kind is None:
         return [(targets[0], tensor)]
     return list(zip(targets, _split(kind, tensor, cfg)))
@@ -178,7 +179,7 @@ def megatron_to_hf(name, tensor, cfg):
 
 def hf_to_megatron(name, hf_state, cfg):
     """The full megatron tensor for megatron parameter `name`, built from canonical HF tensors."""
-    kind, targets = hf_targets(name, cfg.num_hidden_layers, _attention(cfg))
+    kind, targets = hf_targets(name, cfg.num_hidden_layers, attention_kind(cfg))
     missing = [t for t in targets if t not in hf_state]
     if missing:
         raise KeyError(f"HF tensor {missing[0]} (for megatron {name}) is missing")
