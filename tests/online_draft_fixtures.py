@@ -93,3 +93,11 @@ def export_draft(save, out):
     _, iteration = check_loadable(save)
     saved = torch.load(saved_draft_state_file(os.path.join(iteration, "model")), weights_only=False)
     return saved, load_file(os.path.join(str(out), "model.safetensors"))
+
+
+def assert_online_beats_frozen(spec, steps=4):
+    """On 32 held-out prompts greedy decoding accepts a larger share of the online draft's tokens than
+    of the frozen draft's (online_and_frozen_acceptance), by a one-sided two-proportion z-test at z > 3."""
+    (a1, n1), (a0, n0) = online_and_frozen_acceptance(spec, steps)
+    assert n1 > 0 and n0 > 0
+    assert two_proportion_z(a1, n1, a0, n0) > 3, (a1, n1, a0, n0)
