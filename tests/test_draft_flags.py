@@ -52,7 +52,7 @@ def test_help_lists_each_shared_draft_knob_once_and_no_replaced_flag():
         assert options.count(name) == 1, name
     assert not set(REMOVED_FLAGS) & set(options)
     # the kinds' own defaults (declared in their files) are what --help says
-    for kind, words in (("mtp", "MTP layers"), ("eagle3", "EAGLE-3")):
+    for kind, words in (("mtp", "MTP layers"), ("eagle3", "EAGLE-3"), ("dflash", "DFlash")):
         d = DRAFT_TRAINERS[kind].DEFAULTS
         for knob in (f"{d.lr:g} for {words}", f"{d.steps_per_rollout} for {words}", f"{d.replay_batches} for {words}"):
             assert knob in " ".join(text.split()), knob

@@ -301,24 +301,24 @@ class PlacementSection:
 class DraftSection:
     """The draft trained online beside the policy, whatever its kind (`cfg.draft`): the policy's MTP layers
     (--enable-mtp-training) or an external draft named by --vllm-speculative-config (--enable-draft-training,
-    EAGLE-3). The knobs apply to whichever trains; those left at none take the kind's own default
+    EAGLE-3, DFlash). The knobs apply to whichever trains; those left at none take the kind's own default
     (trainer/drafts/<kind>.py)."""
 
     enable_training: bool = field(default=False, metadata=flag(
-        "--enable-draft-training", "train the external draft of --vllm-speculative-config (EAGLE-3) online in the "
-        "trainers, from the policy's detached hidden states of the rollout batch, and sync it to the rollout "
+        "--enable-draft-training", "train the external draft of --vllm-speculative-config (EAGLE-3, DFlash) online "
+        "in the trainers, from the policy's detached hidden states of the rollout batch, and sync it to the rollout "
         "every step (the policy's own MTP layers: --enable-mtp-training)"))
     lr: Optional[float] = field(default=None, metadata=flag(
         "--draft-lr", "learning rate of the trained draft (default none: the kind's own, 0.005 for MTP layers, "
-        "0.001 for EAGLE-3; Adam makes the loss factor nearly scale-free)"))
+        "0.001 for EAGLE-3, 0.001 for DFlash; Adam makes the loss factor nearly scale-free)"))
     steps_per_rollout: Optional[int] = field(default=None, metadata=flag(
         "--draft-steps-per-rollout", "optimiser steps of the draft per RL step: the one beside the policy's, then "
         "N-1 of the draft alone on the states of the updated policy, the one the next rollout drafts for "
-        "(default none: the kind's own, 1 for MTP layers, 8 for EAGLE-3)"))
+        "(default none: the kind's own, 1 for MTP layers, 8 for EAGLE-3, 8 for DFlash)"))
     replay_batches: Optional[int] = field(default=None, metadata=flag(
         "--draft-replay-batches", "the draft-only steps (--draft-steps-per-rollout) cycle over this RL step's batch "
         "and the R previous ones, their states recomputed with the current policy (default none: the kind's "
-        "own, 0 for MTP layers, 4 for EAGLE-3)"))
+        "own, 0 for MTP layers, 4 for EAGLE-3, 4 for DFlash)"))
     loss_type: str = field(default="ce", metadata=flag(
         "--draft-loss-type", "ce (sampled token) | soft_ce | tv (against the detached policy's distribution, "
         "mtp/loss.py)"))
