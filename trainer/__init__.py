@@ -1,4 +1,5 @@
-"""megatron-core trainer: policy loss, the online draft (trainer/drafts: MTP layers, EAGLE-3), torch_dist checkpoints."""
+"""megatron-core trainer: policy loss, the online draft (trainer/drafts: MTP layers, EAGLE-3, DFlash),
+torch_dist checkpoints."""
 
 from trainer.cpu_patches import quiet_megatron_warnings
 

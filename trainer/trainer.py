@@ -3,7 +3,7 @@
 Call `trainer.distributed.init_distributed(...)` first in multi-process setups; a lone
 Trainer starts a one-process group itself. Per step: the policy loss (PPO-clip on the rollout
 log-probs) plus the loss of the draft the run trains, whatever its kind (trainer/drafts: the MTP
-layers or an external EAGLE-3 draft), which reads detached policy states and has its own grad-norm
+layers or an external EAGLE-3 or DFlash draft), which reads detached policy states and has its own grad-norm
 clip; then the draft's own steps on the updated policy (trainer/drafts/base.py).
 """
 import collections
@@ -51,7 +51,7 @@ class Trainer:
         for name, p in self.model.named_parameters():  # loaded frozen, still synced, unless they are the draft
             if is_mtp_param(name):
                 p.requires_grad_(False)
-        # the draft trained beside the policy (trainer/drafts: MTP layers, EAGLE-3), or None
+        # the draft trained beside the policy (trainer/drafts: MTP layers, EAGLE-3, DFlash), or None
         self.draft = build_draft(cfg, self.model, self.model_cfg)
         self.optimizer = self._build_optimizer()
         if self.draft is not None:
