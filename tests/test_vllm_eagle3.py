@@ -8,8 +8,6 @@ Sampled: through the vLLM rollout backend, the joint of the first two tokens fit
 (transformers) by a chi-square test, and the negative control (the policy at temperature 1.3) fails.
 Two vLLM starts (20-60 s each on 2 busy cores): the slow run.
 """
-import os
-
 import pytest
 import torch
 
@@ -19,9 +17,9 @@ from eagle3_fixtures import DRAFT, TARGET, reference_acceptance  # noqa: E402
 from rollout.embedded.engine import EngineConfig  # noqa: E402
 from rollout.embedded.engine_builder import build_engine  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
-from rollout.task import EOS, make_prompts  # noqa: E402
 from rollout.tokenizer import TextCodec  # noqa: E402
 from vime.sample import samples_for_prompts  # noqa: E402
+from vllm_spec_fixtures import hf_greedy, serve, task_prompts, vllm_greedy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 K, MAX_NEW = 3, 32
@@ -29,51 +27,14 @@ K, MAX_NEW = 3, 32
 
 @pytest.fixture(scope="module")
 def prompts():
-    codec = TextCodec(TARGET)
-    return [codec.encode_prompt(r["prompt"], 1) for r in make_prompts(12, seed=5) + make_prompts(4, seed=6, digits=2)]
+    return task_prompts(TARGET)
 
 
 @pytest.fixture(scope="module")
 def llm():
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
-    engine = LLM(model=TARGET, speculative_config={"method": "eagle3", "model": DRAFT, "num_speculative_tokens": K},
-                 skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                 disable_log_stats=False)
+    engine = serve(TARGET, {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": K})
     yield engine
     engine.llm_engine.engine_core.shutdown()
-
-
-def accepted_per_pos(llm):
-    for m in llm.get_metrics():
-        if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            return list(m.values)
-    return [0] * K
-
-
-def vllm_greedy(llm, prompt):
-    """(tokens, accepted drafts per position) of one greedy request."""
-    from vllm import SamplingParams as VSampling
-
-    before = accepted_per_pos(llm)
-    out = llm.generate([{"prompt_token_ids": list(prompt)}],
-                       VSampling(temperature=0, max_tokens=MAX_NEW, stop_token_ids=[EOS], detokenize=False),
-                       use_tqdm=False)
-    after = accepted_per_pos(llm)
-    return list(out[0].outputs[0].token_ids), [a - b for a, b in zip(after, before + [0] * (len(after) - len(before)))]
-
-
-def hf_greedy(model, prompt):
-    ids, out = list(prompt), []
-    with torch.no_grad():
-        for _ in range(MAX_NEW):
-            tok = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-            out.append(tok)
-            ids.append(tok)
-            if tok == EOS:
-                break
-    return out
 
 
 def test_plain_vllm_serves_the_draft_greedy_equal_to_transformers_and_accepting_as_the_reference(llm, prompts):
@@ -85,8 +46,8 @@ def test_plain_vllm_serves_the_draft_greedy_equal_to_transformers_and_accepting_
     embedded = engine.generate(samples_for_prompts(prompts), SamplingParams(temperature=0, max_new_tokens=MAX_NEW))
     total = [0] * K
     for prompt, s in zip(prompts, embedded):
-        tokens, accepted = vllm_greedy(llm, prompt)
-        assert tokens == hf_greedy(reference, prompt) == s.response_ids
+        tokens, _, accepted = vllm_greedy(llm, prompt, MAX_NEW, K)
+        assert tokens == hf_greedy(reference, prompt, MAX_NEW) == s.response_ids
         _, expected = reference_acceptance(engine.model, engine.proposer.draft_model, prompt, tokens, K, MAX_NEW,
                                            past_end=True)
         assert accepted == expected, (prompt, accepted, expected)
