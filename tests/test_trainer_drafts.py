@@ -201,3 +201,22 @@ def test_a_shared_knob_left_unset_takes_the_kinds_own_default(kind):
     given = Trainer(TrainerConfig(draft_lr=3e-4, draft_steps_per_rollout=2, draft_replay_batches=1, **settings), target)
     assert (given.draft.knobs.lr, given.draft.knobs.steps_per_rollout, given.draft.knobs.replay_batches) == (3e-4, 2, 1)
     assert given.draft.optimizer.param_groups[-1]["lr"] == 3e-4
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"], indirect=True)
+def test_an_external_drafts_checkpoint_resumes_the_same_next_step(kind, tmp_path):
+    """--save/--load keep an external draft's weights, optimizer state and whatever it draws from
+    (DFlash's anchors): the resumed trainer's next step moves the draft exactly as the original's."""
+    _, target, settings = kind
+    cfg = TrainerConfig(draft_replay_batches=0, draft_steps_per_rollout=2, **settings)  # replay is not checkpointed
+    trainer = Trainer(cfg, target)
+    trainer.train_step(make_batch(seed=0))
+    trainer.save(str(tmp_path / "ckpt"))
+    resumed = Trainer(cfg, target, load=str(tmp_path / "ckpt"))
+    if kind[0] == "dflash":  # fewer blocks than the responses offer: which anchors is drawn
+        trainer.draft.anchors_per_sequence = resumed.draft.anchors_per_sequence = 2
+    batch = make_batch(seed=3)
+    m = {"original": trainer.train_step(batch), "resumed": resumed.train_step(batch)}
+    assert m["original"]["train/draft_loss"] == m["resumed"]["train/draft_loss"]
+    after = [t.draft.module.state_dict() for t in (trainer, resumed)]
+    assert after[0].keys() == after[1].keys() and all(torch.equal(after[0][n], after[1][n]) for n in after[0])

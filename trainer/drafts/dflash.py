@@ -68,6 +68,14 @@ class DFlashDraftTrainer(ExternalDraftTrainer):
         """The policy's [V, H] embedding or head as the rollout reads it: whole (gathered over TP), detached."""
         return gather(name, param)[:self.vocab_size]
 
+    # ---- checkpoints: the anchors' stream too, so that a resumed run draws the same blocks ----
+    def state(self):
+        return {**super().state(), "anchor_rng": self.generator.get_state()}
+
+    def load_state(self, state):
+        super().load_state(state)
+        self.generator.set_state(state["anchor_rng"])
+
     # ---- the loss ----------------------------------------------------------------------
     def inputs(self, out, mb, normaliser):
         aux = AuxHiddenStates.concat(self.aux.take(), self.module.cfg.aux_layer_ids)
