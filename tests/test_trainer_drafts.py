@@ -103,10 +103,20 @@ def loss_tolerance(target, expected):
     return reduction_rtol(longest, 4 * cfg.num_hidden_layers + 13) * max(1.0, abs(expected))
 
 
-def reference_dflash_losses(target, draft_dir, tokens, loss_mask, weigh=True):
+def slot_loss(loss_type, draft_logits, token, policy_logits):
+    """One block slot's loss from its definition: cross-entropy against the token, or against the
+    policy's distribution p of it (soft_ce: -sum p log q; tv: half the L1 distance of q and p)."""
+    q = torch.softmax(draft_logits.double(), -1)
+    p = torch.softmax(policy_logits.double(), -1)
+    return {"ce": lambda: -float(q[token].log()), "soft_ce": lambda: -float((p * q.log()).sum()),
+            "tv": lambda: 0.5 * float((q - p).abs().sum())}[loss_type]()
+
+
+def reference_dflash_losses(target, draft_dir, tokens, loss_mask, weigh=True, loss_type="ce"):
     """DFlash's block objective from its definition, every block recomputed from scratch on transformers'
     states (dflash_fixtures): a block at every anchor a >= 1 whose next token is a response token, slot
-    i >= 1 predicting token a+i where it is a response token, cross-entropy weighted by exp(-(i-1)/gamma).
+    i >= 1 predicting token a+i where it is a response token (the policy's distribution of it: its
+    logits at a+i-1, temperature 1), its loss weighted by exp(-(i-1)/gamma).
     Returns (weighted mean over all slots of the batch, per-slot mean [k]); weigh=False: every slot weighs 1."""
     import json
     import os
@@ -124,13 +134,15 @@ def reference_dflash_losses(target, draft_dir, tokens, loss_mask, weigh=True):
     slot_sum, slot_count = [0.0] * (size - 1), [0] * (size - 1)
     for b in range(tokens.shape[0]):
         ids, mask = tokens[b].tolist(), loss_mask[b].tolist()
+        with torch.no_grad():
+            policy = model(tokens[b:b + 1]).logits[0]
         for a in range(1, len(ids) - 1):
             if not mask[a + 1]:
                 continue
             logits = reference_block_logits(model, state, cfg, ids[:a + 1])
             for i in range(1, size):
                 if a + i < len(ids) and mask[a + i]:
-                    ce = float(F.cross_entropy(logits[i], torch.tensor(ids[a + i])))
+                    ce = slot_loss(loss_type, logits[i], ids[a + i], policy[a + i - 1])
                     w = math.exp(-(i - 1) / gamma)
                     weighted, weights = weighted + w * ce, weights + w
                     slot_sum[i - 1] += ce
@@ -220,3 +232,22 @@ def test_an_external_drafts_checkpoint_resumes_the_same_next_step(kind, tmp_path
     assert m["original"]["train/draft_loss"] == m["resumed"]["train/draft_loss"]
     after = [t.draft.module.state_dict() for t in (trainer, resumed)]
     assert after[0].keys() == after[1].keys() and all(torch.equal(after[0][n], after[1][n]) for n in after[0])
+
+
+@pytest.mark.parametrize("loss_type", ["soft_ce", "tv"])
+def test_the_dflash_draft_distils_the_detached_policys_distribution(dflash_pair, loss_type):
+    """--draft-loss-type soft_ce / tv: every block slot's loss against the policy's own distribution of
+    its token, equal to the definition recomputed on transformers' logits."""
+    target, draft_dir = dflash_pair
+    spec = parse_spec_config({"method": "dflash", "model": draft_dir, "num_speculative_tokens": TTT_STEPS})
+    batch = make_batch(n=3)
+    trainer = Trainer(TrainerConfig(micro_batch_size=0, enable_draft_training=True, speculative_config=spec,
+                                    draft_loss_type=loss_type), target)
+    trainer.draft.anchors_per_sequence = batch.tokens.shape[1]
+    metrics = trainer.backward(batch)
+    _, per_slot = reference_dflash_losses(target, draft_dir, batch.tokens, batch.loss_mask, loss_type=loss_type)
+    for slot, want in enumerate(per_slot, start=1):
+        assert abs(metrics[f"train/draft_{slot}_loss"] - want) <= loss_tolerance(target, want), slot
+    # negative control: the hard-label loss of the same slots is another figure
+    _, hard = reference_dflash_losses(target, draft_dir, batch.tokens, batch.loss_mask)
+    assert abs(hard[0] - per_slot[0]) > loss_tolerance(target, per_slot[0])
