@@ -56,6 +56,42 @@ def test_the_online_draft_reaches_the_rollout_every_step_and_exports(tmp_path, b
     initial = load_file(os.path.join(spec["model"], "model.safetensors"))
     assert any(not torch.equal(exported[k], initial[k]) for k in initial)  # it trained
     build_engine(TARGET, dict(spec, model=str(out)))  # loads and fits the target
+    if backend == "vllm":
+        assert_plain_vllm_serves(str(out))
+
+
+def assert_plain_vllm_serves(draft_dir, n_prompts=6, max_new=24):
+    """Plain `vllm.LLM` (no vime code between) serves the exported draft: greedy output equal to
+    transformers' greedy decoding, and the drafts accepted per block slot equal to the cache-free
+    reference of the exported weights (dflash_fixtures, counted as vLLM counts: whole blocks)."""
+    from transformers import Qwen2ForCausalLM
+    from vllm import LLM
+    from vllm import SamplingParams as VSampling
+
+    from dflash_fixtures import load_reference, reference_acceptance
+    from online_draft_fixtures import prompt_ids
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    llm = LLM(model=TARGET, speculative_config={"method": "dflash", "model": draft_dir, "num_speculative_tokens": K},
+              skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+              disable_log_stats=False)
+    hf = Qwen2ForCausalLM.from_pretrained(TARGET, torch_dtype=torch.float32).eval()
+    reference = load_reference(draft_dir)
+    try:
+        expected = [0] * K
+        for prompt in prompt_ids(n_prompts, seed=4242)[1]:
+            out = llm.generate([{"prompt_token_ids": list(prompt)}], VSampling(temperature=0, max_tokens=max_new),
+                               use_tqdm=False)[0].outputs[0].token_ids
+            with torch.no_grad():
+                plain = hf.generate(torch.tensor([prompt]), max_new_tokens=len(out), do_sample=False,
+                                    eos_token_id=None)[0, len(prompt):].tolist()
+            assert list(out) == plain[:len(out)], prompt
+            accepted = reference_acceptance(reference, prompt, list(out), max_new, past_end=True)[1]
+            expected = [a + b for a, b in zip(expected, accepted)]
+        got = next(list(m.values) for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos")
+        assert [int(x) for x in got] == expected and expected[0] > 0, (got, expected)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def test_the_block_size_is_the_drafts_own_under_training(tmp_path):
