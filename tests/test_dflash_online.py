@@ -65,44 +65,20 @@ def assert_plain_vllm_serves(draft_dir, n_prompts=6, max_new=24):
     transformers' greedy decoding, and the drafts accepted per block slot equal to the cache-free
     reference of the exported weights (dflash_fixtures, counted as vLLM counts: whole blocks)."""
     from transformers import Qwen2ForCausalLM
-    from vllm import LLM
-    from vllm import SamplingParams as VSampling
 
     from dflash_fixtures import load_reference, reference_acceptance
-    from online_draft_fixtures import prompt_ids
+    from vllm_spec_fixtures import hf_greedy, serve, task_prompts, vllm_greedy
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    llm = LLM(model=TARGET, speculative_config={"method": "dflash", "model": draft_dir, "num_speculative_tokens": K},
-              skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-              disable_log_stats=False)
+    llm = serve(TARGET, {"method": "dflash", "model": draft_dir, "num_speculative_tokens": K})
     hf = Qwen2ForCausalLM.from_pretrained(TARGET, torch_dtype=torch.float32).eval()
     reference = load_reference(draft_dir)
     try:
-        expected = [0] * K
-        for prompt in prompt_ids(n_prompts, seed=4242)[1]:
-            out = llm.generate([{"prompt_token_ids": list(prompt)}], VSampling(temperature=0, max_tokens=max_new),
-                               use_tqdm=False)[0].outputs[0].token_ids
-            with torch.no_grad():
-                plain = hf.generate(torch.tensor([prompt]), max_new_tokens=len(out), do_sample=False,
-                                    eos_token_id=None)[0, len(prompt):].tolist()
-            assert list(out) == plain[:len(out)], prompt
-            accepted = reference_acceptance(reference, prompt, list(out), max_new, past_end=True)[1]
-            expected = [a + b for a, b in zip(expected, accepted)]
-        got = next(list(m.values) for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos")
-        assert [int(x) for x in got] == expected and expected[0] > 0, (got, expected)
+        total = [0] * K
+        for prompt in task_prompts(TARGET)[:n_prompts]:
+            tokens, _, accepted = vllm_greedy(llm, prompt, max_new, K)
+            assert tokens == hf_greedy(hf, prompt, max_new), prompt
+            assert accepted == reference_acceptance(reference, prompt, tokens, max_new, past_end=True)[1], prompt
+            total = [a + b for a, b in zip(total, accepted)]
+        assert total[0] > 0  # drafts accepted: not vacuous
     finally:
         llm.llm_engine.engine_core.shutdown()
-
-
-def test_the_block_size_is_the_drafts_own_under_training(tmp_path):
-    spec = dict(initial_draft(str(tmp_path / "draft")), num_speculative_tokens=5)
-    refused(["--hf-checkpoint", TARGET, "--num-rollout", "1", "--output-dir", str(tmp_path / "out"),
-             "--vllm-speculative-config", json.dumps(spec), "--enable-draft-training"],
-            "num_speculative_tokens 5", "blocks of 4")
-
-
-def test_draft_ttt_steps_is_refused_for_a_block_draft(tmp_path):
-    spec = initial_draft(str(tmp_path / "draft"))
-    refused(["--hf-checkpoint", TARGET, "--num-rollout", "1", "--output-dir", str(tmp_path / "out"),
-             "--vllm-speculative-config", json.dumps(spec), "--enable-draft-training", "--draft-ttt-steps", "2"],
-            "--draft-ttt-steps 2", "DFlash")
