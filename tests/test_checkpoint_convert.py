@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoint_convert import hf_to_torch_dist, torch_dist_to_hf
-from vime.models.families import FAMILIES, MTP_FAMILIES
+from vime.models.families import FAMILIES, MOE_FAMILIES, MTP_FAMILIES
 from vime.models.hf_format import load_hf_checkpoint
 from mtp.sampling import token_logprobs
 from rollout.embedded.model import CausalLMWithMTP
@@ -20,7 +20,7 @@ from trainer_fixtures import make_batch, make_tiny
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("family", sorted(MTP_FAMILIES))
+@pytest.mark.parametrize("family", sorted(MTP_FAMILIES + MOE_FAMILIES))
 def test_hf_to_torch_dist_to_hf_is_bit_identical(tmp_path, family):
     hf, td, back = (str(tmp_path / n) for n in ("hf", "td", "back"))
     make_tiny(hf, seed=6, family=family, tie_word_embeddings=family == "qwen3")

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from vime.models.families import MTP_FAMILIES, is_mtp_name
+from vime.models.families import MOE_FAMILIES, MTP_FAMILIES, is_mtp_name
 from vime.models.hf_format import expected_tensor_names, load_hf_checkpoint
 from vime.models.megatron_names import attention_kind, hf_targets, is_synced_buffer
 from mtp.loss import mtp_loss_mask
@@ -18,7 +18,7 @@ from vime.errors import UserError
 from vime.sample import Sample
 
 
-@pytest.fixture(scope="module", params=sorted(MTP_FAMILIES))
+@pytest.fixture(scope="module", params=sorted(MTP_FAMILIES + MOE_FAMILIES))
 def hf_dir(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"trainer_mtp_hf_{request.param}")
     make_tiny(path, seed=1, family=request.param)

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from vime.models.families import FAMILIES, MTP_FAMILIES
+from vime.models.families import MTP_FAMILIES
 from trainer.config import TrainerConfig
 from vime.net import free_port
 from trainer.trainer import Trainer
@@ -25,8 +25,7 @@ RTOL = reduction_rtol(TINY["intermediate_size"], DEPTH)
 WEIGHT_ATOL = len(SEEDS) * CFG["lr"] * RTOL
 
 
-# mixture-of-experts families train at TP 1 (tests/test_trainer_moe.py checks the refusal)
-@pytest.mark.parametrize("family", sorted(f for f in MTP_FAMILIES if not FAMILIES[f].moe))
+@pytest.mark.parametrize("family", sorted(MTP_FAMILIES))  # MoE trains at TP 1 (test_trainer_moe.py)
 def test_tp2_matches_tp1_losses_and_its_checkpoint_loads_at_tp1(tmp_path, family):
     hf, ckpt, out = str(tmp_path / "hf"), str(tmp_path / "ckpt_tp2"), str(tmp_path / "tp2.pt")
     make_tiny(hf, seed=5, tie_word_embeddings=False, family=family)

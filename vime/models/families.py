@@ -83,9 +83,6 @@ class ModelFamily:
     # q/k/v bias and q/k norm are read from the config (`attention_bias`, `use_qk_norm`: GLM-4.5)
     # instead of being fixed for the family
     qkv_from_config: bool = False
-    # the megatron-core trainer, the converters and weight sync build this family; False: the
-    # embedded engine runs it (and its MTP layers), the training side does not yet
-    trained: bool = True
 
     @property
     def layer_tensors(self):
@@ -134,9 +131,12 @@ FAMILIES = {
         attention="mla", moe=True, eagle3_aux_hidden_states=False,
     ),
 }
-# the families the whole stack (engine, trainer, converters, weight sync) runs with MTP layers
-MTP_FAMILIES = tuple(name for name, fam in FAMILIES.items() if fam.has_mtp and fam.trained)
-# the families the embedded engine runs with MTP layers (and scripts/make_tiny_model.py makes)
+# the dense families with MTP layers (tests build them in any dense shape: head counts, widths)
+MTP_FAMILIES = tuple(name for name, fam in FAMILIES.items() if fam.has_mtp and not fam.moe)
+# the mixture-of-experts families (all with MTP layers; their shapes are their own: MLA, experts)
+MOE_FAMILIES = tuple(name for name, fam in FAMILIES.items() if fam.moe)
+# every family with MTP layers: the engine, the trainer, the converters and weight sync run them all
+# (and scripts/make_tiny_model.py makes them)
 ENGINE_MTP_FAMILIES = tuple(name for name, fam in FAMILIES.items() if fam.has_mtp)
 DEFAULT_FAMILY = "mimo"
 
