@@ -19,13 +19,12 @@ from fp32_bounds import model_logprob_bound
 from moe_fixtures import transformers_trunk, write_checkpoint
 from mtp.sampling import token_logprobs
 from rollout.backend import EmbeddedBackend
-from rollout.embedded.model import CausalLMWithMTP
 from rollout.task import make_prompts, write_jsonl
 from test_weight_push import push
 from trainer.config import TrainerConfig
 from trainer.model import forward, routers
 from trainer.trainer import Trainer
-from trainer_fixtures import make_batch
+from trainer_fixtures import engine_model, make_batch
 from vime import weight_sync
 from vime.models.hf_format import load_hf_checkpoint
 
@@ -44,13 +43,6 @@ def moe_ckpt(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(f"trainer_moe_{request.param}"))
     write_checkpoint(path, family, **options)
     return path
-
-
-def engine_model(path):
-    cfg, state, _ = load_hf_checkpoint(path)
-    model = CausalLMWithMTP(cfg)
-    model.load_state_dict(state, strict=False)
-    return model.eval()
 
 
 def test_trainer_logprobs_equal_transformers_and_the_engine(moe_ckpt):

@@ -7,13 +7,12 @@ from vime.models.hf_format import expected_tensor_names, load_hf_checkpoint
 from vime.models.megatron_names import attention_kind, hf_targets, is_synced_buffer
 from mtp.loss import mtp_loss_mask
 from mtp.sampling import token_logprobs
-from rollout.embedded.model import CausalLMWithMTP
 from trainer.batch import build_batch
 from trainer.config import TrainerConfig
 from trainer.model import forward, update_expert_biases
 from trainer.trainer import Trainer
 from fp32_bounds import reduction_rtol
-from trainer_fixtures import make_batch, make_tiny
+from trainer_fixtures import engine_model, make_batch, make_tiny
 from vime.errors import UserError
 from vime.sample import Sample
 
@@ -28,13 +27,6 @@ def hf_dir(request, tmp_path_factory):
 def expected_mtp_hf_names(model_cfg):
     """The canonical HF names of the family's MTP tensors (what the MTP parameters must cover)."""
     return {n for n in expected_tensor_names(model_cfg) if is_mtp_name(n, model_cfg.num_hidden_layers)}
-
-
-def engine_model(path):
-    cfg, state, _ = load_hf_checkpoint(path)
-    model = CausalLMWithMTP(cfg)
-    model.load_state_dict(state, strict=False)
-    return model.eval()
 
 
 def grads(trainer):

@@ -1,12 +1,22 @@
 """Shared helpers for the trainer tests: tiny checkpoints and hand-made batches."""
 import torch
 
+from rollout.embedded.model import CausalLMWithMTP
 from rollout.tiny_model import make_random_checkpoint
 from trainer.batch import build_batch
+from vime.models.hf_format import load_hf_checkpoint
 from vime.sample import Sample
 
 TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+
+
+def engine_model(path):
+    """The embedded engine's model of HF checkpoint `path` (the trainer's reference), in eval mode."""
+    cfg, state, _ = load_hf_checkpoint(path)
+    model = CausalLMWithMTP(cfg)
+    model.load_state_dict(state, strict=False)
+    return model.eval()
 
 
 def make_tiny(path, **overrides):
