@@ -285,7 +285,7 @@ def test_shipped_moe_model_is_its_family_and_its_mtp_layer_drafts_what_the_trunk
     codec = TextCodec(path)
     with open(os.path.join(path, "eval.jsonl")) as f:
         prompts = [codec.encode_prompt(json.loads(line)["prompt"], engine.cfg.bos_token_id) for line in f][:32]
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=32, seed=0)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=32)
     trained = aggregate_spec_stats(engine.generate(samples_for_prompts(prompts), sampling))["spec_accept_length"]
     assert trained > 1.3
     # negative control: the same engine with the MTP layer's input projection scrambled drafts far worse
