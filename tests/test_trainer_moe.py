@@ -24,7 +24,7 @@ from test_weight_push import push
 from trainer.config import TrainerConfig
 from trainer.model import forward, routers
 from trainer.trainer import Trainer
-from trainer_fixtures import engine_model, make_batch
+from trainer_fixtures import engine_model, engine_mtp_logits, make_batch
 from vime import weight_sync
 from vime.models.hf_format import load_hf_checkpoint
 
@@ -70,9 +70,8 @@ def test_trainer_mtp_logits_equal_the_engine_mtp_drafter(moe_ckpt):
     with torch.no_grad():
         got = trainer.model.mtp_logits(forward(trainer.model, tokens))[0][:, :-1]
         engine = engine_model(moe_ckpt)
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-        _, mtp_hidden = engine.forward_states(tokens, positions)
-        want = engine.logits(engine.mtp_forward(0, tokens[:, 1:], mtp_hidden[:, :-1], positions[:, :-1]))
+        _, mtp_hidden = engine.forward_states(tokens, torch.arange(tokens.shape[1]).expand_as(tokens))
+        want = engine_mtp_logits(engine, tokens, mtp_hidden)
     bound = model_logprob_bound(trainer.model_cfg, tokens.shape[1], want.abs().max().item()) / 2
     assert (got - want).abs().max().item() <= bound
     assert want.std().item() > 0.5

@@ -12,7 +12,7 @@ from trainer.config import TrainerConfig
 from trainer.model import forward, update_expert_biases
 from trainer.trainer import Trainer
 from fp32_bounds import reduction_rtol
-from trainer_fixtures import engine_model, make_batch, make_tiny
+from trainer_fixtures import engine_model, engine_mtp_logits, make_batch, make_tiny
 from vime.errors import UserError
 from vime.sample import Sample
 
@@ -259,11 +259,6 @@ def test_distillation_target_is_the_policy_at_the_predicted_position(hf_dir, los
         q = torch.softmax(draft[b, t] / temperature, -1)
         terms.append(-(p * q.log()).sum() if loss_type == "soft_ce" else 0.5 * (p - q).abs().sum())
     assert got == pytest.approx(torch.stack(terms).mean().item(), abs=1e-5)
-
-
-def engine_mtp_logits(model, tokens, mtp_hidden):
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    return model.logits(model.mtp_forward(0, tokens[:, 1:], mtp_hidden[:, :-1], positions[:, :-1]))
 
 
 def test_trainer_mtp_logits_equal_the_engine_mtp_layer_for_each_family(hf_dir):

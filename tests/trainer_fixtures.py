@@ -19,6 +19,13 @@ def engine_model(path):
     return model.eval()
 
 
+def engine_mtp_logits(model, tokens, mtp_hidden):
+    """The engine model's MTP layer 0 logits at positions 0..S-2: token t+1 and the trunk state
+    `mtp_hidden` (as that family's MTP layer reads it) at t."""
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    return model.logits(model.mtp_forward(0, tokens[:, 1:], mtp_hidden[:, :-1], positions[:, :-1]))
+
+
 def make_tiny(path, **overrides):
     return make_random_checkpoint(str(path), **{**TINY, **overrides})
 
