@@ -26,10 +26,14 @@ DEEPSEEK_TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, 
                      first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
                      norm_topk_prob=True, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
                      qk_nope_head_dim=16, v_head_dim=16, rms_norm_eps=1e-6,
+                     topk_method="noaux_tc", scoring_func="sigmoid",  # as DeepSeek-V3's config (vLLM reads them)
                      # DeepSeek-V3's YaRN block (factor 40 over 4096 there), scaled to the tiny context
                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                       "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
                                       "mscale": 1.0, "mscale_all_dim": 1.0})
+
+# the MLA latent vLLM's CPU kernel is built for (kv_lora_rank + qk_rope_head_dim); the rest stays tiny
+VLLM_CPU_MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64)
 
 
 def _config(family, num_layers, **overrides):

