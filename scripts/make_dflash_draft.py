@@ -16,9 +16,7 @@ objective (mtp/dflash.py `block_loss`). The result loads, unchanged, with
 """
 import argparse
 import os
-import random
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -26,6 +24,7 @@ import torch  # noqa: E402
 
 from make_eagle3_draft import target_samples  # noqa: E402
 from mtp.dflash import DFlashDraft, block_loss  # noqa: E402
+from mtp.draft_warmup import warm_up_draft  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
 from vime.models.dflash import check_draft_fits_target, draft_config_for_target, save_draft  # noqa: E402
 from vime.models.hf_format import load_hf_checkpoint  # noqa: E402
@@ -71,38 +70,16 @@ def init_draft(target_cfg, target_state, args, std=0.02):
     return draft
 
 
-def batch_of(sequences, rng, batch_size):
-    """(tokens [B, T] zero-padded, mask [B, T] of real positions) of batch_size sequences drawn at random."""
-    batch = [rng.choice(sequences) for _ in range(batch_size)]
-    width = max(len(x) for x in batch)
-    tokens = torch.zeros(len(batch), width, dtype=torch.long)
-    mask = torch.zeros(len(batch), width)
-    for i, x in enumerate(batch):
-        tokens[i, :len(x)] = torch.tensor(x)
-        mask[i, :len(x)] = 1
-    return tokens, mask
-
-
 def warm_up(draft, target, sequences, args, log=print):
     """Offline block-objective steps on the target's own sequences (target states recomputed, detached)."""
-    rng = random.Random(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
-    opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.0)
     embed, head = target.model.embed_tokens.weight.detach(), target.head_weight().detach()
-    start = time.time()
-    for step in range(args.warmup_steps):
-        tokens, mask = batch_of(sequences, rng, args.batch_size)
-        with torch.no_grad():
-            aux = target.aux_hidden_states(tokens, torch.arange(tokens.shape[1]).expand_as(tokens),
-                                           draft.cfg.aux_layer_ids)
-        loss, per_slot = block_loss(draft, aux, tokens, mask, embed, head, args.anchors, args.gamma, generator)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        if step % 50 == 0 or step == args.warmup_steps - 1:
-            log(f"warm-up step {step:4d}  loss by block slot " + " ".join(f"{x.item():.3f}" for x in per_slot)
-                + f"  {time.time() - start:.0f}s")
+
+    def loss_of(tokens, mask, aux):
+        return block_loss(draft, aux, tokens, mask, embed, head, args.anchors, args.gamma, generator)
+
+    warm_up_draft(draft, target, sequences, args.warmup_steps, args.batch_size, args.lr, args.seed, loss_of,
+                  "block slot", log)
 
 
 @exit_on_user_error

@@ -16,13 +16,13 @@ import json
 import os
 import random
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from mtp.draft_warmup import warm_up_draft  # noqa: E402
 from mtp.eagle3 import Eagle3Draft, training_time_test_loss  # noqa: E402
 from rollout.embedded.engine import Engine, EngineConfig  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
@@ -79,28 +79,12 @@ def target_samples(target_path, n, max_new_tokens, seed):
 
 def warm_up(draft, target, sequences, steps, batch_size, lr, ttt_steps, seed, log=print):
     """Offline training-time-test steps on the target's own sequences (aux states recomputed, detached)."""
-    rng = random.Random(seed)
-    opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
     embed = target.model.embed_tokens.weight.detach()
-    start = time.time()
-    for step in range(steps):
-        batch = [rng.choice(sequences) for _ in range(batch_size)]
-        width = max(len(x) for x in batch)
-        tokens = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width)
-        for i, x in enumerate(batch):
-            tokens[i, :len(x)] = torch.tensor(x)
-            mask[i, :len(x)] = 1
-        with torch.no_grad():
-            aux = target.aux_hidden_states(tokens, torch.arange(width).expand_as(tokens), draft.cfg.aux_layer_ids)
-        loss, per_step = training_time_test_loss(draft, F.embedding(tokens, embed), aux, tokens, mask, ttt_steps)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        if step % 50 == 0 or step == steps - 1:
-            log(f"warm-up step {step:4d}  loss by drafting step " + " ".join(f"{x.item():.3f}" for x in per_step)
-                + f"  {time.time() - start:.0f}s")
+
+    def loss_of(tokens, mask, aux):
+        return training_time_test_loss(draft, F.embedding(tokens, embed), aux, tokens, mask, ttt_steps)
+
+    warm_up_draft(draft, target, sequences, steps, batch_size, lr, seed, loss_of, "drafting step", log)
 
 
 @exit_on_user_error

@@ -167,3 +167,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def check_sampled_drafts_keep_the_target_distribution(target, proposer, method, n, alpha):
+    """A draft kind's sampled speculative output: both the accept and the residual paths are taken
+    often, and the first tokens' counts pass the chi-square test against the exact joint."""
+    counts, rate = sampled_counts(target, proposer, method, n)
+    assert 0.1 < rate < 0.9  # both the accept and the residual paths are sampled often
+    assert chi_square_p_value(counts, exact_joint(target), n) > alpha
+
+
+def check_the_test_rejects_resampling_from_p(target, proposer, n, alpha, monkeypatch):
+    """Negative control of the distribution test: a residual that resamples p itself is caught."""
+    from mtp import rejection
+
+    monkeypatch.setattr(rejection, "_residual_sample", resample_from_p)
+    counts, _ = sampled_counts(target, proposer, "probabilistic", n)
+    assert chi_square_p_value(counts, exact_joint(target), n) < alpha

@@ -13,7 +13,6 @@ import shutil
 import pytest
 import torch
 
-import mtp.rejection as rejection
 from eagle3_fixtures import DRAFT, TARGET, random_draft, reference_acceptance
 from mtp.eagle3 import Eagle3Draft
 from rollout.embedded.engine import Engine, EngineConfig
@@ -24,8 +23,8 @@ from rollout.spec_config import check_against_checkpoint, parse_spec_config
 from rollout.spec_stats import aggregate_spec_stats
 from rollout.task import make_prompts
 from rollout.tokenizer import TextCodec
-from spec_fixtures import chi_square_p_value, exact_joint, one_thread, resample_from_p, sampled_counts, \
-    tiny_vocab_model  # noqa: F401
+from spec_fixtures import chi_square_p_value, exact_joint, check_sampled_drafts_keep_the_target_distribution, \
+    check_the_test_rejects_resampling_from_p, one_thread, tiny_vocab_model  # noqa: F401
 from vime.errors import UserError
 from vime.models.eagle3 import default_aux_layer_ids, draft_config_for_target, save_draft
 from vime.models.hf_format import read_config
@@ -124,25 +123,22 @@ def vocab_pair():
     return model.eval(), random_draft(model.cfg, seed=3, std=0.35, aux_layer_ids=(0, 1, 2))
 
 
-def sampled_joint(target, draft, method, sample_drafts):
+def proposer(draft, method, sample_drafts):
     sc = parse_spec_config({"method": "eagle3", "num_speculative_tokens": 2, "model": "unused",
                             "rejection_sample_method": method})
-    return sampled_counts(target, Eagle3Proposer(sc, draft=draft, sample_drafts=sample_drafts), method, N)
+    return Eagle3Proposer(sc, draft=draft, sample_drafts=sample_drafts)
 
 
 @pytest.mark.parametrize("method, sample_drafts", [("probabilistic", True), ("strict", False)])
 def test_sampled_eagle3_output_follows_the_target_distribution(vocab_pair, method, sample_drafts):
     target, draft = vocab_pair
-    counts, rate = sampled_joint(target, draft, method, sample_drafts)
-    assert 0.1 < rate < 0.9  # both the accept and the residual paths are sampled often
-    assert chi_square_p_value(counts, exact_joint(target), N) > ALPHA
+    check_sampled_drafts_keep_the_target_distribution(target, proposer(draft, method, sample_drafts), method, N,
+                                                      ALPHA)
 
 
 def test_the_distribution_test_rejects_a_sampler_that_resamples_from_p(vocab_pair, monkeypatch):
-    monkeypatch.setattr(rejection, "_residual_sample", resample_from_p)
     target, draft = vocab_pair
-    counts, _ = sampled_joint(target, draft, "probabilistic", True)
-    assert chi_square_p_value(counts, exact_joint(target), N) < ALPHA
+    check_the_test_rejects_resampling_from_p(target, proposer(draft, "probabilistic", True), N, ALPHA, monkeypatch)
 
 
 # ---------------------------------------------------------------- bad drafts and targets: one line each
