@@ -15,10 +15,11 @@ pytest.importorskip("vllm")
 from vime.models.families import from_canonical, is_mtp_name, to_canonical  # noqa: E402
 from vime.sample import samples_for_prompts  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
-from rollout.task import EOS, make_prompts  # noqa: E402
+from rollout.task import make_prompts  # noqa: E402
 from rollout.tokenizer import TextCodec  # noqa: E402
 from tests.fp32_bounds import reduction_rtol  # noqa: E402
 from tests.mimo_fixtures import MIMO_SMALL, make_tiny_mimo  # noqa: E402
+from tests.vllm_spec_fixtures import hf_greedy  # noqa: E402
 from vime import weight_sync  # noqa: E402
 from vime.cpu_cores import cores_for_slot  # noqa: E402
 from vime.errors import UserError  # noqa: E402
@@ -72,20 +73,6 @@ def hf_trunk_model(path, state=None):
         trunk = {k: v for k, v in state.items() if not k.startswith("model.mtp_layers.")}
         model.load_state_dict(trunk, strict=False)
     return model
-
-
-def hf_greedy(model, prompt_ids, max_new_tokens):
-    """Greedy continuation by full forwards (no cache), cut after EOS."""
-    ids = list(prompt_ids)
-    out = []
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            tok = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-            out.append(tok)
-            ids.append(tok)
-            if tok == EOS:
-                break
-    return out
 
 
 def vllm_greedy(backend, prompts, max_new_tokens=24):
