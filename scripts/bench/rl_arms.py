@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The RL-arms benchmarks: train_rl.py runs side by side, one per arm, and a table of their metrics.
 
-    python scripts/bench/rl_arms.py drift [--draft mtp|eagle3] [--arms online,frozen,none] [--steps 40]
+    python scripts/bench/rl_arms.py drift [--draft mtp|eagle3|dflash] [--arms online,frozen,none] [--steps 40]
     python scripts/bench/rl_arms.py async [--steps 12]          # --async-rollout against synchronous
     python scripts/bench/rl_arms.py dynamic [--seeds 42,2,3]    # --dynamic-sampling against plain
     python scripts/bench/rl_arms.py dtype [--seeds 1234:42,1:1] # --bf16 against fp32
