@@ -26,7 +26,6 @@ from mtp.draft_warmup import warm_up_draft  # noqa: E402
 from mtp.eagle3 import Eagle3Draft, training_time_test_loss  # noqa: E402
 from rollout.embedded.engine import Engine, EngineConfig  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
-from rollout.tokenizer import TextCodec  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
 from vime.models.eagle3 import check_draft_fits_target, draft_config_for_target, save_draft  # noqa: E402
 from vime.models.hf_format import load_hf_checkpoint  # noqa: E402
