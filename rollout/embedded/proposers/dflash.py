@@ -18,7 +18,8 @@ import torch
 
 from mtp.dflash import DFlashDraft
 from rollout.embedded.proposers import Proposer
-from rollout.embedded.proposers.drafting import assign_drafts, draft_cache, pick_drafts, uniforms_if_sampling
+from rollout.embedded.proposers.drafting import (TrainedExternalDraft, assign_drafts, draft_cache, pick_drafts,
+                                                 uniforms_if_sampling)
 from vime.models.dflash import WIRE_PREFIX, check_draft_fits_target, load_draft
 
 
@@ -31,8 +32,10 @@ def load_dflash_draft(path, target_cfg, num_speculative_tokens, dtype=torch.floa
     return draft.to(device, dtype).eval().requires_grad_(False)
 
 
-class DFlashProposer(Proposer):
+class DFlashProposer(TrainedExternalDraft, Proposer):
     """Drafts a block per request in one forward of an external DFlash draft (its own KV cache of context)."""
+
+    wire_prefix = WIRE_PREFIX
 
     def __init__(self, spec, draft=None, sample_drafts=False):
         self.spec, self.draft_model, self.sample_drafts = spec, draft, sample_drafts  # see drafting.py
@@ -53,16 +56,6 @@ class DFlashProposer(Proposer):
         self.cache = draft_cache(engine, cfg.num_hidden_layers, shape, self.num_speculative_tokens)
 
     # ---- weight sync (an external draft the trainer trains) ----
-    def loadable_draft_weights(self):
-        return {WIRE_PREFIX + name: p for name, p in self.draft_model.named_parameters()}
-
-    def named_draft_weights(self):
-        # counted once a sync wrote the draft: only a trained draft has a trainer-side twin
-        return list(self.loadable_draft_weights().items()) if self.synced else []
-
-    def draft_synced(self):
-        self.synced = True
-
     def move_slots(self, requests, old_slots):
         self.cache.move_slots(old_slots, [r.slot for r in requests], max(r.num_tokens for r in requests))
 

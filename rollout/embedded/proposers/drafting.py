@@ -17,6 +17,24 @@ from mtp.sampling import processed_logprobs, sample_with_uniforms
 from rollout.embedded.kv_cache import make_kv_cache
 
 
+class TrainedExternalDraft:
+    """Weight-sync hooks of an external draft module (`self.draft_model`) the trainer trains:
+    its parameters travel under `wire_prefix`, and count as synced once a sync wrote them."""
+
+    wire_prefix = ""
+    synced = False
+
+    def loadable_draft_weights(self):
+        return {self.wire_prefix + name: p for name, p in self.draft_model.named_parameters()}
+
+    def named_draft_weights(self):
+        # counted once a sync wrote the draft: only a trained draft has a trainer-side twin
+        return list(self.loadable_draft_weights().items()) if self.synced else []
+
+    def draft_synced(self):
+        self.synced = True
+
+
 def samples_drafts(spec, sampling, enabled):
     return enabled and spec.rejection_sample_method == "probabilistic" and not sampling.greedy
 

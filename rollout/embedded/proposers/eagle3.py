@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mtp.eagle3 import Eagle3Draft
-from rollout.embedded.proposers.drafting import draft_cache
+from rollout.embedded.proposers.drafting import TrainedExternalDraft, draft_cache
 from rollout.embedded.proposers.mtp import MTPProposer
 from vime.errors import require
 from vime.models.eagle3 import FLAG, check_draft_fits_target, load_draft, resolve_aux_layers
@@ -34,8 +34,10 @@ def load_eagle3_draft(path, target_cfg, dtype=torch.float32, device="cpu"):
     return draft.to(device, dtype).eval().requires_grad_(False)
 
 
-class Eagle3Proposer(MTPProposer):
+class Eagle3Proposer(TrainedExternalDraft, MTPProposer):
     """Drafts with an external EAGLE-3 draft from the target's aux hidden states (its own KV cache)."""
+
+    wire_prefix = DRAFT_PREFIX
 
     def __init__(self, spec, draft=None, sample_drafts=False):
         super().__init__(spec, sample_drafts)
@@ -54,16 +56,6 @@ class Eagle3Proposer(MTPProposer):
         self.carry = torch.zeros(ec.max_batch_size, 1, cfg.hidden_size, dtype=ec.dtype, device=ec.device)
         self.pending, self.deferred = {}, []
         self.synced = False
-
-    def loadable_draft_weights(self):
-        return {DRAFT_PREFIX + name: p for name, p in self.draft_model.named_parameters()}
-
-    def named_draft_weights(self):
-        # counted once a sync wrote the draft: only a trained draft has a trainer-side twin
-        return list(self.loadable_draft_weights().items()) if self.synced else []
-
-    def draft_synced(self):
-        self.synced = True
 
     def catch_up(self, slots, out, token_rows):
         combined = self.draft_model.combine(out.hidden)
