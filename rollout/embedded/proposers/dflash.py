@@ -66,9 +66,7 @@ class DFlashProposer(TrainedExternalDraft, Proposer):
         self.write_context(slots, out.hidden, out.starts, out.n_valid)
         k = min(self.num_speculative_tokens, self.engine.step_k)
         if k == 0:
-            for r in reqs:
-                r.drafts, r.draft_probs = [], None
-            return
+            return super().propose(out)  # no drafts this step
         anchor_tokens = torch.tensor([r.all_ids[-1] for r in reqs], device=slots.device)
         logits = self.block_logits(slots, anchor_tokens, out.starts + out.n_valid)
         uniforms = uniforms_if_sampling(self.spec, reqs, k, self.sample_drafts)
