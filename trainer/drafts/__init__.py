@@ -4,7 +4,7 @@
 --enable-mtp-training) and the external drafts of the speculative config, by its `method`
 (--enable-draft-training). Adding a kind is a file and a line here.
 """
-from trainer.drafts.base import DRAFT_STATE_FILE, DraftKnobs, DraftTrainer, load_draft_state, save_draft_state, saved_draft_state_file
+from trainer.drafts.base import DRAFT_STATE_FILE, DraftTrainer, load_draft_state, save_draft_state, saved_draft_state_file
 from trainer.drafts.dflash import DFlashDraftTrainer
 from trainer.drafts.eagle3 import Eagle3DraftTrainer
 from trainer.drafts.mtp import MTPDraftTrainer
@@ -42,9 +42,7 @@ def check_draft_config(cfg):
     """A TrainerConfig's draft flags, checked before any trainer starts: the kind, then its knobs."""
     kind = draft_kind(cfg)
     if kind is not None:
-        DRAFT_TRAINERS[kind].check_config(cfg)
-        DraftKnobs.resolve(kind, DRAFT_TRAINERS[kind].DEFAULTS, cfg.draft_lr, cfg.draft_steps_per_rollout,
-                           cfg.draft_replay_batches)
+        DRAFT_TRAINERS[kind].checked_knobs(cfg)
 
 
 def build_draft(cfg, model, model_cfg):

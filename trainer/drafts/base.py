@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mtp.loss import DISTILLATION_LOSSES
 from vime.errors import require
 
 DRAFT_STATE_FILE = "draft.pt"  # in a --save checkpoint: a draft's own state (`DraftTrainer.state`)
@@ -57,15 +58,25 @@ class DraftTrainer(abc.ABC):
     DEFAULTS = None  # DraftKnobs: this kind's value of each shared knob left unset
 
     def __init__(self, cfg):
-        self.check_config(cfg)
         self.cfg = cfg
-        self.knobs = DraftKnobs.resolve(self.kind, self.DEFAULTS, cfg.draft_lr, cfg.draft_steps_per_rollout,
-                                        cfg.draft_replay_batches)
+        self.knobs = self.checked_knobs(cfg)
         self.optimizer = None  # the optimizer that steps the draft's parameters (see `param_groups`)
+
+    @classmethod
+    def checked_knobs(cls, cfg):
+        """The shared knobs of TrainerConfig `cfg` resolved for this kind, once `check_config` passed."""
+        cls.check_config(cfg)
+        return DraftKnobs.resolve(cls.kind, cls.DEFAULTS, cfg.draft_lr, cfg.draft_steps_per_rollout,
+                                  cfg.draft_replay_batches)
 
     @classmethod
     def check_config(cls, cfg):
         """Refuse (one line) a TrainerConfig setting this kind cannot honour; run before any trainer starts."""
+
+    @property
+    def reads_policy_logits(self):
+        """Whether the loss distils the policy's distribution (then its logits are kept)."""
+        return self.cfg.draft_loss_type in DISTILLATION_LOSSES
 
     # ---- parameters and optimizer ----------------------------------------------------
     def param_groups(self):

@@ -10,7 +10,6 @@ checkpoint. Each kind (eagle3.py, dflash.py) adds its module and its loss.
 import torch
 import torch.distributed as dist
 
-from mtp.loss import DISTILLATION_LOSSES
 from trainer import grads
 from trainer.distributed import dp_group
 from trainer.drafts.base import DraftTrainer
@@ -55,11 +54,6 @@ class ExternalDraftTrainer(DraftTrainer):
         self.optimizer = build_optimizer([{"params": list(self.module.parameters())}], cfg.bf16, lr=self.knobs.lr,
                                          weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
         self.aux = AuxHiddenStates(model, aux_layer_ids)
-
-    @property
-    def reads_policy_logits(self):
-        """Whether the loss distils the policy's distribution (then its logits are kept)."""
-        return self.cfg.draft_loss_type in DISTILLATION_LOSSES
 
     def policy_logits(self, out):
         """The forward's logits, detached, where the loss reads them (else None: not kept)."""

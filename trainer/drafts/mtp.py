@@ -10,7 +10,7 @@ policy's, so this kind pushes and saves nothing of its own.
 """
 import dataclasses
 
-from mtp.loss import DISTILLATION_LOSSES, mtp_loss, mtp_loss_mask, scaled_mtp_loss
+from mtp.loss import mtp_loss, mtp_loss_mask, scaled_mtp_loss
 from trainer import grads
 from trainer.distributed import dp_sum
 from trainer.drafts.base import DraftKnobs, DraftTrainer
@@ -62,8 +62,7 @@ class MTPDraftTrainer(DraftTrainer):
 
     def inputs(self, out, mb, normaliser):
         # the [b, s, V] policy logits are kept only where the loss reads them (distillation)
-        keep_logits = self.cfg.draft_loss_type in DISTILLATION_LOSSES
-        return out if keep_logits else dataclasses.replace(out, logits=None), mb, normaliser
+        return out if self.reads_policy_logits else dataclasses.replace(out, logits=None), mb, normaliser
 
     def loss(self, inputs):
         """The per-depth losses (--draft-loss-type), each a share of the step's token mean (sums to it
