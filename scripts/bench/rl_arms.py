@@ -22,7 +22,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from scripts.bench.lib import drift  # noqa: E402
-from scripts.bench.lib.arm_runs import REPO, column, fmt, mean_se, run_arm, user_error, window  # noqa: E402
+from scripts.bench.lib.arm_runs import REPO, column, fmt, mean_se, run_arm, window  # noqa: E402
+from vime.errors import UserError, exit_on_user_error  # noqa: E402
 
 DEFAULT_RUN = ["--enable-mtp-training", "--mtp-num-layers", 1]  # the README's run: MTP k = 2, trained online
 
@@ -82,7 +83,7 @@ def run_dtype(args):
     matmuls are emulated: the timings say by how much there, not what bf16 hardware does."""
     seeds = [tuple(pair.split(":")) for pair in args.seeds.split(",")]
     if any(len(s) != 2 for s in seeds):
-        user_error(f"--seeds {args.seeds!r}: write TRAINER_SEED:ROLLOUT_SEED pairs, comma-separated")
+        raise UserError(f"--seeds {args.seeds!r}: write TRAINER_SEED:ROLLOUT_SEED pairs, comma-separated")
     dtypes = {"fp32": [], "bf16": ["--bf16"]}
     runs = {(dtype, s): run_arm(f"{dtype}_seed{s[0]}_{s[1]}", args.out,
                                 ["--num-rollout", args.steps, *DEFAULT_RUN, "--seed", s[0], "--rollout-seed", s[1],
@@ -143,7 +144,7 @@ def int_list(text, flag):
     try:
         return [int(x) for x in text.split(",")]
     except ValueError:
-        user_error(f"{flag} {text!r}: give comma-separated integers")
+        raise UserError(f"{flag} {text!r}: give comma-separated integers")
 
 
 def add_dtype_arguments(p):
@@ -192,10 +193,11 @@ def parse_args(argv):
         s.add_argument("extra", nargs="*", help="after --: passed to every train_rl.py run")
     args = p.parse_args(argv)
     if args.steps < 1:
-        user_error(f"--steps must be >= 1 (got {args.steps})")
+        raise UserError(f"--steps must be >= 1 (got {args.steps})")
     return args
 
 
+@exit_on_user_error
 def main(argv=None):
     args = parse_args(argv)
     EXPERIMENTS[args.experiment].run(args)

@@ -63,9 +63,3 @@ def window(rows, key, first, size):
 def fmt(mean, se):
     """'mean ± se' (just the mean when there is no SE)."""
     return f"{mean:.4g} ± {se:.2g}" if not math.isnan(se) else f"{mean:.4g}"
-
-
-def user_error(message):
-    """A benchmark's bad input: one line, exit code 2."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)

@@ -34,7 +34,8 @@ import os
 import subprocess
 import sys
 
-from scripts.bench.lib.arm_runs import REPO, run_arm, user_error, window
+from scripts.bench.lib.arm_runs import REPO, run_arm, window
+from vime.errors import UserError
 
 
 def _mtp_spec(k, draft_model):
@@ -101,12 +102,12 @@ def arm_options(arm):
     """(base arm, option flags) of an arm spec such as 'online:loss=soft_ce:layers=2'."""
     base, *options = arm.split(":")
     if base not in ARMS:
-        user_error(f"--arms {arm!r}: the arm must start with one of {', '.join(ARMS)}")
+        raise UserError(f"--arms {arm!r}: the arm must start with one of {', '.join(ARMS)}")
     flags = []
     for option in options:
         key, _, value = option.partition("=")
         if key not in ARM_OPTIONS or not value:
-            user_error(f"--arms {arm!r}: options are key=value with key in {', '.join(ARM_OPTIONS)}")
+            raise UserError(f"--arms {arm!r}: options are key=value with key in {', '.join(ARM_OPTIONS)}")
         flags += [ARM_OPTIONS[key], value]
     return base, flags
 
@@ -126,14 +127,14 @@ def check_args(args):
     kind = DRAFT_KINDS[args.draft]
     for backend in args.backends.split(","):
         if backend not in BACKENDS:
-            user_error(f"--backends {backend!r}: choose from {', '.join(BACKENDS)}")
+            raise UserError(f"--backends {backend!r}: choose from {', '.join(BACKENDS)}")
     for arm in args.arms.split(","):
         arm_options(arm)
     if kind.draft_model is None and (args.draft_model or args.draft_warmup_steps is not None):
-        user_error(f"--draft-model / --draft-warmup-steps: the {args.draft} draft lives in the target checkpoint; "
-                   "these options are for an external draft (--draft eagle3, --draft dflash)")
+        raise UserError(f"--draft-model / --draft-warmup-steps: the {args.draft} draft lives in the target checkpoint; "
+                        "these options are for an external draft (--draft eagle3, --draft dflash)")
     if (args.num_speculative_tokens or kind.default_k) < 1:
-        user_error("--num-speculative-tokens must be >= 1")
+        raise UserError("--num-speculative-tokens must be >= 1")
 
 
 def warmed_up_draft(kind, args, k):
