@@ -133,7 +133,7 @@ def check_args(args):
     if kind.draft_model is None and (args.draft_model or args.draft_warmup_steps is not None):
         raise UserError(f"--draft-model / --draft-warmup-steps: the {args.draft} draft lives in the target checkpoint; "
                         "these options are for an external draft (--draft eagle3, --draft dflash)")
-    if (args.num_speculative_tokens or kind.default_k) < 1:
+    if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:  # 0 is not "unset"
         raise UserError("--num-speculative-tokens must be >= 1")
 
 
