@@ -32,6 +32,7 @@ from rollout.spec_stats import aggregate_spec_stats, spec_rates  # noqa: E402
 from rollout.task import TASK_VARIANTS, make_prompts  # noqa: E402
 from rollout.tiny_model import make_random_checkpoint  # noqa: E402
 from rollout.tokenizer import TextCodec  # noqa: E402
+from vime.errors import exit_on_user_error, require  # noqa: E402
 from vime.sample import Sample, samples_for_prompts  # noqa: E402
 
 PROMPTS_PER_BATCH, SAMPLES_PER_PROMPT = 16, 8  # a GRPO rollout batch of the long-tail task
@@ -91,6 +92,7 @@ def greedy(max_new_tokens):
 def checkpoint_or_random(path):
     """The given HF checkpoint, else a random tiny MiMo made in a temp dir."""
     if path:
+        require(os.path.isdir(path), f"--hf-checkpoint {path}: no such directory (leave it out for a random tiny model)")
         return path
     path = tempfile.mkdtemp()
     make_random_checkpoint(path)
@@ -217,6 +219,7 @@ def spec_decode(args):
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, ignore_eos=True)
     table = spec_methods(args.draft_model or args.hf_checkpoint, args.rejection_sample_method)
     wanted = args.methods.split(",") if args.methods else list(table)
+    require(all(name in table for name in wanted), f"--methods {args.methods!r}: choose from {', '.join(table)}")
     print(f"checkpoint {args.hf_checkpoint}, temperature {args.temperature}, {args.num_prompts} prompts, "
           f"{args.max_new_tokens} new tokens, best of {args.repeats} (methods interleaved)")
     print("| batch | method | tokens/s | speedup | tokens/verify | accept rate | per position |")
@@ -383,6 +386,7 @@ MODES = {"vs-hf": (vs_hf, add_compare_arguments), "vs-vllm": (vs_vllm, add_vllm_
          "compaction": (compaction, add_compaction_arguments)}
 
 
+@exit_on_user_error
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="mode", required=True)
