@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("vllm")
 
 from dflash_fixtures import DRAFT, TARGET, load_reference, reference_acceptance  # noqa: E402
+from fp32_bounds import reduction_rtol  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from rollout.task import make_prompts  # noqa: E402
 from rollout.tokenizer import TextCodec  # noqa: E402
@@ -49,8 +50,10 @@ def test_a_draft_reloaded_in_place_is_the_one_vllm_drafts_with(backend):
     backend.load_weights([(WIRE_PREFIX + k, v) for k, v in changed.items()], version=1)
     readback = backend.weights.readback_stats
     norm = changed["norm.weight"]
+    # the worker sums in float64, the reference in fp32: one fp32 reduction over the norm's terms
     assert torch.allclose(readback[WIRE_PREFIX + "norm.weight"].float(),
-                          torch.tensor([float(norm.sum()), float(norm.pow(2).sum())]), rtol=1e-6)
+                          torch.tensor([float(norm.sum()), float(norm.pow(2).sum())]),
+                          rtol=reduction_rtol(norm.numel(), 1), atol=0)
     assert backend.fingerprint()["draft"] is not None
     new, old = (target, changed, cfg), (target, state, cfg)
     total, differs = [0] * K, False
