@@ -61,3 +61,20 @@ def bf16_logprob_bound(num_layers, longest_reduction, max_abs_logit, temperature
     difference divided by T."""
     rtol = bf16_rtol(longest_reduction, forward_depth(num_layers))
     return 2 * 2 * rtol * max_abs_logit / temperature
+
+
+def max_abs_logit(ckpt, samples):
+    """The largest |logit| the checkpoint's fp32 model gives over the samples' tokens (the scale of
+    `model_logprob_bound`)."""
+    import torch
+
+    from rollout.embedded.model import CausalLMWithMTP
+    from vime.models.hf_format import load_hf_checkpoint
+
+    cfg, state, _ = load_hf_checkpoint(ckpt)
+    model = CausalLMWithMTP(cfg).eval()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return max(model.logits(model(torch.tensor([s.prompt_ids + s.response_ids]),
+                                      torch.arange(len(s.prompt_ids) + len(s.response_ids))[None])).abs().max().item()
+                   for s in samples)

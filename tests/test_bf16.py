@@ -7,7 +7,7 @@ The real --bf16 runs (Ray, megatron on gloo, both backends) are in test_train_rl
 import pytest
 import torch
 
-from fp32_bounds import bf16_logprob_bound
+from fp32_bounds import bf16_logprob_bound, max_abs_logit
 from mtp.rejection import verify
 from rollout.embedded.engine import Engine, EngineConfig
 from rollout.embedded.engine_builder import build_engine
@@ -193,22 +193,6 @@ def test_bf16_weights_go_on_the_wire_as_bf16_and_the_engine_fingerprint_sums_wha
 @pytest.fixture(scope="module")
 def markov_ckpt(tmp_path_factory):
     return save_checkpoint(markov_model(noise=0.2), str(tmp_path_factory.mktemp("bf16_markov")))
-
-
-def max_abs_logit(ckpt, samples):
-    """The largest |logit| the fp32 reference model gives over the samples' tokens (the bound's scale)."""
-    from rollout.embedded.model import CausalLMWithMTP
-    from vime.models.hf_format import load_hf_checkpoint
-
-    cfg, state, _ = load_hf_checkpoint(ckpt)
-    model = CausalLMWithMTP(cfg).eval()
-    model.load_state_dict(state)
-    best = 0.0
-    with torch.no_grad():
-        for s in samples:
-            tokens = torch.tensor([s.prompt_ids + s.response_ids])
-            best = max(best, model.logits(model(tokens, torch.arange(tokens.shape[1])[None])).abs().max().item())
-    return best
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -13,9 +13,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from fp32_bounds import bf16_logprob_bound
+from fp32_bounds import bf16_logprob_bound, max_abs_logit
 from rollout.task import make_prompts, write_jsonl
 from rollout.tiny_model import make_random_checkpoint
 from tests.conftest import SMALL
@@ -43,21 +42,6 @@ def bf16_run(ckpt, out, *extra):
                      "--mtp-num-layers", 1, "--check-weight-update-equal", "--save-debug-rollout-data", rollouts, *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))], rollouts
-
-
-def max_abs_logit(ckpt, samples):
-    """The largest |logit| of the checkpoint's fp32 model over the samples' tokens: the bound's scale
-    (the run's policy moves from these weights by a few small steps)."""
-    from rollout.embedded.model import CausalLMWithMTP
-    from vime.models.hf_format import load_hf_checkpoint
-
-    cfg, state, _ = load_hf_checkpoint(ckpt)
-    model = CausalLMWithMTP(cfg).eval()
-    model.load_state_dict(state)
-    with torch.no_grad():
-        return max(model.logits(model(torch.tensor([s.prompt_ids + s.response_ids]),
-                                      torch.arange(len(s.prompt_ids) + len(s.response_ids))[None])).abs().max().item()
-                   for s in samples)
 
 
 def synced_bytes(ckpt):
