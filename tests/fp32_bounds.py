@@ -78,3 +78,17 @@ def max_abs_logit(ckpt, samples):
         return max(model.logits(model(torch.tensor([s.prompt_ids + s.response_ids]),
                                       torch.arange(len(s.prompt_ids) + len(s.response_ids))[None])).abs().max().item()
                    for s in samples)
+
+
+def max_logprob_diff(got, want):
+    """The largest |log-prob difference| between two runs' samples, position by position."""
+    return max(max(abs(a - b) for a, b in zip(s.rollout_logprobs, w.rollout_logprobs)) for s, w in zip(got, want))
+
+
+def greedy_logprob_bound(ckpt, samples):
+    """`model_logprob_bound` for two fp32 runs of the checkpoint over these samples: its config,
+    their longest context and the largest logit the model gives on them."""
+    from vime.models.hf_format import read_config
+
+    context = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    return model_logprob_bound(read_config(ckpt), context, max_abs_logit(ckpt, samples))
