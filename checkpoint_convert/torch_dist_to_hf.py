@@ -74,7 +74,7 @@ def convert(args):
 
     require(os.path.isdir(args.input_dir), f"--input-dir {args.input_dir}: no such directory")
     meta = checkpoint.read_meta(args.input_dir)
-    origin = read_config(args.origin_hf_dir)
+    origin = read_config(args.origin_hf_dir, "--origin-hf-dir")
     n_mtp = meta.get("mtp_num_layers", 0)
     saved_family = meta.get("family", origin.family)
     require(saved_family == origin.family, f"--input-dir {args.input_dir} holds a {saved_family} model but "

@@ -66,7 +66,7 @@ def check_against_checkpoint(spec, target_cfg):
     if spec.method == "draft_model":
         from vime.models.hf_format import read_config
 
-        draft_cfg = read_config(spec.model)
+        draft_cfg = read_config(spec.model, f"{FLAG} model")
         check_draft_vocab(spec.model, draft_cfg.vocab_size, target_cfg.vocab_size)
     check_external_draft(spec, target_cfg)
 

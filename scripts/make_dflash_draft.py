@@ -91,7 +91,7 @@ def main(argv=None):
     require(args.num_layers >= 1, f"--num-layers must be >= 1 (got {args.num_layers})")
     require(args.anchors >= 1, f"--anchors must be >= 1 (got {args.anchors})")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    target_cfg, target_state, _ = load_hf_checkpoint(args.target)
+    target_cfg, target_state, _ = load_hf_checkpoint(args.target, "--target")
     draft = init_draft(target_cfg, target_state, args)
     if args.warmup_steps:
         sequences, target = target_samples(args.target, args.warmup_samples, args.max_new_tokens, args.seed)

@@ -111,7 +111,7 @@ def make_chat_model(args):
     if args.init_from is not None:  # continue a chat model's pretraining (the BPE above is rebuilt identically)
         load_same_shape(model, cfg, args.init_from)
     elif args.warm_start_from is not None:
-        _, char_state, _ = load_hf_checkpoint(args.warm_start_from)
+        _, char_state, _ = load_hf_checkpoint(args.warm_start_from, "--warm-start-from")
         transplant_embeddings(model, char_state, codec)
     print(f"tiny chat model: vocabulary {cfg.vocab_size}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")

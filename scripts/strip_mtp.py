@@ -31,7 +31,7 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--family", default="qwen2", choices=sorted(FAMILIES))
     args = p.parse_args(argv)
-    cfg, state, _ = load_hf_checkpoint(args.source)
+    cfg, state, _ = load_hf_checkpoint(args.source, "--source")
     new = FAMILIES[args.family]
     old = cfg.model_family
     require((new.qkv_bias, new.qk_norm) == (old.qkv_bias, old.qk_norm),

@@ -128,3 +128,19 @@ def test_make_tiny_model_refuses_an_init_checkpoint_it_cannot_continue_from(conv
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(err) == 1 and err[0].startswith("error: ") and path in err[0], proc.stderr
     assert not os.path.exists(tmp_path / "out")  # refused before anything was written
+
+
+@pytest.mark.parametrize("script, flag", [("make_eagle3_draft.py", "--target"), ("make_dflash_draft.py", "--target"),
+                                          ("strip_mtp.py", "--source")])
+def test_tools_name_their_own_flag_for_a_missing_checkpoint(script, flag, tmp_path):
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    missing = str(tmp_path / "no-such-model")
+    proc = subprocess.run([sys.executable, f"scripts/{script}", flag, missing, "--out", str(tmp_path / "out")],
+                          cwd=repo, capture_output=True, text=True)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr
+    assert err[0].startswith(f"error: {flag} {missing}: no such directory"), err[0]
+    assert not os.path.exists(tmp_path / "out")

@@ -213,12 +213,13 @@ def layer_tensor_names(cfg, index):
             + attention_tensor_names(cfg) + mlp_tensor_names(cfg, index))
 
 
-def read_config(path):
-    """ModelConfig of an HF checkpoint directory, with one-line errors for a bad directory."""
-    require(os.path.isdir(path), f"--hf-checkpoint {path}: no such directory; "
+def read_config(path, flag="--hf-checkpoint"):
+    """ModelConfig of an HF checkpoint directory, with one-line errors for a bad directory that name
+    `flag`, the option the user gave the directory with."""
+    require(os.path.isdir(path), f"{flag} {path}: no such directory; "
             "make one with `python scripts/make_tiny_model.py --out DIR`")
     cfg_file = os.path.join(path, "config.json")
-    require(os.path.isfile(cfg_file), f"--hf-checkpoint {path}: config.json is missing; not an HF checkpoint directory")
+    require(os.path.isfile(cfg_file), f"{flag} {path}: config.json is missing; not an HF checkpoint directory")
     try:
         with open(cfg_file) as f:
             raw = json.load(f)
@@ -228,9 +229,9 @@ def read_config(path):
     return ModelConfig.from_hf_dict(raw, source=cfg_file)
 
 
-def _weights_file(path):
+def _weights_file(path, flag="--hf-checkpoint"):
     weights = os.path.join(path, "model.safetensors")
-    require(os.path.isfile(weights), f"--hf-checkpoint {path}: model.safetensors is missing; the checkpoint is incomplete")
+    require(os.path.isfile(weights), f"{flag} {path}: model.safetensors is missing; the checkpoint is incomplete")
     return weights
 
 
@@ -256,10 +257,11 @@ def _check_names(cfg, names, weights):
             f"the checkpoint is incomplete or not a {cfg.model_family.architectures[0]} checkpoint")
 
 
-def inspect_hf_checkpoint(path):
-    """ModelConfig of an HF checkpoint, validated from the safetensors header alone."""
-    cfg = read_config(path)
-    weights = _weights_file(path)
+def inspect_hf_checkpoint(path, flag="--hf-checkpoint"):
+    """ModelConfig of an HF checkpoint, validated from the safetensors header alone (`flag` as in
+    `read_config`)."""
+    cfg = read_config(path, flag)
+    weights = _weights_file(path, flag)
     try:
         with safe_open(weights, framework="pt") as f:
             names = list(f.keys())
@@ -269,10 +271,11 @@ def inspect_hf_checkpoint(path):
     return cfg
 
 
-def load_hf_checkpoint(path):
-    """(ModelConfig, canonical state dict, family name) of a validated HF checkpoint directory."""
-    cfg = inspect_hf_checkpoint(path)
-    weights = _weights_file(path)
+def load_hf_checkpoint(path, flag="--hf-checkpoint"):
+    """(ModelConfig, canonical state dict, family name) of a validated HF checkpoint directory
+    (`flag` as in `read_config`)."""
+    cfg = inspect_hf_checkpoint(path, flag)
+    weights = _weights_file(path, flag)
     try:
         raw = load_file(weights)
     except Exception as e:  # safetensors raises its own error types for truncated files
