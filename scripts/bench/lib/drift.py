@@ -12,7 +12,14 @@ append train_rl.py flags: loss (--draft-loss-type), topk (--draft-distill-topk),
 steps (--draft-steps-per-rollout), replay (--draft-replay-batches), layers (--mtp-num-layers),
 depths (--mtp-train-depths), reuse (--mtp-reuse-attention), ckpt (--hf-checkpoint), sync_draft
 (--sync-draft-weights: false syncs only the target, the draft goes stale); e.g.
-`online:depths=3:steps=16:replay=8`. Every arm runs on each of --backends.
+`online:depths=3:steps=16:replay=8`. Two options change the arm's draft instead: draft=KIND (another
+draft kind, for arms of several kinds in one run) and k=N (its speculative tokens; a DFlash draft is
+built for blocks of k + 1, so the arm gets its own draft made with --draft-warmup-steps). Every arm
+runs on each of --backends, and arms of one draft kind and k are compared among themselves.
+An arm set names a list of arms (ARM_SETS): `--arms blocks` is DFlash at blocks of 4 and 8, online
+and frozen, against online EAGLE-3 at k = 3, every draft warmed up alike
+(`rl_arms.py drift --draft dflash --arms blocks --draft-warmup-steps 20`); each kind-and-k group's
+end acceptance length is printed as a ratio to the first arm's.
 
 Writes drift.csv and drift.png (reward, acceptance length, rollout tokens/s, response length per
 step) in --out, and with --curves the per-position acceptance. Prints per arm the end window
@@ -57,6 +64,7 @@ class DraftKind:
     online_flags: tuple  # train_rl.py flags that train this draft online
     draft_model: str = None  # an external draft's shipped directory (None: the draft is in the target)
     make_draft: tuple = ()  # an external draft's maker: (script under scripts/, its flags given k)
+    built_for_k: bool = False  # the draft serves only the k it was made for (the shipped one: default_k)
 
 
 DRAFT_KINDS = {
@@ -66,7 +74,7 @@ DRAFT_KINDS = {
     # a block draft: k is its block size less the anchor (the shipped one drafts blocks of 4)
     "dflash": DraftKind("checkpoints/tiny-qwen2", 3, _external_spec("dflash"), ("--enable-draft-training",),
                         draft_model="checkpoints/tiny-qwen2-dflash",
-                        make_draft=("make_dflash_draft.py", lambda k: ["--block-size", str(k + 1)])),
+                        make_draft=("make_dflash_draft.py", lambda k: ["--block-size", str(k + 1)]), built_for_k=True),
 }
 ARMS = ("online", "frozen", "none")
 BACKENDS = ("embedded", "vllm")
@@ -75,13 +83,18 @@ ARM_OPTIONS = {"loss": "--draft-loss-type", "topk": "--draft-distill-topk", "lr"
                "steps": "--draft-steps-per-rollout", "replay": "--draft-replay-batches",
                "layers": "--mtp-num-layers", "depths": "--mtp-train-depths", "reuse": "--mtp-reuse-attention",
                "ckpt": "--hf-checkpoint", "sync_draft": "--sync-draft-weights"}
+DRAFT_OPTIONS = ("draft", "k")  # arm options that choose the arm's draft, not train_rl.py flags
+ARM_SETS = {  # --arms NAME: the block-size question, every draft from the same warm-up
+    "blocks": "online:draft=eagle3,online,frozen,online:k=7,frozen:k=7",
+}
 MAX_POSITIONS = 8
 
 
 def add_arguments(p):
     """The drift experiment's flags on its argparse sub-parser."""
     p.add_argument("--draft", default="mtp", choices=list(DRAFT_KINDS), help="the draft kind")
-    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms, each NAME[:key=value...]")
+    p.add_argument("--arms", default=",".join(ARMS),
+                   help=f"comma-separated arms, each NAME[:key=value...], or an arm set ({', '.join(ARM_SETS)})")
     p.add_argument("--backends", default="embedded", help=f"comma-separated, of {', '.join(BACKENDS)}")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="k (default: the kind's, mtp 2, eagle3 3, dflash 3: its block less the anchor)")
@@ -99,17 +112,48 @@ def add_arguments(p):
 
 
 def arm_options(arm):
-    """(base arm, option flags) of an arm spec such as 'online:loss=soft_ce:layers=2'."""
+    """(base arm, option flags, draft options) of an arm spec such as 'online:loss=soft_ce:layers=2'
+    or 'online:draft=eagle3:k=3'."""
     base, *options = arm.split(":")
     if base not in ARMS:
         raise UserError(f"--arms {arm!r}: the arm must start with one of {', '.join(ARMS)}")
-    flags = []
+    flags, draft = [], {}
     for option in options:
         key, _, value = option.partition("=")
-        if key not in ARM_OPTIONS or not value:
-            raise UserError(f"--arms {arm!r}: options are key=value with key in {', '.join(ARM_OPTIONS)}")
-        flags += [ARM_OPTIONS[key], value]
-    return base, flags
+        if key in DRAFT_OPTIONS and value:
+            draft[key] = value
+        elif key in ARM_OPTIONS and value:
+            flags += [ARM_OPTIONS[key], value]
+        else:
+            raise UserError(f"--arms {arm!r}: options are key=value with key in {', '.join((*ARM_OPTIONS, *DRAFT_OPTIONS))}")
+    return base, flags, draft
+
+
+def arm_draft(arm, args):
+    """(draft kind name, k) of an arm: its draft=/k= options, else --draft and its k."""
+    draft = arm_options(arm)[2]
+    name = draft.get("draft", args.draft)
+    if name not in DRAFT_KINDS:
+        raise UserError(f"--arms {arm!r}: draft= is one of {', '.join(DRAFT_KINDS)}")
+    k = draft.get("k") or args.num_speculative_tokens or DRAFT_KINDS[name].default_k
+    try:
+        k = int(k)
+    except ValueError:
+        raise UserError(f"--arms {arm!r}: k= takes an integer")
+    if k < 1:
+        raise UserError(f"--arms {arm!r}: k must be >= 1")
+    return name, k
+
+
+def arm_list(args):
+    """The arm specs of --arms (an arm set's name expands to its arms)."""
+    return ARM_SETS.get(args.arms, args.arms).split(",")
+
+
+def group_name(arm, args):
+    """'KIND k=K': arms of one group share a draft and are compared online / frozen / none."""
+    name, k = arm_draft(arm, args)
+    return f"{name} k={k}"
 
 
 def arm_label(backend, arm):
@@ -124,22 +168,27 @@ def arm_dir(label):
 
 def check_args(args):
     """One line and exit 2 for a bad arm, backend or draft option, before any run starts."""
-    kind = DRAFT_KINDS[args.draft]
     for backend in args.backends.split(","):
         if backend not in BACKENDS:
             raise UserError(f"--backends {backend!r}: choose from {', '.join(BACKENDS)}")
-    for arm in args.arms.split(","):
-        arm_options(arm)
-    if kind.draft_model is None and (args.draft_model or args.draft_warmup_steps is not None):
-        raise UserError(f"--draft-model / --draft-warmup-steps: the {args.draft} draft lives in the target checkpoint; "
-                        "these options are for an external draft (--draft eagle3, --draft dflash)")
     if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:  # 0 is not "unset"
         raise UserError("--num-speculative-tokens must be >= 1")
+    drafts = [arm_draft(arm, args) for arm in arm_list(args)]
+    if (args.draft_model or args.draft_warmup_steps is not None) and not any(DRAFT_KINDS[n].draft_model for n, _ in drafts):
+        raise UserError(f"--draft-model / --draft-warmup-steps: the {args.draft} draft lives in the target checkpoint; "
+                        "these options are for an external draft (--draft eagle3, --draft dflash)")
+    for name, k in drafts:
+        kind = DRAFT_KINDS[name]
+        if kind.built_for_k and k != kind.default_k and args.draft_warmup_steps is None and not args.draft_model:
+            raise UserError(f"--arms: the shipped {name} draft is built for k = {kind.default_k}; give "
+                            f"--draft-warmup-steps N to make one for k = {k}")
 
 
-def warmed_up_draft(kind, args, k):
+def warmed_up_draft(name, args, k):
     """--draft-warmup-steps N: a draft of the target warmed up for N offline steps (made once into --out)."""
-    out = os.path.join(args.out, f"{args.draft}_draft_warmup{args.draft_warmup_steps}")
+    kind = DRAFT_KINDS[name]
+    suffix = f"_k{k}" if kind.built_for_k else ""
+    out = os.path.join(args.out, f"{name}{suffix}_draft_warmup{args.draft_warmup_steps}")
     if not os.path.isfile(os.path.join(out, "config.json")):
         script, flags = kind.make_draft
         cmd = [sys.executable, os.path.join(REPO, "scripts", script), "--target", os.path.join(REPO, kind.target),
@@ -188,28 +237,36 @@ def row(label, m):
             "spec_speedup_vs_plain": m.get("perf/spec_speedup_vs_plain", "")}
 
 
+def draft_model_of(name, args, k):
+    """The arm's external draft directory (None for a draft inside the target)."""
+    kind = DRAFT_KINDS[name]
+    if kind.draft_model is None:
+        return None
+    if args.draft_warmup_steps is not None:
+        return warmed_up_draft(name, args, k)
+    return os.path.join(REPO, args.draft_model if args.draft_model and name == args.draft else kind.draft_model)
+
+
 def run(args):
     """Every arm on every backend; writes drift.csv and the PNGs, prints the tables."""
     check_args(args)
-    kind = DRAFT_KINDS[args.draft]
-    k = args.num_speculative_tokens or kind.default_k
     os.makedirs(args.out, exist_ok=True)
-    draft_model = kind.draft_model and os.path.join(REPO, args.draft_model or kind.draft_model)
-    if args.draft_warmup_steps is not None:
-        draft_model = warmed_up_draft(kind, args, k)
-    rows_by_arm = {}
+    rows_by_arm, groups = {}, {}
     for backend in args.backends.split(","):
-        for arm in args.arms.split(","):
-            base, options = arm_options(arm)
+        for arm in arm_list(args):
+            base, options, _ = arm_options(arm)
+            name, k = arm_draft(arm, args)
+            kind = DRAFT_KINDS[name]
             label = arm_label(backend, arm)
-            flags = arm_flags(kind, base, args, k, draft_model) + ["--rollout-backend", backend]
+            flags = arm_flags(kind, base, args, k, draft_model_of(name, args, k)) + ["--rollout-backend", backend]
             # an arm's own options win over the shared extra arguments
             metrics = run_arm(arm_dir(label), args.out, flags + args.extra + options, args.steps, args.reuse)
             rows_by_arm[label] = [row(label, m) for m in metrics]
-    report(rows_by_arm, args, k)
+            groups[label] = group_name(arm, args)
+    report(rows_by_arm, groups, args, max(arm_draft(arm, args)[1] for arm in arm_list(args)))
 
 
-def report(rows_by_arm, args, k):
+def report(rows_by_arm, groups, args, k):
     w = args.window
     write_csv(rows_by_arm, os.path.join(args.out, "drift.csv"))
     png = args.png or os.path.join(args.out, "drift.png")
@@ -221,8 +278,9 @@ def report(rows_by_arm, args, k):
         plot(rows_by_arm, keys, titles, args.curves)
     print_end_table(rows_by_arm, k, w)
     print_start_end(rows_by_arm, w)
-    for backend, arms in backend_groups(rows_by_arm).items():
-        print_comparisons(backend, arms, rows_by_arm, w)
+    for (backend, group), arms in backend_groups(rows_by_arm, groups).items():
+        print_comparisons(f"{backend}, {group}", arms, rows_by_arm, w)
+    print_group_ratios(rows_by_arm, groups, w)
     for label, rows in rows_by_arm.items():
         print_adaptive(label, rows, w)
         print_paired(label, rows, w)
@@ -295,14 +353,41 @@ def print_start_end(rows_by_arm, w):
               f"{window(rows, 'reward', True, w):>12.3f} {window(rows, 'reward', False, w):>6.3f}")
 
 
-def backend_groups(rows_by_arm):
-    """{backend: {base arm: label}}: the online/frozen/none comparisons are made within one backend
-    (the first arm of each base counts)."""
-    groups = {}
-    for label in rows_by_arm:
+def backend_groups(rows_by_arm, groups):
+    """{(backend, draft group): {base arm: label}}: the online/frozen/none comparisons are made
+    within one backend and one draft kind and k (the first arm of each base counts); a none arm
+    belongs to every group of its backend."""
+    out = {}
+    for label, group in groups.items():
         backend, arm = label.split("/", 1)
-        groups.setdefault(backend, {}).setdefault(arm.split(":")[0], label)
-    return groups
+        base = arm.split(":")[0]
+        if base != "none":
+            out.setdefault((backend, group), {}).setdefault(base, label)
+    for label in groups:
+        backend, arm = label.split("/", 1)
+        if arm.split(":")[0] == "none":
+            for key, arms in out.items():
+                if key[0] == backend:
+                    arms.setdefault("none", label)
+    return out
+
+
+def print_group_ratios(rows_by_arm, groups, w):
+    """Arms of several draft kinds or k: each arm's end acceptance length over the backend's first
+    arm's, with the end rewards (all arms sample the same target, so these must agree)."""
+    if len(set(groups.values())) < 2:
+        return
+    first = {}
+    for label in rows_by_arm:
+        first.setdefault(label.split("/", 1)[0], label)
+    print("\nend acceptance length against each backend's first arm (tokens per verify, last "
+          f"{w} steps); reward ± SE")
+    for label, rows in rows_by_arm.items():
+        ref = first[label.split("/", 1)[0]]
+        mine, theirs = (window(rows_by_arm[x], "spec_accept_length", False, w) for x in (label, ref))
+        p, se = reward_stats(rows[-w:])
+        print(f"{label:<40} {groups[label]:<12} {mine:>6.3f} / {theirs:.3f} = {mine / theirs:.2f}x   "
+              f"reward {p:.3f} ± {se:.3f}")
 
 
 def print_comparisons(backend, arms, rows_by_arm, w):
