@@ -76,6 +76,26 @@ def test_greedy_dflash_with_adaptive_k_equals_plain_decoding(prompts, plain):
     assert engine.profile_draft(4, K) > 0  # the probe really ran the draft
 
 
+def test_a_step_without_drafts_is_priced_with_the_context_write_it_still_does(monkeypatch):
+    """--spec-adaptive's k = 0 price: DFlash writes the verified positions into its context at every
+    step, so the probe at k = 0 runs that write (and no block); at k >= 1 the write and one block.
+    A proposer with nothing to do at k = 0 (MTP defers its catch-up) is priced at 0 there."""
+    engine = build_engine(TARGET, spec(), EngineConfig(max_batch_size=8))
+    calls = []
+    for name in ("write_context", "block_logits"):
+        original = getattr(engine.proposer, name)
+        monkeypatch.setattr(engine.proposer, name,
+                            lambda *a, _name=name, _f=original: calls.append(_name) or _f(*a))
+    assert engine.profile_draft(4, 0, repeats=1) > 0
+    assert set(calls) == {"write_context"}
+    calls.clear()
+    engine.profile_draft(4, K, repeats=1)
+    assert set(calls) == {"write_context", "block_logits"}
+    mtp = build_engine(os.path.join(REPO, "checkpoints", "tiny-mimo-mtp"), {"method": "mtp", "num_speculative_tokens": 1},
+                       EngineConfig(max_batch_size=8))
+    assert mtp.profile_draft(4, 0, repeats=1) == 0.0 and mtp.profile_draft(4, 1, repeats=1) > 0
+
+
 class RecordingProposer(DFlashProposer):
     """The engine's proposer, keeping each block's logits with the tokens known when it was drafted."""
 

@@ -196,6 +196,78 @@ def test_profile_envelope_caps_each_point_by_every_point_doing_at_least_as_much_
     assert monotone_envelope(monotone) == monotone
 
 
+def block_draft(grid, k_max, context=0.5, block=0.6, context_at_k0=True):
+    """A DFlash-like CPU profile: verifying 1+k tokens costs (1 + 0.05 k) per row at 1 row and more
+    as rows grow (compute_bound), every step writes the verified positions into the draft's context
+    (`context` of a plain step, also at k = 0 unless `context_at_k0` is False: the price before
+    k = 0 counted it), and a step with drafts adds one block forward whose cost is the same for any k."""
+    verify = compute_bound(grid, k_max)
+    return {k: [v + b * ((context if k or context_at_k0 else 0.0) + (block if k else 0.0))
+                for v, b in zip(verify[k], grid)] for k in range(k_max + 1)}
+
+
+def clear_choices(grid, step_s, conditional, max_batch_size, margin=1.1):
+    """{B: k} of the brute-force argmax at the batch sizes where the best k's tokens/s beats every
+    other k's by `margin` (elsewhere an estimate from finitely many rows may rightly pick either)."""
+    out = {}
+    for b in range(1, max_batch_size + 1):
+        rates = sorted(((brute_force_tokens(conditional, k) / float(np.interp(b, grid, step_s[k])), k)
+                        for k in range(len(conditional) + 1)), reverse=True)
+        if rates[0][0] >= margin * rates[1][0]:
+            out[b] = rates[0][1]
+    return out
+
+
+def drain(policy, conditional, rng, generates=12, rows=16):
+    """Generates of a batch draining from `rows` rows to one, each step drafting the k the policy
+    chooses and accepting each draft position with its `conditional` rate (given the one before);
+    the policy observes every step. Returns the draft positions drafted over all steps."""
+    drafted = 0
+    for version in range(generates):
+        policy.begin(version)
+        for b in range(rows, 0, -1):
+            k = policy.choose(b)
+            reached, accepted, live = [0] * policy.k, [0] * policy.k, b
+            for i in range(k):
+                reached[i] = live
+                live = sum(rng.random() < conditional[i] for _ in range(live))
+                accepted[i] = live
+            drafted += sum(reached)
+            observe_rows(policy, b, reached, accepted, k)
+    policy.begin(generates)
+    return drafted
+
+
+@pytest.mark.parametrize("pays", [True, False], ids=["block-pays", "block-does-not-pay"])
+def test_adaptive_k_tries_a_block_and_keeps_it_only_where_it_pays(pays):
+    """A block draft on a CPU-like profile where a step without drafts still writes the draft's
+    context. From the prior alone, the policy drafts the block at few rows (the block is cheap next
+    to a step that writes context anyway), measures its acceptance, and ends on the brute-force
+    schedule of the true acceptance over the true costs: the block at 1 row where it pays (0.9 /
+    0.85 / 0.8 by position), nothing anywhere where it does not (0.02 / 0.5 / 0.5)."""
+    k_max, rows = 3, 16
+    grid = batch_grid(rows)
+    conditional = [0.9, 0.85, 0.8] if pays else [0.02, 0.5, 0.5]
+    policy = AdaptiveK(k_max)
+    policy.set_profile(grid, block_draft(grid, k_max))
+    drafted = drain(policy, conditional, random.Random(0), rows=rows)
+    want = clear_choices(grid, block_draft(grid, k_max), conditional, rows)
+    assert drafted > 0  # the block was tried in both cases
+    assert {b: policy.lookup[b] for b in want} == want
+    assert (want[1] == k_max) if pays else (set(want.values()) == {0} and set(policy.lookup) == {0})
+
+
+def test_a_block_priced_without_the_context_write_at_k0_is_never_tried_negative_control():
+    """The same paying block with k = 0 priced as plain decoding (no context write): from the prior
+    the block looks dearer than it is, is never drafted, and its acceptance never measured."""
+    k_max, rows = 3, 16
+    grid = batch_grid(rows)
+    policy = AdaptiveK(k_max)
+    policy.set_profile(grid, block_draft(grid, k_max, context_at_k0=False))
+    assert drain(policy, [0.9, 0.85, 0.8], random.Random(0), rows=rows) == 0
+    assert set(policy.lookup) == {0}
+
+
 # ---------------------------------------------------------------- the real engine, counts only
 K, SLOTS = 3, 8
 pytestmark = pytest.mark.usefixtures("one_thread")

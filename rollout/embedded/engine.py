@@ -431,9 +431,10 @@ class Engine:
 
     def profile_draft(self, batch_size, k, repeats=3, new_tokens=2):
         """Seconds the proposer takes to draft k tokens for batch_size rows after catching up
-        `new_tokens` verified positions per row (0 if it cannot say)."""
+        `new_tokens` verified positions per row (0 if it cannot say, and at k = 0 unless the
+        proposer works at every step: `costs_at_k0`)."""
         probe = getattr(self.proposer, "profile_draft", None)
-        if k == 0 or probe is None:
+        if probe is None or (k == 0 and not self.proposer.costs_at_k0):
             return 0.0
         return _min_seconds(lambda: probe(batch_size, k, new_tokens), repeats, self._synchronize)
 

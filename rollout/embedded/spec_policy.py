@@ -19,6 +19,10 @@ drafts are verified, so every policy keeps the output exact.
               generate, so k changes at a few batch sizes. At each generate on new weights the
               counts shrink (ACCEPT_KEEP_PER_LOAD): the estimate of a draft no longer drafted
               drifts back to the prior until drafting is tried again where that would pay.
+              A proposer that works at every step (DFlash writes each verified position into its
+              draft's context) has that work in the k = 0 price too: priced as plain decoding,
+              a step without drafts looked cheaper than it is, and a block, whose forward costs
+              the same for any k, was never drafted, so its acceptance was never measured.
               Not priced: the one catch-up of draft positions deferred by k = 0 steps at a switch
               to drafting (a draft-layer pass, a fraction of what the trunk spent on them).
 """

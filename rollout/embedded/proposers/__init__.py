@@ -28,6 +28,9 @@ class Proposer:
 
     num_speculative_tokens = 0
     aux_hidden_layers = ()  # target layers whose hidden states it reads instead (EAGLE-3: three)
+    # True: it works at every step, also one the k policy gives no drafts (DFlash writes its
+    # context), and its profile_draft(batch_size, 0) prices that work
+    costs_at_k0 = False
 
     def attach(self, engine):
         """Called once the engine exists (allocate caches, read the model)."""

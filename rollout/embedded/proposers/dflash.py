@@ -36,6 +36,7 @@ class DFlashProposer(TrainedExternalDraft, Proposer):
     """Drafts a block per request in one forward of an external DFlash draft (its own KV cache of context)."""
 
     wire_prefix = WIRE_PREFIX
+    costs_at_k0 = True  # the context write runs at every step: a step without drafts is not plain decoding
 
     def __init__(self, spec, draft=None, sample_drafts=False):
         self.spec, self.draft_model, self.sample_drafts = spec, draft, sample_drafts  # see drafting.py
@@ -106,7 +107,8 @@ class DFlashProposer(TrainedExternalDraft, Proposer):
 
     def profile_draft(self, batch_size, k, new_tokens=2):
         """One drafting for batch_size rows (context for `new_tokens` verified positions, the block
-        forward) on dummy inputs in slots 0..batch_size-1. The block costs the same for any k."""
+        forward) on dummy inputs in slots 0..batch_size-1. The block costs the same for any k >= 1;
+        k = 0 is the context write alone, what a step without drafts still does."""
         ec = self.engine.config
         slots = torch.arange(batch_size, device=ec.device)
         context = max(0, min(32, self.engine.max_len - new_tokens - self.num_speculative_tokens - 1))
@@ -116,4 +118,5 @@ class DFlashProposer(TrainedExternalDraft, Proposer):
         hidden = torch.zeros(batch_size, new_tokens, width, device=ec.device, dtype=ec.dtype)
         with torch.inference_mode():
             self.write_context(slots, hidden, starts, n_valid)
-            self.block_logits(slots, torch.zeros_like(slots), starts + n_valid)
+            if k > 0:
+                self.block_logits(slots, torch.zeros_like(slots), starts + n_valid)
