@@ -21,10 +21,11 @@ from mtp.sampling import token_logprobs
 from rollout.backend import EmbeddedBackend
 from rollout.task import make_prompts, write_jsonl
 from test_weight_push import push
+from trainer.batch import build_batch
 from trainer.config import TrainerConfig
 from trainer.model import forward, routers
 from trainer.trainer import Trainer
-from trainer_fixtures import engine_model, engine_mtp_logits, make_batch
+from trainer_fixtures import engine_model, engine_mtp_logits, make_batch, random_scored_samples
 from vime import weight_sync
 from vime.models.hf_format import load_hf_checkpoint
 
@@ -89,38 +90,61 @@ def test_a_train_step_with_the_mtp_loss_over_moe_layers_moves_policy_and_mtp_exp
     assert any(n.endswith("router.weight") and n.startswith("decoder.") for n in moved)
 
 
-def routed_tokens(trainer):
-    """Hooks counting, per router, the tokens each expert receives in grad-enabled forwards."""
-    counts = {}
+def routed_tokens(trainer, lengths):
+    """Hooks counting, per router, the tokens each expert receives in grad-enabled forwards: all
+    positions, and only the real ones (the direct rule: a decoder router's position j of a row of
+    `lengths[r]` tokens is real when j < length; the MTP layer's, which reads token j + 1 beside the
+    state at j, when j + 1 < length). Routing maps are [s * b, experts], position-major."""
+    all_counts, real_counts = {}, {}
+    mtp_routers = set(routers(trainer.model.mtp))
 
     def hook(module, inputs, output):
-        if torch.is_grad_enabled():
-            counts[module] = counts.get(module, 0) + output[1].sum(dim=0).double()
+        if not torch.is_grad_enabled():
+            return
+        routing = output[1].double()
+        seq = routing.shape[0] // len(lengths)
+        read = torch.arange(seq)[:, None] + (1 if module in mtp_routers else 0)
+        real = (read < torch.tensor(lengths)[None, :]).reshape(-1, 1)
+        all_counts[module] = all_counts.get(module, 0) + routing.sum(dim=0)
+        real_counts[module] = real_counts.get(module, 0) + (routing * real).sum(dim=0)
 
     handles = [r.register_forward_hook(hook) for r in routers(trainer.model)]
-    return counts, handles
+    return all_counts, real_counts, handles
+
+
+def aux_loss_free_step(bias, load, rate):
+    """DeepSeek-V3's bias update written out: bias + rate * sign(mean load - load), in float64."""
+    return bias.double() + rate * torch.sign(load.mean() - load)
 
 
 @pytest.mark.parametrize("rate", [1e-3, 0.0])
-def test_expert_bias_steps_by_the_aux_loss_free_rule_and_is_pushed(tmp_path, rate):
-    """After a step every router's bias moved by rate * sign(mean load - load), load being the
-    tokens it routed in that step (counted here by hooks on the routers); rate 0 keeps it."""
+def test_expert_bias_steps_by_the_aux_loss_free_rule_over_real_tokens_and_is_pushed(tmp_path, rate):
+    """After a step on a right-padded batch every router's bias moved by rate * sign(mean load - load),
+    load being the real (non-padding) tokens it routed in that step (counted here by hooks on the
+    routers); counting the padding too would give a different bias (negative control); rate 0 keeps it."""
     write_checkpoint(str(tmp_path), "deepseek_v3", seed=25)
     trainer = Trainer(TrainerConfig(lr=1e-3, enable_mtp_training=True, moe_router_bias_update_rate=rate),
                       str(tmp_path))
     before = {r: r.expert_bias.clone() for r in routers(trainer.model)}
     assert len(before) == 2  # the MoE decoder layer's router and the MTP layer's
-    counts, handles = routed_tokens(trainer)
-    trainer.train_step(make_batch(seed=6))
+    samples = random_scored_samples(n=8, seed=6)
+    lengths = [len(s.tokens) for s in samples]
+    assert min(lengths) < max(lengths)  # rows of 9..16 tokens: a quarter of the batch is padding
+    all_counts, real_counts, handles = routed_tokens(trainer, lengths)
+    trainer.train_step(build_batch(samples))
     for h in handles:
         h.remove()
+    differs_with_padding = []
     for router, bias in before.items():
-        load = counts[router]
-        expected = bias.double() + rate * torch.sign(load.mean() - load)
+        load = real_counts[router]
+        expected = aux_loss_free_step(bias, load, rate)
         # the fp32 update rounds `rate` once and the sum once: <= u * (|result| + rate), doubled for margin
-        assert torch.allclose(router.expert_bias.double(), expected, rtol=2 * FP32_UNIT_ROUNDOFF,
-                              atol=2 * FP32_UNIT_ROUNDOFF * rate)
+        tol = dict(rtol=2 * FP32_UNIT_ROUNDOFF, atol=2 * FP32_UNIT_ROUNDOFF * rate)
+        assert torch.allclose(router.expert_bias.double(), expected, **tol)
         assert load.min() < load.max()  # an unbalanced load: some biases rise, some fall
+        with_padding = aux_loss_free_step(bias, all_counts[router], rate)
+        differs_with_padding.append(not torch.allclose(with_padding, expected, **tol))
+    assert any(differs_with_padding) == (rate > 0)  # the padding would have moved some bias otherwise
     pushed = dict(trainer.named_hf_weights())
     assert torch.equal(pushed["model.layers.1.mlp.gate.e_score_correction_bias"],
                        routers(trainer.model)[0].expert_bias)

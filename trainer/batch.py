@@ -2,12 +2,15 @@
 
 Every per-token tensor is [B, S] aligned with `tokens`; position j of `rollout_logprobs`
 holds the rollout log-prob of token j (0 on prompt and padding). The loss uses the
-label-aligned slices `[:, 1:]`.
+label-aligned slices `[:, 1:]`. MoE rollouts add `routed_experts` [B, S, MoE layers, k]: the experts
+the rollout chose at each position (NO_ROUTE on the last token and padding; vime/models/routing_replay.py).
 """
 from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import torch
+
+from vime.models.routing_replay import batch_routes
 
 
 @dataclass
@@ -18,8 +21,10 @@ class Batch:
     loss_mask: torch.Tensor  # [B, S] float, 1 on response tokens
     rollout_logprobs: torch.Tensor  # [B, S] float
     advantages: torch.Tensor  # [B, S] float, the sample's advantage on its response tokens
+    token_mask: torch.Tensor  # [B, S] bool, True on the row's prompt and response tokens, False on padding
     ref_logprobs: Optional[torch.Tensor] = None  # [B, S] for the KL loss
     old_logprobs: Optional[torch.Tensor] = None  # [B, S] the trainer's before the step (--use-tis)
+    routed_experts: Optional[torch.Tensor] = None  # [B, S, layers, k] int16, the rollout's routes (MoE)
 
     @property
     def size(self):
@@ -65,4 +70,6 @@ def build_batch(samples, pad_token_id=0, ref_logprobs=None):
     mask = stack(lambda s, d, f: _row(s.loss_mask, 0, width, d), torch.float32)
     lps = stack(lambda s, d, f: _row(s.rollout_logprobs, len(s.prompt_ids), width, d), torch.float32)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)[:, None] * mask
-    return Batch(tokens=tokens, loss_mask=mask, rollout_logprobs=lps, advantages=adv, ref_logprobs=ref_logprobs)
+    real = torch.arange(width)[None, :] < torch.tensor([len(s.tokens) for s in samples])[:, None]
+    return Batch(tokens=tokens, loss_mask=mask, rollout_logprobs=lps, advantages=adv, token_mask=real,
+                 ref_logprobs=ref_logprobs, routed_experts=batch_routes(samples, width))

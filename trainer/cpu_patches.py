@@ -105,6 +105,28 @@ def _patch_group_limited_topk():
     moe_utils.group_limited_topk = _group_limited_topk
 
 
+def _count_expert_load(self, routing_map, padding_mask=None):
+    """TopKRouter._apply_expert_bias counting only the tokens in the router's `counted_tokens`
+    ([s * b] bool, set by trainer.model.counting_tokens; None counts all)."""
+    if not (self.enable_expert_bias and torch.is_grad_enabled()):
+        return
+    counted = getattr(self, "counted_tokens", None)
+    with torch.no_grad():
+        if counted is not None:
+            assert counted.shape[0] == routing_map.shape[0], (counted.shape, routing_map.shape)
+            routing_map = routing_map & counted[:, None]
+        self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+def _patch_expert_load_count():
+    # the expert-bias step must see only real tokens; TopKRouter's own padding_mask route fails:
+    # `routing_map & ~padding_mask` pairs a [tokens, experts] map with a [tokens] mask (no broadcast)
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    TopKRouter.counted_tokens = None
+    TopKRouter._apply_expert_bias = _count_expert_load
+
+
 PATCHES = {
     "torch.cuda.current_device -> 'cpu'": _patch_current_device,
     "torch.cuda.synchronize -> no-op": _patch_synchronize,
@@ -115,6 +137,7 @@ MODEL_PATCHES = {
     "moe_utils.te_general_gemm = None without Transformer Engine": _patch_te_general_gemm,
     "group-limited routing ranks a group by its top-2 scores": _patch_group_limited_topk,
     "multi_latent_attention.HAVE_TE = False without Transformer Engine": _patch_mla_without_te,
+    "expert-bias load counts skip padding (counted_tokens)": _patch_expert_load_count,
 }
 
 

@@ -26,6 +26,7 @@ class ForwardOutput:
     logits: torch.Tensor  # [b, s, V] full vocabulary
     hidden: torch.Tensor  # [s, b, H] trunk output as the first MTP layer reads it (family-dependent)
     mtp_inputs: dict
+    token_mask: torch.Tensor = None  # [b, s] bool, False on padding: the positions MoE routers count
 
 
 def _use_transformer_engine():
@@ -255,19 +256,24 @@ def _vime_gpt_model_class():
             for layer in layers[:chained]:
                 base = (hidden, input_ids, position_ids)  # the last chained layer's inputs
                 # each layer shifts the tokens (and positions) one further, as in megatron's block
-                hidden, input_ids, position_ids = layer(input_ids=input_ids, position_ids=position_ids,
-                                                        hidden_states=hidden, embedding=embed, **inputs)
+                depth_mask = shifted_token_mask(out.token_mask, len(logits) + 1)
+                with counting_tokens(routers(layer), [depth_mask]):
+                    hidden, input_ids, position_ids = layer(input_ids=input_ids, position_ids=position_ids,
+                                                            hidden_states=hidden, embedding=embed, **inputs)
                 logits.append(self._logits(hidden, weight))
             if len(layers) > chained:
-                for hidden in self._drafter_reuse_steps(layers[-1], base, hidden, len(layers) - chained, embed):
+                for hidden in self._drafter_reuse_steps(layers[-1], base, hidden, len(layers) - chained, embed,
+                                                        out.token_mask):
                     logits.append(self._logits(hidden, weight))
             return logits
 
-        def _drafter_reuse_steps(self, layer, base, output, steps, embed):
+        def _drafter_reuse_steps(self, layer, base, output, steps, embed, token_mask=None):
             """Outputs [s, b, h] of `steps` reuse steps of the last MTP layer, each exactly as the
             drafter runs it (mtp/reuse.py): block 0 is the layer's chained run (inputs `base`,
             output `output`), block m reads block m-1's output (detached) and token t+L+m."""
             from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+            chained = len(self.mtp.layers)
 
             hidden_in, input_ids, position_ids = base
             input_ids, _ = roll_tensor(input_ids, shifts=-1, dims=-1, cp_group=layer.cp_group)
@@ -279,7 +285,8 @@ def _vime_gpt_model_class():
                 n = len(blocks)
                 positions = reuse_positions(s, n, hidden_in.device)
                 mask = reuse_attention_mask(s, n, hidden_in.device)[None, None]
-                with _latent_rope_at(layer, positions) as own_rope:
+                block_masks = [shifted_token_mask(token_mask, chained + b) for b in range(n)]
+                with _latent_rope_at(layer, positions) as own_rope, counting_tokens(routers(layer), block_masks):
                     # MLA rotates inside its attention (own_rope); the others take the table here
                     rotary = None if own_rope else self.rotary_pos_emb.get_emb(s + n)[positions]
                     output = layer._proj_and_transformer_layer(
@@ -379,11 +386,43 @@ def causal_mask(seq_len, device=None):
     return torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)
 
 
-def forward(model, tokens):
-    """ForwardOutput of `tokens` [b, s] (right-padded; positions 0..s-1)."""
+def forward(model, tokens, token_mask=None):
+    """ForwardOutput of `tokens` [b, s] (right-padded; positions 0..s-1). `token_mask` [b, s] (False on
+    padding) keeps padding out of the MoE routers' load counts, here and in the MTP block after it."""
     seq = tokens.shape[1]
     positions = torch.arange(seq, device=tokens.device).unsqueeze(0).expand_as(tokens)
-    return model(tokens, positions, causal_mask(seq, tokens.device))
+    with counting_tokens(routers(model.decoder), [token_mask]):
+        out = model(tokens, positions, causal_mask(seq, tokens.device))
+    out.token_mask = token_mask
+    return out
+
+
+def shifted_token_mask(token_mask, shift):
+    """[b, s]: whether position j's token j + `shift` is a real one (the token an MTP layer at depth
+    `shift` reads beside the state at j); past the row's end it is not."""
+    if token_mask is None:
+        return None
+    past_end = torch.zeros_like(token_mask[:, :shift])
+    return torch.cat([token_mask[:, shift:], past_end], dim=1)
+
+
+@contextlib.contextmanager
+def counting_tokens(router_modules, block_masks):
+    """While the routers run over the sequence-concatenated blocks of `block_masks` (each [b, s]),
+    their expert-bias load counts only the positions True there (trainer/cpu_patches.py applies
+    it). A None mask counts every position, as megatron does."""
+    if any(m is None for m in block_masks):
+        yield
+        return
+    # megatron's routers see [s, b] flattened: position-major, then the row
+    counted = torch.cat([m.transpose(0, 1) for m in block_masks]).reshape(-1)
+    for router in router_modules:
+        router.counted_tokens = counted
+    try:
+        yield
+    finally:
+        for router in router_modules:
+            router.counted_tokens = None
 
 
 def is_mtp_param(name):

@@ -7,6 +7,7 @@ layers or an external EAGLE-3 or DFlash draft), which reads detached policy stat
 clip; then the draft's own steps on the updated policy (trainer/drafts/base.py).
 """
 import collections
+import contextlib
 import dataclasses
 import re
 
@@ -19,6 +20,7 @@ from trainer.mixed_precision import build_optimizer, fp32_params_for_checkpoint,
 from trainer.distributed import dp_sum, ensure_distributed
 from trainer.drafts import build_draft, load_draft_state, save_draft_state
 from trainer.losses import entropy_from_logits, policy_loss, token_mean
+from trainer.routing_replay import RoutingReplay
 from trainer.model import build_model, forward, is_mtp_param, update_expert_biases
 from trainer.weights import load_hf_state, named_hf_weights
 from vime.errors import require
@@ -51,6 +53,10 @@ class Trainer:
         for name, p in self.model.named_parameters():  # loaded frozen, still synced, unless they are the draft
             if is_mtp_param(name):
                 p.requires_grad_(False)
+        # MoE: the decoder routers take the rollout's routes (--use-rollout-routing-replay) or their own,
+        # and count where they differ (trainer/routing_replay.py)
+        self.routing = (RoutingReplay(self.model, cfg.use_rollout_routing_replay)
+                        if self.model_cfg.moe is not None else None)
         # the draft trained beside the policy (trainer/drafts: MTP layers, EAGLE-3, DFlash), or None
         self.draft = build_draft(cfg, self.model, self.model_cfg)
         self.optimizer = self._build_optimizer()
@@ -96,9 +102,15 @@ class Trainer:
         self.model.eval()
         rows = []
         for mb in batch.micro_batches(self.cfg.micro_batch_size):
-            lp = self._token_logprobs(forward(self.model, mb.tokens), mb.tokens)
+            with self._rollout_routes(mb):
+                lp = self._token_logprobs(forward(self.model, mb.tokens), mb.tokens)
             rows.append(torch.nn.functional.pad(lp, (1, 0)))
         return torch.cat(rows)
+
+    def _rollout_routes(self, mb):
+        """Around a forward of micro-batch `mb`: its rollout routes for the MoE routers (replayed under
+        --use-rollout-routing-replay, else only compared)."""
+        return self.routing.routes(mb.routed_experts) if self.routing else contextlib.nullcontext()
 
     def _policy_loss(self, out, mb, num_tokens):
         """(policy loss of one micro-batch, its metrics), a share of the step's token mean."""
@@ -142,8 +154,11 @@ class Trainer:
         micro_batches = list(batch.micro_batches(self.cfg.micro_batch_size))
         normaliser = self.draft.normaliser(batch, len(micro_batches)) if self.draft else None
         totals = {}
+        if self.routing:
+            self.routing.disagreement()  # counts start with this step's forwards
         for mb in micro_batches:
-            out = forward(self.model, mb.tokens)
+            with self._rollout_routes(mb):
+                out = forward(self.model, mb.tokens, mb.token_mask)
             loss, m = self._policy_loss(out, mb, num_tokens)
             if self.draft is not None:  # on detached policy states: the policy's gradients are untouched
                 loss = loss + self._draft_loss(self.draft.inputs(out, mb, normaliser), m)[0]
@@ -153,7 +168,16 @@ class Trainer:
         grads.reduce_gradients(named_grad_params(self.optimizer, self.named_policy_params()))
         if self.draft is not None:
             self.draft.reduce_gradients()
-        return self._metrics(totals)
+        return dict(self._metrics(totals), **self._route_metrics())
+
+    def _route_metrics(self):
+        """train/route_disagreement: the share of (position, MoE layer) routes of this step where the
+        trainer's own routers chose other experts than the rollout (with or without replay)."""
+        if self.routing is None:
+            return {}
+        diff, total = self.routing.disagreement()
+        total = dp_sum(total).item()
+        return {"train/route_disagreement": dp_sum(diff).item() / total} if total else {}
 
     def _draft_inputs(self, batch):
         """The draft's inputs of every micro-batch of `batch` under the current policy: one no-grad
@@ -161,8 +185,12 @@ class Trainer:
         batch = batch.to(self.device)
         micro_batches = list(batch.micro_batches(self.cfg.micro_batch_size))
         normaliser = self.draft.normaliser(batch, len(micro_batches))
+        inputs = []
         with torch.no_grad():
-            return [self.draft.inputs(forward(self.model, mb.tokens), mb, normaliser) for mb in micro_batches]
+            for mb in micro_batches:
+                with self._rollout_routes(mb):
+                    inputs.append(self.draft.inputs(forward(self.model, mb.tokens, mb.token_mask), mb, normaliser))
+        return inputs
 
     def _draft_only_step(self, inputs):
         """One optimiser step of the draft alone on one batch's `inputs`: the policy's parameters keep
