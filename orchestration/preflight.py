@@ -37,6 +37,7 @@ def check_inputs(cfg):
     checkpoint's ModelConfig (for `check_prompts`)."""
     from rollout.backend import check_backend
     from trainer.model import check_tensor_parallel, check_trainable
+    from trainer.routing_replay import check_routing_replay
     from vime.models.config_checks import check_finite_weights, check_mtp_layers
     from vime.models.hf_format import inspect_hf_checkpoint
     from vime.paths import require_writable_dir
@@ -45,6 +46,7 @@ def check_inputs(cfg):
     check_mtp_layers(cfg.mtp.num_layers, hf, cfg.model.hf_checkpoint)
     check_tensor_parallel(hf, cfg.train.tensor_model_parallel_size)
     check_trainable(hf)
+    check_routing_replay(cfg, hf)
     check_backend(cfg, hf)
     check_finite_weights(os.path.join(cfg.model.hf_checkpoint, "model.safetensors"))
     check_weight_shapes(cfg.model.hf_checkpoint, hf)

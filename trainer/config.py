@@ -49,6 +49,7 @@ class TrainerConfig:
     seed: int = tree_field("train.seed")
     use_tis: bool = tree_field("train.use_tis")  # weight the loss by min(pi_old / pi_rollout, tis_clip)
     tis_clip: float = tree_field("train.tis_clip")
+    use_rollout_routing_replay: bool = tree_field("train.use_rollout_routing_replay")  # MoE: replay rollout routes
     moe_router_bias_update_rate: float = tree_field("train.moe_router_bias_update_rate")  # MoE expert-bias step
     enable_draft_training: bool = tree_field("draft.enable_training")  # the external draft of speculative_config
     # how the trained draft (MTP layers or external) steps; None: the kind's own default (trainer/drafts/<kind>.py)

@@ -156,6 +156,9 @@ class TrainSection:
         "--use-tis", "truncated importance sampling: weight the loss by min(pi_old / pi_rollout, --tis-clip), "
         "pi_old recomputed by the trainer before the step (corrects off-policy rollouts, e.g. --async-rollout)"))
     tis_clip: float = field(default=2.0, metadata=flag("--tis-clip", "cap of the truncated importance weight"))
+    use_rollout_routing_replay: bool = field(default=False, metadata=flag(
+        "--use-rollout-routing-replay", "MoE models: the trainer's routers take the experts the rollout chose at "
+        "every position (gate weights still from the trainer's scores); the MTP layers route by their own"))
     moe_router_bias_update_rate: float = field(default=1e-3, metadata=flag(
         "--moe-router-bias-update-rate", "MoE models: after each step every router's expert bias moves by this "
         "much towards balance (DeepSeek-V3's auxiliary-loss-free balancing; 0: fixed bias)"))

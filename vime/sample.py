@@ -36,6 +36,9 @@ class Sample:
     weight_version: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     draft_version: int = 0  # version of the draft (MTP / external) weights that drafted it
+    # MoE models: the experts each MoE decoder layer chose per position, [len(tokens) - 1, layers, k]
+    # small integers (vime/models/routing_replay.py); None for dense models
+    routed_experts: object = None
 
     @property
     def tokens(self):

@@ -37,6 +37,7 @@ from rollout.embedded.proposers import TargetForward, Proposer
 from rollout.embedded.spec_policy import FixedK, StepRecord
 from rollout.sampling_params import request_seed
 from vime.errors import UserError, require
+from vime.models.routing_replay import RouteTable
 
 
 @dataclass
@@ -124,6 +125,11 @@ class Engine:
         self.cache = make_kv_cache(self.cfg, self.cfg.num_hidden_layers, self.config.max_batch_size, self.max_len + 1,
                                    self.config.dtype, self.config.device)
         self.stop_ids = {self.cfg.eos_token_id} - {None}
+        # MoE models: the experts every decoder MoE layer chose, per slot and position (the samples
+        # carry them to the trainer, which replays or compares them)
+        self.routes = (RouteTable(self.config.max_batch_size, self.max_len + 1, self.fast.num_moe_layers,
+                                  self.cfg.moe.num_experts_per_tok, self.cfg.moe.n_routed_experts, self.config.device)
+                       if self.fast.num_moe_layers else None)
         self.weight_version = 0
         self.paused = False
         self.last_stats = {}
@@ -155,6 +161,7 @@ class Engine:
         requests = [Request(s, sampling, self._generator(sampling, s)) for s in samples]
         for s in samples:
             s.response_ids, s.rollout_logprobs, s.weight_version = [], [], self.weight_version
+            s.routed_experts = None
             s.spec.__init__()
         self.k_policy.prepare(self)
         self.k_policy.begin(self.weight_version)
@@ -220,6 +227,7 @@ class Engine:
                 self._verify_step(decoding, sampling)
             finished = [r for r in running if r.finished]
             for r in finished:
+                self._take_routes(r)
                 running.remove(r)
                 free_slots.append(r.slot)
                 self.proposer.release(r)
@@ -241,6 +249,8 @@ class Engine:
             length = max(r.num_tokens for r, _ in moves)  # entries past a request's tokens are never read
             self.cache.move_slots([r.slot for r, _ in moves], holes, length)
             olds = [r.slot for r, _ in moves]
+            if self.routes is not None:
+                self.routes.copy_rows(olds, holes, length)
             for r, hole in moves:
                 r.slot = hole
             self.proposer.move_slots([r for r, _ in moves], olds)
@@ -293,6 +303,8 @@ class Engine:
         dst = torch.tensor([r.slot for r in reqs], device=self.config.device)
         follow = src != dst
         self.cache.copy_slots(src[follow], dst[follow], width)
+        if self.routes is not None:
+            self.routes.copy_rows(src[follow], dst[follow], width)
 
     def _verify_step(self, reqs, sampling):
         start = time.perf_counter()
@@ -386,9 +398,30 @@ class Engine:
         positions = (starts[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :])
         positions = positions.clamp(max=self.max_len)
         view = self.cache.step(slots, starts, n_new, self.backend)
-        with torch.inference_mode():
-            return self.fast.states(tokens, positions, view.layers(self.cfg.num_hidden_layers),
-                                    getattr(self.proposer, "aux_hidden_layers", ()))
+        self.fast.route_writer = self._route_writer(slots, positions, n_new)
+        try:
+            with torch.inference_mode():
+                return self.fast.states(tokens, positions, view.layers(self.cfg.num_hidden_layers),
+                                        getattr(self.proposer, "aux_hidden_layers", ()))
+        finally:
+            self.fast.route_writer = None
+
+    def _route_writer(self, slots, positions, n_new):
+        """write(layer, indices [B*Q, k]) into the route table at the forward's real (slot, position)
+        pairs, padding rows left out; None for dense models. Last write wins: a rejected draft's
+        position is rewritten by the next forward, which feeds the token kept there."""
+        if self.routes is None:
+            return None
+        real = (torch.arange(positions.shape[1], device=positions.device)[None, :] < n_new[:, None]).reshape(-1)
+        rows = slots[:, None].expand_as(positions).reshape(-1)[real]
+        at = positions.reshape(-1)[real]
+        return lambda layer, indices: self.routes.write(layer, rows, at, indices[real])
+
+    def _take_routes(self, r):
+        """A finished request's routes into its sample: every position but the last token's, each
+        computed with the token the sample finally holds there."""
+        if self.routes is not None:
+            r.sample.routed_experts = self.routes.read(r.slot, r.num_tokens - 1).cpu()
 
     def _propose(self, reqs, hidden, starts, n_valid):
         """Drafts for the live requests, at most step_k each; False when none was live.

@@ -53,6 +53,7 @@ class MoEWeights:
     shared_gate_up: Optional[PackedWeight]
     shared_down: Optional[PackedWeight]
     config: object  # MoEConfig
+    record_as: Optional[int] = None  # which MoE decoder layer it is, for the route recorder (None: an MTP layer's)
 
 
 @dataclass
@@ -140,6 +141,11 @@ class FastForward:
         weight = m.head_weight()
         self.backend = pick_backend(weight.device, weight.dtype, self.requested_backend)
         self.layers = [fuse_layer(l, self.backend) for l in m.model.layers]
+        moe_decoder = [w.moe for w in self.layers[:m.cfg.num_hidden_layers] if w.moe is not None]
+        for i, w in enumerate(moe_decoder):  # the MTP layers' routes are the drafter's, never recorded
+            w.record_as = i
+        self.num_moe_layers = len(moe_decoder)
+        self.route_writer = None  # set by the engine around a forward whose routes it records
         self.head = pack(weight, self.backend)
         self.eh_proj = [pack(m.mtp_layer(k).eh_proj.weight, self.backend) for k in range(m.num_mtp_layers)]
 
@@ -194,6 +200,8 @@ class FastForward:
         """Routed experts on packed weights plus the shared experts; routing as moe.MoE does it."""
         flat = x.reshape(-1, x.shape[-1])
         weights, indices = route(flat.float() @ w.router.t(), w.bias, w.config)
+        if self.route_writer is not None and w.record_as is not None:
+            self.route_writer(w.record_as, indices)
         out = routed_experts(flat, weights, indices, lambda e, rows: swiglu(rows, w.gate_up[e], w.down[e]))
         out = out.view_as(x)
         if w.shared_gate_up is not None:
