@@ -4,6 +4,7 @@ speculation, one RL run per arm, same target, seed and prompts.
     python scripts/bench/rl_arms.py drift --draft mtp                  # tiny MiMo, its MTP layer, k = 2
     python scripts/bench/rl_arms.py drift --draft eagle3 --backends embedded,vllm   # tiny Qwen2 + EAGLE-3, k = 3
     python scripts/bench/rl_arms.py drift --draft dflash               # tiny Qwen2 + DFlash, blocks of 4
+    python scripts/bench/rl_arms.py drift --hf-checkpoint checkpoints/tiny-glm4-moe-mtp   # another MTP target
 
 RL moves the policy away from what a frozen draft was trained on; the online arm trains the draft
 every step (--enable-mtp-training or --enable-draft-training) and syncs it with the target.
@@ -93,6 +94,8 @@ MAX_POSITIONS = 8
 def add_arguments(p):
     """The drift experiment's flags on its argparse sub-parser."""
     p.add_argument("--draft", default="mtp", choices=list(DRAFT_KINDS), help="the draft kind")
+    p.add_argument("--hf-checkpoint", default=None,
+                   help="the target every arm trains (default: the draft kind's, e.g. mtp: checkpoints/tiny-mimo-mtp)")
     p.add_argument("--arms", default=",".join(ARMS),
                    help=f"comma-separated arms, each NAME[:key=value...], or an arm set ({', '.join(ARM_SETS)})")
     p.add_argument("--backends", default="embedded", help=f"comma-separated, of {', '.join(BACKENDS)}")
@@ -171,6 +174,8 @@ def check_args(args):
     for backend in args.backends.split(","):
         if backend not in BACKENDS:
             raise UserError(f"--backends {backend!r}: choose from {', '.join(BACKENDS)}")
+    if args.hf_checkpoint and not os.path.isfile(os.path.join(REPO, args.hf_checkpoint, "config.json")):
+        raise UserError(f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; give an HF checkpoint directory")
     if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:  # 0 is not "unset"
         raise UserError("--num-speculative-tokens must be >= 1")
     drafts = [arm_draft(arm, args) for arm in arm_list(args)]
@@ -184,6 +189,11 @@ def check_args(args):
                             f"--draft-warmup-steps N to make one for k = {k}")
 
 
+def target_of(kind, args):
+    """The target checkpoint directory: --hf-checkpoint, else the draft kind's shipped one."""
+    return os.path.join(REPO, args.hf_checkpoint or kind.target)
+
+
 def warmed_up_draft(name, args, k):
     """--draft-warmup-steps N: a draft of the target warmed up for N offline steps (made once into --out)."""
     kind = DRAFT_KINDS[name]
@@ -191,7 +201,7 @@ def warmed_up_draft(name, args, k):
     out = os.path.join(args.out, f"{name}{suffix}_draft_warmup{args.draft_warmup_steps}")
     if not os.path.isfile(os.path.join(out, "config.json")):
         script, flags = kind.make_draft
-        cmd = [sys.executable, os.path.join(REPO, "scripts", script), "--target", os.path.join(REPO, kind.target),
+        cmd = [sys.executable, os.path.join(REPO, "scripts", script), "--target", target_of(kind, args),
                "--out", out, "--warmup-steps", str(args.draft_warmup_steps), *flags(k)]
         print(f"[drift] draft: {' '.join(cmd[1:])}", flush=True)
         subprocess.run(cmd, cwd=REPO, check=True)
@@ -200,7 +210,7 @@ def warmed_up_draft(name, args, k):
 
 def arm_flags(kind, base, args, k, draft_model):
     """train_rl.py flags of one base arm (before its options and the shared extra flags)."""
-    flags = ["--hf-checkpoint", os.path.join(REPO, kind.target), "--num-rollout", args.steps]
+    flags = ["--hf-checkpoint", target_of(kind, args), "--num-rollout", args.steps]
     if base == "none":
         flags += ["--vllm-speculative-config", "none"]
     else:
