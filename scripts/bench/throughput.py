@@ -5,6 +5,7 @@ with speculation, timed by one harness.
     python scripts/bench/throughput.py vs-hf [--hf-checkpoint DIR]        # engine vs transformers generate
     python scripts/bench/throughput.py vs-vllm [--hf-checkpoint DIR]      # embedded vs vLLM backend, plain and MTP
     python scripts/bench/throughput.py spec-decode [--methods "none,mtp k=2"]   # speculative methods vs none
+    python scripts/bench/throughput.py spec-decode --hf-checkpoint TARGET --dflash-drafts D4,D8 --methods "none,dflash k=7"
     python scripts/bench/throughput.py spec-scale [--device cuda --dtype bfloat16]  # synthetic acceptance, big model
     python scripts/bench/throughput.py compaction                          # slot compaction on / off
 
@@ -29,9 +30,10 @@ from rollout.embedded.engine_builder import build_engine, build_proposer  # noqa
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from rollout.spec_config import parse_spec_config  # noqa: E402
 from rollout.spec_stats import aggregate_spec_stats, spec_rates  # noqa: E402
-from rollout.task import TASK_VARIANTS, make_prompts  # noqa: E402
+from rollout.task import DEFAULT_TASK_VARIANT, TASK_VARIANTS, make_prompts  # noqa: E402
 from rollout.tiny_model import make_random_checkpoint  # noqa: E402
 from rollout.tokenizer import TextCodec  # noqa: E402
+from vime.models.dflash import read_draft_config  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
 from vime.sample import Sample, samples_for_prompts  # noqa: E402
 
@@ -198,7 +200,19 @@ def spec_methods(draft, rejection):
     return {name: spec and dict(spec, rejection_sample_method=rejection) for name, spec in table.items()}
 
 
-ADAPTIVE = {"mtp adaptive"}  # methods run with --spec-adaptive
+def dflash_methods(drafts):
+    """'dflash k=K' and 'dflash k=K adaptive' per DFlash draft directory (K: its block less the anchor)."""
+    table = {}
+    for path in drafts:
+        require(os.path.isfile(os.path.join(path, "config.json")),
+                f"--dflash-drafts {path}: not a draft directory (make one with scripts/make_dflash_draft.py)")
+        k = read_draft_config(path).block_size - 1
+        table[f"dflash k={k}"] = table[f"dflash k={k} adaptive"] = {"method": "dflash", "num_speculative_tokens": k,
+                                                                    "model": path}
+    return table
+
+
+ADAPTIVE = {"mtp adaptive"}  # methods run with --spec-adaptive (and every "... adaptive" DFlash method)
 FIXED_K = ("none", "mtp k=1", "mtp k=2", "mtp k=3")  # what adaptive k is compared with
 
 
@@ -215,18 +229,24 @@ def spec_decode(args):
     """Per batch size and method (none, mtp k=1..3, mtp adaptive, ngram, suffix, draft_model):
     tokens/s, speedup against the first method, tokens per verify, acceptance rate and per position;
     the adaptive method against the best fixed k."""
-    prompts = [[1] + TextCodec(args.hf_checkpoint).encode(r["prompt"]) for r in make_prompts(args.num_prompts, seed=1234)]
-    sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    rows = TASK_VARIANTS[args.task_variant].prompts(args.num_prompts, seed=1234)
+    prompts = [[1] + TextCodec(args.hf_checkpoint).encode(r["prompt"]) for r in rows]
+    sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                              ignore_eos=not args.stop_at_eos, seed=1234)  # the same draws on every side
     table = spec_methods(args.draft_model or args.hf_checkpoint, args.rejection_sample_method)
+    table.update({name: dict(spec, rejection_sample_method=args.rejection_sample_method)
+                  for name, spec in dflash_methods(args.dflash_drafts.split(",") if args.dflash_drafts else []).items()})
+    adaptive = ADAPTIVE | {name for name in table if name.startswith("dflash") and name.endswith(" adaptive")}
     wanted = args.methods.split(",") if args.methods else list(table)
     require(all(name in table for name in wanted), f"--methods {args.methods!r}: choose from {', '.join(table)}")
     print(f"checkpoint {args.hf_checkpoint}, temperature {args.temperature}, {args.num_prompts} prompts, "
-          f"{args.max_new_tokens} new tokens, best of {args.repeats} (methods interleaved)")
+          f"{'up to ' if args.stop_at_eos else ''}{args.max_new_tokens} new tokens"
+          f"{', stop at EOS' if args.stop_at_eos else ''}, best of {args.repeats} (methods interleaved)")
     print("| batch | method | tokens/s | speedup | tokens/verify | accept rate | per position |")
     print("|---|---|---|---|---|---|---|")
     for batch in batch_sizes(args.batch_sizes):
         engines = {name: build_engine(args.hf_checkpoint, table[name], EngineConfig(max_batch_size=batch),
-                                      adaptive=name in ADAPTIVE) for name in wanted}
+                                      adaptive=name in adaptive) for name in wanted}
         for engine in engines.values():
             engine.generate(samples_for_prompts(prompts[:batch]), sampling)  # warm-up (and the adaptive profile)
         got = time_interleaved({name: fresh_proposer_run(engines[name], table[name], prompts, sampling)
@@ -241,8 +261,11 @@ def spec_decode(args):
             pos = " / ".join(f"{st[k]:.2f}" for k in sorted(st) if k.startswith("spec_accept_rate_pos_"))
             print(f"| {batch} | {name} | {rate:.0f} | {rate / base:.2f}x | {st['spec_accept_length']:.2f} | "
                   f"{st['spec_accept_rate']:.2f} | {pos or '-'} |", flush=True)
+        for name in [n for n in wanted if n in adaptive]:
+            print(f"batch {batch}: {name} drafted k = {engines[name].stats().get('spec_k_mean', float('nan')):.2f} "
+                  "on average (the last repeat)", flush=True)
         fixed = [n for n in FIXED_K if n in got]
-        for name in [n for n in wanted if n in ADAPTIVE and fixed]:
+        for name in [n for n in wanted if n in adaptive and fixed]:
             best = max(fixed, key=lambda n: got[n][0])
             print(f"batch {batch}: {name} / best fixed k ({best}) = {got[name][0] / got[best][0]:.3f}", flush=True)
 
@@ -360,6 +383,15 @@ def add_spec_decode_arguments(p):
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; RL rollouts use 1")
     p.add_argument("--rejection-sample-method", default="probabilistic", choices=["strict", "probabilistic"])
     p.add_argument("--methods", default=None, help="comma-separated subset of the method names")
+    p.add_argument("--dflash-drafts", default=None,
+                   help="comma-separated DFlash draft directories of the checkpoint: methods 'dflash k=K' and "
+                        "'dflash k=K adaptive' each (K = the draft's block size - 1)")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="end a response at EOS (a rollout's drain: rows leave as they finish) instead of "
+                        "--max-new-tokens for every row; at T = 1 give --rejection-sample-method strict so "
+                        "every method samples the same responses")
+    p.add_argument("--task-variant", default=DEFAULT_TASK_VARIANT, choices=list(TASK_VARIANTS),
+                   help="the prompts' task (longtail: the long-tail model's)")
 
 
 def add_spec_scale_arguments(p):
