@@ -1,11 +1,12 @@
 """The draft an online run trained, exported and served by plain vLLM (no vime code between), accepts
-what the run logged (slow: a 3-step run on the vLLM backend, then a second vLLM start).
+what the run logged (slow: a 3-step run on the vLLM backend, then a second vLLM start), for each
+external draft kind: EAGLE-3 and DFlash (its shipped draft, blocks of 4), both at k = 3.
 
 The run (--enable-draft-training, --rollout-backend vllm) evaluates the held-out prompts greedily
 (--eval-temperature 0) at its last step, with the policy and the draft of step 2 that the trainer
 synced into vLLM in place, and saves that step (--save-interval 2). Step 2's policy
 (checkpoint_convert.torch_dist_to_hf) and draft (scripts/export_draft.py) are then served by
-`vllm.LLM(model=POLICY, speculative_config={"method": "eagle3", "model": DRAFT, ...})` on the same
+`vllm.LLM(model=POLICY, speculative_config={"method": METHOD, "model": DRAFT, ...})` on the same
 prompts, greedy, and vLLM's own spec-decode counters (`llm.get_metrics()`) are read.
 
 Reference and bound: the run's eval/spec_* of its last step. Both are vLLM's counts of the same
@@ -23,10 +24,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
+import dflash_fixtures  # noqa: E402
 from eagle3_fixtures import DRAFT, REPO, TARGET  # noqa: E402
 
 pytestmark = pytest.mark.slow
 K, STEPS, MAX_NEW = 3, 3, 40
+DRAFTS = {"eagle3": DRAFT, "dflash": dflash_fixtures.DRAFT}  # method -> its shipped draft for TARGET (k = 3)
 EVAL = os.path.join(TARGET, "eval.jsonl")
 
 
@@ -36,11 +39,12 @@ def run(cmd, timeout):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """(the run's last metrics row, exported policy dir, exported draft dir)."""
-    tmp = tmp_path_factory.mktemp("online")
-    spec = json.dumps({"method": "eagle3", "model": DRAFT, "num_speculative_tokens": K})
+@pytest.fixture(scope="module", params=list(DRAFTS))
+def trained(tmp_path_factory, request):
+    """(method, the run's last metrics row, exported policy dir, exported draft dir)."""
+    method = request.param
+    tmp = tmp_path_factory.mktemp(f"online_{method}")
+    spec = json.dumps({"method": method, "model": DRAFTS[method], "num_speculative_tokens": K})
     run([sys.executable, "train_rl.py", "--hf-checkpoint", TARGET, "--vllm-speculative-config", spec,
          "--enable-draft-training", "--rollout-backend", "vllm", "--num-rollout", str(STEPS),
          "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--global-batch-size", "32",
@@ -53,7 +57,7 @@ def trained(tmp_path_factory):
     run([sys.executable, "scripts/export_draft.py", "--load", iteration, "--out", str(tmp / "draft")], 300)
     run([sys.executable, "-m", "checkpoint_convert.torch_dist_to_hf", "--input-dir", iteration,
          "--output-dir", str(tmp / "policy"), "--origin-hf-dir", TARGET], 300)
-    return metrics[-1], str(tmp / "policy"), str(tmp / "draft")
+    return method, metrics[-1], str(tmp / "policy"), str(tmp / "draft")
 
 
 def eval_prompts():
@@ -76,13 +80,13 @@ def spec_counters(llm):
     return out
 
 
-def plain_vllm_acceptance(policy, draft, prompts):
+def plain_vllm_acceptance(method, policy, draft, prompts):
     """vLLM's counters over greedy generation of `prompts`, served with no vime code."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
     eos = json.load(open(os.path.join(policy, "config.json")))["eos_token_id"]
-    llm = LLM(model=policy, speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": K},
+    llm = LLM(model=policy, speculative_config={"method": method, "model": draft, "num_speculative_tokens": K},
               skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=128,
               seed=0, disable_log_stats=False)
     try:
@@ -101,16 +105,16 @@ def within_3_se(accepted_a, n_a, accepted_b, n_b):
 
 @pytest.mark.timeout(3600)  # a run and two vLLM starts: past pytest.ini's 900 s on 2 busy cores
 def test_the_exported_draft_served_by_plain_vllm_accepts_what_the_run_logged(trained):
-    logged, policy, draft = trained
+    method, logged, policy, draft = trained
     assert logged["rollout/step"] == STEPS - 1 and "eval/spec_accept_rate" in logged  # evaluated at the last step
     assert logged["train/draft_1_loss"] > 0
-    got = plain_vllm_acceptance(policy, draft, eval_prompts())
+    got = plain_vllm_acceptance(method, policy, draft, eval_prompts())
     assert got["draft_tokens"] == K * got["drafts"] > 0
     served_rate = got["accepted"] / got["draft_tokens"]
     served_length = 1 + got["accepted"] / got["drafts"]
     ok, se = within_3_se(got["accepted"], got["draft_tokens"], logged["eval/spec_accepted_tokens"],
                          logged["eval/spec_draft_tokens"])
-    print(f"served: accept rate {served_rate:.4f} length {served_length:.3f} ({got['accepted']}/{got['draft_tokens']}, "
+    print(f"{method} served: accept rate {served_rate:.4f} length {served_length:.3f} ({got['accepted']}/{got['draft_tokens']}, "
           f"per position {got['per_pos']}); logged: {logged['eval/spec_accept_rate']:.4f} length "
           f"{logged['eval/spec_accept_length']:.3f} ({logged['eval/spec_accepted_tokens']}/"
           f"{logged['eval/spec_draft_tokens']}); 3 SE = {3 * se:.4f}")
