@@ -77,6 +77,8 @@ def near_tie_bound(cfg, context, max_abs_router_logit):
     logit by the chained reduction bound of the model, a sigmoid score by a quarter of that, a margin
     (a difference of sums of two scores) by four scores' worth; doubled for the two forwards."""
     widths = [cfg.hidden_size, cfg.intermediate_size, 2 * cfg.hidden_size, context]
+    if cfg.mla:
+        widths += [cfg.mla.latent_width, cfg.num_attention_heads * cfg.mla.v_head_dim]
     logit_error = reduction_rtol(max(widths), forward_depth(cfg.num_hidden_layers + 1)) * max_abs_router_logit
     return 2 * 4 * logit_error / 4
 
@@ -186,11 +188,18 @@ def test_with_replay_the_trainer_applies_the_rollout_routes_with_its_own_gate_we
     """Routes unlike the trainer's own (random sets): megatron's routers dispatch to exactly those
     experts at every (position, MoE layer) that has one, with gate weights = the trainer's own sigmoid
     scores there, normalised and scaled; the router weights still get gradients."""
-    samples = rollout(ckpt, MTP_K2)
-    batch = build_batch(samples)
+    batch = build_batch(rollout(ckpt, MTP_K2))
     moe = read_config(ckpt).moe
     batch.routed_experts = torch.where(batch.routed_experts == NO_ROUTE, batch.routed_experts,
                                        distinct_random_routes(batch.routed_experts.shape, moe.n_routed_experts, 1))
+    metrics = assert_trainer_applies_the_batch_routes(ckpt, batch)
+    assert metrics["train/route_disagreement"] > 0.5  # random sets: the trainer's own mostly differ
+
+
+def assert_trainer_applies_the_batch_routes(ckpt, batch):
+    """One replayed training step on `batch`: every routed (position, MoE layer) dispatches to the batch's
+    experts with the trainer's own gate weights, the rest to the trainer's own choice; returns its metrics."""
+    moe = read_config(ckpt).moe
     trainer = Trainer(TrainerConfig(use_rollout_routing_replay=True), ckpt)
     tap = RouterTap(decoder_moe_routers(trainer.model), moe)
     metrics = trainer.backward(batch)
@@ -206,7 +215,7 @@ def test_with_replay_the_trainer_applies_the_rollout_routes_with_its_own_gate_we
         assert torch.allclose(gates[has], want_gates[has], rtol=1e-6, atol=1e-6)
     for router in decoder_moe_routers(trainer.model):
         assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
-    assert metrics["train/route_disagreement"] > 0.5  # random sets: the trainer's own mostly differ
+    return metrics
 
 
 def test_route_disagreement_counts_the_routes_whose_expert_set_differs_from_the_rollouts(ckpt):

