@@ -242,6 +242,10 @@ class RolloutManagerImpl:
             "perf/rollout_tokens_per_s": tokens / max(elapsed, 1e-9),
             "rollout/weight_version": min(s.weight_version for s in samples),
         })
+        if samples[0].routed_experts is not None:  # MoE: the routes riding along to the trainer
+            from vime.models.routing_replay import route_bytes
+
+            m["rollout/route_bytes_per_sample"] = sum(route_bytes(s) for s in samples) / len(samples)
         spec = self.cfg.vllm_speculative_config
         if spec is not None and spec.block_size:  # a block draft: the block its acceptance per position spans
             m["rollout/spec_block_size"] = spec.block_size

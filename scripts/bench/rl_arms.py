@@ -6,6 +6,7 @@
     python scripts/bench/rl_arms.py dynamic [--seeds 42,2,3]    # --dynamic-sampling against plain
     python scripts/bench/rl_arms.py dtype [--seeds 1234:42,1:1] # --bf16 against fp32
     python scripts/bench/rl_arms.py engines [--workers 2]       # N rollout engines against one
+    python scripts/bench/rl_arms.py routing [--backends embedded,vllm]  # MoE: routing replay against none
 
 Every experiment takes --steps, --out, --reuse (an arm whose directory already holds --steps steps
 is read, not rerun), and train_rl.py flags after `--` for every arm. `EXPERIMENT --help` says what
@@ -140,6 +141,44 @@ def run_engines(args):
     print("\n".join(lines))
 
 
+def run_routing(args):
+    """MoE routing replay (--use-rollout-routing-replay) against none, in fp32 and under --bf16, on each
+    --backends rollout backend (the MoE checkpoint: --hf-checkpoint after --, default the shipped tiny
+    GLM-4.5): route disagreement (the share of routes the trainer's own routers choose differently),
+    train/logprob_abs_diff, both paired by step (replay - none: each step of the two arms starts from the
+    same prompts and seeds), route bytes per sample, and trainer seconds per step (from step 1) with the
+    replay / none ratio. The arms run one after the other: a step-time ratio here is only indicative."""
+    base = ["--num-rollout", args.steps, *DEFAULT_RUN, "--hf-checkpoint", args.hf_checkpoint]
+    keys = ("train/route_disagreement", "train/logprob_abs_diff")
+    print("| backend | dtype | arm | route disagreement | logprob_abs_diff | route bytes/sample | train s/step |")
+    print("|---|---|---|---|---|---|---|")
+    paired = []
+    for backend in args.backends.split(","):
+        for dtype, dtype_flags in (("fp32", []), ("bf16", ["--bf16"])):
+            runs = {arm: run_arm(f"{backend}_{dtype}_{arm}", args.out, base + ["--rollout-backend", backend, *dtype_flags,
+                                                                            *flags, *args.extra], args.steps, args.reuse)
+                    for arm, flags in (("none", []), ("replay", ["--use-rollout-routing-replay"]))}
+            for arm, rows in runs.items():
+                cells = [fmt(*mean_se(column(rows, k))) for k in keys]
+                cells += [fmt(*mean_se(column(rows, "rollout/route_bytes_per_sample"))),
+                          fmt(*mean_se(column(rows, "perf/train_time", skip=1)))]
+                print(f"| {backend} | {dtype} | {arm} | " + " | ".join(cells) + " |")
+            diffs = [fmt(*mean_se(b - a for a, b in zip(column(runs["none"], k), column(runs["replay"], k))))
+                     for k in keys]
+            times = [mean_se(column(runs[arm], "perf/train_time", skip=1))[0] for arm in ("none", "replay")]
+            paired.append(f"| {backend} | {dtype} | {diffs[0]} | {diffs[1]} | {times[1] / times[0]:.3f} |")
+    print("\n| backend | dtype | route disagreement, replay - none | logprob_abs_diff, replay - none "
+          "| train s/step replay / none |")
+    print("|---|---|---|---|---|")
+    print("\n".join(paired))
+
+
+def add_routing_arguments(p):
+    p.add_argument("--backends", default="embedded,vllm", help="rollout backends, comma-separated")
+    p.add_argument("--hf-checkpoint", default=os.path.join(REPO, "checkpoints", "tiny-glm4-moe-mtp"),
+                   help="an MoE checkpoint")
+
+
 def int_list(text, flag):
     try:
         return [int(x) for x in text.split(",")]
@@ -178,6 +217,7 @@ EXPERIMENTS = {
     "dynamic": Experiment(run_dynamic, 12, add_seeds_argument, run_dynamic.__doc__),
     "dtype": Experiment(run_dtype, 40, add_dtype_arguments, run_dtype.__doc__),
     "engines": Experiment(run_engines, 6, add_engines_arguments, run_engines.__doc__),
+    "routing": Experiment(run_routing, 12, add_routing_arguments, run_routing.__doc__),
 }
 
 
