@@ -212,27 +212,49 @@ def dflash_methods(drafts):
     return table
 
 
+POOL_PER_PROMPT = 64  # --min-response-len picks its prompts from this many times --num-prompts
 ADAPTIVE = {"mtp adaptive"}  # methods run with --spec-adaptive (and every "... adaptive" DFlash method)
 FIXED_K = ("none", "mtp k=1", "mtp k=2", "mtp k=3")  # what adaptive k is compared with
 
 
-def fresh_proposer_run(engine, spec, prompts, sampling):
+def fresh_proposer_run(engine, spec, prompts, sampling, indices=None):
     """A run that gives the engine a fresh proposer first: suffix decoding would otherwise replay the
     previous repeat (the k policy is kept: an adaptive engine keeps its profile and acceptance)."""
     def run():
         engine.set_proposer(build_proposer(parse_spec_config(spec) if spec is not None else None), engine.k_policy)
-        return engine.generate(samples_for_prompts(prompts), sampling)
+        return engine.generate(indexed_samples(prompts, indices), sampling)
     return run
+
+
+def indexed_samples(prompts, indices=None):
+    """Fresh Samples of `prompts` with the given prompt indices (default 0..): a request's random
+    stream follows its index, so a prompt keeps its draws when picked out of a larger set."""
+    return [Sample(prompt_ids=list(p), index=i) for p, i in zip(prompts, indices or range(len(prompts)))]
+
+
+def long_responses(checkpoint, prompts, sampling, n, min_len):
+    """(prompts, their indices) of the first n requests whose plain response under `sampling` has at
+    least min_len tokens: the rows still running at a rollout's drained end."""
+    plain = build_engine(checkpoint, None, EngineConfig(max_batch_size=len(prompts))).generate(
+        indexed_samples(prompts), sampling)
+    kept = [(p, s.index) for p, s in zip(prompts, plain) if len(s.response_ids) >= min_len][:n]
+    require(len(kept) == n, f"--min-response-len {min_len}: only {len(kept)} of {len(prompts)} requests give a "
+            "response that long; lower it or --num-prompts")
+    return [p for p, _ in kept], [i for _, i in kept]
 
 
 def spec_decode(args):
     """Per batch size and method (none, mtp k=1..3, mtp adaptive, ngram, suffix, draft_model):
     tokens/s, speedup against the first method, tokens per verify, acceptance rate and per position;
     the adaptive method against the best fixed k."""
-    rows = TASK_VARIANTS[args.task_variant].prompts(args.num_prompts, seed=1234)
+    pool = args.num_prompts * (POOL_PER_PROMPT if args.min_response_len else 1)
+    rows = TASK_VARIANTS[args.task_variant].prompts(pool, seed=1234)
     prompts = [[1] + TextCodec(args.hf_checkpoint).encode(r["prompt"]) for r in rows]
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               ignore_eos=not args.stop_at_eos, seed=1234)  # the same draws on every side
+    indices = None
+    if args.min_response_len:
+        prompts, indices = long_responses(args.hf_checkpoint, prompts, sampling, args.num_prompts, args.min_response_len)
     table = spec_methods(args.draft_model or args.hf_checkpoint, args.rejection_sample_method)
     table.update({name: dict(spec, rejection_sample_method=args.rejection_sample_method)
                   for name, spec in dflash_methods(args.dflash_drafts.split(",") if args.dflash_drafts else []).items()})
@@ -241,7 +263,9 @@ def spec_decode(args):
     require(all(name in table for name in wanted), f"--methods {args.methods!r}: choose from {', '.join(table)}")
     print(f"checkpoint {args.hf_checkpoint}, temperature {args.temperature}, {args.num_prompts} prompts, "
           f"{'up to ' if args.stop_at_eos else ''}{args.max_new_tokens} new tokens"
-          f"{', stop at EOS' if args.stop_at_eos else ''}, best of {args.repeats} (methods interleaved)")
+          f"{', stop at EOS' if args.stop_at_eos else ''}"
+          f"{f', plain responses >= {args.min_response_len} tokens' if args.min_response_len else ''}, "
+          f"best of {args.repeats} (methods interleaved)")
     print("| batch | method | tokens/s | speedup | tokens/verify | accept rate | per position |")
     print("|---|---|---|---|---|---|---|")
     for batch in batch_sizes(args.batch_sizes):
@@ -249,7 +273,7 @@ def spec_decode(args):
                                       adaptive=name in adaptive) for name in wanted}
         for engine in engines.values():
             engine.generate(samples_for_prompts(prompts[:batch]), sampling)  # warm-up (and the adaptive profile)
-        got = time_interleaved({name: fresh_proposer_run(engines[name], table[name], prompts, sampling)
+        got = time_interleaved({name: fresh_proposer_run(engines[name], table[name], prompts, sampling, indices)
                                 for name in wanted}, args.repeats)
         for name in wanted[1:]:
             require_same_work(f"{name} vs {wanted[0]} at batch {batch}", responses(got[name][1]),
@@ -390,6 +414,9 @@ def add_spec_decode_arguments(p):
                    help="end a response at EOS (a rollout's drain: rows leave as they finish) instead of "
                         "--max-new-tokens for every row; at T = 1 give --rejection-sample-method strict so "
                         "every method samples the same responses")
+    p.add_argument("--min-response-len", type=int, default=0,
+                   help="with --stop-at-eos: only prompts whose plain response is at least this long (the rows "
+                        "left at a rollout's drained end)")
     p.add_argument("--task-variant", default=DEFAULT_TASK_VARIANT, choices=list(TASK_VARIANTS),
                    help="the prompts' task (longtail: the long-tail model's)")
 
