@@ -47,3 +47,17 @@ def test_train_rl_prints_one_error_line_and_exits_2(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "num_speculative_tokens 2" in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--arms", "online:k=7"], "built for k = 3"),  # the shipped draft drafts blocks of 4 only
+    (["--arms", "online:draft=medusa"], "draft= is one of"),
+    (["--arms", "online:k=seven"], "k= takes an integer"),
+])
+def test_the_drift_benchmark_refuses_a_draft_arm_it_cannot_run_in_one_line(tmp_path, argv, needle):
+    """rl_arms.py drift checks every arm's draft kind and k before any run starts: exit 2, one line."""
+    proc = subprocess.run([sys.executable, "scripts/bench/rl_arms.py", "drift", "--draft", "dflash",
+                           "--out", str(tmp_path), *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().count("\n") == 0 and needle in proc.stderr and "Traceback" not in proc.stderr
+    assert not any(tmp_path.iterdir())  # nothing started
