@@ -12,8 +12,8 @@ import pytest
 
 from rollout.embedded.engine import EngineConfig
 from rollout.embedded.engine_builder import build_engine
-from rollout.embedded.spec_policy import ACCEPT_KEEP_PER_LOAD, ACCEPT_PRIOR, ACCEPT_PRIOR_ROWS, AdaptiveK, \
-    StepRecord, batch_grid, monotone_envelope
+from rollout.embedded.spec_policy import ACCEPT_KEEP_PER_LOAD, ACCEPT_PRIOR, ACCEPT_PRIOR_ROWS, COST_FORGET_STEPS, \
+    COST_KEEP_PER_GENERATE, AdaptiveK, StepRecord, batch_grid, monotone_envelope
 from rollout.sampling_params import SamplingParams
 from spec_fixtures import markov_model, one_thread, save_checkpoint  # noqa: F401
 from vime.sample import samples_for_prompts
@@ -374,3 +374,32 @@ def test_steps_dearer_than_their_profile_move_the_schedule_as_the_corrected_cost
     corrected = {k: [s * factor.get(k, max(factor.values())) for s in step_s[k]] for k in step_s}
     assert policy.lookup == brute_force_schedule(grid, corrected, conditional, max_b)
     assert policy.lookup != brute_force_schedule(grid, step_s, conditional, max_b)  # the correction mattered
+
+
+def test_a_cost_correction_not_measured_again_is_forgotten_so_the_k_is_tried_again():
+    """One generate's k = 2 steps took 3x their profile (a cold start, a burst of load) and priced
+    k = 2 out; k = 0 steps keep running at their profile. The k = 2 evidence halves at each
+    generate (COST_KEEP_PER_GENERATE) and, once worth less than COST_FORGET_STEPS 1-row steps, is
+    dropped (direct formula for when): from then k = 2 takes k = 0's correction (1) and, a perfect
+    draft on flat costs paying, is drafted again."""
+    k_max, max_b = 2, 8
+    grid = batch_grid(max_b)
+    p = AdaptiveK(k_max)
+    for _ in range(20):
+        observe_rows(p, 8, [8, 8], [8, 8])  # acceptance ~1 (before the profile: no cost evidence)
+    p.set_profile(grid, {k: [1.0 + 0.01 * b + 0.1 * k for b in grid] for k in range(k_max + 1)})
+    p.begin(0)
+    assert set(p.lookup[1:]) == {2}  # k = 2 pays at its profiled price
+    for _ in range(3):  # k = 2 steps at 3x their profile
+        p.observe(StepRecord(4, 2, 3 * p.costs[4][2], 2, 0.0, 12, [4, 4], [4, 4]))
+    evidence = 3 * p.costs[4][2]  # profiled seconds of those steps
+    kept = []
+    for generate in range(1, 8):
+        p.observe(StepRecord(4, 0, p.costs[4][0], 0, 0.0, 4, [0, 0], [0, 0]))  # k = 0 at its price
+        correction = p.cost_correction()  # what this generate's schedule is written with
+        p.begin(0)
+        # the evidence this schedule saw survived every earlier generate's decay and forgetting
+        kept.append(evidence * COST_KEEP_PER_GENERATE ** (generate - 1) >= COST_FORGET_STEPS * p.costs[1][2])
+        assert correction[2] == pytest.approx(3.0 if kept[-1] else 1.0)
+        assert set(p.lookup[1:]) == ({0} if kept[-1] else {2})
+    assert kept[0] and not kept[-1]  # priced out first, tried again later

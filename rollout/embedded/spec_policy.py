@@ -15,7 +15,10 @@ drafts are verified, so every policy keeps the output exact.
               so far, plus ACCEPT_PRIOR_ROWS rows at the previous position's rate); the step costs
               from a profile of the engine's own passes at its first generate (power-of-two
               batch grid, linear in between, monotone_envelope), each k's scaled by what real
-              k-draft steps took over what the profile priced them at (cost_correction). A batch only drains within a
+              k-draft steps took over what the profile priced them at (cost_correction); that
+              evidence decays at each generate, and a k not run again is priced as the others
+              once its evidence is worth less than one 1-row step (COST_FORGET_STEPS), so one slow
+              generate (a cold start, a burst of load) does not price a k out for good. A batch only drains within a
               generate, so k changes at a few batch sizes. At each generate on new weights the
               counts shrink (ACCEPT_KEEP_PER_LOAD): the estimate of a draft no longer drafted
               drifts back to the prior until drafting is tried again where that would pay.
@@ -32,6 +35,7 @@ ACCEPT_PRIOR = 0.5  # acceptance assumed before a position was ever drafted
 ACCEPT_PRIOR_ROWS = 8  # pseudo-rows of prior (the previous position's rate) in each estimate
 ACCEPT_KEEP_PER_LOAD = 0.5  # share of the row counts kept when a generate runs on new weights
 COST_KEEP_PER_GENERATE = 0.5  # share of the measured/profiled step seconds kept at each generate
+COST_FORGET_STEPS = 1.0  # a k's measured/profiled evidence below this many 1-row steps is dropped
 PROFILE_REPEATS = 5  # best-of repeats per profiled point
 
 
@@ -159,6 +163,14 @@ class AdaptiveK(ScheduleK):
         fallback = max(known) if known else 1.0
         return [m / p if p > 0 else fallback for m, p in zip(self.measured_s, self.profiled_s)]
 
+    def forget_thin_cost_evidence(self):
+        """Drop a k's measured/profiled sums once they are worth less than COST_FORGET_STEPS 1-row
+        steps: a k priced out by one slow generate is never run, so never re-measured; without its
+        own evidence it takes the other ks' correction (cost_correction) and is tried where that pays."""
+        for k in range(self.k + 1):
+            if self.profiled_s[k] < COST_FORGET_STEPS * self.costs[1][k]:
+                self.measured_s[k] = self.profiled_s[k] = 0.0
+
     def best_k(self, b, correction=None):
         """argmax_k E(k) / cost(b, k), the smaller k on a tie (B cancels)."""
         costs = self.costs[b]
@@ -178,6 +190,7 @@ class AdaptiveK(ScheduleK):
             # the correction follows the machine's load: older steps count less at each generate
             self.measured_s = [x * COST_KEEP_PER_GENERATE for x in self.measured_s]
             self.profiled_s = [x * COST_KEEP_PER_GENERATE for x in self.profiled_s]
+            self.forget_thin_cost_evidence()
         self.trace = new_trace()
 
     def choose(self, batch_size):
