@@ -27,6 +27,7 @@ from trainer.model import forward
 from trainer.routing_replay import decoder_moe_routers
 from trainer.trainer import Trainer
 from trainer_fixtures import engine_model
+from vime.models.families import is_draft_name
 from vime.models.hf_format import read_config
 from vime.models.moe_routing import route
 from vime.models.routing_replay import NO_ROUTE, route_dtype
@@ -298,3 +299,32 @@ def test_mtp_layer_trains_under_replay_exactly_as_without_where_every_route_agre
 # ---------------------------------------------------------------- bad input
 def test_routing_replay_on_a_dense_model_is_refused():
     refused(["--use-rollout-routing-replay"], "--use-rollout-routing-replay", "dense model", "drop the flag")
+
+
+# ---------------------------------------------------------------- bf16
+def test_under_bf16_the_router_bias_is_held_and_synced_fp32_from_the_first_push(ckpt):
+    """The bucket layout of a run's pushes is fixed at its first push, before any forward: the
+    trainer's expert bias must be fp32 by then (megatron makes it fp32 only in its first forward),
+    and the bf16 engine must hold it fp32, or the bias is rounded in transit and on arrival and the
+    sync guard stops the run after the first step (its checksums of the bias differ)."""
+    from rollout.backend import EmbeddedBackend
+    from trainer_fixtures import make_batch
+    from vime import weight_sync
+
+    trainer = Trainer(TrainerConfig(bf16=True, moe_router_bias_update_rate=1e-2), ckpt)
+    named = dict(trainer.named_hf_weights())
+    biases = [n for n in named if n.endswith("e_score_correction_bias")]
+    assert biases and all(named[n].dtype == torch.float32 for n in biases)
+    layout = weight_sync.bucket_layout(list(named.items()), 1 << 12)
+    backend = EmbeddedBackend(ckpt, None, 4, dtype=torch.bfloat16)
+    trainer.train_step(make_batch(seed=1))  # the bias moves by 1e-2: not a bf16-representable step near 0.1
+    named = dict(trainer.named_hf_weights())
+    wire = [pair for bucket in layout for pair in
+            weight_sync.unflatten_bucket(bucket, weight_sync.flatten_bucket(bucket, named))]
+    backend.load_weights(wire, 1)
+    held = dict(backend.engine.named_weights())
+    for n in biases:
+        assert held[n].dtype == torch.float32 and torch.equal(held[n], named[n]), n
+    layers = trainer.model_cfg.num_hidden_layers
+    assert backend.fingerprint()["target"] == weight_sync.checksum(
+        [(n, t) for n, t in named.items() if not is_draft_name(n, layers)])

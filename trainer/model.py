@@ -351,6 +351,8 @@ def build_model(model_cfg, mtp_num_layers, tp=1, pp=1, seed=1234, params_dtype=t
     # megatron creates most parameters in params_dtype; the norms' weights come from torch
     # modules in fp32, so the whole module is cast, exactly as Float16Module does (module.bfloat16())
     model = model.to(params_dtype)
+    for router in routers(model):  # megatron keeps the expert bias fp32, but only from the first forward
+        router._maintain_float32_expert_bias()  # on: before it the sync's bucket layout would take it bf16
     if torch.cuda.is_available():
         model = model.cuda()
     return model

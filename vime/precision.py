@@ -16,6 +16,16 @@ def compute_dtype(bf16):
     return DTYPES[bool(bf16)]
 
 
+# weights every part keeps fp32 under --bf16: the MoE routers' correction bias (megatron keeps its
+# expert bias fp32, vLLM its e_score_correction_bias); a bf16 one (8 bits) would move near-tie routes
+FP32_WEIGHT_SUFFIXES = ("e_score_correction_bias",)
+
+
+def held_dtype(name, dtype):
+    """The dtype weight `name` is held and synced in when the run computes in `dtype`."""
+    return torch.float32 if name.endswith(FP32_WEIGHT_SUFFIXES) else dtype
+
+
 def dtype_name(dtype):
     """'bfloat16' / 'float32': the name vLLM's `dtype` and getattr(torch, name) take."""
     return str(dtype).removeprefix("torch.")

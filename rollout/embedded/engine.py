@@ -38,6 +38,7 @@ from rollout.embedded.spec_policy import FixedK, StepRecord
 from rollout.sampling_params import request_seed
 from vime.errors import UserError, require
 from vime.models.routing_replay import RouteTable
+from vime.precision import held_dtype
 
 
 @dataclass
@@ -115,7 +116,7 @@ class Engine:
 
     def __init__(self, model, config=None, codec=None, proposer=None):
         self.config = config or EngineConfig()
-        self.model = model.to(self.config.device, self.config.dtype).eval()
+        self.model = _cast_keeping_fp32_router_bias(model, self.config.device, self.config.dtype).eval()
         self.model.requires_grad_(False)
         self.cfg = model.cfg
         self.fast = FastForward(self.model, self.config.linear_backend)
@@ -485,6 +486,17 @@ class Engine:
         g = torch.Generator()
         g.manual_seed(request_seed(sampling, sample))
         return g
+
+
+def _cast_keeping_fp32_router_bias(model, device, dtype):
+    """`model` on device in dtype, but the weights every part keeps fp32 (vime.precision.held_dtype: the
+    MoE routers' correction bias) kept so, as the trainer syncs them and vLLM holds them."""
+    fp32 = {n: p.detach().float().clone() for n, p in model.named_parameters() if held_dtype(n, dtype) != dtype}
+    model = model.to(device, dtype)
+    for name, param in model.named_parameters():
+        if name in fp32:
+            param.data = fp32[name].to(device)
+    return model
 
 
 def _min_seconds(fn, repeats, synchronize):

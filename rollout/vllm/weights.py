@@ -22,7 +22,7 @@ from rollout.vllm import worker as vllm_worker
 from vime import weight_sync
 from vime.models.families import EXTERNAL_DRAFT_PREFIXES, is_draft_name, is_mtp_name, to_canonical
 from vime.models.vllm_names import checkpoint_names, update_rounds
-from vime.precision import dtype_name
+from vime.precision import dtype_name, held_dtype
 
 
 class ServedWeights:
@@ -43,7 +43,8 @@ class ServedWeights:
     def load(self, named_tensors):
         """Reload the sent canonical tensors into vLLM: trunk into the target, MTP (or an external
         draft's tensors, sent as `eagle3.<checkpoint name>` / `dflash.<checkpoint name>`) into the drafter."""
-        canonical = {name: t.detach().to(self.dtype).clone() for name, t in named_tensors}  # as sent: bf16 under --bf16
+        # as sent: bf16 under --bf16, bar the weights every part keeps fp32 (vime.precision.held_dtype)
+        canonical = {name: t.detach().to(held_dtype(name, self.dtype)).clone() for name, t in named_tensors}
         for kind, named in update_rounds(canonical, self.layout, self.num_layers, self.num_mtp, self.has_draft):
             self._reload(named, draft=kind != "target")
             self.note_round(kind, {k: tuple(v.shape) for k, v in named.items()})
@@ -84,7 +85,7 @@ class ServedWeights:
         if not self.has_draft:  # no drafter: vLLM serves no MTP weights to fingerprint
             canonical = {k: v for k, v in canonical.items() if not is_mtp_name(k, self.num_layers)}
         # what vLLM's loader made of the checkpoint: its values rounded to the engine's dtype
-        canonical = {k: v.to(self.dtype) for k, v in canonical.items()}
+        canonical = {k: v.to(held_dtype(k, self.dtype)) for k, v in canonical.items()}
         self.loader_stats = {k: weight_sync.tensor_stats(v) for k, v in canonical.items()}
         self.shapes = {k: tuple(v.shape) for k, v in
                        checkpoint_names(canonical, self.layout, self.num_layers, self.num_mtp).items()}

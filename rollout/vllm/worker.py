@@ -218,13 +218,14 @@ def digest_back(worker, draft, sent_shapes, layout, num_hidden_layers, num_mtp_l
 
     from vime.models.families import to_canonical
     from vime.models.vllm_names import draft_to_checkpoint_name, unpack
+    from vime.precision import held_dtype
     from vime.weight_sync import tensor_bytes
 
     found = {}
     for name, param in _parameters_in_checkpoint_layout(_model(worker, draft)):
         ckpt = draft_to_checkpoint_name(name, num_hidden_layers, sent_shapes) if draft else name
         if ckpt is not None:
-            found.update(unpack(ckpt, param.cpu().to(getattr(torch, dtype)), sent_shapes))
+            found.update((n, t.to(held_dtype(n, getattr(torch, dtype)))) for n, t in unpack(ckpt, param.cpu(), sent_shapes))
     if layout and num_mtp_layers:
         found = to_canonical(found, layout, num_hidden_layers, num_mtp_layers)
     return {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in found.items()}
