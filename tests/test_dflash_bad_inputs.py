@@ -53,6 +53,9 @@ def test_train_rl_prints_one_error_line_and_exits_2(tmp_path):
     (["--arms", "online:k=7"], "built for k = 3"),  # the shipped draft drafts blocks of 4 only
     (["--arms", "online:draft=medusa"], "draft= is one of"),
     (["--arms", "online:k=seven"], "k= takes an integer"),
+    # draft_layers= shapes a draft the run makes, and only a kind whose maker takes it
+    (["--arms", "online:k=7:draft_layers=2"], "give --draft-warmup-steps N"),
+    (["--arms", "online:draft=eagle3:draft_layers=2", "--draft-warmup-steps", "2"], "eagle3 draft takes no draft_layers="),
 ])
 def test_the_drift_benchmark_refuses_a_draft_arm_it_cannot_run_in_one_line(tmp_path, argv, needle):
     """rl_arms.py drift checks every arm's draft kind and k before any run starts: exit 2, one line."""

@@ -2,6 +2,9 @@
 """Draft ceiling: how far an MTP draft is from what this policy allows, and what more training buys.
 
     python scripts/bench/draft_ceiling.py --hf-checkpoint runs/ceiling_rl/hf   # an RL-trained policy
+    python scripts/bench/draft_ceiling.py --hf-checkpoint checkpoints/tiny-qwen2 --oracle-only --k 7
+                                        # any target, MTP or not: the oracle row alone (an external or block
+                                        # draft's ceiling)
 
 Every figure is an expectation over contexts of the policy's own samples (eval prompts, the
 rollout temperature), for k argmax drafts verified the way the engine verifies them (strict:
@@ -46,7 +49,10 @@ from vime.sample import Sample  # noqa: E402
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hf-checkpoint", required=True, help="policy with MTP layers (HF dir with eval.jsonl/train.jsonl)")
+    p.add_argument("--hf-checkpoint", required=True,
+                   help="policy with MTP layers, any policy with --oracle-only (HF dir with eval.jsonl/train.jsonl)")
+    p.add_argument("--oracle-only", action="store_true",
+                   help="only the oracle row: no MTP layer needed, nothing trained")
     p.add_argument("--k", type=int, default=3, help="drafts per verify")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=40)
@@ -268,7 +274,8 @@ def main():
         require(args.k >= 1, f"--k must be >= 1 (got {args.k})")
         require(os.path.isdir(args.hf_checkpoint), f"--hf-checkpoint {args.hf_checkpoint}: no such directory")
         engine = Engine.from_checkpoint(args.hf_checkpoint, EngineConfig(max_batch_size=256))
-        require(engine.model.num_mtp_layers >= 1, f"--hf-checkpoint {args.hf_checkpoint}: the checkpoint has no MTP layer")
+        require(args.oracle_only or engine.model.num_mtp_layers >= 1,
+                f"--hf-checkpoint {args.hf_checkpoint}: the checkpoint has no MTP layer; give --oracle-only for the oracle row alone")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -276,15 +283,17 @@ def main():
     start = time.time()
     eval_seqs = policy_samples(engine, os.path.join(args.hf_checkpoint, "eval.jsonl"), args.eval_samples,
                                args.temperature, args.max_new_tokens, args.seed + 1)
-    train_seqs = policy_samples(engine, os.path.join(args.hf_checkpoint, "train.jsonl"), 1, args.temperature,
-                                args.max_new_tokens, args.seed, args.train_prompts)
+    train_seqs = [] if args.oracle_only else policy_samples(
+        engine, os.path.join(args.hf_checkpoint, "train.jsonl"), 1, args.temperature, args.max_new_tokens,
+        args.seed, args.train_prompts)
     groups = contexts_by_length(eval_seqs, args.eval_contexts, args.seed)
     print(f"[ceiling] {len(eval_seqs)} eval samples ({sum(len(g) for g in groups.values())} contexts), "
           f"{len(train_seqs)} train samples, k = {args.k}, T = {args.temperature}", flush=True)
-    results = {"oracle": evaluate(model, groups, args.k, args.temperature, oracle_drafts),
-               "checkpoint": evaluate(model, groups, args.k, args.temperature, mtp_drafts)}
+    results = {"oracle": evaluate(model, groups, args.k, args.temperature, oracle_drafts)}
+    if not args.oracle_only:
+        results["checkpoint"] = evaluate(model, groups, args.k, args.temperature, mtp_drafts)
     initial = {name: t.clone() for name, t in model.state_dict().items()}
-    for name, variant in OFFLINE_VARIANTS.items():
+    for name, variant in ({} if args.oracle_only else OFFLINE_VARIANTS).items():
         model.load_state_dict(initial)
         losses = train_offline(model, train_seqs, args, **variant)
         results[name] = {**evaluate(model, groups, args.k, args.temperature, mtp_drafts), "final_losses": losses}

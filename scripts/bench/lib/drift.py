@@ -15,7 +15,8 @@ depths (--mtp-train-depths), reuse (--mtp-reuse-attention), ckpt (--hf-checkpoin
 (--sync-draft-weights: false syncs only the target, the draft goes stale); e.g.
 `online:depths=3:steps=16:replay=8`. Two options change the arm's draft instead: draft=KIND (another
 draft kind, for arms of several kinds in one run) and k=N (its speculative tokens; a DFlash draft is
-built for blocks of k + 1, so the arm gets its own draft made with --draft-warmup-steps). Every arm
+built for blocks of k + 1, so the arm gets its own draft made with --draft-warmup-steps); draft_layers=N makes that arm's draft with N decoder layers
+(a DFlash draft's --num-layers; needs --draft-warmup-steps). Every arm
 runs on each of --backends, and arms of one draft kind and k are compared among themselves.
 An arm set names a list of arms (ARM_SETS): `--arms blocks` is DFlash at blocks of 4 and 8, online
 and frozen, against online EAGLE-3 at k = 3, every draft warmed up alike
@@ -66,6 +67,7 @@ class DraftKind:
     draft_model: str = None  # an external draft's shipped directory (None: the draft is in the target)
     make_draft: tuple = ()  # an external draft's maker: (script under scripts/, its flags given k)
     built_for_k: bool = False  # the draft serves only the k it was made for (the shipped one: default_k)
+    maker_options: tuple = ()  # (arm option, flag of its make_draft script): arm options that shape the draft
 
 
 DRAFT_KINDS = {
@@ -75,7 +77,8 @@ DRAFT_KINDS = {
     # a block draft: k is its block size less the anchor (the shipped one drafts blocks of 4)
     "dflash": DraftKind("checkpoints/tiny-qwen2", 3, _external_spec("dflash"), ("--enable-draft-training",),
                         draft_model="checkpoints/tiny-qwen2-dflash",
-                        make_draft=("make_dflash_draft.py", lambda k: ["--block-size", str(k + 1)]), built_for_k=True),
+                        make_draft=("make_dflash_draft.py", lambda k: ["--block-size", str(k + 1)]), built_for_k=True,
+                        maker_options=(("draft_layers", "--num-layers"),)),
 }
 ARMS = ("online", "frozen", "none")
 BACKENDS = ("embedded", "vllm")
@@ -84,7 +87,7 @@ ARM_OPTIONS = {"loss": "--draft-loss-type", "topk": "--draft-distill-topk", "lr"
                "steps": "--draft-steps-per-rollout", "replay": "--draft-replay-batches",
                "layers": "--mtp-num-layers", "depths": "--mtp-train-depths", "reuse": "--mtp-reuse-attention",
                "ckpt": "--hf-checkpoint", "sync_draft": "--sync-draft-weights"}
-DRAFT_OPTIONS = ("draft", "k")  # arm options that choose the arm's draft, not train_rl.py flags
+DRAFT_OPTIONS = ("draft", "k", "draft_layers")  # arm options that choose the arm's draft, not train_rl.py flags
 ARM_SETS = {  # --arms NAME: the block-size question, every draft from the same warm-up
     "blocks": "online:draft=eagle3,online,frozen,online:k=7,frozen:k=7",
 }
@@ -148,15 +151,32 @@ def arm_draft(arm, args):
     return name, k
 
 
+def maker_flags(arm, args):
+    """The arm's draft options its kind's make_draft script takes (e.g. draft_layers=2 -> --num-layers 2)."""
+    name, _ = arm_draft(arm, args)
+    takes = dict(DRAFT_KINDS[name].maker_options)
+    flags = []
+    for key, value in arm_options(arm)[2].items():
+        if key in ("draft", "k"):
+            continue
+        if key not in takes:
+            raise UserError(f"--arms {arm!r}: the {name} draft takes no {key}= option")
+        if args.draft_warmup_steps is None:
+            raise UserError(f"--arms {arm!r}: {key}= makes the arm's draft; give --draft-warmup-steps N")
+        flags += [takes[key], value]
+    return flags
+
+
 def arm_list(args):
     """The arm specs of --arms (an arm set's name expands to its arms)."""
     return ARM_SETS.get(args.arms, args.arms).split(",")
 
 
 def group_name(arm, args):
-    """'KIND k=K': arms of one group share a draft and are compared online / frozen / none."""
+    """'KIND k=K[ draft_layers=N]': arms of one group share a draft and are compared online / frozen / none."""
     name, k = arm_draft(arm, args)
-    return f"{name} k={k}"
+    shape = "".join(f" {key}={value}" for key, value in arm_options(arm)[2].items() if key not in ("draft", "k"))
+    return f"{name} k={k}{shape}"
 
 
 def arm_label(backend, arm):
@@ -179,6 +199,8 @@ def check_args(args):
     if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:  # 0 is not "unset"
         raise UserError("--num-speculative-tokens must be >= 1")
     drafts = [arm_draft(arm, args) for arm in arm_list(args)]
+    for arm in arm_list(args):
+        maker_flags(arm, args)
     if (args.draft_model or args.draft_warmup_steps is not None) and not any(DRAFT_KINDS[n].draft_model for n, _ in drafts):
         raise UserError(f"--draft-model / --draft-warmup-steps: the {args.draft} draft lives in the target checkpoint; "
                         "these options are for an external draft (--draft eagle3, --draft dflash)")
@@ -194,15 +216,16 @@ def target_of(kind, args):
     return os.path.join(REPO, args.hf_checkpoint or kind.target)
 
 
-def warmed_up_draft(name, args, k):
-    """--draft-warmup-steps N: a draft of the target warmed up for N offline steps (made once into --out)."""
+def warmed_up_draft(name, args, k, extra=()):
+    """--draft-warmup-steps N: a draft of the target warmed up for N offline steps (made once into --out);
+    `extra`: the arm's maker flags (its directory is named after them)."""
     kind = DRAFT_KINDS[name]
-    suffix = f"_k{k}" if kind.built_for_k else ""
+    suffix = (f"_k{k}" if kind.built_for_k else "") + "".join(f"_{f.strip('-')}{v}" for f, v in zip(extra[::2], extra[1::2]))
     out = os.path.join(args.out, f"{name}{suffix}_draft_warmup{args.draft_warmup_steps}")
     if not os.path.isfile(os.path.join(out, "config.json")):
         script, flags = kind.make_draft
         cmd = [sys.executable, os.path.join(REPO, "scripts", script), "--target", target_of(kind, args),
-               "--out", out, "--warmup-steps", str(args.draft_warmup_steps), *flags(k)]
+               "--out", out, "--warmup-steps", str(args.draft_warmup_steps), *flags(k), *extra]
         print(f"[drift] draft: {' '.join(cmd[1:])}", flush=True)
         subprocess.run(cmd, cwd=REPO, check=True)
     return out
@@ -247,13 +270,13 @@ def row(label, m):
             "spec_speedup_vs_plain": m.get("perf/spec_speedup_vs_plain", "")}
 
 
-def draft_model_of(name, args, k):
-    """The arm's external draft directory (None for a draft inside the target)."""
+def draft_model_of(name, args, k, extra=()):
+    """The arm's external draft directory (None for a draft inside the target); `extra`: its maker flags."""
     kind = DRAFT_KINDS[name]
     if kind.draft_model is None:
         return None
     if args.draft_warmup_steps is not None:
-        return warmed_up_draft(name, args, k)
+        return warmed_up_draft(name, args, k, extra)
     return os.path.join(REPO, args.draft_model if args.draft_model and name == args.draft else kind.draft_model)
 
 
@@ -268,7 +291,8 @@ def run(args):
             name, k = arm_draft(arm, args)
             kind = DRAFT_KINDS[name]
             label = arm_label(backend, arm)
-            flags = arm_flags(kind, base, args, k, draft_model_of(name, args, k)) + ["--rollout-backend", backend]
+            flags = arm_flags(kind, base, args, k, draft_model_of(name, args, k, maker_flags(arm, args)))
+            flags += ["--rollout-backend", backend]
             # an arm's own options win over the shared extra arguments
             metrics = run_arm(arm_dir(label), args.out, flags + args.extra + options, args.steps, args.reuse)
             rows_by_arm[label] = [row(label, m) for m in metrics]

@@ -1,0 +1,34 @@
+"""The drift benchmark's draft-shaping arm options: `draft_layers=N` gives that arm a draft made
+by the kind's maker with N decoder layers, in its own directory, while the other arms keep theirs;
+checked on the saved drafts' configs (what vLLM and the engine load), not on the command built."""
+import argparse
+import json
+import os
+
+from scripts.bench.lib import drift
+
+
+def drift_args(out, arms):
+    p = argparse.ArgumentParser()
+    drift.add_arguments(p)
+    args = p.parse_args(["--draft", "dflash", "--draft-warmup-steps", "0", "--arms", arms])
+    args.out, args.steps, args.extra, args.reuse = str(out), 1, [], False
+    return args
+
+
+def saved_config(path):
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def test_draft_layers_makes_that_arm_a_deeper_draft_in_its_own_directory(tmp_path):
+    arms = "online:k=7,online:k=7:draft_layers=2"
+    args = drift_args(tmp_path, arms)
+    drift.check_args(args)
+    shallow, deep = (drift.draft_model_of("dflash", args, 7, drift.maker_flags(arm, args)) for arm in arms.split(","))
+    assert shallow != deep and all(p.startswith(str(tmp_path)) for p in (shallow, deep))
+    assert saved_config(shallow)["num_hidden_layers"] == 1  # make_dflash_draft.py's default
+    assert saved_config(deep)["num_hidden_layers"] == 2
+    # both drafts serve blocks of 8 (k = 7): the block size still follows k=
+    assert {saved_config(p)["block_size"] for p in (shallow, deep)} == {8}
+    assert drift.group_name(arms.split(",")[1], args) != drift.group_name(arms.split(",")[0], args)
