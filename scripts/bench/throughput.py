@@ -149,36 +149,43 @@ VLLM_ARMS = {"plain": None, "mtp k=1": {"method": "mtp", "num_speculative_tokens
              "mtp k=2": {"method": "mtp", "num_speculative_tokens": 2}}
 
 
-def backend_rates(name, path, spec, prompt_sets, args):
-    """{batch size: (tokens/s, spec rates, samples)} of one rollout backend, closed afterwards (one
-    backend alive at a time: each holds the cores it needs)."""
+def backend_rates(names, path, spec, prompt_sets, args):
+    """{batch size: {backend: (tokens/s, spec rates, samples)}} of the rollout backends `names`, alive
+    together and timed interleaved at each batch size (a busy machine slows both alike; an idle
+    backend holds no core), closed afterwards."""
     from rollout.backend import build_backend
 
-    backend = build_backend(name, path, spec, max(prompt_sets))
+    backends = {}
     try:
+        for name in names:
+            backends[name] = build_backend(name, path, spec, max(prompt_sets))
         out = {}
         for bs, prompts in prompt_sets.items():
-            backend.generate(samples_for_prompts(prompts[:2]), greedy(args.max_new_tokens))  # warm-up
-            rate, samples = time_interleaved({name: generator(backend, prompts, greedy(args.max_new_tokens))},
-                                             args.repeats)[name]
-            out[bs] = (rate, spec_rates(backend.stats()["spec"]), samples)
+            for backend in backends.values():
+                backend.generate(samples_for_prompts(prompts[:2]), greedy(args.max_new_tokens))  # warm-up
+            timed = time_interleaved({name: generator(backend, prompts, greedy(args.max_new_tokens))
+                                      for name, backend in backends.items()}, args.repeats)
+            # each backend's stats are those of its last timed call
+            out[bs] = {name: (rate, spec_rates(backends[name].stats()["spec"]), samples)
+                       for name, (rate, samples) in timed.items()}
         return out
     finally:
-        backend.close()
+        for backend in backends.values():
+            backend.close()
 
 
 def vs_vllm(args):
     """Per arm (plain, MTP k = 1, 2) and batch size, greedy: tokens/s of the embedded backend and the
     vLLM backend (rollout/backend.py, as train_rl.py runs them), the ratio, and each side's
-    acceptance rate and length (one definition for both). vLLM's start-up is not timed."""
+    acceptance rate and length (one definition for both), the two interleaved. vLLM's start-up is not timed."""
     path = checkpoint_or_random(args.hf_checkpoint)
     prompt_sets = {bs: task_prompts(path, bs) for bs in batch_sizes(args.batch_sizes)}
     print(f"{'arm':>8} {'batch':>5} {'embedded tok/s':>15} {'vLLM tok/s':>11} {'ratio':>7} "
           f"{'accept emb':>11} {'accept vLLM':>12} {'length emb':>11} {'length vLLM':>12}", flush=True)
     for arm in args.arms.split(","):
-        ours, theirs = (backend_rates(name, path, VLLM_ARMS[arm], prompt_sets, args) for name in ("embedded", "vllm"))
+        rates = backend_rates(("embedded", "vllm"), path, VLLM_ARMS[arm], prompt_sets, args)
         for bs in prompt_sets:
-            (a, st_a, out_a), (b, st_b, out_b) = ours[bs], theirs[bs]
+            (a, st_a, out_a), (b, st_b, out_b) = rates[bs]["embedded"], rates[bs]["vllm"]
             require_same_work(f"{arm} at batch {bs}", responses(out_a), responses(out_b), greedy=True)
             print(f"{arm:>8} {bs:>5} {a:>15.1f} {b:>11.1f} {a / b:>6.2f}x {st_a['spec_accept_rate']:>11.3f} "
                   f"{st_b['spec_accept_rate']:>12.3f} {st_a['spec_accept_length']:>11.3f} "
