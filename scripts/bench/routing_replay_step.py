@@ -3,12 +3,15 @@
 
 One embedded-engine rollout of an MoE checkpoint (its samples carry their routes), then two trainers
 of the same checkpoint, one replaying the routes and one not, each taking a training step on that
-batch in turn (trainer_step.py's interleaving: machine load hits both alike). Prints the median step
-times, their ratio and the routes' bytes per sample.
+batch in turn, and who goes first alternates by round: machine load hits both alike, and so does the
+first-in-a-round penalty (measured: 1.2-2x on a loaded 2-core machine, whichever steps first). Prints
+the median step times, their ratio and the routes' bytes per sample.
 """
 import argparse
 import os
+import statistics
 import sys
+import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -17,7 +20,6 @@ warnings.filterwarnings("ignore")
 from rollout.embedded.engine import EngineConfig  # noqa: E402
 from rollout.embedded.engine_builder import build_engine  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
-from scripts.bench.trainer_step import median_step_times  # noqa: E402
 from trainer.batch import build_batch  # noqa: E402
 from trainer.config import TrainerConfig  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
@@ -36,6 +38,19 @@ def rollout_batch(ckpt, prompts, samples_per_prompt, max_new_tokens):
     return samples
 
 
+def alternating_median_step_times(trainers, batch, steps, warmup):
+    """Median step time per trainer (two of them), stepping in turn, the first of a round alternating."""
+    times = {k: [] for k in trainers}
+    keys = list(trainers)
+    for i in range(warmup + steps):
+        for key in (keys if i % 2 == 0 else keys[::-1]):
+            start = time.perf_counter()
+            trainers[key].train_step(batch)
+            if i >= warmup:
+                times[key].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hf-checkpoint", default=os.path.join(REPO_ROOT, "checkpoints", "tiny-glm4-moe-mtp"))
@@ -51,7 +66,7 @@ def main():
     trainers = {replay: Trainer(TrainerConfig(lr=1e-5, enable_mtp_training=True, bf16=args.bf16,
                                               use_rollout_routing_replay=replay), args.hf_checkpoint)
                 for replay in (False, True)}
-    times = median_step_times(trainers, batch, args.steps, args.warmup)
+    times = alternating_median_step_times(trainers, batch, args.steps, args.warmup)
     per_sample = sum(route_bytes(s) for s in samples) / len(samples)
     tokens = sum(len(s.tokens) for s in samples) / len(samples)
     print("| batch | step, no replay | step, replay | replay / none | route bytes per sample (tokens) |")
