@@ -327,7 +327,7 @@ def test_mtp_only_steps_on_the_cached_trunk_equal_steps_that_rerun_the_trunk(hf_
         rerun.optimizer.zero_grad(set_to_none=True)
         for mb in batch.micro_batches(rerun.cfg.micro_batch_size):
             with torch.no_grad():
-                out = forward(rerun.model, mb.tokens)
+                out = forward(rerun.model, mb.tokens, mb.token_mask)
             rerun.draft.loss(rerun.draft.inputs(out, mb, counts))[0].backward()
         grads.clip_by_norm([p for n, p in rerun.model.named_parameters() if n.startswith("mtp.")],
                            rerun.cfg.effective_draft_clip_grad)
