@@ -354,15 +354,13 @@ def take_routes(worker):
 
 
 class RequestRoutes:
-    """Last-write-wins routes [positions, MoE layers, k] of each request in vLLM's worker."""
+    """Last-write-wins routes [positions, MoE layers, k] of each request in vLLM's worker: one
+    RouteTable row per request, its writes tracked so an unrouted position is caught."""
 
     def __init__(self, top_k, num_experts, max_len):
-        from vime.models.routing_replay import route_dtype
-
-        self.top_k, self.max_len, self.dtype = top_k, max_len, route_dtype(num_experts)
+        self.top_k, self.num_experts, self.max_len = top_k, num_experts, max_len
         self.num_layers = 0
-        self.routes = {}
-        self.written = {}  # request id -> [positions, layers] bool: which routes a forward wrote
+        self.routes = {}  # request id -> RouteTable of one row
         self.segments = None  # [(request id, first row, last row + 1, positions)] of the running forward
 
     def begin(self, runner, positions):
@@ -378,24 +376,21 @@ class RequestRoutes:
     def capture(self, layer, topk_ids):
         if self.segments is None:  # a forward outside a scheduled batch (warm-up, profiling)
             return
-        ids = topk_ids.detach().to("cpu", self.dtype)
+        from vime.models.routing_replay import RouteTable
+
+        ids = topk_ids.detach().cpu()
         for req_id, first, last, positions in self.segments:
             table = self.routes.get(req_id)
             if table is None:
-                import torch
-
-                table = self.routes[req_id] = torch.zeros(self.max_len + 1, self.num_layers, self.top_k,
-                                                          dtype=self.dtype)
-                self.written[req_id] = torch.zeros(self.max_len + 1, self.num_layers, dtype=torch.bool)
-            table[positions, layer] = ids[first:last]
-            self.written[req_id][positions, layer] = True
+                table = self.routes[req_id] = RouteTable(1, self.max_len + 1, self.num_layers, self.top_k,
+                                                         self.num_experts, track_writes=True)
+            table.write(layer, 0, positions, ids[first:last])
 
     def take(self):
         """{request id: (route bytes, shape, dtype name, positions every layer wrote: 0..n-1)}; forgets them."""
         out = {}
         for req_id, table in self.routes.items():
-            unwritten = (~self.written[req_id].all(dim=1)).nonzero()
-            complete = int(unwritten[0]) if len(unwritten) else table.shape[0]
-            out[req_id] = (table.numpy().tobytes(), tuple(table.shape), str(table.dtype), complete)
-        self.routes, self.written = {}, {}
+            routes = table.routes[0]
+            out[req_id] = (routes.numpy().tobytes(), tuple(routes.shape), str(routes.dtype), table.routed_prefix(0))
+        self.routes = {}
         return out

@@ -24,8 +24,11 @@ def route_dtype(num_experts):
 class RouteTable:
     """Last-write-wins routes [rows, positions, layers, k] of the requests an engine is running."""
 
-    def __init__(self, rows, positions, num_layers, k, num_experts, device="cpu"):
+    def __init__(self, rows, positions, num_layers, k, num_experts, device="cpu", track_writes=False):
         self.routes = torch.zeros(rows, positions, num_layers, k, dtype=route_dtype(num_experts), device=device)
+        # [rows, positions, layers] bool, where a recorder must prove every position was routed
+        self.written = (torch.zeros(rows, positions, num_layers, dtype=torch.bool, device=device)
+                        if track_writes else None)
 
     @property
     def num_layers(self):
@@ -34,6 +37,13 @@ class RouteTable:
     def write(self, layer, rows, positions, indices):
         """Routes `indices` [T, k] of MoE decoder layer `layer` for (rows[t], positions[t])."""
         self.routes[rows, positions, layer] = indices.to(self.routes.dtype)
+        if self.written is not None:
+            self.written[rows, positions, layer] = True
+
+    def routed_prefix(self, row):
+        """How many leading positions of row `row` every layer wrote (needs track_writes)."""
+        unwritten = (~self.written[row].all(dim=1)).nonzero()
+        return int(unwritten[0]) if len(unwritten) else self.written.shape[1]
 
     def read(self, row, length):
         """A copy of row `row`'s routes at positions 0..length-1: [length, layers, k]."""
