@@ -43,7 +43,7 @@ class DecoderRoutes:
 
 
 def decoder_moe_routers(model):
-    """[(MoE decoder layer ordinal, router)] in layer order; the MTP block's routers are left out."""
+    """The decoder's MoE routers in layer order; the MTP block's routers are left out."""
     layers = model.decoder.layers
     routers = [getattr(layer.mlp, "router", None) for layer in layers]
     return [r for r in routers if r is not None]

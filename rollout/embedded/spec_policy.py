@@ -24,8 +24,8 @@ drafts are verified, so every policy keeps the output exact.
               drifts back to the prior until drafting is tried again where that would pay.
               A proposer that works at every step (DFlash writes each verified position into its
               draft's context) has that work in the k = 0 price too: priced as plain decoding,
-              a step without drafts looked cheaper than it is, and a block, whose forward costs
-              the same for any k, was never drafted, so its acceptance was never measured.
+              a step without drafts would look cheaper than it is, and a block, whose forward
+              costs the same for any k, would never be drafted, so never measured.
               Not priced: the one catch-up of draft positions deferred by k = 0 steps at a switch
               to drafting (a draft-layer pass, a fraction of what the trunk spent on them).
 """
