@@ -17,7 +17,7 @@ def check_config(cfg):
     from rollout.task import check_task_variant
     from trainer.distributed import check_parallel_sizes
     from trainer.losses import check_kl_estimator
-    from vime.config import validate
+    from vime.config import check_knob_switches, validate
     from vime.precision import check_bf16
 
     validate(cfg)
@@ -32,6 +32,7 @@ def check_config(cfg):
                          cfg.train.pipeline_model_parallel_size)
     check_weight_transfer(cfg.rollout)
     check_draft_training(cfg)
+    check_knob_switches(cfg)  # last: a knob's own value is judged before whether this run would use it
 
 
 def check_inputs(cfg):
