@@ -164,3 +164,25 @@ def test_the_config_dump_holds_the_speculative_config_as_written_and_loads_back(
     hydra_dict = "{" + ",".join(f"{key}:{value}" for key, value in dumped.items()) + "}"  # Hydra's own grammar
     again = load_config([f"rollout.vllm_speculative_config={hydra_dict}"])
     assert again.rollout.vllm_speculative_config == cfg.rollout.vllm_speculative_config
+
+
+def test_help_lists_every_flag_once_under_its_sections_title_and_the_switches_under_their_own():
+    from dataclasses import fields
+
+    from vime.cli_config import BENCH_DEBUG_TITLE, flag_groups, help_text
+    from vime.config import Config
+
+    groups = flag_groups()
+    listed = [name for _, names in groups.values() for name in names]
+    assert sorted(listed) == sorted(flag_table()) and len(listed) == len(set(listed))  # exactly one group each
+    assert list(groups) == [s.name for s in fields(Config)] + [BENCH_DEBUG_TITLE]
+    for title, (_, names) in groups.items():  # a section's group holds its own fields, but the switches
+        assert all(flag_table()[n][0].split(".")[0] == title for n in names) or title == BENCH_DEBUG_TITLE
+    assert {"--debug-rollout-only", "--debug-train-only", "--rollout-time-plain-baseline"} <= set(
+        groups[BENCH_DEBUG_TITLE][1])
+    text = help_text()
+    starts = [text.index(f"\n{title}:\n  {description}") for title, (description, _) in groups.items()]
+    assert starts == sorted(starts)  # the titles, each with its section's description, in the tree's order
+    for (title, (_, names)), start, end in zip(groups.items(), starts, starts[1:] + [len(text)]):
+        block = text[start:end]
+        assert all(f"\n  {name} " in block or f"\n  {name}\n" in block for name in names), title

@@ -22,8 +22,13 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TINY_MODEL = os.path.join(REPO_ROOT, "checkpoints", "tiny-mimo-mtp")
 
 
-def flag(name, help_text=""):
-    return {"flag": name, "help": help_text}
+BENCH_DEBUG = "bench_debug"  # the group of --help that lists the benchmark and debugging switches of every section
+
+
+def flag(name, help_text="", group=None):
+    """A field's metadata: its --flag, its help line and, for a benchmark or debugging switch, its --help
+    group (BENCH_DEBUG; the others are listed under their section)."""
+    return {"flag": name, "help": help_text, **({"group": group} if group else {})}
 
 
 @dataclass
@@ -79,12 +84,13 @@ class RolloutSection:
         "CPU and GPU) | nccl (vLLM's weight_transfer_config: trainer rank 0 broadcasts into vLLM's GPU workers, "
         "target then draft)"))
     sync_draft_weights: bool = field(default=True, metadata=flag(
-        "--sync-draft-weights", "--no-sync-draft-weights syncs only the target (benchmark arm: the draft goes stale)"))
+        "--sync-draft-weights", "--no-sync-draft-weights syncs only the target (benchmark arm: the draft goes stale)",
+        BENCH_DEBUG))
     spec_adaptive: bool = field(default=False, metadata=flag(
         "--spec-adaptive", "k in 0..num_speculative_tokens per batch size from a start-up cost profile and measured acceptance"))
     time_plain_baseline: bool = field(default=False, metadata=flag(
         "--rollout-time-plain-baseline", "benchmark: also decode each batch without drafts, back to back, and log "
-        "perf/rollout_plain_engine_time (embedded engine; doubles rollout work)"))
+        "perf/rollout_plain_engine_time (embedded engine; doubles rollout work)", BENCH_DEBUG))
     rm_type: str = field(default="tiny_add", metadata=flag(
         "--rm-type", "reward function by name (rollout/rewards.py REWARDS: tiny_add, exact_match, math)"))
     custom_rm_path: Optional[str] = field(default=None, metadata=flag("--custom-rm-path", "module:function"))
@@ -227,7 +233,8 @@ def _validate_mtp(m):
 
 @dataclass
 class RunSection:
-    """The loop: steps, checkpoints, logging, Ray, debugging switches (`cfg.run`)."""
+    """The loop: steps, checkpoints, logging, Ray (`cfg.run`), and the debugging switches (--help lists those
+    with the benchmark switches of the other sections)."""
 
     NEEDS = {"save": "trainers", "save_interval": "save", "save_keep": "save", "load": "trainers", "ckpt_step": "load",
              "ray_connect_timeout": "ray_address", "check_weight_update_equal": "sync", "async_rollout": "sync",
@@ -259,13 +266,13 @@ class RunSection:
     update_weight_buffer_size: int = field(default=16 * 1024 * 1024, metadata=flag(
         "--update-weight-buffer-size", "bytes"))
     debug_rollout_only: bool = field(default=False, metadata=flag(
-        "--debug-rollout-only", "start no trainers: generate and score only"))
+        "--debug-rollout-only", "start no trainers: generate and score only", BENCH_DEBUG))
     debug_train_only: bool = field(default=False, metadata=flag(
-        "--debug-train-only", "train on saved rollouts (--load-debug-rollout-data), no generation"))
+        "--debug-train-only", "train on saved rollouts (--load-debug-rollout-data), no generation", BENCH_DEBUG))
     save_debug_rollout_data: Optional[str] = field(default=None, metadata=flag(
-        "--save-debug-rollout-data", "directory to pickle each step's rollout samples into"))
+        "--save-debug-rollout-data", "directory to pickle each step's rollout samples into", BENCH_DEBUG))
     load_debug_rollout_data: Optional[str] = field(default=None, metadata=flag(
-        "--load-debug-rollout-data", "directory of pickled rollouts that --debug-train-only trains on"))
+        "--load-debug-rollout-data", "directory of pickled rollouts that --debug-train-only trains on", BENCH_DEBUG))
     progress: bool = field(default=True, metadata=flag("--progress", "tqdm progress bars"))
     save_keep: Optional[int] = field(default=None, metadata=flag(
         "--save-keep", "keep only the N newest checkpoints in --save (none: keep all)"))
