@@ -13,6 +13,7 @@ import os
 
 from vime.models.hf_format import load_hf_checkpoint
 from vime.config import RANGES, check_flag_ranges
+from vime.manifest import write_manifest
 from vime.errors import exit_on_user_error, require
 
 
@@ -72,6 +73,7 @@ def convert(args):
         load_hf_state(model, state, cfg)
         checkpoint.save(args.save, model, meta={"model_config": dataclasses.asdict(cfg), "mtp_num_layers": n_mtp,
                                                 "family": family, "tensor_model_parallel_size": tp})
+    write_manifest(args.save)  # what torch_dist_to_hf checks every file against
     return n_mtp
 
 

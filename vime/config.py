@@ -235,7 +235,11 @@ class RunSection:
     save_interval: int = field(default=0, metadata=flag(
         "--save-interval", "save into --save every N steps too (0: only at the end; the last step and a "
         "signal's step are always saved)"))
-    load: Optional[str] = field(default=None, metadata=flag("--load", "checkpoint directory to resume from"))
+    load: Optional[str] = field(default=None, metadata=flag(
+        "--load", "resume from a --save directory (its newest valid checkpoint: latest_checkpointed_iteration.txt's, "
+        "else the newest below it that verifies) or from one iteration of it, DIR/iter_NNNNNNN"))
+    ckpt_step: Optional[int] = field(default=None, metadata=flag(
+        "--ckpt-step", "with --load DIR: resume from DIR/iter_N, that checkpoint or none (Megatron's flag)"))
     ray_address: Optional[str] = field(default=None, metadata=flag(
         "--ray-address", "join a running Ray cluster (none: start a local one)"))
     ray_connect_timeout: float = field(default=30.0, metadata=flag(
@@ -276,6 +280,7 @@ def _validate_run(run):
             "--debug-train-only trains on saved rollouts: give --load-debug-rollout-data DIR "
             "(written by a run with --save-debug-rollout-data DIR)")
     require(not run.save_interval or run.save, "--save-interval needs --save DIR")
+    require(run.ckpt_step is None or run.load, "--ckpt-step picks a checkpoint of --load DIR: give --load DIR")
     require(run.save_keep is None or run.save, "--save-keep needs --save DIR")
     require(run.wandb_mode in (None, "offline", "online", "disabled"),
             f"--wandb-mode {run.wandb_mode!r}: use offline, online or disabled")
@@ -459,7 +464,7 @@ RANGES = {
     "--decoder-first-pipeline-num-layers": AT_LEAST_1, "--decoder-last-pipeline-num-layers": AT_LEAST_1,
     "--mtp-num-layers": AT_LEAST_0, "--mtp-loss-scaling-factor": AT_LEAST_0, "--mtp-train-depths": AT_LEAST_1,
     "--num-rollout": AT_LEAST_1, "--save-interval": AT_LEAST_0, "--update-weight-buffer-size": AT_LEAST_1,
-    "--save-keep": AT_LEAST_1,
+    "--save-keep": AT_LEAST_1, "--ckpt-step": AT_LEAST_0,
     "--dynamic-sampling-max-draws": AT_LEAST_1, "--over-sampling-batch-size": AT_LEAST_1,
     "--tis-clip": Range(1, why="below 1 the cap shrinks even on-policy tokens"),
     "--moe-router-bias-update-rate": AT_LEAST_0,
