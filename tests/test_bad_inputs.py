@@ -130,7 +130,7 @@ def test_unknown_hydra_key_suggests_the_closest():
 
 
 # ---- --load of a checkpoint directory --------------------------------------------------------------
-def fake_checkpoint(root, step=2, mtp_trained=True, latest=True):
+def fake_checkpoint(root, step=2, mtp_trained=True, latest=True, model_config=None):
     """A --load layout whose .metadata indexes one .distcp file, with its manifest (as a save leaves it)."""
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -142,7 +142,8 @@ def fake_checkpoint(root, step=2, mtp_trained=True, latest=True):
     open(os.path.join(model, "__0_0.distcp"), "wb").write(b"x" * 100)
     meta = Metadata(state_dict_metadata={}, storage_data={MetadataIndex("w"): _StorageInfo("__0_0.distcp", 0, 100)})
     pickle.dump(meta, open(os.path.join(model, ".metadata"), "wb"))
-    json.dump({"mtp_num_layers": 1, "mtp_trained": mtp_trained, "has_optimizer": True},
+    meta = {"mtp_num_layers": 1, "mtp_trained": mtp_trained, "has_optimizer": True}
+    json.dump(dict(meta, model_config=model_config) if model_config else meta,
               open(os.path.join(model, "vime_meta.json"), "w"))
     json.dump({"step": step, "data_cursor": 0}, open(os.path.join(model, "..", "loop_state.json"), "w"))
     write_manifest(os.path.dirname(model))
