@@ -104,11 +104,14 @@ def check_resume(cfg, hf):
 
 
 def check_weight_transfer(rollout_cfg):
-    """--vllm-weight-transfer: a known transport, and nccl only into vLLM (it is vLLM's engine)."""
+    """--vllm-weight-transfer: a transport one may choose (not the in-place hand-over, which the driver
+    chooses by where the engines are), and nccl only into vLLM (it is vLLM's engine)."""
     from trainer.weight_senders import SENDERS
 
     t = rollout_cfg.vllm_weight_transfer
-    require(t in SENDERS, f"--vllm-weight-transfer {t!r}: choose one of {', '.join(SENDERS)}")
+    chosen = [name for name, sender in SENDERS.items() if not sender.automatic]
+    require(t in chosen, f"--vllm-weight-transfer {t!r}: choose one of {', '.join(chosen)}" +
+            (" (in_place is chosen by itself for an engine on the trainer's own device)" if t in SENDERS else ""))
     require(t == "reload" or rollout_cfg.backend == "vllm",
             f"--vllm-weight-transfer {t} is vLLM's weight transfer engine: use it with --rollout-backend vllm")
 

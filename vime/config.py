@@ -297,17 +297,21 @@ class PlacementSection:
     """Where the actors go: Ray placement-group bundles per trainer rank and rollout engine (`cfg.placement`)."""
 
     colocate: bool = field(default=False, metadata=flag(
-        "--colocate", "one bundle holds a rollout engine and a trainer rank (needs --rollout-num-workers = trainer "
-        "ranks); otherwise each has its own bundle"))
+        "--colocate", "one bundle holds a rollout engine and a trainer rank, which share one GPU by turns (half "
+        "each unless the GPU flags say otherwise; needs --rollout-num-workers = trainer ranks); otherwise each "
+        "has its own bundle, and a rank and an engine share a GPU only when the cluster has too few for both"))
     actor_num_nodes: int = field(default=1, metadata=flag(
         "--actor-num-nodes", "nodes the trainer ranks spread over (1: all on one node, strictly)"))
-    actor_num_gpus_per_node: Optional[int] = field(default=None, metadata=flag(
-        "--actor-num-gpus-per-node", "GPUs the trainer ranks of one node take (none: one per rank when the "
-        "cluster has GPUs, else 0)"))
+    actor_num_gpus_per_node: Optional[float] = field(default=None, metadata=flag(
+        "--actor-num-gpus-per-node", "GPUs the trainer ranks of one node take, fractions as Ray takes them "
+        "(e.g. 0.5: each rank shares its GPU); none: one per rank when the cluster has GPUs enough, half "
+        "of one shared with an engine when it has fewer than ranks + engines, else 0"))
     actor_num_cpus_per_node: Optional[int] = field(default=None, metadata=flag(
         "--actor-num-cpus-per-node", "CPUs the trainer ranks of one node take (none: one per rank)"))
-    rollout_num_gpus_per_engine: Optional[int] = field(default=None, metadata=flag(
-        "--rollout-num-gpus-per-engine", "GPUs per rollout engine (none: 1 when the cluster has GPUs, else 0)"))
+    rollout_num_gpus_per_engine: Optional[float] = field(default=None, metadata=flag(
+        "--rollout-num-gpus-per-engine", "GPUs per rollout engine: a fraction (at most 1, shared with a trainer "
+        "rank or another engine) or whole GPUs; none: 1 when the cluster has GPUs enough, 0.5 when a rank and an "
+        "engine must share one, else 0"))
     rollout_num_cpus_per_engine: int = field(default=1, metadata=flag(
         "--rollout-num-cpus-per-engine", "CPUs per rollout engine"))
     actor_resources: Any = field(default_factory=dict, metadata=flag(
