@@ -505,7 +505,9 @@ class Engine:
         CUDA the device's time per step once the host keeps ahead of it)."""
         context = max(0, min(context, self.max_len - q_len))
 
-        class Probe:  # stands in for a request in slot i
+        class Probe:
+            """Stands in for a request in slot i."""
+
             def __init__(self, slot):
                 self.slot = slot
 
