@@ -15,7 +15,6 @@ def check_config(cfg):
     from rollout.advantages import check_estimator
     from rollout.group_batching import check_dynamic_sampling
     from rollout.task import check_task_variant
-    from trainer.distributed import check_parallel_sizes
     from trainer.losses import check_kl_estimator
     from vime.config import check_knob_switches, validate
     from vime.precision import check_bf16
@@ -28,8 +27,6 @@ def check_config(cfg):
     check_ray_address_env(cfg.run.ray_address)
     check_kl_estimator(cfg.train.kl_loss_type)
     check_estimator(cfg.train.advantage_estimator)
-    check_parallel_sizes(cfg.train.world_size, cfg.train.tensor_model_parallel_size,
-                         cfg.train.pipeline_model_parallel_size)
     check_weight_transfer(cfg.rollout)
     check_draft_training(cfg)
     check_knob_switches(cfg)  # last: a knob's own value is judged before whether this run would use it
@@ -40,7 +37,7 @@ def check_inputs(cfg):
     checkpoint's ModelConfig (for `check_prompts`). --load is checked once run_setup has chosen the
     checkpoint (`check_resume`)."""
     from rollout.backend import check_backend
-    from trainer.model import check_tensor_parallel, check_trainable
+    from trainer.model import check_trainable
     from trainer.routing_replay import check_routing_replay
     from vime.models.config_checks import check_finite_weights, check_mtp_layers
     from vime.models.hf_format import inspect_hf_checkpoint
@@ -48,7 +45,7 @@ def check_inputs(cfg):
 
     hf = inspect_hf_checkpoint(cfg.model.hf_checkpoint)
     check_mtp_layers(cfg.mtp.num_layers, hf, cfg.model.hf_checkpoint)
-    check_tensor_parallel(hf, cfg.train.tensor_model_parallel_size)
+    cfg.train.layout.check_model(hf)
     check_trainable(hf)
     check_routing_replay(cfg, hf)
     check_backend(cfg, hf)
@@ -108,11 +105,14 @@ def check_resume(cfg, hf):
 
 
 def check_weight_transfer(rollout_cfg):
-    """--vllm-weight-transfer: a known transport, and nccl only into vLLM (it is vLLM's engine)."""
+    """--vllm-weight-transfer: a transport one may choose (not the in-place hand-over, which the driver
+    chooses by where the engines are), and nccl only into vLLM (it is vLLM's engine)."""
     from trainer.weight_senders import SENDERS
 
     t = rollout_cfg.vllm_weight_transfer
-    require(t in SENDERS, f"--vllm-weight-transfer {t!r}: choose one of {', '.join(SENDERS)}")
+    chosen = [name for name, sender in SENDERS.items() if not sender.automatic]
+    require(t in chosen, f"--vllm-weight-transfer {t!r}: choose one of {', '.join(chosen)}" +
+            (" (in_place is chosen by itself for an engine on the trainer's own device)" if t in SENDERS else ""))
     require(t == "reload" or rollout_cfg.backend == "vllm",
             f"--vllm-weight-transfer {t} is vLLM's weight transfer engine: use it with --rollout-backend vllm")
 

