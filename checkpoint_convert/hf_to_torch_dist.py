@@ -53,7 +53,8 @@ def mtp_layers_to_convert(args, available):
 def convert(args):
     from trainer import checkpoint
     from trainer.distributed import check_parallel_sizes, owned_single_process
-    from trainer.model import build_model, check_tensor_parallel
+    from trainer.model import build_model
+    from vime.models.megatron_rules import check_tensor_parallel
     from trainer.weights import load_hf_state
 
     cfg, state, family = load_hf_checkpoint(args.hf_checkpoint)

@@ -36,7 +36,7 @@ def check_inputs(cfg):
     """The checks that read the checkpoint, the draft and the output directories; returns the
     checkpoint's ModelConfig (for `check_prompts`)."""
     from rollout.backend import check_backend
-    from trainer.model import check_tensor_parallel, check_trainable
+    from vime.models.megatron_rules import check_tensor_parallel, check_trainable
     from trainer.routing_replay import check_routing_replay
     from vime.models.config_checks import check_finite_weights, check_mtp_layers
     from vime.models.hf_format import inspect_hf_checkpoint

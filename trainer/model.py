@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from mtp.reuse import reuse_attention_mask, reuse_positions
 from vime.models.megatron_names import MTP_INNER_LAYER
-from vime.errors import require
+from vime.models.megatron_rules import check_tensor_parallel, check_trainable
 
 
 @dataclass
@@ -68,20 +68,6 @@ LAYER_SPECS = {"local": _local_spec, "te": _te_spec}
 def spec_name():
     """'te' with CUDA and Transformer Engine present, else 'local' (CPU / gloo)."""
     return "te" if _use_transformer_engine() else "local"
-
-
-def check_tensor_parallel(model_cfg, tp):
-    """One-line errors for a TP size that does not divide the heads / vocabulary, or TP over experts."""
-    # megatron shards MoE layers over TP only with sequence parallelism, which its local
-    # (non-Transformer-Engine) norm does not implement
-    require(tp == 1 or model_cfg.moe is None, f"--tensor-model-parallel-size {tp}: mixture-of-experts models "
-            f"({model_cfg.model_family.architectures[0]}) train at --tensor-model-parallel-size 1; scale out "
-            "with --data-parallel-size")
-    for what, n in (("attention heads", model_cfg.num_attention_heads),
-                    ("key/value heads", model_cfg.num_key_value_heads),
-                    ("vocabulary size", model_cfg.vocab_size)):
-        require(n % tp == 0, f"--tensor-model-parallel-size {tp} does not divide the model's "
-                f"{n} {what}; choose a divisor of {n}")
 
 
 def transformer_config(model_cfg, mtp_num_layers, tp=1, pp=1, params_dtype=torch.float32):
@@ -150,27 +136,6 @@ def mla_options(model_cfg):
                        beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow, mscale=yarn.mscale,
                        mscale_all_dim=yarn.mscale_all_dim)
     return options
-
-
-def check_trainable(model_cfg):
-    """One line for a MoE / MLA variant the engine runs but megatron-core's layers cannot express."""
-    moe, mla, yarn = model_cfg.moe, model_cfg.mla, model_cfg.rope_yarn
-    what = f"the trainer (megatron-core) cannot train this {model_cfg.model_family.architectures[0]} checkpoint"
-    if moe is not None:
-        require(moe.norm_topk_prob and moe.num_experts_per_tok > 1,
-                f"{what}: its router must normalise the top-k weights (norm_topk_prob true, "
-                f"num_experts_per_tok > 1; got {moe.norm_topk_prob}, {moe.num_experts_per_tok})")
-        require(moe.first_k_dense_replace < model_cfg.num_hidden_layers,
-                f"{what}: first_k_dense_replace {moe.first_k_dense_replace} leaves no MoE layer, but the MTP "
-                "layers are built like the last decoder layer")
-    if mla is not None:
-        require(mla.rope_interleave, f"{what}: megatron's MLA rotates interleaved rope channels (rope_interleave "
-                "true, as DeepSeek-V3 stores them)")
-    if yarn is not None:
-        require(mla is not None, f"{what}: megatron applies YaRN only with multi-latent attention")
-        require(yarn.attention_factor is None and yarn.truncate,
-                f"{what}: megatron's YaRN derives the attention factor from mscale/mscale_all_dim and rounds the "
-                "ramp ends; drop attention_factor and truncate from rope_scaling")
 
 
 def _import_gpt_model():

@@ -17,13 +17,13 @@ from safetensors.torch import load_file, save_file
 from vime.models.config_checks import check_finite_state, check_raw_config
 from vime.models.families import (DEFAULT_FAMILY, FAMILIES, family_of_hf_config, from_canonical,
                                         mtp_layer_indices, to_canonical)
+from vime.models.hf_tensors import expected_tensor_names
 from vime.models.moe_mla_config import (MLAConfig, MoEConfig, check_unsupported, parse_glm_attention, parse_mla,
                                         parse_moe, parse_partial_rotary, parse_yarn)
 from vime.models.rope import YarnScaling
 from vime.errors import UserError, require
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-MTP_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
 
 
 @dataclass(frozen=True)
@@ -160,59 +160,6 @@ def family_hf_keys(cfg):
     return out
 
 
-def expected_tensor_names(cfg, num_mtp_layers=None):
-    """Canonical names a complete checkpoint with `num_mtp_layers` MTP layers must hold."""
-    n_mtp = cfg.num_nextn_predict_layers if num_mtp_layers is None else num_mtp_layers
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(cfg.num_hidden_layers + n_mtp):
-        names += [f"model.layers.{i}.{t}" for t in layer_tensor_names(cfg, i)]
-    for k in range(n_mtp):
-        names += [f"model.layers.{cfg.num_hidden_layers + k}.{t}" for t in MTP_TENSORS]
-    return names
-
-
-GQA_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-               "self_attn.o_proj.weight")
-DENSE_MLP_TENSORS = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-EXPERT_TENSORS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
-
-
-def attention_tensor_names(cfg):
-    """Canonical suffixes of one layer's attention tensors."""
-    mla = cfg.mla
-    if mla is not None:
-        q = (("self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight")
-             if mla.q_lora_rank else ("self_attn.q_proj.weight",))
-        return q + ("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
-                    "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight")
-    names = GQA_TENSORS
-    if cfg.qkv_bias:
-        names += ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
-    if cfg.qk_norm:
-        names += ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
-    return names
-
-
-def mlp_tensor_names(cfg, index):
-    """Canonical suffixes of decoder layer `index`'s MLP: dense, or router + experts + shared experts."""
-    moe = cfg.moe
-    if moe is None or not moe.is_moe_layer(index):
-        return DENSE_MLP_TENSORS
-    names = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-    names += tuple(f"mlp.experts.{e}.{t}" for e in range(moe.n_routed_experts) for t in EXPERT_TENSORS)
-    if moe.n_shared_experts:
-        names += tuple(f"mlp.shared_experts.{t}" for t in EXPERT_TENSORS)
-    return names
-
-
-def layer_tensor_names(cfg, index):
-    """Canonical suffixes of decoder layer `index` (MTP layers continue the numbering)."""
-    return (("input_layernorm.weight", "post_attention_layernorm.weight")
-            + attention_tensor_names(cfg) + mlp_tensor_names(cfg, index))
-
-
 def read_config(path, flag="--hf-checkpoint"):
     """ModelConfig of an HF checkpoint directory, with one-line errors for a bad directory that name
     `flag`, the option the user gave the directory with."""
@@ -220,13 +167,22 @@ def read_config(path, flag="--hf-checkpoint"):
             "make one with `python scripts/make_tiny_model.py --out DIR`")
     cfg_file = os.path.join(path, "config.json")
     require(os.path.isfile(cfg_file), f"{flag} {path}: config.json is missing; not an HF checkpoint directory")
+    return config_from_raw(read_json(cfg_file), cfg_file)
+
+
+def read_json(path):
+    """The JSON object in file `path`, with a one-line error for malformed JSON."""
     try:
-        with open(cfg_file) as f:
-            raw = json.load(f)
+        with open(path) as f:
+            return json.load(f)
     except json.JSONDecodeError as e:
-        raise UserError(f"{cfg_file}: malformed JSON ({e.msg} at line {e.lineno})") from None
-    check_raw_config(raw, cfg_file)
-    return ModelConfig.from_hf_dict(raw, source=cfg_file)
+        raise UserError(f"{path}: malformed JSON ({e.msg} at line {e.lineno})") from None
+
+
+def config_from_raw(raw, source):
+    """ModelConfig of the config.json dict `raw` read from `source`, its values checked first."""
+    check_raw_config(raw, source)
+    return ModelConfig.from_hf_dict(raw, source=source)
 
 
 def _weights_file(path, flag="--hf-checkpoint"):
