@@ -120,6 +120,8 @@ def test_a_layout_that_does_not_fit_is_refused_in_one_line_with_its_numbers(caps
      "attention heads"),
     (["--hf-config", GLM, "--gpu-memory-gb", "40"], "none of the"),
     (["--hf-config", "no/such/config.json"], "no such file"),
+    (["--hf-config", GLM, "--mtp-num-layers", "2"], "has only 1 MTP layers"),
+    (["--hf-config", GLM, "--gpus", "0"], "--gpus 0: must be >= 1"),
 ])
 def test_each_refusal_is_one_line_naming_what_to_change(capsys, argv, needle):
     defaults = {"--gpus": "64", "--gpu-memory-gb": "80"}

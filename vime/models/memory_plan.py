@@ -36,9 +36,10 @@ from vime.models.hf_format import config_from_raw, read_json
 from vime.models.megatron_rules import (Layout, check_expert_parallel, check_layout, check_pipeline_depth,
                                         check_tensor_parallel, check_trainable, stage_layer_counts)
 from vime.models.rank_params import BUFFER_SUFFIXES, Held, RankParams
-from vime.precision import compute_dtype, held_dtype
+from vime.precision import compute_dtype, dtype_name, held_dtype
 
 GB = 10**9
+DEFAULTS = Config()  # the run's defaults (vime/config.py): the plan assumes what train_rl.py would run
 FP32 = torch.empty((), dtype=torch.float32).element_size()
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, each fp32 like the weights AdamW steps
 NOT_COUNTED = ("activations (they grow with micro-batch x sequence length; the trainer's fp32 logits alone take "
@@ -50,9 +51,9 @@ NOT_COUNTED = ("activations (they grow with micro-batch x sequence length; the t
 class PlanOptions:
     """How the run trains: what decides the bytes per parameter."""
 
-    bf16: bool = Config().model.bf16
-    train_mtp: bool = Config().mtp.enable_training
-    use_kl_loss: bool = Config().train.use_kl_loss
+    bf16: bool = DEFAULTS.model.bf16
+    train_mtp: bool = DEFAULTS.mtp.enable_training
+    use_kl_loss: bool = DEFAULTS.train.use_kl_loss
     distributed_optimizer: bool = False  # megatron's, as a what-if: vime keeps the whole state on every DP rank
 
     @cached_property
@@ -70,7 +71,7 @@ class PlanOptions:
         return main + ADAM_MOMENTS * FP32
 
     def describe(self):
-        weight = f"{'bf16' if self.bf16 else 'fp32'} weight {self.weight_bytes} B"
+        weight = f"{dtype_name(compute_dtype(self.bf16))} weight {self.weight_bytes} B"
         main = f" + fp32 main weight {FP32} B" if self.weight_bytes != FP32 else ""
         total = self.weight_bytes + FP32 + self.state_bytes
         sharded = ("main weights and moments split over the data-parallel ranks (--distributed-optimizer: megatron's "
@@ -328,7 +329,7 @@ def stage_name(plan, index):
     return "only" if last == 0 else "first" if index == 0 else "last" if index == last else f"{index}"
 
 
-def byte_cells(b, memory, with_reference):
+def byte_cells(b, with_reference):
     """The GB cells of one rank's RankBytes: weights, gradients, optimizer, [reference,] total."""
     cells = (gb(b.weights), gb(b.gradients), gb(b.optimizer)) + ((gb(b.reference),) if with_reference else ())
     return cells + (gb(b.total),)
@@ -347,7 +348,7 @@ def table(plans, memory, with_reference):
         i, b = p.peak
         lay = p.layout
         rows.append((lay.tp, lay.pp, lay.ep, lay.etp, lay.dp, split_name(p), stage_name(p, i))
-                    + byte_cells(b, memory, with_reference) + (gb(p.bytes[-1].mtp), gb(memory - b.total)))
+                    + byte_cells(b, with_reference) + (gb(p.bytes[-1].mtp), gb(memory - b.total)))
     return _columns(head, rows)
 
 
@@ -356,7 +357,7 @@ def stage_table(plan, memory, with_reference):
     head = (("stage", "layers", "also holds") + BYTE_HEAD + (("reference",) if with_reference else ())
             + ("total GB", "MTP GB", "free GB"))
     rows = [(i, f"{s.layers.start}-{s.layers.stop - 1}", ", ".join(s.parts) or "-")
-            + byte_cells(b, memory, with_reference) + (gb(b.mtp), gb(memory - b.total))
+            + byte_cells(b, with_reference) + (gb(b.mtp), gb(memory - b.total))
             for i, (s, b) in enumerate(zip(plan.stages, plan.bytes))]
     return _columns(head, rows)
 
@@ -406,8 +407,9 @@ def refuse_unfit(cfg, args, plans):
                     "/ --expert-model-parallel-size (--all lists every layout with its bytes)")
 
 
-def run(argv=None, out=sys.stdout):
-    """The command: prints the plan to `out`; one-line UserError when no layout fits (or none is valid)."""
+def run(argv=None, out=None):
+    """The command: prints the plan to `out` (stdout); one-line UserError when no layout fits (or none is valid)."""
+    out = out or sys.stdout
     args = parse_args(argv)
     cfg, note = read_model_config(args.hf_config)
     options = PlanOptions(bf16=args.bf16, train_mtp=args.enable_mtp_training, use_kl_loss=args.use_kl_loss,
@@ -422,17 +424,17 @@ def run(argv=None, out=sys.stdout):
     require(plans, f"no layout of {args.gpus} GPUs satisfies the trainer's rules for {name_of(cfg, args.hf_config)} "
             "with the sizes given; drop one of them to see what is possible")
     memory = args.gpu_memory_gb * GB
-    fitting = sorted((p for p in plans if p.peak[1].total <= memory or args.all), key=lambda p: p.peak[1].total)
-    if not fitting:
+    listed = sorted((p for p in plans if p.peak[1].total <= memory or args.all), key=lambda p: p.peak[1].total)
+    if not listed:
         refuse_unfit(cfg, args, plans)
-    shown = fitting[:args.top]
+    shown = listed[:args.top]
     print(header(cfg, planner, args, note), file=out)
     print(table(shown, memory, options.use_kl_loss), file=out)
-    if len(fitting) > len(shown):
-        print(f"... and {len(fitting) - len(shown)} more (--top)", file=out)
-    if len(fitting) == 1:
-        print(f"\nstages of {layout_name(fitting[0].layout)} (one rank each):", file=out)
-        print(stage_table(fitting[0], memory, options.use_kl_loss), file=out)
+    if len(listed) > len(shown):
+        print(f"... and {len(listed) - len(shown)} more (--top)", file=out)
+    if len(listed) == 1:
+        print(f"\nstages of {layout_name(listed[0].layout)} (one rank each):", file=out)
+        print(stage_table(listed[0], memory, options.use_kl_loss), file=out)
     print(f"not counted: {NOT_COUNTED}", file=out)
 
 
