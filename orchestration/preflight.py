@@ -16,7 +16,7 @@ def check_config(cfg):
     from rollout.group_batching import check_dynamic_sampling
     from rollout.task import check_task_variant
     from trainer.losses import check_kl_estimator
-    from vime.config import validate
+    from vime.config import check_knob_switches, validate
     from vime.precision import check_bf16
 
     validate(cfg)
@@ -29,6 +29,7 @@ def check_config(cfg):
     check_estimator(cfg.train.advantage_estimator)
     check_weight_transfer(cfg.rollout)
     check_draft_training(cfg)
+    check_knob_switches(cfg)  # last: a knob's own value is judged before whether this run would use it
 
 
 def check_inputs(cfg):

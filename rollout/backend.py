@@ -22,13 +22,15 @@ worker knows which one runs:
 `BACKEND_CHECKS` maps the same names to each backend's own pre-start check of a run's config
 (`check_backend` runs the chosen one, before any actor starts). `BACKENDS` maps `--rollout-backend`
 names to constructors taking
-(hf_checkpoint, speculative_config, max_batch_size, device, adaptive, dtype, cpu_cores, weight_transfer);
+(hf_checkpoint, speculative_config, max_batch_size, device, adaptive, dtype, cpu_cores, weight_transfer,
+enforce_eager);
 `adaptive` is the
 embedded engine's --spec-adaptive (vLLM has its own per-batch-size k in the speculative config);
 `dtype` the model's (torch.bfloat16 under --bf16): weights are loaded and synced in it, and the
 fingerprint sums exactly the values the backend holds in it; `cpu_cores` the cores the backend
 computes on (vime/cpu_cores.py; None: torch's and vLLM's own choice); `weight_transfer`
---vllm-weight-transfer, for a backend that must prepare for its transport when it starts.
+--vllm-weight-transfer, for a backend that must prepare for its transport when it starts; `enforce_eager`
+--rollout-enforce-eager (no CUDA graphs).
 
 The embedded backend can also time plain decoding of the same batch right beside the real,
 speculative call (`generate_with_plain_baseline`, --rollout-time-plain-baseline): a benchmark's
@@ -76,14 +78,13 @@ class EmbeddedBackend:
     name = "embedded"
 
     def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False,
-                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload"):
+                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", enforce_eager=False):
         from rollout.embedded.engine import EngineConfig
         from rollout.embedded.engine_builder import build_engine, build_proposer
 
         del cpu_cores, weight_transfer  # computes on this process's torch threads (RolloutWorker sets them)
-        self.engine = build_engine(hf_checkpoint, speculative_config,
-                                   EngineConfig(max_batch_size=max_batch_size, device=device, dtype=dtype),
-                                   adaptive=adaptive)
+        config = EngineConfig(max_batch_size=max_batch_size, device=device, dtype=dtype, enforce_eager=enforce_eager)
+        self.engine = build_engine(hf_checkpoint, speculative_config, config, adaptive=adaptive)
         self.plain_proposer = build_proposer(None)
         self.last_spec = spec_counters([])
 
@@ -187,6 +188,7 @@ def check_backend(cfg, hf):
 
 
 def build_backend(name, hf_checkpoint, speculative_config, max_batch_size, device="cpu",
-                  adaptive=False, dtype=torch.float32, cpu_cores=None, weight_transfer="reload") -> RolloutBackend:
+                  adaptive=False, dtype=torch.float32, cpu_cores=None, weight_transfer="reload",
+                  enforce_eager=False) -> RolloutBackend:
     return BACKENDS[name](hf_checkpoint, speculative_config, max_batch_size, device, adaptive, dtype, cpu_cores,
-                          weight_transfer)
+                          weight_transfer, enforce_eager)

@@ -22,7 +22,8 @@ class RolloutWorkerImpl:
     (the backend's receiver for the run's transport, rollout/weight_receiver.py)."""
 
     def __init__(self, hf_checkpoint, spec_config, max_batch_size, threads=1, backend="embedded", sync_draft=True,
-                 spec_adaptive=False, time_plain_baseline=False, bf16=False, cpu_slot=0, weight_transfer="reload"):
+                 spec_adaptive=False, time_plain_baseline=False, bf16=False, cpu_slot=0, weight_transfer="reload",
+                 enforce_eager=False):
         from rollout.backend import build_backend
         from vime.cpu_cores import cores_for_slot
         from vime.precision import compute_dtype
@@ -31,7 +32,8 @@ class RolloutWorkerImpl:
         cores = cores_for_slot(os.sched_getaffinity(0), cpu_slot, threads) if device == "cpu" else None
         torch.set_num_threads(len(cores) if cores else threads)
         self.backend = build_backend(backend, hf_checkpoint, spec_config, max_batch_size, device, adaptive=spec_adaptive,
-                                     dtype=compute_dtype(bf16), cpu_cores=cores, weight_transfer=weight_transfer)
+                                     dtype=compute_dtype(bf16), cpu_cores=cores, weight_transfer=weight_transfer,
+                                     enforce_eager=enforce_eager)
         self.sync_draft = sync_draft
         self.time_plain_baseline, self.calls = time_plain_baseline, 0
         self.receiver = None
@@ -133,7 +135,8 @@ class RolloutManagerImpl:
             hf_checkpoint, rollout_cfg.vllm_speculative_config, rollout_cfg.rollout_max_batch_size,
             backend=rollout_cfg.backend, sync_draft=rollout_cfg.sync_draft_weights,
             spec_adaptive=rollout_cfg.spec_adaptive, time_plain_baseline=rollout_cfg.time_plain_baseline,
-            bf16=bf16, weight_transfer=rollout_cfg.vllm_weight_transfer, **cpus[i])
+            bf16=bf16, weight_transfer=rollout_cfg.vllm_weight_transfer, enforce_eager=rollout_cfg.enforce_eager,
+            **cpus[i])
             for i in range(n)]
 
     def get_workers(self):

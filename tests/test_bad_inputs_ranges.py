@@ -87,7 +87,7 @@ def test_the_edge_of_every_range_is_accepted(flag):
 
 
 def test_save_keep_without_save_is_refused(ckpt, tmp_path):
-    refused(args_for(ckpt, tmp_path, "--save-keep", 2), "--save-keep needs --save DIR")
+    refused(args_for(ckpt, tmp_path, "--save-keep", 2), "--save-keep 2 needs --save DIR")
 
 
 # ---- prompt files that are not UTF-8 ----------------------------------------------------------------
