@@ -253,3 +253,15 @@ def counts_spec():
     from trainer.model import spec_name
 
     return spec_name()
+
+
+def test_the_plan_plans_past_what_the_trainer_does_not_run_yet_and_the_trainer_still_refuses_it():
+    """A PP 2 x EP 2 layout of the GLM-4.5 model: megatron-core can split the model so (the plan lists it), the
+    trainer does not run it yet (its pre-start check refuses it in one line)."""
+    cfg = read_config("checkpoints/tiny-glm4-moe-mtp")
+    layout = ParallelLayout(pp=2, dp=2, ep=2, last_stage_layers=2)
+    layout.check_split(cfg)
+    with pytest.raises(UserError, match="does not run pipeline stages yet"):
+        layout.check_model(cfg)
+    with pytest.raises(UserError, match="does not split the routed experts yet"):
+        ParallelLayout(dp=2, ep=2).check_model(cfg)

@@ -54,7 +54,8 @@ FIELDS = {
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """TP x PP x DP trainer ranks and how the decoder layers split over the pipeline stages."""
+    """TP x PP x DP trainer ranks, how the decoder layers split over the pipeline stages, and the routed
+    experts over EP x ETP ranks of each stage."""
 
     tp: int = 1
     pp: int = 1
