@@ -236,23 +236,23 @@ PLAN_RANGES = {**RANGES, "--gpus": AT_LEAST_1, "--gpu-memory-gb": POSITIVE, "--t
 def parse_args(argv):
     ap = OneLineErrorParser(prog="python -m vime.models.memory_plan", description=__doc__.splitlines()[0],
                             allow_abbrev=False)
-    ap.add_argument("--hf-config", required=True, help="the model's HF config.json (or the directory holding it)")
-    ap.add_argument("--gpus", type=int, required=True, help="trainer GPUs (= trainer ranks)")
-    ap.add_argument("--gpu-memory-gb", type=float, required=True, help="memory of one GPU, GB = 10^9 bytes")
+    ap.add_argument("--hf-config", required=True, metavar="PATH", help="the model's HF config.json (or the directory holding it)")
+    ap.add_argument("--gpus", type=int, required=True, metavar="N", help="trainer GPUs (= trainer ranks)")
+    ap.add_argument("--gpu-memory-gb", type=float, required=True, metavar="GB", help="memory of one GPU, GB = 10^9 bytes")
     ap.add_argument("--bf16", action="store_true", default=PlanOptions.bf16, help="train as train_rl.py --bf16")
     ap.add_argument("--enable-mtp-training", action="store_true", default=PlanOptions.train_mtp,
                     help="the MTP layers train (else frozen: weights only)")
-    ap.add_argument("--mtp-num-layers", type=int, default=None, help="MTP layers to load (default: the config's)")
+    ap.add_argument("--mtp-num-layers", type=int, default=None, metavar="N", help="MTP layers to load (default: the config's)")
     ap.add_argument("--use-kl-loss", action="store_true", default=PlanOptions.use_kl_loss,
                     help="count the KL reference's copy of the weights")
     for flag in LAYOUT_FLAGS:
-        ap.add_argument(flag, type=int, default=None, help="fix this size (default: try every one the rules accept)")
+        ap.add_argument(flag, type=int, default=None, metavar="N", help="fix this size (default: try every one the rules accept)")
     ap.add_argument("--distributed-optimizer", action="store_true",
                     help="what-if: megatron's distributed optimizer (vime's optimizer is not distributed)")
     ap.add_argument("--layer-spec", choices=("te", "local"), default="te",
                     help="te: the Transformer-Engine layers the trainer builds on GPUs; local: its CPU layers")
     ap.add_argument("--all", action="store_true", help="list every layout the rules accept, fitting or not")
-    ap.add_argument("--top", type=int, default=None, help="list only the N layouts with the smallest fullest rank")
+    ap.add_argument("--top", type=int, default=None, metavar="N", help="list only the N layouts with the smallest fullest rank")
     args = ap.parse_args(argv)
     check_flag_ranges({"--gpus": args.gpus, "--gpu-memory-gb": args.gpu_memory_gb, "--top": args.top,
                        "--mtp-num-layers": args.mtp_num_layers,
