@@ -77,7 +77,7 @@ def convert(args):
     from trainer import checkpoint
     from trainer.distributed import owned_single_process
     from trainer.model import build_model
-    from trainer.weights import named_hf_weights
+    from trainer.weights import stage_hf_weights
 
     require(os.path.isdir(args.input_dir), f"--input-dir {args.input_dir}: no such directory")
     meta = checkpoint.read_meta(args.input_dir)
@@ -93,7 +93,7 @@ def convert(args):
     with owned_single_process():
         model = build_model(cfg, n_mtp)
         checkpoint.load(args.input_dir, model)
-        state = dict(named_hf_weights(model, cfg))
+        state = dict(stage_hf_weights(model, cfg))  # one rank: its one stage is the whole model
     # MTP layers' copies of the embedding and head are written back where the origin stores them
     save_hf_checkpoint(args.output_dir, cfg, state, tokenizer_dir=args.origin_hf_dir,
                        mtp_head_copies=bool(n_mtp) and has_mtp_head_copies(args.origin_hf_dir, origin))

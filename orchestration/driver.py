@@ -23,6 +23,7 @@ class TrainerGroup:
         from trainer.ray_actor import TrainerActor
 
         t = cfg.train
+        self.layout = t.layout
         self.world = t.world_size
         self.dp = t.data_parallel_size
         self.steps_per_rollout = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt // t.global_batch_size
@@ -35,12 +36,12 @@ class TrainerGroup:
         # rank 0 hosts the group: its node's IP, so ranks on other nodes can join
         master_addr, port = ray.get(self.actors[0].rendezvous.remote())
         ray.get([a.start.remote(master_addr, port) for a in self.actors])
-        self.tp_pp = self.world // self.dp
 
     def train(self, samples):
-        """Each DP rank trains on its share; returns rank 0's metrics (already DP-reduced)."""
+        """Each DP rank trains on its share (every rank of its TP x PP grid on the same); returns rank 0's
+        metrics (reduced over DP, from the last pipeline stage)."""
         shards = [samples[d::self.dp] for d in range(self.dp)]
-        futures = [a.train.remote(shards[rank // self.tp_pp], self.steps_per_rollout)
+        futures = [a.train.remote(shards[self.layout.dp_rank(rank)], self.steps_per_rollout)
                    for rank, a in enumerate(self.actors)]
         return ray.get(futures)[0]
 

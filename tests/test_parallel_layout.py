@@ -100,7 +100,8 @@ def test_train_rl_refuses_a_layout_before_anything_starts(ckpt, tmp_path, extra,
 
 def test_the_converter_refuses_a_layout_the_model_cannot_be_split_into(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "checkpoint_convert.hf_to_torch_dist", "--hf-checkpoint", GLM,
-                           "--save", str(tmp_path / "o"), "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"],
-                          capture_output=True, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), timeout=300)
+                           "--save", str(tmp_path / "o"), "--mtp-num-layers", "1",
+                           "--pipeline-model-parallel-size", "2"], capture_output=True, text=True, cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=REPO), timeout=300)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
     assert proc.stderr.startswith("error: --pipeline-model-parallel-size 2 does not divide")

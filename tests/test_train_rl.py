@@ -292,7 +292,6 @@ def assert_refused_before_actors(proc, needle):
     (["--input-key", "question"], "line 1 has no key 'question'"),
     (["--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 0}'], "num_speculative_tokens"),
     (["--tensor-model-parallel-size", 3], "--tensor-model-parallel-size 3 does not divide"),
-    (["--pipeline-model-parallel-size", 2], "--pipeline-model-parallel-size 2: the trainer does not run pipeline"),
     (["--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 1, '
       '"rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.5}'], "benchmark-only"),
     (["--rollout-temperature", 0], "--rollout-temperature 0"),

@@ -1,8 +1,12 @@
-"""Spawned ranks of the TP=2 test (a module so torch.multiprocessing can import it)."""
+"""Spawned ranks of the parallel-layout trainer tests (a module so torch.multiprocessing can import it)."""
 import torch
 
 
-def run_tp2(rank, port, hf_dir, ckpt_dir, out_file, cfg_kwargs, seeds):
+def run_layout(rank, layout, port, hf_dir, load, ckpt_dir, out_file, cfg_kwargs, seeds, batch_kwargs=None):
+    """One rank of `layout` (a ParallelLayout) on `hf_dir`, resumed from the torch_dist checkpoint `load`
+    (None: from the HF weights): log-probs of seeds[0]'s batch, a train step per seed (batches of
+    `make_batch(seed, **batch_kwargs)`), the pushed weights, a torch_dist save into `ckpt_dir`; rank 0
+    writes what it got to `out_file`."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -10,13 +14,13 @@ def run_tp2(rank, port, hf_dir, ckpt_dir, out_file, cfg_kwargs, seeds):
     from trainer.distributed import init_distributed, teardown
     from trainer.trainer import Trainer
     from trainer_fixtures import make_batch
-    from vime.parallel_layout import ParallelLayout
 
     torch.set_num_threads(1)
-    init_distributed(rank, 2, "127.0.0.1", port, ParallelLayout(tp=2))
-    trainer = Trainer(TrainerConfig(tensor_model_parallel_size=2, **cfg_kwargs), hf_dir)
-    logprobs = trainer.compute_logprobs(make_batch(seed=seeds[0]))
-    metrics = [trainer.train_step(make_batch(seed=s)) for s in seeds]
+    init_distributed(rank, layout.world_size, "127.0.0.1", port, layout)
+    trainer = Trainer(TrainerConfig(**layout.config_fields(), **cfg_kwargs), hf_dir, load=load)
+    batch_kwargs = batch_kwargs or {}
+    logprobs = trainer.compute_logprobs(make_batch(seed=seeds[0], **batch_kwargs))
+    metrics = [trainer.train_step(make_batch(seed=s, **batch_kwargs)) for s in seeds]
     weights = dict(trainer.named_hf_weights())
     trainer.save(ckpt_dir)
     if rank == 0:

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from vime.models.routing_replay import batch_routes
+from vime.models.routing_replay import NO_ROUTE, batch_routes
 
 
 @dataclass
@@ -50,6 +50,19 @@ class Batch:
     def micro_batches(self, micro_batch_size):
         size = micro_batch_size if micro_batch_size and micro_batch_size > 0 else self.size
         return [self.rows(i, i + size) for i in range(0, self.size, size)]
+
+    def padded_to(self, rows):
+        """This batch with empty rows appended up to `rows`: padding everywhere (token_mask False, loss
+        mask 0, no rollout route), so they add nothing to any loss, metric or expert-load count."""
+        def pad(name, t):
+            fill = torch.full((rows - self.size, *t.shape[1:]), NO_ROUTE if name == "routed_experts" else 0,
+                              dtype=t.dtype, device=t.device)
+            return torch.cat([t, fill])
+
+        if rows == self.size:
+            return self
+        return replace(self, **{f.name: pad(f.name, getattr(self, f.name)) for f in fields(self)
+                                if getattr(self, f.name) is not None})
 
 
 def _row(values, offset, width, dtype, fill=0):

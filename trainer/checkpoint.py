@@ -68,6 +68,12 @@ def _in_process_results_queue():
         filesystem_async._results_queue = queue.Queue()
 
 
+def _model_sharded_state(model):
+    # a dict megatron fills with the data-parallel group: GPTModel.sharded_state_dict reads it for the
+    # last pipeline stage's copy of the word embedding, and a None `metadata` there fails
+    return model.sharded_state_dict(metadata={})
+
+
 def save(path, model, optimizer=None, meta=None):
     """Save model (+ optimizer state and meta) to `path` on every rank of the group."""
     from megatron.core import dist_checkpointing
@@ -76,7 +82,7 @@ def save(path, model, optimizer=None, meta=None):
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    model_sharded = model.sharded_state_dict()
+    model_sharded = _model_sharded_state(model)
     state = {"model": model_sharded}
     step = 0
     if optimizer is not None:
@@ -93,7 +99,7 @@ def load(path, model, optimizer=None):
     from megatron.core import dist_checkpointing
 
     meta = read_meta(path)
-    model_sharded = model.sharded_state_dict()
+    model_sharded = _model_sharded_state(model)
     state = {"model": model_sharded}
     with_optimizer = optimizer is not None and meta.get("has_optimizer")
     if with_optimizer:

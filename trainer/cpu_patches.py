@@ -59,6 +59,46 @@ def _patch_rng():
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
 
+class _TorchOnCpu:
+    """The torch module as one megatron module sees it, with tensors it asks to create on "cuda" made on
+    the CPU (everything else is torch's own)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*size, device=None, **kwargs):
+        return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+def _patch_schedule_token_count():
+    # pipeline_parallel.schedules: forward_backward_no_pipelining and
+    # forward_backward_pipelining_without_interleaving count the step's tokens in
+    # torch.zeros([], dtype=torch.int, device="cuda").
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _TorchOnCpu()
+
+
+def _patch_embedding_copy_to_cuda():
+    # LanguageModule.setup_embeddings_and_output_layer: under pipeline parallelism the last stage's copy
+    # of the word embedding is moved to CUDA (`weight.data = weight.data.cuda()`) before it is all-reduced
+    # with the first stage's; on CPU it stays where it is.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_on_cpu(self):
+        to_cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
+        try:
+            setup(self)
+        finally:
+            torch.Tensor.cuda = to_cuda
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_on_cpu
+
+
 def _disable_dynamo():
     # megatron.core.jit.jit_fuser is torch.compile, bound when `import megatron.core` imports the
     # MoE router and experts: on CPU their first step would spend ~13 s compiling C++ kernels.
@@ -132,6 +172,8 @@ PATCHES = {
     "torch.cuda.synchronize -> no-op": _patch_synchronize,
     "CUDA RNG tracker -> CPU generator": _patch_rng,
     "torch._dynamo disabled (megatron's jit_fuser would compile MoE kernels)": _disable_dynamo,
+    "pipeline schedules count tokens on the CPU": _patch_schedule_token_count,
+    "the last stage's word-embedding copy stays on the CPU": _patch_embedding_copy_to_cuda,
 }
 MODEL_PATCHES = {
     "moe_utils.te_general_gemm = None without Transformer Engine": _patch_te_general_gemm,

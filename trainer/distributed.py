@@ -109,3 +109,64 @@ def dp_sum(value):
     if dist.get_world_size(dp_group()) > 1:
         dist.all_reduce(t, group=dp_group())
     return t
+
+
+def pp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_group()
+
+
+def pp_size():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_world_size()
+
+
+def last_stage_rank():
+    """The global rank of this rank's pipeline-last stage (same TP and DP index)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_last_rank()
+
+
+def pp_sum(value):
+    """`value` summed over this rank's pipeline stages (float64, on the collective's device)."""
+    t = torch.as_tensor(value, dtype=torch.float64).detach().clone().to(collective_device())
+    if pp_size() > 1:
+        dist.all_reduce(t, group=pp_group())
+    return t
+
+
+def from_last_stage(obj):
+    """The last pipeline stage's `obj` (any picklable value), on every stage of this rank's pipeline."""
+    if pp_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=last_stage_rank(), group=pp_group(), device=collective_device())
+    return box[0]
+
+
+def tensor_from_last_stage(tensor):
+    """The last pipeline stage's `tensor` on every stage of this rank's pipeline; the other stages pass
+    a tensor of the same shape and dtype to receive into."""
+    if pp_size() > 1:
+        dist.broadcast(tensor, src=last_stage_rank(), group=pp_group())
+    return tensor
+
+
+def embedding_group():
+    """The group of the first and last pipeline stage of this rank's pipeline (both hold the word
+    embedding when the last needs it), or None for a stage between them."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_embedding_group() if ps.is_rank_in_embedding_group() else None
+
+
+def writes_for_last_stage():
+    """Whether this rank writes what the last pipeline stage holds (its TP and DP index 0; trainer rank 0
+    at one stage)."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank() == 0)

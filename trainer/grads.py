@@ -1,22 +1,29 @@
-"""Gradient reductions and TP-aware grad-norm clipping for the plain-torch optimizer path.
+"""Gradient reductions and TP/PP-aware grad-norm clipping for the plain-torch optimizer path.
 
 Megatron's own optimizer (distributed optimizer) is unreliable on gloo, so vime reduces
-gradients itself: q/k-layernorm grads are partial sums per TP rank (megatron's
-`_allreduce_non_tensor_model_parallel_grads` rule), and the loss is normalised by the
-step's global token count, so DP ranks sum their gradients.
+gradients itself, by megatron's rules: q/k-layernorm grads are partial sums per TP rank
+(`_allreduce_non_tensor_model_parallel_grads`); under pipeline parallelism the last stage's copy
+of the word embedding and the first stage's sum their grads (`_allreduce_word_embedding_grads`,
+the parameters megatron marks `shared_embedding`), so both copies take the same steps; and the
+loss is normalised by the step's global token count, so DP ranks sum their gradients. The
+grad norm counts every weight once: TP shards on every TP rank, replicated weights on TP rank 0,
+each stage its own layers, an embedding copy (megatron's `shared` mark) not at all.
 """
 import math
 
 import torch
 import torch.distributed as dist
 
-from trainer.distributed import collective_device, dp_group, tp_group, tp_rank_and_size
+from trainer.distributed import (collective_device, dp_group, embedding_group, pp_group, pp_size, tp_group,
+                                 tp_rank_and_size)
 
 _TP_PARTIAL = ("q_layernorm", "k_layernorm")
 
 
 def reduce_gradients(named_params):
-    """All-reduce (sum) qk-layernorm grads over TP and every grad over DP."""
+    """All-reduce (sum) the word embedding's grads over its pipeline copies, qk-layernorm grads over TP
+    and every grad over DP."""
+    _sum_embedding_copies([p for _, p in named_params])
     _, tp = tp_rank_and_size()
     dp = dist.get_world_size(dp_group())
     for name, p in named_params:
@@ -28,8 +35,30 @@ def reduce_gradients(named_params):
             dist.all_reduce(p.grad, group=dp_group())
 
 
+def _sum_embedding_copies(params):
+    """Under pipeline parallelism the first and last stage each hold the word embedding (the last for the MTP
+    block or a tied output layer): both get the sum of their grads. A copy that got none counts zero; when
+    neither got one, both keep none (the optimizer then skips them, as it skips the one-stage embedding)."""
+    group = embedding_group() if pp_size() > 1 else None
+    if group is None:
+        return
+    for p in params:
+        if not getattr(p, "shared_embedding", False):
+            continue
+        has_grad = torch.tensor([float(p.grad is not None)], device=collective_device())
+        dist.all_reduce(has_grad, group=group)
+        if has_grad.item() == 0:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=group)
+
+
 def _counted_once(param, tp_rank):
-    """Sharded params count on every rank; replicated ones only on TP rank 0."""
+    """Sharded params count on every rank; replicated ones only on TP rank 0; a pipeline stage's copy of
+    another stage's weight (megatron's `shared`) nowhere."""
+    if getattr(param, "shared", False):
+        return False
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
@@ -42,6 +71,8 @@ def grad_norm(params):
             sq += p.grad.detach().double().pow(2).sum().to(sq.device)
     if tp > 1:
         dist.all_reduce(sq, group=tp_group())
+    if pp_size() > 1:
+        dist.all_reduce(sq, group=pp_group())
     return math.sqrt(sq.item())
 
 

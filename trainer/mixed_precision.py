@@ -23,9 +23,10 @@ import torch
 
 
 def _copy_parallel_attributes(dst, src):
-    """megatron's tensor-parallel attributes (sharded? along which dim?) onto the main parameter,
-    which the TP-aware grad-norm reads (trainer/grads.py)."""
-    for name in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+    """megatron's parallel attributes (TP-sharded? along which dim? a pipeline stage's copy of the word
+    embedding?) onto the main parameter, which the gradient reductions and the grad norm read
+    (trainer/grads.py)."""
+    for name in ("tensor_model_parallel", "partition_dim", "partition_stride", "shared", "shared_embedding"):
         if hasattr(src, name):
             setattr(dst, name, getattr(src, name))
 

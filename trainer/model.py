@@ -9,6 +9,7 @@ block needs, instead of running megatron's own MTP loss. The trainer then calls
 the MTP loss itself (docs/design.md#the-draft-trains-on-detached-policy-states).
 """
 import contextlib
+import re
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,7 @@ def transformer_config(model_cfg, mtp_num_layers, layout=ONE_RANK, params_dtype=
         mtp_loss_scaling_factor=0.0, use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         add_qkv_bias=model_cfg.qkv_bias, qk_layernorm=model_cfg.qk_norm,
+        **pipeline_options(layout, params_dtype),
     )
     if model_cfg.moe is not None:
         options.update(moe_options(model_cfg))
@@ -97,6 +99,18 @@ def transformer_config(model_cfg, mtp_num_layers, layout=ONE_RANK, params_dtype=
         options.update(mla_options(model_cfg))
         return MLATransformerConfig(**options)
     return TransformerConfig(**options)
+
+
+def pipeline_options(layout, params_dtype):
+    """TransformerConfig options of the pipeline stages (harmless at one stage): uneven first/last stages;
+    stage outputs sent in the compute dtype, all micro-batches of a call of one shape (megatron's
+    all-gather token dispatcher, the MoE one that runs on CPU, refuses shapes that vary: the trainer
+    pads a short last micro-batch, trainer/trainer.py `_run`); and the trainer's micro-batch losses taken
+    as they are, since each already is its share of the step's token mean (the schedule would otherwise
+    divide it by the micro-batch count)."""
+    return dict(num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+                num_layers_in_last_pipeline_stage=layout.last_stage_layers, pipeline_dtype=params_dtype,
+                calculate_per_token_loss=True)
 
 
 def moe_options(model_cfg):
@@ -173,6 +187,8 @@ def _vime_gpt_model_class():
         def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb,
                          rotary_pos_cos, rotary_pos_sin, attention_mask=None, packed_seq_params=None,
                          sequence_len_offset=None, **unused):
+            if not self.post_process:  # a stage before the last: its output goes on to the next stage
+                return hidden_states
             logits = self._logits(hidden_states, self.output_weight())
             mtp_inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                               rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
@@ -296,6 +312,7 @@ def build_model(model_cfg, mtp_num_layers, layout=ONE_RANK, seed=1234, params_dt
     """A VimeGPTModel for `model_cfg` (a ModelConfig) on this rank's shard of `layout`, its parameters in
     `params_dtype` (bf16: cast as megatron's Float16Module casts its module; the fp32 master weights
     live in the optimizer, trainer/mixed_precision.py)."""
+    from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
@@ -305,10 +322,12 @@ def build_model(model_cfg, mtp_num_layers, layout=ONE_RANK, seed=1234, params_dt
     config = transformer_config(model_cfg, mtp_num_layers, layout, params_dtype)
     name = spec_name()
     layer_spec = LAYER_SPECS[name](config)
+    # this stage's layers (megatron builds the MTP block on the last stage only, and None elsewhere)
     mtp_spec = (get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=name == "te")
                 if mtp_num_layers else None)
     model = _vime_gpt_model_class()(
         config=config, transformer_layer_spec=layer_spec, vocab_size=model_cfg.vocab_size,
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         max_sequence_length=model_cfg.max_position_embeddings, mtp_block_spec=mtp_spec,
         position_embedding_type="rope", rotary_base=model_cfg.rope_theta,
         rotary_percent=model_cfg.partial_rotary_factor,
@@ -355,14 +374,79 @@ def causal_mask(seq_len, device=None):
 
 
 def forward(model, tokens, token_mask=None):
-    """ForwardOutput of `tokens` [b, s] (right-padded; positions 0..s-1). `token_mask` [b, s] (False on
-    padding) keeps padding out of the MoE routers' load counts, here and in the MTP block after it."""
+    """ForwardOutput of `tokens` [b, s] (right-padded; positions 0..s-1) on the last pipeline stage; on a
+    stage before it, the hidden states [s, b, H] it hands on (its input: what the previous stage handed
+    on, set by the pipeline schedule). `token_mask` [b, s] (False on padding) keeps padding out of the
+    MoE routers' load counts, here and in the MTP block after it."""
     seq = tokens.shape[1]
     positions = torch.arange(seq, device=tokens.device).unsqueeze(0).expand_as(tokens)
     with counting_tokens(routers(model.decoder), [token_mask]):
         out = model(tokens, positions, causal_mask(seq, tokens.device))
-    out.token_mask = token_mask
+    if isinstance(out, ForwardOutput):
+        out.token_mask = token_mask
     return out
+
+
+def is_last_stage(model):
+    """Whether `model` is the last pipeline stage (the one with the output layer, the losses, the MTP block)."""
+    return model.post_process
+
+
+def global_layer_index(layer):
+    """The 0-based index in the whole model of a decoder layer of this stage (megatron numbers them from 1)."""
+    return layer.layer_number - 1
+
+
+def named_weights(model, copies=False):
+    """(megatron name, tensor) of every weight this stage holds (its parameters and the buffers that are
+    checkpoint weights), decoder layers named by their index in the whole model, as a one-stage model
+    names them. A later stage's copies of the first stage's word embedding (`embedding_copy_names`) are
+    the first stage's weight: left out, or with `copies` named as it (to be loaded like it)."""
+    from vime.models.megatron_names import is_synced_buffer
+
+    global_index = [global_layer_index(layer) for layer in model.decoder.layers]
+    copy_of = embedding_copy_names(model)
+    tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if is_synced_buffer(n))]
+    for name, tensor in tensors:
+        if name in copy_of:
+            if copies:
+                yield copy_of[name], tensor
+        else:
+            yield _global_layer_name(name, global_index), tensor
+
+
+_DECODER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def _global_layer_name(name, global_index):
+    """`name` with a decoder layer's local index (its place in this stage) replaced by its global one."""
+    m = _DECODER_LAYER.match(name)
+    return f"decoder.layers.{global_index[int(m.group(1))]}.{m.group(2)}" if m else name
+
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def last_stage_keeps_word_embedding(model):
+    """Whether the last pipeline stage of `model`'s pipeline (any stage may ask) holds a copy of the word
+    embedding: for the MTP block, or as a tied output layer (`embedding_copy_names`)."""
+    return bool(model.config.mtp_num_layers) or model.share_embeddings_and_output_weights
+
+
+def embedding_copy_names(model):
+    """{name: the weight it copies} of this stage's copies of the first stage's word embedding: a later
+    stage keeps one for the MTP block, or as a tied output layer (megatron's
+    `setup_embeddings_and_output_layer`; with both, that stage's own output layer is unused and copies it
+    too). megatron marks the copies and the first stage's embedding `shared_embedding`, and
+    trainer/grads.py sums their gradients, so that every copy takes the same steps."""
+    if model.pre_process:
+        return {}
+    copies = {}
+    if model.post_process and model.mtp_process:
+        copies[WORD_EMBEDDING] = WORD_EMBEDDING
+    if model.post_process and model.share_embeddings_and_output_weights:
+        copies["output_layer.weight"] = WORD_EMBEDDING
+    return copies
 
 
 def shifted_token_mask(token_mask, shift):

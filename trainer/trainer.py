@@ -5,6 +5,10 @@ Trainer starts a one-process group itself. Per step: the policy loss (PPO-clip o
 log-probs) plus the loss of the draft the run trains, whatever its kind (trainer/drafts: the MTP
 layers or an external EAGLE-3 or DFlash draft), which reads detached policy states and has its own grad-norm
 clip; then the draft's own steps on the updated policy (trainer/drafts/base.py).
+
+A rank holds its TP shard of its pipeline stage's layers; the micro-batches go through megatron-core's
+schedule (trainer/pipeline.py), the losses on the last stage, and what a step reports is the same on
+every rank: the last stage's losses, grad norms over every stage (docs/at_scale.md#pipeline-parallelism).
 """
 import collections
 import contextlib
@@ -18,12 +22,13 @@ from vime.models.torch_dist_format import torch_dist_tensor_problem
 from mtp.sampling import effective_temperature, token_logprobs
 from trainer import checkpoint, grads
 from trainer.mixed_precision import build_optimizer, fp32_params_for_checkpoint, grad_params, named_grad_params
-from trainer.distributed import dp_sum, ensure_distributed
+from trainer.distributed import dp_sum, ensure_distributed, from_last_stage, pp_sum, tensor_from_last_stage
 from trainer.drafts import build_draft, load_draft_state, save_draft_state
 from trainer.losses import entropy_from_logits, policy_loss, token_mean
 from trainer.routing_replay import RoutingReplay
 from trainer.model import build_model, forward, is_mtp_param, update_expert_biases
-from trainer.weights import load_hf_state, named_hf_weights
+from trainer.pipeline import run_micro_batches
+from trainer.weights import gather_stages, load_hf_state, stage_hf_weights
 from vime.errors import require
 from vime.precision import compute_dtype
 
@@ -56,7 +61,7 @@ class Trainer:
                 p.requires_grad_(False)
         # MoE: the decoder routers take the rollout's routes (--use-rollout-routing-replay) or their own,
         # and count where they differ (trainer/routing_replay.py)
-        self.routing = (RoutingReplay(self.model, cfg.use_rollout_routing_replay)
+        self.routing = (RoutingReplay(self.model, cfg.use_rollout_routing_replay, self.model_cfg)
                         if self.model_cfg.moe is not None else None)
         # the draft trained beside the policy (trainer/drafts: MTP layers, EAGLE-3, DFlash), or None
         self.draft = build_draft(cfg, self.model, self.model_cfg)
@@ -98,15 +103,36 @@ class Trainer:
 
     @torch.no_grad()
     def compute_logprobs(self, batch):
-        """[B, S] log-prob of each token given its prefix (0 at position 0), at the rollout temperature."""
+        """[B, S] log-prob of each token given its prefix (0 at position 0), at the rollout temperature
+        (computed on the last pipeline stage, returned on every stage)."""
         batch = batch.to(self.device)
         self.model.eval()
-        rows = []
-        for mb in batch.micro_batches(self.cfg.micro_batch_size):
+
+        def logprobs(out, mb):
+            return torch.zeros((), device=self.device), self._token_logprobs(out, mb.tokens)
+
+        rows = self._run(batch.micro_batches(self.cfg.micro_batch_size), logprobs, forward_only=True)
+        lp = torch.nn.functional.pad(torch.cat(rows), (1, 0))[:batch.size] if rows else torch.empty(batch.tokens.shape)
+        return tensor_from_last_stage(lp.to(self.device, torch.float32))
+
+    def _run(self, micro_batches, loss, forward_only=False, training=False):
+        """`loss(out, mb)` of every micro-batch's forward, through the pipeline stages
+        (trainer/pipeline.py); each forward with its rollout routes. `training`: the forwards the policy
+        or the draft trains on: the MoE load is counted on real tokens only, and the draft keeps the
+        states it reads. Between stages every micro-batch has one shape: a short last one is padded
+        with empty rows (they add nothing; its results keep them, after the real rows). Returns the
+        results on the last stage, [] on the others."""
+        def forward_one(mb):
             with self._rollout_routes(mb):
-                lp = self._token_logprobs(forward(self.model, mb.tokens), mb.tokens)
-            rows.append(torch.nn.functional.pad(lp, (1, 0)))
-        return torch.cat(rows)
+                out = forward(self.model, mb.tokens, mb.token_mask if training else None)
+            if training and self.draft is not None:
+                self.draft.after_forward()
+            return out
+
+        micro_batches = list(micro_batches)
+        if self.cfg.pipeline_model_parallel_size > 1:
+            micro_batches = [mb.padded_to(micro_batches[0].size) for mb in micro_batches]
+        return run_micro_batches(self.model, micro_batches, forward_one, loss, forward_only)
 
     def _rollout_routes(self, mb):
         """Around a forward of micro-batch `mb`: its rollout routes for the MoE routers (replayed under
@@ -154,18 +180,31 @@ class Trainer:
         num_tokens = dp_sum(batch.num_response_tokens()).float()
         micro_batches = list(batch.micro_batches(self.cfg.micro_batch_size))
         normaliser = self.draft.normaliser(batch, len(micro_batches)) if self.draft else None
-        totals = {}
         if self.routing:
             self.routing.disagreement()  # counts start with this step's forwards
-        for mb in micro_batches:
-            with self._rollout_routes(mb):
-                out = forward(self.model, mb.tokens, mb.token_mask)
+
+        later = []  # (draft inputs, metrics) of a draft whose loss runs after the pipeline
+
+        def loss_of(out, mb):
             loss, m = self._policy_loss(out, mb, num_tokens)
+            m = {k: float(v) for k, v in m.items()}
             if self.draft is not None:  # on detached policy states: the policy's gradients are untouched
-                loss = loss + self._draft_loss(self.draft.inputs(out, mb, normaliser), m)[0]
-            loss.backward()
+                inputs = self.draft.inputs(out, mb, normaliser)
+                if self.draft.loss_in_pipeline:
+                    loss = loss + self._draft_loss(inputs, m)[0]
+                else:
+                    later.append((inputs, m))
+            return loss, m
+
+        results = self._run(micro_batches, loss_of, training=True)
+        if self.draft is not None and not self.draft.loss_in_pipeline:
+            # its own graph: the same gradients as inside the policy's backward
+            for inputs, m in zip(self.draft.complete([i for i, _ in later]), [m for _, m in later]):
+                self._draft_loss(inputs, m)[0].backward()
+        totals = {}
+        for m in results:
             for k, v in m.items():
-                totals[k] = totals.get(k, 0.0) + float(v)
+                totals[k] = totals.get(k, 0.0) + v
         grads.reduce_gradients(named_grad_params(self.optimizer, self.named_policy_params()))
         if self.draft is not None:
             self.draft.reduce_gradients()
@@ -176,9 +215,9 @@ class Trainer:
         trainer's own routers chose other experts than the rollout (with or without replay)."""
         if self.routing is None:
             return {}
-        diff, total = self.routing.disagreement()
-        total = dp_sum(total).item()
-        return {"train/route_disagreement": dp_sum(diff).item() / total} if total else {}
+        diff, total = self.routing.disagreement()  # this stage's MoE layers: summed over stages and replicas
+        total = pp_sum(dp_sum(total)).item()
+        return {"train/route_disagreement": pp_sum(dp_sum(diff)).item() / total} if total else {}
 
     def _draft_inputs(self, batch):
         """The draft's inputs of every micro-batch of `batch` under the current policy: one no-grad
@@ -186,22 +225,25 @@ class Trainer:
         batch = batch.to(self.device)
         micro_batches = list(batch.micro_batches(self.cfg.micro_batch_size))
         normaliser = self.draft.normaliser(batch, len(micro_batches))
-        inputs = []
+
+        def inputs(out, mb):
+            return torch.zeros((), device=self.device), self.draft.inputs(out, mb, normaliser)
+
         with torch.no_grad():
-            for mb in micro_batches:
-                with self._rollout_routes(mb):
-                    inputs.append(self.draft.inputs(forward(self.model, mb.tokens, mb.token_mask), mb, normaliser))
-        return inputs
+            return self.draft.complete(self._run(micro_batches, inputs, forward_only=True, training=True))
 
     def _draft_only_step(self, inputs):
-        """One optimiser step of the draft alone on one batch's `inputs`: the policy's parameters keep
-        no grad, so the optimizer skips them. Returns this rank's share of the step's loss."""
+        """One optimiser step of the draft alone on one batch's `inputs` (the last pipeline stage's; the
+        others have none): the policy's parameters keep no grad, so the optimizer skips them (a jointly
+        trained MTP layer's grad to the word embedding is reduced like the policy's). Returns this rank's
+        share of the step's loss."""
         self.draft.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for micro in inputs:
             loss, reported = self._draft_loss(micro)
             loss.backward()
             total += reported
+        grads.reduce_gradients(named_grad_params(self.optimizer, self.named_policy_params()))
         self.draft.reduce_gradients()
         self.draft.clip_gradients()
         self.draft.optimizer.step()
@@ -215,9 +257,13 @@ class Trainer:
         total = None
         for i in range(steps):
             total = self._draft_only_step(prepared[(steps - 1 - i) % len(prepared)])
-        return dp_sum(total).item()
+        return dp_sum(total).item()  # the last stage's; train_step hands its metrics to every stage
 
     def _metrics(self, totals):
+        """The step's train/* losses from the micro-batches' `totals` (the last pipeline stage's; a stage
+        before it has none and reports none)."""
+        if not totals:
+            return {}
         out = {f"train/{k}": dp_sum(v).item() for k, v in totals.items()}
         policy = out.pop("train/pg_loss")
         if self.cfg.use_kl_loss:
@@ -245,7 +291,7 @@ class Trainer:
         if steps > 0:
             metrics["train/draft_final_loss"] = self._draft_only_steps([batch, *self._draft_replay], steps)
             self._draft_replay.appendleft(batch)
-        return metrics
+        return from_last_stage(metrics)  # the losses live on the last pipeline stage
 
     def _balance_experts(self):
         """After every optimiser step (joint or draft-only), MoE routers' expert biases step towards
@@ -254,10 +300,13 @@ class Trainer:
 
     # ---- weights and checkpoints ------------------------------------------------------
     def named_hf_weights(self):
-        """Yield (canonical HF name, full tensor) of every weight, trunk and MTP, on every TP rank."""
-        yield from named_hf_weights(self.model, self.model_cfg)
+        """[(canonical HF name, full tensor)] of every weight, trunk, MTP and an external draft's: the whole
+        model on trainer rank 0 (the push's source), gathered over TP and the pipeline stages
+        (trainer/weights.py); collective, every rank calls it."""
+        own = stage_hf_weights(self.model, self.model_cfg)
         if self.draft is not None:
-            yield from self.draft.named_weights()
+            own += list(self.draft.named_weights())
+        return gather_stages(own)
 
     def _meta(self):
         return {"model_config": dataclasses.asdict(self.model_cfg), "mtp_num_layers": self.mtp_num_layers,

@@ -1,15 +1,32 @@
-"""Moving weights between a TP-sharded megatron model and canonical HF tensors.
+"""Moving weights between a sharded megatron model and canonical HF tensors (loading, pushing).
+
+A rank holds a part of the model: the layers of its pipeline stage, and of each of their tensors its
+TP shard. A push delivers the whole model, so the rank that sends it (trainer rank 0) gathers it in
+two steps, one per kind of split:
+
+- `STAGE_GATHERS`, one gather per parallel dimension that splits a pipeline stage's weights, in order,
+  each taking and yielding (megatron name, tensor) pairs of the stage: `tp` all-gathers each tensor's
+  shards (every TP rank then holds the stage's full tensors). A dimension that splits a stage another
+  way (experts over EP ranks) adds its gather here; `stage_hf_weights` runs them and maps the names
+  to HF (vime/models/megatron_names.py).
+- `gather_stages`: the stages' HF-named tensors (and the draft's, which lives on the last stage) sent
+  point to point to the first stage of trainer rank 0's pipeline, which then holds the whole model and
+  pushes it. (Each stage could instead push its own layers to the engines, as slime does: one hop less
+  for those layers; scripts/bench/weight_gather.py measures both, docs/at_scale.md says why vime
+  gathers.)
 
 Sharding follows megatron's parameter attributes (`tensor_model_parallel`, `partition_dim`);
 the one exception is `linear_fc1`, whose rows are [gate; up] on *every* rank, so each half
-is split separately. Names go through vime/models/megatron_names.py. Besides the parameters, the
-buffers that are checkpoint weights (the MoE router's expert bias) move too.
+is split separately. Besides the parameters, the buffers that are checkpoint weights (the MoE
+router's expert bias) move too.
 """
 import torch
 import torch.distributed as dist
 
-from vime.models.megatron_names import hf_to_megatron, is_synced_buffer, megatron_to_hf
-from trainer.distributed import tp_group, tp_rank_and_size
+from vime.models.megatron_names import hf_to_megatron, megatron_to_hf
+from trainer.distributed import (collective_device, dp_group, pp_group, pp_size, tp_group,
+                                 tp_rank_and_size)
+from trainer.model import (WORD_EMBEDDING, is_last_stage, last_stage_keeps_word_embedding, named_weights)
 
 _PER_HALF = ("mlp.linear_fc1.weight",)  # [gate; up] stacked within each TP shard
 
@@ -47,23 +64,108 @@ def gather(name, param):
     return torch.cat(parts, dim=dim)
 
 
-def named_weight_tensors(model):
-    """(megatron name, tensor) of every parameter and every buffer that is a checkpoint weight."""
-    yield from model.named_parameters()
-    yield from ((n, b) for n, b in model.named_buffers() if is_synced_buffer(n))
-
-
 @torch.no_grad()
 def load_hf_state(model, hf_state, model_cfg):
-    """Copy canonical HF tensors into every weight of `model` (this rank's shards)."""
+    """Copy canonical HF tensors into every weight of `model` (this rank's shards of this stage's weights,
+    the stage's copies of the word embedding too)."""
     tp_rank, tp = tp_rank_and_size()
-    for name, param in named_weight_tensors(model):
+    for name, param in named_weights(model, copies=True):
         full = hf_to_megatron(name, hf_state, model_cfg)
         param.copy_(shard(name, full, param, tp_rank, tp).to(param.dtype))
 
 
 @torch.no_grad()
-def named_hf_weights(model, model_cfg):
-    """Yield (canonical HF name, full tensor) for every weight, trunk and MTP, gathered over TP."""
-    for name, param in named_weight_tensors(model):
-        yield from megatron_to_hf(name, gather(name, param), model_cfg)
+def word_embedding_on_last_stage(model):
+    """Collective over the pipeline stages: the whole word embedding (gathered over TP), detached, on the
+    last stage: its own copy, or sent by the first stage when it keeps none; None on the others."""
+    ranks = dist.get_process_group_ranks(pp_group())
+    if len(ranks) == 1 or (last_stage_keeps_word_embedding(model) and is_last_stage(model)):
+        return gather(WORD_EMBEDDING, model.shared_embedding_or_output_weight())
+    if last_stage_keeps_word_embedding(model):
+        return None
+    if model.pre_process:
+        dist.send(gather(WORD_EMBEDDING, model.embedding.word_embeddings.weight).to(collective_device()),
+                  dst=ranks[-1], group=pp_group())
+    if not is_last_stage(model):
+        return None
+    weight = model.output_layer.weight  # [V / TP, H]: the embedding's shape and dtype
+    tp = tp_rank_and_size()[1]
+    embedding = torch.empty(weight.shape[0] * tp, weight.shape[1], dtype=weight.dtype, device=collective_device())
+    dist.recv(embedding, src=ranks[0], group=pp_group())
+    return embedding
+
+
+def _gather_tensor_parallel(named):
+    """Every TP rank: the full tensor of each (megatron name, shard) of the stage."""
+    for name, param in named:
+        yield name, gather(name, param)
+
+
+STAGE_GATHERS = {"tp": _gather_tensor_parallel}  # parallel dimension -> its gather within a stage, in order
+
+
+@torch.no_grad()
+def stage_hf_weights(model, model_cfg):
+    """[(canonical HF name, full tensor)] of every weight of this pipeline stage (trunk and MTP), gathered
+    over the dimensions that split a stage (`STAGE_GATHERS`); the same on every rank of the stage."""
+    named = named_weights(model)
+    for gather_dimension in STAGE_GATHERS.values():
+        named = gather_dimension(named)
+    return [hf for name, tensor in named for hf in megatron_to_hf(name, tensor, model_cfg)]
+
+
+def _gathers_stages():
+    """Whether this rank's pipeline gathers its stages: trainer rank 0's (TP and DP index 0), the pusher's."""
+    tp_rank, _ = tp_rank_and_size()
+    return tp_rank == 0 and dist.get_rank(dp_group()) == 0
+
+
+@torch.no_grad()
+def gather_stages(named):
+    """Collective over the pipeline stages. Every stage's (name, tensor) pairs, in stage order, on the first
+    stage of trainer rank 0's pipeline; [] on the other stages of that pipeline; each rank's own pairs
+    elsewhere (nobody pushes from there). One stage: `named` as it is."""
+    named = list(named)
+    if pp_size() == 1 or not _gathers_stages():
+        return named
+    group = pp_group()
+    ranks = dist.get_process_group_ranks(group)
+    stage = ranks.index(dist.get_rank())
+    if stage > 0:
+        _send_pairs(named, ranks[0], group)
+        return []
+    for src in ranks[1:]:
+        named += _recv_pairs(src, group)
+    return named
+
+
+def _send_pairs(named, dst, group):
+    """Names, shapes and dtypes first, then one flat buffer per dtype (in that order)."""
+    header = [(name, tuple(t.shape), t.dtype) for name, t in named]
+    dist.send_object_list([header], dst=dst, group=group, device=collective_device())
+    for dtype in sorted({d for _, _, d in header}, key=str):
+        dist.send(torch.cat([t.reshape(-1) for _, t in named if t.dtype == dtype]).to(collective_device()),
+                  dst=dst, group=group)
+
+
+def _recv_pairs(src, group):
+    box = [None]
+    dist.recv_object_list(box, src=src, group=group, device=collective_device())
+    header = box[0]
+    tensors = {}
+    for dtype in sorted({d for _, _, d in header}, key=str):
+        specs = [(name, shape) for name, shape, d in header if d == dtype]
+        flat = torch.empty(sum(_numel(shape) for _, shape in specs), dtype=dtype, device=collective_device())
+        dist.recv(flat, src=src, group=group)
+        offset = 0
+        for name, shape in specs:
+            tensors[name] = flat[offset:offset + _numel(shape)].view(shape)
+            offset += _numel(shape)
+    return [(name, tensors[name]) for name, _, _ in header]
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n

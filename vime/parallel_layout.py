@@ -71,6 +71,13 @@ class ParallelLayout:
         defaults = cls()
         return cls(**{name: getattr(section, attr, getattr(defaults, name)) for name, attr in FIELDS.items()})
 
+    def config_fields(self):
+        """{config field: value} of the sizes this layout sets apart from one rank's: the fields `of` reads,
+        to build a config from it (the others keep the config's defaults)."""
+        defaults = ParallelLayout()
+        return {attr: getattr(self, name) for name, attr in FIELDS.items()
+                if getattr(self, name) != getattr(defaults, name)}
+
     @property
     def world_size(self):
         """Trainer ranks: TP x PP x DP."""
@@ -258,11 +265,6 @@ def _check_experts_run(layout, model_cfg):
             f"with {FLAGS['dp']}")
 
 
-def _check_pipeline_runs(layout, model_cfg):
-    require(layout.pp == 1, f"{FLAGS['pp']} {layout.pp}: the trainer does not run pipeline stages yet; use "
-            f"{FLAGS['pp']} 1 and scale out with {FLAGS['dp']}")
-
-
 FLAG_CHECKS = [_check_stage_flags, _check_expert_flags]
 MODEL_CHECKS = [_check_tensor_parallel, _check_pipeline_stages, _check_expert_parallel]
-NOT_RUN_YET = [_check_pipeline_runs, _check_experts_run]
+NOT_RUN_YET = [_check_experts_run]

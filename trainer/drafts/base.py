@@ -118,10 +118,23 @@ class DraftTrainer(abc.ABC):
     def normaliser(self, batch, num_micro_batches):
         """What each micro-batch's loss divides by so that they sum to the step's loss (per batch)."""
 
+    # whether the loss joins the policy's in the pipeline's backward (the last stage's loss function): it
+    # must when it may train jointly with the policy (MTP layers); a draft reading only detached states
+    # can run its loss after the pipeline, on states gathered from every stage (`complete`)
+    loss_in_pipeline = True
+
+    def after_forward(self):
+        """Called on every pipeline stage after each policy forward the draft trains on (keep its states)."""
+
     @abc.abstractmethod
     def inputs(self, out, mb, normaliser):
         """What the loss reads of one policy forward `out` (trainer/model.py ForwardOutput) over the
-        micro-batch `mb`; called right after that forward."""
+        micro-batch `mb`; called on the last pipeline stage right after that forward."""
+
+    def complete(self, inputs):
+        """Collective over the pipeline stages, after the forwards of `inputs` (the last stage's list, []
+        elsewhere): the inputs with what other stages hold filled in, on the last stage ([] elsewhere)."""
+        return inputs
 
     @abc.abstractmethod
     def loss(self, inputs):
@@ -142,9 +155,12 @@ class DraftTrainer(abc.ABC):
 
 
 def save_draft_state(path, draft):
-    """The draft's own state into a --save checkpoint `path` (rank 0 writes; collective)."""
+    """The draft's own state into a --save checkpoint `path` (collective; written by the first rank of the
+    last pipeline stage, where a draft trains)."""
+    from trainer.distributed import writes_for_last_stage
+
     state = draft.state()
-    if state is not None and dist.get_rank() == 0:
+    if state is not None and writes_for_last_stage():
         torch.save({"kind": draft.kind, **state}, os.path.join(path, DRAFT_STATE_FILE))
     dist.barrier()
 

@@ -10,6 +10,7 @@ as the rollout engines do. So the policy's loss and gradients are those without 
 AdamW, gradients averaged over data-parallel ranks, tensors pushed as `dflash.<checkpoint name>`,
 weights and optimizer state in a checkpoint (external.py).
 """
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,7 +19,8 @@ import torch
 from mtp.dflash import DFlashDraft, block_loss
 from trainer.drafts.base import DraftKnobs
 from trainer.drafts.external import AuxHiddenStates, ExternalDraftTrainer
-from trainer.weights import gather
+from trainer.model import is_last_stage
+from trainer.weights import gather, word_embedding_on_last_stage
 from vime.errors import require
 from vime.models.dflash import WIRE_PREFIX, check_draft_fits_target, load_draft
 
@@ -27,13 +29,14 @@ from vime.models.dflash import WIRE_PREFIX, check_draft_fits_target, load_draft
 class DFlashInputs:
     """What the block loss reads from one policy forward over a micro-batch (all detached)."""
 
-    aux: torch.Tensor  # [b, s, n * H] the policy's states after target_layer_ids, concatenated
     tokens: torch.Tensor  # [b, s]
     loss_mask: torch.Tensor  # [b, s] 1 on response tokens (the block slots that count)
-    embed_weight: torch.Tensor  # [V, H] the policy's embedding (block inputs: anchor, mask tokens)
-    head_weight: torch.Tensor  # [V, H] the policy's output layer (block logits)
     share: float  # this micro-batch's share of the step (1 / micro-batches)
     policy_logits: Optional[torch.Tensor] = None  # [b, s, V] for a distillation loss, else None
+    # set by `fill`, from every pipeline stage:
+    aux: Optional[torch.Tensor] = None  # [b, s, n * H] the policy's states after target_layer_ids, concatenated
+    embed_weight: Optional[torch.Tensor] = None  # [V, H] the policy's embedding (block inputs: anchor, mask tokens)
+    head_weight: Optional[torch.Tensor] = None  # [V, H] the policy's output layer (block logits)
 
 
 class DFlashDraftTrainer(ExternalDraftTrainer):
@@ -53,8 +56,8 @@ class DFlashDraftTrainer(ExternalDraftTrainer):
         check_draft_fits_target(spec.model, draft_cfg, model_cfg, spec.num_speculative_tokens)
         module = DFlashDraft(draft_cfg)
         module.load_state_dict(state, strict=True)
-        super().__init__(cfg, model, module, draft_cfg.aux_layer_ids)
-        self.model, self.vocab_size = model, model_cfg.vocab_size
+        super().__init__(cfg, model, model_cfg, module, draft_cfg.aux_layer_ids)
+        self.vocab_size = model_cfg.vocab_size
         # the anchors' own stream: the draft's randomness leaves the policy's RNG (and so its step) untouched
         self.generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
 
@@ -64,9 +67,14 @@ class DFlashDraftTrainer(ExternalDraftTrainer):
                 f"--draft-ttt-steps {cfg.draft_ttt_steps} unrolls EAGLE-3's drafting steps; a DFlash draft trains "
                 "its whole block in one forward (the block size is the draft's): leave it unset")
 
-    def _target_weight(self, name, param):
-        """The policy's [V, H] embedding or head as the rollout reads it: whole (gathered over TP), detached."""
-        return gather(name, param)[:self.vocab_size]
+    def policy_weights(self):
+        """The policy's [V, H] embedding and head as the rollout reads them: whole (gathered over TP and, the
+        embedding, from the first pipeline stage), detached; on the last stage (None elsewhere)."""
+        embed = word_embedding_on_last_stage(self.model)
+        if not is_last_stage(self.model):
+            return None
+        head = gather("output_layer.weight", self.model.output_weight())
+        return embed[:self.vocab_size], head[:self.vocab_size]
 
     # ---- checkpoints: the anchors' stream too, so that a resumed run draws the same blocks ----
     def state(self):
@@ -78,11 +86,12 @@ class DFlashDraftTrainer(ExternalDraftTrainer):
 
     # ---- the loss ----------------------------------------------------------------------
     def inputs(self, out, mb, normaliser):
-        aux = AuxHiddenStates.concat(self.aux.take(), self.module.cfg.aux_layer_ids)
-        embed = self._target_weight("embedding.word_embeddings.weight", self.model.embedding.word_embeddings.weight)
-        head = self._target_weight("output_layer.weight", self.model.output_weight())
-        return DFlashInputs(aux, mb.tokens, mb.loss_mask, embed.to(aux.dtype), head.to(aux.dtype), 1 / normaliser,
-                            self.policy_logits(out))
+        return DFlashInputs(mb.tokens, mb.loss_mask, 1 / normaliser, self.policy_logits(out))
+
+    def fill(self, inputs, kept, weights):
+        aux = AuxHiddenStates.concat(kept, self.module.cfg.aux_layer_ids)
+        embed, head = weights
+        return dataclasses.replace(inputs, aux=aux, embed_weight=embed.to(aux.dtype), head_weight=head.to(aux.dtype))
 
     def loss(self, inputs):
         c = self.cfg

@@ -7,6 +7,7 @@ the policy's loss and gradients are exactly what they are without it. It has its
 (--draft-lr), data-parallel ranks average its gradients, and its tensors go to the rollout with
 the policy's under `eagle3.<checkpoint name>`. A checkpoint keeps its weights and optimizer state.
 """
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,12 +25,12 @@ from vime.models.families import DRAFT_PREFIX
 class Eagle3Inputs:
     """What the draft's loss reads from one policy forward over a micro-batch (all detached)."""
 
-    embeds: torch.Tensor  # [b, s, H] the policy's token embeddings
-    aux: torch.Tensor  # [b, s, 3H] its aux hidden states, concatenated in aux_layer_ids order
     tokens: torch.Tensor  # [b, s]
     loss_mask: torch.Tensor  # [b, s] 1 on response tokens (the predicted tokens that count)
     share: float  # this micro-batch's share of the step (1 / micro-batches)
     policy_logits: Optional[torch.Tensor] = None  # [b, s, V] for a distillation loss, else None
+    embeds: Optional[torch.Tensor] = None  # [b, s, H] the policy's token embeddings (set by `fill`)
+    aux: Optional[torch.Tensor] = None  # [b, s, 3H] its aux hidden states, in aux_layer_ids order (`fill`)
 
 
 class Eagle3DraftTrainer(ExternalDraftTrainer):
@@ -59,13 +60,16 @@ class Eagle3DraftTrainer(ExternalDraftTrainer):
         check_draft_fits_target(spec.model, draft_cfg, model_cfg)
         module = Eagle3Draft(resolve_aux_layers(draft_cfg, model_cfg))
         module.load_state_dict(state, strict=True)
-        super().__init__(cfg, model, module, module.cfg.aux_layer_ids)
+        super().__init__(cfg, model, model_cfg, module, module.cfg.aux_layer_ids)
 
     # ---- the loss ----------------------------------------------------------------------
     def inputs(self, out, mb, normaliser):
-        kept = self.aux.take()  # aux id 0, the embedding output, is also the token embeddings the draft reads
-        aux = AuxHiddenStates.concat(kept, self.module.cfg.aux_layer_ids)
-        return Eagle3Inputs(kept[0], aux, mb.tokens, mb.loss_mask, 1 / normaliser, self.policy_logits(out))
+        return Eagle3Inputs(mb.tokens, mb.loss_mask, 1 / normaliser, self.policy_logits(out))
+
+    def fill(self, inputs, kept, weights):
+        # aux id 0, the embedding output, is also the token embeddings the draft reads
+        return dataclasses.replace(inputs, embeds=kept[0],
+                                   aux=AuxHiddenStates.concat(kept, self.module.cfg.aux_layer_ids))
 
     def loss(self, inputs):
         c = self.cfg

@@ -6,24 +6,36 @@ forward, so the policy's loss and gradients are exactly those without it), steps
 AdamW (--draft-lr), averages its gradients over data-parallel ranks, goes to the rollout under
 its wire prefix (`<kind>.<checkpoint name>`) and keeps its weights and optimizer state in a
 checkpoint. Each kind (eagle3.py, dflash.py) adds its module and its loss.
+
+Under pipeline parallelism the layers it reads live on different stages. The draft trains on the
+last stage (where the policy's logits are, for a distillation loss): every stage keeps the states
+of its own layers for each micro-batch, and once the pipeline has run them all, the earlier stages
+send theirs to the last stage point to point (`complete`), which then runs the draft's loss on each
+micro-batch; its states are detached, so running it after the policy's backward gives the gradients
+it gets inside it. The draft's module exists on every stage, but only the last stage's trains, is
+pushed and is saved.
 """
 import torch
 import torch.distributed as dist
 
 from trainer import grads
-from trainer.distributed import dp_group
+from trainer.distributed import collective_device, dp_group, pp_group, pp_size
 from trainer.drafts.base import DraftTrainer
 from trainer.mixed_precision import build_optimizer, fp32_params_for_checkpoint, grad_params
+from trainer.model import global_layer_index, is_last_stage
 
 
 class AuxHiddenStates:
     """The policy's residual stream at aux ids (vLLM's numbering: 0 the embedding output, i the
-    stream after layer i-1), kept detached as [b, s, H] by hooks on its megatron model."""
+    stream after layer i-1), kept detached as [b, s, H] by hooks on its megatron model (this pipeline
+    stage's part of it: the embedding output on the first stage, each layer's on its stage)."""
 
     def __init__(self, model, aux_layer_ids):
         self.kept = {}
-        model.embedding.register_forward_hook(lambda m, i, out: self._keep(0, out))
-        for i, layer in enumerate(model.decoder.layers):
+        if model.pre_process:  # a later stage's embedding copy embeds the MTP block's tokens, not the trunk's
+            model.embedding.register_forward_hook(lambda m, i, out: self._keep(0, out))
+        for layer in model.decoder.layers:
+            i = global_layer_index(layer)
             if i + 1 in aux_layer_ids:
                 layer.register_forward_hook(lambda m, i_, out, key=i + 1: self._keep(key, out))
 
@@ -42,18 +54,77 @@ class AuxHiddenStates:
         return torch.cat([kept[i] for i in aux_layer_ids], -1)
 
 
+def stage_aux_ids(layout, num_layers, aux_layer_ids, stage):
+    """The aux ids pipeline `stage` of `layout` keeps (AuxHiddenStates): the embedding output (0) on the
+    first stage, the stream after each of its layers that `aux_layer_ids` names."""
+    ids = {i + 1 for i in layout.stage_layers(num_layers, stage) if i + 1 in aux_layer_ids}
+    return sorted(ids | {0} if stage == 0 else ids)
+
+
 class ExternalDraftTrainer(DraftTrainer):
     """An external draft `module` reading the policy's aux states `aux_layer_ids`, with its own optimizer."""
 
     wire_prefix = None  # its tensors on the weight-sync wire: wire_prefix + checkpoint name
 
-    def __init__(self, cfg, model, module, aux_layer_ids):
+    loss_in_pipeline = False  # it reads detached states of every stage: its loss runs after the pipeline
+
+    def __init__(self, cfg, model, model_cfg, module, aux_layer_ids):
         super().__init__(cfg)
         policy = next(model.parameters())
         self.module = module.to(policy.device, policy.dtype)  # --bf16: bf16 like the policy, fp32 masters in the optimizer
         self.optimizer = build_optimizer([{"params": list(self.module.parameters())}], cfg.bf16, lr=self.knobs.lr,
                                          weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+        self.model, self.hidden_size, self.state_dtype = model, model_cfg.hidden_size, policy.dtype
+        self.stage_ids = [stage_aux_ids(cfg.layout, model_cfg.num_hidden_layers, aux_layer_ids, stage)
+                          for stage in range(cfg.layout.pp)]
         self.aux = AuxHiddenStates(model, aux_layer_ids)
+        self._forwards = []  # this stage's kept states of each forward since the last `complete`
+
+    # ---- the states of every stage, on the last -------------------------------------------------
+    def after_forward(self):
+        self._forwards.append(self.aux.take())
+
+    def complete(self, inputs):
+        """The last stage's `inputs` with the kept states of every stage (`fill`); [] on the other stages."""
+        forwards, self._forwards = self._forwards, []
+        states = self._states_on_last_stage(forwards, [i.tokens.shape for i in inputs])
+        weights = self.policy_weights()
+        if not is_last_stage(self.model):
+            return []
+        return [self.fill(i, kept, weights) for i, kept in zip(inputs, states)]
+
+    def _states_on_last_stage(self, forwards, shapes):
+        """[{aux id: [b, s, H]}] per forward: the earlier stages send theirs (one flat buffer each, forwards
+        in order, ids ascending) to the last stage, which merges them with its own (`shapes`: [b, s] each)."""
+        if pp_size() == 1:
+            return forwards
+        ranks = dist.get_process_group_ranks(pp_group())
+        stage, last = ranks.index(dist.get_rank()), len(ranks) - 1
+        if stage < last:
+            if self.stage_ids[stage]:
+                flat = torch.cat([kept[i].reshape(-1) for kept in forwards for i in self.stage_ids[stage]])
+                dist.send(flat.to(collective_device()), dst=ranks[last], group=pp_group())
+            return forwards
+        for src in range(last):
+            ids = self.stage_ids[src]
+            if not ids:
+                continue
+            sizes = [b * s * self.hidden_size for b, s in shapes for _ in ids]
+            flat = torch.empty(sum(sizes), dtype=self.state_dtype, device=collective_device())
+            dist.recv(flat, src=ranks[src], group=pp_group())
+            parts = iter(flat.split(sizes))
+            for kept, (b, s) in zip(forwards, shapes):
+                kept.update({i: next(parts).view(b, s, self.hidden_size) for i in ids})
+        return forwards
+
+    def policy_weights(self):
+        """Collective over the pipeline stages: the policy weights (not states) the loss reads besides the
+        states, on the last stage (None: none)."""
+        return None
+
+    def fill(self, inputs, kept, weights):
+        """`inputs` with the states `kept` ({aux id: [b, s, H]}) and the `policy_weights` set."""
+        raise NotImplementedError
 
     def policy_logits(self, out):
         """The forward's logits, detached, where the loss reads them (else None: not kept)."""
@@ -86,7 +157,10 @@ class ExternalDraftTrainer(DraftTrainer):
 
     # ---- sync and checkpoints ----------------------------------------------------------------
     def named_weights(self):
-        """(wire name, tensor) of the draft: `<wire_prefix><checkpoint name>`."""
+        """(wire name, tensor) of the draft: `<wire_prefix><checkpoint name>` (the last pipeline stage's,
+        the one that trains)."""
+        if not is_last_stage(self.model):
+            return
         for name, p in self.module.state_dict().items():
             yield self.wire_prefix + name, p.detach()
 
