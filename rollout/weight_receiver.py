@@ -18,7 +18,7 @@ backend's `load_weights`.
 import typing
 
 from vime import weight_sync
-from vime.models.families import is_draft_name
+from vime.models.draft_kinds import is_draft_name
 
 
 class WeightReceiver(typing.Protocol):

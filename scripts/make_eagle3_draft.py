@@ -27,7 +27,7 @@ from mtp.eagle3 import Eagle3Draft, training_time_test_loss  # noqa: E402
 from rollout.embedded.engine import Engine, EngineConfig  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
-from vime.models.eagle3 import check_draft_fits_target, draft_config_for_target, save_draft  # noqa: E402
+from vime.models.eagle3 import EAGLE3, draft_config_for_target  # noqa: E402
 from vime.models.hf_format import load_hf_checkpoint  # noqa: E402
 from vime.sample import samples_for_prompts  # noqa: E402
 
@@ -94,11 +94,11 @@ def main(argv=None):
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     target_cfg, target_state, _ = load_hf_checkpoint(args.target, "--target")
     draft = init_draft(target_cfg, target_state, args.seed, args.intermediate_size)
-    check_draft_fits_target(args.out, draft.cfg, target_cfg)
+    EAGLE3.check_fits(args.out, draft.cfg, target_cfg, tensors={n: t.shape for n, t in draft.state_dict().items()})
     if args.warmup_steps:
         sequences, target = target_samples(args.target, args.warmup_samples, args.max_new_tokens, args.seed)
         warm_up(draft, target, sequences, args.warmup_steps, args.batch_size, args.lr, args.ttt_steps, args.seed)
-    save_draft(args.out, draft.cfg, draft.state_dict())
+    EAGLE3.save(args.out, draft.cfg, draft.state_dict())
     print(f"saved {args.out} (aux layers {list(draft.cfg.aux_layer_ids)} of {target_cfg.num_hidden_layers})")
 
 

@@ -29,7 +29,7 @@ from rollout.tokenizer import TextCodec
 from spec_fixtures import check_sampled_drafts_keep_the_target_distribution, \
     check_the_test_rejects_resampling_from_p, one_thread, tiny_vocab_model  # noqa: F401
 from vime.errors import UserError
-from vime.models.dflash import draft_config_for_target, load_draft, save_draft
+from vime.models.dflash import DFLASH, draft_config_for_target
 from vime.models.hf_format import read_config
 from vime.sample import samples_for_prompts
 
@@ -127,7 +127,7 @@ def two_layer_draft(tmp_path_factory):
         for p in draft.parameters():
             p.normal_(0, 0.05) if p.dim() == 2 else p.add_(torch.randn(p.shape) * 0.3)
     path = str(tmp_path_factory.mktemp("dflash") / "two-layer")
-    save_draft(path, draft.cfg, draft.state_dict())
+    DFLASH.save(path, draft.cfg, draft.state_dict())
     return path
 
 
@@ -165,7 +165,7 @@ def test_packed_training_blocks_equal_the_reference_blocks(prompts, reference):
     """The training objective's blocks (several anchors of a sequence packed in one forward, each
     seeing only the context before its anchor) are the blocks inference drafts at those anchors."""
     engine = build_engine(TARGET, None)
-    draft_cfg, draft_state = load_draft(DRAFT)
+    draft_cfg, draft_state = DFLASH.load(DRAFT)
     draft = DFlashDraft(draft_cfg)
     draft.load_state_dict(draft_state)
     target, state, cfg = reference

@@ -27,7 +27,7 @@ from rollout.tokenizer import TextCodec
 from spec_fixtures import chi_square_p_value, exact_joint, check_sampled_drafts_keep_the_target_distribution, \
     check_the_test_rejects_resampling_from_p, one_thread, tiny_vocab_model  # noqa: F401
 from vime.errors import UserError
-from vime.models.eagle3 import default_aux_layer_ids, draft_config_for_target, save_draft
+from vime.models.eagle3 import EAGLE3, draft_config_for_target, vllm_default_aux_layer_ids
 from vime.models.hf_format import read_config
 from vime.sample import samples_for_prompts
 
@@ -79,8 +79,8 @@ def test_cached_drafting_accepts_what_the_cache_free_reference_accepts_per_posit
 def test_aux_layers_are_vllms_default_choice():
     """vLLM's get_eagle3_default_aux_hidden_state_layers: (2, L // 2, L - 3) for an L-layer target
     (its source, vllm/model_executor/models/interfaces.py); the shipped draft writes them down."""
-    assert default_aux_layer_ids(7) == (2, 3, 4)
-    assert default_aux_layer_ids(28) == (2, 14, 25)
+    assert vllm_default_aux_layer_ids(7) == (2, 3, 4)
+    assert vllm_default_aux_layer_ids(28) == (2, 14, 25)
     with open(os.path.join(DRAFT, "config.json")) as f:
         raw = json.load(f)
     assert raw["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
@@ -187,10 +187,10 @@ def test_a_draft_for_a_too_shallow_target_is_refused():
 
 
 def test_saved_draft_round_trips_and_loads_into_the_engine(tmp_path, prompts):
-    """A draft saved by save_draft is what the engine loads (same drafts as the in-memory one)."""
+    """A draft saved in the EAGLE-3 format is what the engine loads (same drafts as the in-memory one)."""
     cfg = read_config(TARGET)
     draft = random_draft(cfg, seed=0, std=0.05)
-    save_draft(str(tmp_path / "d"), draft.cfg, draft.state_dict())
+    EAGLE3.save(str(tmp_path / "d"), draft.cfg, draft.state_dict())
     engine = build_engine(TARGET, spec(2, model=str(tmp_path / "d")), EngineConfig(max_batch_size=32))
     loaded = engine.proposer.draft_model
     assert isinstance(loaded, Eagle3Draft)

@@ -20,7 +20,8 @@ from trainer.trainer import Trainer
 from trainer_fixtures import make_batch, make_tiny
 from mtp.dflash import DFlashDraft, default_gamma
 from vime.models import dflash as dflash_format
-from vime.models.eagle3 import save_draft
+from vime.models.draft_kinds import DRAFT_KINDS
+from vime.models.eagle3 import EAGLE3
 from vime.models.hf_format import load_hf_checkpoint, read_config
 
 TTT_STEPS = 3
@@ -40,7 +41,7 @@ def eagle3_pair(tmp_path_factory):
     make_tiny(target, seed=1, family="qwen2", num_nextn_predict_layers=0)
     draft = random_draft(read_config(target), seed=2, std=0.05, aux_layer_ids=(0, 1, 2))
     path = str(tmp_path_factory.mktemp("drafts_eagle3"))
-    save_draft(path, draft.cfg, draft.state_dict())
+    EAGLE3.save(path, draft.cfg, draft.state_dict())
     return target, path, draft
 
 
@@ -58,7 +59,7 @@ def dflash_pair(tmp_path_factory):
         for p in draft.parameters():  # norms perturbed too, so that each matters
             p.normal_(0, 0.05) if p.dim() == 2 else p.add_(torch.randn(p.shape) * 0.3)
     path = str(tmp_path_factory.mktemp("drafts_dflash"))
-    dflash_format.save_draft(path, cfg, draft.state_dict())
+    dflash_format.DFLASH.save(path, cfg, draft.state_dict())
     return target, path
 
 
@@ -208,7 +209,7 @@ def test_the_policy_loss_gradients_and_update_are_bit_identical_with_and_without
 
 def test_a_shared_knob_left_unset_takes_the_kinds_own_default(kind):
     name, target, settings = kind
-    defaults = DRAFT_TRAINERS[name].DEFAULTS
+    defaults = DRAFT_KINDS[name].knobs
     assert Trainer(TrainerConfig(**settings), target).draft.knobs == defaults
     given = Trainer(TrainerConfig(draft_lr=3e-4, draft_steps_per_rollout=2, draft_replay_batches=1, **settings), target)
     assert (given.draft.knobs.lr, given.draft.knobs.steps_per_rollout, given.draft.knobs.replay_batches) == (3e-4, 2, 1)

