@@ -111,12 +111,6 @@ def test_train_rl_refuses_a_dflash_draft_with_more_layers_than_weights_in_one_li
     assert "layers.1." in errors[0] and "implied by num_hidden_layers" in errors[0], errors[0]
 
 
-def test_a_dflash_draft_whose_two_block_sizes_disagree_is_refused_naming_both(tmp_path):
-    dflash = next(k for k in EXTERNAL_KINDS if k.name == "dflash")
-    draft = edited_draft(tmp_path, dflash, config=lambda raw: raw.update(block_size=6))
-    refused(args_for(tmp_path, dflash, draft), str(draft), "block_size 6", "dflash_config.block_size 4")
-
-
 def test_the_engine_and_the_trainer_refuse_a_misfit_draft_before_loading_it(tmp_path, kind):
     from rollout.embedded.engine_builder import build_engine
     from trainer.drafts import DRAFT_TRAINERS

@@ -61,12 +61,26 @@ def reload(worker, path, draft, method=None):
     """Load `path` into the target (draft=False) or the drafter of speculative `method`, then its
     repairs (rollout/vllm/drafter_repairs.py); returns the number loaded."""
     from safetensors.torch import load_file
+
+    return _reload_named(worker, list(load_file(path).items()), draft, method)
+
+
+def reload_shared(worker, blob, draft, method=None):
+    """`reload` of tensors the rollout worker shared in place (vime/weight_sync.py `share`: CUDA IPC
+    handles on a GPU, shared memory on CPU), mapped here without a copy; returns the number loaded."""
+    from vime.weight_sync import mapped
+
+    return _reload_named(worker, list(mapped(blob).items()), draft, method)
+
+
+def _reload_named(worker, named, draft, method=None):
+    """vLLM's in-place reload of checkpoint-named tensors into the target or the drafter, then what
+    the CPU build needs redone after it and the repairs of the drafter of speculative `method`."""
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
     from rollout.vllm.drafter_repairs import repairs_of
 
     model = _model(worker, draft)
-    named = list(load_file(path).items())
     reload_weights(worker.vllm_config, model, weights_iterator=iter(named), weights_path=None,
                    is_checkpoint_format=True)
     _repack_kept_cpu_weights(model)

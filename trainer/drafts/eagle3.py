@@ -9,6 +9,7 @@ the policy's under `eagle3.<checkpoint name>`. A checkpoint keeps its weights an
 """
 from mtp.eagle3 import training_time_test_loss
 from trainer.drafts.external import ExternalDraftTrainer
+from vime.errors import require
 from vime.models.eagle3 import EAGLE3
 
 
@@ -16,6 +17,17 @@ class Eagle3DraftTrainer(ExternalDraftTrainer):
     """The external EAGLE-3 draft (trainer/drafts/external.py: its optimizer, the hooks, the push)."""
 
     kind = EAGLE3
+
+    @classmethod
+    def check_bounds(cls, cfg, knobs):
+        """--draft-ttt-steps at most the drafts the rollout asks for: each step unrolls the draft once more
+        and keeps its activations for the backward, and a step past them trains a position never drafted."""
+        super().check_bounds(cfg, knobs)
+        k, ttt = cfg.speculative_config.num_speculative_tokens, cfg.draft_ttt_steps
+        require(ttt is None or k is None or ttt <= k,
+                f"--draft-ttt-steps {ttt}: the rollout drafts num_speculative_tokens {k} tokens a step, so the "
+                f"training-time test unrolls at most {k} (a step past them costs memory and time and trains a "
+                f"position never drafted): pass --draft-ttt-steps {k} or less, or raise num_speculative_tokens")
 
     def __init__(self, cfg, model, model_cfg):
         super().__init__(cfg, model, model_cfg)

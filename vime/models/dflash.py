@@ -52,8 +52,8 @@ def _from_hf(raw, shape, path):
     dflash = raw.get("dflash_config") or {}
     top, inner = raw.get("block_size"), dflash.get("block_size")
     require(top is None or inner is None or top == inner,
-            f"{FLAG}: draft {path} has block_size {top} but dflash_config.block_size {inner}; config.json must give "
-            "the draft's one block (vLLM reads dflash_config's): make them agree")
+            f"{FLAG}: draft {path} gives block_size {top} and dflash_config.block_size {inner}; vLLM reads the "
+            "latter: make them equal in config.json (the block the draft was trained for)")
     ids = dflash["target_layer_ids"]
     require(isinstance(ids, list), f"{FLAG}: draft {path}: dflash_config.target_layer_ids must be a list of layer "
             f"indices (got {ids!r})")

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from rollout.embedded.proposers.drafting import ExternalDraft
+from rollout.embedded.proposers.drafting import DraftSteps, ExternalDraft
 from rollout.embedded.proposers.mtp import MTPProposer
 from vime.models.eagle3 import EAGLE3
 
@@ -31,6 +31,7 @@ class Eagle3Proposer(ExternalDraft, MTPProposer):
     def attach(self, engine):
         super().attach(engine)  # the draft and its cache (drafting.py)
         self.num_layers = 1
+        self.steps = DraftSteps(engine, self.cache, self.step_forward)  # a dense draft: graphable
         ec = engine.config
         self.carry = torch.zeros(ec.max_batch_size, 1, self.draft_model.cfg.hidden_size, dtype=ec.dtype,
                                  device=ec.device)
