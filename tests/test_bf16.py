@@ -238,14 +238,14 @@ def test_the_rejection_sampler_computes_in_fp32_on_bf16_inputs(method):
 
 # ---------------------------------------------------------------- the online EAGLE-3 draft in bf16
 def test_the_online_eagle3_draft_trains_in_bf16_on_fp32_masters_and_syncs_bit_for_bit(tmp_path):
-    from eagle3_fixtures import random_draft
+    from draft_kind_fixtures import random_draft
     from rollout.backend import EmbeddedBackend
     from vime.models.eagle3 import EAGLE3
     from rollout.spec_config import parse_spec_config
 
     target = str(tmp_path / "target")
     make_tiny(target, seed=1, std=0.3, family="qwen2", num_nextn_predict_layers=0)
-    draft = random_draft(read_config(target), seed=2, std=0.05, aux_layer_ids=(0, 1, 2))
+    draft = random_draft(EAGLE3, read_config(target), seed=2, std=0.05, layers=(0, 1, 2))
     draft_dir = str(tmp_path / "draft")
     EAGLE3.save(draft_dir, draft.cfg, draft.state_dict())
     spec = {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": 2}

@@ -20,6 +20,7 @@ from vime.models.hf_format import read_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(REPO, "checkpoints", "tiny-qwen2")
+BACKENDS = ("embedded", "vllm")  # both run the same checks of an external draft before any actor starts
 
 
 def shipped(kind):
@@ -31,8 +32,8 @@ def spec_of(kind, draft):
     return {"method": kind.name, "model": str(draft), "num_speculative_tokens": k}
 
 
-def args_for(out, kind, draft):
-    return ["--hf-checkpoint", TARGET, "--num-rollout", "2", "--output-dir", str(out),
+def args_for(out, kind, draft, backend="embedded", target=TARGET):
+    return ["--hf-checkpoint", target, "--num-rollout", "2", "--output-dir", str(out), "--rollout-backend", backend,
             "--vllm-speculative-config", json.dumps(spec_of(kind, draft))]
 
 
@@ -67,6 +68,32 @@ def test_the_shipped_drafts_hold_exactly_what_their_config_describes(kind):
     _, state = kind.load(shipped(kind))
     assert state and all(t.dtype == torch.float32 for t in state.values())
     assert cfg.hidden_size == read_config(TARGET).hidden_size
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_directory_that_is_not_a_draft_of_the_kind_is_refused_on_both_backends(tmp_path, kind, backend):
+    refused(args_for(tmp_path, kind, TARGET, backend), TARGET, f"{kind.title} draft", "make one with",
+            kind.format.make)
+    nowhere = tmp_path / "nowhere"
+    refused(args_for(tmp_path, kind, nowhere, backend), str(nowhere), "no such directory")
+    draft = edited_draft(tmp_path, kind)
+    (draft / "model.safetensors").unlink()
+    refused(args_for(tmp_path, kind, draft, backend), str(draft), "model.safetensors is missing")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("key, value, needle", [("hidden_size", 256, "hidden size 256"), ("vocab_size", 64, "vocab_size 64")])
+def test_a_draft_of_another_width_or_vocabulary_than_the_target_is_refused(tmp_path, kind, key, value, needle, backend):
+    both = {"hidden_size": ("hidden_size", "target_hidden_size"), "vocab_size": ("vocab_size", "draft_vocab_size")}
+    draft = edited_draft(tmp_path, kind, config=lambda raw: raw.update({k: value for k in both[key]}))
+    refused(args_for(tmp_path, kind, draft, backend), str(draft), needle, str(getattr(read_config(TARGET), key)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_target_whose_vllm_model_returns_no_aux_hidden_states_is_refused(tmp_path, kind, backend):
+    target = os.path.join(REPO, "checkpoints", "tiny-mimo-mtp")
+    refused(args_for(tmp_path, kind, shipped(kind), backend, target), f"method '{kind.name}'", "MiMoForCausalLM",
+            "qwen2 (Qwen2ForCausalLM)")
 
 
 def test_a_missing_layer_tensor_is_named_with_the_keys_that_imply_it(tmp_path, kind):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3_fixtures import random_draft
+from draft_kind_fixtures import random_draft
 from mtp.eagle3 import training_time_test_loss
 from rollout.embedded.model import CausalLMWithMTP
 from rollout.spec_config import parse_spec_config
@@ -25,7 +25,7 @@ def pair(tmp_path_factory):
     """A 2-layer Qwen2 target without MTP and a random EAGLE-3 draft reading its layers 0, 1, 2."""
     target = str(tmp_path_factory.mktemp("qwen2_target"))
     make_tiny(target, seed=1, family="qwen2", num_nextn_predict_layers=0)
-    draft = random_draft(read_config(target), seed=2, std=0.05, aux_layer_ids=AUX)
+    draft = random_draft(EAGLE3, read_config(target), seed=2, std=0.05, layers=AUX)
     path = str(tmp_path_factory.mktemp("draft"))
     EAGLE3.save(path, draft.cfg, draft.state_dict())
     return target, path
@@ -85,7 +85,6 @@ def loss_bound(target, expected):
 
 def load_draft_module(draft_dir):
     from mtp.eagle3 import Eagle3Draft
-    from vime.models.eagle3 import EAGLE3
 
     draft_cfg, draft_state = EAGLE3.load(draft_dir)
     draft = Eagle3Draft(draft_cfg)

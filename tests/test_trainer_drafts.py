@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash_fixtures import reference_block_logits
-from eagle3_fixtures import random_draft, reference_ttt_losses
+from draft_kind_fixtures import random_draft
+from eagle3_fixtures import reference_ttt_losses
 from fp32_bounds import reduction_rtol
 from mtp_oracles import reference_mtp_hidden
 from rollout.embedded.model import CausalLMWithMTP
@@ -39,7 +40,7 @@ def eagle3_pair(tmp_path_factory):
     """A 2-layer Qwen2 target without MTP layers and a random EAGLE-3 draft reading its layers 0, 1, 2."""
     target = str(tmp_path_factory.mktemp("drafts_qwen2_target"))
     make_tiny(target, seed=1, family="qwen2", num_nextn_predict_layers=0)
-    draft = random_draft(read_config(target), seed=2, std=0.05, aux_layer_ids=(0, 1, 2))
+    draft = random_draft(EAGLE3, read_config(target), seed=2, std=0.05, layers=(0, 1, 2))
     path = str(tmp_path_factory.mktemp("drafts_eagle3"))
     EAGLE3.save(path, draft.cfg, draft.state_dict())
     return target, path, draft
