@@ -11,7 +11,6 @@ import dataclasses
 
 from vime.errors import require
 from vime.models.draft_kinds import external_kind
-from vime.models.families import vllm_aux_hidden_state_families
 from vime.spec_config import FLAG, EXAMPLE, SpecConfig, parse_spec_config  # noqa: F401  (the engines' names for them)
 
 ADAPTIVE_FLAG = "--spec-adaptive"
@@ -76,21 +75,12 @@ def check_against_checkpoint(spec, target_cfg):
 def check_external_draft(spec, target_cfg):
     """An external draft is a draft directory of its kind that fits the target and the drafts asked
     for, its tensors those its config implies (one line each, nothing loaded). Run for both backends:
-    vLLM's own validation accepts a misfit draft and fails later inside its engine process."""
+    vLLM's own validation accepts a misfit draft and fails later inside its engine process. Any
+    family is a target (the embedded engine computes the aux hidden states of every family; what
+    vLLM's models return is the vLLM backend's own check)."""
     kind = external_kind(spec.method) if spec is not None else None
     if kind is not None:
-        check_drafter_target(spec, target_cfg)
         kind.check_directory(spec.model, target_cfg, spec.num_speculative_tokens)
-
-
-def check_drafter_target(spec, target_cfg):
-    """An external draft reads aux hidden states of the target, which vLLM 0.32 returns only for the
-    families flagged `vllm_aux_hidden_states` (its SupportsEagle3 models)."""
-    fam = target_cfg.model_family
-    require(fam.vllm_aux_hidden_states,
-            f"{FLAG}: method '{spec.method}' needs a target whose vLLM model returns aux hidden states; "
-            f"{fam.architectures[0]} ({fam.name}) does not. {external_kind(spec.method).title} targets: "
-            f"{vllm_aux_hidden_state_families()}; a model with MTP layers drafts with method 'mtp'")
 
 
 def require_lossless(spec, where="training"):

