@@ -170,15 +170,17 @@ def _layer_count_key(name):
     return "num_hidden_layers" if _NUMBERED_LAYER.match(name) else None
 
 
-def check_tensors(kind, path, cfg, held):
+def check_tensors(kind, path, cfg, held, where=None):
     """The tensors held ({name: shape}) are exactly those `cfg` implies (one line naming the first of
-    each disagreement with its config key); the target's own tensors stored in the draft are refused."""
+    each disagreement with its config key); the target's own tensors stored in the draft are refused.
+    `where` says whose tensors they are (default: the draft directory `path` of the speculative config)."""
+    where = where or f"{FLAG}: draft {path}"
     own = [name for name in kind.format.reads_from_target if name in held]
-    require(not own, f"{FLAG}: draft {path} stores its own {own[0] if own else ''}; vime's {kind.title} draft reads "
-            f"the target's (remove the tensor from {WEIGHTS})")
+    require(not own, f"{where} stores its own {own[0] if own else ''}; vime's {kind.title} draft reads the target's "
+            f"(remove the tensor from {WEIGHTS})")
     mismatch = tensor_mismatch(expected_tensors(kind, cfg), held, _layer_count_key)
-    require(mismatch is None, f"{FLAG}: draft {path}: {WEIGHTS} does not hold what config.json describes: {mismatch}; "
-            f"fix config.json or make the draft again with {kind.format.make}")
+    require(mismatch is None, f"{where}: {WEIGHTS} does not hold what config.json describes: {mismatch}; fix "
+            f"config.json or make the draft again with {kind.format.make}")
 
 
 # ---------------------------------------------------------------- loading and saving
@@ -215,10 +217,11 @@ def load_for_target(kind, path, target_cfg, num_speculative_tokens=None):
 
 def save(kind, path, cfg, state):
     """Write config.json and model.safetensors (the tensors, contiguous, on the CPU), once the tensors
-    are checked to be what `cfg` describes (so that what is written loads)."""
+    are checked to be what `cfg` describes (so that what is written loads; nothing is written otherwise)."""
     from safetensors.torch import save_file
 
-    check_tensors(kind, path, cfg, {name: tuple(t.shape) for name, t in state.items()})
+    check_tensors(kind, path, cfg, {name: tuple(t.shape) for name, t in state.items()},
+                  where=f"the {kind.title} draft to write to {path} (nothing written)")
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(to_hf_dict(kind, cfg), f, indent=2)
