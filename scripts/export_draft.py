@@ -28,7 +28,7 @@ def main(argv=None):
     p.add_argument("--load", required=True, help="the run's --save directory")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    step, iteration, _ = resolve_load(args.load)
+    step, iteration, _ = resolve_load(args.load, otherwise="export another run's --save directory")
     file = saved_draft_state_file(os.path.join(iteration, "model"))
     require(file is not None, f"--load {args.load}: step {step} holds no external draft ({DRAFT_STATE_FILE}); "
             "the run was not trained with --enable-draft-training")

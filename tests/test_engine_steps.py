@@ -191,3 +191,14 @@ def test_rollout_enforce_eager_reaches_both_rollout_engines(markov_ckpt):
     assert backend.engine.config.enforce_eager and not backend.engine.steps.graphs
     assert engine_kwargs(markov_ckpt, None, 4, "cuda", enforce_eager=True)["enforce_eager"] is True
     assert "enforce_eager" not in engine_kwargs(markov_ckpt, None, 4, "cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals are of a machine without CUDA")
+@pytest.mark.parametrize("argv, needle", [(["--compile"], "--compile"), (["--device", "cuda"], "--device cuda")])
+def test_the_step_limit_bench_refuses_an_arm_this_machine_cannot_run_in_one_line(argv, needle, capsys):
+    from scripts.bench.throughput import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["step-limit", *argv])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and needle in err
