@@ -56,7 +56,7 @@ class TrainerConfig:
     use_rollout_routing_replay: bool = tree_field("train.use_rollout_routing_replay")  # MoE: replay rollout routes
     moe_router_bias_update_rate: float = tree_field("train.moe_router_bias_update_rate")  # MoE expert-bias step
     enable_draft_training: bool = tree_field("draft.enable_training")  # the external draft of speculative_config
-    # how the trained draft (MTP layers or external) steps; None: the kind's own default (trainer/drafts/<kind>.py)
+    # how the trained draft (MTP layers or external) steps; None: the kind's own default (vime/models/draft_kinds.py)
     draft_lr: Optional[float] = tree_field("draft.lr")
     draft_steps_per_rollout: Optional[int] = tree_field("draft.steps_per_rollout")  # > 1: draft-only steps
     draft_replay_batches: Optional[int] = tree_field("draft.replay_batches")  # earlier batches they also cycle over

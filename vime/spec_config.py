@@ -25,15 +25,13 @@ from dataclasses import dataclass
 
 from mtp.rejection import REJECTION_METHODS
 from vime.errors import UserError, require
+from vime.models.draft_kinds import DRAFT_KINDS, METHOD_ALIASES
 
 FLAG = "--vllm-speculative-config"
 EXAMPLE = '\'{"method":"mtp","num_speculative_tokens":3}\''
 
-# the embedded engine's methods under every name vLLM gives them
-METHOD_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "mimo_mtp": "mtp", "glm4_moe_mtp": "mtp",
-                  "ngram": "ngram", "suffix": "suffix", "draft_model": "draft_model", "eagle3": "eagle3",
-                  "dflash": "dflash"}
-BLOCK_METHODS = frozenset({"dflash"})  # drafts that propose a whole block in one forward
+# the embedded engine's methods under every name vLLM gives them: METHOD_ALIASES (the table of kinds)
+BLOCK_METHODS = frozenset(name for name, kind in DRAFT_KINDS.items() if kind.block)  # a whole block per forward
 UNSUPPORTED_METHODS = ("eagle", "medusa", "mlp_speculator", "ngram_gpu", "dspark",
                        "custom_class", "extract_hidden_states")
 # vLLM 0.32 SpeculativeConfig keys the embedded engine does not implement (vLLM takes them as is)
@@ -54,13 +52,7 @@ MISPLACED_KEYS = {
 }
 
 # methods that draft with a separate checkpoint -> what to give (the same on every backend)
-NEEDS_MODEL = {
-    "draft_model": "\"model\": \"/path/to/draft/hf/checkpoint\"",
-    "eagle3": "\"model\": \"/path/to/eagle3/draft\" (make one with "
-              "`python scripts/make_eagle3_draft.py --target CKPT --out DIR`)",
-    "dflash": "\"model\": \"/path/to/dflash/draft\" (make one with "
-              "`python scripts/make_dflash_draft.py --target CKPT --out DIR`)",
-}
+NEEDS_MODEL = {name: kind.needs_model for name, kind in DRAFT_KINDS.items() if kind.needs_model}
 
 
 @dataclass(frozen=True)
@@ -97,8 +89,8 @@ class SpecConfig:
 
     @property
     def block_size(self):
-        """Tokens one draft forward fills, anchor included, for a block draft (DFlash: its drafts plus
-        the newest verified token; the draft's checks tie it to its own block); None otherwise."""
+        """Tokens one draft forward fills, anchor included, for a block draft (its drafts plus the
+        newest verified token; the draft's checks tie it to its own block); None otherwise."""
         return self.num_speculative_tokens + 1 if self.method in BLOCK_METHODS else None
 
     def to_vllm(self):

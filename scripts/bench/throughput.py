@@ -35,7 +35,7 @@ from rollout.spec_stats import aggregate_spec_stats, spec_rates  # noqa: E402
 from rollout.task import DEFAULT_TASK_VARIANT, TASK_VARIANTS, make_prompts  # noqa: E402
 from rollout.tiny_model import make_random_checkpoint  # noqa: E402
 from rollout.tokenizer import TextCodec  # noqa: E402
-from vime.models.dflash import read_draft_config  # noqa: E402
+from vime.models.dflash import DFLASH  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
 from vime.sample import Sample, samples_for_prompts  # noqa: E402
 
@@ -215,7 +215,7 @@ def dflash_methods(drafts):
     for path in drafts:
         require(os.path.isfile(os.path.join(path, "config.json")),
                 f"--dflash-drafts {path}: not a draft directory (make one with scripts/make_dflash_draft.py)")
-        k = read_draft_config(path).block_size - 1
+        k = DFLASH.read_config(path).block_size - 1
         table[f"dflash k={k}"] = table[f"dflash k={k} adaptive"] = {"method": "dflash", "num_speculative_tokens": k,
                                                                     "model": path}
     return table
