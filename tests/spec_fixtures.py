@@ -129,7 +129,7 @@ def alternating_k():
 
 def qwen2_draft_specs():
     """A speculative config of every proposer with device draft steps (and n-gram's host drafts) on
-    the shipped tiny Qwen2 target: each external kind's shipped draft, itself as the draft model."""
+    the shipped tiny Qwen2 target: each external kind's shipped draft, the target as its own draft model."""
     from draft_kind_fixtures import TARGET, shipped_spec
     from vime.models.draft_kinds import EXTERNAL_KINDS
 
