@@ -15,6 +15,7 @@ def check_config(cfg):
     from rollout.group_batching import check_dynamic_sampling
     from rollout.task import check_task_variant
     from trainer.distributed import check_parallel_sizes
+    from trainer.expert_parallel import check_expert_parallel_sizes
     from trainer.losses import check_kl_estimator
     from vime.config import validate
     from vime.precision import check_bf16
@@ -28,6 +29,7 @@ def check_config(cfg):
     check_estimator(cfg.train.advantage_estimator)
     check_parallel_sizes(cfg.train.world_size, cfg.train.tensor_model_parallel_size,
                          cfg.train.pipeline_model_parallel_size)
+    check_expert_parallel_sizes(cfg.train)
     check_weight_transfer(cfg.rollout)
     check_draft_training(cfg)
 
@@ -36,6 +38,7 @@ def check_inputs(cfg):
     """The checks that read the checkpoint, the draft and the output directories; returns the
     checkpoint's ModelConfig (for `check_prompts`)."""
     from rollout.backend import check_backend
+    from trainer.expert_parallel import check_expert_parallel
     from trainer.model import check_tensor_parallel, check_trainable
     from trainer.routing_replay import check_routing_replay
     from vime.models.config_checks import check_finite_weights, check_mtp_layers
@@ -45,6 +48,7 @@ def check_inputs(cfg):
     hf = inspect_hf_checkpoint(cfg.model.hf_checkpoint)
     check_mtp_layers(cfg.mtp.num_layers, hf, cfg.model.hf_checkpoint)
     check_tensor_parallel(hf, cfg.train.tensor_model_parallel_size)
+    check_expert_parallel(hf, cfg.train, cfg.model.hf_checkpoint)
     check_trainable(hf)
     check_routing_replay(cfg, hf)
     check_backend(cfg, hf)

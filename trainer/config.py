@@ -44,6 +44,8 @@ class TrainerConfig:
     mtp_detach_trunk: bool = tree_field("mtp.detach_trunk")
     tensor_model_parallel_size: int = tree_field("train.tensor_model_parallel_size")
     pipeline_model_parallel_size: int = tree_field("train.pipeline_model_parallel_size")
+    expert_model_parallel_size: int = tree_field("train.expert_model_parallel_size")
+    expert_tensor_parallel_size: Optional[int] = tree_field("train.expert_tensor_parallel_size")  # None: TP's
     micro_batch_size: int = tree_field("train.micro_batch_size")  # 0: the whole local batch at once
     global_batch_size: int = tree_field("train.global_batch_size")  # informational: train_step gets the step
     seed: int = tree_field("train.seed")

@@ -23,8 +23,9 @@ def check_parallel_sizes(world_size, tp, pp):
             f"--tensor-model-parallel-size {tp} does not divide the {world_size} trainer processes")
 
 
-def init_distributed(rank, world_size, master_addr, master_port, tp=1, pp=1):
-    """Join the process group (gloo on CPU, nccl on GPU) and build megatron's TP/PP/DP groups."""
+def init_distributed(rank, world_size, master_addr, master_port, tp=1, pp=1, ep=1, etp=None):
+    """Join the process group (gloo on CPU, nccl on GPU) and build megatron's TP/PP/DP groups and its
+    expert groups (EP x ETP inside the ranks of a pipeline stage; `etp` None: as megatron, = `tp`)."""
     check_parallel_sizes(world_size, tp, pp)
     apply_cpu_patches()
     if not dist.is_initialized():
@@ -37,7 +38,8 @@ def init_distributed(rank, world_size, master_addr, master_port, tp=1, pp=1):
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
 
 
 def init_single_process(tp=1, pp=1):

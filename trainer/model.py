@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mtp.reuse import reuse_attention_mask, reuse_positions
+from trainer.expert_parallel import mark_expert_params
 from vime.models.megatron_names import MTP_INNER_LAYER
 from vime.errors import require
 
@@ -75,8 +76,9 @@ def check_tensor_parallel(model_cfg, tp):
     # megatron shards MoE layers over TP only with sequence parallelism, which its local
     # (non-Transformer-Engine) norm does not implement
     require(tp == 1 or model_cfg.moe is None, f"--tensor-model-parallel-size {tp}: mixture-of-experts models "
-            f"({model_cfg.model_family.architectures[0]}) train at --tensor-model-parallel-size 1; scale out "
-            "with --data-parallel-size")
+            f"({model_cfg.model_family.architectures[0]}) train at --tensor-model-parallel-size 1 (megatron splits "
+            "their layers over TP only with sequence parallelism); scale out with --data-parallel-size, "
+            "--expert-model-parallel-size and --expert-tensor-parallel-size")
     for what, n in (("attention heads", model_cfg.num_attention_heads),
                     ("key/value heads", model_cfg.num_key_value_heads),
                     ("vocabulary size", model_cfg.vocab_size)):
@@ -84,9 +86,10 @@ def check_tensor_parallel(model_cfg, tp):
                 f"{n} {what}; choose a divisor of {n}")
 
 
-def transformer_config(model_cfg, mtp_num_layers, tp=1, pp=1, params_dtype=torch.float32):
+def transformer_config(model_cfg, mtp_num_layers, tp=1, pp=1, params_dtype=torch.float32, ep=1, etp=None):
     """megatron TransformerConfig of `model_cfg` (RMSNorm, RoPE, SwiGLU; GQA with the config's q/k/v
-    bias and q/k norm, or MLA; dense MLPs, or MoE from `first_k_dense_replace` on)."""
+    bias and q/k norm, or MLA; dense MLPs, or MoE from `first_k_dense_replace` on, its routed experts
+    over `ep` expert-parallel ranks, each expert over `etp` ranks)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     check_trainable(model_cfg)
@@ -105,17 +108,22 @@ def transformer_config(model_cfg, mtp_num_layers, tp=1, pp=1, params_dtype=torch
         add_qkv_bias=model_cfg.qkv_bias, qk_layernorm=model_cfg.qk_norm,
     )
     if model_cfg.moe is not None:
-        options.update(moe_options(model_cfg))
+        options.update(moe_options(model_cfg), expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     if model_cfg.mla is not None:
         options.update(mla_options(model_cfg))
         return MLATransformerConfig(**options)
     return TransformerConfig(**options)
 
 
+# megatron's token dispatcher per device: all-to-all sends each token only to its experts' ranks, but
+# assumes CUDA; the all-gather one (every rank sees the ETP x EP group's tokens) runs anywhere
+TOKEN_DISPATCHERS = {"cuda": "alltoall", "cpu": "allgather"}
+
+
 def moe_options(model_cfg):
-    """TransformerConfig options of the MoE layers (SequentialMLP experts, allgather dispatch: what
-    runs without Transformer Engine on CPU; the router's sigmoid + expert bias + group-limited choice
-    as vime.models.moe_routing does it)."""
+    """TransformerConfig options of the MoE layers (SequentialMLP experts, the device's token
+    dispatcher; the router's sigmoid + expert bias + group-limited choice as vime.models.moe_routing
+    does it)."""
     moe = model_cfg.moe
     grouped = moe.n_group > 1
     return dict(
@@ -130,7 +138,8 @@ def moe_options(model_cfg):
                                              if moe.n_shared_experts else None),
         moe_shared_expert_overlap=False, moe_layer_freq=[int(moe.is_moe_layer(i))
                                                          for i in range(model_cfg.num_hidden_layers)],
-        moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_permute_fusion=False,
+        moe_token_dispatcher_type=TOKEN_DISPATCHERS["cuda" if torch.cuda.is_available() else "cpu"],
+        moe_grouped_gemm=False, moe_permute_fusion=False,
     )
 
 
@@ -326,8 +335,9 @@ def _latent_rope_at(mtp_layer, positions):
         del rope.forward  # the class's own again
 
 
-def build_model(model_cfg, mtp_num_layers, tp=1, pp=1, seed=1234, params_dtype=torch.float32):
-    """A VimeGPTModel for `model_cfg` (a ModelConfig) on this rank's TP shard, its parameters in
+def build_model(model_cfg, mtp_num_layers, tp=1, pp=1, seed=1234, params_dtype=torch.float32, ep=1, etp=None):
+    """A VimeGPTModel for `model_cfg` (a ModelConfig) on this rank's TP shard (and its share of the
+    routed experts: `ep`, `etp` as megatron's parallel_state was built with), its parameters in
     `params_dtype` (bf16: cast as megatron's Float16Module casts its module; the fp32 master weights
     live in the optimizer, trainer/mixed_precision.py)."""
     from megatron.core import tensor_parallel
@@ -336,7 +346,7 @@ def build_model(model_cfg, mtp_num_layers, tp=1, pp=1, seed=1234, params_dtype=t
     check_tensor_parallel(model_cfg, tp)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    config = transformer_config(model_cfg, mtp_num_layers, tp, pp, params_dtype)
+    config = transformer_config(model_cfg, mtp_num_layers, tp, pp, params_dtype, ep, etp)
     name = spec_name()
     layer_spec = LAYER_SPECS[name](config)
     mtp_spec = (get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=name == "te")
@@ -353,6 +363,7 @@ def build_model(model_cfg, mtp_num_layers, tp=1, pp=1, seed=1234, params_dtype=t
     model = model.to(params_dtype)
     for router in routers(model):  # megatron keeps the expert bias fp32, but only from the first forward
         router._maintain_float32_expert_bias()  # on: before it the sync's bucket layout would take it bf16
+    mark_expert_params(model)
     if torch.cuda.is_available():
         model = model.cuda()
     return model

@@ -42,7 +42,8 @@ class TrainerActorImpl:
 
         trainer_cfg, hf_checkpoint, load = self.cfg, self.hf_checkpoint, self.load
         init_distributed(self.rank, self.world_size, master_addr, master_port,
-                         trainer_cfg.tensor_model_parallel_size, trainer_cfg.pipeline_model_parallel_size)
+                         trainer_cfg.tensor_model_parallel_size, trainer_cfg.pipeline_model_parallel_size,
+                         trainer_cfg.expert_model_parallel_size, trainer_cfg.expert_tensor_parallel_size)
         self.trainer = Trainer(trainer_cfg, hf_checkpoint, load=load)
         self.ref_state = self._initial_policy(hf_checkpoint, load) if trainer_cfg.use_kl_loss else None
         return self.rank

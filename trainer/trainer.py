@@ -18,6 +18,7 @@ from mtp.sampling import effective_temperature, token_logprobs
 from trainer import checkpoint, grads
 from trainer.mixed_precision import build_optimizer, fp32_params_for_checkpoint, grad_params, named_grad_params
 from trainer.distributed import dp_sum, ensure_distributed
+from trainer.expert_parallel import padded_to_common_width
 from trainer.drafts import build_draft, load_draft_state, save_draft_state
 from trainer.losses import entropy_from_logits, policy_loss, token_mean
 from trainer.routing_replay import RoutingReplay
@@ -46,7 +47,8 @@ class Trainer:
         self.mtp_num_layers = resolve_mtp_layers(cfg.mtp_num_layers, hf_cfg.num_nextn_predict_layers)
         self.model_cfg = dataclasses.replace(hf_cfg, num_nextn_predict_layers=self.mtp_num_layers)
         self.model = build_model(self.model_cfg, self.mtp_num_layers, cfg.tensor_model_parallel_size,
-                                 cfg.pipeline_model_parallel_size, cfg.seed, compute_dtype(cfg.bf16))
+                                 cfg.pipeline_model_parallel_size, cfg.seed, compute_dtype(cfg.bf16),
+                                 cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size)
         if load is None:
             _, hf_state, _ = load_hf_checkpoint(hf_checkpoint)
             load_hf_state(self.model, hf_state, self.model_cfg)
@@ -95,17 +97,23 @@ class Trainer:
         """The model's device: batches are built on the CPU and moved here."""
         return next(self.model.parameters()).device
 
+    def _on_device(self, batch):
+        """`batch` on the model's device, as wide as its expert-parallel peers' (trainer/expert_parallel.py)."""
+        batch = batch.to(self.device)
+        return padded_to_common_width(batch) if self.model_cfg.moe is not None else batch
+
     @torch.no_grad()
     def compute_logprobs(self, batch):
         """[B, S] log-prob of each token given its prefix (0 at position 0), at the rollout temperature."""
-        batch = batch.to(self.device)
+        width = batch.width
+        batch = self._on_device(batch)
         self.model.eval()
         rows = []
         for mb in batch.micro_batches(self.cfg.micro_batch_size):
             with self._rollout_routes(mb):
                 lp = self._token_logprobs(forward(self.model, mb.tokens), mb.tokens)
             rows.append(torch.nn.functional.pad(lp, (1, 0)))
-        return torch.cat(rows)
+        return torch.cat(rows)[:, :width]
 
     def _rollout_routes(self, mb):
         """Around a forward of micro-batch `mb`: its rollout routes for the MoE routers (replayed under
@@ -146,7 +154,7 @@ class Trainer:
     def backward(self, batch):
         """Forward + backward over micro-batches, the policy's loss and the draft's; grads left on the
         parameters, reduced over ranks. Returns metrics."""
-        batch = batch.to(self.device)
+        batch = self._on_device(batch)
         self.model.train()
         for optimizer in self._optimizers():
             optimizer.zero_grad(set_to_none=True)
@@ -182,7 +190,7 @@ class Trainer:
     def _draft_inputs(self, batch):
         """The draft's inputs of every micro-batch of `batch` under the current policy: one no-grad
         forward each (the policy does not change between the draft-only steps)."""
-        batch = batch.to(self.device)
+        batch = self._on_device(batch)
         micro_batches = list(batch.micro_batches(self.cfg.micro_batch_size))
         normaliser = self.draft.normaliser(batch, len(micro_batches))
         inputs = []
