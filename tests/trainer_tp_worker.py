@@ -19,8 +19,6 @@ def run_layout(rank, world, port, layout, hf_dir, ckpt_dir, out_file, cfg_kwargs
     import warnings
 
     warnings.filterwarnings("ignore")
-    from megatron.core import parallel_state as ps
-
     from trainer.batch import build_batch
     from trainer.config import TrainerConfig
     from trainer.distributed import init_distributed, teardown
@@ -29,10 +27,12 @@ def run_layout(rank, world, port, layout, hf_dir, ckpt_dir, out_file, cfg_kwargs
 
     samples = samples or (lambda seed: random_scored_samples(seed=seed))
     torch.set_num_threads(1)
-    init_distributed(rank, world, "127.0.0.1", port, tp=layout.get("tensor_model_parallel_size", 1),
-                     ep=layout.get("expert_model_parallel_size", 1), etp=layout.get("expert_tensor_parallel_size"))
-    trainer = Trainer(TrainerConfig(**layout, **cfg_kwargs), hf_dir, load=load)
-    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    cfg = TrainerConfig(**layout, data_parallel_size=world // (layout.get("tensor_model_parallel_size", 1)
+                                                             * layout.get("pipeline_model_parallel_size", 1)),
+                        **cfg_kwargs)
+    init_distributed(rank, world, "127.0.0.1", port, cfg.layout)
+    trainer = Trainer(cfg, hf_dir, load=load)
+    dp_rank, dp = cfg.layout.dp_rank(rank), cfg.layout.dp
 
     def batch(seed):
         return build_batch(dp_share(samples(seed), dp_rank, dp))

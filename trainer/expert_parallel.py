@@ -137,38 +137,3 @@ def gather_over_ep(named_full_local, num_local):
     keys = sorted(gathered, key=lambda k: (k[0], order[k[1]]))
     return [(with_expert_index(name, expert), gathered[(expert, name)]) for expert, name in keys]
 
-
-# ---- layouts refused before any actor starts (orchestration/preflight.py) ----------------------
-def check_expert_parallel_sizes(train):
-    """EP x ETP must divide the ranks of a pipeline stage (TP x DP): megatron lays the expert groups out
-    inside them (`train`: the config tree's train section)."""
-    from vime.errors import require
-
-    ep = train.expert_model_parallel_size
-    etp = train.expert_tensor_parallel_size or train.tensor_model_parallel_size
-    stage = train.tensor_model_parallel_size * train.data_parallel_size
-    require(ep >= 1 and etp >= 1, f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp}: "
-            "both must be at least 1")
-    require(stage % (ep * etp) == 0,
-            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} does not divide the {stage} "
-            f"trainer ranks of a pipeline stage (--tensor-model-parallel-size {train.tensor_model_parallel_size} x "
-            f"--data-parallel-size {train.data_parallel_size}); choose EP x ETP dividing TP x DP")
-
-
-def check_expert_parallel(model_cfg, train, checkpoint):
-    """EP and ETP against the model: routed experts to split (not a dense model), EP dividing their
-    count and ETP each expert's hidden units."""
-    from vime.errors import require
-
-    ep, etp = train.expert_model_parallel_size, train.expert_tensor_parallel_size
-    if model_cfg.moe is None:
-        for flag, size in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
-            require(size in (None, 1), f"{flag} {size}: {checkpoint} is a dense model "
-                    f"({model_cfg.model_family.architectures[0]}) with no routed experts to split; drop the flag")
-        return
-    experts, hidden = model_cfg.moe.n_routed_experts, model_cfg.moe.moe_intermediate_size
-    require(experts % ep == 0, f"--expert-model-parallel-size {ep} does not divide the model's {experts} routed "
-            f"experts (n_routed_experts); choose a divisor of {experts}")
-    etp = etp or train.tensor_model_parallel_size
-    require(hidden % etp == 0, f"--expert-tensor-parallel-size {etp} does not divide each expert's {hidden} hidden "
-            f"units (moe_intermediate_size); choose a divisor of {hidden}")
