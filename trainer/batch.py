@@ -10,7 +10,9 @@ from typing import Optional
 
 import torch
 
-from vime.models.routing_replay import batch_routes
+from vime.models.routing_replay import NO_ROUTE, batch_routes
+
+_PADDING = {"tokens": 0, "routed_experts": NO_ROUTE}  # what a padded position holds (others: 0 / False)
 
 
 @dataclass
@@ -45,6 +47,25 @@ class Batch:
     def to(self, device):
         """This batch with every tensor on `device` (itself when already there)."""
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if getattr(self, f.name) is not None})
+
+    @property
+    def width(self):
+        return self.tokens.shape[1]
+
+    def padded_to(self, width):
+        """This batch right-padded to `width` positions (padding is out of every mask: no loss, no
+        expert load; causal attention keeps it out of the real positions)."""
+        extra = width - self.width
+        if extra <= 0:
+            return self
+
+        def pad(name, t):
+            tail = torch.full((t.shape[0], extra, *t.shape[2:]), _PADDING.get(name, 0), dtype=t.dtype,
+                              device=t.device)
+            return torch.cat([t, tail], dim=1)
+
+        return replace(self, **{f.name: pad(f.name, getattr(self, f.name)) for f in fields(self)
                                 if getattr(self, f.name) is not None})
 
     def micro_batches(self, micro_batch_size):

@@ -48,6 +48,8 @@ class TrainerConfig:
     decoder_first_pipeline_num_layers: Optional[int] = tree_field("train.decoder_first_pipeline_num_layers")
     decoder_last_pipeline_num_layers: Optional[int] = tree_field("train.decoder_last_pipeline_num_layers")
     data_parallel_size: int = tree_field("train.data_parallel_size")
+    expert_model_parallel_size: int = tree_field("train.expert_model_parallel_size")
+    expert_tensor_parallel_size: Optional[int] = tree_field("train.expert_tensor_parallel_size")  # None: TP's
     micro_batch_size: int = tree_field("train.micro_batch_size")  # 0: the whole local batch at once
     global_batch_size: int = tree_field("train.global_batch_size")  # informational: train_step gets the step
     seed: int = tree_field("train.seed")

@@ -21,11 +21,14 @@ import contextlib
 
 import torch
 
+from trainer.expert_parallel import EXPERT_MARK
+
 
 def _copy_parallel_attributes(dst, src):
-    """megatron's tensor-parallel attributes (sharded? along which dim?) onto the main parameter,
-    which the TP-aware grad-norm reads (trainer/grads.py)."""
-    for name in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+    """megatron's tensor-parallel attributes (sharded? along which dim?) and the routed-expert mark
+    (trainer/expert_parallel.py) onto the main parameter, which the grad reductions and norm read
+    (trainer/grads.py)."""
+    for name in ("tensor_model_parallel", "partition_dim", "partition_stride", EXPERT_MARK):
         if hasattr(src, name):
             setattr(dst, name, getattr(src, name))
 

@@ -19,6 +19,7 @@ from mtp.sampling import effective_temperature, token_logprobs
 from trainer import checkpoint, grads
 from trainer.mixed_precision import build_optimizer, fp32_params_for_checkpoint, grad_params, named_grad_params
 from trainer.distributed import dp_sum, ensure_distributed
+from trainer.expert_parallel import padded_to_common_width
 from trainer.drafts import build_draft, load_draft_state, save_draft_state
 from trainer.losses import entropy_from_logits, policy_loss, token_mean
 from trainer.routing_replay import RoutingReplay
@@ -96,17 +97,23 @@ class Trainer:
         """The model's device: batches are built on the CPU and moved here."""
         return next(self.model.parameters()).device
 
+    def _on_device(self, batch):
+        """`batch` on the model's device, as wide as its expert-parallel peers' (trainer/expert_parallel.py)."""
+        batch = batch.to(self.device)
+        return padded_to_common_width(batch) if self.model_cfg.moe is not None else batch
+
     @torch.no_grad()
     def compute_logprobs(self, batch):
         """[B, S] log-prob of each token given its prefix (0 at position 0), at the rollout temperature."""
-        batch = batch.to(self.device)
+        width = batch.width
+        batch = self._on_device(batch)
         self.model.eval()
         rows = []
         for mb in batch.micro_batches(self.cfg.micro_batch_size):
             with self._rollout_routes(mb):
                 lp = self._token_logprobs(forward(self.model, mb.tokens), mb.tokens)
             rows.append(torch.nn.functional.pad(lp, (1, 0)))
-        return torch.cat(rows)
+        return torch.cat(rows)[:, :width]
 
     def _rollout_routes(self, mb):
         """Around a forward of micro-batch `mb`: its rollout routes for the MoE routers (replayed under
@@ -147,7 +154,7 @@ class Trainer:
     def backward(self, batch):
         """Forward + backward over micro-batches, the policy's loss and the draft's; grads left on the
         parameters, reduced over ranks. Returns metrics."""
-        batch = batch.to(self.device)
+        batch = self._on_device(batch)
         self.model.train()
         for optimizer in self._optimizers():
             optimizer.zero_grad(set_to_none=True)
@@ -183,7 +190,7 @@ class Trainer:
     def _draft_inputs(self, batch):
         """The draft's inputs of every micro-batch of `batch` under the current policy: one no-grad
         forward each (the policy does not change between the draft-only steps)."""
-        batch = batch.to(self.device)
+        batch = self._on_device(batch)
         micro_batches = list(batch.micro_batches(self.cfg.micro_batch_size))
         normaliser = self.draft.normaliser(batch, len(micro_batches))
         inputs = []

@@ -180,6 +180,12 @@ class TrainSection:
         "--decoder-last-pipeline-num-layers", "decoder layers of the last pipeline stage (none: the even share)"))
     data_parallel_size: int = field(default=1, metadata=flag(
         "--data-parallel-size", "trainer data parallelism (DP); trainer actors = TP x PP x DP"))
+    expert_model_parallel_size: int = field(default=1, metadata=flag(
+        "--expert-model-parallel-size", "MoE models: expert parallelism (EP), the routed experts split over EP "
+        "ranks of each pipeline stage's TP x DP ranks (megatron's); tokens reach their experts by all-gather"))
+    expert_tensor_parallel_size: Optional[int] = field(default=None, metadata=flag(
+        "--expert-tensor-parallel-size", "MoE models: tensor parallelism inside each routed expert (ETP; none: "
+        "--tensor-model-parallel-size, as megatron)"))
     seed: int = field(default=1234, metadata=flag("--seed", "trainer seed"))
     use_tis: bool = field(default=False, metadata=flag(
         "--use-tis", "truncated importance sampling: weight the loss by min(pi_old / pi_rollout, --tis-clip), "

@@ -164,7 +164,8 @@ def _check_tensor_parallel(layout, model_cfg):
     # megatron shards MoE layers over TP only with sequence parallelism, which its local
     # (non-Transformer-Engine) norm does not implement
     require(tp == 1 or model_cfg.moe is None, f"{FLAGS['tp']} {tp}: mixture-of-experts models "
-            f"({_architecture(model_cfg)}) train at {FLAGS['tp']} 1; scale out with {FLAGS['dp']}")
+            f"({_architecture(model_cfg)}) train at {FLAGS['tp']} 1 (megatron splits their layers over TP only with "
+            f"sequence parallelism); scale out with {FLAGS['dp']}, {FLAGS['ep']} and {FLAGS['etp']}")
     for what, n in (("attention heads", model_cfg.num_attention_heads),
                     ("key/value heads", model_cfg.num_key_value_heads),
                     ("vocabulary size", model_cfg.vocab_size),
@@ -252,12 +253,6 @@ def _check_pipeline_stages(layout, model_cfg):
             f"stage{'s' if middle > 1 else ''}, which must hold an equal number of at least 1 each")
 
 
-def _check_experts_run(layout, model_cfg):
-    require(layout.ep == 1 and layout.expert_tp == layout.tp, f"{FLAGS['ep']} {layout.ep} x {FLAGS['etp']} "
-            f"{layout.expert_tp}: the trainer does not split the routed experts yet; use {FLAGS['ep']} 1 and scale out "
-            f"with {FLAGS['dp']}")
-
-
 def _check_pipeline_runs(layout, model_cfg):
     require(layout.pp == 1, f"{FLAGS['pp']} {layout.pp}: the trainer does not run pipeline stages yet; use "
             f"{FLAGS['pp']} 1 and scale out with {FLAGS['dp']}")
@@ -265,4 +260,4 @@ def _check_pipeline_runs(layout, model_cfg):
 
 FLAG_CHECKS = [_check_stage_flags, _check_expert_flags]
 MODEL_CHECKS = [_check_tensor_parallel, _check_pipeline_stages, _check_expert_parallel]
-NOT_RUN_YET = [_check_pipeline_runs, _check_experts_run]
+NOT_RUN_YET = [_check_pipeline_runs]

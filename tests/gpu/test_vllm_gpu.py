@@ -136,3 +136,12 @@ def test_nccl_weight_transfer_loads_target_and_draft_into_vllm(mimo_ckpt):
         assert backend.stats()["readback_fraction"] == 1.0  # every tensor read from vLLM, none assumed
     finally:
         backend.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="two trainer GPUs and one for vLLM")
+def test_ep2_trainer_pushes_every_expert_through_vllms_nccl_engine_like_one_rank(tmp_path):
+    """--vllm-weight-transfer nccl from an expert-parallel trainer: the experts gathered on the GPUs and
+    broadcast into vLLM, checked tensor by tensor; the step and the pushed checksums equal one rank's."""
+    from tests.test_train_rl_moe_layouts import SHIPPED, assert_ep2_steps_like_one_rank
+
+    assert_ep2_steps_like_one_rank(SHIPPED["glm4_moe"], tmp_path, "vllm", "--vllm-weight-transfer", "nccl")
