@@ -149,6 +149,11 @@ class FastForward:
         self.head = pack(weight, self.backend)
         self.eh_proj = [pack(m.mtp_layer(k).eh_proj.weight, self.backend) for k in range(m.num_mtp_layers)]
 
+    def release(self):
+        """Drop the fused and packed copies of the weights (the model's weights were released);
+        `refresh` makes them again."""
+        self.layers, self.head, self.eh_proj = [], None, []
+
     def logits(self, hidden):
         """Twin of `CausalLMWithMTP.logits` on the packed LM head."""
         return linear(hidden, self.head)
