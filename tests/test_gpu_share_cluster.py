@@ -57,3 +57,6 @@ def test_a_rank_and_an_engine_share_the_one_gpu_and_hand_weights_over_in_place(o
     assert all(r["weight_sync/in_place_engines"] == 1 for r in rows)
     assert ("share a GPU with an engine" in proc.stdout + proc.stderr) == packed_line
     assert all(r["memory/rollout_rss_gib"] > 0 and r["memory/engine_while_training_rss_gib"] > 0 for r in rows)
+    from scripts.bench.lib.run_summary import summary  # the line scripts/gpu_check.sh prints of such a run
+
+    assert f"{STEPS} steps" in summary(rows) and "in-place engines 1" in summary(rows)

@@ -28,7 +28,7 @@ SPEC = {"method": "mtp", "num_speculative_tokens": 2}
 GREEDY = SamplingParams(temperature=0, max_new_tokens=16)
 
 
-@pytest.fixture(scope="module", params=["mimo", "deepseek_v3"])
+@pytest.fixture(scope="module", params=["mimo", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
 def engine_ckpt(request, tmp_path_factory):
     """A peaked random model per cache kind: per-head K/V (MiMo) and the MLA latent cache (DeepSeek-V3)."""
     path = str(tmp_path_factory.mktemp(f"turns_{request.param}"))

@@ -94,6 +94,7 @@ def test_the_shared_memory_hand_over_delivers_what_the_bucket_broadcast_delivers
     assert all(bool((v == 7).all()) for v in seen_after.values())
 
 
+@pytest.mark.slow  # the mechanism's fast test is the one above; this one adds the engine's load_weights
 def test_an_engine_takes_a_hand_over_into_its_weights_as_the_bucket_push_loads_them(tmp_path):
     from test_weight_push import SPEC, new_weights, push
 
