@@ -8,9 +8,9 @@ tensors, as ratios measured in one run.
 Two real processes per worker pair over gloo on loopback: rank 0 holds the named tensors
 (policy + MTP, canonical HF names) and `weight_sync.send`s them; each worker `receive`s and
 copies them into its model parameters (what `Engine.load_weights` does). The hand-over: rank 0
-builds the same buckets in shared memory (`weight_sync.hand_over`) and sends only the bytes that
-map them (over the same group, as a Ray call would carry them); each worker maps them
-(`take_over`) and copies them into its parameters. The baseline is `param.copy_(tensor)` of the
+fills the same buckets in shared memory (the trainer's `InPlaceHandOver`) and sends only the bytes
+that map them (over the same group, as a Ray call would carry them); each worker maps them (its
+`HandOverReceiver`, once) and copies them into its parameters. The baseline is `param.copy_(tensor)` of the
 same tensors inside one process.
 """
 import argparse
@@ -68,26 +68,36 @@ def run(rank, args, port, results):
 
 
 def hand_over_seconds(rank, group, layout, named, params):
-    """Best of REPEATS of the in-place hand-over: buckets built in shared memory on rank 0, the bytes
-    that map them broadcast, every worker's copy into its parameters done."""
-    times, held = [], []
+    """Best of REPEATS of the in-place hand-over (the trainer's InPlaceHandOver, each engine's
+    HandOverReceiver): rank 0 fills its shared buckets and broadcasts the bytes that map them, every
+    worker's copy into its parameters done. The first push, which creates and maps the buckets, is
+    timed too: best of is what every later push costs."""
+    from rollout.weight_receiver import HandOverReceiver
+    from trainer.weight_senders import IN_PLACE, SENDERS
+
+    def copy_into_params(pairs, version):
+        with torch.no_grad():
+            for name, tensor in pairs:
+                params[name].copy_(tensor)
+
+    sender = SENDERS[IN_PLACE]({}, None, 0) if rank == 0 else None
+    receiver = HandOverReceiver(copy_into_params, 0) if rank else None
+    if sender:
+        sender.layout = layout
+    times = []
     for _ in range(REPEATS):
         group.barrier().wait()
         start = time.perf_counter()
         if rank == 0:
-            buckets, blob = weight_sync.hand_over(layout, named)
-            held.append(buckets)
-            weight_sync.broadcast(group, torch.tensor([len(blob)]))
-            weight_sync.broadcast(group, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+            _, note = sender.send(named)
+            weight_sync.broadcast(group, torch.tensor([len(note)]))
+            weight_sync.broadcast(group, torch.frombuffer(bytearray(note), dtype=torch.uint8))
         else:
             size = weight_sync.broadcast(group, torch.zeros(1, dtype=torch.long))
-            blob = weight_sync.broadcast(group, torch.empty(int(size), dtype=torch.uint8))
-            with torch.no_grad():
-                for name, tensor in weight_sync.take_over(layout, blob.numpy().tobytes()):
-                    params[name].copy_(tensor)
+            note = weight_sync.broadcast(group, torch.empty(int(size), dtype=torch.uint8)).numpy().tobytes()
+            receiver.receive(layout, 1, note)
         group.barrier().wait()
         times.append(time.perf_counter() - start)
-        held.clear()  # rank 0 lets the buckets go once every worker holds the weights
     return min(times)
 
 
