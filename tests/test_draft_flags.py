@@ -12,6 +12,7 @@ from trainer.drafts import DRAFT_TRAINERS, check_draft_config
 from vime.cli_config import REMOVED_FLAGS, REMOVED_KEYS, help_text, load_config
 from vime.config import flag_table
 from vime.errors import UserError
+from vime.models.draft_kinds import DRAFT_KINDS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = ("--draft-lr", "--draft-steps-per-rollout", "--draft-replay-batches", "--draft-loss-type",
@@ -51,9 +52,9 @@ def test_help_lists_each_shared_draft_knob_once_and_no_replaced_flag():
     for name in SHARED:
         assert options.count(name) == 1, name
     assert not set(REMOVED_FLAGS) & set(options)
-    # the kinds' own defaults (declared in their files) are what --help says
+    # the kinds' own defaults (their descriptors') are what --help says
     for kind, words in (("mtp", "MTP layers"), ("eagle3", "EAGLE-3"), ("dflash", "DFlash")):
-        d = DRAFT_TRAINERS[kind].DEFAULTS
+        d = DRAFT_KINDS[kind].knobs
         for knob in (f"{d.lr:g} for {words}", f"{d.steps_per_rollout} for {words}", f"{d.replay_batches} for {words}"):
             assert knob in " ".join(text.split()), knob
 
@@ -62,9 +63,14 @@ def test_replay_without_draft_only_steps_is_refused_against_the_kinds_own_defaul
     base = ["--enable-mtp-training", "--mtp-num-layers", "1"]
     with pytest.raises(UserError, match="--draft-replay-batches 2 .* --draft-steps-per-rollout 1"):
         check_draft_config(TrainerConfig.from_tree(load_config(base + ["--draft-replay-batches", "2"])))
-    # the negative control: with draft-only steps the same replay is accepted
+    # with draft-only steps, no more batches than they reach: 2 steps reach this batch and 1 earlier one
+    with pytest.raises(UserError, match=r"--draft-replay-batches 2: .* at most 1 earlier ones .* "
+                                        r"--draft-steps-per-rollout 4 or more"):
+        check_draft_config(TrainerConfig.from_tree(load_config(base + ["--draft-replay-batches", "2",
+                                                                       "--draft-steps-per-rollout", "3"])))
+    # the negative control, the advice as written: 3 draft-only steps reach the 2 replayed batches
     check_draft_config(TrainerConfig.from_tree(load_config(base + ["--draft-replay-batches", "2",
-                                                                   "--draft-steps-per-rollout", "3"])))
+                                                                   "--draft-steps-per-rollout", "4"])))
 
 
 def test_draft_training_needs_an_external_draft_in_the_speculative_config():

@@ -3,13 +3,15 @@ step loop: each kind's loss equals its own formula recomputed by an independent 
 embedded engine's model or transformers, cache-free), the policy's loss, gradients and update are
 bit-identical with and without the draft, and a shared knob left unset takes the kind's own default."""
 import math
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from dflash_fixtures import reference_block_logits
-from eagle3_fixtures import random_draft, reference_ttt_losses
+from draft_kind_fixtures import REPO, random_draft
+from eagle3_fixtures import reference_ttt_losses
 from fp32_bounds import reduction_rtol
 from mtp_oracles import reference_mtp_hidden
 from rollout.embedded.model import CausalLMWithMTP
@@ -20,7 +22,8 @@ from trainer.trainer import Trainer
 from trainer_fixtures import make_batch, make_tiny
 from mtp.dflash import DFlashDraft, default_gamma
 from vime.models import dflash as dflash_format
-from vime.models.eagle3 import save_draft
+from vime.models.draft_kinds import DRAFT_KINDS
+from vime.models.eagle3 import EAGLE3
 from vime.models.hf_format import load_hf_checkpoint, read_config
 
 TTT_STEPS = 3
@@ -38,9 +41,9 @@ def eagle3_pair(tmp_path_factory):
     """A 2-layer Qwen2 target without MTP layers and a random EAGLE-3 draft reading its layers 0, 1, 2."""
     target = str(tmp_path_factory.mktemp("drafts_qwen2_target"))
     make_tiny(target, seed=1, family="qwen2", num_nextn_predict_layers=0)
-    draft = random_draft(read_config(target), seed=2, std=0.05, aux_layer_ids=(0, 1, 2))
+    draft = random_draft(EAGLE3, read_config(target), seed=2, std=0.05, layers=(0, 1, 2))
     path = str(tmp_path_factory.mktemp("drafts_eagle3"))
-    save_draft(path, draft.cfg, draft.state_dict())
+    EAGLE3.save(path, draft.cfg, draft.state_dict())
     return target, path, draft
 
 
@@ -58,7 +61,7 @@ def dflash_pair(tmp_path_factory):
         for p in draft.parameters():  # norms perturbed too, so that each matters
             p.normal_(0, 0.05) if p.dim() == 2 else p.add_(torch.randn(p.shape) * 0.3)
     path = str(tmp_path_factory.mktemp("drafts_dflash"))
-    dflash_format.save_draft(path, cfg, draft.state_dict())
+    dflash_format.DFLASH.save(path, cfg, draft.state_dict())
     return target, path
 
 
@@ -208,7 +211,7 @@ def test_the_policy_loss_gradients_and_update_are_bit_identical_with_and_without
 
 def test_a_shared_knob_left_unset_takes_the_kinds_own_default(kind):
     name, target, settings = kind
-    defaults = DRAFT_TRAINERS[name].DEFAULTS
+    defaults = DRAFT_KINDS[name].knobs
     assert Trainer(TrainerConfig(**settings), target).draft.knobs == defaults
     given = Trainer(TrainerConfig(draft_lr=3e-4, draft_steps_per_rollout=2, draft_replay_batches=1, **settings), target)
     assert (given.draft.knobs.lr, given.draft.knobs.steps_per_rollout, given.draft.knobs.replay_batches) == (3e-4, 2, 1)
@@ -251,3 +254,31 @@ def test_the_dflash_draft_distils_the_detached_policys_distribution(dflash_pair,
     # negative control: the hard-label loss of the same slots is another figure
     _, hard = reference_dflash_losses(target, draft_dir, batch.tokens, batch.loss_mask)
     assert abs(hard[0] - per_slot[0]) > loss_tolerance(target, per_slot[0])
+
+
+@pytest.mark.parametrize("family", [pytest.param("glm4_moe", marks=pytest.mark.slow), "deepseek_v3"])  # MoE; + MLA
+def test_an_external_draft_trains_on_a_moe_or_mla_policys_aux_hidden_states_as_the_engine_computes_them(family,
+                                                                                                       tmp_path):
+    """The trainer keeps the aux hidden states of a mixture-of-experts policy (GLM-4.5; DeepSeek-V3 with
+    MLA too) as the embedded engine computes them: an EAGLE-3 draft's training-time-test losses on the
+    shipped tiny model equal the cache-free reference on the engine's model (megatron-core shares no code
+    with it); the same draft reading other layers is the negative control."""
+    import dataclasses
+
+    from mtp.eagle3 import Eagle3Draft
+
+    target = os.path.join(REPO, "checkpoints", f"tiny-{family.replace('_', '-')}-mtp")
+    draft = random_draft(EAGLE3, read_config(target), seed=2, std=0.05)  # a 5-layer target's default (0, 2, 5)
+    EAGLE3.save(str(tmp_path / "draft"), draft.cfg, draft.state_dict())
+    spec = parse_spec_config({"method": "eagle3", "model": str(tmp_path / "draft"), "num_speculative_tokens": TTT_STEPS})
+    trainer = Trainer(TrainerConfig(micro_batch_size=0, enable_draft_training=True, speculative_config=spec), target)
+    batch = make_batch(n=3)
+    metrics = trainer.train_step(batch)  # the reported losses are the joint step's, before it moved anything
+    model = engine_model(target)
+    wants = reference_ttt_losses(model, draft, batch.tokens, batch.loss_mask, TTT_STEPS)
+    for step, want in enumerate(wants, start=1):
+        assert abs(metrics[f"train/draft_{step}_loss"] - want) <= loss_tolerance(target, want), step
+    elsewhere = Eagle3Draft(dataclasses.replace(draft.cfg, aux_layer_ids=(0, 2, 4)))
+    elsewhere.load_state_dict(draft.state_dict())
+    other = reference_ttt_losses(model, elsewhere.eval(), batch.tokens, batch.loss_mask, 1)[0]
+    assert abs(other - wants[0]) > loss_tolerance(target, other)

