@@ -70,6 +70,7 @@ class TrainerConfig:
     # the rollout's speculative config (vime.spec_config.SpecConfig, or None): an external draft is its `model`
     speculative_config: Any = tree_field("rollout.vllm_speculative_config")
     bf16: bool = tree_field("model.bf16")  # bf16 compute, fp32 master weights (trainer/mixed_precision.py)
+    offload_optimizer_state: bool = tree_field("train.offload_optimizer_state")  # trainer/offload.py, between steps
 
     @classmethod
     def from_tree(cls, cfg):

@@ -16,7 +16,7 @@ import torch
 from vime.models.hf_format import load_hf_checkpoint, read_config
 from vime.models.torch_dist_format import torch_dist_tensor_problem
 from mtp.sampling import effective_temperature, token_logprobs
-from trainer import checkpoint, grads
+from trainer import checkpoint, grads, offload as optimizer_offload
 from trainer.mixed_precision import build_optimizer, fp32_params_for_checkpoint, grad_params, named_grad_params
 from trainer.distributed import dp_sum, ensure_distributed
 from trainer.expert_parallel import padded_to_common_width
@@ -62,6 +62,7 @@ class Trainer:
         # the draft trained beside the policy (trainer/drafts: MTP layers, EAGLE-3, DFlash), or None
         self.draft = build_draft(cfg, self.model, self.model_cfg)
         self.optimizer = self._build_optimizer()
+        self.offloaded = False  # the optimizer state waits on the host (--offload-optimizer-state)
         if self.draft is not None:
             self.draft.attach(self.optimizer)
         # earlier rollout batches the draft-only steps also train on (--draft-replay-batches; CPU
@@ -259,6 +260,29 @@ class Trainer:
         balance over the tokens they routed in it; a router that routed none keeps its bias."""
         update_expert_biases(self.model, self.cfg.moe_router_bias_update_rate)
 
+    # ---- memory by turns --------------------------------------------------------------
+    def offload(self):
+        """While the engines generate: gradients freed, optimizer state on the host (trainer/offload.py)."""
+        optimizer_offload.offload(self._optimizers())
+        self.offloaded = True
+
+    def onload(self):
+        """Before a step: the optimizer state back on the model's device."""
+        if self.offloaded:
+            optimizer_offload.onload(self._optimizers(), self.device)
+            self.offloaded = False
+
+    @contextlib.contextmanager
+    def _state_on_device(self):
+        """Around a save or load: the optimizer state where the model is, then as it was."""
+        was = self.offloaded
+        self.onload()
+        try:
+            yield
+        finally:
+            if was:
+                self.offload()
+
     # ---- weights and checkpoints ------------------------------------------------------
     def named_hf_weights(self):
         """Yield (canonical HF name, full tensor) of every weight, trunk and MTP, on every TP rank."""
@@ -272,7 +296,8 @@ class Trainer:
 
     def save(self, path):
         """torch_dist checkpoint of weights + optimizer state (collective: every rank calls it)."""
-        with fp32_params_for_checkpoint(self.model, self.optimizer):  # under --bf16 the fp32 masters: a plain fp32 checkpoint
+        with self._state_on_device(), fp32_params_for_checkpoint(self.model, self.optimizer):
+            # under --bf16 the fp32 masters: a plain fp32 checkpoint
             checkpoint.save(path, self.model, self.optimizer, self._meta())
         if self.draft is not None:
             save_draft_state(path, self.draft)
@@ -285,7 +310,8 @@ class Trainer:
                 f"fewer than --mtp-num-layers {self.mtp_num_layers}")
         problem = torch_dist_tensor_problem(meta, self.model_cfg, self.mtp_num_layers)
         require(problem is None, f"--load {path}: its tensors disagree with the model's config: {problem}")
-        with fp32_params_for_checkpoint(self.model, self.optimizer):  # under --bf16 into the fp32 masters, then rounded
+        with self._state_on_device(), fp32_params_for_checkpoint(self.model, self.optimizer):
+            # under --bf16 into the fp32 masters, then rounded
             checkpoint.load(path, self.model, self.optimizer)
         if self.draft is not None:
             load_draft_state(path, self.draft)

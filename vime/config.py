@@ -53,7 +53,8 @@ class RolloutSection:
              "time_plain_baseline": "rollout", "dynamic_sampling": "rollout", "over_sampling_batch_size":
              "dynamic_sampling", "dynamic_sampling_max_draws": "dynamic_sampling", "eval_prompt_data": "rollout",
              "eval_interval": "eval", "n_samples_per_eval_prompt": "eval", "eval_temperature": "eval",
-             "sync_draft_weights": "sync", "vllm_weight_transfer": "sync"}  # see SWITCHES
+             "sync_draft_weights": "sync", "vllm_weight_transfer": "sync", "release_kv_cache": "sync",
+             "release_weights": "sync"}  # see SWITCHES
 
     prompt_data: Optional[str] = field(default=None, metadata=flag(
         "--prompt-data", "JSONL prompts (default: the tiny model's train.jsonl)"))
@@ -118,6 +119,13 @@ class RolloutSection:
         "scores 0 and rollout/reward_timeouts counts it"))
     reward_num_workers: int = field(default=2, metadata=flag(
         "--reward-num-workers", "processes scoring pooled rewards (--rm-type math)"))
+    release_kv_cache: Optional[bool] = field(default=None, metadata=flag(
+        "--rollout-release-kv-cache", "memory by turns: while the trainer steps, each engine gives its KV cache "
+        "back and allocates it again for the next rollout (none: on for an engine that shares a CUDA GPU with a "
+        "trainer rank, off otherwise)"))
+    release_weights: bool = field(default=False, metadata=flag(
+        "--rollout-release-weights", "memory by turns: while the trainer steps, each engine gives its weights back "
+        "too; the next push brings them back (needs the draft synced: not with --no-sync-draft-weights)"))
     eval_prompt_data: Optional[str] = field(default=None, metadata=flag(
         "--eval-prompt-data", "JSONL held-out prompts (same keys as --prompt-data) evaluated at step 0 and "
         "every --eval-interval steps"))
@@ -141,6 +149,9 @@ def _validate_rollout(r):
             "do not truncate); leave --rollout-top-k at 0")
     require(r.task_variant is None or r.prompt_data is None,
             f"--task-variant {r.task_variant} makes the prompts; drop --prompt-data {r.prompt_data} or the variant")
+    require(not r.release_weights or r.sync_draft_weights,
+            "--rollout-release-weights: the engines give their weights back while the trainer steps and the push "
+            "brings them back, but --no-sync-draft-weights pushes no draft, so the draft would be lost; drop one")
 
 
 @dataclass
@@ -148,7 +159,8 @@ class TrainSection:
     """Optimiser, policy loss, batch sizes and parallelism of the trainers (`cfg.train`)."""
 
     NEEDS = {"use_kl_loss": "trainers", "kl_loss_coef": "kl_loss", "kl_loss_type": "kl_loss", "use_tis": "trainers",
-             "tis_clip": "tis", "use_rollout_routing_replay": "trainers"}  # see SWITCHES
+             "tis_clip": "tis", "use_rollout_routing_replay": "trainers",
+             "offload_optimizer_state": "sync"}  # see SWITCHES
 
     lr: float = field(default=2e-4, metadata=flag("--lr", "learning rate of the policy (Adam)"))
     weight_decay: float = field(default=0.0, metadata=flag("--weight-decay", "Adam weight decay"))
@@ -194,6 +206,10 @@ class TrainSection:
     use_rollout_routing_replay: bool = field(default=False, metadata=flag(
         "--use-rollout-routing-replay", "MoE models: the trainer's routers take the experts the rollout chose at "
         "every position (gate weights still from the trainer's scores); the MTP layers route by their own"))
+    offload_optimizer_state: bool = field(default=False, metadata=flag(
+        "--offload-optimizer-state", "memory by turns: while the engines generate, the trainer keeps its optimizer "
+        "state (Adam's moments; under --bf16 the fp32 main weights) on the host and its gradients freed, back on its "
+        "device for the next step (a trainer rank sharing its GPU with an engine leaves it the room)"))
     moe_router_bias_update_rate: float = field(default=1e-3, metadata=flag(
         "--moe-router-bias-update-rate", "MoE models: after each step every router's expert bias moves by this "
         "much towards balance (DeepSeek-V3's auxiliary-loss-free balancing; 0: fixed bias)"))
@@ -317,6 +333,17 @@ def _validate_run(run):
             "(written by a run with --save-debug-rollout-data DIR)")
     require(run.wandb_mode in (None, "offline", "online", "disabled"),
             f"--wandb-mode {run.wandb_mode!r}: use offline, online or disabled")
+
+
+def _validate_memory_turns(cfg):
+    """Memory by turns needs turns: a rollout that does not overlap the training (a debug run, which has
+    one side only, is refused by the knobs' switches)."""
+    r = cfg.rollout
+    flags = [name for name, on in (("--rollout-release-kv-cache", r.release_kv_cache),
+                                   ("--rollout-release-weights", r.release_weights),
+                                   ("--offload-optimizer-state", cfg.train.offload_optimizer_state)) if on]
+    require(not (flags and cfg.run.async_rollout), f"{flags[0] if flags else ''} frees memory while the other "
+            "side works, and --async-rollout runs the rollout during training: drop one of them")
 
 
 @dataclass
@@ -525,6 +552,7 @@ def validate(cfg):
             f"= {per_step} samples per step")
     _validate_train(t)
     _validate_run(cfg.run)
+    _validate_memory_turns(cfg)
     _validate_drafts(cfg.draft, cfg.mtp)
     _validate_rollout(r)
 

@@ -53,6 +53,7 @@ from vime.models.families import vllm_aux_hidden_state_families
 from vime.spec_config import FLAG, as_spec_config
 from vime.precision import dtype_name
 
+VLLM_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of a GPU's memory, for an engine alone on it
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM's CPU thread binding: core ids, "auto" or "nobind"
 SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                 "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
@@ -84,12 +85,14 @@ def cpu_binding(cpu_cores):
 
 
 def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype=torch.float32,
-                  weight_transfer="reload", record_routes=False, enforce_eager=False):
+                  weight_transfer="reload", record_routes=False, enforce_eager=False, sharing=None):
     """Keyword arguments of vllm.LLM / EngineArgs. `dtype` is the trainer's (fp32 by default,
     bf16 under --bf16): the trainer syncs weights in it and the guard compares exact sums of them
     (a bf16 copy of fp32 weights could never match); CPU also runs eager (no graph capture to
     gain there) and prefills whole prompts, as a GPU does under --rollout-enforce-eager;
-    --vllm-weight-transfer nccl turns on vLLM's weight transfer engine. Everything else is vLLM's default."""
+    --vllm-weight-transfer nccl turns on vLLM's weight transfer engine. An engine sharing its GPU
+    with a trainer rank (`sharing`) claims its share of vLLM's default memory budget and, for memory
+    by turns, vLLM's sleep mode. Everything else is vLLM's default."""
     spec = as_spec_config(speculative_config, "vllm")
     kwargs = dict(model=hf_checkpoint, skip_tokenizer_init=True, seed=0, disable_log_stats=False,
                   max_model_len=read_config(hf_checkpoint).max_position_embeddings, max_num_seqs=max_batch_size,
@@ -102,6 +105,9 @@ def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dty
         kwargs["enable_prefix_caching"] = False
     if enforce_eager:
         kwargs["enforce_eager"] = True
+    if sharing and device != "cpu":
+        kwargs["gpu_memory_utilization"] = VLLM_GPU_MEMORY_UTILIZATION * min(sharing["gpu_share"], 1.0)
+        kwargs["enable_sleep_mode"] = sharing["release_memory"]
     if device == "cpu":
         # chunked prefill splits a prompt over steps and rewinds a seeded request's generator
         # for the discarded token (`set_offset`), which CPU generators lack: the engine dies as
@@ -127,6 +133,7 @@ def check_config(cfg, hf):
     require_vllm()
     check_model_on_vllm(cfg.model.hf_checkpoint, hf)
     check_routes_recordable(cfg)
+    check_sleep_mode(r)
     # last: vLLM's own validation builds its engine config (tens of seconds on CPU)
     check_speculative_config(cfg.model.hf_checkpoint, r.vllm_speculative_config, r.rollout_max_batch_size,
                              dtype=compute_dtype(cfg.model.bf16))
@@ -143,6 +150,18 @@ def check_drafter_target(spec, hf):
             f"states; vLLM 0.32's {fam.architectures[0]} ({fam.name}) does not (vLLM serves external drafts for "
             f"{vllm_aux_hidden_state_families()}): draft it with --rollout-backend embedded, which runs every "
             "family, or with method 'mtp' if the model has MTP layers")
+
+
+def check_sleep_mode(r):
+    """Memory by turns on vLLM is vLLM's sleep mode, which its CPU build does not have: its platform says
+    sleep mode is unavailable (a config asking for it is refused) and its CPU worker's sleep and
+    wake_up do nothing. Asked for there, one line."""
+    asked = [name for name, on in (("--rollout-release-kv-cache", r.release_kv_cache),
+                                   ("--rollout-release-weights", r.release_weights)) if on]
+    require(not asked or not _vllm_is_cpu_build(),
+            f"{asked[0] if asked else ''}: the vLLM backend releases memory with vLLM's sleep mode, which vLLM's "
+            "CPU build does not have (its platform refuses sleep mode, its CPU worker's sleep does nothing); "
+            "drop the flag or use --rollout-backend embedded")
 
 
 # the MLA latent (kv_lora_rank, qk_rope_head_dim) vllm-cpu's MLA decode kernel is compiled for,
@@ -257,7 +276,7 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False,
-                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", enforce_eager=False):
+                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", enforce_eager=False, sharing=None):
         require_not_adaptive(adaptive)
         _set_env(device)
         from vllm import LLM
@@ -271,7 +290,8 @@ class VLLMBackend:
         with cpu_binding(cpu_cores if device == "cpu" else None):
             self.llm = LLM(**engine_kwargs(hf_checkpoint, self.spec, max_batch_size, device, dtype,
                                            weight_transfer, record_routes=self.records_routes,
-                                           enforce_eager=enforce_eager))
+                                           enforce_eager=enforce_eager, sharing=sharing))
+        self.asleep = None  # vLLM's sleep level while the trainer steps (release_memory), else None
         if self.records_routes:
             self.llm.collective_rpc(vllm_worker.record_routes, args=(cfg.moe.num_experts_per_tok,
                                                                      cfg.moe.n_routed_experts, self.max_len))
@@ -294,6 +314,7 @@ class VLLMBackend:
         from vllm import SamplingParams as VSampling
 
         require(not self.paused, "the vLLM backend is paused (a weight update is in progress)")
+        require(not self.asleep, "the vLLM backend sleeps (release_memory) until a push wakes it")
         # the LLM has no tokenizer, so the model's EOS reaches vLLM as a stop id (and stays out
         # under ignore_eos, vLLM's own flag, which only covers the tokenizer's EOS)
         stops = sorted((set() if sampling.ignore_eos else self.eos_ids) | set(sampling.stop_token_ids))
@@ -378,10 +399,27 @@ class VLLMBackend:
 
     # ---------------------------------------------------------------- the rest of the protocol
     def pause(self):
+        """Before a push: weights put to sleep wake first (level 1 from the host copy, level 2 as empty
+        memory), so the push loads into them, the target and then the drafter."""
         self.paused = True
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
 
     def resume(self):
+        """After a push: the KV cache wakes too, and no prefix cached before the sleep is reused."""
         self.paused = False
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.llm.reset_prefix_cache()
+            self.asleep = None
+
+    def release_memory(self, weights=False):
+        """vLLM's own sleep while the trainer steps: level 1 drops the KV cache and keeps the weights on the
+        host, level 2 (`weights`) drops both. Every push reloads the drafter's weights after the target's
+        (vime/models/vllm_names.py `update_rounds`), so a level-2 sleep loses no drafter weights, and the
+        guard reads both back after it (vLLM keeps every parameter readable on a GPU)."""
+        self.asleep = 2 if weights else 1
+        self.llm.sleep(level=self.asleep)
 
     def compute_cores(self):
         """The cores vLLM's worker process may run on (what the OS reports, after vLLM's binding)."""

@@ -55,6 +55,11 @@ class Proposer:
     def release(self, request):
         """The request finished: drop its per-request state."""
 
+    def kv_caches(self):
+        """The KV caches this proposer keeps (its `cache`, when it has one): released with the engine's."""
+        cache = getattr(self, "cache", None)
+        return [cache] if cache is not None else []
+
     def named_draft_weights(self):
         """(wire name, tensor) of an external draft the trainer trains and syncs, once it has
         synced it (a frozen draft has nothing on the trainer to compare with)."""
