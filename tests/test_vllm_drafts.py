@@ -98,9 +98,10 @@ def test_the_vllm_distribution_test_rejects_a_distorted_policy(sampled):
 
 def changed_draft(state):
     """The draft's tensors with its MLP output, context projection and key projection scaled by 0.7 and
-    its final norm by 1.25."""
-    scaled = {"mlp.down_proj.weight": 0.7, "fc.weight": 0.7, "self_attn.k_proj.weight": 0.7}
-    changed = {n: t * next((f for end, f in scaled.items() if n.endswith(end)), 1.0) for n, t in state.items()}
+    its final norm, context norm and key norm by 1.25 (those a kind has)."""
+    factors = {"mlp.down_proj.weight": 0.7, "fc.weight": 0.7, "self_attn.k_proj.weight": 0.7,
+               "hidden_norm.weight": 1.25, "self_attn.k_norm.weight": 1.25}
+    changed = {n: t * next((f for end, f in factors.items() if n.endswith(end)), 1.0) for n, t in state.items()}
     changed["norm.weight"] = state["norm.weight"] * 1.25
     return changed
 
