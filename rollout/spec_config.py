@@ -93,8 +93,15 @@ def check_dflash_draft(spec, target_cfg):
     check_draft_fits_target(spec.model, read_draft_config(spec.model), target_cfg, spec.num_speculative_tokens)
 
 
+def check_dspark_draft(spec, target_cfg):
+    """A DSpark draft also fits the block asked for (num_speculative_tokens = its block size)."""
+    from vime.models.dspark import check_draft_fits_target, read_draft_config
+
+    check_draft_fits_target(spec.model, read_draft_config(spec.model), target_cfg, spec.num_speculative_tokens)
+
+
 # method -> the check of its external draft against the target
-EXTERNAL_DRAFT_CHECKS = {"eagle3": check_eagle3_draft, "dflash": check_dflash_draft}
+EXTERNAL_DRAFT_CHECKS = {"eagle3": check_eagle3_draft, "dflash": check_dflash_draft, "dspark": check_dspark_draft}
 
 
 def require_lossless(spec, where="training"):

@@ -20,10 +20,10 @@ import torch  # noqa: E402
 from trainer.drafts import DRAFT_STATE_FILE, saved_draft_state_file  # noqa: E402
 from vime.checkpointing import check_loadable  # noqa: E402
 from vime.errors import UserError, exit_on_user_error, require  # noqa: E402
-from vime.models import dflash, eagle3  # noqa: E402
+from vime.models import dflash, dspark, eagle3  # noqa: E402
 
 # a draft kind -> the writer of its directory format (vime/models/<kind>.py)
-DRAFT_WRITERS = {"eagle3": eagle3.save_draft, "dflash": dflash.save_draft}
+DRAFT_WRITERS = {"eagle3": eagle3.save_draft, "dflash": dflash.save_draft, "dspark": dspark.save_draft}
 
 
 def one_iteration(path):

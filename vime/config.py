@@ -336,6 +336,15 @@ class DraftSection:
     ttt_steps: Optional[int] = field(default=None, metadata=flag(
         "--draft-ttt-steps", "drafting steps EAGLE-3's training-time test unrolls (none: num_speculative_tokens; "
         "MTP layers: --mtp-train-depths)"))
+    ce_weight: Optional[float] = field(default=None, metadata=flag(
+        "--draft-ce-weight", "DSpark: weight of the cross-entropy on the sampled token (default none: the recipes' "
+        "0.1, mtp/dspark.py RECIPE_WEIGHTS)"))
+    l1_weight: Optional[float] = field(default=None, metadata=flag(
+        "--draft-l1-weight", "DSpark: weight of the L1 distance (2 x total variation) to the detached policy's "
+        "distribution (default none: the recipes' 0.9)"))
+    confidence_weight: Optional[float] = field(default=None, metadata=flag(
+        "--draft-confidence-weight", "DSpark: weight of the confidence head's binary cross-entropy against the "
+        "acceptance 1 - TV (default none: the recipes' 1.0)"))
 
 
 def _validate_drafts(d, m):
@@ -356,6 +365,9 @@ def _validate_drafts(d, m):
     require(d.ttt_steps is None or not m.enable_training,
             "--draft-ttt-steps unrolls an external draft's training-time test; the MTP layers train the depths "
             "of --mtp-train-depths")
+    for term in ("ce", "l1", "confidence"):
+        weight = getattr(d, f"{term}_weight")
+        require(weight is None or weight >= 0, f"--draft-{term}-weight must be >= 0 (got {weight})")
     require(d.loss_scaling_factor == 1.0 or not m.enable_training,
             "--draft-loss-scaling-factor scales an external draft's loss; the MTP layers' factor is "
             "--mtp-loss-scaling-factor")

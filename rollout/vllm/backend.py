@@ -118,6 +118,7 @@ def check_config(cfg, hf):
     require(not r.time_plain_baseline, "--rollout-time-plain-baseline times the embedded engine without drafts; "
             "vLLM cannot switch speculation off in place: drop the flag or use --rollout-backend embedded")
     check_external_draft(r.vllm_speculative_config, hf)
+    check_drafts_on_this_build(r.vllm_speculative_config)
     check_speculative_config(cfg.model.hf_checkpoint, r.vllm_speculative_config, r.rollout_max_batch_size,
                              dtype=compute_dtype(cfg.model.bf16))
     check_model_on_vllm(cfg.model.hf_checkpoint, hf)  # after the line that says vLLM is missing
@@ -163,6 +164,28 @@ def check_routes_recordable(cfg):
             "--use-rollout-routing-replay: this vLLM build cannot return routed experts (vime records them on "
             "the CPU build of vLLM 0.32 through its routers' capture hook); use --rollout-backend embedded or "
             "drop the flag")
+
+
+# what vLLM 0.32 runs only in its GPU model runner (Model Runner V2, Triton kernels): the CPU build
+# (V1 runner, no Triton) refuses it with "Model Runner V1 does not support ..." (checked)
+GPU_RUNNER_ONLY = {"dspark": "draft DSpark (v1/worker/gpu/spec_decode/dspark)",
+                   "enable_adaptive_verification": "size verification by a draft's confidence "
+                                                   "(v1/worker/gpu/spec_decode/adaptive_verification.py)"}
+
+
+def check_drafts_on_this_build(spec):
+    """DSpark drafting and confidence-sized verification on the CPU build of vLLM: refused in one line
+    (vLLM runs both only in its GPU model runner); on a GPU build they go to vLLM as written."""
+    import importlib.util
+
+    spec = as_spec_config(spec, "vllm")
+    if spec is None or importlib.util.find_spec("vllm") is None or not _vllm_is_cpu_build():
+        return  # (without vLLM the next check says how to install it)
+    asked = [key for key, on in (("dspark", spec.method == "dspark"),
+                                 ("enable_adaptive_verification", spec.enable_adaptive_verification)) if on]
+    require(not asked, f"{FLAG}: the CPU build of vLLM cannot {GPU_RUNNER_ONLY[asked[0]] if asked else ''}: vLLM 0.32 "
+            "does that only in its GPU model runner (Model Runner V2, Triton kernels); use --rollout-backend "
+            "embedded, which does")
 
 
 def _vllm_is_cpu_build():
@@ -244,6 +267,7 @@ class VLLMBackend:
         self.eos_ids = {cfg.eos_token_id} - {None}
         self.max_len = cfg.max_position_embeddings
         self.spec = as_spec_config(speculative_config, "vllm")
+        check_drafts_on_this_build(self.spec)
         self.records_routes = cfg.moe is not None
         with cpu_binding(cpu_cores if device == "cpu" else None):
             self.llm = LLM(**engine_kwargs(hf_checkpoint, self.spec, max_batch_size, device, dtype,

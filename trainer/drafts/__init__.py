@@ -6,11 +6,13 @@
 """
 from trainer.drafts.base import DRAFT_STATE_FILE, DraftTrainer, load_draft_state, save_draft_state, saved_draft_state_file
 from trainer.drafts.dflash import DFlashDraftTrainer
+from trainer.drafts.dspark import DSparkDraftTrainer
 from trainer.drafts.eagle3 import Eagle3DraftTrainer
 from trainer.drafts.mtp import MTPDraftTrainer
 from vime.errors import require
 
-DRAFT_TRAINERS = {"mtp": MTPDraftTrainer, "eagle3": Eagle3DraftTrainer, "dflash": DFlashDraftTrainer}
+DRAFT_TRAINERS = {"mtp": MTPDraftTrainer, "eagle3": Eagle3DraftTrainer, "dflash": DFlashDraftTrainer,
+                  "dspark": DSparkDraftTrainer}
 EXTERNAL_EXAMPLE = '\'{"method":"eagle3","model":DRAFT_DIR,"num_speculative_tokens":3}\''
 
 __all__ = ["DRAFT_STATE_FILE", "DRAFT_TRAINERS", "DraftTrainer", "build_draft", "check_draft_config", "draft_kind",

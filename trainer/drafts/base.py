@@ -56,6 +56,7 @@ class DraftTrainer(abc.ABC):
     kind = None  # the registry name (trainer/drafts/__init__.py DRAFT_TRAINERS)
     metric_prefix = "draft"  # train/<prefix>_<i>_loss, train/<prefix>_loss, train/<prefix>_grad_norm
     DEFAULTS = None  # DraftKnobs: this kind's value of each shared knob left unset
+    weighs_loss_terms = False  # True: its loss has terms --draft-<term>-weight weigh (DSpark's)
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -65,6 +66,10 @@ class DraftTrainer(abc.ABC):
     @classmethod
     def checked_knobs(cls, cfg):
         """The shared knobs of TrainerConfig `cfg` resolved for this kind, once `check_config` passed."""
+        terms = list(cfg.draft_loss_weights)
+        require(cls.weighs_loss_terms or not terms,
+                f"--draft-{terms[0] if terms else ''}-weight weighs a DSpark draft's loss terms; the {cls.kind} draft "
+                "trains with --draft-loss-type")
         cls.check_config(cfg)
         return DraftKnobs.resolve(cls.kind, cls.DEFAULTS, cfg.draft_lr, cfg.draft_steps_per_rollout,
                                   cfg.draft_replay_batches)

@@ -48,15 +48,20 @@ class DFlashDraftTrainer(ExternalDraftTrainer):
     anchors_per_sequence = 32  # blocks each sequence trains per step (capped by its response length)
 
     def __init__(self, cfg, model, model_cfg):
-        spec = cfg.speculative_config
+        module = self.draft_module(cfg.speculative_config, model_cfg)
+        super().__init__(cfg, model, module, module.cfg.aux_layer_ids)
+        self.model, self.vocab_size = model, model_cfg.vocab_size
+        # the anchors' own stream: the draft's randomness leaves the policy's RNG (and so its step) untouched
+        self.generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
+
+    @staticmethod
+    def draft_module(spec, model_cfg):
+        """The draft of the speculative config, checked against the policy's ModelConfig."""
         draft_cfg, state = load_draft(spec.model)
         check_draft_fits_target(spec.model, draft_cfg, model_cfg, spec.num_speculative_tokens)
         module = DFlashDraft(draft_cfg)
         module.load_state_dict(state, strict=True)
-        super().__init__(cfg, model, module, draft_cfg.aux_layer_ids)
-        self.model, self.vocab_size = model, model_cfg.vocab_size
-        # the anchors' own stream: the draft's randomness leaves the policy's RNG (and so its step) untouched
-        self.generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
+        return module
 
     @classmethod
     def check_config(cls, cfg):

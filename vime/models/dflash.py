@@ -98,18 +98,24 @@ def read_draft_config(path):
         raise _not_a_draft(path, "dflash_config.target_layer_ids must be a list of layer indices") from None
 
 
-def check_draft_fits_target(path, draft_cfg, target_cfg, num_speculative_tokens=None):
-    """The target's family gives aux hidden states, and the draft's width, vocabulary, target layers,
-    mask token and block fit the target and the requested drafts (one line each)."""
-    check_target_gives_what_drafts_read(path, draft_cfg, target_cfg, "dflash", "DFlash", MAKE)
+def check_backbone_fits_target(path, draft_cfg, target_cfg, method="dflash", kind="DFlash", make=MAKE,
+                               token_key="mask_token_id"):
+    """The target's family gives aux hidden states, and a block draft's width, vocabulary, target layers
+    and the token its block slots hold (`token_key`) fit the target (one line each)."""
+    check_target_gives_what_drafts_read(path, draft_cfg, target_cfg, method, kind, make)
     ids, layers = list(draft_cfg.target_layer_ids), target_cfg.num_hidden_layers
     require(ids and all(isinstance(i, int) and 0 <= i < layers for i in ids) and ids == sorted(set(ids)),
             f"{FLAG}: draft {path} reads target_layer_ids {ids} but the target has {layers} layers "
             f"(give distinct increasing ids in [0, {layers - 1}])")
     mask = draft_cfg.mask_token_id
     require(isinstance(mask, int) and 0 <= mask < target_cfg.vocab_size,
-            f"{FLAG}: draft {path} has mask_token_id {mask}, not a token of the target's vocabulary "
-            f"[0, {target_cfg.vocab_size}); its mask slots are embedded with the target's embedding")
+            f"{FLAG}: draft {path} has {token_key} {mask}, not a token of the target's vocabulary "
+            f"[0, {target_cfg.vocab_size}); its block slots are embedded with the target's embedding")
+
+
+def check_draft_fits_target(path, draft_cfg, target_cfg, num_speculative_tokens=None):
+    """The backbone fits the target (`check_backbone_fits_target`) and the block the requested drafts."""
+    check_backbone_fits_target(path, draft_cfg, target_cfg)
     size = draft_cfg.block_size
     require(isinstance(size, int) and size >= 2,
             f"{FLAG}: draft {path} has block_size {size}; a DFlash draft's config.json gives an integer "

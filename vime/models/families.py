@@ -227,7 +227,8 @@ def from_canonical(state, layout, num_hidden_layers, num_mtp_layers):
 # canonical names of an external draft's tensors on the weight-sync wire: "<method>.<checkpoint name>"
 DRAFT_PREFIX = "eagle3."  # an EAGLE-3 draft's: "eagle3.fc.weight", ...
 DFLASH_PREFIX = "dflash."  # a DFlash draft's: "dflash.layers.0.self_attn.q_proj.weight", ...
-EXTERNAL_DRAFT_PREFIXES = (DRAFT_PREFIX, DFLASH_PREFIX)
+DSPARK_PREFIX = "dspark."  # a DSpark draft's: "dspark.markov_head.markov_w1.weight", ...
+EXTERNAL_DRAFT_PREFIXES = (DRAFT_PREFIX, DFLASH_PREFIX, DSPARK_PREFIX)
 
 
 def external_draft_prefix(name):

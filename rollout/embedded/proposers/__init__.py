@@ -72,4 +72,5 @@ PROPOSERS = {
     "draft_model": _lazy("draft_model", "DraftModelProposer"),
     "eagle3": _lazy("eagle3", "Eagle3Proposer"),
     "dflash": _lazy("dflash", "DFlashProposer"),
+    "dspark": _lazy("dspark", "DSparkProposer"),
 }

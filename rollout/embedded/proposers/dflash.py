@@ -45,16 +45,19 @@ class DFlashProposer(TrainedExternalDraft, Proposer):
 
     def attach(self, engine):
         self.engine = engine
-        ec = engine.config
-        if self.draft_model is None:
-            self.draft_model = load_dflash_draft(self.spec.model, engine.cfg, self.num_speculative_tokens,
-                                                 ec.dtype, ec.device)
-        else:
-            check_draft_fits_target("(in memory)", self.draft_model.cfg, engine.cfg, self.num_speculative_tokens)
+        self.draft_model = self.checked_draft(engine)
         cfg = self.draft_model.cfg
         self.aux_hidden_layers = cfg.aux_layer_ids
         shape = dataclasses.replace(engine.cfg, num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
         self.cache = draft_cache(engine, cfg.num_hidden_layers, shape, self.num_speculative_tokens)
+
+    def checked_draft(self, engine):
+        """The draft module: loaded from the spec's directory, or the one given, checked against the target."""
+        ec = engine.config
+        if self.draft_model is None:
+            return load_dflash_draft(self.spec.model, engine.cfg, self.num_speculative_tokens, ec.dtype, ec.device)
+        check_draft_fits_target("(in memory)", self.draft_model.cfg, engine.cfg, self.num_speculative_tokens)
+        return self.draft_model
 
     # ---- weight sync (an external draft the trainer trains) ----
     def move_slots(self, requests, old_slots):
@@ -93,6 +96,10 @@ class DFlashProposer(TrainedExternalDraft, Proposer):
     def block_logits(self, slots, anchor_tokens, anchors):
         """[B, block_size, V] logits of the block [anchor, mask x k] at positions anchors .. anchors+k,
         over the cached context before each anchor and the whole block (not causal)."""
+        return self.draft_model.logits(self.block_states(slots, anchor_tokens, anchors), self.engine.model.head_weight())
+
+    def block_states(self, slots, anchor_tokens, anchors):
+        """[B, block_size, H] final-normed states of the block of `block_logits`."""
         draft, target = self.draft_model, self.engine.model
         size = draft.cfg.block_size
         length = int(anchors.max())
@@ -102,8 +109,7 @@ class DFlashProposer(TrainedExternalDraft, Proposer):
         mask = torch.cat([context[:, None, :].expand(-1, size, -1),
                           torch.ones(len(slots), size, size, dtype=torch.bool, device=slots.device)], 2)
         positions = anchors[:, None] + torch.arange(size, device=slots.device)[None, :]
-        states = draft(draft.block_input(anchor_tokens, target.model.embed_tokens.weight), positions, kv, mask)
-        return draft.logits(states, target.head_weight())
+        return draft(draft.block_input(anchor_tokens, target.model.embed_tokens.weight), positions, kv, mask)
 
     def profile_draft(self, batch_size, k, new_tokens=2):
         """One drafting for batch_size rows (context for `new_tokens` verified positions, the block

@@ -1,0 +1,148 @@
+"""DSpark proposer: a DFlash block forward, then the Markov head left to right, verification sized by confidence.
+
+It drafts as vLLM's DSpark speculator does (v1/worker/gpu/spec_decode/dspark/speculator.py). The
+context is DFlash's (proposers/dflash.py: each verified position's target states, through the
+draft's fc and each layer's keys and values, into the draft's own KV cache). The block is the
+newest token followed by noise tokens, one forward; slot i's base logits are the draft of the token
+after it. The drafts are then drawn left to right: slot i's logits are its base logits plus the
+Markov bias of the token drawn at slot i-1 (the newest token before slot 0), argmax or sampled
+from q_i = the processed distribution of those logits, which is the draft's conditional given the
+drafts before it: exactly what the rejection sampler needs, so verification stays exact.
+
+Confidence-sized verification (vLLM's `enable_adaptive_verification`): the confidence head's
+per-slot acceptance probabilities multiply along a row into the chance each draft survives; the
+engine's k policy (`spec_policy.ConfidenceSizedK`) picks how many drafts the step verifies, the
+count maximising expected tokens over the step's price, and every row verifies at most that many.
+The engine's verify forward pads each row to the longest, so a row cut shorter than the step would
+save nothing there: the saving is in the step's size. Without a confidence head the measured
+acceptance sizes the steps (vLLM's acceptance estimator, here `AdaptiveK`).
+
+Unlike DFlash, a step with no drafts (the k policy's k = 0) costs nothing here beyond keeping the
+new positions' target states: the context write is deferred to the next drafting step, which
+writes every position since the last one in its one context forward, so a schedule that stops
+drafting falls back to plain decoding's cost.
+"""
+import torch
+
+from mtp.dspark import DSparkDraft, acceptance_confidence, draft_left_to_right
+from rollout.embedded.proposers import Proposer
+from rollout.embedded.proposers.dflash import DFlashProposer
+from rollout.embedded.proposers.drafting import assign_drafts, pick_drafts, uniforms_if_sampling
+from vime.models.dspark import WIRE_PREFIX, check_draft_fits_target, load_draft
+
+
+def load_dspark_draft(path, target_cfg, num_speculative_tokens, dtype=torch.float32, device="cpu"):
+    """The draft module of a draft directory, checked against the target and the block asked for."""
+    cfg, state = load_draft(path)
+    check_draft_fits_target(path, cfg, target_cfg, num_speculative_tokens)
+    draft = DSparkDraft(cfg)
+    draft.load_state_dict(state, strict=True)
+    return draft.to(device, dtype).eval().requires_grad_(False)
+
+
+class DSparkProposer(DFlashProposer):
+    """Drafts a block per request with an external DSpark draft: one block forward, the Markov head
+    left to right, and as many drafts verified as the confidence head makes worth it."""
+
+    wire_prefix = WIRE_PREFIX
+    costs_at_k0 = False  # a step without drafts defers the context write: it costs what plain decoding does
+
+    def attach(self, engine):
+        super().attach(engine)
+        ec = engine.config
+        self.written = torch.zeros(ec.max_batch_size, dtype=torch.long, device=ec.device)  # context positions per slot
+        self.kept = None  # [slots, positions, aux width]: target states of positions not yet in the context
+
+    def checked_draft(self, engine):
+        ec = engine.config
+        if self.draft_model is None:
+            return load_dspark_draft(self.spec.model, engine.cfg, self.num_speculative_tokens, ec.dtype, ec.device)
+        check_draft_fits_target("(in memory)", self.draft_model.cfg, engine.cfg, self.num_speculative_tokens)
+        return self.draft_model
+
+    def release(self, request):
+        self.written[request.slot] = 0
+
+    def move_slots(self, requests, old_slots):
+        super().move_slots(requests, old_slots)
+        new = [r.slot for r in requests]
+        self.written[new] = self.written[old_slots]
+        self.written[[s for s in old_slots if s not in new]] = 0  # the slots left behind are free
+        if self.kept is not None:
+            length = min(max(r.num_tokens for r in requests), self.kept.shape[1])
+            self.kept[new, :length] = self.kept[old_slots, :length]
+
+    # ---- drafting ----
+    def propose(self, out):
+        reqs = out.requests
+        slots = torch.tensor([r.slot for r in reqs], device=out.hidden.device)
+        k = min(self.num_speculative_tokens, self.engine.step_k)
+        if k == 0:
+            self.keep_states(slots, out.hidden, out.starts, out.n_valid)
+            return Proposer.propose(self, out)
+        self.catch_up(slots, out)
+        anchor_tokens = torch.tensor([r.all_ids[-1] for r in reqs], device=slots.device)
+        states = self.block_states(slots, anchor_tokens, out.starts + out.n_valid)[:, :k]
+        draft = self.draft_model
+        base = draft.logits(states, self.engine.model.head_weight())
+        uniforms = uniforms_if_sampling(self.spec, reqs, k, self.sample_drafts)
+        tokens, q, embeds = draft_left_to_right(
+            draft, base, anchor_tokens,
+            lambda i, logits: pick_drafts(logits, reqs[0].sampling, None if uniforms is None else uniforms[:, i]))
+        sizes = self.verification_size(len(reqs), acceptance_confidence(draft, states, embeds), k)
+        assign_drafts(reqs, tokens, q)
+        for r, size in zip(reqs, sizes):
+            r.drafts = r.drafts[:size]
+            r.draft_probs = None if r.draft_probs is None else r.draft_probs[:size]
+
+    def verification_size(self, batch_size, confidence, k):
+        """[B] drafts each row verifies this step: the k policy's choice from the drafts' survival (the
+        running product of the confidences), all k without a head or a sizing policy."""
+        size = None if confidence is None else \
+            self.engine.k_policy.verification_size(batch_size, confidence.float().cumprod(1))
+        size = k if size is None else size
+        return [size] * batch_size if isinstance(size, int) else [int(x) for x in size]
+
+    # ---- the context, deferred over steps without drafts ----
+    def keep_states(self, slots, hidden, starts, n_valid):
+        """Keep the verified positions' target states until a drafting step writes them."""
+        if self.kept is None:  # made at the first step without drafts: a schedule that always drafts needs none
+            ec = self.engine.config
+            with torch.inference_mode(False):  # a normal tensor: slot moves update it outside inference mode
+                self.kept = torch.zeros(ec.max_batch_size, self.cache.max_len, hidden.shape[-1], dtype=ec.dtype,
+                                        device=ec.device)
+        offsets = torch.arange(hidden.shape[1], device=slots.device)
+        valid = offsets[None, :] < n_valid[:, None]
+        rows = slots[:, None].expand(-1, hidden.shape[1])[valid]
+        self.kept[rows, (starts[:, None] + offsets[None, :])[valid]] = hidden[valid]
+
+    def catch_up(self, slots, out):
+        """Write the context of every position since each row's last drafting step: this forward's
+        states, and the kept states of the steps between, in one context forward."""
+        first, end = self.written[slots], out.starts + out.n_valid
+        if bool((first == out.starts).all()):  # nothing deferred: this forward's states are the whole catch-up
+            self.write_context(slots, out.hidden, out.starts, out.n_valid)
+        else:
+            self.keep_states(slots, out.hidden, out.starts, out.n_valid)
+            width = int((end - first).max())
+            at = (first[:, None] + torch.arange(width, device=slots.device)[None, :]).clamp(max=self.kept.shape[1] - 1)
+            self.write_context(slots, self.kept[slots[:, None], at], first, end - first)
+        self.written[slots] = end
+
+    def profile_draft(self, batch_size, k, new_tokens=2):
+        """One drafting for batch_size rows (context for `new_tokens` verified positions, the block
+        forward, k Markov steps and the confidence) on dummy inputs in slots 0..batch_size-1."""
+        ec = self.engine.config
+        slots = torch.arange(batch_size, device=ec.device)
+        context = max(0, min(32, self.engine.max_len - new_tokens - self.num_speculative_tokens - 1))
+        starts = torch.full((batch_size,), context, device=ec.device)
+        n_valid = torch.full((batch_size,), new_tokens, device=ec.device)
+        width = len(self.aux_hidden_layers) * self.engine.cfg.hidden_size
+        hidden = torch.zeros(batch_size, new_tokens, width, device=ec.device, dtype=ec.dtype)
+        with torch.inference_mode():
+            self.write_context(slots, hidden, starts, n_valid)
+            anchors = torch.zeros_like(slots)
+            states = self.block_states(slots, anchors, starts + n_valid)[:, :k]
+            base = self.draft_model.logits(states, self.engine.model.head_weight())
+            _, _, embeds = draft_left_to_right(self.draft_model, base, anchors, lambda i, x: pick_drafts(x, None))
+            acceptance_confidence(self.draft_model, states, embeds)
