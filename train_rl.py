@@ -30,21 +30,30 @@ def run_loop(cfg, stop=None):
         logger = RunLogger(cfg.run, {"config": describe(cfg)}, resume_step=run.start_step)
         try:
             saved = _steps(run, logger, cfg, tqdm, stop)
-        except KeyboardInterrupt:
-            raise Interrupted(stop_message("interrupted (Ctrl-C)", logger.next_step, cfg.run.save)) from None
-        except Exception as e:
-            lost = run.lost_node_message(e, logger.next_step)
-            if lost:
-                raise ActorLost(lost) from None
-            died = dead_actor(e)
-            if died is None:
+        except BaseException as e:
+            logger.close(exit_code=1)  # wandb's closing lines now, so that the run's one error line comes last
+            reported = _one_line_error(e, run, cfg, logger.next_step)
+            if reported is None:
                 raise
-            raise ActorLost(lost_actor_message(died, run.actor_names, cfg.run, logger.next_step)) from None
+            raise reported from None
         logger.finish()
     if stop.name:
         raise StoppedBySignal(stop_message(f"stopped by {stop.name}", logger.next_step, cfg.run.save, saved),
                               stop.signum)
     return logger.history
+
+
+def _one_line_error(error, run, cfg, step):
+    """What ends the run mid-step as one line (Ctrl-C, a lost node, a dead actor), or None for any other error."""
+    if isinstance(error, KeyboardInterrupt):
+        return Interrupted(stop_message("interrupted (Ctrl-C)", step, cfg.run.save))
+    if not isinstance(error, Exception):
+        return None
+    lost = run.lost_node_message(error, step)
+    if lost:
+        return ActorLost(lost)
+    died = dead_actor(error)
+    return None if died is None else ActorLost(lost_actor_message(died, run.actor_names, cfg.run, step))
 
 
 def _steps(run, logger, cfg, tqdm, stop):
@@ -74,20 +83,31 @@ def _steps(run, logger, cfg, tqdm, stop):
 def prepare(cfg):
     """Everything before Ray starts, in order: the checks (orchestration/preflight.py, which change
     nothing) and, between them, the named steps that change the config or the disk
-    (orchestration/run_setup.py). A bad input stops it with one UserError line."""
-    from orchestration.preflight import check_config, check_inputs, check_prompts
-    from orchestration.run_setup import make_tiny_model_if_missing, resolve_paths, write_variant_prompts
+    (orchestration/run_setup.py). A bad input stops it with one UserError line. Returns the locks
+    of the run's directories, held until their `release()`."""
+    from orchestration.preflight import check_config, check_inputs, check_prompts, check_resume
+    from orchestration.run_setup import (choose_checkpoint, lock_run_dirs, make_tiny_model_if_missing, resolve_paths,
+                                         write_variant_prompts)
 
     check_config(cfg)  # reads no file: a typo stops the run before a 25-minute pretraining
     resolve_paths(cfg)
     make_tiny_model_if_missing(cfg.model)
-    hf = check_inputs(cfg)  # the checkpoint, the draft, the backend, the output directories, --load
-    write_variant_prompts(cfg)  # into --output-dir, checked writable just above
-    check_prompts(cfg, hf)
+    hf = check_inputs(cfg)  # the checkpoint, the draft, the backend, the output directories
+    if cfg.run.load:
+        choose_checkpoint(cfg.run)  # the newest valid checkpoint under --load, every file verified
+        check_resume(cfg)  # its step and its flags against this run's
+    locks = lock_run_dirs(cfg)  # before anything is written there; a second run on them stops here
+    try:
+        write_variant_prompts(cfg)  # into --output-dir, checked writable and locked just above
+        check_prompts(cfg, hf)
+    except BaseException:
+        locks.release()
+        raise
+    return locks
 
 
 def main(argv=None):
-    from vime.checkpointing import CheckpointSaveError, SaveLock
+    from vime.checkpointing import CheckpointSaveError
     from vime.cli_config import help_text, load_config
     from orchestration.driver import WeightSyncError, init_ray
     from orchestration.placement import needed_cpus
@@ -97,13 +117,12 @@ def main(argv=None):
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
-    lock = run_tmp = None
+    locks = run_tmp = None
     stop = StopRequest()
     try:
         stop.install()
         cfg = load_config(argv)
-        prepare(cfg)
-        lock = SaveLock(cfg.run.save) if cfg.run.save else None  # refuse a second run on the same --save
+        locks = prepare(cfg)  # --output-dir and --save locked: a second run on either is refused
         run_tmp = RunTempDir()  # before Ray starts: the actors inherit TMPDIR through the raylet
         init_ray(cfg.run, needed_cpus(cfg))
         stop.install()  # over Ray's own SIGTERM handlers
@@ -128,8 +147,8 @@ def main(argv=None):
         stop.restore()
         if run_tmp:
             run_tmp.remove()
-        if lock:
-            lock.release()
+        if locks:
+            locks.release()
     return 0
 
 

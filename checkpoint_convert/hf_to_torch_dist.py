@@ -1,10 +1,11 @@
 """HF checkpoint -> megatron torch_dist checkpoint (trunk and MTP layers).
 
-Builds the megatron model in one gloo process at TP=1, fills it through the declarative
+Builds the megatron model in one gloo process (one rank), fills it through the declarative
 name maps (megatron_names.py) and saves `model.sharded_state_dict()` with
-dist_checkpointing. torch_dist is TP-independent (megatron reshards on load), so a
-checkpoint written at TP=1 loads at any `--tensor-model-parallel-size`; the flag is
-validated here (it must divide the heads) and recorded in vime_meta.json.
+dist_checkpointing. torch_dist is layout-independent (megatron reshards on load), so a
+checkpoint written by one rank loads at any `--tensor-model-parallel-size` and
+`--pipeline-model-parallel-size`; the layout flags are validated here against the model
+(vime/parallel_layout.py) and the TP size recorded in vime_meta.json.
 """
 import argparse
 import dataclasses
@@ -12,6 +13,7 @@ import os
 
 from vime.models.hf_format import load_hf_checkpoint
 from vime.config import RANGES, check_flag_ranges
+from vime.manifest import write_manifest
 from vime.errors import exit_on_user_error, require
 
 
@@ -23,10 +25,14 @@ def parse_args(argv=None):
     ap.add_argument("--drop-mtp", action="store_true", help="convert the trunk only, on purpose")
     ap.add_argument("--tensor-model-parallel-size", type=int, default=1)
     ap.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    ap.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    ap.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
     args = ap.parse_args(argv)
     check_flag_ranges({"--mtp-num-layers": args.mtp_num_layers, "--tensor-model-parallel-size":
                        args.tensor_model_parallel_size, "--pipeline-model-parallel-size":
-                       args.pipeline_model_parallel_size}, RANGES)  # train_rl.py's ranges for the same flags
+                       args.pipeline_model_parallel_size, "--decoder-first-pipeline-num-layers":
+                       args.decoder_first_pipeline_num_layers, "--decoder-last-pipeline-num-layers":
+                       args.decoder_last_pipeline_num_layers}, RANGES)  # train_rl.py's ranges for the same flags
     return args
 
 
@@ -52,21 +58,22 @@ def mtp_layers_to_convert(args, available):
 
 def convert(args):
     from trainer import checkpoint
-    from trainer.distributed import check_parallel_sizes, owned_single_process
-    from trainer.model import build_model, check_tensor_parallel
+    from trainer.distributed import owned_single_process
+    from trainer.model import build_model
     from trainer.weights import load_hf_state
+    from vime.parallel_layout import ParallelLayout
 
     cfg, state, family = load_hf_checkpoint(args.hf_checkpoint)
     n_mtp = mtp_layers_to_convert(args, cfg.num_nextn_predict_layers)
     tp = args.tensor_model_parallel_size
-    check_parallel_sizes(tp, tp, args.pipeline_model_parallel_size)
-    check_tensor_parallel(cfg, tp)
     cfg = dataclasses.replace(cfg, num_nextn_predict_layers=n_mtp)
+    ParallelLayout.of(args).check_model(cfg)  # the layout the checkpoint is meant for (it loads at any)
     with owned_single_process():
         model = build_model(cfg, n_mtp)
         load_hf_state(model, state, cfg)
         checkpoint.save(args.save, model, meta={"model_config": dataclasses.asdict(cfg), "mtp_num_layers": n_mtp,
                                                 "family": family, "tensor_model_parallel_size": tp})
+    write_manifest(args.save)  # what torch_dist_to_hf checks every file against
     return n_mtp
 
 

@@ -5,12 +5,14 @@ from the torch_dist checkpoint; the weights are exported through the same name m
 `Trainer.named_hf_weights()`, written in the family's layout (with the MTP layers' copies of the
 embedding and head where the origin stores them), and the tokenizer files are copied.
 `--input-dir` is a converted checkpoint (hf_to_torch_dist's --save), one iteration of a training
-run (`iter_0000040`), or a training run's --save directory (its latest iteration).
+run (`iter_0000040`), or a training run's --save directory (the checkpoint `--load` resumes from);
+every file of it is verified against the manifest written with it first.
 """
 import argparse
 import dataclasses
 import os
 
+from vime.checkpointing import LATEST, checkpoint_steps
 from vime.models.hf_format import has_mtp_head_copies, read_config, save_hf_checkpoint
 from vime.errors import UserError, exit_on_user_error, require
 
@@ -24,36 +26,39 @@ def parse_args(argv=None):
 
 
 def model_dir(input_dir):
-    """The torch_dist model directory that --input-dir names (see the module docstring)."""
-    from vime.checkpointing import latest
-
-    def has_meta(path):
-        return os.path.isfile(os.path.join(path, "vime_meta.json"))
+    """The torch_dist model directory that --input-dir names (see the module docstring), every file of
+    its checkpoint verified against the manifest written with it."""
+    from vime.checkpointing import iteration_problem, resolve_load
+    from vime.manifest import manifest_problem
 
     require(os.path.isdir(input_dir), f"--input-dir {input_dir}: no such directory")
-    if has_meta(input_dir):
+    if os.path.isfile(os.path.join(input_dir, "vime_meta.json")):  # a converted checkpoint (hf_to_torch_dist)
+        problem = manifest_problem(input_dir)
+        require(problem is None, f"--input-dir {input_dir}: {problem}; convert it again with "
+                "`python -m checkpoint_convert.hf_to_torch_dist`")
         return input_dir
-    if has_meta(os.path.join(input_dir, "model")):  # one iteration of a training run
+    if os.path.isdir(os.path.join(input_dir, "model")):  # one iteration of a training run
+        problem = iteration_problem(input_dir)
+        require(problem is None, f"--input-dir {input_dir}: {problem}; give another iteration, or the run's --save "
+                "directory (its newest valid checkpoint is converted)")
         return os.path.join(input_dir, "model")
-    try:
-        found = latest(input_dir)
-    except UserError as e:  # latest() words its errors for --load
-        raise UserError(str(e).replace("--load", "--input-dir", 1)) from None
-    if found is not None and has_meta(os.path.join(found[1], "model")):
-        return os.path.join(found[1], "model")
-    raise UserError(f"--input-dir {input_dir}: vime_meta.json is missing; not a vime torch_dist checkpoint (make "
-                    "one with `python -m checkpoint_convert.hf_to_torch_dist`, or give a training run's --save "
-                    "directory or one of its iter_* directories)")
+    require(os.path.isfile(os.path.join(input_dir, LATEST)) or checkpoint_steps(input_dir),
+            f"--input-dir {input_dir}: vime_meta.json is missing; not a vime torch_dist checkpoint (make one with "
+            "`python -m checkpoint_convert.hf_to_torch_dist`, or give a training run's --save directory or one of "
+            "its iter_* directories)")
+    step, iteration, skipped = resolve_load(input_dir, flag="--input-dir")
+    if skipped:
+        print(f"[vime] --input-dir {input_dir}: converting step {step} ({os.path.basename(iteration)}), passed over: "
+              f"{'; '.join(skipped)}", flush=True)
+    return os.path.join(iteration, "model")
 
 
 def check_args(args):
     """Errors naming this tool's own flags, before any model is built."""
     from vime.models.hf_format import read_config as read_origin
-    from vime.checkpointing import check_torch_dist_dir
     from vime.paths import require_new_or_empty_dir, same_dir
 
     args.input_dir = model_dir(args.input_dir)
-    check_torch_dist_dir(args.input_dir, f"--input-dir {args.input_dir}")
     require(os.path.isdir(args.origin_hf_dir), f"--origin-hf-dir {args.origin_hf_dir}: no such directory")
     try:
         read_origin(args.origin_hf_dir)

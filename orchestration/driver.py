@@ -138,14 +138,15 @@ def vllm_logging_env(verbose):
 
 def init_ray(run_cfg, needed_cpus):
     """Join --ray-address once a Ray head answers there within --ray-connect-timeout (its own token
-    auth applies; orchestration/ray_connect.py) or start a local cluster closed to strangers:
+    auth applies; orchestration/ray_connect.py) or start a local cluster of the run's own (never
+    another cluster on the machine), closed to strangers:
     Ray's token authentication stays on (a new local cluster writes its token under ~/.ray/ and
     refuses clients without it), and no dashboard or debugger listens (they would bind ports of
     their own). Ray's GCS, raylet and object servers bind every interface; the token guards them."""
     from vime.config import REPO_ROOT
 
     from orchestration.placement import code_runtime_env
-    from orchestration.ray_connect import check_ray_address
+    from orchestration.ray_connect import LOCAL, check_ray_address
 
     # Ray announces its token-auth default with a warning line at every local start; the auth stays
     # as Ray sets it, only the line goes (a run's error output is one line; RAY_AUTH_MODE=disabled is
@@ -165,6 +166,8 @@ def init_ray(run_cfg, needed_cpus):
         if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":  # unset: Ray turns token auth on
             print("[vime] RAY_AUTH_MODE=disabled: this Ray cluster accepts any client that reaches it", flush=True)
         with stop_signals_blocked_in_children():  # a signal to the whole job reaches only the driver
-            ray.init(num_cpus=max(os.cpu_count() or 1, needed_cpus), include_dashboard=False, runtime_env=env,
-                     log_to_driver=True, configure_logging=False)
+            # "local": a new instance of the run's own, never the cluster a `ray start` (running or ended)
+            # named in Ray's temp dir (orchestration/ray_connect.py)
+            ray.init(address=LOCAL, num_cpus=max(os.cpu_count() or 1, needed_cpus), include_dashboard=False,
+                     runtime_env=env, log_to_driver=True, configure_logging=False)
 

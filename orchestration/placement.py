@@ -50,6 +50,10 @@ def check_placement_flags(cfg):
     # the flags' own ranges are in vime.config.RANGES, checked before this
     require(world % p.actor_num_nodes == 0, f"--actor-num-nodes {p.actor_num_nodes} must divide the {world} trainer "
             "ranks (TP x PP x DP) so that every node holds as many")
+    if p.actor_num_gpus_per_node:  # a trainer rank drives one GPU: the GPUs given are the ranks
+        cfg.train.layout.check_world(p.actor_num_nodes * p.actor_num_gpus_per_node,
+                                     f"--actor-num-nodes {p.actor_num_nodes} x --actor-num-gpus-per-node "
+                                     f"{p.actor_num_gpus_per_node}")
     resources_flag(p.actor_resources, "--actor-resources")
     resources_flag(p.rollout_resources, "--rollout-resources")
     if not p.colocate:

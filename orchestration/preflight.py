@@ -11,10 +11,10 @@ from vime.errors import UserError, require
 def check_config(cfg):
     """The checks that read no file: the tree's own rules, the registries' names, the placement, the device."""
     from orchestration.placement import check_placement_flags
+    from orchestration.ray_connect import check_ray_address_env
     from rollout.advantages import check_estimator
     from rollout.group_batching import check_dynamic_sampling
     from rollout.task import check_task_variant
-    from trainer.distributed import check_parallel_sizes
     from trainer.losses import check_kl_estimator
     from vime.config import validate
     from vime.precision import check_bf16
@@ -24,19 +24,19 @@ def check_config(cfg):
     check_dynamic_sampling(cfg.rollout)
     check_task_variant(cfg.rollout.task_variant)
     check_placement_flags(cfg)
+    check_ray_address_env(cfg.run.ray_address)
     check_kl_estimator(cfg.train.kl_loss_type)
     check_estimator(cfg.train.advantage_estimator)
-    check_parallel_sizes(cfg.train.world_size, cfg.train.tensor_model_parallel_size,
-                         cfg.train.pipeline_model_parallel_size)
     check_weight_transfer(cfg.rollout)
     check_draft_training(cfg)
 
 
 def check_inputs(cfg):
     """The checks that read the checkpoint, the draft and the output directories; returns the
-    checkpoint's ModelConfig (for `check_prompts`)."""
+    checkpoint's ModelConfig (for `check_prompts`). --load is checked once run_setup has chosen the
+    checkpoint (`check_resume`)."""
     from rollout.backend import check_backend
-    from trainer.model import check_tensor_parallel, check_trainable
+    from trainer.model import check_trainable
     from trainer.routing_replay import check_routing_replay
     from vime.models.config_checks import check_finite_weights, check_mtp_layers
     from vime.models.hf_format import inspect_hf_checkpoint
@@ -44,7 +44,7 @@ def check_inputs(cfg):
 
     hf = inspect_hf_checkpoint(cfg.model.hf_checkpoint)
     check_mtp_layers(cfg.mtp.num_layers, hf, cfg.model.hf_checkpoint)
-    check_tensor_parallel(hf, cfg.train.tensor_model_parallel_size)
+    cfg.train.layout.check_model(hf)
     check_trainable(hf)
     check_routing_replay(cfg, hf)
     check_backend(cfg, hf)
@@ -53,8 +53,6 @@ def check_inputs(cfg):
     for flag, path in (("--save", cfg.run.save), ("--output-dir", cfg.run.output_dir)):
         if path:  # before anything is written there (the task variant's prompts, the run's files)
             require_writable_dir(path, flag)
-    if cfg.run.load:
-        check_resume(cfg)
     return hf
 
 
@@ -91,34 +89,35 @@ def check_weight_shapes(hf_checkpoint, hf):
 
 
 def check_resume(cfg):
-    """--load: the checkpoint is complete, has steps left to run, and matches the MTP flags."""
+    """The checkpoint --load resumes from (an iteration directory, chosen and verified by
+    run_setup.choose_checkpoint) has steps left to run and matches the MTP and draft flags."""
     import json
 
-    from vime.checkpointing import check_loadable
+    from trainer.drafts import saved_draft_state_file
+    from vime.checkpointing import load_loop_state
 
-    step, iteration = check_loadable(cfg.run.load)
+    iteration = cfg.run.load
+    step = load_loop_state(iteration)["step"]
     require(step < cfg.run.num_rollout,
-            f"--load {cfg.run.load}: the checkpoint is at step {step}, which already reaches --num-rollout "
+            f"--load {iteration}: the checkpoint is at step {step}, which already reaches --num-rollout "
             f"{cfg.run.num_rollout}; raise --num-rollout to train further")
     meta_file = os.path.join(iteration, "model", "vime_meta.json")
-    require(os.path.isfile(meta_file), f"--load {cfg.run.load}: {meta_file} is missing; the checkpoint is incomplete")
+    require(os.path.isfile(meta_file), f"--load {iteration}: {meta_file} is missing; not a checkpoint of a vime run")
     with open(meta_file) as f:
         meta = json.load(f)
     trained = meta.get("mtp_trained")  # the optimizer has an MTP param group exactly when it was trained
     if trained is not None and trained != cfg.mtp.enable_training:
         how = (f"--enable-mtp-training --mtp-num-layers {meta.get('mtp_num_layers')}" if trained
                else "no --enable-mtp-training")
-        raise UserError(f"--load {cfg.run.load}: the checkpoint was trained with"
+        raise UserError(f"--load {iteration}: the checkpoint was trained with"
                         f"{'' if trained else 'out'} MTP training; resume with the same flags ({how})")
-    from trainer.drafts import saved_draft_state_file
-
     draft_file = saved_draft_state_file(os.path.join(iteration, "model"))
     require((draft_file is not None) == cfg.draft.enable_training,
-            f"--load {cfg.run.load}: the checkpoint was saved with{'' if draft_file else 'out'} "
+            f"--load {iteration}: the checkpoint was saved with{'' if draft_file else 'out'} "
             "--enable-draft-training; resume with the same flags")
     n = cfg.mtp.num_layers
     require(n is None or n <= meta.get("mtp_num_layers", 0),
-            f"--load {cfg.run.load}: the checkpoint has {meta.get('mtp_num_layers', 0)} MTP layers, "
+            f"--load {iteration}: the checkpoint has {meta.get('mtp_num_layers', 0)} MTP layers, "
             f"fewer than --mtp-num-layers {n}")
 
 

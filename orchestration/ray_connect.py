@@ -12,7 +12,16 @@ bounded by one deadline stop the run with one line naming the flags and what to 
 
 `auto` (Ray finds the cluster itself) is left to Ray. A `ray://` address is Ray Client's server,
 not the GCS: only the TCP check applies.
+
+Without `--ray-address` a run starts a Ray instance of its own (`ray.init(address="local")`), whatever
+else runs on the machine: Ray's own default would join the cluster named in its temp dir's
+`ray_current_cluster`, which any `ray start` leaves behind, even one that has ended. `RAY_ADDRESS` in
+the environment (Ray's way of naming a cluster, set by `ray job submit`) does not choose for the run:
+left unset, empty or `local` the run starts its own Ray; naming a cluster without `--ray-address` is
+refused in one line (`check_ray_address_env`), as joining it silently, or ignoring it silently, would
+each surprise someone.
 """
+import os
 import socket
 import subprocess
 import sys
@@ -36,6 +45,22 @@ except Exception as e:
     print(f"{type(e).__name__}: {e}".splitlines()[0])
     sys.exit(1)
 """
+
+
+LOCAL = "local"  # Ray's address for "start a new instance in this process's session"
+
+
+def check_ray_address_env(ray_address):
+    """Without --ray-address, RAY_ADDRESS must not name a cluster (the run would start its own Ray
+    and leave that cluster aside: said in one line instead)."""
+    env = os.environ.get("RAY_ADDRESS", "").strip()
+    if ray_address or env in ("", LOCAL):
+        return
+    # an http(s) address is a head's dashboard, which `ray job submit` talks to: no cluster to join
+    join = ("give --ray-address HEAD:6379 (the head's GCS address) to join its cluster"
+            if env.startswith(("http://", "https://")) else f"pass --ray-address {env} to join that cluster")
+    raise UserError(f"RAY_ADDRESS={env} is set, but a run joins a Ray cluster only with --ray-address: {join}, "
+                    "or unset RAY_ADDRESS to start a Ray of the run's own")
 
 
 def check_ray_address(address, timeout):

@@ -17,9 +17,9 @@ class RLRun:
 
         self.cfg = cfg
         self.start_step, state, model_load = 0, None, None
-        if cfg.run.load:
-            self.start_step, iteration = checkpointing.latest(cfg.run.load)
-            state, model_load = checkpointing.load_loop_state(iteration), os.path.join(iteration, "model")
+        if cfg.run.load:  # the iteration train_rl.prepare chose and verified
+            state, model_load = checkpointing.load_loop_state(cfg.run.load), os.path.join(cfg.run.load, "model")
+            self.start_step = state["step"]
         check_transport_fits(cfg.rollout.vllm_weight_transfer)
         self.placement = Placement(cfg)  # checked against the cluster first: one line if it cannot fit
         engines = [self.placement.engine_options(i) for i in range(self.placement.demand.engines)]

@@ -3,6 +3,8 @@ them one by one between the checks (orchestration/preflight.py), which change no
 
 - `resolve_paths`: the config's paths made absolute, the default prompt file filled in;
 - `make_tiny_model_if_missing`: pretrains the shipped tiny model when its directory was deleted;
+- `choose_checkpoint`: --load narrowed to the verified checkpoint it resumes from;
+- `lock_run_dirs`: --output-dir and --save locked for this run (vime/run_lock.py);
 - `write_variant_prompts`: a --task-variant's prompts written into the run's directory.
 """
 import os
@@ -43,6 +45,27 @@ def make_tiny_model_if_missing(model_cfg):
     print(f"[vime] {path} is missing: pretraining the tiny model into it (once; about 25 minutes on 2 cores)",
           flush=True)
     subprocess.run([sys.executable, os.path.join(REPO_ROOT, "scripts", "make_tiny_model.py"), "--out", path], check=True)
+
+
+def choose_checkpoint(run_cfg):
+    """--load (and --ckpt-step) narrowed to the one checkpoint the run resumes from, every file of it
+    verified against its manifest (vime/checkpointing.py `resolve_load`); one line says which newer ones
+    were passed over and why. From here on --load names that iteration directory."""
+    from vime.checkpointing import resolve_load
+
+    step, iteration, skipped = resolve_load(run_cfg.load, run_cfg.ckpt_step)
+    if skipped:
+        print(f"[vime] --load {run_cfg.load}: resuming from step {step} ({os.path.basename(iteration)}), passed over: "
+              f"{'; '.join(skipped)}", flush=True)
+    run_cfg.load, run_cfg.ckpt_step = iteration, None
+
+
+def lock_run_dirs(cfg):
+    """The run's --output-dir and --save, locked until `release()` (one run at a time in each): a second
+    run is refused in one line naming the first, before it writes anything there."""
+    from vime.run_lock import RunLocks
+
+    return RunLocks([("--output-dir", cfg.run.output_dir), ("--save", cfg.run.save)])
 
 
 def write_variant_prompts(cfg):

@@ -3,9 +3,10 @@
 
     python scripts/export_draft.py --load SAVE_DIR --out DIR
 
-SAVE_DIR is a run's --save directory (its latest checkpoint is read) or one iteration of it
-(`SAVE_DIR/iter_0000002`: the draft of that step). The draft is written in its kind's format
-(EAGLE-3: `LlamaForCausalLMEagle3`; DFlash: `DFlashDraftModel`), so DIR loads, unchanged, with
+SAVE_DIR is a run's --save directory (the checkpoint `--load SAVE_DIR` would resume from) or one
+iteration of it (`SAVE_DIR/iter_0000002`: the draft of that step), verified as `--load` verifies it.
+The draft is written in its kind's format (EAGLE-3: `LlamaForCausalLMEagle3`; DFlash:
+`DFlashDraftModel`), so DIR loads, unchanged, with
 `vllm.LLM(model=TARGET, speculative_config={"method": KIND, "model": DIR, ...})`, TARGET being the
 policy of the same checkpoint exported with checkpoint_convert.torch_dist_to_hf.
 """
@@ -18,29 +19,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from trainer.drafts import DRAFT_STATE_FILE, saved_draft_state_file  # noqa: E402
-from vime.checkpointing import check_loadable  # noqa: E402
-from vime.errors import UserError, exit_on_user_error, require  # noqa: E402
+from vime.checkpointing import resolve_load  # noqa: E402
+from vime.errors import exit_on_user_error, require  # noqa: E402
 from vime.models import dflash, dspark, eagle3  # noqa: E402
 
 # a draft kind -> the writer of its directory format (vime/models/<kind>.py)
 DRAFT_WRITERS = {"eagle3": eagle3.save_draft, "dflash": dflash.save_draft, "dspark": dspark.save_draft}
-
-
-def one_iteration(path):
-    """(step, path) when `path` is one iteration of a --save directory (it holds loop_state.json), else None."""
-    import json
-
-    from vime.checkpointing import LOOP_STATE
-
-    file = os.path.join(path, LOOP_STATE)
-    if not os.path.isfile(file):
-        return None
-    try:
-        with open(file) as f:
-            return int(json.load(f)["step"]), path
-    except (ValueError, KeyError, TypeError):
-        raise UserError(f"--load {path}: {LOOP_STATE} is damaged (expected a JSON object with an integer "
-                        "\"step\"); export another iteration") from None
 
 
 @exit_on_user_error
@@ -49,7 +33,7 @@ def main(argv=None):
     p.add_argument("--load", required=True, help="the run's --save directory")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    step, iteration = one_iteration(args.load) or check_loadable(args.load)
+    step, iteration, _ = resolve_load(args.load)
     file = saved_draft_state_file(os.path.join(iteration, "model"))
     require(file is not None, f"--load {args.load}: step {step} holds no external draft ({DRAFT_STATE_FILE}); "
             "the run was not trained with --enable-draft-training")

@@ -85,12 +85,12 @@ def export_draft(save, out):
     from safetensors.torch import load_file
 
     from trainer.drafts import saved_draft_state_file
-    from vime.checkpointing import check_loadable
+    from vime.checkpointing import resolve_load
 
     proc = subprocess.run([sys.executable, "scripts/export_draft.py", "--load", save, "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    _, iteration = check_loadable(save)
+    _, iteration, _ = resolve_load(save)
     saved = torch.load(saved_draft_state_file(os.path.join(iteration, "model")), weights_only=False)
     return saved, load_file(os.path.join(str(out), "model.safetensors"))
 

@@ -130,10 +130,12 @@ def test_unknown_hydra_key_suggests_the_closest():
 
 
 # ---- --load of a checkpoint directory --------------------------------------------------------------
-def fake_checkpoint(root, step=2, mtp_trained=True):
-    """A --load layout whose .metadata indexes one .distcp file (what check_loadable reads)."""
+def fake_checkpoint(root, step=2, mtp_trained=True, latest=True):
+    """A --load layout whose .metadata indexes one .distcp file, with its manifest (as a save leaves it)."""
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
     from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from vime.manifest import write_manifest
 
     model = os.path.join(root, f"iter_{step:07d}", "model")
     os.makedirs(model)
@@ -143,7 +145,9 @@ def fake_checkpoint(root, step=2, mtp_trained=True):
     json.dump({"mtp_num_layers": 1, "mtp_trained": mtp_trained, "has_optimizer": True},
               open(os.path.join(model, "vime_meta.json"), "w"))
     json.dump({"step": step, "data_cursor": 0}, open(os.path.join(model, "..", "loop_state.json"), "w"))
-    open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w").write(json.dumps({"step": step}))
+    write_manifest(os.path.dirname(model))
+    if latest:
+        open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w").write(json.dumps({"step": step}))
     return model
 
 
@@ -151,10 +155,6 @@ def test_a_complete_checkpoint_passes(ckpt, tmp_path):
     fake_checkpoint(str(tmp_path / "ck"))
     prepare(load_config(args_for(ckpt, tmp_path, "--load", tmp_path / "ck", "--num-rollout", 4,
                                    "--enable-mtp-training", "--mtp-num-layers", 1)))
-
-
-def _bad_latest(root, model):
-    open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w").write("{step: 2")
 
 
 def _missing_iter(root, model):
@@ -174,18 +174,23 @@ def _pickled_loop_state(root, model):
     open(os.path.join(model, "..", "loop_state.json"), "wb").write(pickle.dumps({"step": 2}))
 
 
+def _no_manifest(root, model):
+    os.remove(os.path.join(model, "..", "manifest.json"))
+
+
 @pytest.mark.parametrize("damage, needle", [
-    (_bad_latest, "latest_checkpointed_iteration.txt is damaged"),
-    (_pickled_loop_state, "loop_state.json is damaged"),
-    (_missing_iter, "iter_0000002/ is missing"),
-    (_truncated, "truncated (40 of 100 bytes)"),
-    (_no_metadata, ".metadata is missing"),
+    (_pickled_loop_state, "loop_state.json has 2"),
+    (_missing_iter, "iter_0000002 (its directory is missing)"),
+    (_truncated, "model/__0_0.distcp has 40 bytes, the manifest says 100"),
+    (_no_metadata, "model/.metadata is missing"),
+    (_no_manifest, "manifest.json is missing"),
 ])
 def test_a_broken_load_checkpoint_is_refused(ckpt, tmp_path, damage, needle):
     root = str(tmp_path / "ck")
     damage(root, fake_checkpoint(root))
     refused(args_for(ckpt, tmp_path, "--load", root, "--num-rollout", 4, "--enable-mtp-training",
-                     "--mtp-num-layers", 1), f"--load {root}", needle)
+                     "--mtp-num-layers", 1), f"--load {root}: no valid checkpoint there", needle,
+            "run without --load")
 
 
 def test_load_at_or_past_num_rollout_is_refused(ckpt, tmp_path):
@@ -199,29 +204,3 @@ def test_resuming_an_mtp_trained_checkpoint_without_the_mtp_flags_is_refused(ckp
     root = str(tmp_path / "ck")
     fake_checkpoint(root, mtp_trained=True)
     refused(args_for(ckpt, tmp_path, "--load", root, "--num-rollout", 4), "--enable-mtp-training --mtp-num-layers 1")
-
-
-def test_a_second_run_on_the_same_save_dir_is_refused(tmp_path):
-    from vime.checkpointing import SaveLock
-
-    first = SaveLock(str(tmp_path))
-    with pytest.raises(UserError, match=f"another run \\(pid {os.getpid()}\\)"):
-        SaveLock(str(tmp_path))
-    first.release()
-    SaveLock(str(tmp_path)).release()  # free again once the first run ends
-
-
-def test_a_failed_save_removes_its_tmp_and_says_what_happened(tmp_path):
-    import errno
-
-    from vime import checkpointing
-
-    def full_disk(path):
-        os.makedirs(path)
-        open(os.path.join(path, "part"), "wb").write(b"x" * 10)
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    with pytest.raises(checkpointing.CheckpointSaveError) as err:
-        checkpointing.save(str(tmp_path), 4, full_disk, {"step": 4})
-    assert "disk is full" in str(err.value) and "iter_0000004.tmp" in str(err.value)
-    assert os.listdir(tmp_path) == []

@@ -105,3 +105,22 @@ def test_a_live_head_passes_with_its_token_and_is_refused_in_one_line_without_it
         check_ray_address(token_head.address, 30)
     message = str(err.value)
     assert "\n" not in message and "refused the connection" in message and "RAY_AUTH_TOKEN" in message, message
+
+
+@pytest.mark.parametrize("env, join", [("10.0.0.1:6379", ["--ray-address", "10.0.0.1:6379"]),
+                                       ("http://127.0.0.1:8265", None)])  # a dashboard, for `ray job submit`
+def test_a_cluster_named_only_by_ray_address_in_the_environment_is_refused_with_both_ways_out(
+        ckpt, tmp_path, monkeypatch, env, join):
+    from train_rl import prepare
+
+    monkeypatch.setenv("RAY_ADDRESS", env)
+    message = refused(args_for(ckpt, tmp_path), f"RAY_ADDRESS={env} is set, but a run joins a Ray cluster only with "
+                      "--ray-address", "or unset RAY_ADDRESS to start a Ray of the run's own")
+    if join:  # the advice, as written: the flag names the cluster (whether it answers is checked at ray.init)
+        assert f"pass {' '.join(join)} to join that cluster" in message
+        prepare(load_config(args_for(ckpt, tmp_path, *join))).release()
+    else:
+        assert "give --ray-address HEAD:6379 (the head's GCS address)" in message
+    for unset in ("", "local"):  # unset (empty), or Ray's own word for a new instance
+        monkeypatch.setenv("RAY_ADDRESS", unset)
+        prepare(load_config(args_for(ckpt, tmp_path))).release()

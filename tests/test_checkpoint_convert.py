@@ -153,12 +153,6 @@ def test_refuses_tensor_parallel_size_that_does_not_divide_the_heads(hf_with_mtp
     assert_one_line_refusal(rc, err, "--tensor-model-parallel-size 3", "does not divide")
 
 
-def test_refuses_pipeline_parallelism(hf_with_mtp, tmp_path):
-    rc, err = run_cli("checkpoint_convert.hf_to_torch_dist", "--hf-checkpoint", hf_with_mtp,
-                      "--save", str(tmp_path / "o"), "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2")
-    assert_one_line_refusal(rc, err, "--pipeline-model-parallel-size")
-
-
 def test_refuses_a_torch_dist_input_that_is_not_a_checkpoint(hf_with_mtp, tmp_path):
     (tmp_path / "empty").mkdir()
     rc, err = run_cli("checkpoint_convert.torch_dist_to_hf", "--input-dir", str(tmp_path / "empty"),

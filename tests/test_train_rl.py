@@ -120,24 +120,6 @@ def test_frozen_mtp_stays_bitwise_initial_while_the_trunk_trains(ckpt, tmp_path)
     assert all("train/mtp_loss" not in r for r in rows)
 
 
-@pytest.mark.slow  # a whole run of its own (1-2 min on 2 cores)
-def test_resume_from_the_step2_checkpoint_reproduces_step3_metrics_and_rewrites_the_log(online_run, ckpt, tmp_path):
-    import shutil
-
-    out, save = online_run
-    shutil.copy(os.path.join(out, "metrics.jsonl"), tmp_path / "metrics.jsonl")  # the interrupted run's log
-    proc = run_train(*base_args(ckpt, tmp_path, 3, "--enable-mtp-training", "--mtp-num-layers", 1,
-                                "--load", rewound_copy(save, tmp_path / "ck", 2)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed = metrics(tmp_path)
-    assert [r["rollout/step"] for r in resumed] == [0, 1, 2]  # steps from the checkpoint on are rewritten, once
-    original = metrics(out)
-    assert resumed[:2] == original[:2]
-    for key, value in original[2].items():
-        if not key.startswith(TIMING_KEYS):
-            assert resumed[2][key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
-
-
 def test_a_training_save_directory_converts_to_the_hf_weights_the_rollout_was_synced_to(online_run, ckpt, tmp_path):
     from checkpoint_convert import torch_dist_to_hf
     from vime.models.families import is_mtp_name
@@ -187,15 +169,73 @@ def test_killing_the_process_during_a_save_leaves_the_previous_checkpoint_loadab
     assert sum(p.numel() for p in trainer.model.parameters()) > 0
 
 
+def test_a_resumed_run_beside_a_stale_ray_skips_a_damaged_checkpoint_and_holds_its_output_dir(online_run, ckpt,
+                                                                                              tmp_path):
+    """One real run, three guarantees: it starts its own Ray although Ray's temp dir names another
+    cluster (a `ray start` that has ended); `--load ROOT` passes over the newest checkpoint, whose
+    common.pt is cut short, in one line and resumes from the one before, reproducing the uninterrupted
+    run's step and appending to its log; a second run on its --output-dir meanwhile is refused in one
+    line naming it."""
+    import shutil
+    import tempfile
+
+    out, save = online_run
+    root = str(tmp_path / "save")
+    shutil.copytree(save, root)  # steps 2 and 3 (--save-interval 2; the last step is always saved)
+    with open(os.path.join(root, "iter_0000003", "model", "common.pt"), "r+b") as f:
+        f.truncate(10)
+    run_out = tmp_path / "out"
+    run_out.mkdir()
+    shutil.copy(os.path.join(out, "metrics.jsonl"), run_out / "metrics.jsonl")  # the interrupted run's log
+    ray_tmp = tempfile.mkdtemp(prefix="vr", dir="/tmp")  # short: Ray's socket paths live under it
+    os.makedirs(os.path.join(ray_tmp, "ray"))
+    with open(os.path.join(ray_tmp, "ray", "ray_current_cluster"), "w") as f:
+        f.write("127.0.0.1:1")  # what `ray start` leaves there, and keeps after it has ended
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline", WANDB_SILENT="true", RAY_TMPDIR=ray_tmp)
+    env.pop("RAY_ADDRESS", None)
+    args = base_args(ckpt, run_out, 3, "--enable-mtp-training", "--mtp-num-layers", 1, "--use-wandb", "false")
+    proc = subprocess.Popen([sys.executable, "train_rl.py", *map(str, args), "--load", root], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lock = run_out / ".vime_run.lock"
+        deadline = time.time() + 120
+        while time.time() < deadline and f'"pid": {proc.pid},' not in (lock.read_text() if lock.exists() else ""):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        second = subprocess.run([sys.executable, "train_rl.py", *map(str, args)], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=300)
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-3000:]
+    assert [x for x in second.stderr.splitlines() if x.startswith("error:")] == [
+        x for x in second.stderr.splitlines() if x.strip()], second.stderr[-3000:]
+    assert f"error: --output-dir {run_out} is in use by another run (pid {proc.pid} on host " in second.stderr
+    assert proc.returncode == 0, stderr[-3000:]
+    skipped = [x for x in stdout.splitlines() if "passed over" in x]
+    assert skipped == [f"[vime] --load {root}: resuming from step 2 (iter_0000002), passed over: iter_0000003 "
+                       f"(model/common.pt has 10 bytes, the manifest says "
+                       f"{os.path.getsize(os.path.join(save, 'iter_0000003', 'model', 'common.pt'))})"], stdout[-3000:]
+    resumed, original = metrics(run_out), metrics(out)
+    assert [r["rollout/step"] for r in resumed] == [0, 1, 2]  # appended from the checkpoint's step on
+    assert resumed[:2] == original[:2]
+    for key, value in original[2].items():
+        if not key.startswith(TIMING_KEYS):
+            assert resumed[2][key] == value, key
+
+
 @pytest.mark.slow  # a whole run of its own (1-2 min on 2 cores)
 def test_a_dead_actor_ends_the_run_with_one_line_naming_it_and_the_checkpoint_to_load(ckpt, tmp_path):
     save = tmp_path / "save"
-    proc = run_train(*base_args(ckpt, tmp_path / "out", 4, "--save", save, "--save-interval", 1, "--use-wandb", "false",
+    proc = run_train(*base_args(ckpt, tmp_path / "out", 4, "--save", save, "--save-interval", 1,
                                 "--custom-rm-path", "tests.rewards_for_tests:dies_in_second_step"))
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert errors == [f"error: the rollout manager died at step 1 (its process exited or was killed, e.g. out of "
                       f"memory); resume with --load {save} (last checkpoint: step 1)"], proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == errors[0]  # wandb's closing lines (offline) come before it
     assert "Traceback" not in proc.stderr and "ActorDiedError" not in proc.stderr
     assert [r["rollout/step"] for r in metrics(tmp_path / "out")] == [0]
 
@@ -251,7 +291,7 @@ def assert_refused_before_actors(proc, needle):
     (["--input-key", "question"], "line 1 has no key 'question'"),
     (["--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 0}'], "num_speculative_tokens"),
     (["--tensor-model-parallel-size", 3], "--tensor-model-parallel-size 3 does not divide"),
-    (["--pipeline-model-parallel-size", 2], "--pipeline-model-parallel-size 2: pipeline parallelism is not supported"),
+    (["--pipeline-model-parallel-size", 2], "--pipeline-model-parallel-size 2: the trainer does not run pipeline"),
     (["--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 1, '
       '"rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.5}'], "benchmark-only"),
     (["--rollout-temperature", 0], "--rollout-temperature 0"),

@@ -10,9 +10,10 @@ def run_tp2(rank, port, hf_dir, ckpt_dir, out_file, cfg_kwargs, seeds):
     from trainer.distributed import init_distributed, teardown
     from trainer.trainer import Trainer
     from trainer_fixtures import make_batch
+    from vime.parallel_layout import ParallelLayout
 
     torch.set_num_threads(1)
-    init_distributed(rank, 2, "127.0.0.1", port, tp=2)
+    init_distributed(rank, 2, "127.0.0.1", port, ParallelLayout(tp=2))
     trainer = Trainer(TrainerConfig(tensor_model_parallel_size=2, **cfg_kwargs), hf_dir)
     logprobs = trainer.compute_logprobs(make_batch(seed=seeds[0]))
     metrics = [trainer.train_step(make_batch(seed=s)) for s in seeds]

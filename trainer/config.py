@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from vime.config import Config
+from vime.parallel_layout import ParallelLayout
 
 
 def tree_field(key):
@@ -44,6 +45,9 @@ class TrainerConfig:
     mtp_detach_trunk: bool = tree_field("mtp.detach_trunk")
     tensor_model_parallel_size: int = tree_field("train.tensor_model_parallel_size")
     pipeline_model_parallel_size: int = tree_field("train.pipeline_model_parallel_size")
+    decoder_first_pipeline_num_layers: Optional[int] = tree_field("train.decoder_first_pipeline_num_layers")
+    decoder_last_pipeline_num_layers: Optional[int] = tree_field("train.decoder_last_pipeline_num_layers")
+    data_parallel_size: int = tree_field("train.data_parallel_size")
     micro_batch_size: int = tree_field("train.micro_batch_size")  # 0: the whole local batch at once
     global_batch_size: int = tree_field("train.global_batch_size")  # informational: train_step gets the step
     seed: int = tree_field("train.seed")
@@ -78,6 +82,11 @@ class TrainerConfig:
             values[f.name] = getattr(getattr(cfg, section), name)
         values["speculative_config"] = _typed_spec(values["speculative_config"], cfg.rollout.backend)
         return cls(**values)
+
+    @property
+    def layout(self):
+        """The trainer's parallel layout (vime/parallel_layout.py)."""
+        return ParallelLayout.of(self)
 
     @property
     def effective_draft_clip_grad(self):

@@ -13,19 +13,14 @@ import torch.distributed as dist
 from trainer.cpu_patches import apply_cpu_patches
 from vime.errors import require
 from vime.net import free_port
+from vime.parallel_layout import ONE_RANK
 
 
-def check_parallel_sizes(world_size, tp, pp):
-    """One-line errors for parallel sizes vime cannot run."""
-    require(pp == 1, f"--pipeline-model-parallel-size {pp}: pipeline parallelism is not supported "
-            "by the vime trainer yet; use --pipeline-model-parallel-size 1")
-    require(tp >= 1 and world_size % tp == 0,
-            f"--tensor-model-parallel-size {tp} does not divide the {world_size} trainer processes")
-
-
-def init_distributed(rank, world_size, master_addr, master_port, tp=1, pp=1):
-    """Join the process group (gloo on CPU, nccl on GPU) and build megatron's TP/PP/DP groups."""
-    check_parallel_sizes(world_size, tp, pp)
+def init_distributed(rank, world_size, master_addr, master_port, layout=ONE_RANK):
+    """Join the process group (gloo on CPU, nccl on GPU) and build megatron's TP/PP/DP groups of
+    `layout` (a vime.parallel_layout.ParallelLayout of `world_size` ranks)."""
+    layout.check()
+    layout.check_world(world_size)
     apply_cpu_patches()
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -37,25 +32,27 @@ def init_distributed(rank, world_size, master_addr, master_port, tp=1, pp=1):
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp)
 
 
-def init_single_process(tp=1, pp=1):
+def init_single_process():
     """A one-process group (reused if one already exists) for tests, tools and converters."""
-    init_distributed(0, 1, "127.0.0.1", free_port(), tp, pp)
+    init_distributed(0, 1, "127.0.0.1", free_port())
 
 
-def ensure_distributed(tp=1, pp=1):
-    """Reuse a multi-process group set up by the caller; otherwise (re)build a one-process one."""
+def ensure_distributed(layout=ONE_RANK):
+    """Reuse a multi-process group set up by the caller; otherwise (re)build a one-process one (then
+    `layout` must be one rank's)."""
     from megatron.core import parallel_state as ps
 
     if dist.is_initialized() and dist.get_world_size() > 1:
         require(ps.model_parallel_is_initialized(), "call trainer.distributed.init_distributed first")
         return
+    layout.check_world(1, "a lone trainer process")
     if (dist.is_initialized() and ps.model_parallel_is_initialized()
-            and ps.get_tensor_model_parallel_world_size() == tp):
+            and ps.get_tensor_model_parallel_world_size() == 1 and ps.get_pipeline_model_parallel_world_size() == 1):
         return
-    init_single_process(tp, pp)
+    init_single_process()
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from mtp.reuse import reuse_attention_mask, reuse_positions
 from vime.models.megatron_names import MTP_INNER_LAYER
 from vime.errors import require
+from vime.parallel_layout import ONE_RANK
 
 
 @dataclass
@@ -70,23 +71,9 @@ def spec_name():
     return "te" if _use_transformer_engine() else "local"
 
 
-def check_tensor_parallel(model_cfg, tp):
-    """One-line errors for a TP size that does not divide the heads / vocabulary, or TP over experts."""
-    # megatron shards MoE layers over TP only with sequence parallelism, which its local
-    # (non-Transformer-Engine) norm does not implement
-    require(tp == 1 or model_cfg.moe is None, f"--tensor-model-parallel-size {tp}: mixture-of-experts models "
-            f"({model_cfg.model_family.architectures[0]}) train at --tensor-model-parallel-size 1; scale out "
-            "with --data-parallel-size")
-    for what, n in (("attention heads", model_cfg.num_attention_heads),
-                    ("key/value heads", model_cfg.num_key_value_heads),
-                    ("vocabulary size", model_cfg.vocab_size)):
-        require(n % tp == 0, f"--tensor-model-parallel-size {tp} does not divide the model's "
-                f"{n} {what}; choose a divisor of {n}")
-
-
-def transformer_config(model_cfg, mtp_num_layers, tp=1, pp=1, params_dtype=torch.float32):
+def transformer_config(model_cfg, mtp_num_layers, layout=ONE_RANK, params_dtype=torch.float32):
     """megatron TransformerConfig of `model_cfg` (RMSNorm, RoPE, SwiGLU; GQA with the config's q/k/v
-    bias and q/k norm, or MLA; dense MLPs, or MoE from `first_k_dense_replace` on)."""
+    bias and q/k norm, or MLA; dense MLPs, or MoE from `first_k_dense_replace` on), split as `layout` says."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     check_trainable(model_cfg)
@@ -98,8 +85,8 @@ def transformer_config(model_cfg, mtp_num_layers, tp=1, pp=1, params_dtype=torch
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
-        apply_query_key_layer_scaling=False, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, mtp_num_layers=mtp_num_layers or None,
+        apply_query_key_layer_scaling=False, tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp, mtp_num_layers=mtp_num_layers or None,
         mtp_loss_scaling_factor=0.0, use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         add_qkv_bias=model_cfg.qkv_bias, qk_layernorm=model_cfg.qk_norm,
@@ -326,17 +313,17 @@ def _latent_rope_at(mtp_layer, positions):
         del rope.forward  # the class's own again
 
 
-def build_model(model_cfg, mtp_num_layers, tp=1, pp=1, seed=1234, params_dtype=torch.float32):
-    """A VimeGPTModel for `model_cfg` (a ModelConfig) on this rank's TP shard, its parameters in
+def build_model(model_cfg, mtp_num_layers, layout=ONE_RANK, seed=1234, params_dtype=torch.float32):
+    """A VimeGPTModel for `model_cfg` (a ModelConfig) on this rank's shard of `layout`, its parameters in
     `params_dtype` (bf16: cast as megatron's Float16Module casts its module; the fp32 master weights
     live in the optimizer, trainer/mixed_precision.py)."""
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-    check_tensor_parallel(model_cfg, tp)
+    layout.check_model(model_cfg)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    config = transformer_config(model_cfg, mtp_num_layers, tp, pp, params_dtype)
+    config = transformer_config(model_cfg, mtp_num_layers, layout, params_dtype)
     name = spec_name()
     layer_spec = LAYER_SPECS[name](config)
     mtp_spec = (get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=name == "te")

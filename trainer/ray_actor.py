@@ -41,8 +41,7 @@ class TrainerActorImpl:
         from trainer.trainer import Trainer
 
         trainer_cfg, hf_checkpoint, load = self.cfg, self.hf_checkpoint, self.load
-        init_distributed(self.rank, self.world_size, master_addr, master_port,
-                         trainer_cfg.tensor_model_parallel_size, trainer_cfg.pipeline_model_parallel_size)
+        init_distributed(self.rank, self.world_size, master_addr, master_port, trainer_cfg.layout)
         self.trainer = Trainer(trainer_cfg, hf_checkpoint, load=load)
         self.ref_state = self._initial_policy(hf_checkpoint, load) if trainer_cfg.use_kl_loss else None
         return self.rank

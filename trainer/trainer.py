@@ -41,12 +41,11 @@ class Trainer:
         """cfg: TrainerConfig; hf_checkpoint: HF dir (architecture, and weights unless `load`);
         load: a torch_dist checkpoint dir to resume from (weights + optimizer state)."""
         self.cfg = cfg
-        ensure_distributed(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
+        ensure_distributed(cfg.layout)
         hf_cfg = read_config(hf_checkpoint)
         self.mtp_num_layers = resolve_mtp_layers(cfg.mtp_num_layers, hf_cfg.num_nextn_predict_layers)
         self.model_cfg = dataclasses.replace(hf_cfg, num_nextn_predict_layers=self.mtp_num_layers)
-        self.model = build_model(self.model_cfg, self.mtp_num_layers, cfg.tensor_model_parallel_size,
-                                 cfg.pipeline_model_parallel_size, cfg.seed, compute_dtype(cfg.bf16))
+        self.model = build_model(self.model_cfg, self.mtp_num_layers, cfg.layout, cfg.seed, compute_dtype(cfg.bf16))
         if load is None:
             _, hf_state, _ = load_hf_checkpoint(hf_checkpoint)
             load_hf_state(self.model, hf_state, self.model_cfg)

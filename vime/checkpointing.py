@@ -1,23 +1,29 @@
-"""Atomic RL checkpoints: torch_dist model + optimizer (written by the trainers) and the loop state.
+"""Atomic, verified RL checkpoints: torch_dist model + optimizer (written by the trainers), the loop
+state, and a manifest of every file's size and checksum (vime/manifest.py).
 
-A checkpoint is written into `iter_XXXXXXX.tmp/`, renamed to `iter_XXXXXXX/` when complete,
-and only then recorded in `latest_checkpointed_iteration.txt` (written to a temp file and
+A checkpoint is written into `iter_XXXXXXX.tmp/`, its manifest last, renamed to `iter_XXXXXXX/` when
+complete, and only then recorded in `latest_checkpointed_iteration.txt` (written to a temp file and
 `os.replace`d). A crash mid-save leaves a `.tmp` directory and the previous checkpoint loadable.
+
+`resolve_load` decides what `--load` resumes from, checking every file against the manifest before
+any of it is read: `--load ROOT` takes the checkpoint `latest_checkpointed_iteration.txt` names, or
+the newest valid one below it when that one is damaged (saying which it skipped and why);
+`--load ROOT/iter_NNNNNNN`, or `--load ROOT --ckpt-step N` (Megatron's flag), takes that one or none.
 The loop state is JSON (`loop_state.json`): loading it runs no code. The torch_dist model
 directory's `.metadata` is a pickle by torch's design, so a checkpoint is trusted input.
 """
 import errno
 import json
 import os
-import pickle
 import re
 import shutil
 
 from vime.errors import UserError, require
+from vime.manifest import manifest_problem, write_manifest
 
 LATEST = "latest_checkpointed_iteration.txt"
-LOCK = ".vime_save.lock"
 LOOP_STATE = "loop_state.json"
+ITERATION = re.compile(r"iter_(\d{7})$")
 
 
 class CheckpointSaveError(RuntimeError):
@@ -29,11 +35,12 @@ def iteration_dir(root, step):
 
 
 def save(root, step, write_model, loop_state, keep=None):
-    """write_model(path) writes the trainer checkpoint; loop_state (a JSON dict) is written beside it.
-    keep: after the new checkpoint is the latest, remove all but the `keep` newest (None: keep all).
+    """write_model(path) writes the trainer checkpoint; loop_state (a JSON dict) is written beside it,
+    then the manifest of every file. keep: after the new checkpoint is the latest, remove all but the
+    `keep` newest (None: keep all).
 
     A failure removes the partial `.tmp` (it would otherwise fill the disk) and raises
-    CheckpointSaveError saying what happened; the previous checkpoint stays the latest."""
+    CheckpointSaveError saying what happened and what is on disk to resume from."""
     final = iteration_dir(root, step)
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -42,6 +49,7 @@ def save(root, step, write_model, loop_state, keep=None):
         write_model(os.path.join(tmp, "model"))
         with open(os.path.join(tmp, LOOP_STATE), "w") as f:
             json.dump(loop_state, f)
+        write_manifest(tmp)  # last: a checkpoint without one was never finished
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointSaveError(_save_failure(root, step, e)) from None
@@ -56,7 +64,7 @@ def save(root, step, write_model, loop_state, keep=None):
 def checkpoint_steps(root):
     """Steps of the complete checkpoints under root (iter_XXXXXXX directories, not .tmp), ascending."""
     names = os.listdir(root) if os.path.isdir(root) else []
-    return sorted(int(m.group(1)) for m in map(re.compile(r"iter_(\d{7})$").match, names) if m)
+    return sorted(int(m.group(1)) for m in map(ITERATION.match, names) if m)
 
 
 def prune(root, keep):
@@ -91,6 +99,7 @@ def _root_cause(e):
 
 
 def _save_failure(root, step, e):
+    """One line: why the save failed, and what --save holds now (checked, not assumed) to resume from."""
     cause = _root_cause(e)
     code = getattr(cause, "errno", None)
     free = shutil.disk_usage(root).free if os.path.isdir(root) else None
@@ -100,94 +109,94 @@ def _save_failure(root, step, e):
         what = "it is not writable"
     else:
         what = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+    try:
+        have, _, _ = resolve_load(root, flag="--save")
+        there = (f"the newest valid checkpoint there is step {have}: free space (or choose another --save), then "
+                 f"resume with --load {root}")
+    except UserError:
+        there = ("it holds no valid checkpoint to resume from: free space (or choose another --save) and run "
+                 "again from the start")
     return (f"--save {root}: writing the step-{step} checkpoint failed ({what}); removed the partial "
-            f"{os.path.basename(iteration_dir(root, step))}.tmp; the previous checkpoint is intact: free space "
-            "or choose another --save, then --load it")
+            f"{os.path.basename(iteration_dir(root, step))}.tmp; {there}")
 
 
-def latest(root):
-    """(step, iteration dir) of the newest complete checkpoint under root, or None.
-
-    A damaged latest file is a one-line UserError naming --load."""
+def _latest_step(root):
+    """(step latest_checkpointed_iteration.txt names or None, what is wrong with the file or None)."""
     path = os.path.join(root, LATEST)
     if not os.path.isfile(path):
-        return None
+        return None, f"{LATEST} is missing"
     try:
         with open(path) as f:
             step = json.load(f)["step"]
         require(isinstance(step, int) and not isinstance(step, bool) and step >= 0, "bad step")
     except (ValueError, KeyError, TypeError, UserError):
-        raise UserError(f"--load {root}: {LATEST} is damaged (expected {{\"step\": N}}); fix it to name "
-                        "an existing iter_XXXXXXX directory") from None
-    return step, iteration_dir(root, step)
+        return None, f"{LATEST} is damaged"
+    return step, None
 
 
-def check_loadable(root):
-    """(step, iteration dir) of --load's latest checkpoint, checked complete before any actor starts."""
-    found = latest(root)
-    require(found is not None, f"--load {root}: no complete checkpoint there ({LATEST} is missing)")
-    step, iteration = found
-    require(os.path.isdir(iteration), f"--load {root}: {LATEST} names step {step} but "
-            f"{os.path.basename(iteration)}/ is missing; point {LATEST} at an existing iter_ directory")
-    require(os.path.isfile(os.path.join(iteration, LOOP_STATE)),
-            f"--load {root}: {os.path.basename(iteration)}/{LOOP_STATE} is missing; the checkpoint is incomplete")
+def latest(root):
+    """(step, iteration dir) that latest_checkpointed_iteration.txt names under root, or None (no such
+    file, or a damaged one). Unverified: what a run's last message points to; --load verifies."""
+    step, _ = _latest_step(root)
+    return None if step is None else (step, iteration_dir(root, step))
+
+
+def iteration_problem(iteration):
+    """None when `iteration` is a complete checkpoint whose every file matches its manifest and whose loop
+    state reads; else what is wrong, in a few words."""
+    if not os.path.isdir(iteration):
+        return "its directory is missing"
+    problem = manifest_problem(iteration)
+    if problem is not None:
+        return problem
     try:
-        with open(os.path.join(iteration, LOOP_STATE)) as f:
-            state = json.load(f)
-        require(isinstance(state, dict) and isinstance(state.get("step"), int), "bad state")
-    except (ValueError, UserError):
-        raise UserError(f"--load {root}: {os.path.basename(iteration)}/{LOOP_STATE} is damaged (expected a JSON "
-                        "object with an integer \"step\"); --load an earlier checkpoint") from None
-    check_torch_dist_dir(os.path.join(iteration, "model"), f"--load {root}")
-    return step, iteration
+        require(isinstance(load_loop_state(iteration).get("step"), int), "")
+    except Exception:  # written so by hand, or by another tool: the manifest only vouches for the bytes
+        return f"{LOOP_STATE} does not hold a JSON object with an integer \"step\""
+    return None
 
 
-def check_torch_dist_dir(path, flag):
-    """A torch_dist directory has its .metadata and every byte range it indexes (no truncated .distcp)."""
-    meta_file = os.path.join(path, ".metadata")
-    require(os.path.isfile(meta_file), f"{flag}: {meta_file} is missing; the checkpoint is incomplete or not "
-            "a torch_dist checkpoint")
-    try:
-        with open(meta_file, "rb") as f:
-            metadata = pickle.load(f)
-        needed = {}
-        for info in (metadata.storage_data or {}).values():
-            end = info.offset + info.length
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    except Exception:  # the metadata is a pickle of torch's Metadata; anything else is damage
-        raise UserError(f"{flag}: {meta_file} is unreadable; the checkpoint is damaged") from None
-    for name, size in sorted(needed.items()):
-        file = os.path.join(path, name)
-        have = os.path.getsize(file) if os.path.isfile(file) else None
-        require(have is not None and have >= size,
-                f"{flag}: {file} is {'missing' if have is None else f'truncated ({have} of {size} bytes)'}; "
-                "the checkpoint is damaged: --load an earlier one")
+def resolve_load(path, ckpt_step=None, flag="--load"):
+    """(step, iteration dir, [skipped: "iter_N (why)"]) of what `flag path` (and --ckpt-step) resumes
+    from, every file verified against its manifest (module docstring); one UserError line otherwise."""
+    path = os.path.normpath(path)
+    if ITERATION.match(os.path.basename(path)):
+        require(ckpt_step is None, f"--ckpt-step {ckpt_step} picks an iteration under {flag} ROOT, and {flag} {path} "
+                "names one already: drop one of them")
+        return _one_iteration(path, f"{flag} {path}", f"{flag} {os.path.dirname(path)}")
+    require(os.path.isdir(path), f"{flag} {path}: no such directory")
+    if ckpt_step is not None:
+        steps = checkpoint_steps(path)
+        require(ckpt_step in steps, f"--ckpt-step {ckpt_step}: {flag} {path} holds no iter_{ckpt_step:07d} "
+                f"(its checkpoints: steps {', '.join(map(str, steps)) or 'none'})")
+        return _one_iteration(iteration_dir(path, ckpt_step), f"{flag} {path} --ckpt-step {ckpt_step}",
+                              f"{flag} {path} without --ckpt-step")
+    return _newest_valid(path, flag)
 
 
-class SaveLock:
-    """An exclusive lock on a --save directory for the life of the run (flock: freed when the process dies)."""
+def _one_iteration(iteration, given, instead):
+    problem = iteration_problem(iteration)
+    require(problem is None, f"{given}: {problem}; {instead} resumes from the newest valid checkpoint there")
+    return load_loop_state(iteration)["step"], iteration, []
 
-    def __init__(self, root):
-        import fcntl
 
-        os.makedirs(root, exist_ok=True)
-        self.path = os.path.join(root, LOCK)
-        self.file = open(self.path, "a+")
-        try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.file.seek(0)
-            holder = self.file.read().strip() or "?"
-            self.file.close()
-            raise UserError(f"--save {root}: another run (pid {holder}) is writing checkpoints there; "
-                            "wait for it to finish or choose another --save") from None
-        self.file.seek(0)
-        self.file.truncate()
-        self.file.write(str(os.getpid()))
-        self.file.flush()
-
-    def release(self):
-        self.file.close()
+def _newest_valid(root, flag):
+    """The checkpoint latest_checkpointed_iteration.txt names, else the newest valid one below it (or, with
+    no readable file, the newest valid one there); the ones passed over, each with why."""
+    named, note = _latest_step(root)
+    steps = checkpoint_steps(root)
+    if named is None:
+        require(steps, f"{flag} {root}: no checkpoint there ({note}, no iter_XXXXXXX directory)")
+        candidates, skipped = sorted(steps, reverse=True), [note]
+    else:  # steps above the named one belong to a history a resumed run has left
+        candidates, skipped = sorted({named, *(s for s in steps if s < named)}, reverse=True), []
+    for step in candidates:
+        problem = iteration_problem(iteration_dir(root, step))
+        if problem is None:
+            return step, iteration_dir(root, step), skipped
+        skipped.append(f"iter_{step:07d} ({problem})")
+    instead = "run without --load to start from --hf-checkpoint" if flag == "--load" else f"give another {flag}"
+    raise UserError(f"{flag} {root}: no valid checkpoint there: {'; '.join(skipped)}; {instead}")
 
 
 def load_loop_state(iteration):

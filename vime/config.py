@@ -13,6 +13,7 @@ from typing import Any, Optional
 from mtp.loss import MTP_LOSSES
 from mtp.reuse import REUSE_ATTENTION
 from vime.errors import require
+from vime.parallel_layout import ParallelLayout
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # shipped with the repository (`scripts/make_tiny_model.py --out DIR` reproduces it)
@@ -148,7 +149,13 @@ class TrainSection:
     tensor_model_parallel_size: int = field(default=1, metadata=flag(
         "--tensor-model-parallel-size", "trainer tensor parallelism (TP)"))
     pipeline_model_parallel_size: int = field(default=1, metadata=flag(
-        "--pipeline-model-parallel-size", "trainer pipeline parallelism (only 1 is supported)"))
+        "--pipeline-model-parallel-size", "trainer pipeline parallelism (PP): the decoder layers cut into PP "
+        "consecutive stages, the MTP layers on the last (docs/at_scale.md)"))
+    decoder_first_pipeline_num_layers: Optional[int] = field(default=None, metadata=flag(
+        "--decoder-first-pipeline-num-layers", "decoder layers of the first pipeline stage when they do not split "
+        "evenly (none: the even share)"))
+    decoder_last_pipeline_num_layers: Optional[int] = field(default=None, metadata=flag(
+        "--decoder-last-pipeline-num-layers", "decoder layers of the last pipeline stage (none: the even share)"))
     data_parallel_size: int = field(default=1, metadata=flag(
         "--data-parallel-size", "trainer data parallelism (DP); trainer actors = TP x PP x DP"))
     seed: int = field(default=1234, metadata=flag("--seed", "trainer seed"))
@@ -164,13 +171,20 @@ class TrainSection:
         "much towards balance (DeepSeek-V3's auxiliary-loss-free balancing; 0: fixed bias)"))
 
     @property
+    def layout(self):
+        """The trainer's parallel layout (vime/parallel_layout.py)."""
+        return ParallelLayout.of(self)
+
+    @property
     def world_size(self):
-        """Trainer ranks: TP x PP x DP (the one place this product is taken)."""
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+        """Trainer ranks: TP x PP x DP."""
+        return self.layout.world_size
 
 
 def _validate_train(t):
-    """The train section's combinations: every data-parallel rank gets whole micro-batches."""
+    """The train section's combinations: a parallel layout whose flags agree, and every data-parallel rank
+    gets whole micro-batches."""
+    t.layout.check()
     local = t.global_batch_size // t.data_parallel_size
     require(t.global_batch_size % t.data_parallel_size == 0 and local % t.micro_batch_size == 0,
             f"--micro-batch-size {t.micro_batch_size} x --data-parallel-size {t.data_parallel_size} must divide "
@@ -221,7 +235,11 @@ class RunSection:
     save_interval: int = field(default=0, metadata=flag(
         "--save-interval", "save into --save every N steps too (0: only at the end; the last step and a "
         "signal's step are always saved)"))
-    load: Optional[str] = field(default=None, metadata=flag("--load", "checkpoint directory to resume from"))
+    load: Optional[str] = field(default=None, metadata=flag(
+        "--load", "resume from a --save directory (its newest valid checkpoint: latest_checkpointed_iteration.txt's, "
+        "else the newest below it that verifies) or from one iteration of it, DIR/iter_NNNNNNN"))
+    ckpt_step: Optional[int] = field(default=None, metadata=flag(
+        "--ckpt-step", "with --load DIR: resume from DIR/iter_N, that checkpoint or none (Megatron's flag)"))
     ray_address: Optional[str] = field(default=None, metadata=flag(
         "--ray-address", "join a running Ray cluster (none: start a local one)"))
     ray_connect_timeout: float = field(default=30.0, metadata=flag(
@@ -262,6 +280,7 @@ def _validate_run(run):
             "--debug-train-only trains on saved rollouts: give --load-debug-rollout-data DIR "
             "(written by a run with --save-debug-rollout-data DIR)")
     require(not run.save_interval or run.save, "--save-interval needs --save DIR")
+    require(run.ckpt_step is None or run.load, "--ckpt-step picks a checkpoint of --load DIR: give --load DIR")
     require(run.save_keep is None or run.save, "--save-keep needs --save DIR")
     require(run.wandb_mode in (None, "offline", "online", "disabled"),
             f"--wandb-mode {run.wandb_mode!r}: use offline, online or disabled")
@@ -454,9 +473,10 @@ RANGES = {
     "--eps-clip-high": POSITIVE, "--kl-loss-coef": AT_LEAST_0,
     "--global-batch-size": AT_LEAST_1, "--micro-batch-size": AT_LEAST_1, "--tensor-model-parallel-size": AT_LEAST_1,
     "--pipeline-model-parallel-size": AT_LEAST_1, "--data-parallel-size": AT_LEAST_1, "--seed": SEED,
+    "--decoder-first-pipeline-num-layers": AT_LEAST_1, "--decoder-last-pipeline-num-layers": AT_LEAST_1,
     "--mtp-num-layers": AT_LEAST_0, "--mtp-loss-scaling-factor": AT_LEAST_0, "--mtp-train-depths": AT_LEAST_1,
     "--num-rollout": AT_LEAST_1, "--save-interval": AT_LEAST_0, "--update-weight-buffer-size": AT_LEAST_1,
-    "--save-keep": AT_LEAST_1,
+    "--save-keep": AT_LEAST_1, "--ckpt-step": AT_LEAST_0,
     "--dynamic-sampling-max-draws": AT_LEAST_1, "--over-sampling-batch-size": AT_LEAST_1,
     "--tis-clip": Range(1, why="below 1 the cap shrinks even on-policy tokens"),
     "--moe-router-bias-update-rate": AT_LEAST_0,

@@ -88,8 +88,13 @@ class RunLogger:
         if self.history:
             self._plot()
             print(self.summary())
+        self.close()
+
+    def close(self, exit_code=None):
+        """Finish the wandb run (its closing lines print now; exit_code 1 marks it failed); idempotent."""
         if self.wandb:
-            self.wandb.finish()
+            self.wandb.finish(exit_code=exit_code)
+            self.wandb = None
 
     def _plot(self):
         import matplotlib

@@ -1,0 +1,202 @@
+"""The trainer's parallel layout and every rule it must satisfy, in one place (pure: no torch, Ray or megatron).
+
+A layout is how the trainer's ranks share the model and the batch, in the flags Megatron and slime
+users know:
+
+    --tensor-model-parallel-size TP      every layer's matrices split over TP ranks
+    --pipeline-model-parallel-size PP    the decoder layers cut into PP consecutive stages; the first
+                                         stage also holds the embedding, the last the final norm, the
+                                         output layer and the MTP layers
+    --decoder-first-pipeline-num-layers  decoder layers of the first / last stage when the layers do
+    --decoder-last-pipeline-num-layers   not split evenly (megatron-core's
+                                         num_layers_in_first/last_pipeline_stage); the stages between
+                                         share the rest evenly
+    --data-parallel-size DP              replicas of that TP x PP grid, each on its share of the batch
+
+The trainer has TP x PP x DP ranks, numbered as megatron-core numbers them (TP fastest, then DP,
+then PP). `ParallelLayout` holds the sizes and answers where things are (stages' layers, a rank's
+data-parallel index); the checks below refuse, in one line each, the layouts that cannot run, before
+anything starts: `check()` reads the flags alone, `check_world(ranks)` the ranks a launcher gives,
+`check_model(model_cfg)` the model (a `vime.models.hf_format.ModelConfig`). Each parallel
+dimension adds its rules to `FLAG_CHECKS` / `MODEL_CHECKS`, not to an if chain.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+from vime.errors import require
+
+# the flag of each layout field, as error lines name them
+FLAGS = {
+    "tp": "--tensor-model-parallel-size",
+    "pp": "--pipeline-model-parallel-size",
+    "dp": "--data-parallel-size",
+    "first_stage_layers": "--decoder-first-pipeline-num-layers",
+    "last_stage_layers": "--decoder-last-pipeline-num-layers",
+}
+# the config fields (TrainSection, trainer.config.TrainerConfig) each layout field is read from
+FIELDS = {
+    "tp": "tensor_model_parallel_size",
+    "pp": "pipeline_model_parallel_size",
+    "dp": "data_parallel_size",
+    "first_stage_layers": "decoder_first_pipeline_num_layers",
+    "last_stage_layers": "decoder_last_pipeline_num_layers",
+}
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """TP x PP x DP trainer ranks and how the decoder layers split over the pipeline stages."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    first_stage_layers: Optional[int] = None  # None: the even share
+    last_stage_layers: Optional[int] = None
+
+    @classmethod
+    def of(cls, section):
+        """The layout a config section holds (any object with the `FIELDS` attributes; missing ones default)."""
+        defaults = cls()
+        return cls(**{name: getattr(section, attr, getattr(defaults, name)) for name, attr in FIELDS.items()})
+
+    @property
+    def world_size(self):
+        """Trainer ranks: TP x PP x DP."""
+        return self.tp * self.pp * self.dp
+
+    def describe(self):
+        """'--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 2 x --data-parallel-size 1'."""
+        return " x ".join(f"{FLAGS[k]} {getattr(self, k)}" for k in ("tp", "pp", "dp"))
+
+    # ---- where things are ------------------------------------------------------------
+    def dp_rank(self, rank):
+        """The data-parallel index of trainer `rank` (megatron-core's order: TP fastest, then DP, then PP)."""
+        return (rank // self.tp) % self.dp
+
+    def pp_rank(self, rank):
+        """The pipeline stage of trainer `rank`."""
+        return rank // (self.tp * self.dp)
+
+    def stage_layer_counts(self, num_layers):
+        """[decoder layers of each stage], as megatron-core splits them (`check_model` passed)."""
+        if self.pp == 1:
+            return [num_layers]
+        first, last = self.first_stage_layers, self.last_stage_layers
+        middle = self.pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        share = rest // middle if middle else 0
+        counts = [share] * self.pp
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        return counts
+
+    def stage_layers(self, num_layers, stage):
+        """range of the global (0-based) decoder layer indices that pipeline `stage` holds."""
+        counts = self.stage_layer_counts(num_layers)
+        start = sum(counts[:stage])
+        return range(start, start + counts[stage])
+
+    def stage_of_layer(self, num_layers, layer):
+        """The pipeline stage that holds global decoder layer `layer`."""
+        return next(s for s in range(self.pp) if layer in self.stage_layers(num_layers, s))
+
+    # ---- checks ------------------------------------------------------------------------
+    def check(self):
+        """One line for a layout whose flags contradict each other (no model needed)."""
+        for rule in FLAG_CHECKS:
+            rule(self)
+
+    def check_world(self, ranks, source="the trainer group"):
+        """One line when `source` gives `ranks` trainer processes and the layout needs another number."""
+        require(ranks == self.world_size,
+                f"{source} gives {ranks} trainer ranks, but {self.describe()} needs {self.world_size}: "
+                "the ranks must be TP x PP x DP")
+
+    def check_model(self, model_cfg):
+        """One line for a layout this model cannot be split into (`model_cfg`: a ModelConfig)."""
+        self.check()
+        for rule in MODEL_CHECKS:
+            rule(self, model_cfg)
+
+
+ONE_RANK = ParallelLayout()  # one trainer process: the whole model, the whole batch
+
+
+def _architecture(model_cfg):
+    return model_cfg.model_family.architectures[0]
+
+
+# ---- tensor parallelism ---------------------------------------------------------------------
+def _check_tensor_parallel(layout, model_cfg):
+    """TP must divide the heads, the key/value heads and the vocabulary; MoE trains at TP 1."""
+    tp = layout.tp
+    # megatron shards MoE layers over TP only with sequence parallelism, which its local
+    # (non-Transformer-Engine) norm does not implement
+    require(tp == 1 or model_cfg.moe is None, f"{FLAGS['tp']} {tp}: mixture-of-experts models "
+            f"({_architecture(model_cfg)}) train at {FLAGS['tp']} 1; scale out with {FLAGS['dp']}")
+    for what, n in (("attention heads", model_cfg.num_attention_heads),
+                    ("key/value heads", model_cfg.num_key_value_heads),
+                    ("vocabulary size", model_cfg.vocab_size)):
+        require(n % tp == 0, f"{FLAGS['tp']} {tp} does not divide the model's {n} {what}; choose a divisor of {n}")
+
+
+# ---- pipeline parallelism ---------------------------------------------------------------------
+def _check_stage_flags(layout):
+    """The first/last-stage counts name stages of a pipeline: PP > 1; at PP 2 both would have to add up."""
+    for name in ("first_stage_layers", "last_stage_layers"):
+        value = getattr(layout, name)
+        require(value is None or layout.pp > 1, f"{FLAGS[name]} {value} sets the layers of one of several pipeline "
+                f"stages: use it with {FLAGS['pp']} 2 or more, or drop it")
+        require(value is None or value >= 1, f"{FLAGS[name]} {value}: every pipeline stage holds at least one "
+                "decoder layer")
+
+
+def _suggest_split(num_layers, pp):
+    """A --decoder-last-pipeline-num-layers (or -first-) value that makes `num_layers` split over `pp` stages."""
+    for flag in (FLAGS["last_stage_layers"], FLAGS["first_stage_layers"]):
+        for n in [*range(num_layers // pp, 0, -1), *range(num_layers // pp + 1, num_layers)]:
+            rest = num_layers - n
+            if rest >= pp - 1 and rest % (pp - 1) == 0:
+                return f"{flag} {n}"
+    return None
+
+
+def _check_pipeline_stages(layout, model_cfg):
+    """Every stage holds at least one decoder layer (the MTP layers ride on the last stage, beside its
+    decoder layers, and make no stage of their own), and the stages split the layers as megatron-core does."""
+    pp, n = layout.pp, model_cfg.num_hidden_layers
+    if pp == 1:
+        return
+    mtp = model_cfg.num_nextn_predict_layers or 0
+    beside = f" (its {mtp} MTP layer{'s' if mtp > 1 else ''} sit on the last stage and make no stage of their own)"
+    require(pp <= n, f"{FLAGS['pp']} {pp} cuts the model into more stages than its {n} decoder layers"
+            f"{beside if mtp else ''}; use at most {n}")
+    first, last = layout.first_stage_layers, layout.last_stage_layers
+    if first is None and last is None:
+        hint = _suggest_split(n, pp)
+        require(n % pp == 0, f"{FLAGS['pp']} {pp} does not divide the model's {n} decoder layers into equal stages; "
+                f"set the uneven stage's layers, e.g. {hint}")
+        return
+    given = [f"{FLAGS[k]} {getattr(layout, k)}" for k in ("first_stage_layers", "last_stage_layers")
+             if getattr(layout, k) is not None]
+    middle = pp - len(given)
+    rest = n - (first or 0) - (last or 0)
+    what = " and ".join(given)
+    if middle == 0:
+        require(rest == 0, f"{what} add up to {n - rest}, but the model has {n} decoder layers over "
+                f"{FLAGS['pp']} {pp} stages; make them add up to {n}")
+        return
+    require(rest >= middle and rest % middle == 0,
+            f"{what} leave {rest} of the model's {n} decoder layers for the other {middle} pipeline "
+            f"stage{'s' if middle > 1 else ''}, which must hold an equal number of at least 1 each")
+
+
+def _check_pipeline_runs(layout, model_cfg):
+    require(layout.pp == 1, f"{FLAGS['pp']} {layout.pp}: the trainer does not run pipeline stages yet; use "
+            f"{FLAGS['pp']} 1 and scale out with {FLAGS['dp']}")
+
+
+FLAG_CHECKS = [_check_stage_flags]
+MODEL_CHECKS = [_check_tensor_parallel, _check_pipeline_stages, _check_pipeline_runs]
