@@ -111,10 +111,10 @@ class DSparkProposer(DFlashProposer):
             with torch.inference_mode(False):  # a normal tensor: slot moves update it outside inference mode
                 self.kept = torch.zeros(ec.max_batch_size, self.cache.max_len, hidden.shape[-1], dtype=ec.dtype,
                                         device=ec.device)
-        offsets = torch.arange(hidden.shape[1], device=slots.device)
-        valid = offsets[None, :] < n_valid[:, None]
-        rows = slots[:, None].expand(-1, hidden.shape[1])[valid]
-        self.kept[rows, (starts[:, None] + offsets[None, :])[valid]] = hidden[valid]
+        # every position of the forward, the unverified ones too: one copy, no masking; those hold
+        # garbage until the step that verifies them writes them, always before a catch-up reads them
+        positions = starts[:, None] + torch.arange(hidden.shape[1], device=slots.device)[None, :]
+        self.kept[slots[:, None], positions] = hidden
 
     def catch_up(self, slots, out):
         """Write the context of every position since each row's last drafting step: this forward's
