@@ -95,7 +95,7 @@ def prepare(cfg):
     hf = check_inputs(cfg)  # the checkpoint, the draft, the backend, the output directories
     if cfg.run.load:
         choose_checkpoint(cfg.run)  # the newest valid checkpoint under --load, every file verified
-        check_resume(cfg)  # its step and its flags against this run's
+        check_resume(cfg, hf)  # its step, its flags and its tensors against this run's
     locks = lock_run_dirs(cfg)  # before anything is written there; a second run on them stops here
     try:
         write_variant_prompts(cfg)  # into --output-dir, checked writable and locked just above

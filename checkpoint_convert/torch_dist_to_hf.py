@@ -1,7 +1,8 @@
 """megatron torch_dist checkpoint -> HF checkpoint of the origin directory's model family.
 
-The architecture and family come from `--origin-hf-dir` (config.json), the MTP layer count
-from the torch_dist checkpoint; the weights are exported through the same name maps as
+The architecture and family come from `--origin-hf-dir` (config.json), checked against the tensors
+the checkpoint holds (vime/models/torch_dist_format.py), the MTP layer count from the torch_dist
+checkpoint; the weights are exported through the same name maps as
 `Trainer.named_hf_weights()`, written in the family's layout (with the MTP layers' copies of the
 embedding and head where the origin stores them), and the tokenizer files are copied.
 `--input-dir` is a converted checkpoint (hf_to_torch_dist's --save), one iteration of a training
@@ -14,6 +15,7 @@ import os
 
 from vime.checkpointing import LATEST, checkpoint_steps
 from vime.models.hf_format import has_mtp_head_copies, read_config, save_hf_checkpoint
+from vime.models.torch_dist_format import torch_dist_tensor_problem
 from vime.errors import UserError, exit_on_user_error, require
 
 
@@ -85,6 +87,9 @@ def convert(args):
     require(saved_family == origin.family, f"--input-dir {args.input_dir} holds a {saved_family} model but "
             f"--origin-hf-dir {args.origin_hf_dir} is {origin.family}; give the HF directory it was converted from")
     cfg = dataclasses.replace(origin, num_nextn_predict_layers=n_mtp)
+    problem = torch_dist_tensor_problem(meta, cfg, n_mtp)
+    require(problem is None, f"--origin-hf-dir {args.origin_hf_dir}: its config.json disagrees with the tensors of "
+            f"--input-dir {args.input_dir}: {problem}; give the HF directory it was converted from")
     with owned_single_process():
         model = build_model(cfg, n_mtp)
         checkpoint.load(args.input_dir, model)

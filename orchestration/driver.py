@@ -60,35 +60,53 @@ def check_transport_fits(transport):
 class WeightSync:
     """Trainer rank 0 -> every rollout worker, versioned and verified after each push.
 
-    The transport (--vllm-weight-transfer) is a sender on trainer rank 0 (trainer/weight_senders.py)
-    and each engine's receiver (rollout/weight_receiver.py, given by its backend); this class only
-    introduces them: the engines' plan to the sender, one rendezvous for all, the sender's header
-    to the engines with each push."""
+    A transport is a sender on trainer rank 0 (trainer/weight_senders.py) and each engine's receiver
+    (rollout/weight_receiver.py, given by its backend); this class only introduces them: the engines'
+    plan to the sender, one rendezvous for all, the sender's header to the engines with each push.
+    Engines on trainer rank 0's own device (vime/devices.py: a GPU they share, or on CPU a logical
+    GPU Ray gave both) take the in-place hand-over, whatever --vllm-weight-transfer says (NCCL cannot
+    join two processes on one GPU); the others take the run's transport."""
 
     def __init__(self, trainers, workers, run_cfg, sync_draft=True, transport="reload"):
+        from orchestration.placement import WeightRoutes
+
         self.trainers, self.workers = trainers, workers
         self.check_all = run_cfg.check_weight_update_equal
         self.sync_draft = sync_draft  # False: target-only sync, a stale draft is reported, not fatal
         self.warned_stale = False
-        self.header = self._connect(transport, run_cfg.update_weight_buffer_size)
+        trainer_at = ray.get(trainers.actors[0].device_identity.remote())
+        self.routes = WeightRoutes(trainer_at, ray.get([w.device_identity.remote() for w in workers]), transport)
+        self.headers = {t: self._connect(t, engines, trainer_at["device"], run_cfg.update_weight_buffer_size)
+                        for t, engines in self.routes.engines.items()}
 
-    def _connect(self, transport, buffer_size):
-        """Every engine takes its receiver; trainer rank 0 (the group's rank 0, on its node's address)
-        and the engines (ranks 1..n) join at once; returns the sender's header of a push."""
-        plan = ray.get([w.weight_plan.remote(transport) for w in self.workers])[0]  # the engines are alike
+    def _connect(self, transport, engines, device, buffer_size):
+        """Engines `engines` take their receiver of `transport`; trainer rank 0 (the group's rank 0, on its
+        node's address) and those engines (ranks 1..n) join at once; returns the sender's header of a push.
+        The group moves tensors of trainer rank 0's own device (CUDA: NCCL, CPU: gloo)."""
+        plans = ray.get([self.workers[i].weight_plan.remote(transport) for i in engines])
         master_addr, port = ray.get(self.trainers.actors[0].rendezvous.remote())
-        device = "cuda" if ray.cluster_resources().get("GPU", 0) else "cpu"
-        rendezvous = {"master_addr": master_addr, "master_port": port, "world_size": 1 + len(self.workers),
+        rendezvous = {"master_addr": master_addr, "master_port": port, "world_size": 1 + len(engines),
                       "device": device}
-        opened = [a.open_weight_sender.remote(transport, plan, rendezvous, buffer_size) for a in self.trainers.actors]
-        ray.get([w.join_weight_sync.remote(rendezvous, i + 1) for i, w in enumerate(self.workers)])
+        opened = [a.open_weight_sender.remote(transport, plans[0], rendezvous, buffer_size)  # the engines are alike
+                  for a in self.trainers.actors]
+        ray.get([self.workers[i].join_weight_sync.remote(rendezvous, rank + 1) for rank, i in enumerate(engines)])
         return ray.get(opened)[0]
 
     def push(self, version):
-        """Send all weights, then prove every worker holds the trainer's (stop if not)."""
+        """Send all weights, then prove every worker holds the trainer's (stop if not). Engines of a group
+        receive while rank 0 broadcasts; engines handed over in place take the buckets once rank 0 has
+        built them (the note of its send maps them), then rank 0 lets them go."""
         sent = [a.send_weights.remote() for a in self.trainers.actors]
-        received = ray.get([w.receive_weights.remote(self.header, version) for w in self.workers])
+        pending = {i: self.workers[i].receive_weights.remote(self.headers[t], version)
+                   for t, engines in self.routes.engines.items() if not self.routes.in_place(t) for i in engines}
         trainer = ray.get(sent)[0]
+        for t, engines in self.routes.engines.items():
+            if self.routes.in_place(t):
+                pending.update({i: self.workers[i].receive_weights.remote(self.headers[t], version, trainer["notes"][t])
+                                for i in engines})
+        received = ray.get([pending[i] for i in range(len(self.workers))])
+        if self.routes.IN_PLACE in self.routes.engines:
+            ray.get(self.trainers.actors[0].weights_taken.remote())
         stale = self._check_fingerprints(version, trainer, received)
         if self.check_all:
             self._compare_every_tensor(version)
@@ -98,6 +116,7 @@ class WeightSync:
                 "weight_sync/draft_checksum": trainer["draft_checksum"][0],
                 "weight_sync/target_checksum": trainer["target_checksum"][0],
                 "weight_sync/worker_draft_checksum": (received[0]["draft_checksum"] or [float("nan")])[0],
+                "weight_sync/in_place_engines": len(self.routes.engines.get(self.routes.IN_PLACE, [])),
                 "rollout/weight_version_synced": version, "weight_sync/draft_stale": int(stale)}
 
     def _check_fingerprints(self, version, trainer, received):

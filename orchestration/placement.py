@@ -1,7 +1,11 @@
 """Where the run's actors go, and how their code gets there.
 
 One Ray placement group holds a bundle per trainer rank and one per rollout engine (with
-`--colocate`, one bundle per rank holds that rank and one engine, as slime colocates them).
+`--colocate`, one bundle per rank holds that rank and one engine, as slime colocates them; a
+cluster with fewer GPUs than ranks + engines gets the same pairs). GPU shares are Ray's: a
+fraction of at most 1 lives on one GPU, so a paired rank and engine share theirs and take turns on
+it. Which device an actor computes on is its own finding (`torch.cuda.is_available()` inside it),
+never this module's: a cluster that declares a logical GPU on a CPU-only machine runs on CPU.
 Before anything is reserved the bundles are checked against the cluster's resources, so a
 placement that cannot fit is one line naming what is missing (exit 2), and the wait for the
 group is bounded (`--placement-timeout`): a run never hangs waiting for resources.
@@ -13,6 +17,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from trainer.weight_senders import IN_PLACE
 from vime.errors import UserError, require
 
 # what the working_dir upload leaves out: history, weights, run outputs (their paths stay absolute on the driver)
@@ -50,12 +55,9 @@ def check_placement_flags(cfg):
     # the flags' own ranges are in vime.config.RANGES, checked before this
     require(world % p.actor_num_nodes == 0, f"--actor-num-nodes {p.actor_num_nodes} must divide the {world} trainer "
             "ranks (TP x PP x DP) so that every node holds as many")
-    if p.actor_num_gpus_per_node:  # a trainer rank drives one GPU: the GPUs given are the ranks
-        cfg.train.layout.check_world(p.actor_num_nodes * p.actor_num_gpus_per_node,
-                                     f"--actor-num-nodes {p.actor_num_nodes} x --actor-num-gpus-per-node "
-                                     f"{p.actor_num_gpus_per_node}")
     resources_flag(p.actor_resources, "--actor-resources")
     resources_flag(p.rollout_resources, "--rollout-resources")
+    check_gpu_shares(p, world // p.actor_num_nodes)
     if not p.colocate:
         return
     require(not (run.debug_rollout_only or run.debug_train_only),
@@ -68,22 +70,78 @@ def check_placement_flags(cfg):
             "turns, so the rollout cannot run during training; drop --async-rollout or --colocate")
 
 
+def check_gpu_shares(p, ranks_per_node):
+    """Fractions of a GPU as Ray takes them: an actor's share is at most 1 (a fraction lives on one GPU) or
+    whole GPUs, and a colocated rank and engine that share a GPU fit on it."""
+    if p.actor_num_gpus_per_node is not None:
+        per_rank = p.actor_num_gpus_per_node / ranks_per_node
+        require(_placeable(per_rank),
+                f"--actor-num-gpus-per-node {p.actor_num_gpus_per_node:g} over the {ranks_per_node} trainer rank(s) "
+                f"of a node is {per_rank:g} GPU each: Ray places a fraction of a GPU on one GPU, so a rank takes "
+                f"at most 1 or whole GPUs; give at most {ranks_per_node} or a multiple of it")
+    engine = p.rollout_num_gpus_per_engine
+    require(engine is None or _placeable(engine),
+            f"--rollout-num-gpus-per-engine {engine}: Ray places a fraction of a GPU on one GPU, so an engine "
+            "takes a fraction of at most 1 or whole GPUs (e.g. 0.5, 1, 2)")
+    if p.colocate:
+        rank, engine = colocated_shares(p, ranks_per_node)
+        require(rank + engine <= 1 + 1e-9 or (rank.is_integer() and engine.is_integer()),
+                f"--colocate packs a trainer rank ({rank:g} GPU, --actor-num-gpus-per-node) and a rollout engine "
+                f"({engine:g} GPU, --rollout-num-gpus-per-engine) into one bundle: {rank + engine:g} GPU is neither "
+                "one shared GPU nor whole GPUs; give shares that sum to at most 1 (e.g. 0.5 and 0.5) or whole GPUs")
+
+
+def _placeable(share):
+    return share <= 1 + 1e-9 or float(share).is_integer()
+
+
+def colocated_shares(p, ranks_per_node):
+    """(GPU of a rank, GPU of an engine) under --colocate on a cluster with GPUs: a share left unset is what
+    the other leaves of one GPU (0.5 each when neither is set), or a whole GPU next to a whole one."""
+    rank = None if p.actor_num_gpus_per_node is None else p.actor_num_gpus_per_node / ranks_per_node
+    engine = p.rollout_num_gpus_per_engine
+    if rank is None and engine is None:
+        return 0.5, 0.5
+    if rank is None:
+        rank = 1 - engine if engine < 1 else 1
+    if engine is None:
+        engine = 1 - rank if rank < 1 else 1
+    return float(rank), float(engine)
+
+
 @dataclass
 class Demand:
-    """Resources of one trainer rank and one rollout engine, and how many of each."""
+    """Resources of one trainer rank and one rollout engine, how many of each, and how many of them go
+    in pairs (rank i with engine i in one bundle, sharing its GPU: --colocate, or a cluster with fewer
+    GPUs than ranks + engines)."""
 
     rank: dict
     engine: dict
     ranks: int
     engines: int
-    colocate: bool
+    pairs: int = 0
+    paired: tuple = None  # (rank, engine) resources inside a pair; None: `rank` and `engine`
+
+    @property
+    def colocate(self):
+        return self.pairs > 0
 
     def bundles(self):
-        """[(bundle, who)]: who = ('rank', i) | ('engine', i) | ('both', i)."""
-        if self.colocate:
-            return [(_add(self.rank, self.engine), ("both", i)) for i in range(self.ranks)]
-        return [(dict(self.rank), ("rank", i)) for i in range(self.ranks)] + \
-               [(dict(self.engine), ("engine", i)) for i in range(self.engines)]
+        """[(bundle, who)]: who = ('both', i) for a pair, else ('rank', i) | ('engine', i)."""
+        rank, engine = self.paired or (self.rank, self.engine)
+        return ([(_add(rank, engine), ("both", i)) for i in range(self.pairs)]
+                + [(dict(self.rank), ("rank", i)) for i in range(self.pairs, self.ranks)]
+                + [(dict(self.engine), ("engine", i)) for i in range(self.pairs, self.engines)])
+
+    def who(self, kind, index):
+        """The bundle key of trainer rank (kind 'rank') or engine (kind 'engine') `index`."""
+        return ("both", index) if index < self.pairs else (kind, index)
+
+    def resources(self, kind, index):
+        """What trainer rank or engine `index` takes of its bundle."""
+        if index < self.pairs and self.paired:
+            return self.paired[kind == "engine"]
+        return self.engine if kind == "engine" else self.rank
 
     def total(self):
         out = {}
@@ -100,19 +158,37 @@ def _add(a, b):
 
 
 def demand_of(cfg, cluster_gpus):
-    """The run's `Demand` (trainers absent under --debug-rollout-only, engines under --debug-train-only)."""
+    """The run's `Demand` (trainers absent under --debug-rollout-only, engines under --debug-train-only).
+    GPU shares come from the flags; unset, from the cluster: none without GPUs, half a GPU each for a
+    colocated rank and engine, and the same packing when the cluster has fewer GPUs than ranks +
+    engines (rank i with engine i, the rest a GPU each); otherwise a GPU each."""
     p = cfg.placement
     world = cfg.train.world_size
     per_node = world // p.actor_num_nodes
-    gpus = p.actor_num_gpus_per_node if p.actor_num_gpus_per_node is not None else (per_node if cluster_gpus else 0)
-    cpus = p.actor_num_cpus_per_node if p.actor_num_cpus_per_node is not None else per_node
-    rank = _nonzero({"CPU": cpus / per_node, "GPU": gpus / per_node, **resources_flag(p.actor_resources, "")})
-    engine_gpus = p.rollout_num_gpus_per_engine if p.rollout_num_gpus_per_engine is not None else (1 if cluster_gpus else 0)
-    engine = _nonzero({"CPU": p.rollout_num_cpus_per_engine, "GPU": engine_gpus,
-                       **resources_flag(p.rollout_resources, "")})
     ranks = 0 if cfg.run.debug_rollout_only else world
     engines = 0 if cfg.run.debug_train_only else cfg.rollout.rollout_num_workers
-    return Demand(rank, engine, ranks, engines, p.colocate)
+    unset = p.actor_num_gpus_per_node is None and p.rollout_num_gpus_per_engine is None
+    packed = bool(cluster_gpus) and unset and ranks and engines and cluster_gpus + 1e-9 < ranks + engines
+    if p.colocate and cluster_gpus:
+        rank_gpus, engine_gpus = colocated_shares(p, per_node)
+    else:
+        rank_gpus = p.actor_num_gpus_per_node / per_node if p.actor_num_gpus_per_node is not None else \
+            (1 if cluster_gpus else 0)
+        engine_gpus = p.rollout_num_gpus_per_engine if p.rollout_num_gpus_per_engine is not None else \
+            (1 if cluster_gpus else 0)
+    cpus = p.actor_num_cpus_per_node if p.actor_num_cpus_per_node is not None else per_node
+
+    def rank_and_engine(rank_gpus, engine_gpus):
+        return (_nonzero({"CPU": cpus / per_node, "GPU": rank_gpus, **resources_flag(p.actor_resources, "")}),
+                _nonzero({"CPU": p.rollout_num_cpus_per_engine, "GPU": engine_gpus,
+                          **resources_flag(p.rollout_resources, "")}))
+
+    rank, engine = rank_and_engine(rank_gpus, engine_gpus)
+    if p.colocate:
+        return Demand(rank, engine, ranks, engines, pairs=ranks)
+    if packed:  # rank i and engine i share a GPU; the others keep a GPU each
+        return Demand(rank, engine, ranks, engines, pairs=min(ranks, engines), paired=rank_and_engine(0.5, 0.5))
+    return Demand(rank, engine, ranks, engines)
 
 
 def _nonzero(d):
@@ -141,7 +217,7 @@ def missing_resources(demand, available, nodes):
 
 def _who(demand):
     rank, engine = _fmt(demand.rank), _fmt(demand.engine)
-    layout = "colocated, " if demand.colocate else ""
+    layout = f"{demand.pairs} rank(s) each with an engine in one bundle, " if demand.pairs else ""
     return f"{layout}{demand.ranks} trainer rank(s) x {{{rank}}} + {demand.engines} rollout engine(s) x {{{engine}}}"
 
 
@@ -163,6 +239,10 @@ class Placement:
                        key=lambda n: -n.get("CPU", 0))
         problem = missing_resources(self.demand, ray.available_resources(), nodes)
         require(problem is None, problem or "")
+        if self.demand.pairs and not cfg.placement.colocate:
+            print(f"[vime] the cluster has {cluster_gpus:g} GPU(s) for {self.demand.ranks} trainer rank(s) + "
+                  f"{self.demand.engines} rollout engine(s): {self.demand.pairs} rank(s) share a GPU with an "
+                  "engine, half each, taking turns", flush=True)
         bundles = [b for b, _ in self.demand.bundles()]
         self.where = {who: i for i, (_, who) in enumerate(self.demand.bundles())}
         strategy = STRATEGY[cfg.placement.actor_num_nodes == 1 and (self.demand.colocate or not self.demand.engines)]
@@ -177,15 +257,15 @@ class Placement:
     def _options(self, kind, index, resources):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundle = self.where[("both", index)] if self.demand.colocate else self.where[(kind, index)]
+        bundle = self.where[self.demand.who(kind, index)]
         return {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0),
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)}
 
     def trainer_options(self, rank):
-        return self._options("rank", rank, self.demand.rank)
+        return self._options("rank", rank, self.demand.resources("rank", rank))
 
     def engine_options(self, index):
-        return self._options("engine", index, self.demand.engine)
+        return self._options("engine", index, self.demand.resources("engine", index))
 
     def trainer_threads(self):
         """Torch threads of a trainer rank: the CPUs its bundle reserved for it (at least one)."""
@@ -206,7 +286,7 @@ class Placement:
         """The id of the node holding that rank's or engine's bundle."""
         from ray.util.placement_group import placement_group_table
 
-        bundle = self.where[("both", index)] if self.demand.colocate else self.where[(kind, index)]
+        bundle = self.where[self.demand.who(kind, index)]
         return placement_group_table(self.pg)["bundles_to_node_id"][bundle]
 
     def node_of(self, kind, index):
@@ -225,3 +305,28 @@ def describe_node(node_id, nodes):
                             and not k.startswith("node:") and not k.startswith("accelerator_type"))
             return f"node {node_id[:8]} ({', '.join(labels) or n.get('NodeManagerAddress', '?')})"
     return f"node {node_id[:8]}"
+
+
+class WeightRoutes:
+    """Which transport takes the weights to each engine, from where the actors found themselves
+    (vime/devices.py): the in-place hand-over for engines on trainer rank 0's device, the run's
+    transport for the others. `engines`: {transport: [engine index]}."""
+
+    IN_PLACE = IN_PLACE
+
+    def __init__(self, trainer_at, engines_at, transport):
+        from vime.devices import share_device
+
+        local = [i for i, at in enumerate(engines_at) if share_device(trainer_at, at)]
+        others = [i for i in range(len(engines_at)) if i not in local]
+        self.engines = {t: e for t, e in ((self.IN_PLACE, local), (transport, others)) if e}
+        if trainer_at["device"] == "cuda":  # NCCL joins one process per GPU
+            for a, i in enumerate(others):
+                for j in others[a + 1:]:
+                    require(not share_device(engines_at[i], engines_at[j]),
+                            f"rollout engines {i} and {j} share a GPU and both take the weights over NCCL, "
+                            "which joins one process per GPU: give each engine a GPU of its own "
+                            "(--rollout-num-gpus-per-engine 1) or pair each with a trainer rank (--colocate)")
+
+    def in_place(self, transport):
+        return transport == self.IN_PLACE

@@ -16,7 +16,7 @@ def check_config(cfg):
     from rollout.group_batching import check_dynamic_sampling
     from rollout.task import check_task_variant
     from trainer.losses import check_kl_estimator
-    from vime.config import validate
+    from vime.config import check_knob_switches, validate
     from vime.precision import check_bf16
 
     validate(cfg)
@@ -29,6 +29,7 @@ def check_config(cfg):
     check_estimator(cfg.train.advantage_estimator)
     check_weight_transfer(cfg.rollout)
     check_draft_training(cfg)
+    check_knob_switches(cfg)  # last: a knob's own value is judged before whether this run would use it
 
 
 def check_inputs(cfg):
@@ -49,7 +50,6 @@ def check_inputs(cfg):
     check_routing_replay(cfg, hf)
     check_backend(cfg, hf)
     check_finite_weights(os.path.join(cfg.model.hf_checkpoint, "model.safetensors"))
-    check_weight_shapes(cfg.model.hf_checkpoint, hf)
     for flag, path in (("--save", cfg.run.save), ("--output-dir", cfg.run.output_dir)):
         if path:  # before anything is written there (the task variant's prompts, the run's files)
             require_writable_dir(path, flag)
@@ -68,43 +68,20 @@ def check_prompts(cfg, hf):
     get_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
 
 
-def check_weight_shapes(hf_checkpoint, hf):
-    """Every tensor of model.safetensors has the shape config.json implies (read from the header; the
-    expected shapes from the model built on the meta device, so nothing is allocated)."""
-    import torch
-    from safetensors import safe_open
-
-    from rollout.embedded.model import CausalLMWithMTP
-    from vime.models.families import from_canonical
-
-    with torch.device("meta"):
-        canonical = CausalLMWithMTP(hf).state_dict()
-    expected = from_canonical(canonical, hf.model_family.mtp_layout, hf.num_hidden_layers, hf.num_nextn_predict_layers)
-    weights = os.path.join(hf_checkpoint, "model.safetensors")
-    with safe_open(weights, framework="pt") as f:
-        for name in sorted(set(f.keys()) & set(expected)):
-            have, want = tuple(f.get_slice(name).get_shape()), tuple(expected[name].shape)
-            require(have == want, f"{weights}: tensor {name} has shape {list(have)} but config.json implies "
-                    f"{list(want)}; the weights and config.json disagree (fix config.json or re-convert)")
-
-
-def check_resume(cfg):
+def check_resume(cfg, hf):
     """The checkpoint --load resumes from (an iteration directory, chosen and verified by
-    run_setup.choose_checkpoint) has steps left to run and matches the MTP and draft flags."""
-    import json
-
+    run_setup.choose_checkpoint) has steps left to run, matches the MTP and draft flags, and holds the
+    tensors --hf-checkpoint's config (`hf`) implies, the trainer's MTP layers included."""
     from trainer.drafts import saved_draft_state_file
     from vime.checkpointing import load_loop_state
+    from vime.models.torch_dist_format import read_saved_meta, torch_dist_tensor_problem
 
     iteration = cfg.run.load
     step = load_loop_state(iteration)["step"]
     require(step < cfg.run.num_rollout,
             f"--load {iteration}: the checkpoint is at step {step}, which already reaches --num-rollout "
             f"{cfg.run.num_rollout}; raise --num-rollout to train further")
-    meta_file = os.path.join(iteration, "model", "vime_meta.json")
-    require(os.path.isfile(meta_file), f"--load {iteration}: {meta_file} is missing; not a checkpoint of a vime run")
-    with open(meta_file) as f:
-        meta = json.load(f)
+    meta = read_saved_meta(os.path.join(iteration, "model"))
     trained = meta.get("mtp_trained")  # the optimizer has an MTP param group exactly when it was trained
     if trained is not None and trained != cfg.mtp.enable_training:
         how = (f"--enable-mtp-training --mtp-num-layers {meta.get('mtp_num_layers')}" if trained
@@ -115,18 +92,27 @@ def check_resume(cfg):
     require((draft_file is not None) == cfg.draft.enable_training,
             f"--load {iteration}: the checkpoint was saved with{'' if draft_file else 'out'} "
             "--enable-draft-training; resume with the same flags")
-    n = cfg.mtp.num_layers
-    require(n is None or n <= meta.get("mtp_num_layers", 0),
-            f"--load {iteration}: the checkpoint has {meta.get('mtp_num_layers', 0)} MTP layers, "
-            f"fewer than --mtp-num-layers {n}")
+    n = hf.num_nextn_predict_layers if cfg.mtp.num_layers is None else cfg.mtp.num_layers  # what the trainer builds
+    require(n <= meta.get("mtp_num_layers", 0),
+            f"--load {iteration}: the checkpoint has {meta.get('mtp_num_layers', 0)} MTP layers, fewer than the run's "
+            f"{n} (--mtp-num-layers, else --hf-checkpoint's); resume with --mtp-num-layers {meta.get('mtp_num_layers', 0)}")
+    family = (meta.get("model_config") or {}).get("family", hf.family)
+    require(family == hf.family, f"--load {iteration}: the checkpoint holds a {family} model and --hf-checkpoint "
+            f"{cfg.model.hf_checkpoint} is {hf.family}; resume with the --hf-checkpoint the run started from")
+    problem = torch_dist_tensor_problem(meta, hf, n)
+    require(problem is None, f"--load {iteration}: its tensors disagree with --hf-checkpoint {cfg.model.hf_checkpoint}'s "
+            f"config.json: {problem}; resume with the --hf-checkpoint the run started from")
 
 
 def check_weight_transfer(rollout_cfg):
-    """--vllm-weight-transfer: a known transport, and nccl only into vLLM (it is vLLM's engine)."""
+    """--vllm-weight-transfer: a transport one may choose (not the in-place hand-over, which the driver
+    chooses by where the engines are), and nccl only into vLLM (it is vLLM's engine)."""
     from trainer.weight_senders import SENDERS
 
     t = rollout_cfg.vllm_weight_transfer
-    require(t in SENDERS, f"--vllm-weight-transfer {t!r}: choose one of {', '.join(SENDERS)}")
+    chosen = [name for name, sender in SENDERS.items() if not sender.automatic]
+    require(t in chosen, f"--vllm-weight-transfer {t!r}: choose one of {', '.join(chosen)}" +
+            (" (in_place is chosen by itself for an engine on the trainer's own device)" if t in SENDERS else ""))
     require(t == "reload" or rollout_cfg.backend == "vllm",
             f"--vllm-weight-transfer {t} is vLLM's weight transfer engine: use it with --rollout-backend vllm")
 

@@ -22,13 +22,15 @@ worker knows which one runs:
 `BACKEND_CHECKS` maps the same names to each backend's own pre-start check of a run's config
 (`check_backend` runs the chosen one, before any actor starts). `BACKENDS` maps `--rollout-backend`
 names to constructors taking
-(hf_checkpoint, speculative_config, max_batch_size, device, adaptive, dtype, cpu_cores, weight_transfer);
+(hf_checkpoint, speculative_config, max_batch_size, device, adaptive, dtype, cpu_cores, weight_transfer,
+enforce_eager);
 `adaptive` is the
 embedded engine's --spec-adaptive (vLLM has its own per-batch-size k in the speculative config);
 `dtype` the model's (torch.bfloat16 under --bf16): weights are loaded and synced in it, and the
 fingerprint sums exactly the values the backend holds in it; `cpu_cores` the cores the backend
 computes on (vime/cpu_cores.py; None: torch's and vLLM's own choice); `weight_transfer`
---vllm-weight-transfer, for a backend that must prepare for its transport when it starts.
+--vllm-weight-transfer, for a backend that must prepare for its transport when it starts; `enforce_eager`
+--rollout-enforce-eager (no CUDA graphs).
 
 The embedded backend can also time plain decoding of the same batch right beside the real,
 speculative call (`generate_with_plain_baseline`, --rollout-time-plain-baseline): a benchmark's
@@ -40,7 +42,7 @@ import torch
 
 from vime.models.families import is_draft_name
 from rollout.spec_stats import spec_counters
-from rollout.weight_receiver import BucketReceiver
+from rollout.weight_receiver import BucketReceiver, HandOverReceiver
 from vime import weight_sync
 from vime.sample import Sample
 from vime.lazy import lazy_constructor
@@ -76,14 +78,13 @@ class EmbeddedBackend:
     name = "embedded"
 
     def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False,
-                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload"):
+                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", enforce_eager=False):
         from rollout.embedded.engine import EngineConfig
         from rollout.embedded.engine_builder import build_engine, build_proposer
 
         del cpu_cores, weight_transfer  # computes on this process's torch threads (RolloutWorker sets them)
-        self.engine = build_engine(hf_checkpoint, speculative_config,
-                                   EngineConfig(max_batch_size=max_batch_size, device=device, dtype=dtype),
-                                   adaptive=adaptive)
+        config = EngineConfig(max_batch_size=max_batch_size, device=device, dtype=dtype, enforce_eager=enforce_eager)
+        self.engine = build_engine(hf_checkpoint, speculative_config, config, adaptive=adaptive)
         self.plain_proposer = build_proposer(None)
         self.last_spec = spec_counters([])
 
@@ -127,10 +128,11 @@ class EmbeddedBackend:
         self.engine.load_weights(named_tensors, version)
 
     def weight_receiver(self, transport, keep_draft=True):
-        """vime's bucket broadcast, loaded in place (the engine has no transport of its own)."""
-        if transport != "reload":  # the run's checks refuse any other before an actor starts
+        """vime's bucket broadcast or the in-place hand-over, loaded into the engine's parameters (the
+        engine has no transport of its own)."""
+        if transport not in EMBEDDED_RECEIVERS:  # the run's checks refuse any other before an actor starts
             raise ValueError(f"the embedded engine has no weight transport {transport!r}")
-        return BucketReceiver(self.load_weights, self.engine.cfg.num_hidden_layers, keep_draft)
+        return EMBEDDED_RECEIVERS[transport](self.load_weights, self.engine.cfg.num_hidden_layers, keep_draft)
 
     def _parts(self):
         n = self.engine.cfg.num_hidden_layers
@@ -163,6 +165,8 @@ class EmbeddedBackend:
         """Nothing to release: the engine lives in this process."""
 
 
+EMBEDDED_RECEIVERS = {"reload": BucketReceiver, "in_place": HandOverReceiver}  # by transport
+
 BACKENDS = {
     "embedded": EmbeddedBackend,
     "vllm": lazy_constructor("rollout.vllm.backend", "VLLMBackend"),  # vLLM is optional
@@ -184,6 +188,7 @@ def check_backend(cfg, hf):
 
 
 def build_backend(name, hf_checkpoint, speculative_config, max_batch_size, device="cpu",
-                  adaptive=False, dtype=torch.float32, cpu_cores=None, weight_transfer="reload") -> RolloutBackend:
+                  adaptive=False, dtype=torch.float32, cpu_cores=None, weight_transfer="reload",
+                  enforce_eager=False) -> RolloutBackend:
     return BACKENDS[name](hf_checkpoint, speculative_config, max_batch_size, device, adaptive, dtype, cpu_cores,
-                          weight_transfer)
+                          weight_transfer, enforce_eager)

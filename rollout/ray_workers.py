@@ -22,7 +22,8 @@ class RolloutWorkerImpl:
     (the backend's receiver for the run's transport, rollout/weight_receiver.py)."""
 
     def __init__(self, hf_checkpoint, spec_config, max_batch_size, threads=1, backend="embedded", sync_draft=True,
-                 spec_adaptive=False, time_plain_baseline=False, bf16=False, cpu_slot=0, weight_transfer="reload"):
+                 spec_adaptive=False, time_plain_baseline=False, bf16=False, cpu_slot=0, weight_transfer="reload",
+                 enforce_eager=False):
         from rollout.backend import build_backend
         from vime.cpu_cores import cores_for_slot
         from vime.precision import compute_dtype
@@ -31,7 +32,8 @@ class RolloutWorkerImpl:
         cores = cores_for_slot(os.sched_getaffinity(0), cpu_slot, threads) if device == "cpu" else None
         torch.set_num_threads(len(cores) if cores else threads)
         self.backend = build_backend(backend, hf_checkpoint, spec_config, max_batch_size, device, adaptive=spec_adaptive,
-                                     dtype=compute_dtype(bf16), cpu_cores=cores, weight_transfer=weight_transfer)
+                                     dtype=compute_dtype(bf16), cpu_cores=cores, weight_transfer=weight_transfer,
+                                     enforce_eager=enforce_eager)
         self.sync_draft = sync_draft
         self.time_plain_baseline, self.calls = time_plain_baseline, 0
         self.receiver = None
@@ -51,6 +53,12 @@ class RolloutWorkerImpl:
             s.weight_version, s.draft_version = self.backend.weight_version, self.draft_version
         return samples, dict(self.backend.stats(), **baseline)
 
+    def device_identity(self):
+        """Where this engine computes (vime/devices.py): its node, its Ray GPUs, torch's device here."""
+        from vime.devices import device_identity
+
+        return device_identity(ray.get_runtime_context().get_node_id(), ray.get_gpu_ids())
+
     def weight_plan(self, transport):
         """Take the backend's receiver for `transport`; returns what the trainer's sender must know of
         this engine. With sync_draft False (the target-only benchmark arm) the receiver leaves the
@@ -63,12 +71,13 @@ class RolloutWorkerImpl:
         self.receiver.join(rendezvous, rank)
         return rank
 
-    def receive_weights(self, header, version):
+    def receive_weights(self, header, version, note=None):
         """pause -> receive the push into the backend -> resume; returns the backend's fingerprint
-        (target and draft checksums) and the seconds it took."""
+        (target and draft checksums) and the seconds it took. `note`: what the sender said with this
+        push (the in-place hand-over's handles)."""
         start = time.perf_counter()
         self.backend.pause()
-        self.receiver.receive(header, version)
+        self.receiver.receive(header, version, note)
         if self.sync_draft:
             self.draft_version = version
         self.backend.resume()
@@ -126,7 +135,8 @@ class RolloutManagerImpl:
             hf_checkpoint, rollout_cfg.vllm_speculative_config, rollout_cfg.rollout_max_batch_size,
             backend=rollout_cfg.backend, sync_draft=rollout_cfg.sync_draft_weights,
             spec_adaptive=rollout_cfg.spec_adaptive, time_plain_baseline=rollout_cfg.time_plain_baseline,
-            bf16=bf16, weight_transfer=rollout_cfg.vllm_weight_transfer, **cpus[i])
+            bf16=bf16, weight_transfer=rollout_cfg.vllm_weight_transfer, enforce_eager=rollout_cfg.enforce_eager,
+            **cpus[i])
             for i in range(n)]
 
     def get_workers(self):

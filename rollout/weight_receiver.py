@@ -1,4 +1,4 @@
-"""The rollout side of a weight push: what a backend's receiver does, and vime's own bucket receiver.
+"""The rollout side of a weight push: what a backend's receiver does, and vime's own receivers.
 
 A push has three steps, each a method of a `WeightReceiver` (the backend hands one out for a
 transport, `RolloutBackend.weight_receiver`):
@@ -8,12 +8,14 @@ transport, `RolloutBackend.weight_receiver`):
                                     the class the trainer runs to speak the engine's own wire)
     join(rendezvous, rank)          join trainer rank 0's group at `rank` (blocks until all joined);
                                     rendezvous: {"master_addr", "master_port", "world_size", "device"}
-    receive(header, version)        one push's tensors into the backend's weights; `header` is what
-                                    the sender said a push carries (its `header()`)
+    receive(header, version, note)  one push's tensors into the backend's weights; `header` is what
+                                    the sender said a push carries (its `header()`), `note` what it
+                                    said with this push (its `send()`'s note, None for most)
 
 `BucketReceiver` is the one every backend can use (--vllm-weight-transfer reload): the flat buckets
 of vime/weight_sync.py over a torch.distributed group (gloo on CPU, NCCL on GPU), loaded through the
-backend's `load_weights`.
+backend's `load_weights`. `HandOverReceiver` (in_place) maps the same buckets from the trainer's
+memory on this device instead: the driver picks it for an engine that shares the trainer's device.
 """
 import typing
 
@@ -28,7 +30,7 @@ class WeightReceiver(typing.Protocol):
 
     def join(self, rendezvous: dict, rank: int) -> None: ...
 
-    def receive(self, header, version: int) -> None: ...
+    def receive(self, header, version: int, note=None) -> None: ...
 
 
 class BucketReceiver:
@@ -47,8 +49,21 @@ class BucketReceiver:
     def join(self, rendezvous, rank):
         self.group, self.device = weight_sync.join_group(rendezvous, rank)
 
-    def receive(self, header, version):
-        named = weight_sync.receive(self.group, header, self.device)
+    def receive(self, header, version, note=None):
+        self._load(weight_sync.receive(self.group, header, self.device), version)
+
+    def _load(self, named, version):
         if not self.keep_draft:
             named = ((k, v) for k, v in named if not is_draft_name(k, self.num_hidden_layers))
         self.load_weights(named, version)
+
+
+class HandOverReceiver(BucketReceiver):
+    """in_place: the trainer's flat buckets mapped where they are (CUDA IPC on a shared GPU, shared
+    memory on CPU; the push's note maps them), loaded through `load_weights` and let go at once."""
+
+    def join(self, rendezvous, rank):
+        """No group: the trainer's memory is on this device already."""
+
+    def receive(self, header, version, note=None):
+        self._load(weight_sync.take_over(header, note), version)

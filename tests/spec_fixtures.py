@@ -112,6 +112,36 @@ def resample_from_p(probs, drafts, draft_probs, n_acc, draft_counts, u):
     return rejection.sample_with_uniforms(rejection._row_select(probs, n_acc), u)
 
 
+def alternating_k():
+    """A k policy drafting 2 and 0 tokens in turn: a proposer defers every other step and catches
+    up over it at the next (the MTP proposer's deferral, which EAGLE-3 reuses)."""
+    from rollout.embedded.spec_policy import FixedK
+
+    class Alternating(FixedK):
+        def __init__(self):
+            super().__init__(2)
+            self.steps = 0
+
+        def choose(self, batch_size):
+            self.steps += 1
+            return 2 * (self.steps % 2)
+    return Alternating()
+
+
+def qwen2_draft_specs():
+    """A speculative config of every proposer with device draft steps (and n-gram's host drafts) on
+    the shipped tiny Qwen2 target: its EAGLE-3, DFlash and DSpark drafts, itself as the draft model."""
+    from dflash_fixtures import DRAFT as DFLASH_DRAFT
+    from dspark_fixtures import DRAFT as DSPARK_DRAFT
+    from eagle3_fixtures import DRAFT as EAGLE3_DRAFT, TARGET
+
+    return [{"method": "eagle3", "num_speculative_tokens": 3, "model": EAGLE3_DRAFT},
+            {"method": "dflash", "num_speculative_tokens": 3, "model": DFLASH_DRAFT},
+            {"method": "dspark", "num_speculative_tokens": 3, "model": DSPARK_DRAFT},
+            {"method": "draft_model", "num_speculative_tokens": 2, "model": TARGET},
+            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}]
+
+
 def hf_first_two_joint(checkpoint, prompt, temperature):
     """{(t1, t2): p} of the first two tokens after `prompt` by transformers' Qwen2ForCausalLM at
     `temperature`; a first EOS ends the response: {(EOS,): p}."""

@@ -130,7 +130,7 @@ def test_unknown_hydra_key_suggests_the_closest():
 
 
 # ---- --load of a checkpoint directory --------------------------------------------------------------
-def fake_checkpoint(root, step=2, mtp_trained=True, latest=True):
+def fake_checkpoint(root, step=2, mtp_trained=True, latest=True, model_config=None):
     """A --load layout whose .metadata indexes one .distcp file, with its manifest (as a save leaves it)."""
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -142,7 +142,8 @@ def fake_checkpoint(root, step=2, mtp_trained=True, latest=True):
     open(os.path.join(model, "__0_0.distcp"), "wb").write(b"x" * 100)
     meta = Metadata(state_dict_metadata={}, storage_data={MetadataIndex("w"): _StorageInfo("__0_0.distcp", 0, 100)})
     pickle.dump(meta, open(os.path.join(model, ".metadata"), "wb"))
-    json.dump({"mtp_num_layers": 1, "mtp_trained": mtp_trained, "has_optimizer": True},
+    meta = {"mtp_num_layers": 1, "mtp_trained": mtp_trained, "has_optimizer": True}
+    json.dump(dict(meta, model_config=model_config) if model_config else meta,
               open(os.path.join(model, "vime_meta.json"), "w"))
     json.dump({"step": step, "data_cursor": 0}, open(os.path.join(model, "..", "loop_state.json"), "w"))
     write_manifest(os.path.dirname(model))
@@ -204,3 +205,15 @@ def test_resuming_an_mtp_trained_checkpoint_without_the_mtp_flags_is_refused(ckp
     root = str(tmp_path / "ck")
     fake_checkpoint(root, mtp_trained=True)
     refused(args_for(ckpt, tmp_path, "--load", root, "--num-rollout", 4), "--enable-mtp-training --mtp-num-layers 1")
+
+
+def test_mtp_layers_asked_of_a_checkpoint_without_any_are_refused_saying_what_to_do_instead(tmp_path):
+    import re
+
+    no_mtp = str(tmp_path / "no_mtp")
+    make_random_checkpoint(no_mtp, seed=5, num_nextn_predict_layers=0, **SMALL)
+    write_jsonl(make_prompts(8, seed=1), os.path.join(no_mtp, "train.jsonl"))
+    message = refused(args_for(no_mtp, tmp_path, "--mtp-num-layers", 1), "--mtp-num-layers 1: ",
+                      "has no MTP layers to load or train; drop --mtp-num-layers")
+    other = re.search(r"--vllm-speculative-config '([^']+)'", message).group(1)
+    prepare(load_config(args_for(no_mtp, tmp_path, "--vllm-speculative-config", other))).release()  # as advised

@@ -87,7 +87,7 @@ def test_the_edge_of_every_range_is_accepted(flag):
 
 
 def test_save_keep_without_save_is_refused(ckpt, tmp_path):
-    refused(args_for(ckpt, tmp_path, "--save-keep", 2), "--save-keep needs --save DIR")
+    refused(args_for(ckpt, tmp_path, "--save-keep", 2), "--save-keep 2 needs --save DIR")
 
 
 # ---- prompt files that are not UTF-8 ----------------------------------------------------------------
@@ -133,8 +133,8 @@ def test_weights_whose_shape_disagrees_with_config_json_are_refused_naming_both_
     path = copy_ckpt(ckpt, tmp_path)
     _reshape(path, name, shape)
     state = load_file(os.path.join(ckpt, "model.safetensors"))
-    refused(args_for(path, tmp_path), f"tensor {name} has shape {list(shape)}",
-            f"config.json implies {list(state[name].shape)}")
+    refused(args_for(path, tmp_path), "disagrees with config.json", f"{name} has shape {list(shape)} but the config (",
+            f") gives {list(state[name].shape)}")
 
 
 # ---- the tools ---------------------------------------------------------------------------------------

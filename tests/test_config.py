@@ -1,10 +1,12 @@
 """train_rl.py's config: YAML defaults, Hydra overrides and --kebab-flags land on one dataclass tree."""
 import json
+import re
 
 import pytest
 
+from orchestration.preflight import check_config
 from vime.cli_config import load_config
-from vime.config import flag_table, validate
+from vime.config import flag_table
 from vime.errors import UserError
 
 
@@ -48,26 +50,26 @@ def test_bad_flags_are_one_line_user_errors(argv, needle):
     (["--enable-mtp-training"], "--enable-mtp-training needs --mtp-num-layers"),
     (["--global-batch-size", "48"], "--global-batch-size 48 must divide"),
     (["--micro-batch-size", "48"], "--micro-batch-size 48"),
-    (["--save-interval", "2"], "--save-interval needs --save"),
+    (["--save-interval", "2"], "--save-interval 2 needs --save"),
     (["--debug-train-only"], "--load-debug-rollout-data"),
     (["--draft-loss-type", "kl"], "--draft-loss-type 'kl': use one of ce, soft_ce, tv"),
     (["--draft-loss-type", "soft_ce", "--draft-distill-topk", "-1"], "--draft-distill-topk -1: must be >= 0"),
     (["--draft-distill-topk", "8"], "--draft-distill-topk truncates a distillation target"),
     (["--enable-mtp-training", "--mtp-num-layers", "1", "--mtp-train-depths", "0"], "--mtp-train-depths 0: must be >= 1"),
-    (["--mtp-train-depths", "3"], "--mtp-train-depths sets what the online MTP loss trains"),
+    (["--mtp-train-depths", "3"], "--mtp-train-depths 3 sets how the MTP layers train"),
     (["--mtp-reuse-attention", "eagle"], "--mtp-reuse-attention 'eagle': use one of drafter, megatron"),
     (["--enable-mtp-training", "--mtp-num-layers", "1", "--draft-steps-per-rollout", "0"],
      "--draft-steps-per-rollout 0: must be >= 1"),
-    (["--draft-steps-per-rollout", "4"], "--draft-steps-per-rollout sets how the online draft trains"),
-    (["--draft-lr", "1e-3"], "--draft-lr sets how the online draft trains"),
+    (["--draft-steps-per-rollout", "4"], "--draft-steps-per-rollout 4 sets how the online draft trains"),
+    (["--draft-lr", "1e-3"], "--draft-lr 0.001 sets how the online draft trains"),
     (["--enable-mtp-training", "--mtp-num-layers", "1", "--draft-steps-per-rollout", "4", "--draft-replay-batches", "-1"],
      "--draft-replay-batches -1: must be >= 0"),
     (["--enable-mtp-training", "--mtp-num-layers", "1", "--enable-draft-training"],
      "--enable-mtp-training and --enable-draft-training each train the run's one draft"),
 ])
 def test_validation_refuses_inconsistent_settings(argv, needle):
-    with pytest.raises(UserError, match=needle.replace("-", r"\-")):
-        validate(load_config(argv))
+    with pytest.raises(UserError, match=re.escape(needle)):
+        check_config(load_config(argv))
 
 
 def test_every_default_comes_from_the_dataclasses_alone():
@@ -162,3 +164,25 @@ def test_the_config_dump_holds_the_speculative_config_as_written_and_loads_back(
     hydra_dict = "{" + ",".join(f"{key}:{value}" for key, value in dumped.items()) + "}"  # Hydra's own grammar
     again = load_config([f"rollout.vllm_speculative_config={hydra_dict}"])
     assert again.rollout.vllm_speculative_config == cfg.rollout.vllm_speculative_config
+
+
+def test_help_lists_every_flag_once_under_its_sections_title_and_the_switches_under_their_own():
+    from dataclasses import fields
+
+    from vime.cli_config import BENCH_DEBUG_TITLE, flag_groups, help_text
+    from vime.config import Config
+
+    groups = flag_groups()
+    listed = [name for _, names in groups.values() for name in names]
+    assert sorted(listed) == sorted(flag_table()) and len(listed) == len(set(listed))  # exactly one group each
+    assert list(groups) == [s.name for s in fields(Config)] + [BENCH_DEBUG_TITLE]
+    for title, (_, names) in groups.items():  # a section's group holds its own fields, but the switches
+        assert all(flag_table()[n][0].split(".")[0] == title for n in names) or title == BENCH_DEBUG_TITLE
+    assert {"--debug-rollout-only", "--debug-train-only", "--rollout-time-plain-baseline"} <= set(
+        groups[BENCH_DEBUG_TITLE][1])
+    text = help_text()
+    starts = [text.index(f"\n{title}:\n  {description}") for title, (description, _) in groups.items()]
+    assert starts == sorted(starts)  # the titles, each with its section's description, in the tree's order
+    for (title, (_, names)), start, end in zip(groups.items(), starts, starts[1:] + [len(text)]):
+        block = text[start:end]
+        assert all(f"\n  {name} " in block or f"\n  {name}\n" in block for name in names), title

@@ -40,6 +40,16 @@ def test_a_draft_reading_layers_the_target_lacks_is_refused(tmp_path, backend):
     refused(args_for(tmp_path, draft=str(out), backend=backend), str(out), "target_layer_ids [1, 3, 9]", "7 layers")
 
 
+def test_a_top_level_block_size_that_disagrees_with_dflash_config_is_refused_naming_both(tmp_path):
+    out = tmp_path / "draft"
+    shutil.copytree(DRAFT, out)
+    raw = json.loads((out / "config.json").read_text())
+    raw["block_size"], raw["dflash_config"]["block_size"] = 5, 4
+    (out / "config.json").write_text(json.dumps(raw))
+    refused(args_for(tmp_path, draft=str(out)), str(out), "gives block_size 5 and dflash_config.block_size 4",
+            "make them equal")
+
+
 def test_train_rl_prints_one_error_line_and_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, "train_rl.py", *args_for(tmp_path, k=2)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)

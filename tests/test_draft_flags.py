@@ -62,9 +62,14 @@ def test_replay_without_draft_only_steps_is_refused_against_the_kinds_own_defaul
     base = ["--enable-mtp-training", "--mtp-num-layers", "1"]
     with pytest.raises(UserError, match="--draft-replay-batches 2 .* --draft-steps-per-rollout 1"):
         check_draft_config(TrainerConfig.from_tree(load_config(base + ["--draft-replay-batches", "2"])))
-    # the negative control: with draft-only steps the same replay is accepted
+    # with draft-only steps, no more batches than they reach: 2 steps reach this batch and 1 earlier one
+    with pytest.raises(UserError, match=r"--draft-replay-batches 2: .* at most 1 earlier ones .* "
+                                        r"--draft-steps-per-rollout 4 or more"):
+        check_draft_config(TrainerConfig.from_tree(load_config(base + ["--draft-replay-batches", "2",
+                                                                       "--draft-steps-per-rollout", "3"])))
+    # the negative control, the advice as written: 3 draft-only steps reach the 2 replayed batches
     check_draft_config(TrainerConfig.from_tree(load_config(base + ["--draft-replay-batches", "2",
-                                                                   "--draft-steps-per-rollout", "3"])))
+                                                                   "--draft-steps-per-rollout", "4"])))
 
 
 def test_draft_training_needs_an_external_draft_in_the_speculative_config():

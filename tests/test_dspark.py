@@ -112,13 +112,14 @@ class RecordingProposer(DSparkProposer):
             self.records += list(zip(self.known, self.step["states"], [r.drafts for r in out.requests],
                                      self.step["confidence"]))
 
-    def catch_up(self, slots, out):
-        self.deferred_rows += int((self.written[slots] < out.starts).sum())  # rows with context left to write
-        super().catch_up(slots, out)
+    def catch_up(self, slots, hidden, starts, n_valid):
+        self.deferred_rows += sum(self.written[s] < start for s, start in zip(slots, starts))  # context left to write
+        super().catch_up(slots, hidden, starts, n_valid)
 
-    def block_states(self, slots, anchor_tokens, anchors):
-        self.step["states"] = states = super().block_states(slots, anchor_tokens, anchors)
-        return states
+    def block_forward(self, slots, anchor_tokens, anchors, with_states=False):
+        outputs = super().block_forward(slots, anchor_tokens, anchors, with_states)
+        self.step["states"] = outputs[1].clone()
+        return outputs
 
     def verification_size(self, batch_size, confidence, k):
         self.step["confidence"] = confidence

@@ -24,7 +24,7 @@ from rollout.spec_config import check_against_checkpoint, parse_spec_config
 from rollout.spec_stats import aggregate_spec_stats
 from rollout.task import make_prompts
 from rollout.tokenizer import TextCodec
-from spec_fixtures import chi_square_p_value, exact_joint, check_sampled_drafts_keep_the_target_distribution, \
+from spec_fixtures import alternating_k, chi_square_p_value, exact_joint, check_sampled_drafts_keep_the_target_distribution, \
     check_the_test_rejects_resampling_from_p, one_thread, tiny_vocab_model  # noqa: F401
 from vime.errors import UserError
 from vime.models.eagle3 import default_aux_layer_ids, draft_config_for_target, save_draft
@@ -201,22 +201,11 @@ def test_saved_draft_round_trips_and_loads_into_the_engine(tmp_path, prompts):
 def test_sampling_with_k_switching_per_step_follows_the_target_distribution(vocab_pair):
     """A k policy alternating 0 and 2 makes the proposer defer steps and catch up over them later
     (the MTP proposer's deferral, which EAGLE-3 reuses); the distribution must not move."""
-    from rollout.embedded.spec_policy import FixedK
-
-    class Alternating(FixedK):
-        def __init__(self):
-            super().__init__(2)
-            self.steps = 0
-
-        def choose(self, batch_size):
-            self.steps += 1
-            return 2 * (self.steps % 2)
-
     target, draft = vocab_pair
     sc = parse_spec_config({"method": "eagle3", "num_speculative_tokens": 2, "model": "unused",
                             "rejection_sample_method": "probabilistic"})
     engine = Engine(target, EngineConfig(max_batch_size=1000, max_len=16), proposer=Eagle3Proposer(sc, draft=draft))
-    engine.k_policy = Alternating()
+    engine.k_policy = alternating_k()
     samples = engine.generate(samples_for_prompts([PROMPT] * N), SamplingParams(temperature=1.0, max_new_tokens=3, seed=7))
     counts = {}
     for s in samples:

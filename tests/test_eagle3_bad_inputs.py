@@ -96,7 +96,9 @@ def test_bad_draft_training_settings_are_refused(tmp_path):
             "--draft-steps-per-rollout 1")
     refused(base + ["--draft-steps-per-rollout", "0"], "--draft-steps-per-rollout 0", ">= 1")
     refused(base + ["--draft-ttt-steps", "0"], "--draft-ttt-steps 0", ">= 1")
-    # the negative control: each setting accepted alone
+    refused(base + ["--draft-ttt-steps", "1000"], "--draft-ttt-steps 1000: the rollout drafts num_speculative_tokens "
+            "3 tokens a step", "pass --draft-ttt-steps 3 or less")
+    # the negative control: each setting accepted alone, the bound itself included
     prepare(load_config(base + ["--draft-loss-type", "soft_ce", "--draft-distill-topk", "4",
                                   "--draft-steps-per-rollout", "1", "--draft-replay-batches", "0",
-                                  "--draft-ttt-steps", "4"]))
+                                  "--draft-ttt-steps", "3"]))

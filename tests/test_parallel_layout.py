@@ -92,7 +92,7 @@ def test_stage_counts_without_stages_and_ranks_that_are_not_tp_pp_dp_are_one_lin
                                                   "--pipeline-model-parallel-size 2 or more"]),
     (["--decoder-last-pipeline-num-layers", 0], ["--decoder-last-pipeline-num-layers 0", ">= 1"]),
     (["--tensor-model-parallel-size", 2, "--actor-num-gpus-per-node", 3],
-     ["--actor-num-nodes 1 x --actor-num-gpus-per-node 3 gives 3 trainer ranks", "needs 2", "TP x PP x DP"]),
+     ["--actor-num-gpus-per-node 3 over the 2 trainer rank(s)", "1.5 GPU each", "at most 2 or a multiple"]),
 ])
 def test_train_rl_refuses_a_layout_before_anything_starts(ckpt, tmp_path, extra, needles):  # noqa: F811
     refused(args_for(ckpt, tmp_path, *extra), *needles)

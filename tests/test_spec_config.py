@@ -215,3 +215,26 @@ def test_cli_with_speculation_writes_per_sample_spec_and_prints_the_aggregate(tm
     rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["spec"]["verify_steps"] >= 1 for r in rows)
     assert sum(r["spec"]["draft_tokens"] for r in rows) > 0
+
+
+@pytest.mark.parametrize("backend", ["embedded", "vllm"])
+@pytest.mark.parametrize("value, expected", [
+    ('{"method": "mtp", "num_speculative_tokens": 2, "num_speculative_tokens": 3}',
+     "key 'num_speculative_tokens' is given twice (2 and 3); give it once"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4, "prompt_lookup_max": 5}',
+     "key 'prompt_lookup_max' is given twice (4 and 5)"),
+    ('{"method": "mtp", "num_speculative_tokens": "2"}', 'num_speculative_tokens must be an integer (got "2")'),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": 1}',
+     "rejection_sample_method must be a string (got 1)"),
+])
+def test_a_duplicate_key_or_a_wrong_json_type_is_refused_alike_on_both_backends_as_the_config_loads(
+        backend, value, expected):
+    from vime.cli_config import load_config
+
+    with pytest.raises(UserError) as e:
+        load_config(["--rollout-backend", backend, "--vllm-speculative-config", value])
+    assert str(e.value) == f"--vllm-speculative-config: {expected}" or expected in str(e.value)
+    assert "\n" not in str(e.value)
+    fixed = value.replace('"2"', "2").replace(', "num_speculative_tokens": 3', "").replace(
+        ', "prompt_lookup_max": 5', "").replace('"rejection_sample_method": 1', '"rejection_sample_method": "strict"')
+    load_config(["--rollout-backend", backend, "--vllm-speculative-config", fixed])  # the control

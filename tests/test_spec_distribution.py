@@ -18,7 +18,8 @@ from vime.sample import samples_for_prompts
 from rollout.sampling_params import SamplingParams
 from rollout.embedded.proposers.mtp import MTPProposer
 from rollout.spec_config import parse_spec_config
-from spec_fixtures import chi_square_p_value, exact_joint, one_thread, tiny_vocab_model  # noqa: F401
+from spec_fixtures import (alternating_k, chi_square_p_value, exact_joint, one_thread, resample_from_p,  # noqa: F401
+                           tiny_vocab_model)
 
 N, PROMPT, ALPHA = 20000, [0, 3, 1], 1e-3
 
@@ -33,10 +34,11 @@ def model(request):
     return tiny_vocab_model(seed=1, family=family, tie_word_embeddings=tied)
 
 
-def sampled_joint(model, method, sample_drafts=True, k_policy=None, max_batch_size=N):
+def sampled_joint(model, method, sample_drafts=True, k_policy=None, max_batch_size=N, pad_to_buckets=None):
     spec = parse_spec_config({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": method})
-    engine = Engine(model, EngineConfig(max_batch_size=max_batch_size, max_len=16, rejection_sample_method=method),
-                    proposer=MTPProposer(spec, sample_drafts=sample_drafts))
+    config = EngineConfig(max_batch_size=max_batch_size, max_len=16, rejection_sample_method=method,
+                          pad_to_buckets=pad_to_buckets)
+    engine = Engine(model, config, proposer=MTPProposer(spec, sample_drafts=sample_drafts))
     if k_policy is not None:
         engine.k_policy = k_policy
     samples = engine.generate(samples_for_prompts([PROMPT] * N), SamplingParams(temperature=1.0, max_new_tokens=3, seed=7))
@@ -65,16 +67,7 @@ def test_speculative_sampling_matches_the_target_joint_distribution(model, metho
 def test_sampling_with_k_chosen_per_step_matches_the_target_joint_distribution(model, policy):
     """k changes only how much is drafted: a per-step k (the adaptive policy, or one that
     alternates 0 and 2 so deferred MTP catch-up is exercised) keeps the distribution."""
-    from rollout.embedded.spec_policy import AdaptiveK, FixedK, batch_grid
-
-    class Alternating(FixedK):
-        def __init__(self):
-            super().__init__(2)
-            self.steps = 0
-
-        def choose(self, batch_size):
-            self.steps += 1
-            return 2 * (self.steps % 2)
+    from rollout.embedded.spec_policy import AdaptiveK, batch_grid
 
     class EagerAdaptive(AdaptiveK):
         """The adaptive policy with a constructed profile (a drafted token costs 0.1 of a step on
@@ -89,21 +82,39 @@ def test_sampling_with_k_chosen_per_step_matches_the_target_joint_distribution(m
             self.set_profile(grid, {k: [1.0 + k * (0.1 + 0.5 * (1 - b / 1000)) for b in grid]
                                     for k in range(self.k + 1)})
 
-    k_policy = EagerAdaptive(2) if policy == "adaptive" else Alternating()
+    k_policy = EagerAdaptive(2) if policy == "adaptive" else alternating_k()
     # 1000 slots: requests of different waves are at different steps, so k switches mid-response
     counts, rate = sampled_joint(model, "probabilistic", False, k_policy, max_batch_size=1000)
     assert 0.1 < rate < 0.9
     assert p_value(counts, exact_joint(model)) > ALPHA
 
 
-def test_distribution_test_rejects_a_sampler_that_resamples_from_p(model, monkeypatch):
-    def wrong_residual(probs, drafts, draft_probs, n_acc, draft_counts, u):
-        return rejection.sample_with_uniforms(rejection._row_select(probs, n_acc), u)
+def padded_steps_joint(model):
+    """Sampled with every step padded to batch and key buckets (the shapes CUDA graphs run):
+    1000 slots and k alternating 2 / 0, so the batches drain unevenly and most steps carry padding."""
+    return sampled_joint(model, "probabilistic", False, alternating_k(), max_batch_size=1000, pad_to_buckets=True)
 
-    monkeypatch.setattr(rejection, "_residual_sample", wrong_residual)
+
+def test_sampling_with_steps_padded_to_buckets_matches_the_target_joint_distribution():
+    model = tiny_vocab_model(seed=1, family="qwen3", tie_word_embeddings=True)
+    counts, rate = padded_steps_joint(model)
+    assert 0.1 < rate < 0.9
+    assert p_value(counts, exact_joint(model)) > ALPHA
+
+
+def test_distribution_test_rejects_a_sampler_that_resamples_from_p(model, monkeypatch):
+    monkeypatch.setattr(rejection, "_residual_sample", resample_from_p)
     exact = exact_joint(model)
     counts, _ = sampled_joint(model, "probabilistic")
     assert p_value(counts, exact) < ALPHA
+
+
+@pytest.mark.slow
+def test_distribution_test_with_padded_steps_rejects_a_sampler_that_resamples_from_p(monkeypatch):
+    model = tiny_vocab_model(seed=1, family="qwen3", tie_word_embeddings=True)
+    monkeypatch.setattr(rejection, "_residual_sample", resample_from_p)
+    counts, _ = padded_steps_joint(model)
+    assert p_value(counts, exact_joint(model)) < ALPHA
 
 
 def test_rejection_sampler_keeps_drafts_up_to_each_rows_own_count():

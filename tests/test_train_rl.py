@@ -323,7 +323,8 @@ def test_an_incomplete_checkpoint_is_refused_before_any_actor_starts(ckpt, tmp_p
     state = load_file(os.path.join(broken, "model.safetensors"))
     state.pop(next(k for k in sorted(state) if "mtp" in k or ".layers.2." in k))  # an MTP tensor, in any family
     save_file(state, os.path.join(broken, "model.safetensors"))
-    assert_refused_before_actors(run_train(*base_args(broken, tmp_path, 1), timeout=120), "tensors missing")
+    assert_refused_before_actors(run_train(*base_args(broken, tmp_path, 1), timeout=120),
+                                 "tensor(s) the config implies are missing")
 
 
 def test_mtp_speculation_on_a_checkpoint_without_mtp_layers_is_refused(tmp_path):

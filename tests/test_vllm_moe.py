@@ -203,12 +203,18 @@ def deepseek_dirs(tmp_path_factory):
     return out
 
 
-def test_mla_latent_vllm_cpu_cannot_run_is_refused_in_one_line(deepseek_dirs, tmp_path):
+def test_mla_latent_vllm_cpu_cannot_run_is_refused_in_one_line_before_vllm_builds_its_engine_config(
+        deepseek_dirs, tmp_path):
     from tests.test_bad_inputs import args_for, refused
 
     path = deepseek_dirs["tiny_latent"]
     refused(args_for(path, tmp_path, "--rollout-backend", "vllm"), f"--hf-checkpoint {path}",
             "kv_lora_rank 16 + qk_rope_head_dim 8", "512 + qk_rope_head_dim 64", "--rollout-backend embedded")
+    # a key vLLM's own validation (its engine config, tens of seconds on CPU) would refuse: the MLA line
+    # comes first, so that validation has not run
+    spec = '{"method": "mtp", "num_speculative_tokens": 2, "not_a_vllm_key": 1}'
+    refused(args_for(path, tmp_path, "--rollout-backend", "vllm", "--vllm-speculative-config", spec),
+            "kv_lora_rank 16 + qk_rope_head_dim 8")
 
 
 def test_deepseek_v3_without_its_router_keys_is_refused_for_vllm(deepseek_dirs, tmp_path):

@@ -277,3 +277,25 @@ def test_identical_greedy_work_gives_identical_speculation_metrics(vllm_mtp, mim
     want = spec_rates(vllm_mtp.stats()["spec"])
     assert want["spec_accepted_tokens"] > 0 and "spec_accept_rate_pos_1" in want
     assert spec_rates(embedded.stats()["spec"]) == want
+
+
+def test_weights_handed_over_in_place_reach_vllm_as_the_file_reload_brings_them(vllm_mtp, mimo_ckpt, prompts):
+    """An engine on the trainer's device maps the trainer's buckets and shares each round on into vLLM's
+    worker (shared memory here, CUDA IPC on a GPU); vLLM then serves and fingerprints what the reload
+    path (a file in shared memory, the reference) makes it serve."""
+    from trainer.weight_senders import IN_PLACE, SENDERS
+
+    original = canonical(mimo_ckpt)
+    new = list(perturbed(original, seed=13).items())
+    try:
+        sender = SENDERS[IN_PLACE]({}, None, 1 << 14)
+        header = sender.header(new)
+        vllm_mtp.weight_receiver(IN_PLACE).receive(header, 1, sender.send(new)[1])
+        sender.release()
+        handed_over = (vllm_mtp.fingerprint(), vllm_mtp.digests(), vllm_greedy(vllm_mtp, prompts[:6], 12))
+        vllm_mtp.load_weights(original.items(), version=0)
+        vllm_mtp.load_weights(new, version=1)
+        assert handed_over == (vllm_mtp.fingerprint(), vllm_mtp.digests(), vllm_greedy(vllm_mtp, prompts[:6], 12))
+        assert handed_over[1] == weight_sync.digests(new)
+    finally:
+        vllm_mtp.load_weights(list(original.items()), version=0)

@@ -46,7 +46,7 @@ def push(receiver, named, buffer_size=1 << 12):
         try:
             sender = SENDERS["reload"](plan, rendezvous, buffer_size)
             sent["header"] = sender.header(named)
-            sent["bytes"] = sender.send(named)
+            sent["bytes"], sent["note"] = sender.send(named)
         except Exception as e:  # surfaced by the assertion below
             errors.append(e)
 
@@ -92,9 +92,10 @@ def test_a_target_only_push_leaves_the_engines_draft_as_the_checkpoint_had_it(ck
     assert fp["draft"] == weight_sync.checksum(original_draft) != weight_sync.checksum(draft)
 
 
-def test_every_transport_has_a_sender_and_a_vllm_receiver_and_the_embedded_engine_takes_reload_only(ckpt):
+def test_every_transport_has_a_sender_and_a_vllm_receiver_and_the_embedded_engine_takes_all_but_nccl(ckpt):
+    from rollout.backend import EMBEDDED_RECEIVERS
     from rollout.vllm.backend import RECEIVERS  # imports no vLLM until an engine is built
 
-    assert set(SENDERS) == set(RECEIVERS)
+    assert set(SENDERS) == set(RECEIVERS) == set(EMBEDDED_RECEIVERS) | {"nccl"}
     with pytest.raises(ValueError, match="nccl"):
         EmbeddedBackend(ckpt, SPEC, 4).weight_receiver("nccl")

@@ -24,9 +24,11 @@ def free_port():
 
 class TwoNodeCluster:
     """head: `head_resources`; second node: `node_resources` (None: the head alone); `env` reaches it
-    (token included)."""
+    (token included). `gpus`: logical GPUs the head declares (`ray start --num-gpus`), also on a
+    machine without any."""
 
-    def __init__(self, head_resources, node_resources, cpus=2):
+    def __init__(self, head_resources, node_resources, cpus=2, gpus=0):
+        self.gpus = gpus
         # a short root: Ray's unix sockets live under it and their paths must stay under 108 bytes
         self.root, self.port = tempfile.mkdtemp(prefix="vime-ray-"), free_port()
         self.env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
@@ -47,7 +49,8 @@ class TwoNodeCluster:
 
         log = open(os.path.join(self.root, f"{name}.log"), "w")
         cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--node-ip-address", "127.0.0.1",
-               "--num-cpus", str(cpus), "--resources", json.dumps(resources), "--temp-dir",
+               "--num-cpus", str(cpus), "--num-gpus", str(self.gpus if name == "head" else 0),
+               "--resources", json.dumps(resources), "--temp-dir",
                os.path.join(self.root, name), "--disable-usage-stats", *args]
         return subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -11,9 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from vime.errors import require
-
-META_FILE = "vime_meta.json"
+from vime.models.torch_dist_format import META_FILE, read_saved_meta
 
 
 def _optimizer_params(optimizer):
@@ -54,11 +52,7 @@ def write_meta(path, meta):
 
 
 def read_meta(path):
-    meta_file = os.path.join(path, META_FILE)
-    require(os.path.isfile(meta_file), f"--load {path}: {META_FILE} is missing; not a vime torch_dist checkpoint "
-            "(make one with `python -m checkpoint_convert.hf_to_torch_dist`)")
-    with open(meta_file) as f:
-        return json.load(f)
+    return read_saved_meta(path)
 
 
 def _in_process_results_queue():

@@ -1,8 +1,9 @@
 """`TrainerActor`: one rank of the TP x PP x DP trainer group as a Ray actor.
 
 Every actor joins torch.distributed (gloo on CPU, NCCL on GPU) and holds a `Trainer`.
-Trainer rank 0 also holds the run's weight sender (trainer/weight_senders.py): rank 0 of the
-group that pushes weights to the rollout workers.
+Trainer rank 0 also holds the run's weight senders (trainer/weight_senders.py), one per route: rank
+0 of the group that pushes weights to the rollout workers, and the in-place hand-over to engines on
+its own device.
 """
 import time
 
@@ -30,10 +31,16 @@ class TrainerActorImpl:
         torch.set_num_threads(threads)
         self.rank, self.world_size = rank, world_size
         self.cfg, self.hf_checkpoint, self.load = trainer_cfg, hf_checkpoint, load
-        self.trainer, self.ref_state, self.sender = None, None, None
+        self.trainer, self.ref_state, self.senders = None, None, {}
 
     def rendezvous(self):
         return node_rendezvous()
+
+    def device_identity(self):
+        """Where this rank computes (vime/devices.py): its node, its Ray GPUs, torch's device here."""
+        from vime.devices import device_identity
+
+        return device_identity(ray.get_runtime_context().get_node_id(), ray.get_gpu_ids())
 
     def start(self, master_addr, master_port):
         """Join the trainer group (collective over all ranks) and build the Trainer."""
@@ -94,28 +101,38 @@ class TrainerActorImpl:
         return [(k, v.detach()) for k, v in self.trainer.named_hf_weights()]
 
     def open_weight_sender(self, transport, plan, rendezvous, buffer_size):
-        """Collective (TP gather). Rank 0 builds the sender of --vllm-weight-transfer `transport` for the
-        engines' `plan`, joining the push group as its rank 0 (blocks until every engine joined), and
-        returns the header each push carries to the engines; other ranks return None."""
+        """Collective (TP gather). Rank 0 builds the sender of `transport` (trainer/weight_senders.py) for
+        the engines' `plan`, joining the push group as its rank 0 when the transport has one (blocks
+        until every engine joined), and returns the header each push carries to the engines; other
+        ranks return None."""
         from trainer.weight_senders import SENDERS
 
         named = self._named_weights()
         if self.rank != 0:
             return None
-        self.sender = SENDERS[transport](plan, rendezvous, buffer_size)
-        return self.sender.header(named)
+        self.senders[transport] = SENDERS[transport](plan, rendezvous, buffer_size)
+        return self.senders[transport].header(named)
 
     def send_weights(self):
         """Collective (TP gather); rank 0 pushes the weights from where they live (a GPU's never
-        visit the host) and reports bytes, seconds and the checksums the engines must match."""
+        visit the host) through each of its senders and reports bytes, seconds, each transport's
+        note for its engines and the checksums the engines must match."""
         named = self._named_weights()
         if self.rank != 0:
             return None
         start = time.perf_counter()
-        sent = self.sender.send(named)
-        return {"bytes": sent, "seconds": time.perf_counter() - start,
+        sent, notes = 0, {}
+        for transport, sender in self.senders.items():
+            size, notes[transport] = sender.send(named)
+            sent += size
+        return {"bytes": sent, "seconds": time.perf_counter() - start, "notes": notes,
                 "draft_checksum": weight_sync.checksum(_draft_part(named, self.trainer.model_cfg, True)),
                 "target_checksum": weight_sync.checksum(_draft_part(named, self.trainer.model_cfg, False))}
+
+    def weights_taken(self):
+        """Every engine holds the push: the senders drop what they kept for it (the in-place buckets)."""
+        for sender in self.senders.values():
+            sender.release()
 
     def digests(self):
         """Collective (TP gather); rank 0: --check-weight-update-equal's sha256 of every tensor."""

@@ -14,6 +14,7 @@ import re
 import torch
 
 from vime.models.hf_format import load_hf_checkpoint, read_config
+from vime.models.torch_dist_format import torch_dist_tensor_problem
 from mtp.sampling import effective_temperature, token_logprobs
 from trainer import checkpoint, grads
 from trainer.mixed_precision import build_optimizer, fp32_params_for_checkpoint, grad_params, named_grad_params
@@ -30,7 +31,8 @@ from vime.precision import compute_dtype
 def resolve_mtp_layers(requested, available):
     """MTP layers to build: the checkpoint's count by default; more than it has is refused."""
     n = available if requested is None else requested
-    require(0 <= n <= available, f"--mtp-num-layers {n}: the HF checkpoint has only {available} MTP layers")
+    require(0 <= n <= available, f"--mtp-num-layers {n}: the HF checkpoint has only {available} MTP layers; "
+            + (f"pass --mtp-num-layers {available}" if available else "drop --mtp-num-layers"))
     return n
 
 
@@ -274,6 +276,8 @@ class Trainer:
         require(meta.get("mtp_num_layers", 0) >= self.mtp_num_layers,
                 f"--load {path}: the checkpoint has {meta.get('mtp_num_layers', 0)} MTP layers, "
                 f"fewer than --mtp-num-layers {self.mtp_num_layers}")
+        problem = torch_dist_tensor_problem(meta, self.model_cfg, self.mtp_num_layers)
+        require(problem is None, f"--load {path}: its tensors disagree with the model's config: {problem}")
         with fp32_params_for_checkpoint(self.model, self.optimizer):  # under --bf16 into the fp32 masters, then rounded
             checkpoint.load(path, self.model, self.optimizer)
         if self.draft is not None:

@@ -1,16 +1,20 @@
-"""Trainer rank 0's end of a weight push: one sender per transport (--vllm-weight-transfer), by registry.
+"""Trainer rank 0's end of a weight push: one sender per transport, by registry.
 
 A sender is built once, on trainer rank 0, from what the rollout engines asked for (their
 receiver's `plan()`, rollout/weight_receiver.py) and where to meet them (`rendezvous`:
 {"master_addr", "master_port", "world_size", "device"}; the trainer is rank 0 of the group, so
-building it blocks until every engine has joined):
+building it blocks until every engine has joined; None for a transport without a group):
 
     header(named) -> picklable      once, before the first send: what each push carries, which
                                     the engines need with every push (a bucket layout, names and shapes)
-    send(named) -> bytes sent       one push of (canonical HF name, tensor) pairs, the tensors
-                                    where the trainer holds them (a GPU's never visit the host)
+    send(named) -> (bytes, note)    one push of (canonical HF name, tensor) pairs, the tensors
+                                    where the trainer holds them (a GPU's never visit the host);
+                                    `note` goes to the engines with this push (None: they need none)
+    release()                       the engines took the push: drop what was kept for them
 
 `needs_gpus`: the transport moves weights between GPUs only (checked before any actor starts).
+`automatic`: the driver chooses it by where the engines are, never --vllm-weight-transfer.
+The tensors may come from any gathering of the trainer's shards: a sender sees only the pairs.
 """
 from vime import weight_sync
 
@@ -20,7 +24,7 @@ class BucketBroadcast:
     bytes over a torch.distributed group of the trainer and the engines (gloo on CPU, NCCL on GPU);
     each engine loads what arrives its own way (the embedded engine in place, vLLM from shared memory)."""
 
-    needs_gpus = False
+    needs_gpus, automatic = False, False
 
     def __init__(self, plan, rendezvous, buffer_size):
         del plan  # every backend takes the buckets as they are
@@ -32,7 +36,10 @@ class BucketBroadcast:
         return self.layout
 
     def send(self, named):
-        return weight_sync.send(self.group, self.layout, named)
+        return weight_sync.send(self.group, self.layout, named), None
+
+    def release(self):
+        """Nothing is kept: the broadcast is over when send returns."""
 
 
 class EngineChannel:
@@ -40,7 +47,7 @@ class EngineChannel:
     speaks it on the trainer's side (its "sending_end"): the engine owns its wire format, the trainer
     hands it the tensors on their device."""
 
-    needs_gpus = True
+    needs_gpus, automatic = True, False
 
     def __init__(self, plan, rendezvous, buffer_size):
         del buffer_size  # the engine's channel packs by its own buffer size
@@ -50,7 +57,41 @@ class EngineChannel:
         return self.end.header(named)
 
     def send(self, named):
-        return self.end.send(named)
+        return self.end.send(named), None
+
+    def release(self):
+        """Nothing is kept: the broadcast is over when send returns."""
 
 
-SENDERS = {"reload": BucketBroadcast, "nccl": EngineChannel}  # --vllm-weight-transfer
+class InPlaceHandOver:
+    """in_place: engines on the trainer rank's own device (a GPU they share, where NCCL cannot join
+    them, or the same machine's memory on CPU) map the trainer's flat buckets (the bucket path's
+    layout) through CUDA IPC handles or shared memory: no group, no trip through the host. The
+    buckets live from `send` until `release`; the note of a push is what maps them."""
+
+    needs_gpus, automatic = False, True
+
+    def __init__(self, plan, rendezvous, buffer_size):
+        del plan, rendezvous  # every backend takes the buckets as they are; no group to meet in
+        self.buffer_size, self.layout, self.buckets = buffer_size, None, None
+
+    def header(self, named):
+        self.layout = weight_sync.bucket_layout(named, self.buffer_size)
+        return self.layout
+
+    def send(self, named):
+        self.release()
+        self.buckets, note = weight_sync.hand_over(self.layout, named)
+        return sum(b.numel() * b.element_size() for b in self.buckets), note
+
+    def release(self):
+        cuda = bool(self.buckets) and self.buckets[0].device.type == "cuda"
+        self.buckets = None
+        if cuda:
+            import torch
+
+            torch.cuda.ipc_collect()  # give back the blocks the engines have let go of
+
+
+IN_PLACE = "in_place"
+SENDERS = {"reload": BucketBroadcast, "nccl": EngineChannel, IN_PLACE: InPlaceHandOver}  # by transport

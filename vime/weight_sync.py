@@ -1,14 +1,20 @@
-"""Weight sync trainer -> rollout workers: buckets of HF-named tensors over a broadcast group.
+"""Weight sync trainer -> rollout workers: buckets of HF-named tensors over a broadcast group, or
+handed over in place to an engine on the trainer's own device.
 
 The group is a standalone torch.distributed process group (gloo on CPU, NCCL on GPU)
 between trainer rank 0 (rank 0 of the group) and every rollout worker; it does not touch
 the trainer's own default group. Names and shapes never change during a run, so the
 bucket layout is fixed once (`bucket_layout`); each sync then broadcasts flat buffers, built
 where the trainer's tensors live (on a GPU they never visit the host).
+An engine on the trainer's own device (a GPU they share, which NCCL cannot join twice, or the
+same machine's memory on CPU) maps the same flat buckets instead (`hand_over` / `take_over`):
+CUDA IPC handles on a GPU, shared-memory files on CPU, both torch.multiprocessing's reductions
+pickled into bytes that Ray carries.
 Checksums let the loop prove that a worker's weights equal the trainer's after a sync.
 """
 import datetime
 import hashlib
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +119,50 @@ def receive(group, layout, device="cpu"):
     for bucket in layout:
         flat = torch.empty(sum(s.numel for s in bucket), dtype=bucket[0].dtype, device=device)
         broadcast(group, flat)
+        yield from unflatten_bucket(bucket, flat)
+
+
+def share(tensors):
+    """Bytes from which another process on this machine maps `tensors` without copying them: CUDA IPC
+    handles of CUDA tensors, shared-memory file names of CPU ones (a CPU tensor not yet in shared
+    memory is moved there). The tensors must stay alive until the other side has mapped them."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as mp  # registers torch's reductions with ForkingPickler
+
+    # file names travel through Ray; the default strategy's file descriptors only through a
+    # multiprocessing connection of the same process tree
+    mp.set_sharing_strategy("file_system")
+    return bytes(ForkingPickler.dumps(tensors))
+
+
+def mapped(blob):
+    """What `share` shared, mapped into this process (the same memory, not a copy)."""
+    import torch.multiprocessing  # noqa: F401  (the rebuild functions the bytes name)
+
+    return pickle.loads(blob)
+
+
+def hand_over(layout, named_tensors):
+    """Trainer side of the in-place hand-over: (the flat buckets of `layout`, built where the tensors
+    live, and the bytes that map them). The caller keeps the buckets until the engines took them."""
+    by_name = dict(named_tensors)
+    buckets = []
+    for bucket in layout:
+        parts = [by_name[s.name].reshape(-1).to(s.dtype) for s in bucket]
+        flat = torch.empty(sum(s.numel for s in bucket), dtype=bucket[0].dtype, device=parts[0].device)
+        if flat.device.type == "cpu":
+            flat.share_memory_()  # built in shared memory: no second copy when shared
+        torch.cat(parts, out=flat)
+        buckets.append(flat)
+    if buckets and buckets[0].device.type == "cuda":
+        torch.cuda.current_stream().synchronize()  # the engine reads them from another process
+    return buckets, share(buckets)
+
+
+def take_over(layout, blob):
+    """Engine side: (name, tensor) of every bucket `hand_over` shared, views of the trainer's memory."""
+    for bucket, flat in zip(layout, mapped(blob)):
         yield from unflatten_bucket(bucket, flat)
 
 

@@ -19,6 +19,13 @@ verification emits the same token (it accepts a draft only where it equals that 
 with the same seed speculative sampling reproduces plain sampling token for token, at any k.
 A run with speculation on and one with it off then roll out the same responses, which makes
 their timings comparable step by step (the drift benchmark).
+
+Every forward over the caches is a static step (rollout/embedded/steps.py): its shape is settled
+on the host from the requests' lengths, nothing inside it waits for the device, and on CUDA each
+decode / verify shape (and each draft step's) runs as a captured CUDA graph, rows padded up to a
+batch bucket; on CPU, or with `enforce_eager`, the same step functions run eagerly at the batch's
+own shape. Prefill, and every step of a mixture-of-experts model (its expert dispatch and route
+recording follow the routing's data), always run eagerly.
 """
 import time
 from collections import deque
@@ -30,11 +37,13 @@ from vime.models.hf_format import load_hf_checkpoint
 from mtp.rejection import verify
 from mtp.sampling import processed_logprobs
 from rollout.embedded.fast_model import FastForward
-from rollout.embedded.kv_cache import make_kv_cache, pick_attention_backend
+from rollout.embedded.kv_cache import FLASH_QUERY_ROOM, make_kv_cache, pick_attention_backend
 from rollout.embedded.model import CausalLMWithMTP
 from rollout.embedded.padding import pad_token_rows
 from rollout.embedded.proposers import TargetForward, Proposer
+from rollout.embedded.proposers.drafting import DRAFT_FAMILY
 from rollout.embedded.spec_policy import FixedK, StepRecord
+from rollout.embedded.steps import StepRunner, device_tensor
 from rollout.sampling_params import request_seed
 from vime.errors import UserError, require
 from vime.models.routing_replay import RouteTable
@@ -59,6 +68,12 @@ class EngineConfig:
     # leave), so attention reads the cache through a view instead of gathering it every step
     compact_slots: bool = True
     synthetic_acceptance_rates: tuple = None  # conditional, per draft position (spec_config.synthetic_position_rates)
+    # run every step eagerly, also on CUDA: no CUDA graphs (vLLM's enforce_eager)
+    enforce_eager: bool = False
+    # pad a step's rows up to a batch bucket and its keys up to a length bucket (None: exactly when
+    # steps run as CUDA graphs, which need fixed shapes; True on CPU shows padding changes nothing)
+    pad_to_buckets: bool = None
+    compile_steps: bool = False  # torch.compile each graphed step before capturing it (CUDA)
 
 
 class Request:
@@ -123,8 +138,12 @@ class Engine:
         self.max_len = self.config.max_len or self.cfg.max_position_embeddings
         self.codec = codec
         self.backend = pick_attention_backend(self.config.device, self.config.attention_backend, self.config.dtype)
-        self.cache = make_kv_cache(self.cfg, self.cfg.num_hidden_layers, self.config.max_batch_size, self.max_len + 1,
-                                   self.config.dtype, self.config.device)
+        ec = self.config
+        self.steps = StepRunner(ec.device, graphs=not ec.enforce_eager, pad=ec.pad_to_buckets,
+                                max_rows=ec.max_batch_size, compile_steps=ec.compile_steps)
+        # MoE: expert dispatch and route recording follow the routing's data, so such steps run eagerly
+        self.graphable = not any(w.moe is not None for w in self.fast.layers)
+        self.allocate_cache()
         self.stop_ids = {self.cfg.eos_token_id} - {None}
         # MoE models: the experts every decoder MoE layer chose, per slot and position (the samples
         # carry them to the trainer, which replays or compares them)
@@ -147,10 +166,23 @@ class Engine:
         codec = codec_or_none(path)
         return cls(model, config, codec, proposer)
 
+    def allocate_cache(self):
+        """(Re)allocate the target's KV cache, zeroed; graphs captured on the previous one are dropped.
+        One position past the context is the scratch position (rollout/embedded/kv_cache.py)."""
+        room = FLASH_QUERY_ROOM if self.backend == "flash" else 0
+        self.cache = make_kv_cache(self.cfg, self.cfg.num_hidden_layers, self.config.max_batch_size, self.max_len + 1,
+                                   self.config.dtype, self.config.device, scratch_room=room)
+        self.steps.reset()
+
     def set_proposer(self, proposer, k_policy=None):
         """Install a proposer and the policy choosing its k per step (default: always its max)."""
+        require(self.backend != "flash" or proposer.num_speculative_tokens < FLASH_QUERY_ROOM,
+                f"attention backend 'flash' verifies at most {FLASH_QUERY_ROOM} tokens a step; use at most "
+                f"{FLASH_QUERY_ROOM - 1} speculative tokens or the 'sdpa' backend")
+        self.steps.forget(DRAFT_FAMILY)  # the previous proposer's graphs read its caches
         self.proposer = proposer
         proposer.attach(self)
+        self.steps.max_graph_q_len = 1 + proposer.num_speculative_tokens  # a verify's window
         self.k_policy = k_policy or FixedK(proposer.num_speculative_tokens)
 
     # ---------------------------------------------------------------- public API
@@ -197,7 +229,7 @@ class Engine:
                 params[name].copy_(tensor.to(params[name].dtype))
                 if name in draft:
                     self.proposer.draft_synced()
-        self.fast.refresh()
+        self.fast.refresh(in_place=self.steps.graphs)  # captured graphs keep reading the fused tensors
         self.weight_version = version
 
     def pause(self):
@@ -263,7 +295,7 @@ class Engine:
         GRPO group) is computed once and its KV entries copied into the other requests' slots."""
         leaders, source = self._prompt_leaders(reqs)
         hidden, mtp_hidden = self._prompt_forward(leaders)
-        lengths = torch.tensor([len(r.sample.prompt_ids) for r in leaders], device=self.config.device)
+        lengths = device_tensor([len(r.sample.prompt_ids) for r in leaders], self.config.device)
         last = hidden[torch.arange(len(leaders)), lengths - 1]
         logprobs = processed_logprobs(self.fast.logits(last), sampling.temperature, sampling.top_k, sampling.top_p)
         if source is not None:
@@ -271,10 +303,10 @@ class Engine:
             logprobs, mtp_hidden = logprobs[source], mtp_hidden[source]
         empty = torch.zeros(len(reqs), 0, dtype=torch.long, device=self.config.device)
         self._accept(reqs, logprobs.unsqueeze(1), empty, [0] * len(reqs), sampling, None)
-        n_new = torch.tensor([len(r.sample.prompt_ids) for r in reqs], device=self.config.device)
+        n_new = [len(r.sample.prompt_ids) for r in reqs]
         for r in reqs:
             r.num_cached = len(r.sample.prompt_ids)
-        self._propose(reqs, mtp_hidden, torch.zeros_like(n_new), n_new)
+        self._propose(reqs, mtp_hidden, [0] * len(reqs), n_new)
 
     def _prompt_leaders(self, reqs):
         """(the requests whose prompts get computed, for each request its leader's index there or
@@ -290,18 +322,18 @@ class Engine:
             source.append(index[key])
         if len(leaders) == len(reqs):
             return reqs, None
-        return leaders, torch.tensor(source, device=self.config.device)
+        return leaders, device_tensor(source, self.config.device)
 
     def _prompt_forward(self, reqs):
-        tokens = pad_token_rows([r.sample.prompt_ids for r in reqs], self.config.device)
-        n_new = torch.tensor([len(r.sample.prompt_ids) for r in reqs], device=self.config.device)
-        return self._forward(reqs, tokens, torch.zeros_like(n_new), n_new)
+        """Prefill: one eager step over the prompts (their lengths vary too much for graphs)."""
+        return self._forward(reqs, [r.sample.prompt_ids for r in reqs], [0] * len(reqs), with_logits=False,
+                             graphable=False)
 
     def _copy_prompt_cache(self, leaders, reqs, source):
         """Every layer's prompt keys/values from each leader's slot into its followers' slots."""
         width = max(len(r.sample.prompt_ids) for r in leaders)
-        src = torch.tensor([leaders[i].slot for i in source.tolist()], device=self.config.device)
-        dst = torch.tensor([r.slot for r in reqs], device=self.config.device)
+        src = device_tensor([leaders[i].slot for i in source.tolist()], self.config.device)
+        dst = device_tensor([r.slot for r in reqs], self.config.device)
         follow = src != dst
         self.cache.copy_slots(src[follow], dst[follow], width)
         if self.routes is not None:
@@ -312,18 +344,16 @@ class Engine:
         generated_before = sum(r.num_generated for r in reqs)
         counts = [self._draft_budget(r) for r in reqs]
         rows = [[r.all_ids[-1]] + list(r.drafts[:c]) for r, c in zip(reqs, counts)]
-        tokens = pad_token_rows(rows, self.config.device)
-        starts = torch.tensor([r.num_cached for r in reqs], device=self.config.device)
-        n_new = torch.tensor([len(x) for x in rows], device=self.config.device)
-        hidden, mtp_hidden = self._forward(reqs, tokens, starts, n_new)
-        logprobs = processed_logprobs(self.fast.logits(hidden), sampling.temperature, sampling.top_k, sampling.top_p)
-        drafts = tokens[:, 1:]
+        starts = [r.num_cached for r in reqs]
+        _, mtp_hidden, logits = self._forward(reqs, rows, starts, with_logits=True)
+        logprobs = processed_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        drafts = pad_token_rows(rows, self.config.device)[:, 1:]
         draft_probs = self._stack_draft_probs(reqs, drafts, logprobs.shape[-1])
         n_acc = self._accept(reqs, logprobs, drafts, counts, sampling, draft_probs)
         for r, a in zip(reqs, n_acc):
             r.num_cached += 1 + a
         verified = time.perf_counter()
-        drafted = self._propose(reqs, mtp_hidden, starts, torch.tensor([1 + a for a in n_acc], device=self.config.device))
+        drafted = self._propose(reqs, mtp_hidden, starts, [1 + a for a in n_acc])
         if self.k_policy.observes:
             self._observe_step(reqs, drafts.shape[1], counts, n_acc, drafted, start, verified, generated_before)
 
@@ -341,7 +371,7 @@ class Engine:
         needs_uniforms = not sampling.greedy or self.config.rejection_sample_method == "synthetic"
         uniforms = self._uniforms(reqs, counts, k).to(logprobs.device) if needs_uniforms \
             else torch.zeros(len(reqs), k + 2, device=logprobs.device)
-        res = verify(logprobs, drafts, torch.tensor(counts, device=logprobs.device), uniforms, sampling.greedy,
+        res = verify(logprobs, drafts, device_tensor(counts, logprobs.device), uniforms, sampling.greedy,
                      self.config.rejection_sample_method, draft_probs, self.config.synthetic_acceptance_rates)
         n_acc = res.num_accepted.tolist()
         emitted, emitted_lp = res.emitted.tolist(), res.emitted_logprobs.tolist()
@@ -392,31 +422,50 @@ class Engine:
                 out[i, :n] = r.draft_probs[:n, :vocab]
         return out
 
-    def _forward(self, reqs, tokens, starts, n_new):
-        """(final-normed hidden states, the hidden states the proposer reads: the MTP layer's input,
-        or an EAGLE-3 draft's aux hidden states) of the new tokens."""
-        slots = torch.tensor([r.slot for r in reqs], device=self.config.device)
-        positions = (starts[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :])
-        positions = positions.clamp(max=self.max_len)
-        view = self.cache.step(slots, starts, n_new, self.backend)
-        self.fast.route_writer = self._route_writer(slots, positions, n_new)
+    def _forward(self, reqs, rows, starts, with_logits, graphable=True):
+        """One static step of the target over `rows` (each request's new tokens, host lists)
+        written from `starts` (host ints): (final-normed hidden states, the hidden states the
+        proposer reads: the MTP layer's input, or an EAGLE-3 draft's aux hidden states[, logits]),
+        the requests' rows only."""
+        layout = self.steps.layout(self.cache, [r.slot for r in reqs], starts, [len(x) for x in rows],
+                                   graphable and self.graphable)
+        aux = tuple(getattr(self.proposer, "aux_hidden_layers", ()))
+        key = ("target", layout.shape, with_logits, aux)
+        self.fast.route_writer = self._route_writer(layout)
         try:
             with torch.inference_mode():
-                return self.fast.states(tokens, positions, view.layers(self.cfg.num_hidden_layers),
-                                        getattr(self.proposer, "aux_hidden_layers", ()))
+                out = self.steps.run(key, self.target_step(layout.shape, aux, with_logits),
+                                     (layout.tokens(rows), layout.slots, layout.starts), layout.graphed)
         finally:
             self.fast.route_writer = None
+        return [x[:layout.n] for x in out]
 
-    def _route_writer(self, slots, positions, n_new):
+    def target_step(self, shape, aux_layers, with_logits):
+        """The target's step function at `shape`: (tokens [B, Q], slots [B], starts [B]) ->
+        (hidden, proposer hidden[, logits]), each [B, Q, ...]; reads and writes the KV cache."""
+        def step(tokens, slots, starts):
+            positions = shape.positions(starts).clamp(max=self.max_len)
+            view = self.cache.static_step(slots, starts, shape, self.backend)
+            hidden, proposer_hidden = self.fast.states(tokens, positions, view.layers(self.cfg.num_hidden_layers),
+                                                       aux_layers)
+            if with_logits:
+                return hidden, proposer_hidden, self.fast.logits(hidden)
+            return hidden, proposer_hidden
+        return step
+
+    def _route_writer(self, layout):
         """write(layer, indices [B*Q, k]) into the route table at the forward's real (slot, position)
-        pairs, padding rows left out; None for dense models. Last write wins: a rejected draft's
+        pairs, padding left out; None for dense models. Last write wins: a rejected draft's
         position is rewritten by the next forward, which feeds the token kept there."""
         if self.routes is None:
             return None
-        real = (torch.arange(positions.shape[1], device=positions.device)[None, :] < n_new[:, None]).reshape(-1)
-        rows = slots[:, None].expand_as(positions).reshape(-1)[real]
-        at = positions.reshape(-1)[real]
-        return lambda layer, indices: self.routes.write(layer, rows, at, indices[real])
+        q = layout.shape.q_len
+        real = [(b * q + i, slot, start + i)
+                for b, (slot, start, c) in enumerate(zip(layout.slot_list, layout.start_list, layout.counts))
+                for i in range(c)]
+        device = layout.slots.device
+        flat, rows, at = (device_tensor(x, device) for x in zip(*real))
+        return lambda layer, indices: self.routes.write(layer, rows, at, indices.index_select(0, flat))
 
     def _take_routes(self, r):
         """A finished request's routes into its sample: every position but the last token's, each
@@ -426,13 +475,17 @@ class Engine:
 
     def _propose(self, reqs, hidden, starts, n_valid):
         """Drafts for the live requests, at most step_k each; False when none was live.
-        hidden: the MTP input states of the new positions (what TargetForward.hidden carries)."""
+        hidden: the MTP input states of the new positions (what TargetForward.hidden carries);
+        starts, n_valid: host ints per request."""
         live = [i for i, r in enumerate(reqs) if not r.finished]
         if not live:
             return False
-        idx = torch.tensor(live, device=hidden.device)
+        dev = hidden.device
+        idx = device_tensor(live, dev)
+        live_starts, live_valid = [starts[i] for i in live], [n_valid[i] for i in live]
         with torch.inference_mode():
-            self.proposer.propose(TargetForward([reqs[i] for i in live], hidden[idx], starts[idx], n_valid[idx]))
+            self.proposer.propose(TargetForward([reqs[i] for i in live], hidden[idx], device_tensor(live_starts, dev),
+                                                device_tensor(live_valid, dev), live_starts, live_valid))
         for i in live:  # proposers that cannot draft fewer (ngram, suffix, draft model) are cut here
             r = reqs[i]
             if len(r.drafts) > self.step_k:
@@ -445,23 +498,26 @@ class Engine:
         if torch.device(self.config.device).type == "cuda":
             torch.cuda.synchronize(self.config.device)
 
-    def profile_verify(self, batch_size, q_len, context=32, repeats=3):
+    def profile_verify(self, batch_size, q_len, context=32, repeats=3, back_to_back=1):
         """Seconds of one verify forward (trunk + head + log-probs) of batch_size rows x q_len
-        tokens after `context` cached ones; writes only into free slots (call between generates)."""
-        dev = self.config.device
+        tokens after `context` cached ones; writes only into free slots (call between generates).
+        back_to_back > 1: the mean of that many forwards issued without waiting in between (on
+        CUDA the device's time per step once the host keeps ahead of it)."""
         context = max(0, min(context, self.max_len - q_len))
-        slots = torch.arange(batch_size, device=dev)
-        tokens = torch.zeros(batch_size, q_len, dtype=torch.long, device=dev)
-        starts = torch.full((batch_size,), context, device=dev)
-        n_new = torch.full((batch_size,), q_len, device=dev)
-        positions = starts[:, None] + torch.arange(q_len, device=dev)[None, :]
 
-        def once():
-            view = self.cache.step(slots, starts, n_new, self.backend)
-            with torch.inference_mode():
-                hidden = self.fast(tokens, positions, view.layers(self.cfg.num_hidden_layers))
-                processed_logprobs(self.fast.logits(hidden), 1.0, 0, 1.0)
-        return _min_seconds(once, repeats, self._synchronize)
+        class Probe:
+            """Stands in for a request in slot i."""
+
+            def __init__(self, slot):
+                self.slot = slot
+
+        probes, rows = [Probe(i) for i in range(batch_size)], [[0] * q_len] * batch_size
+
+        def steps():
+            for _ in range(back_to_back):
+                _, _, logits = self._forward(probes, rows, [context] * batch_size, with_logits=True)
+                processed_logprobs(logits, 1.0, 0, 1.0)
+        return _min_seconds(steps, repeats, self._synchronize) / back_to_back
 
     def profile_draft(self, batch_size, k, repeats=3, new_tokens=2):
         """Seconds the proposer takes to draft k tokens for batch_size rows after catching up

@@ -13,6 +13,7 @@ tests check this path against it. Fused weights are rebuilt after every weight l
 Every matmul against a weight (trunk, MTP layers, eh_proj, LM head) goes through
 rollout/embedded/linear.py, whose prepacked backend costs about the same for 1 or 4 rows.
 """
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -135,19 +136,25 @@ class FastForward:
                                                            cfg.num_key_value_heads, cfg.head_dim)
         self.refresh()
 
-    def refresh(self):
-        """Re-fuse and re-pack after the model's weights changed (or moved device/dtype)."""
+    def refresh(self, in_place=False):
+        """Re-fuse and re-pack after the model's weights changed (or moved device/dtype). in_place:
+        write the new values into the fused tensors already there (a captured step graph reads
+        those), same device, dtype and shapes."""
         m = self.model
         weight = m.head_weight()
         self.backend = pick_backend(weight.device, weight.dtype, self.requested_backend)
-        self.layers = [fuse_layer(l, self.backend) for l in m.model.layers]
+        fused = dict(layers=[fuse_layer(l, self.backend) for l in m.model.layers], head=pack(weight, self.backend),
+                     eh_proj=[pack(m.mtp_layer(k).eh_proj.weight, self.backend) for k in range(m.num_mtp_layers)])
+        if in_place and getattr(self, "layers", None) is not None:
+            for name, value in fused.items():
+                _copy_into(getattr(self, name), value)
+            return
+        self.__dict__.update(fused)
         moe_decoder = [w.moe for w in self.layers[:m.cfg.num_hidden_layers] if w.moe is not None]
         for i, w in enumerate(moe_decoder):  # the MTP layers' routes are the drafter's, never recorded
             w.record_as = i
         self.num_moe_layers = len(moe_decoder)
         self.route_writer = None  # set by the engine around a forward whose routes it records
-        self.head = pack(weight, self.backend)
-        self.eh_proj = [pack(m.mtp_layer(k).eh_proj.weight, self.backend) for k in range(m.num_mtp_layers)]
 
     def logits(self, hidden):
         """Twin of `CausalLMWithMTP.logits` on the packed LM head."""
@@ -245,6 +252,20 @@ class FastForward:
         sin = m.rotary.sin[positions].unsqueeze(2)
         x = self.layer(self.layers[m.cfg.num_hidden_layers + k], x, cos, sin, cache)
         return self.norm(x, layer.shared_head.norm.weight)
+
+
+def _copy_into(old, new):
+    """Copy every tensor of `new` (fused weights: dataclasses, lists, tensors) into its twin in
+    `old`; a tensor that is the same storage (a parameter's own view) is already current."""
+    if isinstance(old, torch.Tensor):
+        if old.is_mkldnn or old.data_ptr() != new.data_ptr():
+            old.copy_(new)
+    elif isinstance(old, (list, tuple)):
+        for a, b in zip(old, new):
+            _copy_into(a, b)
+    elif dataclasses.is_dataclass(old):
+        for f in dataclasses.fields(old):
+            _copy_into(getattr(old, f.name), getattr(new, f.name))
 
 
 def swiglu(x, gate_up, down):

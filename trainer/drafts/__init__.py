@@ -41,10 +41,11 @@ def draft_kind(cfg):
 
 
 def check_draft_config(cfg):
-    """A TrainerConfig's draft flags, checked before any trainer starts: the kind, then its knobs."""
+    """A TrainerConfig's draft flags, checked before a run's trainers start: the kind, then its knobs and
+    their bounds."""
     kind = draft_kind(cfg)
     if kind is not None:
-        DRAFT_TRAINERS[kind].checked_knobs(cfg)
+        DRAFT_TRAINERS[kind].check_bounds(cfg, DRAFT_TRAINERS[kind].checked_knobs(cfg))
 
 
 def build_draft(cfg, model, model_cfg):

@@ -45,9 +45,20 @@ class DraftKnobs:
                     replay_batches=defaults.replay_batches if replay_batches is None else replay_batches)
         require(knobs.replay_batches == 0 or knobs.steps_per_rollout > 1,
                 f"--draft-replay-batches {knobs.replay_batches} feeds the draft-only steps, but the {kind} draft "
-                f"takes --draft-steps-per-rollout {knobs.steps_per_rollout}: pass --draft-steps-per-rollout 2 or "
-                "more, or --draft-replay-batches 0")
+                f"takes --draft-steps-per-rollout {knobs.steps_per_rollout}: pass --draft-steps-per-rollout "
+                f"{knobs.replay_batches + 2} or more, or --draft-replay-batches 0")
         return knobs
+
+    def check_replay_bound(self, kind):
+        """The replayed batches a run may keep: its steps-1 draft-only steps visit this step's batch and at most
+        steps-2 earlier ones, and a batch kept past them costs a forward and its memory every step for nothing."""
+        steps, replay = self.steps_per_rollout, self.replay_batches
+        most = max(0, steps - 2)
+        require(replay <= most,
+                f"--draft-replay-batches {replay}: the {kind} draft's --draft-steps-per-rollout {steps} takes {steps - 1} "
+                f"draft-only steps, over this step's batch and at most {most} earlier ones (a batch kept past them "
+                f"costs a forward and memory and trains nothing): pass --draft-replay-batches {most} or less, or "
+                f"--draft-steps-per-rollout {replay + 2} or more")
 
 
 class DraftTrainer(abc.ABC):
@@ -77,6 +88,12 @@ class DraftTrainer(abc.ABC):
     @classmethod
     def check_config(cls, cfg):
         """Refuse (one line) a TrainerConfig setting this kind cannot honour; run before any trainer starts."""
+
+    @classmethod
+    def check_bounds(cls, cfg, knobs):
+        """Refuse (one line) a knob past the point where it only costs memory and time, given what the run's
+        rollout drafts; a run's pre-start check (a Trainer built on its own takes any value it can run)."""
+        knobs.check_replay_bound(cls.kind)
 
     @property
     def reads_policy_logits(self):

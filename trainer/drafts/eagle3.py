@@ -15,6 +15,7 @@ import torch
 from mtp.eagle3 import Eagle3Draft, training_time_test_loss
 from trainer.drafts.base import DraftKnobs
 from trainer.drafts.external import AuxHiddenStates, ExternalDraftTrainer
+from vime.errors import require
 from vime.models.eagle3 import check_draft_fits_target, load_draft, resolve_aux_layers
 from vime.models.families import DRAFT_PREFIX
 
@@ -39,6 +40,17 @@ class Eagle3DraftTrainer(ExternalDraftTrainer):
     wire_prefix = DRAFT_PREFIX
     # a small module of its own: many cheap steps on the updated policy's states keep it caught up
     DEFAULTS = DraftKnobs(lr=1e-3, steps_per_rollout=8, replay_batches=4)
+
+    @classmethod
+    def check_bounds(cls, cfg, knobs):
+        """--draft-ttt-steps at most the drafts the rollout asks for: each step unrolls the draft once more
+        and keeps its activations for the backward, and a step past them trains a position never drafted."""
+        super().check_bounds(cfg, knobs)
+        k, ttt = cfg.speculative_config.num_speculative_tokens, cfg.draft_ttt_steps
+        require(ttt is None or k is None or ttt <= k,
+                f"--draft-ttt-steps {ttt}: the rollout drafts num_speculative_tokens {k} tokens a step, so the "
+                f"training-time test unrolls at most {k} (a step past them costs memory and time and trains a "
+                f"position never drafted): pass --draft-ttt-steps {k} or less, or raise num_speculative_tokens")
 
     def __init__(self, cfg, model, model_cfg):
         spec = cfg.speculative_config

@@ -36,6 +36,20 @@ class MTPDraftTrainer(DraftTrainer):
     # policy's moves a detached draft as fast as the loss factor alone would not
     DEFAULTS = DraftKnobs(lr=5e-3, steps_per_rollout=1, replay_batches=0)
 
+    @classmethod
+    def check_bounds(cls, cfg, knobs):
+        """--mtp-train-depths at most the depths the rollout drafts (num_speculative_tokens; at least one per
+        layer): a depth past them costs memory and time every step and trains a depth never drafted."""
+        super().check_bounds(cfg, knobs)
+        spec, depths = cfg.speculative_config, cfg.mtp_train_depths
+        k = spec.num_speculative_tokens if spec is not None else None
+        most = max(k or 0, cfg.mtp_num_layers or 0)
+        require(depths is None or k is None or depths <= most,
+                f"--mtp-train-depths {depths}: the rollout drafts num_speculative_tokens {k} tokens a step with "
+                f"{cfg.mtp_num_layers} MTP layers, so at most {most} depths are drafted (a depth past them costs "
+                f"memory and time and trains one never drafted): pass --mtp-train-depths {most} or less, or raise "
+                "num_speculative_tokens")
+
     def __init__(self, cfg, model, model_cfg):
         super().__init__(cfg)
         num_layers = model_cfg.num_nextn_predict_layers  # the layers the trainer built

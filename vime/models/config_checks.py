@@ -9,6 +9,7 @@ wrong value is one line naming the file and the key instead of a traceback insid
 from vime.errors import UserError, require
 from vime.models.families import FAMILIES
 
+NGRAM_EXAMPLE = '\'{"method":"ngram","num_speculative_tokens":2}\''  # drafts without MTP layers or a draft model
 # key -> smallest allowed value; every one must be a JSON integer
 POSITIVE_INT_KEYS = {
     "vocab_size": 1, "hidden_size": 1, "intermediate_size": 1, "num_hidden_layers": 1,
@@ -82,7 +83,12 @@ def check_mtp_layers(num_layers, model_cfg, hf_checkpoint):
     have = model_cfg.num_nextn_predict_layers
     if num_layers is None:
         return
-    require(num_layers <= have, f"--mtp-num-layers {num_layers}: {hf_checkpoint} has only {have} MTP layers")
+    require(have > 0 or num_layers == 0,
+            f"--mtp-num-layers {num_layers}: {hf_checkpoint} has no MTP layers to load or train; drop --mtp-num-layers "
+            f"(and --enable-mtp-training) and draft with another method, e.g. --vllm-speculative-config {NGRAM_EXAMPLE}, "
+            "or give a checkpoint with MTP layers")
+    require(num_layers <= have, f"--mtp-num-layers {num_layers}: {hf_checkpoint} has only {have} MTP layers; "
+            f"pass --mtp-num-layers {have}")
     require(num_layers >= have,
             f"--mtp-num-layers {num_layers}: {hf_checkpoint} has {have} MTP layers and the rollout drafts with all of "
             f"them; pass --mtp-num-layers {have}, or keep the first {num_layers} with "

@@ -77,6 +77,10 @@ def read_draft_config(path):
     """DFlashConfig of a draft directory; one line naming the directory when it is not a draft."""
     raw = read_draft_json(path, _not_a_draft, ARCHITECTURE)
     dflash = raw.get("dflash_config") or {}
+    both = (raw.get("block_size"), dflash.get("block_size"))
+    require(None in both or both[0] == both[1],
+            f"{FLAG}: draft {path} gives block_size {both[0]} and dflash_config.block_size {both[1]}; vLLM reads the "
+            "latter: make them equal in config.json (the block the draft was trained for)")
     try:
         heads = raw["num_attention_heads"]
         ids = dflash["target_layer_ids"]

@@ -190,6 +190,15 @@ def mtp_layer_indices(names, layout, num_hidden_layers):
     return sorted(found)
 
 
+def layout_name(name, layout, num_hidden_layers):
+    """The name `layout` stores the tensor of canonical `name` under (an MTP layer's renamed, others kept)."""
+    m = CANONICAL_LAYOUT.pattern().match(name)
+    if not m or int(m.group(1)) < num_hidden_layers:
+        return name
+    suffix, k = name[m.end():], int(m.group(1)) - num_hidden_layers
+    return f"{layout.layer_prefix(k, num_hidden_layers)}.{layout.renames.get(suffix, suffix)}"
+
+
 def _rename_mtp(state, src, dst, num_hidden_layers, num_mtp_layers):
     out = dict(state)
     for k in range(num_mtp_layers):

@@ -7,6 +7,7 @@ writes them in the config's family layout.
 """
 import json
 import os
+import re
 import shutil
 from dataclasses import asdict, dataclass
 
@@ -15,15 +16,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from vime.models.config_checks import check_finite_state, check_raw_config
-from vime.models.families import (DEFAULT_FAMILY, FAMILIES, family_of_hf_config, from_canonical,
-                                        mtp_layer_indices, to_canonical)
+from vime.models.families import (DEFAULT_FAMILY, FAMILIES, family_of_hf_config, from_canonical, layout_name,
+                                  mtp_layer_indices, to_canonical)
 from vime.models.moe_mla_config import (MLAConfig, MoEConfig, check_unsupported, parse_glm_attention, parse_mla,
                                         parse_moe, parse_partial_rotary, parse_yarn)
 from vime.models.rope import YarnScaling
+from vime.models.tensor_check import Expected, safetensors_shapes, tensor_mismatch
 from vime.errors import UserError, require
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-MTP_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
 
 
 @dataclass(frozen=True)
@@ -160,57 +161,137 @@ def family_hf_keys(cfg):
     return out
 
 
+def expected_hf_tensors(cfg, num_mtp_layers=None):
+    """{canonical name: Expected(shape, config keys)} of every tensor a complete checkpoint of `cfg` with
+    `num_mtp_layers` MTP layers (default: the config's) holds: what `config.json` implies, the one
+    statement of it that the tensor check (`hf_tensor_problem`) compares files against."""
+    h, n_mtp = cfg.hidden_size, cfg.num_nextn_predict_layers if num_mtp_layers is None else num_mtp_layers
+    out = {"model.embed_tokens.weight": Expected((cfg.vocab_size, h), "vocab_size, hidden_size"),
+           "model.norm.weight": Expected((h,), "hidden_size")}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = Expected((cfg.vocab_size, h), "vocab_size, hidden_size, tie_word_embeddings")
+    for i in range(cfg.num_hidden_layers + n_mtp):
+        out.update({f"model.layers.{i}.{suffix}": e for suffix, e in layer_tensors(cfg, i).items()})
+    mtp = "num_nextn_predict_layers, hidden_size"
+    for k in range(n_mtp):
+        prefix = f"model.layers.{cfg.num_hidden_layers + k}"
+        out.update({f"{prefix}.enorm.weight": Expected((h,), mtp), f"{prefix}.hnorm.weight": Expected((h,), mtp),
+                    f"{prefix}.eh_proj.weight": Expected((h, 2 * h), mtp),
+                    f"{prefix}.shared_head.norm.weight": Expected((h,), mtp)})
+    return out
+
+
 def expected_tensor_names(cfg, num_mtp_layers=None):
     """Canonical names a complete checkpoint with `num_mtp_layers` MTP layers must hold."""
-    n_mtp = cfg.num_nextn_predict_layers if num_mtp_layers is None else num_mtp_layers
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(cfg.num_hidden_layers + n_mtp):
-        names += [f"model.layers.{i}.{t}" for t in layer_tensor_names(cfg, i)]
-    for k in range(n_mtp):
-        names += [f"model.layers.{cfg.num_hidden_layers + k}.{t}" for t in MTP_TENSORS]
-    return names
+    return list(expected_hf_tensors(cfg, num_mtp_layers))
 
 
-GQA_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-               "self_attn.o_proj.weight")
-DENSE_MLP_TENSORS = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-EXPERT_TENSORS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
-
-
-def attention_tensor_names(cfg):
-    """Canonical suffixes of one layer's attention tensors."""
-    mla = cfg.mla
+def attention_tensors(cfg):
+    """{canonical suffix: Expected} of one layer's attention: grouped-query, or latent (MLA)."""
+    h, heads, mla = cfg.hidden_size, cfg.num_attention_heads, cfg.mla
     if mla is not None:
-        q = (("self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight")
-             if mla.q_lora_rank else ("self_attn.q_proj.weight",))
-        return q + ("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
-                    "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight")
-    names = GQA_TENSORS
+        q_head = "num_attention_heads, qk_nope_head_dim, qk_rope_head_dim"
+        out = ({"self_attn.q_a_proj.weight": Expected((mla.q_lora_rank, h), "q_lora_rank, hidden_size"),
+                "self_attn.q_a_layernorm.weight": Expected((mla.q_lora_rank,), "q_lora_rank"),
+                "self_attn.q_b_proj.weight": Expected((heads * mla.qk_head_dim, mla.q_lora_rank),
+                                                      f"{q_head}, q_lora_rank")}
+               if mla.q_lora_rank else
+               {"self_attn.q_proj.weight": Expected((heads * mla.qk_head_dim, h), f"{q_head}, hidden_size, q_lora_rank")})
+        out.update({
+            "self_attn.kv_a_proj_with_mqa.weight": Expected((mla.latent_width, h),
+                                                            "kv_lora_rank, qk_rope_head_dim, hidden_size"),
+            "self_attn.kv_a_layernorm.weight": Expected((mla.kv_lora_rank,), "kv_lora_rank"),
+            "self_attn.kv_b_proj.weight": Expected((heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+                                                   "num_attention_heads, qk_nope_head_dim, v_head_dim, kv_lora_rank"),
+            "self_attn.o_proj.weight": Expected((h, heads * mla.v_head_dim), "hidden_size, num_attention_heads, v_head_dim")})
+        return out
+    q, kv = heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    q_keys, kv_keys = "num_attention_heads, head_dim", "num_key_value_heads, head_dim"
+    out = {"self_attn.q_proj.weight": Expected((q, h), f"{q_keys}, hidden_size"),
+           "self_attn.k_proj.weight": Expected((kv, h), f"{kv_keys}, hidden_size"),
+           "self_attn.v_proj.weight": Expected((kv, h), f"{kv_keys}, hidden_size"),
+           "self_attn.o_proj.weight": Expected((h, q), f"hidden_size, {q_keys}")}
     if cfg.qkv_bias:
-        names += ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+        out.update({"self_attn.q_proj.bias": Expected((q,), f"{q_keys}, attention_bias"),
+                    "self_attn.k_proj.bias": Expected((kv,), f"{kv_keys}, attention_bias"),
+                    "self_attn.v_proj.bias": Expected((kv,), f"{kv_keys}, attention_bias")})
     if cfg.qk_norm:
-        names += ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
-    return names
+        out.update({"self_attn.q_norm.weight": Expected((cfg.head_dim,), "head_dim, use_qk_norm"),
+                    "self_attn.k_norm.weight": Expected((cfg.head_dim,), "head_dim, use_qk_norm")})
+    return out
 
 
-def mlp_tensor_names(cfg, index):
-    """Canonical suffixes of decoder layer `index`'s MLP: dense, or router + experts + shared experts."""
-    moe = cfg.moe
+def swiglu_tensors(prefix, width, hidden, keys):
+    """{suffix: Expected} of one SwiGLU block (gate, up, down) `width` wide."""
+    return {f"{prefix}gate_proj.weight": Expected((width, hidden), f"{keys}, hidden_size"),
+            f"{prefix}up_proj.weight": Expected((width, hidden), f"{keys}, hidden_size"),
+            f"{prefix}down_proj.weight": Expected((hidden, width), f"hidden_size, {keys}")}
+
+
+def mlp_tensors(cfg, index):
+    """{canonical suffix: Expected} of decoder layer `index`'s MLP: dense, or router + experts + shared experts."""
+    h, moe = cfg.hidden_size, cfg.moe
     if moe is None or not moe.is_moe_layer(index):
-        return DENSE_MLP_TENSORS
-    names = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-    names += tuple(f"mlp.experts.{e}.{t}" for e in range(moe.n_routed_experts) for t in EXPERT_TENSORS)
+        keys = "intermediate_size" + (", first_k_dense_replace" if moe is not None else "")
+        return swiglu_tensors("mlp.", cfg.intermediate_size, h, keys)
+    e = moe.n_routed_experts
+    out = {"mlp.gate.weight": Expected((e, h), "n_routed_experts, hidden_size"),
+           "mlp.gate.e_score_correction_bias": Expected((e,), "n_routed_experts")}
+    for expert in range(e):
+        out.update(swiglu_tensors(f"mlp.experts.{expert}.", moe.moe_intermediate_size, h,
+                                  "n_routed_experts, moe_intermediate_size"))
     if moe.n_shared_experts:
-        names += tuple(f"mlp.shared_experts.{t}" for t in EXPERT_TENSORS)
-    return names
+        out.update(swiglu_tensors("mlp.shared_experts.", moe.moe_intermediate_size * moe.n_shared_experts, h,
+                                  "n_shared_experts, moe_intermediate_size"))
+    return out
 
 
-def layer_tensor_names(cfg, index):
-    """Canonical suffixes of decoder layer `index` (MTP layers continue the numbering)."""
-    return (("input_layernorm.weight", "post_attention_layernorm.weight")
-            + attention_tensor_names(cfg) + mlp_tensor_names(cfg, index))
+def layer_tensors(cfg, index):
+    """{canonical suffix: Expected} of decoder layer `index` (MTP layers continue the numbering)."""
+    norm = Expected((cfg.hidden_size,), "hidden_size")
+    return {"input_layernorm.weight": norm, "post_attention_layernorm.weight": norm,
+            **attention_tensors(cfg), **mlp_tensors(cfg, index)}
+
+
+# an extra tensor's name -> the config key that would describe it (the first that matches)
+EXTRA_TENSOR_KEYS = (
+    (re.compile(r"\.shared_experts\."), "n_shared_experts"),
+    (re.compile(r"\.experts\.\d+\."), "n_routed_experts"),
+    (re.compile(r"\.mlp\.(gate\.|gate_proj|up_proj|down_proj)"), "first_k_dense_replace"),
+    (re.compile(r"^lm_head\."), "tie_word_embeddings"),
+    (re.compile(r"_proj\.bias$"), "attention_bias"),
+    (re.compile(r"\.[qk]_norm\."), "use_qk_norm"),
+    (re.compile(r"\.(q_a_proj|q_a_layernorm|q_b_proj|q_proj)\."), "q_lora_rank"),
+)
+
+
+MOE_TENSOR = re.compile(r"\.mlp\.(gate\.|experts\.|shared_experts\.)")
+
+
+def extra_tensor_key(name, cfg):
+    """The config key that would describe tensor `name`, which `cfg` does not imply (None: none known)."""
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    index = int(layer.group(1)) if layer else None
+    if index is not None and index >= cfg.num_hidden_layers + cfg.num_nextn_predict_layers:
+        return "num_hidden_layers, num_nextn_predict_layers"
+    if index is not None and cfg.moe is not None and not cfg.moe.is_moe_layer(index) and MOE_TENSOR.search(name):
+        return "first_k_dense_replace"  # experts in a layer the config keeps dense
+    return next((key for pattern, key in EXTRA_TENSOR_KEYS if pattern.search(name)), None)
+
+
+def hf_tensor_problem(cfg, held):
+    """What is wrong with a checkpoint's tensors `held` ({name as stored: shape}) against config `cfg`
+    (its MTP layers included, in the family's storage layout), or None: the tensor check of this format,
+    run by `inspect_hf_checkpoint` and so by the engine, the trainer, the converters and generate."""
+    layout = cfg.model_family.mtp_layout
+    expected = {layout_name(n, layout, cfg.num_hidden_layers): e for n, e in expected_hf_tensors(cfg).items()}
+    copy_shape = Expected((cfg.vocab_size, cfg.hidden_size), "vocab_size, hidden_size (a copy of the trunk's)")
+    for k in range(cfg.num_nextn_predict_layers):  # copies of the embedding and head some checkpoints store
+        for copy in layout.shared_copies:
+            name = f"{layout.layer_prefix(k, cfg.num_hidden_layers)}.{copy}"
+            if name in held:
+                expected[name] = copy_shape
+    return tensor_mismatch(expected, held, explain_extra=lambda name: extra_tensor_key(name, cfg))
 
 
 def read_config(path, flag="--hf-checkpoint"):
@@ -235,13 +316,13 @@ def _weights_file(path, flag="--hf-checkpoint"):
     return weights
 
 
-def _check_names(cfg, names, weights):
-    """One-line errors when `names` (tensor names of `weights`) do not match the config."""
-    quantised = [n for n in names if n.endswith("_scale_inv")]
+def _check_tensors(cfg, held, weights):
+    """One-line errors when the tensors `held` ({name: shape} of `weights`) disagree with the config:
+    quantised tensors, MTP layers other than declared, then every tensor's name and shape."""
+    quantised = [n for n in held if n.endswith("_scale_inv")]
     require(not quantised, f"{weights}: quantised tensors ({quantised[0] if quantised else ''}, ...) are not "
             "supported; dequantise the checkpoint to bf16/fp32 first")
-    layout = cfg.model_family.mtp_layout
-    n_found = len(mtp_layer_indices(names, layout, cfg.num_hidden_layers))
+    n_found = len(mtp_layer_indices(held, cfg.model_family.mtp_layout, cfg.num_hidden_layers))
     declared = cfg.num_nextn_predict_layers
     require(n_found <= declared,
             f"{weights}: the file holds {n_found} MTP layers but config.json declares num_nextn_predict_layers="
@@ -249,12 +330,9 @@ def _check_names(cfg, names, weights):
     require(n_found == declared,
             f"{weights}: config.json declares num_nextn_predict_layers={declared} "
             f"but the file holds {n_found} MTP layers; the checkpoint is incomplete")
-    # names only: a 2-D placeholder lets the layout rename (and its eh_proj half swap) run without data
-    placeholder = {n: torch.zeros(1, 2) for n in names}
-    canonical = to_canonical(placeholder, layout, cfg.num_hidden_layers, n_found)
-    missing = [n for n in expected_tensor_names(cfg) if n not in canonical]
-    require(not missing, f"{weights}: {len(missing)} tensors missing (first: {missing[0] if missing else ''}); "
-            f"the checkpoint is incomplete or not a {cfg.model_family.architectures[0]} checkpoint")
+    problem = hf_tensor_problem(cfg, held)
+    require(problem is None, f"{weights} disagrees with config.json: {problem}; fix config.json or re-convert the "
+            f"weights (a {cfg.model_family.architectures[0]} checkpoint)")
 
 
 def inspect_hf_checkpoint(path, flag="--hf-checkpoint"):
@@ -263,11 +341,10 @@ def inspect_hf_checkpoint(path, flag="--hf-checkpoint"):
     cfg = read_config(path, flag)
     weights = _weights_file(path, flag)
     try:
-        with safe_open(weights, framework="pt") as f:
-            names = list(f.keys())
+        held = safetensors_shapes(weights)
     except Exception as e:  # safetensors raises its own error types for truncated files
         raise UserError(f"{weights}: unreadable safetensors file ({e}); re-create or re-download it") from None
-    _check_names(cfg, names, weights)
+    _check_tensors(cfg, held, weights)
     return cfg
 
 

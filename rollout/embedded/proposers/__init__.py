@@ -7,6 +7,7 @@ each request the drafts for its next verify step (`request.drafts`, and
 `request.draft_probs` [k, V] when it has a draft distribution). The engine verifies them.
 """
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -15,12 +16,23 @@ from vime.lazy import lazy_constructor
 
 @dataclass
 class TargetForward:
-    """What a proposer sees of one target forward over a ragged batch of requests."""
+    """What a proposer sees of one target forward over a ragged batch of requests.
+
+    `hidden` may be a step's output buffer (rollout/embedded/steps.py), rewritten by the next
+    target step: a proposer that keeps it past its `propose` keeps a copy."""
 
     requests: list
     hidden: torch.Tensor  # [B, Q, H] the new positions' hidden states as the first MTP layer reads them
     starts: torch.Tensor  # [B] position of hidden[:, 0]
     n_valid: torch.Tensor  # [B] leading positions whose next token is now known
+    host_starts: Optional[list] = None  # the same on the host (read back from the tensors when not given)
+    host_n_valid: Optional[list] = None
+
+    def host_lengths(self):
+        """(starts, n_valid) as host ints: what a proposer lays its own steps out with."""
+        if self.host_starts is None:
+            self.host_starts, self.host_n_valid = self.starts.tolist(), self.n_valid.tolist()
+        return self.host_starts, self.host_n_valid
 
 
 class Proposer:

@@ -17,9 +17,10 @@ import dataclasses
 import torch
 
 from mtp.dflash import DFlashDraft
+from rollout.embedded.steps import device_tensor
 from rollout.embedded.proposers import Proposer
-from rollout.embedded.proposers.drafting import (TrainedExternalDraft, assign_drafts, draft_cache, pick_drafts,
-                                                 uniforms_if_sampling)
+from rollout.embedded.proposers.drafting import (DRAFT_ATTENTION, TrainedExternalDraft, assign_drafts, draft_cache,
+                                                 draft_family, pick_drafts, uniforms_if_sampling)
 from vime.models.dflash import WIRE_PREFIX, check_draft_fits_target, load_draft
 
 
@@ -50,6 +51,7 @@ class DFlashProposer(TrainedExternalDraft, Proposer):
         self.aux_hidden_layers = cfg.aux_layer_ids
         shape = dataclasses.replace(engine.cfg, num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
         self.cache = draft_cache(engine, cfg.num_hidden_layers, shape, self.num_speculative_tokens)
+        self.family = draft_family()
 
     def checked_draft(self, engine):
         """The draft module: loaded from the spec's directory, or the one given, checked against the target."""
@@ -66,13 +68,13 @@ class DFlashProposer(TrainedExternalDraft, Proposer):
     # ---- drafting ----
     def propose(self, out):
         reqs = out.requests
-        slots = torch.tensor([r.slot for r in reqs], device=out.hidden.device)
-        self.write_context(slots, out.hidden, out.starts, out.n_valid)
+        slots = [r.slot for r in reqs]
+        starts, n_valid = out.host_lengths()
+        self.write_context(slots, out.hidden, starts, n_valid)
         k = min(self.num_speculative_tokens, self.engine.step_k)
         if k == 0:
             return super().propose(out)  # no drafts this step
-        anchor_tokens = torch.tensor([r.all_ids[-1] for r in reqs], device=slots.device)
-        logits = self.block_logits(slots, anchor_tokens, out.starts + out.n_valid)
+        logits = self.block_logits(slots, [r.all_ids[-1] for r in reqs], [s + v for s, v in zip(starts, n_valid)])
         uniforms = uniforms_if_sampling(self.spec, reqs, k, self.sample_drafts)
         picked = [pick_drafts(logits[:, 1 + i], reqs[0].sampling, None if uniforms is None else uniforms[:, i])
                   for i in range(k)]
@@ -80,49 +82,63 @@ class DFlashProposer(TrainedExternalDraft, Proposer):
         assign_drafts(reqs, tokens, torch.stack([q for _, q in picked], 1) if uniforms is not None else None)
 
     def write_context(self, slots, hidden, starts, n_valid):
-        """Every draft layer's keys/values of the verified positions starts .. starts+n_valid-1 into the cache."""
-        width = int(n_valid.max())
+        """Every draft layer's keys/values of the verified positions starts .. starts+n_valid-1 into
+        the cache (a static step; slots, starts, n_valid: host ints, hidden [n, >= max n_valid, W])."""
+        width = max(n_valid)
         if width == 0:
             return
-        offsets = torch.arange(width, device=slots.device)
-        positions = starts[:, None] + offsets[None, :]
-        valid = offsets[None, :] < n_valid[:, None]
-        rows, cols = slots[:, None].expand(-1, width)[valid], positions[valid]
-        kv = self.draft_model.context_kv(self.draft_model.context(hidden[:, :width]), positions)
-        for j, (k, v) in enumerate(kv):
-            self.cache.k[j][rows, cols] = k.transpose(1, 2)[valid]
-            self.cache.v[j][rows, cols] = v.transpose(1, 2)[valid]
+        layout = self.engine.steps.layout(self.cache, slots, starts, n_valid)
+        shape = layout.shape
+
+        def step(hidden, slots, starts):
+            view = self.cache.static_step(slots, starts, shape, DRAFT_ATTENTION)
+            kv = self.draft_model.context_kv(self.draft_model.context(hidden), view.positions)
+            for j, (k, v) in enumerate(kv):
+                view.write(self.cache.k[j], k.transpose(1, 2))
+                view.write(self.cache.v[j], v.transpose(1, 2))
+            return ()
+        self.engine.steps.run((f"{self.family}/context", shape), step,
+                              (layout.pad(hidden[:, :width]), layout.slots, layout.starts), layout.graphed)
 
     def block_logits(self, slots, anchor_tokens, anchors):
-        """[B, block_size, V] logits of the block [anchor, mask x k] at positions anchors .. anchors+k,
-        over the cached context before each anchor and the whole block (not causal)."""
-        return self.draft_model.logits(self.block_states(slots, anchor_tokens, anchors), self.engine.model.head_weight())
+        """[n, block_size, V] logits of the block [anchor, mask x k] at positions anchors .. anchors+k,
+        over the cached context before each anchor and the whole block (not causal); slots,
+        anchor_tokens, anchors: host ints. A static step that reads the cache and writes nothing."""
+        return self.block_forward(slots, anchor_tokens, anchors)[0]
 
-    def block_states(self, slots, anchor_tokens, anchors):
-        """[B, block_size, H] final-normed states of the block of `block_logits`."""
-        draft, target = self.draft_model, self.engine.model
-        size = draft.cfg.block_size
-        length = int(anchors.max())
-        kv = [(self.cache.k[j][slots, :length].transpose(1, 2), self.cache.v[j][slots, :length].transpose(1, 2))
-              for j in range(draft.cfg.num_hidden_layers)]
-        context = torch.arange(length, device=slots.device)[None, :] < anchors[:, None]
-        mask = torch.cat([context[:, None, :].expand(-1, size, -1),
-                          torch.ones(len(slots), size, size, dtype=torch.bool, device=slots.device)], 2)
-        positions = anchors[:, None] + torch.arange(size, device=slots.device)[None, :]
-        return draft(draft.block_input(anchor_tokens, target.model.embed_tokens.weight), positions, kv, mask)
+    def block_forward(self, slots, anchor_tokens, anchors, with_states=False):
+        """(the block's logits [n, block_size, V], and with `with_states` its final-normed states
+        [n, block_size, H]) of `block_logits`' step; outputs a graph's buffers: use them before the next."""
+        layout = self.engine.steps.layout(self.cache, slots, anchors, [0] * len(slots))
+        shape, size = layout.shape, self.draft_model.cfg.block_size
+
+        def step(anchor_tokens, slots, anchors):
+            draft, target = self.draft_model, self.engine.model
+            view = self.cache.static_step(slots, anchors, shape, DRAFT_ATTENTION)
+            kv = [(view.read(self.cache.k[j]).transpose(1, 2), view.read(self.cache.v[j]).transpose(1, 2))
+                  for j in range(draft.cfg.num_hidden_layers)]
+            context = torch.arange(shape.k_len, device=anchors.device)[None, :] < anchors[:, None]
+            mask = torch.cat([context[:, None, :].expand(-1, size, -1),
+                              torch.ones(shape.rows, size, size, dtype=torch.bool, device=anchors.device)], 2)
+            positions = anchors[:, None] + torch.arange(size, device=anchors.device)[None, :]
+            states = draft(draft.block_input(anchor_tokens, target.model.embed_tokens.weight), positions, kv, mask)
+            logits = draft.logits(states, target.head_weight())
+            return (logits, states) if with_states else (logits,)
+        tokens = device_tensor(anchor_tokens + [0] * (shape.rows - layout.n), layout.slots.device)
+        outputs = self.engine.steps.run((f"{self.family}/block", shape, with_states), step,
+                                        (tokens, layout.slots, layout.starts), layout.graphed)
+        return tuple(x[:layout.n] for x in outputs)
 
     def profile_draft(self, batch_size, k, new_tokens=2):
         """One drafting for batch_size rows (context for `new_tokens` verified positions, the block
         forward) on dummy inputs in slots 0..batch_size-1. The block costs the same for any k >= 1;
         k = 0 is the context write alone, what a step without drafts still does."""
         ec = self.engine.config
-        slots = torch.arange(batch_size, device=ec.device)
+        slots = list(range(batch_size))
         context = max(0, min(32, self.engine.max_len - new_tokens - self.num_speculative_tokens - 1))
-        starts = torch.full((batch_size,), context, device=ec.device)
-        n_valid = torch.full((batch_size,), new_tokens, device=ec.device)
         width = len(self.aux_hidden_layers) * self.engine.cfg.hidden_size
         hidden = torch.zeros(batch_size, new_tokens, width, device=ec.device, dtype=ec.dtype)
         with torch.inference_mode():
-            self.write_context(slots, hidden, starts, n_valid)
+            self.write_context(slots, hidden, [context] * batch_size, [new_tokens] * batch_size)
             if k > 0:
-                self.block_logits(slots, torch.zeros_like(slots), starts + n_valid)
+                self.block_logits(slots, [0] * batch_size, [context + new_tokens] * batch_size)

@@ -11,9 +11,10 @@ import torch
 
 from vime.models.hf_format import load_hf_checkpoint
 from rollout.embedded.model import CausalLMWithMTP
+from rollout.embedded.moe import MoE
 from rollout.embedded.proposers import Proposer
-from rollout.embedded.padding import pad_token_rows
-from rollout.embedded.proposers.drafting import assign_drafts, draft_cache, pick_drafts, uniforms_if_sampling
+from rollout.embedded.steps import device_tensor
+from rollout.embedded.proposers.drafting import DraftSteps, assign_drafts, draft_cache, pick_drafts, uniforms_if_sampling
 from rollout.spec_config import check_draft_vocab
 
 
@@ -48,6 +49,9 @@ class DraftModelProposer(Proposer):
         cfg = self.model.cfg
         check_draft_vocab(self.spec.model, cfg.vocab_size, engine.cfg.vocab_size)
         self.cache = draft_cache(engine, cfg.num_hidden_layers, cfg, self.num_speculative_tokens)
+        # a mixture-of-experts draft dispatches experts by the routing's data: its steps run eagerly
+        dense = not any(isinstance(layer.mlp, MoE) for layer in self.model.model.layers)
+        self.steps = DraftSteps(engine, self.cache, self._logits, graphable=dense, rotary=self.model.rotary)
 
     def propose(self, out):
         reqs, k = out.requests, self.num_speculative_tokens
@@ -55,20 +59,19 @@ class DraftModelProposer(Proposer):
         uniforms = uniforms_if_sampling(self.spec, reqs, k, self.sample_drafts)
         device = out.hidden.device
         ids = [r.all_ids for r in reqs]
-        valid = [min(self._valid(r, x), len(x) - 1) for r, x in zip(reqs, ids)]
-        slots = torch.tensor([r.slot for r in reqs], device=device)
-        starts = torch.tensor(valid, device=device)
-        n_new = torch.tensor([len(x) - v for x, v in zip(ids, valid)], device=device)
-        logits = self._forward(slots, pad_token_rows([x[v:] for x, v in zip(ids, valid)], device), starts, n_new)
-        logits = logits[torch.arange(len(reqs), device=device), n_new - 1]
-        pos = starts + n_new
+        starts = [min(self._valid(r, x), len(x) - 1) for r, x in zip(reqs, ids)]
+        slots = [r.slot for r in reqs]
+        n_new = [len(x) - v for x, v in zip(ids, starts)]
+        logits = self.steps.run("catch-up", 0, slots, starts, n_new, [x[v:] for x, v in zip(ids, starts)])
+        logits = logits[torch.arange(len(reqs), device=device), device_tensor(n_new, device) - 1]
+        pos = [s + n for s, n in zip(starts, n_new)]
         tokens, probs = [], []
         for i in range(k):
             tok, q = pick_drafts(logits, sampling, None if uniforms is None else uniforms[:, i])
             tokens.append(tok)
             probs.append(q)
             if i + 1 < k:
-                logits = self._forward(slots, tok[:, None], pos + i, torch.ones_like(pos))[:, 0]
+                logits = self.steps.run("step", 0, slots, [p + i for p in pos], [1] * len(reqs), tok[:, None])[:, 0]
         drafts = torch.stack(tokens, 1)
         assign_drafts(reqs, drafts, torch.stack(probs, 1) if uniforms is not None else None)
         for r, x, row in zip(reqs, ids, drafts.tolist()):
@@ -80,9 +83,8 @@ class DraftModelProposer(Proposer):
         base, drafted = self.state[id(r)]
         return valid_prefix(base, drafted, ids)
 
-    def _forward(self, slots, tokens, starts, n_new):
-        positions = starts[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :]
-        view = self.cache.step(slots, starts, n_new, self.engine.backend)
+    def _logits(self, j, tokens, hidden, positions, view):
+        """The draft model's logits of its step's tokens, writing their keys/values into its cache."""
         return self.model.logits(self.model(tokens, positions, view.layers(self.model.cfg.num_hidden_layers)))
 
     def release(self, request):

@@ -11,10 +11,17 @@ on the tiny model at temperature 1 the MTP head is flatter than the target and a
 (0.33 vs 0.25 acceptance, see BENCHMARKS.md). `sample_drafts=True` switches to sampled
 drafts; it only applies with `probabilistic` verification (strict ignores q).
 """
+import itertools
+
 import torch
 
 from mtp.sampling import processed_logprobs, sample_with_uniforms
 from rollout.embedded.kv_cache import make_kv_cache
+
+DRAFT_FAMILY = "draft"  # every proposer step family starts so (the engine drops them with the proposer)
+# a draft's cache is read by the masked attention: flash-attn's in-kernel cache write would need room
+# for a whole query window past the scratch position, and a catch-up's window has no fixed bound
+DRAFT_ATTENTION = "sdpa"
 
 
 class TrainedExternalDraft:
@@ -33,6 +40,49 @@ class TrainedExternalDraft:
 
     def draft_synced(self):
         self.synced = True
+
+
+_families = itertools.count()
+
+
+def draft_family():
+    """A step family name of its own for one proposer's caches: their graphs are never another's."""
+    return f"{DRAFT_FAMILY}{next(_families)}"
+
+
+class DraftSteps:
+    """A proposer's draft forwards as static steps (rollout/embedded/steps.py) on its own cache:
+    `run` lays ragged rows out on the engine's step runner and runs
+    forward(j, tokens, hidden, positions, step_view) there — as a CUDA graph where the engine
+    captures its steps and `graphable` allows (a dense draft network: the layers of a mixture-of-
+    experts model dispatch experts by the routing's data and run eagerly)."""
+
+    def __init__(self, engine, cache, forward, graphable=True, rotary=None):
+        self.engine, self.cache, self.forward, self.graphable = engine, cache, forward, graphable
+        self.family = draft_family()
+        # padding rows sit past every real position: keep them inside the rotary table
+        self.max_position = (rotary or engine.model.rotary).cos.shape[0] - 1
+
+    def run(self, name, j, slots, starts, counts, tokens, hidden=None):
+        """Draft network part j over rows in `slots` writing counts[b] positions from starts[b]
+        (host ints); tokens: host lists or [n, W]; hidden: [n, W, H] or None -> the forward's
+        output for the n rows. `name` keeps apart the step kinds whose outputs are alive together
+        (one shared output buffer per name)."""
+        layout = self.engine.steps.layout(self.cache, slots, starts, counts, self.graphable)
+        shape = layout.shape
+        tokens = layout.tokens(tokens) if isinstance(tokens, list) else layout.pad(tokens, shape.q_len)
+        inputs = (tokens, layout.slots, layout.starts) + (() if hidden is None else (layout.pad(hidden, shape.q_len),))
+        (out,) = self.engine.steps.run((f"{self.family}/{name}", shape, j), self.step(j, shape), inputs,
+                                       layout.graphed)
+        return out[:layout.n]
+
+    def step(self, j, shape):
+        """Part j's step function at `shape`: (tokens, slots, starts[, hidden]) -> (out,)."""
+        def step(tokens, slots, starts, hidden=None):
+            positions = shape.positions(starts).clamp(max=self.max_position)
+            view = self.cache.static_step(slots, starts, shape, DRAFT_ATTENTION)
+            return (self.forward(j, tokens, hidden, positions, view),)
+        return step
 
 
 def samples_drafts(spec, sampling, enabled):

@@ -28,6 +28,7 @@ from mtp.dspark import DSparkDraft, acceptance_confidence, draft_left_to_right
 from rollout.embedded.proposers import Proposer
 from rollout.embedded.proposers.dflash import DFlashProposer
 from rollout.embedded.proposers.drafting import assign_drafts, pick_drafts, uniforms_if_sampling
+from rollout.embedded.steps import device_tensor
 from vime.models.dspark import WIRE_PREFIX, check_draft_fits_target, load_draft
 
 
@@ -49,8 +50,7 @@ class DSparkProposer(DFlashProposer):
 
     def attach(self, engine):
         super().attach(engine)
-        ec = engine.config
-        self.written = torch.zeros(ec.max_batch_size, dtype=torch.long, device=ec.device)  # context positions per slot
+        self.written = [0] * engine.config.max_batch_size  # context positions written, per slot
         self.kept = None  # [slots, positions, aux width]: target states of positions not yet in the context
 
     def checked_draft(self, engine):
@@ -66,8 +66,11 @@ class DSparkProposer(DFlashProposer):
     def move_slots(self, requests, old_slots):
         super().move_slots(requests, old_slots)
         new = [r.slot for r in requests]
-        self.written[new] = self.written[old_slots]
-        self.written[[s for s in old_slots if s not in new]] = 0  # the slots left behind are free
+        written = [self.written[s] for s in old_slots]
+        for old in old_slots:  # the slots left behind are free
+            self.written[old] = 0
+        for slot, w in zip(new, written):
+            self.written[slot] = w
         if self.kept is not None:
             length = min(max(r.num_tokens for r in requests), self.kept.shape[1])
             self.kept[new, :length] = self.kept[old_slots, :length]
@@ -75,20 +78,21 @@ class DSparkProposer(DFlashProposer):
     # ---- drafting ----
     def propose(self, out):
         reqs = out.requests
-        slots = torch.tensor([r.slot for r in reqs], device=out.hidden.device)
+        slots = [r.slot for r in reqs]
+        starts, n_valid = out.host_lengths()
         k = min(self.num_speculative_tokens, self.engine.step_k)
         if k == 0:
-            self.keep_states(slots, out.hidden, out.starts, out.n_valid)
+            self.keep_states(slots, out.hidden, starts)
             return Proposer.propose(self, out)
-        self.catch_up(slots, out)
-        anchor_tokens = torch.tensor([r.all_ids[-1] for r in reqs], device=slots.device)
-        states = self.block_states(slots, anchor_tokens, out.starts + out.n_valid)[:, :k]
-        draft = self.draft_model
-        base = draft.logits(states, self.engine.model.head_weight())
+        self.catch_up(slots, out.hidden, starts, n_valid)
+        anchor_tokens = [r.all_ids[-1] for r in reqs]
+        logits, states = self.block_forward(slots, anchor_tokens, [s + v for s, v in zip(starts, n_valid)],
+                                            with_states=True)
+        draft, base, states = self.draft_model, logits[:, :k], states[:, :k]  # slot i: the token after it
         uniforms = uniforms_if_sampling(self.spec, reqs, k, self.sample_drafts)
         tokens, q, embeds = draft_left_to_right(
-            draft, base, anchor_tokens,
-            lambda i, logits: pick_drafts(logits, reqs[0].sampling, None if uniforms is None else uniforms[:, i]))
+            draft, base, device_tensor(anchor_tokens, base.device),
+            lambda i, x: pick_drafts(x, reqs[0].sampling, None if uniforms is None else uniforms[:, i]))
         sizes = self.verification_size(len(reqs), acceptance_confidence(draft, states, embeds), k)
         assign_drafts(reqs, tokens, q)
         for r, size in zip(reqs, sizes):
@@ -104,8 +108,9 @@ class DSparkProposer(DFlashProposer):
         return [size] * batch_size if isinstance(size, int) else [int(x) for x in size]
 
     # ---- the context, deferred over steps without drafts ----
-    def keep_states(self, slots, hidden, starts, n_valid):
-        """Keep the verified positions' target states until a drafting step writes them."""
+    def keep_states(self, slots, hidden, starts):
+        """Keep a target forward's states [n, Q, W] (rows at slots, from starts: host ints) until a
+        drafting step writes them into the context."""
         if self.kept is None:  # made at the first step without drafts: a schedule that always drafts needs none
             ec = self.engine.config
             with torch.inference_mode(False):  # a normal tensor: slot moves update it outside inference mode
@@ -113,36 +118,39 @@ class DSparkProposer(DFlashProposer):
                                         device=ec.device)
         # every position of the forward, the unverified ones too: one copy, no masking; those hold
         # garbage until the step that verifies them writes them, always before a catch-up reads them
-        positions = starts[:, None] + torch.arange(hidden.shape[1], device=slots.device)[None, :]
-        self.kept[slots[:, None], positions] = hidden
+        dev = self.kept.device
+        positions = device_tensor(starts, dev)[:, None] + torch.arange(hidden.shape[1], device=dev)[None, :]
+        self.kept[device_tensor(slots, dev)[:, None], positions.clamp(max=self.kept.shape[1] - 1)] = hidden
 
-    def catch_up(self, slots, out):
+    def catch_up(self, slots, hidden, starts, n_valid):
         """Write the context of every position since each row's last drafting step: this forward's
         states, and the kept states of the steps between, in one context forward."""
-        first, end = self.written[slots], out.starts + out.n_valid
-        if bool((first == out.starts).all()):  # nothing deferred: this forward's states are the whole catch-up
-            self.write_context(slots, out.hidden, out.starts, out.n_valid)
+        first = [self.written[s] for s in slots]
+        end = [s + v for s, v in zip(starts, n_valid)]
+        if first == list(starts):  # nothing deferred: this forward's states are the whole catch-up
+            self.write_context(slots, hidden, starts, n_valid)
         else:
-            self.keep_states(slots, out.hidden, out.starts, out.n_valid)
-            width = int((end - first).max())
-            at = (first[:, None] + torch.arange(width, device=slots.device)[None, :]).clamp(max=self.kept.shape[1] - 1)
-            self.write_context(slots, self.kept[slots[:, None], at], first, end - first)
-        self.written[slots] = end
+            self.keep_states(slots, hidden, starts)
+            dev, width = self.kept.device, max(e - f for e, f in zip(end, first))
+            at = device_tensor(first, dev)[:, None] + torch.arange(width, device=dev)[None, :]
+            self.write_context(slots, self.kept[device_tensor(slots, dev)[:, None], at.clamp(max=self.kept.shape[1] - 1)],
+                               first, [e - f for e, f in zip(end, first)])
+        for slot, e in zip(slots, end):
+            self.written[slot] = e
 
     def profile_draft(self, batch_size, k, new_tokens=2):
         """One drafting for batch_size rows (context for `new_tokens` verified positions, the block
         forward, k Markov steps and the confidence) on dummy inputs in slots 0..batch_size-1."""
         ec = self.engine.config
-        slots = torch.arange(batch_size, device=ec.device)
+        slots = list(range(batch_size))
         context = max(0, min(32, self.engine.max_len - new_tokens - self.num_speculative_tokens - 1))
-        starts = torch.full((batch_size,), context, device=ec.device)
-        n_valid = torch.full((batch_size,), new_tokens, device=ec.device)
         width = len(self.aux_hidden_layers) * self.engine.cfg.hidden_size
         hidden = torch.zeros(batch_size, new_tokens, width, device=ec.device, dtype=ec.dtype)
         with torch.inference_mode():
-            self.write_context(slots, hidden, starts, n_valid)
-            anchors = torch.zeros_like(slots)
-            states = self.block_states(slots, anchors, starts + n_valid)[:, :k]
-            base = self.draft_model.logits(states, self.engine.model.head_weight())
-            _, _, embeds = draft_left_to_right(self.draft_model, base, anchors, lambda i, x: pick_drafts(x, None))
-            acceptance_confidence(self.draft_model, states, embeds)
+            self.write_context(slots, hidden, [context] * batch_size, [new_tokens] * batch_size)
+            logits, states = self.block_forward(slots, [0] * batch_size, [context + new_tokens] * batch_size,
+                                                with_states=True)
+            anchors = torch.zeros(batch_size, dtype=torch.long, device=ec.device)
+            _, _, embeds = draft_left_to_right(self.draft_model, logits[:, :k], anchors,
+                                               lambda i, x: pick_drafts(x, None))
+            acceptance_confidence(self.draft_model, states[:, :k], embeds)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mtp.eagle3 import Eagle3Draft
-from rollout.embedded.proposers.drafting import TrainedExternalDraft, draft_cache
+from rollout.embedded.proposers.drafting import DraftSteps, TrainedExternalDraft, draft_cache
 from rollout.embedded.proposers.mtp import MTPProposer
 from vime.errors import require
 from vime.models.eagle3 import FLAG, check_draft_fits_target, load_draft, resolve_aux_layers
@@ -53,6 +53,7 @@ class Eagle3Proposer(TrainedExternalDraft, MTPProposer):
         self.num_layers = 1
         shape = dataclasses.replace(engine.cfg, num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
         self.cache = draft_cache(engine, 1, shape, self.num_speculative_tokens)
+        self.steps = DraftSteps(engine, self.cache, self.step_forward)  # a dense draft: graphable
         self.carry = torch.zeros(ec.max_batch_size, 1, cfg.hidden_size, dtype=ec.dtype, device=ec.device)
         self.pending, self.deferred = {}, []
         self.synced = False

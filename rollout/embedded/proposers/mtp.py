@@ -33,8 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from rollout.embedded.proposers import TargetForward, Proposer
-from rollout.embedded.padding import pad_token_rows
-from rollout.embedded.proposers.drafting import assign_drafts, draft_cache, pick_drafts, uniforms_if_sampling
+from rollout.embedded.steps import device_tensor
+from rollout.embedded.proposers.drafting import (DraftSteps, assign_drafts, draft_cache, pick_drafts,
+                                                 uniforms_if_sampling)
 
 
 @dataclass
@@ -59,7 +60,10 @@ def shift_rows(x, offset):
 
 
 class MTPProposer(Proposer):
-    """Drafts with the policy's own MTP layers, chained over depths, from the target forward's hidden states."""
+    """Drafts with the policy's own MTP layers, chained over depths, from the target forward's hidden states.
+
+    Every layer forward is a static step (rollout/embedded/steps.py) laid out from host ints: the
+    requests' slots, the positions each layer covers (`TargetForward.host_lengths`)."""
 
     def __init__(self, spec, sample_drafts=False):
         self.spec, self.sample_drafts = spec, sample_drafts  # see drafting.py for the choice
@@ -69,6 +73,7 @@ class MTPProposer(Proposer):
         self.engine, self.model = engine, engine.model
         self.num_layers = self.model.num_mtp_layers
         self.cache = draft_cache(engine, self.num_layers, engine.cfg, self.num_speculative_tokens)
+        self.steps = DraftSteps(engine, self.cache, self.step_forward, engine.graphable)
         cfg, ec = engine.cfg, engine.config
         # carry[slot, j]: layer j's output at the last position its catch-up covered (read by layer j+1)
         self.carry = torch.zeros(ec.max_batch_size, max(self.num_layers - 1, 1), cfg.hidden_size,
@@ -97,9 +102,10 @@ class MTPProposer(Proposer):
         reqs = out.requests
         sampling = reqs[0].sampling
         uniforms = uniforms_if_sampling(self.spec, reqs, k, self.sample_drafts)
-        slots = torch.tensor([r.slot for r in reqs], device=out.hidden.device)
+        slots = [r.slot for r in reqs]
         runs = self.catch_up(slots, out, self.true_tokens(reqs))
-        tokens, probs = self.draft(runs, slots, out.starts + out.n_valid - 1, k, sampling, uniforms)
+        starts, n_valid = out.host_lengths()
+        tokens, probs = self.draft(runs, slots, [s + v - 1 for s, v in zip(starts, n_valid)], k, sampling, uniforms)
         assign_drafts(reqs, torch.stack(tokens, 1), torch.stack(probs, 1) if uniforms is not None else None)
 
     def with_pending(self, out):
@@ -110,26 +116,30 @@ class MTPProposer(Proposer):
         # id(request) -> (its first deferred position, its deferred hidden states in step order)
         parts = {id(r): (s, []) for r, s in zip(out.requests, starts) if s is not None}
         for step, step_starts in self.deferred:
+            _, step_valid = step.host_lengths()
             for i, r in enumerate(step.requests):
                 first, rows = parts.get(id(r), (None, None))
                 if rows is not None and step_starts[i] >= first:  # not from an earlier, caught-up deferral
-                    rows.append(step.hidden[i, :int(step.n_valid[i])])
+                    rows.append(step.hidden[i, :step_valid[i]])
         if not self.pending:
             self.deferred.clear()
-        rows = [out.hidden[i, :int(out.n_valid[i])] for i in range(len(out.requests))]
+        out_starts, out_valid = out.host_lengths()
+        rows = [out.hidden[i, :out_valid[i]] for i in range(len(out.requests))]
         rows = [row if s is None else torch.cat(parts[id(r)][1] + [row])
                 for r, s, row in zip(out.requests, starts, rows)]
-        starts = [int(out.starts[i]) if s is None else s for i, s in enumerate(starts)]
+        starts = [out_starts[i] if s is None else s for i, s in enumerate(starts)]
+        lengths = [len(x) for x in rows]
         hidden = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-        lengths = torch.tensor([len(x) for x in rows], device=hidden.device)
-        return TargetForward(out.requests, hidden, torch.tensor(starts, device=hidden.device), lengths)
+        return TargetForward(out.requests, hidden, device_tensor(starts, hidden.device),
+                             device_tensor(lengths, hidden.device), starts, lengths)
 
     def defer(self, out):
         """Keep this step's hidden states for the next drafting step: one record per step, not
         per row (this runs at every k = 0 step, so on a large batch its cost is plain decoding's
-        overhead). Each forward's output is a fresh tensor, never written again."""
-        starts = out.starts.tolist()
-        self.deferred.append((out, starts))
+        overhead). A copy: the target step's output buffer is rewritten by its next step."""
+        starts, n_valid = out.host_lengths()
+        kept = TargetForward(out.requests, out.hidden.clone(), out.starts, out.n_valid, starts, n_valid)
+        self.deferred.append((kept, starts))
         for r, start in zip(out.requests, starts):
             self.pending.setdefault(r.slot, start)
             r.drafts, r.draft_probs = [], None
@@ -138,19 +148,19 @@ class MTPProposer(Proposer):
         """One drafting of k tokens for batch_size rows (catch-up over `new_tokens` verified
         positions, the deeper layers' and reuse steps, k heads) on dummy inputs in slots 0..batch_size-1."""
         dev, hidden_size = self.engine.config.device, self.target_hidden_width()
-        slots = torch.arange(batch_size, device=dev)
         context = max(0, min(32, self.engine.max_len - new_tokens - k - self.num_layers))
-        starts = torch.full((batch_size,), context, device=dev)
-        n_valid = torch.full((batch_size,), new_tokens, device=dev)
+        starts, n_valid = [context] * batch_size, [new_tokens] * batch_size
         hidden = torch.zeros(batch_size, new_tokens, hidden_size, device=dev, dtype=self.engine.config.dtype)
-        out = TargetForward(None, hidden, starts, n_valid)
+        out = TargetForward(None, hidden, device_tensor(starts, dev), device_tensor(n_valid, dev),
+                            starts, n_valid)
+        slots = list(range(batch_size))
         with torch.inference_mode():
-            runs = self.catch_up(slots, out, lambda j, first, count: torch.zeros(
-                batch_size, int(count.max()), dtype=torch.long, device=dev))
-            self.draft(runs, slots, starts + new_tokens - 1, k, None, None)
+            runs = self.catch_up(slots, out, lambda j, first, count: [[0] * c for c in count])
+            self.draft(runs, slots, [context + new_tokens - 1] * batch_size, k, None, None)
 
     def draft(self, runs, slots, last_pos, k, sampling, uniforms):
-        """k drafts per row from the caught-up layers (see the module docstring): ([B] tokens, [B, V] q or None) x k."""
+        """k drafts per row from the caught-up layers (see the module docstring): ([B] tokens, [B, V] q or None) x k.
+        slots, last_pos: host ints per row."""
         tokens, probs = [], []
 
         def draft(hidden_at_last):
@@ -168,9 +178,14 @@ class MTPProposer(Proposer):
         hidden = speculative[:, -1] if speculative.shape[1] else runs[0].last()
         layer = self.num_layers - 1
         for i in range(len(tokens), k):
-            hidden = self.reuse_step(layer, slots, tokens[-1], hidden, last_pos + i - layer)
+            # the step's output buffer is this hidden: read by the head and copied in by the next step
+            hidden = self.reuse_step(layer, slots, tokens[-1], hidden, [p + i - layer for p in last_pos])
             draft(hidden)
         return tokens, probs
+
+    def step_forward(self, j, tokens, hidden, positions, view):
+        """What a draft step runs (DraftSteps): layer j on its slice of the step's cache view."""
+        return self.layer_forward(j, tokens, hidden, positions, view.layers(self.num_layers)[j])
 
     # ---- the draft network (a subclass drafting with another network overrides these) ----
     def layer_forward(self, j, tokens, hidden, positions, view):
@@ -188,43 +203,45 @@ class MTPProposer(Proposer):
     # ---- catch-up: every layer's cache from true inputs --------------------------------
     @staticmethod
     def true_tokens(reqs):
-        """token_rows(j, first, count): layer j's input tokens t+j+1 for t = first..first+count-1."""
+        """token_rows(j, first, count): layer j's input tokens t+j+1 for t = first..first+count-1 (host lists)."""
         def token_rows(j, first, count):
-            rows = zip(reqs, first.tolist(), count.tolist())
-            return pad_token_rows([r.all_ids[f + j + 1:f + j + 1 + c] for r, f, c in rows], first.device)
+            return [r.all_ids[f + j + 1:f + j + 1 + c] for r, f, c in zip(reqs, first, count)]
         return token_rows
 
     def catch_up(self, slots, out, token_rows):
-        """Run each layer over its newly true positions; returns one LayerRun per layer."""
-        last0 = out.starts + out.n_valid - 1
-        q_len = int(out.n_valid.max())
+        """Run each layer over its newly true positions; returns one LayerRun per layer (slots: host ints)."""
+        starts, n_valid = out.host_lengths()
+        last0 = [s + v - 1 for s, v in zip(starts, n_valid)]
+        q_len = max(n_valid)
         runs = []
         for j in range(self.num_layers):
-            first = (out.starts - j).clamp(min=0)
-            count = (last0 - j - first + 1).clamp(min=0)
+            first = [max(s - j, 0) for s in starts]
+            count = [max(last - j - f + 1, 0) for last, f in zip(last0, first)]
             if j == 0:
                 hidden = out.hidden[:, :q_len]
             else:
                 hidden = self._chained_input(runs[-1], slots, j, first)
             runs.append(self._run_layer(j, slots, hidden, first, count, token_rows))
+        index = device_tensor(slots, out.hidden.device)
         for j, run in enumerate(runs[:-1]):
             keep = (run.count > 0)[:, None]
-            self.carry[slots, j] = torch.where(keep, run.last(), self.carry[slots, j])
+            self.carry[index, j] = torch.where(keep, run.last(), self.carry[index, j])
         return runs
 
     def _chained_input(self, prev, slots, j, first):
         """Layer j-1's outputs at layer j's positions: the carried one at first == prev.first - 1."""
-        with_carry = torch.cat([self.carry[slots, j - 1][:, None], prev.out], 1)
-        return shift_rows(with_carry, 1 + first - prev.first)[:, :prev.out.shape[1]]
+        dev = prev.out.device
+        with_carry = torch.cat([self.carry[device_tensor(slots, dev), j - 1][:, None], prev.out], 1)
+        return shift_rows(with_carry, 1 + device_tensor(first, dev) - prev.first)[:, :prev.out.shape[1]]
 
     def _run_layer(self, j, slots, hidden, first, count, token_rows):
-        width = int(count.max())
+        dev = hidden.device
+        first_t, count_t = device_tensor(first, dev), device_tensor(count, dev)
+        width = max(count)
         if width == 0:  # nothing true yet (a prompt shorter than j + 2 tokens)
-            return LayerRun(hidden, first, count)
-        tokens = token_rows(j, first, count)
-        positions = first[:, None] + torch.arange(width, device=slots.device)[None, :]
-        view = self.cache.step(slots, first, count, self.engine.backend).layers(self.num_layers)[j]
-        return LayerRun(self.layer_forward(j, tokens, hidden[:, :width], positions, view), first, count)
+            return LayerRun(hidden, first_t, count_t)
+        out = self.steps.run(f"catch-up{j}", j, slots, first, count, token_rows(j, first, count), hidden[:, :width])
+        return LayerRun(out, first_t, count_t)
 
     # ---- drafting ------------------------------------------------------------------
     def deeper_layer_step(self, j, slots, last_pos, true_prev, speculative_prev, drafts):
@@ -232,18 +249,16 @@ class MTPProposer(Proposer):
         [B, j, H], right-aligned (index j-1 is position e)."""
         hidden = torch.cat([true_prev[:, None], speculative_prev], 1)
         # positions below 0 (very short prompts) do not exist: drop them, left-aligning the rest
-        drop = (j - 1 - last_pos).clamp(min=0)
-        first = last_pos - j + 1 + drop
-        width = j - int(drop.min())
-        positions = first[:, None] + torch.arange(width, device=slots.device)[None, :]
-        view = self.cache.step(slots, first, j - drop, self.engine.backend).layers(self.num_layers)[j]
-        out = self.layer_forward(j, shift_rows(drafts, drop)[:, :width], shift_rows(hidden, drop)[:, :width],
-                                 positions, view)
-        return shift_rows(torch.nn.functional.pad(out, (0, 0, 0, j - width)), -drop)
+        drop = [max(j - 1 - p, 0) for p in last_pos]
+        width = j - min(drop)
+        drop_t = device_tensor(drop, hidden.device)
+        out = self.steps.run(f"deeper{j}", j, slots, [p - j + 1 + d for p, d in zip(last_pos, drop)],
+                             [j - d for d in drop], shift_rows(drafts, drop_t)[:, :width],
+                             shift_rows(hidden, drop_t)[:, :width])
+        return shift_rows(torch.nn.functional.pad(out, (0, 0, 0, j - width)), -drop_t)
 
     def reuse_step(self, layer, slots, tokens, hidden, positions):
-        """One speculative step of `layer` at `positions` [B] on (its previous output, previous draft)."""
-        view = self.cache.step(slots, positions, torch.ones_like(positions), self.engine.backend)
-        out = self.layer_forward(layer, tokens[:, None], hidden[:, None], positions[:, None],
-                                 view.layers(self.num_layers)[layer])
+        """One speculative step of `layer` at `positions` (host ints) on (its previous output, previous draft)."""
+        out = self.steps.run("reuse", layer, slots, positions, [1] * len(slots), tokens[:, None],
+                             hidden[:, None])
         return out[:, 0]

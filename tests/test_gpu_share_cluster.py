@@ -1,0 +1,54 @@
+"""One GPU shared by a trainer rank and a rollout engine, on a Ray cluster that declares one logical GPU
+(`ray start --head --num-gpus 1`, token auth on) on this CPU-only machine: the README's main command
+runs unchanged (the cluster has fewer GPUs than ranks + engines, so the rank and the engine are packed
+onto the one GPU, half each), and so does the `--colocate` fractional form. Both actors compute on
+CPU (each finds its own device; the GPU in Ray's table is logical), see the same Ray GPU, and so take
+the weights by the in-place hand-over (shared memory here, CUDA IPC on a GPU); every tensor is checked
+after every push (--check-weight-update-equal)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_train_rl import REPO
+
+STEPS = 3
+MAIN_COMMAND = ["--enable-mtp-training", "--mtp-num-layers", "1"]
+
+
+@pytest.fixture(scope="module")
+def one_gpu_cluster():
+    from tests.two_node_cluster import TwoNodeCluster
+
+    c = TwoNodeCluster({}, None, cpus=2, gpus=1)
+    yield c
+    c.stop()
+
+
+def run_on(cluster, out, *flags):
+    cmd = [sys.executable, "train_rl.py", *MAIN_COMMAND, "--ray-address", cluster.address, "--num-rollout", STEPS,
+           "--output-dir", out, "--progress", "false", "--no-use-wandb", "--check-weight-update-equal", *flags]
+    return subprocess.run(list(map(str, cmd)), cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=1200)
+
+
+def rows_of(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, packed_line", [
+    ((), True),
+    (("--colocate", "--actor-num-gpus-per-node", 0.5, "--rollout-num-gpus-per-engine", 0.5), False),
+], ids=["main-command", "colocate-fractions"])
+def test_a_rank_and_an_engine_share_the_one_gpu_and_hand_weights_over_in_place(one_gpu_cluster, tmp_path, flags,
+                                                                                packed_line):
+    proc = run_on(one_gpu_cluster, tmp_path, *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # every tensor compared after every push
+    rows = rows_of(tmp_path)
+    assert [r["rollout/step"] for r in rows] == list(range(STEPS))
+    assert all(r["rollout/weight_version_synced"] == r["rollout/step"] + 1 for r in rows)
+    assert all(r["weight_sync/in_place_engines"] == 1 for r in rows)
+    assert ("share a GPU with an engine" in proc.stdout + proc.stderr) == packed_line
