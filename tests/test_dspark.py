@@ -184,8 +184,15 @@ def test_the_verification_size_verifies_while_one_more_draft_raises_the_expected
         def rate(q):
             return (b + float(s[:, :q].sum())) / (verify[q][b - 1] + draft[3][b - 1])
         want = next((q for q in range(3) if rate(q + 1) <= rate(q)), 3)
+        before = list(policy.drafted), list(policy.accepted)
         assert policy.verification_size(b, s) == want
         seen.add(want)
+        # the drafts left unverified count as the confidence expects: rows reaching j (survival of j - 1)
+        # and passing it (survival of j); the verified ones are counted from the verify's outcome
+        for j in range(3):
+            reached = float(s[:, j - 1].sum()) if j else float(b)
+            assert policy.drafted[j] - before[0][j] == pytest.approx(reached if j >= want else 0.0)
+            assert policy.accepted[j] - before[1][j] == pytest.approx(float(s[:, j].sum()) if j >= want else 0.0)
     assert len(seen) >= 3
 
 

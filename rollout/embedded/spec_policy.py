@@ -38,9 +38,15 @@ drafts are verified, so every policy keeps the output exact.
               sampled drafts exact: a draft verified or not according to its own value would be
               verified as drawn from a distribution other than its q. vLLM ranks single draft slots
               because its verify costs per token; this engine's verify pads every row to the longest,
-              so its price depends on q alone.
+              so its price depends on q alone. The schedule's acceptance counts the verified drafts'
+              outcomes and, for the drafts a step leaves unverified, what their confidence expects;
+              it starts at 1 (every draft passes) where AdaptiveK starts at 1/2, so that blocks get
+              drafted and their confidences seen: a block the profile prices above 1 + 1/2 + 1/4 + ...
+              tokens was otherwise never drafted, its acceptance never known.
 """
 import math
+
+import torch
 
 ACCEPT_PRIOR = 0.5  # acceptance assumed before a position was ever drafted
 ACCEPT_PRIOR_ROWS = 8  # pseudo-rows of prior (the previous position's rate) in each estimate
@@ -132,6 +138,7 @@ class AdaptiveK(ScheduleK):
 
     observes = True
     corrects_costs = True  # False: the profile is the whole price (one made for another machine)
+    accept_prior = ACCEPT_PRIOR
 
     def __init__(self, k_max):
         FixedK.__init__(self, k_max)
@@ -168,7 +175,7 @@ class AdaptiveK(ScheduleK):
     def acceptance(self):
         """Per position, rows accepted over rows reached, with ACCEPT_PRIOR_ROWS rows at the previous
         position's rate (a deep position seen in few rows stays near the shallower one)."""
-        out, prior = [], ACCEPT_PRIOR
+        out, prior = [], self.accept_prior
         for drafted, accepted in zip(self.drafted, self.accepted):
             prior = (accepted + ACCEPT_PRIOR_ROWS * prior) / (drafted + ACCEPT_PRIOR_ROWS)
             out.append(prior)
@@ -256,6 +263,8 @@ class ConfidenceSizedK(AdaptiveK):
     """AdaptiveK's schedule of how much to draft, and each step's verification sized by the drafts'
     confidence (vLLM's enable_adaptive_verification; see module doc)."""
 
+    accept_prior = 1.0  # every draft passes until drafted blocks say otherwise (module doc)
+
     def prepare(self, engine):
         if self.costs is not None:
             return
@@ -283,7 +292,17 @@ class ConfidenceSizedK(AdaptiveK):
         q = 0
         while q < k and rate(q + 1) > rate(q):
             q += 1
+        self.count_unverified(survival, q)
         return q
+
+    def count_unverified(self, survival, q):
+        """The drafts from q on are not verified: count what the confidence expects of them, rows reaching
+        draft j (survival of j-1) and accepting it (survival of j), beside the verified drafts' outcomes."""
+        reached = torch.cat([torch.ones_like(survival[:, :1]), survival[:, :-1]], 1).sum(0).tolist()
+        passed = survival.sum(0).tolist()
+        for j in range(q, min(survival.shape[1], self.k)):
+            self.drafted[j] += reached[j]
+            self.accepted[j] += passed[j]
 
     def priced(self, b, step):
         """The verify of k_verified drafts plus the draft of k_drafted (sized steps verify fewer than drafted)."""
