@@ -69,15 +69,21 @@ def responses(samples):
     return [list(s.response_ids) for s in samples]
 
 
-def time_interleaved(runs, repeats):
+# --clock: wall seconds, or this process's CPU seconds (with one thread and the engine on the CPU, what
+# a quiet machine's wall clock shows; a shared machine's other jobs do not count in it)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def time_interleaved(runs, repeats, clock="wall"):
     """{name: (best tokens/s, samples of the last repeat)}: each run (a callable returning samples)
     once per repeat, runs interleaved so a busy machine slows every one alike."""
     best, last = {}, {}
+    now = CLOCKS[clock]
     for _ in range(repeats):
         for name, run in runs.items():
-            start = time.perf_counter()
+            start = now()
             samples = run()
-            rate = sum(len(s.response_ids) for s in samples) / (time.perf_counter() - start)
+            rate = sum(len(s.response_ids) for s in samples) / (now() - start)
             best[name], last[name] = max(best.get(name, 0.0), rate), samples
     return {name: (best[name], last[name]) for name in runs}
 
@@ -282,7 +288,7 @@ def spec_decode(args):
           f"{'up to ' if args.stop_at_eos else ''}{args.max_new_tokens} new tokens"
           f"{', stop at EOS' if args.stop_at_eos else ''}"
           f"{f', plain responses >= {args.min_response_len} tokens' if args.min_response_len else ''}, "
-          f"best of {args.repeats} (methods interleaved)")
+          f"best of {args.repeats} (methods interleaved), {args.clock} clock")
     print("| batch | method | tokens/s | speedup | tokens/verify | accept rate | per position |")
     print("|---|---|---|---|---|---|---|")
     for batch in batch_sizes(args.batch_sizes):
@@ -291,7 +297,7 @@ def spec_decode(args):
         for engine in engines.values():
             engine.generate(samples_for_prompts(prompts[:batch]), sampling)  # warm-up (and the adaptive profile)
         got = time_interleaved({name: fresh_proposer_run(engines[name], table[name], prompts, sampling, indices)
-                                for name in wanted}, args.repeats)
+                                for name in wanted}, args.repeats, args.clock)
         for name in wanted[1:]:
             require_same_work(f"{name} vs {wanted[0]} at batch {batch}", responses(got[name][1]),
                               responses(got[wanted[0]][1]), greedy=args.temperature == 0)
@@ -431,6 +437,9 @@ def add_spec_decode_arguments(p):
                    help="comma-separated DSpark draft directories of the checkpoint: methods 'dspark k=K', "
                         "'dspark k=K adaptive' and 'dspark k=K sized' (enable_adaptive_verification) each "
                         "(K = the draft's block size)")
+    p.add_argument("--clock", default="wall", choices=list(CLOCKS),
+                   help="time by the wall clock, or by this process's CPU seconds (one thread: what a quiet "
+                        "machine's wall clock shows, whatever else the machine runs)")
     p.add_argument("--stop-at-eos", action="store_true",
                    help="end a response at EOS (a rollout's drain: rows leave as they finish) instead of "
                         "--max-new-tokens for every row; at T = 1 give --rejection-sample-method strict so "
