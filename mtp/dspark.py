@@ -39,7 +39,7 @@ from mtp.loss import MTP_LOSSES
 RECIPE_WEIGHTS = {"ce": 0.1, "l1": 0.9, "confidence": 1.0}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DSparkConfig(DFlashConfig):
     """A DFlash backbone's config plus the heads'. `mask_token_id` is the noise token
     (`dspark_noise_token_id`); `block_size` is the number of block slots, each drafting a token."""

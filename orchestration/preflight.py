@@ -37,10 +37,10 @@ def check_inputs(cfg):
     checkpoint's ModelConfig (for `check_prompts`). --load is checked once run_setup has chosen the
     checkpoint (`check_resume`)."""
     from rollout.backend import check_backend
-    from trainer.model import check_trainable
     from trainer.routing_replay import check_routing_replay
     from vime.models.config_checks import check_finite_weights, check_mtp_layers
     from vime.models.hf_format import inspect_hf_checkpoint
+    from vime.models.trainable import check_trainable
     from vime.paths import require_writable_dir
 
     hf = inspect_hf_checkpoint(cfg.model.hf_checkpoint)

@@ -40,7 +40,7 @@ import typing
 
 import torch
 
-from vime.models.families import is_draft_name
+from vime.models.draft_kinds import is_draft_name
 from rollout.spec_stats import spec_counters
 from rollout.weight_receiver import BucketReceiver, HandOverReceiver
 from vime import weight_sync

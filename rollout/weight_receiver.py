@@ -20,7 +20,7 @@ memory on this device instead: the driver picks it for an engine that shares the
 import typing
 
 from vime import weight_sync
-from vime.models.families import is_draft_name
+from vime.models.draft_kinds import is_draft_name
 
 
 class WeightReceiver(typing.Protocol):

@@ -23,13 +23,13 @@ import torch  # noqa: E402
 
 from make_dflash_draft import block_draft_parser, initialised, make  # noqa: E402
 from mtp.draft_warmup import warm_up_draft  # noqa: E402
-from mtp.dspark import RECIPE_WEIGHTS, DSparkDraft, dspark_loss  # noqa: E402
+from mtp.dspark import RECIPE_WEIGHTS, dspark_loss  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
-from vime.models.dspark import check_draft_fits_target, draft_config_for_target, save_draft  # noqa: E402
+from vime.models.dspark import DSPARK, draft_config_for_target  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = block_draft_parser(__doc__, "dspark", "the block's slots, each drafting a token (num_speculative_tokens)")
+    p = block_draft_parser(__doc__, "the block's slots, each drafting a token (num_speculative_tokens)")
     p.add_argument("--markov-rank", type=int, default=32, help="rank of the Markov head's transition bias")
     p.add_argument("--no-confidence-head", dest="confidence_head", action="store_false",
                    help="leave out the confidence head (verification can then not be sized by it)")
@@ -46,8 +46,7 @@ def init_draft(target_cfg, target_state, args, std=0.02):
     cfg = draft_config_for_target(target_cfg, args.num_layers, args.block_size, args.markov_rank,
                                   args.confidence_head, args.confidence_head_with_markov, args.target_layer_ids,
                                   args.mask_token_id, args.intermediate_size)
-    check_draft_fits_target(args.out, cfg, target_cfg, args.block_size)
-    draft = initialised(lambda: DSparkDraft(cfg), target_state, args.seed, std)
+    draft = initialised(DSPARK, cfg, target_cfg, target_state, args, args.block_size, std)
     if draft.confidence_head is not None:
         torch.nn.init.zeros_(draft.confidence_head.proj.bias)
     return draft
@@ -78,7 +77,7 @@ def main(argv=None):
     require(args.markov_rank >= 1, f"--markov-rank must be >= 1 (got {args.markov_rank})")
     for term in RECIPE_WEIGHTS:
         require(getattr(args, f"{term}_weight") >= 0, f"--{term}-weight must be >= 0")
-    make(args, init_draft, warm_up, save_draft)
+    make(args, DSPARK, init_draft, warm_up)
 
 
 if __name__ == "__main__":

@@ -57,9 +57,10 @@ def reference_block(reference, ids):
     return states, drafts, torch.stack(logits), (torch.stack(confidences) if confidences else None)
 
 
-def reference_acceptance(reference, prompt, response, max_new_tokens):
+def reference_acceptance(reference, prompt, response, max_new_tokens, past_end=False):
     """(drafted, accepted) per draft position of greedy DSpark decoding of `response`, every block
-    recomputed from scratch; the embedded engine never drafts what it may not emit."""
+    recomputed from scratch; the embedded engine never drafts what it may not emit (`past_end`: count
+    whole blocks past the length budget, as vLLM does)."""
     target, _, cfg = reference
     k = cfg["block_size"]
     ids = list(prompt) + list(response)
@@ -69,7 +70,7 @@ def reference_acceptance(reference, prompt, response, max_new_tokens):
     drafted, accepted = [0] * k, [0] * k
     p, end = len(prompt) + 1, len(prompt) + len(response)  # the prefill emitted the first token
     while p < end:
-        budget = min(k, max_new_tokens - (p - len(prompt)) - 1)
+        budget = k if past_end else min(k, max_new_tokens - (p - len(prompt)) - 1)
         drafts = reference_block(reference, ids[:p])[1][:budget]
         a = 0
         while a < budget and ids[p + a] == drafts[a]:

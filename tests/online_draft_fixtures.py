@@ -66,13 +66,14 @@ def online_and_frozen_acceptance(spec, steps=4):
     return acceptance(online, held), acceptance(frozen, held)
 
 
-def run_online(tmp_path, backend, spec):
-    """(metrics per step, --save directory) of a 2-step train_rl.py run training the draft of `spec`
-    online on `backend`, the guard on (--check-weight-update-equal)."""
+def run_online(tmp_path, backend, spec, target=TARGET, steps=2):
+    """(metrics per step, --save directory) of a `steps`-step train_rl.py run on `target` training the
+    draft of `spec` online on `backend`, the guard on (--check-weight-update-equal)."""
     out, save = tmp_path / "run", tmp_path / "save"
-    cmd = [sys.executable, "train_rl.py", "--hf-checkpoint", TARGET, "--vllm-speculative-config", json.dumps(spec),
-           "--enable-draft-training", "--rollout-backend", backend, "--num-rollout", "2", "--output-dir", str(out),
-           "--save", str(save), "--save-interval", "2", "--check-weight-update-equal", "--progress", "false"]
+    cmd = [sys.executable, "train_rl.py", "--hf-checkpoint", target, "--vllm-speculative-config", json.dumps(spec),
+           "--enable-draft-training", "--rollout-backend", backend, "--num-rollout", str(steps), "--output-dir",
+           str(out), "--save", str(save), "--save-interval", str(steps), "--check-weight-update-equal", "--progress",
+           "false"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true"))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -130,16 +130,13 @@ def alternating_k():
 
 def qwen2_draft_specs():
     """A speculative config of every proposer with device draft steps (and n-gram's host drafts) on
-    the shipped tiny Qwen2 target: its EAGLE-3, DFlash and DSpark drafts, itself as the draft model."""
-    from dflash_fixtures import DRAFT as DFLASH_DRAFT
-    from dspark_fixtures import DRAFT as DSPARK_DRAFT
-    from eagle3_fixtures import DRAFT as EAGLE3_DRAFT, TARGET
+    the shipped tiny Qwen2 target: each external kind's shipped draft, the target as its own draft model."""
+    from draft_kind_fixtures import TARGET, shipped_spec
+    from vime.models.draft_kinds import EXTERNAL_KINDS
 
-    return [{"method": "eagle3", "num_speculative_tokens": 3, "model": EAGLE3_DRAFT},
-            {"method": "dflash", "num_speculative_tokens": 3, "model": DFLASH_DRAFT},
-            {"method": "dspark", "num_speculative_tokens": 3, "model": DSPARK_DRAFT},
-            {"method": "draft_model", "num_speculative_tokens": 2, "model": TARGET},
-            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}]
+    return [shipped_spec(kind) for kind in EXTERNAL_KINDS] + [
+        {"method": "draft_model", "num_speculative_tokens": 2, "model": TARGET},
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}]
 
 
 def hf_first_two_joint(checkpoint, prompt, temperature):

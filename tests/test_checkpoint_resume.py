@@ -111,7 +111,7 @@ def test_ckpt_step_names_the_steps_there_and_needs_a_root(ckpt, tmp_path):
     assert resumes_from(ckpt, tmp_path, root, "--ckpt-step", first) == "iter_0000001"
     refused(args_for(ckpt, tmp_path, "--load", os.path.join(root, "iter_0000001"), *MTP, "--ckpt-step", 1),
             "drop one of them")
-    refused(args_for(ckpt, tmp_path, *MTP, "--ckpt-step", 1), "--ckpt-step picks a checkpoint of --load DIR")
+    refused(args_for(ckpt, tmp_path, *MTP, "--ckpt-step", 1), "--ckpt-step 1 picks a checkpoint of --load DIR")
 
 
 def test_with_no_valid_checkpoint_the_refusal_lists_each_and_starting_afresh_works(ckpt, tmp_path):

@@ -27,7 +27,7 @@ from trainer.model import forward
 from trainer.routing_replay import decoder_moe_routers
 from trainer.trainer import Trainer
 from trainer_fixtures import engine_model
-from vime.models.families import is_draft_name
+from vime.models.draft_kinds import is_draft_name
 from vime.models.hf_format import read_config
 from vime.models.moe_routing import route
 from vime.models.routing_replay import NO_ROUTE, route_dtype

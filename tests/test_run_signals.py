@@ -94,13 +94,24 @@ def sigterm_the_group(proc, out, save, first_step_s, end_s, before=None):
 
 
 def test_a_default_run_refuses_a_client_without_the_token_and_sigusr1_saves_and_says_where(ckpt, tmp_path):
+    """Also: the run starts its own Ray although Ray's temp dir names another cluster (what a `ray start`
+    leaves there, and keeps after it has ended), and holds its --output-dir and --save against others."""
+    from vime.errors import UserError
+    from vime.run_lock import DirLock
+
     if network_address().startswith("127."):
         pytest.skip("this machine has no network address besides loopback")
     out, save = tmp_path / "out", tmp_path / "save"
     system_tmp = tempfile.mkdtemp(prefix="vt", dir="/tmp")  # short: Ray's socket paths live under it
+    os.makedirs(os.path.join(system_tmp, "ray"))
+    with open(os.path.join(system_tmp, "ray", "ray_current_cluster"), "w") as f:
+        f.write("127.0.0.1:1")  # no Ray there: joining it would fail the run
     proc = start_run(ckpt, out, 100000, "--save", save, TMPDIR=system_tmp)
     try:
         wait_for_first_step(proc, out)
+        for flag, directory in (("--output-dir", out), ("--save", save)):  # what a second run on them meets
+            with pytest.raises(UserError, match=rf"is in use by another run \(pid {proc.pid} on host "):
+                DirLock(str(directory), flag)
         address = f"{network_address()}:{gcs_port(proc.pid)}"
         # control: the same client with this user's token (its real HOME holds Ray's ~/.ray/auth_token) gets in
         holder = connect_as_client(address, os.path.expanduser("~"), {"RAY_AUTH_MODE": "token"})

@@ -96,8 +96,12 @@ def test_torch_dist_to_hf_refuses_an_origin_of_the_same_family_with_other_shapes
     assert line.startswith(f"error: --origin-hf-dir {origin}: its config.json disagrees with the tensors of "
                            f"--input-dir {glm_torch_dist}: "), line
     assert all(n in line for n in needles) and line.endswith("give the HF directory it was converted from"), line
+
+
+def test_torch_dist_to_hf_converts_with_the_directory_it_was_converted_from(glm_torch_dist, tmp_path):
     torch_dist_to_hf.main(["--input-dir", glm_torch_dist, "--output-dir", str(tmp_path / "ok"),
-                           "--origin-hf-dir", GLM])  # the advice: the directory it was converted from
+                           "--origin-hf-dir", GLM])  # the control, and the refusals' advice as written
+    assert inspect_hf_checkpoint(str(tmp_path / "ok")).moe.n_routed_experts == 8
 
 
 def test_load_of_a_checkpoint_of_another_expert_count_is_refused_naming_the_key(tmp_path):

@@ -56,7 +56,7 @@ class TrainerConfig:
     use_rollout_routing_replay: bool = tree_field("train.use_rollout_routing_replay")  # MoE: replay rollout routes
     moe_router_bias_update_rate: float = tree_field("train.moe_router_bias_update_rate")  # MoE expert-bias step
     enable_draft_training: bool = tree_field("draft.enable_training")  # the external draft of speculative_config
-    # how the trained draft (MTP layers or external) steps; None: the kind's own default (trainer/drafts/<kind>.py)
+    # how the trained draft (MTP layers or external) steps; None: the kind's own default (vime/models/draft_kinds.py)
     draft_lr: Optional[float] = tree_field("draft.lr")
     draft_steps_per_rollout: Optional[int] = tree_field("draft.steps_per_rollout")  # > 1: draft-only steps
     draft_replay_batches: Optional[int] = tree_field("draft.replay_batches")  # earlier batches they also cycle over
@@ -65,7 +65,7 @@ class TrainerConfig:
     draft_clip_grad: Optional[float] = tree_field("draft.clip_grad")  # None: same as clip_grad
     draft_loss_scaling_factor: float = tree_field("draft.loss_scaling_factor")  # an external draft's
     draft_ttt_steps: Optional[int] = tree_field("draft.ttt_steps")  # None: num_speculative_tokens
-    # DSpark's loss terms (mtp/dspark.py); None: the recipes' weight
+    # the weights of a kind's loss terms (its descriptor's loss_weights); None: the kind's own
     draft_ce_weight: Optional[float] = tree_field("draft.ce_weight")
     draft_l1_weight: Optional[float] = tree_field("draft.l1_weight")
     draft_confidence_weight: Optional[float] = tree_field("draft.confidence_weight")
@@ -94,7 +94,7 @@ class TrainerConfig:
 
     @property
     def draft_loss_weights(self):
-        """{term: weight} of the DSpark loss terms given (the others keep the recipes')."""
+        """{term: weight} of the loss terms given (the others keep the kind's defaults)."""
         given = (("ce", self.draft_ce_weight), ("l1", self.draft_l1_weight),
                  ("confidence", self.draft_confidence_weight))
         return {term: weight for term, weight in given if weight is not None}

@@ -146,7 +146,7 @@ class TrainerActorImpl:
 
 def _draft_part(named, model_cfg, draft):
     """The draft's tensors (draft True) or the target's."""
-    from vime.models.families import is_draft_name
+    from vime.models.draft_kinds import is_draft_name
 
     return [(k, v) for k, v in named if is_draft_name(k, model_cfg.num_hidden_layers) == draft]
 

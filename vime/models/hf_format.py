@@ -301,13 +301,22 @@ def read_config(path, flag="--hf-checkpoint"):
             "make one with `python scripts/make_tiny_model.py --out DIR`")
     cfg_file = os.path.join(path, "config.json")
     require(os.path.isfile(cfg_file), f"{flag} {path}: config.json is missing; not an HF checkpoint directory")
+    return config_from_raw(read_json(cfg_file), cfg_file)
+
+
+def read_json(path):
+    """The JSON value in file `path`, with a one-line error for malformed JSON."""
     try:
-        with open(cfg_file) as f:
-            raw = json.load(f)
+        with open(path) as f:
+            return json.load(f)
     except json.JSONDecodeError as e:
-        raise UserError(f"{cfg_file}: malformed JSON ({e.msg} at line {e.lineno})") from None
-    check_raw_config(raw, cfg_file)
-    return ModelConfig.from_hf_dict(raw, source=cfg_file)
+        raise UserError(f"{path}: malformed JSON ({e.msg} at line {e.lineno})") from None
+
+
+def config_from_raw(raw, source):
+    """ModelConfig of the config.json dict `raw` read from `source`, its values checked first."""
+    check_raw_config(raw, source)
+    return ModelConfig.from_hf_dict(raw, source=source)
 
 
 def _weights_file(path, flag="--hf-checkpoint"):

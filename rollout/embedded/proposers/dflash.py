@@ -12,31 +12,19 @@ The block's own keys are never cached: the next step's context overwrites those 
 Drafts are verified exactly as every proposer's (rejection sampler of mtp/); sampled drafts
 come with their distribution q, each slot's drawn independently (the draft reads no draft).
 """
-import dataclasses
-
 import torch
 
-from mtp.dflash import DFlashDraft
 from rollout.embedded.steps import device_tensor
 from rollout.embedded.proposers import Proposer
-from rollout.embedded.proposers.drafting import (DRAFT_ATTENTION, TrainedExternalDraft, assign_drafts, draft_cache,
-                                                 draft_family, pick_drafts, uniforms_if_sampling)
-from vime.models.dflash import WIRE_PREFIX, check_draft_fits_target, load_draft
+from rollout.embedded.proposers.drafting import (DRAFT_ATTENTION, ExternalDraft, assign_drafts, draft_family,
+                                                 pick_drafts, uniforms_if_sampling)
+from vime.models.dflash import DFLASH
 
 
-def load_dflash_draft(path, target_cfg, num_speculative_tokens, dtype=torch.float32, device="cpu"):
-    """The draft module of a draft directory, checked against the target and the block asked for."""
-    cfg, state = load_draft(path)
-    check_draft_fits_target(path, cfg, target_cfg, num_speculative_tokens)
-    draft = DFlashDraft(cfg)
-    draft.load_state_dict(state, strict=True)
-    return draft.to(device, dtype).eval().requires_grad_(False)
-
-
-class DFlashProposer(TrainedExternalDraft, Proposer):
+class DFlashProposer(ExternalDraft, Proposer):
     """Drafts a block per request in one forward of an external DFlash draft (its own KV cache of context)."""
 
-    wire_prefix = WIRE_PREFIX
+    kind = DFLASH
     costs_at_k0 = True  # the context write runs at every step: a step without drafts is not plain decoding
 
     def __init__(self, spec, draft=None, sample_drafts=False):
@@ -45,21 +33,8 @@ class DFlashProposer(TrainedExternalDraft, Proposer):
         self.synced = False
 
     def attach(self, engine):
-        self.engine = engine
-        self.draft_model = self.checked_draft(engine)
-        cfg = self.draft_model.cfg
-        self.aux_hidden_layers = cfg.aux_layer_ids
-        shape = dataclasses.replace(engine.cfg, num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
-        self.cache = draft_cache(engine, cfg.num_hidden_layers, shape, self.num_speculative_tokens)
+        super().attach(engine)  # the draft and its cache (drafting.py)
         self.family = draft_family()
-
-    def checked_draft(self, engine):
-        """The draft module: loaded from the spec's directory, or the one given, checked against the target."""
-        ec = engine.config
-        if self.draft_model is None:
-            return load_dflash_draft(self.spec.model, engine.cfg, self.num_speculative_tokens, ec.dtype, ec.device)
-        check_draft_fits_target("(in memory)", self.draft_model.cfg, engine.cfg, self.num_speculative_tokens)
-        return self.draft_model
 
     # ---- weight sync (an external draft the trainer trains) ----
     def move_slots(self, requests, old_slots):

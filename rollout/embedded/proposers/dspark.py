@@ -24,41 +24,25 @@ drafting falls back to plain decoding's cost.
 """
 import torch
 
-from mtp.dspark import DSparkDraft, acceptance_confidence, draft_left_to_right
+from mtp.dspark import acceptance_confidence, draft_left_to_right
 from rollout.embedded.proposers import Proposer
 from rollout.embedded.proposers.dflash import DFlashProposer
 from rollout.embedded.proposers.drafting import assign_drafts, pick_drafts, uniforms_if_sampling
 from rollout.embedded.steps import device_tensor
-from vime.models.dspark import WIRE_PREFIX, check_draft_fits_target, load_draft
-
-
-def load_dspark_draft(path, target_cfg, num_speculative_tokens, dtype=torch.float32, device="cpu"):
-    """The draft module of a draft directory, checked against the target and the block asked for."""
-    cfg, state = load_draft(path)
-    check_draft_fits_target(path, cfg, target_cfg, num_speculative_tokens)
-    draft = DSparkDraft(cfg)
-    draft.load_state_dict(state, strict=True)
-    return draft.to(device, dtype).eval().requires_grad_(False)
+from vime.models.dspark import DSPARK
 
 
 class DSparkProposer(DFlashProposer):
     """Drafts a block per request with an external DSpark draft: one block forward, the Markov head
     left to right, and as many drafts verified as the confidence head makes worth it."""
 
-    wire_prefix = WIRE_PREFIX
+    kind = DSPARK
     costs_at_k0 = False  # a step without drafts defers the context write: it costs what plain decoding does
 
     def attach(self, engine):
         super().attach(engine)
         self.written = [0] * engine.config.max_batch_size  # context positions written, per slot
         self.kept = None  # [slots, positions, aux width]: target states of positions not yet in the context
-
-    def checked_draft(self, engine):
-        ec = engine.config
-        if self.draft_model is None:
-            return load_dspark_draft(self.spec.model, engine.cfg, self.num_speculative_tokens, ec.dtype, ec.device)
-        check_draft_fits_target("(in memory)", self.draft_model.cfg, engine.cfg, self.num_speculative_tokens)
-        return self.draft_model
 
     def release(self, request):
         self.written[request.slot] = 0

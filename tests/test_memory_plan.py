@@ -1,0 +1,267 @@
+"""The memory plan (vime/models/memory_plan.py): its parameter counts against the published model sizes and
+against what the trainer's megatron ranks really hold, its bytes against the trainer's own optimizer, and
+its one-line refusals."""
+import dataclasses
+import json
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rollout.tiny_model import tiny_config
+from vime.models.families import to_canonical
+from vime.errors import UserError
+from vime.models.hf_format import expected_hf_tensors, read_config
+from vime.models.memory_plan import MemoryPlanner, PlanOptions, main, pipeline_splits, read_model_config, stage_bytes
+from vime.models.rank_params import RankParams
+from vime.models.tensor_check import safetensors_shapes, tensor_mismatch
+from vime.net import free_port
+from vime.parallel_layout import ParallelLayout
+from rank_count_worker import count_models, run_counts
+
+GLM = "configs/models/glm-4.7/config.json"
+DEEPSEEK = "configs/models/deepseek-v3/config.json"
+SHIPPED = ("tiny-mimo-mtp", "tiny-qwen2", "tiny-glm4-moe-mtp", "tiny-deepseek-v3-mtp")
+B = 1e9
+
+
+def within_rounding(count, published_billions):
+    """`count` parameters round to the published figure (given in whole billions)."""
+    return abs(count / B - published_billions) <= 0.5
+
+
+def totals(path):
+    cfg, _ = read_model_config(path)
+    trunk, mtp = RankParams(cfg, cfg.num_nextn_predict_layers).totals()
+    return cfg, trunk, mtp
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_the_format_the_plan_counts_is_the_shipped_checkpoints_tensor_for_tensor(name):
+    """expected_hf_tensors (what the plan counts) names every tensor of each shipped checkpoint with its shape; the
+    checkpoints are the ones transformers and vLLM load in the engine tests."""
+    path = f"checkpoints/{name}"
+    cfg = read_config(path)
+    held = {n: torch.empty(s, device="meta") for n, s in safetensors_shapes(f"{path}/model.safetensors").items()}
+    canonical = to_canonical(held, cfg.model_family.mtp_layout, cfg.num_hidden_layers, cfg.num_nextn_predict_layers)
+    assert tensor_mismatch(expected_hf_tensors(cfg), {n: t.shape for n, t in canonical.items()}) is None
+
+
+def test_glm_4_7_counts_the_published_355b_and_the_hubs_358b():
+    """zai-org publishes GLM-4.5 (whose architecture GLM-4.7 keeps) as 355 B parameters, 32 B activated: both hold
+    for every parameter but the word embedding and the output layer, the MTP layer included. The Hugging Face
+    hub counts the stored zai-org/GLM-4.7 files as 358 B: they add the MTP layer's own copies of the two."""
+    cfg, trunk, mtp = totals(GLM)
+    embedding = cfg.vocab_size * cfg.hidden_size
+    body = trunk.elements + mtp.elements - 2 * embedding
+    routed = trunk.expert_params + mtp.expert_params
+    idle = routed * (1 - cfg.moe.num_experts_per_tok / cfg.moe.n_routed_experts)  # experts a token does not use
+    assert within_rounding(body, 355)
+    assert within_rounding(body - idle, 32)
+    assert within_rounding(trunk.elements + mtp.elements + 2 * embedding, 358)
+
+
+def fp8_block_scales(cfg):
+    """Elements of DeepSeek-V3's fp8 block scales: one fp32 per 128 x 128 block of every projection of a decoder
+    layer (`weight_scale_inv`); embeddings, norms, routers and the MTP layer's own tensors stay bf16."""
+    return sum(math.ceil(e.shape[0] / 128) * math.ceil(e.shape[1] / 128) for n, e in expected_hf_tensors(cfg).items()
+               if re.search(r"\.(self_attn|mlp)\..*_proj\.weight$", n))
+
+
+def test_deepseek_v3_counts_the_published_671b_and_685b():
+    """DeepSeek publishes the main model as 671 B parameters (embedding and output head included) and the
+    hub's stored files as 685 B = 671 B + 14 B of the MTP module, which stores its own copies of the embedding
+    and the head; the hub counts every stored tensor, the fp8 block scales too."""
+    cfg, trunk, mtp = totals(DEEPSEEK)
+    assert within_rounding(trunk.elements, 671)
+    stored = trunk.elements + mtp.elements + 2 * cfg.vocab_size * cfg.hidden_size + fp8_block_scales(cfg)
+    assert within_rounding(stored, 685)
+
+
+def glm_moe_layer_params(raw, ep):
+    """Parameters one rank holds of one GLM-4.7 MoE decoder layer at EP `ep`, from config.json's numbers."""
+    h, heads, kv, d = raw["hidden_size"], raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"]
+    experts, width = raw["n_routed_experts"], raw["moe_intermediate_size"]
+    attention = 2 * h * heads * d + 2 * h * kv * d + (heads + 2 * kv) * d + 2 * d  # q, o; k, v; biases; q/k norm
+    mlp = h * experts + 3 * h * width * (experts // ep + raw["n_shared_experts"])  # router, routed + shared
+    return attention + 2 * h + mlp  # + the two layer norms
+
+
+def test_a_layout_that_does_not_fit_is_refused_in_one_line_with_its_numbers(capsys):
+    """GLM-4.7 at PP 8 (12 | 6 x 12 | 8 layers) and EP 8 on 64 GPUs, --bf16: a middle stage holds 12 MoE layers,
+    each parameter 2 (bf16) + 4 (fp32 main) + 4 (fp32 gradient) + 8 (Adam) bytes, each correction bias 4."""
+    raw = json.load(open(GLM))
+    params = 12 * glm_moe_layer_params(raw, ep=8)
+    total = params * (2 + 4 + 4 + 8) + 12 * raw["n_routed_experts"] * 4
+    with pytest.raises(SystemExit) as exit_:
+        main(["--hf-config", GLM, "--gpus", "64", "--gpu-memory-gb", "80", "--bf16", "--enable-mtp-training",
+              "--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "8",
+              "--decoder-first-pipeline-num-layers", "12", "--decoder-last-pipeline-num-layers", "8"])
+    out = capsys.readouterr()
+    assert exit_.value.code == 2 and out.out == ""
+    assert out.err.count("\n") == 1 and out.err.startswith("error: ")
+    assert f"needs {total / B:.1f} GB per rank on pipeline stage 1" in out.err
+    assert "more than --gpu-memory-gb 80" in out.err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--hf-config", GLM, "--expert-model-parallel-size", "3", "--gpus", "96"], "does not divide the model's 160 "
+     "routed experts"),
+    (["--hf-config", GLM, "--expert-model-parallel-size", "32", "--pipeline-model-parallel-size", "4"],
+     "does not divide the 16 trainer ranks of a pipeline stage"),
+    (["--hf-config", GLM, "--tensor-model-parallel-size", "2"], "mixture-of-experts models"),
+    (["--hf-config", GLM, "--pipeline-model-parallel-size", "3"], "--gpus 64 is not a multiple"),
+    (["--hf-config", GLM, "--pipeline-model-parallel-size", "128", "--gpus", "128"], "more stages than its 92"),
+    (["--hf-config", GLM, "--pipeline-model-parallel-size", "8", "--decoder-first-pipeline-num-layers", "10"],
+     "leave 82 of the model's 92 decoder layers for the other 7"),
+    (["--hf-config", GLM, "--decoder-last-pipeline-num-layers", "10"], "--pipeline-model-parallel-size 2 or more"),
+    (["--hf-config", "checkpoints/tiny-mimo-mtp", "--expert-model-parallel-size", "2"], "is a dense model"),
+    (["--hf-config", "checkpoints/tiny-mimo-mtp", "--tensor-model-parallel-size", "8"], "does not divide the model's 4 "
+     "attention heads"),
+    (["--hf-config", GLM, "--gpu-memory-gb", "40"], "none of the"),
+    (["--hf-config", "no/such/config.json"], "no such file"),
+    (["--hf-config", GLM, "--mtp-num-layers", "2"], "has only 1 MTP layers"),
+    (["--hf-config", GLM, "--gpus", "0"], "--gpus 0: must be >= 1"),
+])
+def test_each_refusal_is_one_line_naming_what_to_change(capsys, argv, needle):
+    defaults = {"--gpus": "64", "--gpu-memory-gb": "80"}
+    argv = argv + [x for k, v in defaults.items() if k not in argv for x in (k, v)]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert needle in err, err
+
+
+def test_a_config_of_an_unsupported_family_is_refused_in_one_line(tmp_path, capsys):
+    llama = tmp_path / "config.json"
+    llama.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000,
+                                 "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                                 "num_attention_heads": 32}))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--hf-config", str(llama), "--gpus", "8", "--gpu-memory-gb", "80"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert "LlamaForCausalLM" in err and "not a supported model family" in err
+
+
+def test_the_command_lists_the_layouts_that_fit_and_says_what_it_does_not_count():
+    """`python -m vime.models.memory_plan` as docs/at_scale.md runs it: GLM-4.7 on 128 GPUs of 80 GB."""
+    run = subprocess.run([sys.executable, "-m", "vime.models.memory_plan", "--hf-config", GLM, "--gpus", "128",
+                          "--gpu-memory-gb", "80", "--bf16", "--enable-mtp-training"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = [line.split() for line in run.stdout.splitlines() if re.match(r"\s*1\s+\d+\s+\d+\s+1\s+\d+\s", line)]
+    assert rows and all(float(r[-1]) >= 0 and int(r[0]) * int(r[1]) * int(r[4]) == 128 for r in rows)
+    assert "not counted: activations" in run.stdout
+
+
+def test_pipeline_stages_hold_every_parameter_once_plus_megatrons_copies():
+    """Summed over stages (TP = EP = 1), the ranks hold the whole model, plus, with PP > 1, the last stage's
+    output layer of a tied model and the MTP layers' word embedding (megatron-core's GPTModel)."""
+    for cfg in (tiny_config("glm4_moe"), dataclasses.replace(tiny_config("mimo"), tie_word_embeddings=True)):
+        params = RankParams(cfg, 1)
+        trunk, mtp = params.totals()
+        embedding = cfg.vocab_size * cfg.hidden_size
+        for pp, split in ((1, (None, None)), (2, (None, 2)), (3, (1, 3))):
+            layout = ParallelLayout(pp=pp, first_stage_layers=split[0], last_stage_layers=split[1])
+            layout.check_split(cfg)
+            held = sum(s.total.elements for s in params.stages(layout))
+            copies = (pp > 1) * embedding * (1 + cfg.tie_word_embeddings)
+            assert held == trunk.elements + mtp.elements + copies, (cfg.family, pp)
+
+
+def test_the_split_search_tries_exactly_the_splits_the_layout_rules_accept():
+    for layers, pp in ((7, 2), (9, 3), (10, 4), (8, 5), (6, 3)):
+        cfg = dataclasses.replace(tiny_config("mimo"), num_hidden_layers=layers)
+        accepted = set()
+        for split in [(None, None)] + [(f, last) for f in range(1, layers) for last in range(1, layers)]:
+            try:
+                ParallelLayout(pp=pp, first_stage_layers=split[0], last_stage_layers=split[1]).check_split(cfg)
+            except UserError:
+                continue
+            accepted.add(split)
+        # a split that gives the last stage the even share names the same stages as one without it
+        assert set(pipeline_splits(layers, pp)) == {s for s in accepted if None not in s or s == (None, None)}
+
+
+DENSE = {"qwen3 (q/k norm)": tiny_config("qwen3"),
+         "mimo tied (q/k/v bias)": dataclasses.replace(tiny_config("mimo"), tie_word_embeddings=True)}
+MOE = {"glm4_moe": tiny_config("glm4_moe"), "deepseek_v3 (MLA)": tiny_config("deepseek_v3")}
+
+
+def assert_plan_counts(counts, cfgs, layout):
+    """Each rank's parameters, checkpoint buffers and their fp32 / bf16 bytes are the plan's for its stage."""
+    for name, cfg in cfgs.items():
+        params = RankParams(cfg, cfg.num_nextn_predict_layers, counts["spec"])
+        layout.check_split(cfg)
+        stage = params.stages(layout)[counts["pp_rank"]]
+        for dtype, got in counts[name].items():
+            options = PlanOptions(bf16=dtype == str(torch.bfloat16))
+            assert (got["params"], got["buffers"]) == (stage.total.params, stage.total.buffers), (name, dtype)
+            assert got["bytes"] == stage_bytes(stage, options, layout).weights, (name, dtype)
+
+
+def test_each_tensor_parallel_rank_holds_what_the_plan_counts(tmp_path):
+    """TP = 2 over two gloo processes, the megatron models built by trainer/model.py (dense families: MoE
+    trains at TP 1)."""
+    layout = ParallelLayout(tp=2)
+    mp.spawn(run_counts, args=(2, free_port(), layout, DENSE, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        assert_plan_counts(torch.load(tmp_path / f"rank{rank}.pt"), DENSE, layout)
+
+
+def test_a_mixture_of_experts_rank_holds_what_the_plan_counts():
+    """GLM-4.5 (GQA) and DeepSeek-V3 (MLA) MoE with their MTP layer, as the trainer builds them at TP 1."""
+    from trainer.distributed import owned_single_process
+
+    with owned_single_process():
+        counts = count_models(MOE, ParallelLayout())
+    assert_plan_counts(counts, MOE, ParallelLayout())
+
+
+@pytest.mark.parametrize("bf16, train_mtp", [(True, True), (False, False)])
+def test_the_plans_gradients_and_optimizer_state_are_what_the_trainer_allocates(bf16, train_mtp):
+    """One train step of the trainer on the shipped GLM-4.5 MoE model; then its gradients (fp32: on the
+    parameters; --bf16: on the fp32 main parameters) and its AdamW state (the two moments, and under --bf16 the
+    main parameters) take the bytes the plan counts. A frozen MTP layer has neither."""
+    from trainer.config import TrainerConfig
+    from trainer.trainer import Trainer
+    from trainer_fixtures import make_batch
+
+    path = "checkpoints/tiny-glm4-moe-mtp"
+    trainer = Trainer(TrainerConfig(bf16=bf16, enable_mtp_training=train_mtp, micro_batch_size=4), path)
+    trainer.train_step(make_batch(n=8, seed=0))
+    optimizer = trainer.optimizer
+    holders = [optimizer.main_param(p) if bf16 else p for p in trainer.model.parameters()]
+    grads = sum(h.grad.numel() * h.grad.element_size() for h in holders if h.grad is not None)
+    moments = sum(t.numel() * t.element_size() for s in optimizer.state.values() for k, t in s.items()
+                  if k in ("exp_avg", "exp_avg_sq"))
+    mains = sum(m.numel() * m.element_size() for m in holders if bf16 and m.dtype == torch.float32 and m.requires_grad)
+
+    cfg = read_config(path)
+    planner = MemoryPlanner(cfg, PlanOptions(bf16=bf16, train_mtp=train_mtp), spec=counts_spec())
+    plan = planner.plan(ParallelLayout())
+    assert (grads, moments + mains) == (plan.bytes[0].gradients, plan.bytes[0].optimizer)
+
+
+def counts_spec():
+    from trainer.model import spec_name
+
+    return spec_name()
+
+
+def test_the_plan_plans_past_what_the_trainer_does_not_run_yet_and_the_trainer_still_refuses_it():
+    """A PP 2 x EP 2 layout of the GLM-4.5 model: megatron-core can split the model so (the plan lists it), the
+    trainer does not run it yet (its pre-start check refuses it in one line)."""
+    cfg = read_config("checkpoints/tiny-glm4-moe-mtp")
+    layout = ParallelLayout(pp=2, dp=2, ep=2, last_stage_layers=2)
+    layout.check_split(cfg)
+    with pytest.raises(UserError, match="does not run pipeline stages yet"):
+        layout.check_model(cfg)
+    with pytest.raises(UserError, match="does not split the routed experts yet"):
+        ParallelLayout(dp=2, ep=2).check_model(cfg)
