@@ -104,7 +104,13 @@ def reference_acceptance(reference, prompt, response, max_new_tokens, past_end=F
     response before it (vLLM's definition). `past_end`: vLLM drafts a whole block past the length
     budget too and counts it; the embedded engine never drafts what it may not emit."""
     target, state, cfg = reference
-    k = cfg["block_size"] - 1
+    return greedy_acceptance(target, cfg["block_size"] - 1, prompt, response, max_new_tokens, past_end,
+                             lambda ids: reference_block_logits(target, state, cfg, ids)[1:].argmax(-1).tolist())
+
+
+def greedy_acceptance(target, k, prompt, response, max_new_tokens, past_end, drafts_after):
+    """(drafted, accepted) per draft position of greedy speculative decoding of `response` by a block draft
+    of k drafts, `drafts_after(ids)` its k drafts after the known tokens `ids` (recomputed from scratch)."""
     ids = list(prompt) + list(response)
     with torch.no_grad():  # the target's greedy continuation past the response, to judge drafts there
         for _ in range(k + 1):
@@ -113,7 +119,7 @@ def reference_acceptance(reference, prompt, response, max_new_tokens, past_end=F
     p, end = len(prompt) + 1, len(prompt) + len(response)  # the prefill emitted the first token
     while p < end:
         budget = k if past_end else min(k, max_new_tokens - (p - len(prompt)) - 1)
-        drafts = reference_block_logits(target, state, cfg, ids[:p])[1:1 + budget].argmax(-1).tolist()
+        drafts = drafts_after(ids[:p])[:budget]
         a = 0
         while a < budget and ids[p + a] == drafts[a]:
             a += 1

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from dflash_fixtures import REPO, TARGET, reference_block_states
+from dflash_fixtures import REPO, TARGET, greedy_acceptance, reference_block_states
 
 DRAFT = os.path.join(REPO, "checkpoints", "tiny-qwen2-dspark")
 
@@ -59,23 +59,7 @@ def reference_block(reference, ids):
 
 def reference_acceptance(reference, prompt, response, max_new_tokens, past_end=False):
     """(drafted, accepted) per draft position of greedy DSpark decoding of `response`, every block
-    recomputed from scratch; the embedded engine never drafts what it may not emit (`past_end`: count
-    whole blocks past the length budget, as vLLM does)."""
+    recomputed from scratch (dflash_fixtures.greedy_acceptance, its counting)."""
     target, _, cfg = reference
-    k = cfg["block_size"]
-    ids = list(prompt) + list(response)
-    with torch.no_grad():  # the target's greedy continuation past the response, to judge drafts there
-        for _ in range(k + 1):
-            ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
-    drafted, accepted = [0] * k, [0] * k
-    p, end = len(prompt) + 1, len(prompt) + len(response)  # the prefill emitted the first token
-    while p < end:
-        budget = k if past_end else min(k, max_new_tokens - (p - len(prompt)) - 1)
-        drafts = reference_block(reference, ids[:p])[1][:budget]
-        a = 0
-        while a < budget and ids[p + a] == drafts[a]:
-            a += 1
-        drafted = [x + (i < budget) for i, x in enumerate(drafted)]
-        accepted = [x + (i < a) for i, x in enumerate(accepted)]
-        p += a + 1
-    return drafted, accepted
+    return greedy_acceptance(target, cfg["block_size"], prompt, response, max_new_tokens, past_end,
+                             lambda ids: reference_block(reference, ids)[1])

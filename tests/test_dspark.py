@@ -30,9 +30,8 @@ from rollout.embedded.proposers.dspark import DSparkProposer
 from rollout.embedded.spec_policy import ConfidenceSizedK, FixedK
 from rollout.sampling_params import SamplingParams
 from rollout.spec_config import check_against_checkpoint, parse_spec_config
-from rollout.task import make_prompts
-from rollout.tokenizer import TextCodec
 from spec_fixtures import check_sampled_drafts_keep_the_target_distribution, one_thread  # noqa: F401
+from test_external_draft_engine import plain, prompts  # noqa: F401  (the shipped target's prompts, plain decoded)
 from vime.errors import UserError
 from vime.models.dspark import DSPARK, draft_config_for_target
 from vime.models.hf_format import read_config
@@ -45,17 +44,6 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=40)
 
 def spec(k=K, model=DRAFT, **extra):
     return {"method": "dspark", "num_speculative_tokens": k, "model": model, **extra}
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    codec = TextCodec(TARGET)
-    return [codec.encode_prompt(r["prompt"], 1) for r in make_prompts(24, seed=5) + make_prompts(8, seed=6, digits=2)]
-
-
-@pytest.fixture(scope="module")
-def plain(prompts):
-    return build_engine(TARGET, None, EngineConfig(max_batch_size=32)).generate(samples_for_prompts(prompts), GREEDY)
 
 
 @pytest.fixture(scope="module")
@@ -175,31 +163,6 @@ def test_the_verification_size_verifies_while_one_more_draft_raises_the_expected
 
 
 # ---------------------------------------------------------------- training
-def test_packed_training_blocks_equal_the_reference_blocks(prompts, reference):
-    """The training objective's blocks (anchors packed in one forward, each seeing only the context before
-    it, the Markov bias from the true tokens) are the blocks inference drafts at those anchors."""
-    engine = build_engine(TARGET, None)
-    draft_cfg, draft_state = DSPARK.load(DRAFT)
-    draft = DSparkDraft(draft_cfg)
-    draft.load_state_dict(draft_state)
-    ids = prompts[0] + engine.generate(samples_for_prompts(prompts[:1]), GREEDY)[0].response_ids
-    tokens = torch.tensor([ids])
-    anchors = torch.tensor([[3, len(prompts[0]), len(ids) - 5]])
-    with torch.no_grad():
-        aux = engine.model.aux_hidden_states(tokens, torch.arange(len(ids))[None], draft.cfg.aux_layer_ids)
-        states, positions = block_states(draft, aux, tokens, anchors, torch.ones_like(anchors, dtype=torch.bool),
-                                         engine.model.model.embed_tokens.weight)
-        logits, _ = draft.markov_logits(draft.logits(states, engine.model.head_weight()), tokens.gather(1, positions))
-    for n, a in enumerate(anchors[0].tolist()):
-        want_states, _, _, _ = reference_block(reference, ids[:a + 1])
-        got = states[0, n * K:(n + 1) * K]
-        assert (got - want_states).abs().max() <= tolerance(engine.cfg, draft.cfg, want_states), a
-        # teacher forcing: slot i's Markov bias is from the true token a+i, as drafting from those tokens
-        w1, w2 = draft_state["markov_head.markov_w1.weight"], draft_state["markov_head.markov_w2.weight"]
-        want = want_states @ engine.model.head_weight().T + (w1[tokens[0, a:a + K]] @ w2.T)
-        assert (logits[0, n * K:(n + 1) * K] - want).abs().max() <= tolerance(engine.cfg, draft.cfg, want), a
-
-
 def test_the_loss_is_the_recipes_three_terms_by_direct_formula():
     """dspark_loss against the terms written out: CE on the next token, L1 to softmax(policy / T),
     BCE of the confidence against 1 - L1/2, slot i weighted exp(-i/gamma), over the response slots."""

@@ -7,14 +7,13 @@ logged, and `scripts/export_draft.py` writes exactly the checkpoint's draft as a
 loads. Bad training inputs are one line.
 """
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from online_draft_fixtures import REPO, TARGET, assert_online_beats_frozen, export_draft, run_online
+from online_draft_fixtures import REPO, TARGET, assert_online_beats_frozen, trained_and_exported
 from tests.bad_input_helpers import refused
 
 K = 3
@@ -40,24 +39,10 @@ def test_the_online_draft_reaches_the_rollout_every_step_and_exports(tmp_path):
     from rollout.embedded.engine_builder import build_engine
 
     spec = initial_draft(str(tmp_path / "draft"))
-    metrics, save = run_online(tmp_path, "embedded", spec)
-    for m in metrics:
-        assert m["weight_sync/draft_checksum"] != 0.0  # the draft, heads included, is in the guard's comparison
-        assert m["weight_sync/draft_checksum"] == m["weight_sync/worker_draft_checksum"]
-        assert m["weight_sync/draft_stale"] == 0
-        assert m["rollout/spec_block_size"] == K
-        assert [f"rollout/spec_accept_rate_pos_{i}" in m for i in range(K)] == [True] * K
-        assert [f"train/draft_{i}_loss" in m for i in range(1, K + 1)] == [True] * K
-    out = tmp_path / "exported"
-    saved, exported = export_draft(save, out)
-    assert saved["kind"] == "dspark"
-    assert exported.keys() == saved["draft"].keys() and all(torch.equal(exported[k], saved["draft"][k]) for k in exported)
-    from safetensors.torch import load_file
-
-    initial = load_file(os.path.join(spec["model"], "model.safetensors"))
+    out, exported, initial = trained_and_exported(tmp_path, "embedded", spec, "dspark", K)
     for head in ("markov_head.markov_w1.weight", "confidence_head.proj.weight"):
         assert not torch.equal(exported[head], initial[head])  # the heads trained too
-    build_engine(TARGET, dict(spec, model=str(out)))  # loads and fits the target
+    build_engine(TARGET, dict(spec, model=out))  # loads and fits the target
 
 
 def test_dspark_loss_weights_are_refused_for_another_kind_and_the_single_loss_type_for_dspark():

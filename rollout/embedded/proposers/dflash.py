@@ -108,12 +108,18 @@ class DFlashProposer(ExternalDraft, Proposer):
         """One drafting for batch_size rows (context for `new_tokens` verified positions, the block
         forward) on dummy inputs in slots 0..batch_size-1. The block costs the same for any k >= 1;
         k = 0 is the context write alone, what a step without drafts still does."""
+        with torch.inference_mode():
+            slots, anchors = self.profile_context(batch_size, new_tokens)
+            if k > 0:
+                self.block_logits(slots, [0] * batch_size, anchors)
+
+    def profile_context(self, batch_size, new_tokens):
+        """The context write of `new_tokens` dummy verified positions for batch_size rows in slots
+        0..batch_size-1 (the probes'); returns (the slots, the positions of their blocks' anchors)."""
         ec = self.engine.config
         slots = list(range(batch_size))
         context = max(0, min(32, self.engine.max_len - new_tokens - self.num_speculative_tokens - 1))
         width = len(self.aux_hidden_layers) * self.engine.cfg.hidden_size
         hidden = torch.zeros(batch_size, new_tokens, width, device=ec.device, dtype=ec.dtype)
-        with torch.inference_mode():
-            self.write_context(slots, hidden, [context] * batch_size, [new_tokens] * batch_size)
-            if k > 0:
-                self.block_logits(slots, [0] * batch_size, [context + new_tokens] * batch_size)
+        self.write_context(slots, hidden, [context] * batch_size, [new_tokens] * batch_size)
+        return slots, [context + new_tokens] * batch_size

@@ -125,16 +125,10 @@ class DSparkProposer(DFlashProposer):
     def profile_draft(self, batch_size, k, new_tokens=2):
         """One drafting for batch_size rows (context for `new_tokens` verified positions, the block
         forward, k Markov steps and the confidence) on dummy inputs in slots 0..batch_size-1."""
-        ec = self.engine.config
-        slots = list(range(batch_size))
-        context = max(0, min(32, self.engine.max_len - new_tokens - self.num_speculative_tokens - 1))
-        width = len(self.aux_hidden_layers) * self.engine.cfg.hidden_size
-        hidden = torch.zeros(batch_size, new_tokens, width, device=ec.device, dtype=ec.dtype)
         with torch.inference_mode():
-            self.write_context(slots, hidden, [context] * batch_size, [new_tokens] * batch_size)
-            logits, states = self.block_forward(slots, [0] * batch_size, [context + new_tokens] * batch_size,
-                                                with_states=True)
-            anchors = torch.zeros(batch_size, dtype=torch.long, device=ec.device)
-            _, _, embeds = draft_left_to_right(self.draft_model, logits[:, :k], anchors,
+            slots, anchors = self.profile_context(batch_size, new_tokens)
+            logits, states = self.block_forward(slots, [0] * batch_size, anchors, with_states=True)
+            tokens = torch.zeros(batch_size, dtype=torch.long, device=logits.device)
+            _, _, embeds = draft_left_to_right(self.draft_model, logits[:, :k], tokens,
                                                lambda i, x: pick_drafts(x, None))
             acceptance_confidence(self.draft_model, states[:, :k], embeds)
