@@ -13,7 +13,8 @@ Arms are `online`, `frozen` or `none`, each optionally followed by `:key=value` 
 append train_rl.py flags: loss (--draft-loss-type), topk (--draft-distill-topk), lr (--draft-lr),
 steps (--draft-steps-per-rollout), replay (--draft-replay-batches), layers (--mtp-num-layers),
 depths (--mtp-train-depths), reuse (--mtp-reuse-attention), ckpt (--hf-checkpoint), sync_draft
-(--sync-draft-weights: false syncs only the target, the draft goes stale); e.g.
+(--sync-draft-weights: false syncs only the target, the draft goes stale), ce_weight / l1_weight /
+confidence_weight (--draft-<term>-weight); e.g.
 `online:depths=3:steps=16:replay=8`. Two options change the arm's draft instead: draft=KIND (another
 draft kind, for arms of several kinds in one run) and k=N (its speculative tokens; a DFlash draft is
 built for blocks of k + 1, so the arm gets its own draft made with --draft-warmup-steps); draft_layers=N makes that arm's draft with N decoder layers
@@ -45,6 +46,7 @@ import subprocess
 import sys
 
 from scripts.bench.lib.arm_runs import REPO, run_arm, window
+from vime.models.draft_kinds import LOSS_TERMS
 from vime.errors import UserError
 
 
@@ -93,7 +95,8 @@ BACKENDS = ("embedded", "vllm")
 ARM_OPTIONS = {"loss": "--draft-loss-type", "topk": "--draft-distill-topk", "lr": "--draft-lr",
                "steps": "--draft-steps-per-rollout", "replay": "--draft-replay-batches",
                "layers": "--mtp-num-layers", "depths": "--mtp-train-depths", "reuse": "--mtp-reuse-attention",
-               "ckpt": "--hf-checkpoint", "sync_draft": "--sync-draft-weights"}
+               "ckpt": "--hf-checkpoint", "sync_draft": "--sync-draft-weights",
+               **{f"{term}_weight": f"--draft-{term}-weight" for term in LOSS_TERMS}}
 DRAFT_OPTIONS = ("draft", "k", "draft_layers")  # arm options that choose the arm's draft, not train_rl.py flags
 ARM_SETS = {  # --arms NAME: a question answered by arms whose drafts all start from the same warm-up
     "blocks": "online:draft=eagle3,online,frozen,online:k=7,frozen:k=7",  # the block size
