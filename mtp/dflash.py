@@ -164,10 +164,11 @@ def sample_anchors(loss_mask, num_anchors, generator=None):
     return anchors, keep
 
 
-def position_weights(block_size, gamma, device=None):
-    """[S] loss weight of each block slot: 0 for the anchor, exp(-(i-1)/gamma) for slot i >= 1."""
+def position_weights(block_size, gamma, device=None, first=1):
+    """[S] loss weight of each block slot: 0 before the first slot that predicts (`first`: 1 for
+    DFlash, whose anchor predicts nothing), exp(-(i-first)/gamma) for slot i >= first."""
     i = torch.arange(block_size, device=device, dtype=torch.float32)
-    return torch.where(i > 0, torch.exp(-(i - 1) / gamma), torch.zeros_like(i))
+    return torch.where(i >= first, torch.exp(-(i - first) / gamma), torch.zeros_like(i))
 
 
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the loss decay the DFlash paper trains its block sizes with
@@ -182,6 +183,12 @@ def block_logits(draft, aux_hidden, tokens, anchors, keep, embed_weight, head_we
     """Logits [B, N*S, V] of N packed blocks per row (anchor n's block at slots n*S..n*S+S-1),
     every block seeing the context before its anchor: one forward, as inference computes each block.
     aux_hidden [B, T, n_layers * H] and tokens [B, T] of whole sequences (the target's, detached)."""
+    states, positions = block_states(draft, aux_hidden, tokens, anchors, keep, embed_weight)
+    return draft.logits(states, head_weight), positions
+
+
+def block_states(draft, aux_hidden, tokens, anchors, keep, embed_weight):
+    """(final-normed states [B, N*S, H], positions [B, N*S]) of the packed blocks of `block_logits`."""
     s = draft.cfg.block_size
     b, t = tokens.shape
     offsets = torch.arange(s, device=tokens.device)
@@ -191,8 +198,7 @@ def block_logits(draft, aux_hidden, tokens, anchors, keep, embed_weight, head_we
     context = draft.context(aux_hidden)
     kv = draft.context_kv(context, torch.arange(t, device=tokens.device).expand(b, t))
     mask = block_visibility(anchors, keep, t, s)
-    states = draft(F.embedding(block_tokens, embed_weight), positions, kv, mask)
-    return draft.logits(states, head_weight), positions
+    return draft(F.embedding(block_tokens, embed_weight), positions, kv, mask), positions
 
 
 def block_loss(draft, aux_hidden, tokens, loss_mask, embed_weight, head_weight, num_anchors, gamma=None,

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from vime.models import dflash, eagle3
+from vime.models import dflash, dspark, eagle3
 from vime.models.draft_kinds import EXTERNAL_KINDS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,8 +23,8 @@ def shipped_draft(kind):
 
 
 def shipped_k(kind):
-    """The drafts per step the shipped draft serves (a block draft: its block less the anchor)."""
-    return kind.read_config(shipped_draft(kind)).block_size - 1 if kind.block else 3
+    """The drafts per step the shipped draft serves (a block draft: its block's drafts)."""
+    return kind.read_config(shipped_draft(kind)).num_drafts if kind.block else 3
 
 
 def shipped_spec(kind, **extra):
@@ -37,16 +37,19 @@ NEW_DRAFT_CONFIGS = {
     "eagle3": lambda target_cfg, k, layers: eagle3.draft_config_for_target(target_cfg, aux_layer_ids=layers),
     "dflash": lambda target_cfg, k, layers: dflash.draft_config_for_target(target_cfg, num_layers=1, block_size=k + 1,
                                                                            target_layer_ids=layers),
+    "dspark": lambda target_cfg, k, layers: dspark.draft_config_for_target(
+        target_cfg, num_layers=1, block_size=k, markov_rank=8, confidence_head_with_markov=True,
+        target_layer_ids=layers),
 }
 # kind -> the layers its draft reads on a 2-layer target (the distribution tests' and the trainer tests')
-SMALL_TARGET_LAYERS = {"eagle3": (0, 1, 2), "dflash": (0, 1)}
+SMALL_TARGET_LAYERS = {"eagle3": (0, 1, 2), "dflash": (0, 1), "dspark": (0, 1)}
 
 
-def random_draft(kind, target_cfg, seed, std, k=2, layers=None):
-    """A random draft of `kind` for `target_cfg`: its weights normal(std), its norm scales perturbed by as
-    much (so that each norm matters)."""
+def random_draft(kind, target_cfg, seed, std, k=2, layers=None, cfg=None):
+    """A random draft of `kind` for `target_cfg` (of config `cfg`, default the kind's new one): its weights
+    normal(std), its norm scales perturbed by as much (so that each norm matters)."""
     torch.manual_seed(seed)
-    draft = kind.format.model(NEW_DRAFT_CONFIGS[kind.name](target_cfg, k, layers))
+    draft = kind.format.model(cfg or NEW_DRAFT_CONFIGS[kind.name](target_cfg, k, layers))
     with torch.no_grad():
         for p in draft.parameters():
             p.normal_(0, std) if p.dim() == 2 else p.add_(torch.randn(p.shape) * std)
@@ -90,6 +93,15 @@ def _dflash_acceptance(draft_dir, state):
                                                                                    max_new, past_end)
 
 
+def _dspark_acceptance(draft_dir, state):
+    from dspark_fixtures import load_reference, reference_acceptance
+
+    target, saved, cfg = load_reference(draft_dir)
+    reference = (target, saved if state is None else state, cfg)
+    return lambda prompt, response, max_new, past_end=False: reference_acceptance(reference, prompt, response,
+                                                                                   max_new, past_end)
+
+
 def _eagle3_warm_up_loss(draft, target, k):
     from mtp.eagle3 import training_time_test_loss
 
@@ -105,9 +117,21 @@ def _dflash_warm_up_loss(draft, target, k):
     return lambda tokens, mask, aux: block_loss(draft, aux, tokens, mask, embed, head, 16, generator=anchors)
 
 
+def _dspark_warm_up_loss(draft, target, k):
+    from mtp.dspark import dspark_loss
+
+    embed, head, anchors = target.model.embed_tokens.weight.detach(), target.head_weight().detach(), torch.Generator()
+
+    def loss_of(tokens, mask, aux):
+        with torch.no_grad():
+            logits = target.logits(target(tokens, torch.arange(tokens.shape[1]).expand_as(tokens)))
+        return dspark_loss(draft, aux, tokens, mask, embed, head, 16, logits, generator=anchors)[:2]
+    return loss_of
+
+
 # kind -> its offline loss (as its scripts/make_<kind>_draft.py warms it up): (draft, target model, k) ->
 # loss_of(tokens, mask, aux) of mtp/draft_warmup.py
-WARM_UP_LOSSES = {"eagle3": _eagle3_warm_up_loss, "dflash": _dflash_warm_up_loss}
+WARM_UP_LOSSES = {"eagle3": _eagle3_warm_up_loss, "dflash": _dflash_warm_up_loss, "dspark": _dspark_warm_up_loss}
 
 
 def warmed_up_draft(kind, target, sequences, k, steps=25, seed=0):
@@ -122,7 +146,7 @@ def warmed_up_draft(kind, target, sequences, k, steps=25, seed=0):
 
 
 # kind -> its cache-free reference of greedy acceptance (its <kind>_fixtures.py)
-ACCEPTANCE_REFERENCES = {"eagle3": _eagle3_acceptance, "dflash": _dflash_acceptance}
+ACCEPTANCE_REFERENCES = {"eagle3": _eagle3_acceptance, "dflash": _dflash_acceptance, "dspark": _dspark_acceptance}
 
 
 def acceptance_reference(kind, draft_dir, state=None):

@@ -102,3 +102,26 @@ def assert_online_beats_frozen(spec, steps=4):
     (a1, n1), (a0, n0) = online_and_frozen_acceptance(spec, steps)
     assert n1 > 0 and n0 > 0
     assert two_proportion_z(a1, n1, a0, n0) > 3, (a1, n1, a0, n0)
+
+
+def trained_and_exported(tmp_path, backend, spec, kind, block_size):
+    """A 2-step online run of `spec` (run_online) whose every step synced the draft (the guard compared it,
+    none stale) and logged its block and per-position figures, then its draft exported (export_draft) and
+    checked to be the checkpoint's; returns (the exported directory, its tensors, the initial draft's)."""
+    import torch
+    from safetensors.torch import load_file
+
+    k = spec["num_speculative_tokens"]
+    metrics, save = run_online(tmp_path, backend, spec)
+    for m in metrics:
+        assert m["weight_sync/draft_checksum"] != 0.0  # the draft is in the guard's comparison
+        assert m["weight_sync/draft_checksum"] == m["weight_sync/worker_draft_checksum"]
+        assert m["weight_sync/draft_stale"] == 0
+        assert m["rollout/spec_block_size"] == block_size
+        assert [f"rollout/spec_accept_rate_pos_{i}" in m for i in range(k)] == [True] * k
+        assert [f"train/draft_{i}_loss" in m for i in range(1, k + 1)] == [True] * k
+    out = tmp_path / "exported"
+    saved, exported = export_draft(save, out)
+    assert saved["kind"] == kind
+    assert exported.keys() == saved["draft"].keys() and all(torch.equal(exported[n], saved["draft"][n]) for n in exported)
+    return str(out), exported, load_file(os.path.join(spec["model"], "model.safetensors"))

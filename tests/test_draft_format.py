@@ -30,7 +30,7 @@ def shipped(kind):
 
 
 def spec_of(kind, draft):
-    k = kind.read_config(shipped(kind)).block_size - 1 if kind.block else 3
+    k = kind.read_config(shipped(kind)).num_drafts if kind.block else 3
     return {"method": kind.name, "model": str(draft), "num_speculative_tokens": k}
 
 

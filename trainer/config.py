@@ -67,6 +67,10 @@ class TrainerConfig:
     draft_clip_grad: Optional[float] = tree_field("draft.clip_grad")  # None: same as clip_grad
     draft_loss_scaling_factor: float = tree_field("draft.loss_scaling_factor")  # an external draft's
     draft_ttt_steps: Optional[int] = tree_field("draft.ttt_steps")  # None: num_speculative_tokens
+    # the weights of a kind's loss terms (its descriptor's loss_weights); None: the kind's own
+    draft_ce_weight: Optional[float] = tree_field("draft.ce_weight")
+    draft_l1_weight: Optional[float] = tree_field("draft.l1_weight")
+    draft_confidence_weight: Optional[float] = tree_field("draft.confidence_weight")
     # the rollout's speculative config (vime.spec_config.SpecConfig, or None): an external draft is its `model`
     speculative_config: Any = tree_field("rollout.vllm_speculative_config")
     bf16: bool = tree_field("model.bf16")  # bf16 compute, fp32 master weights (trainer/mixed_precision.py)
@@ -90,6 +94,13 @@ class TrainerConfig:
     @property
     def effective_draft_clip_grad(self):
         return self.clip_grad if self.draft_clip_grad is None else self.draft_clip_grad
+
+    @property
+    def draft_loss_weights(self):
+        """{term: weight} of the loss terms given (the others keep the kind's defaults)."""
+        given = (("ce", self.draft_ce_weight), ("l1", self.draft_l1_weight),
+                 ("confidence", self.draft_confidence_weight))
+        return {term: weight for term, weight in given if weight is not None}
 
     @property
     def effective_eps_clip_high(self):

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from mtp.loss import MTP_LOSSES
 from mtp.reuse import REUSE_ATTENTION
 from vime.errors import UserError, require
-from vime.models.draft_kinds import EXTERNAL_KINDS, trained_kinds
+from vime.models.draft_kinds import EXTERNAL_KINDS, LOSS_TERMS, trained_kinds
 from vime.parallel_layout import ParallelLayout
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -382,6 +382,12 @@ def _kind_defaults(knob):
     return ", ".join(f"{getattr(kind.knobs, knob):g} for {kind.title}" for kind in trained_kinds())
 
 
+def _loss_weight_defaults(term):
+    """--help's statement of each kind's default weight of a loss term (the kinds that weigh their terms)."""
+    return ", ".join(f"{dict(kind.loss_weights)[term]:g} for {kind.title}" for kind in trained_kinds()
+                     if term in dict(kind.loss_weights))
+
+
 def _external_titles():
     return ", ".join(kind.title for kind in EXTERNAL_KINDS)
 
@@ -425,6 +431,15 @@ class DraftSection:
         "--draft-ttt-steps", "drafting steps a chain draft's training-time test unrolls, at most num_speculative_tokens "
         "(the drafts the rollout asks for; each step keeps its activations for the backward) (none: "
         "num_speculative_tokens; MTP layers: --mtp-train-depths)"))
+    ce_weight: Optional[float] = field(default=None, metadata=flag(
+        "--draft-ce-weight", "weight of the cross-entropy on the sampled token, in the loss of a kind that weighs "
+        f"its terms (default none: the kind's own, {_loss_weight_defaults('ce')})"))
+    l1_weight: Optional[float] = field(default=None, metadata=flag(
+        "--draft-l1-weight", "weight of the L1 distance (2 x total variation) to the detached policy's distribution "
+        f"(default none: the kind's own, {_loss_weight_defaults('l1')})"))
+    confidence_weight: Optional[float] = field(default=None, metadata=flag(
+        "--draft-confidence-weight", "weight of the confidence head's binary cross-entropy against the acceptance "
+        f"1 - TV (default none: the kind's own, {_loss_weight_defaults('confidence')})"))
 
 
 def _validate_drafts(d, m):
@@ -440,6 +455,9 @@ def _validate_drafts(d, m):
     require(d.ttt_steps is None or not m.enable_training,
             "--draft-ttt-steps unrolls an external draft's training-time test; the MTP layers train the depths "
             "of --mtp-train-depths")
+    for term in LOSS_TERMS:
+        weight = getattr(d, f"{term}_weight")
+        require(weight is None or weight >= 0, f"--draft-{term}-weight must be >= 0 (got {weight})")
     require(d.loss_scaling_factor == 1.0 or not m.enable_training,
             "--draft-loss-scaling-factor scales an external draft's loss; the MTP layers' factor is "
             "--mtp-loss-scaling-factor")

@@ -131,6 +131,7 @@ def check_config(cfg, hf):
     check_drafter_target(r.vllm_speculative_config, hf)
     check_external_draft(r.vllm_speculative_config, hf)
     require_vllm()
+    check_drafts_on_this_build(r.vllm_speculative_config)
     check_model_on_vllm(cfg.model.hf_checkpoint, hf)
     check_routes_recordable(cfg)
     check_sleep_mode(r)
@@ -203,6 +204,24 @@ def check_routes_recordable(cfg):
             "--use-rollout-routing-replay: this vLLM build cannot return routed experts (vime records them on "
             "the CPU build of vLLM 0.32 through its routers' capture hook); use --rollout-backend embedded or "
             "drop the flag")
+
+
+# what vLLM 0.32 runs only in its GPU model runner (Model Runner V2, Triton kernels): its CPU build (V1
+# runner; V2 "requires Triton") refuses it with "Model Runner V1 does not support ..." (checked)
+GPU_RUNNER_ONLY_KEYS = {"enable_adaptive_verification": "size verification by a draft's confidence"}
+
+
+def check_drafts_on_this_build(spec):
+    """A kind vLLM drafts only in its GPU model runner (its descriptor's `vllm_gpu_runner_only`), and the
+    keys only that runner honours, refused in one line on the CPU build; a GPU build gets them as written."""
+    spec = as_spec_config(spec, "vllm")
+    if spec is None or not _vllm_is_cpu_build():
+        return
+    kind = external_kind(spec.method)
+    asked = ([f"draft {kind.title}"] if kind is not None and kind.vllm_gpu_runner_only else []) + \
+        [what for key, what in GPU_RUNNER_ONLY_KEYS.items() if dict(spec.given).get(key)]
+    require(not asked, f"{FLAG}: the CPU build of vLLM cannot {asked[0] if asked else ''}: vLLM 0.32 does that only in "
+            "its GPU model runner (Model Runner V2, Triton kernels); use --rollout-backend embedded, which does")
 
 
 def _vllm_is_cpu_build():
@@ -286,6 +305,7 @@ class VLLMBackend:
         self.eos_ids = {cfg.eos_token_id} - {None}
         self.max_len = cfg.max_position_embeddings
         self.spec = as_spec_config(speculative_config, "vllm")
+        check_drafts_on_this_build(self.spec)
         self.records_routes = cfg.moe is not None
         with cpu_binding(cpu_cores if device == "cpu" else None):
             self.llm = LLM(**engine_kwargs(hf_checkpoint, self.spec, max_batch_size, device, dtype,

@@ -71,6 +71,10 @@ class DraftTrainer(abc.ABC):
     @classmethod
     def checked_knobs(cls, cfg):
         """The shared knobs of TrainerConfig `cfg` resolved for this kind, once `check_config` passed."""
+        unweighed = [term for term in cfg.draft_loss_weights if term not in dict(cls.kind.loss_weights)]
+        weighing = ", ".join(k.title for k in DRAFT_KINDS.values() if k.loss_weights)
+        require(not unweighed, f"--draft-{unweighed[0] if unweighed else ''}-weight weighs a loss term of {weighing}; "
+                f"the {cls.kind.title} draft trains with --draft-loss-type")
         cls.check_config(cfg)
         return resolve_knobs(cls.kind, cfg.draft_lr, cfg.draft_steps_per_rollout, cfg.draft_replay_batches)
 

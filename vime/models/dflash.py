@@ -61,16 +61,22 @@ def _from_hf(raw, shape, path):
                         mask_token_id=dflash["mask_token_id"], block_size=inner if inner is not None else top)
 
 
-def _fits(path, cfg, target_cfg, num_speculative_tokens):
-    """The draft's target layers, mask token and block fit the target and the drafts asked for."""
+def check_backbone_fits(path, cfg, target_cfg, token_key="mask_token_id"):
+    """A block draft's target layers and the token its block's slots after the anchor hold (`token_key`
+    in its config.json) fit the target (one line each)."""
     ids, layers = list(cfg.target_layer_ids), target_cfg.num_hidden_layers
     require(ids and all(isinstance(i, int) and 0 <= i < layers for i in ids) and ids == sorted(set(ids)),
             f"{FLAG}: draft {path} reads target_layer_ids {ids} but the target has {layers} layers "
             f"(give distinct increasing ids in [0, {layers - 1}])")
     mask = cfg.mask_token_id
     require(isinstance(mask, int) and 0 <= mask < target_cfg.vocab_size,
-            f"{FLAG}: draft {path} has mask_token_id {mask}, not a token of the target's vocabulary "
-            f"[0, {target_cfg.vocab_size}); its mask slots are embedded with the target's embedding")
+            f"{FLAG}: draft {path} has {token_key} {mask}, not a token of the target's vocabulary "
+            f"[0, {target_cfg.vocab_size}); its block slots are embedded with the target's embedding")
+
+
+def _fits(path, cfg, target_cfg, num_speculative_tokens):
+    """The draft's target layers, mask token and block fit the target and the drafts asked for."""
+    check_backbone_fits(path, cfg, target_cfg)
     size = cfg.block_size
     require(isinstance(size, int) and size >= 2,
             f"{FLAG}: draft {path} has block_size {size}; a DFlash draft's config.json gives an integer "

@@ -36,6 +36,10 @@ class DraftKind:
     trainer: Optional[str] = None  # the class of trainer/drafts/<name>.py that trains it online (None: none)
     knobs: Optional[DraftKnobs] = None  # its defaults of the shared --draft-* knobs (a kind trained online)
     block: bool = False  # fills a whole block in one forward (num_speculative_tokens = its block less the anchor)
+    anchor_drafts: bool = False  # a block whose anchor slot drafts too (num_speculative_tokens = its block)
+    confidence: bool = False  # its drafts carry a confidence that can size verification (enable_adaptive_verification)
+    loss_weights: tuple = ()  # ((term, default weight), ...) of its loss's terms, set with --draft-<term>-weight
+    vllm_gpu_runner_only: bool = False  # vLLM drafts it only in its GPU model runner: its CPU build cannot
     model: Optional[str] = None  # what its config's "model" names, when not an external draft of vime's format
     format: Optional[ExternalFormat] = None  # an external draft's checkpoint format
     legacy_state_file: Optional[str] = None  # the name its trained state had in older --save checkpoints

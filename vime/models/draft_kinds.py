@@ -10,6 +10,7 @@ of their own are declared here.
 """
 from vime.models.dflash import DFLASH
 from vime.models.draft_kind import DraftKind, DraftKnobs
+from vime.models.dspark import DSPARK
 from vime.models.eagle3 import EAGLE3
 from vime.models.families import is_mtp_name
 
@@ -24,12 +25,14 @@ SUFFIX = DraftKind(name="suffix", title="suffix decoding", proposer="SuffixPropo
 DRAFT_MODEL = DraftKind(name="draft_model", title="draft model", proposer="DraftModelProposer",
                         model='"model": "/path/to/draft/hf/checkpoint"')
 
-DRAFT_KINDS = {kind.name: kind for kind in (MTP, NGRAM, SUFFIX, DRAFT_MODEL, EAGLE3, DFLASH)}
+DRAFT_KINDS = {kind.name: kind for kind in (MTP, NGRAM, SUFFIX, DRAFT_MODEL, EAGLE3, DFLASH, DSPARK)}
 
 # the speculative config's method under every name vLLM gives it -> the kind
 METHOD_ALIASES = {alias: kind.name for kind in DRAFT_KINDS.values() for alias in kind.names}
 EXTERNAL_KINDS = tuple(kind for kind in DRAFT_KINDS.values() if kind.external)
 EXTERNAL_DRAFT_PREFIXES = tuple(kind.wire_prefix for kind in EXTERNAL_KINDS)
+# the loss terms some kind weighs (--draft-<term>-weight)
+LOSS_TERMS = tuple(dict.fromkeys(term for kind in DRAFT_KINDS.values() for term, _ in kind.loss_weights))
 
 
 def external_kind(method):

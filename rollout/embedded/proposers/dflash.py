@@ -79,6 +79,11 @@ class DFlashProposer(ExternalDraft, Proposer):
         """[n, block_size, V] logits of the block [anchor, mask x k] at positions anchors .. anchors+k,
         over the cached context before each anchor and the whole block (not causal); slots,
         anchor_tokens, anchors: host ints. A static step that reads the cache and writes nothing."""
+        return self.block_forward(slots, anchor_tokens, anchors)[0]
+
+    def block_forward(self, slots, anchor_tokens, anchors, with_states=False):
+        """(the block's logits [n, block_size, V], and with `with_states` its final-normed states
+        [n, block_size, H]) of `block_logits`' step; outputs a graph's buffers: use them before the next."""
         layout = self.engine.steps.layout(self.cache, slots, anchors, [0] * len(slots))
         shape, size = layout.shape, self.draft_model.cfg.block_size
 
@@ -92,22 +97,29 @@ class DFlashProposer(ExternalDraft, Proposer):
                               torch.ones(shape.rows, size, size, dtype=torch.bool, device=anchors.device)], 2)
             positions = anchors[:, None] + torch.arange(size, device=anchors.device)[None, :]
             states = draft(draft.block_input(anchor_tokens, target.model.embed_tokens.weight), positions, kv, mask)
-            return (draft.logits(states, target.head_weight()),)
+            logits = draft.logits(states, target.head_weight())
+            return (logits, states) if with_states else (logits,)
         tokens = device_tensor(anchor_tokens + [0] * (shape.rows - layout.n), layout.slots.device)
-        (logits,) = self.engine.steps.run((f"{self.family}/block", shape), step, (tokens, layout.slots, layout.starts),
-                                          layout.graphed)
-        return logits[:layout.n]
+        outputs = self.engine.steps.run((f"{self.family}/block", shape, with_states), step,
+                                        (tokens, layout.slots, layout.starts), layout.graphed)
+        return tuple(x[:layout.n] for x in outputs)
 
     def profile_draft(self, batch_size, k, new_tokens=2):
         """One drafting for batch_size rows (context for `new_tokens` verified positions, the block
         forward) on dummy inputs in slots 0..batch_size-1. The block costs the same for any k >= 1;
         k = 0 is the context write alone, what a step without drafts still does."""
+        with torch.inference_mode():
+            slots, anchors = self.profile_context(batch_size, new_tokens)
+            if k > 0:
+                self.block_logits(slots, [0] * batch_size, anchors)
+
+    def profile_context(self, batch_size, new_tokens):
+        """The context write of `new_tokens` dummy verified positions for batch_size rows in slots
+        0..batch_size-1 (the probes'); returns (the slots, the positions of their blocks' anchors)."""
         ec = self.engine.config
         slots = list(range(batch_size))
         context = max(0, min(32, self.engine.max_len - new_tokens - self.num_speculative_tokens - 1))
         width = len(self.aux_hidden_layers) * self.engine.cfg.hidden_size
         hidden = torch.zeros(batch_size, new_tokens, width, device=ec.device, dtype=ec.dtype)
-        with torch.inference_mode():
-            self.write_context(slots, hidden, [context] * batch_size, [new_tokens] * batch_size)
-            if k > 0:
-                self.block_logits(slots, [0] * batch_size, [context + new_tokens] * batch_size)
+        self.write_context(slots, hidden, [context] * batch_size, [new_tokens] * batch_size)
+        return slots, [context + new_tokens] * batch_size

@@ -4,6 +4,7 @@ speculation, one RL run per arm, same target, seed and prompts.
     python scripts/bench/rl_arms.py drift --draft mtp                  # tiny MiMo, its MTP layer, k = 2
     python scripts/bench/rl_arms.py drift --draft eagle3 --backends embedded,vllm   # tiny Qwen2 + EAGLE-3, k = 3
     python scripts/bench/rl_arms.py drift --draft dflash               # tiny Qwen2 + DFlash, blocks of 4
+    python scripts/bench/rl_arms.py drift --draft dspark --arms dspark --draft-warmup-steps 20   # DSpark, k = 3
     python scripts/bench/rl_arms.py drift --hf-checkpoint checkpoints/tiny-glm4-moe-mtp   # another MTP target
 
 RL moves the policy away from what a frozen draft was trained on; the online arm trains the draft
@@ -12,7 +13,8 @@ Arms are `online`, `frozen` or `none`, each optionally followed by `:key=value` 
 append train_rl.py flags: loss (--draft-loss-type), topk (--draft-distill-topk), lr (--draft-lr),
 steps (--draft-steps-per-rollout), replay (--draft-replay-batches), layers (--mtp-num-layers),
 depths (--mtp-train-depths), reuse (--mtp-reuse-attention), ckpt (--hf-checkpoint), sync_draft
-(--sync-draft-weights: false syncs only the target, the draft goes stale); e.g.
+(--sync-draft-weights: false syncs only the target, the draft goes stale), ce_weight / l1_weight /
+confidence_weight (--draft-<term>-weight); e.g.
 `online:depths=3:steps=16:replay=8`. Two options change the arm's draft instead: draft=KIND (another
 draft kind, for arms of several kinds in one run) and k=N (its speculative tokens; a DFlash draft is
 built for blocks of k + 1, so the arm gets its own draft made with --draft-warmup-steps); draft_layers=N makes that arm's draft with N decoder layers
@@ -44,6 +46,7 @@ import subprocess
 import sys
 
 from scripts.bench.lib.arm_runs import REPO, run_arm, window
+from vime.models.draft_kinds import LOSS_TERMS
 from vime.errors import UserError
 
 
@@ -79,6 +82,12 @@ DRIFT_DRAFTS = {
                         draft_model="checkpoints/tiny-qwen2-dflash",
                         make_draft=("make_dflash_draft.py", lambda k: ["--block-size", str(k + 1)]), built_for_k=True,
                         maker_options=(("draft_layers", "--num-layers"),)),
+    # a block whose every slot drafts (k = its block size), Markov head and confidence head as shipped
+    "dspark": DriftDraft("checkpoints/tiny-qwen2", 3, _external_spec("dspark"), ("--enable-draft-training",),
+                        draft_model="checkpoints/tiny-qwen2-dspark",
+                        make_draft=("make_dspark_draft.py", lambda k: ["--block-size", str(k), "--markov-rank", "8",
+                                                                       "--confidence-head-with-markov"]),
+                        built_for_k=True, maker_options=(("draft_layers", "--num-layers"),)),
 }
 ARMS = ("online", "frozen", "none")
 BACKENDS = ("embedded", "vllm")
@@ -86,10 +95,12 @@ BACKENDS = ("embedded", "vllm")
 ARM_OPTIONS = {"loss": "--draft-loss-type", "topk": "--draft-distill-topk", "lr": "--draft-lr",
                "steps": "--draft-steps-per-rollout", "replay": "--draft-replay-batches",
                "layers": "--mtp-num-layers", "depths": "--mtp-train-depths", "reuse": "--mtp-reuse-attention",
-               "ckpt": "--hf-checkpoint", "sync_draft": "--sync-draft-weights"}
+               "ckpt": "--hf-checkpoint", "sync_draft": "--sync-draft-weights",
+               **{f"{term}_weight": f"--draft-{term}-weight" for term in LOSS_TERMS}}
 DRAFT_OPTIONS = ("draft", "k", "draft_layers")  # arm options that choose the arm's draft, not train_rl.py flags
-ARM_SETS = {  # --arms NAME: the block-size question, every draft from the same warm-up
-    "blocks": "online:draft=eagle3,online,frozen,online:k=7,frozen:k=7",
+ARM_SETS = {  # --arms NAME: a question answered by arms whose drafts all start from the same warm-up
+    "blocks": "online:draft=eagle3,online,frozen,online:k=7,frozen:k=7",  # the block size
+    "dspark": "online,frozen,online:draft=dflash,online:draft=eagle3",  # DSpark against the other kinds at k = 3
 }
 MAX_POSITIONS = 8
 
@@ -112,6 +123,9 @@ def add_arguments(p):
     p.add_argument("--png", default=None, help="the reward / acceptance / tokens/s curves (default OUT/drift.png)")
     p.add_argument("--curves", default=None, help="also write the per-position acceptance PNG here")
     p.add_argument("--spec-adaptive", action="store_true", help="k per batch size (--spec-adaptive)")
+    p.add_argument("--save-arms", action="store_true",
+                   help="each speculative arm saves its last step (--save ARM_DIR/save): its policy and draft, "
+                        "to export (checkpoint_convert.torch_dist_to_hf, scripts/export_draft.py)")
     p.add_argument("--time-plain", action="store_true",
                    help="speculative arms also decode each batch without drafts, back to back "
                         "(--rollout-time-plain-baseline): a paired speedup per step")
@@ -240,6 +254,8 @@ def arm_flags(kind, base, args, k, draft_model):
         flags += ["--vllm-speculative-config", json.dumps(kind.spec(k, draft_model))]
         flags += ["--spec-adaptive"] if args.spec_adaptive else []
     flags += list(kind.online_flags) if base == "online" else []
+    if args.save_arms and base != "none":
+        flags += ["--save", os.path.join(args.out, "{arm_dir}", "save"), "--save-interval", args.steps]
     # on the none arm the paired pass decodes plain twice: the A/A control of the paired figure
     return flags + (["--rollout-time-plain-baseline"] if args.time_plain else [])
 
@@ -292,7 +308,7 @@ def run(args):
             kind = DRIFT_DRAFTS[name]
             label = arm_label(backend, arm)
             flags = arm_flags(kind, base, args, k, draft_model_of(name, args, k, maker_flags(arm, args)))
-            flags += ["--rollout-backend", backend]
+            flags = [str(f).replace("{arm_dir}", arm_dir(label)) for f in flags] + ["--rollout-backend", backend]
             # an arm's own options win over the shared extra arguments
             metrics = run_arm(arm_dir(label), args.out, flags + args.extra + options, args.steps, args.reuse)
             rows_by_arm[label] = [row(label, m) for m in metrics]
