@@ -32,29 +32,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtp.blocks import SwiGLU
-from mtp.eagle3 import Norm, rotate
+from mtp.blocks import DraftAttention, DraftShape, Norm, SwiGLU
 from mtp.loss import MTP_LOSSES
 
 
-@dataclass(frozen=True)
-class DFlashConfig:
+@dataclass(frozen=True, kw_only=True)
+class DFlashConfig(DraftShape):
     """The draft's architecture (the fields of its config.json that shape the tensors and the block)."""
 
-    hidden_size: int
-    intermediate_size: int
     num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    target_hidden_size: int
     target_layer_ids: tuple  # target layers whose OUTPUT fc reads (DFlash's numbering: 0 = first layer)
     mask_token_id: int
     block_size: int  # anchor + drafts: the draft proposes block_size - 1 tokens
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 256
 
     @property
     def aux_layer_ids(self):
@@ -66,39 +55,20 @@ class DFlashConfig:
         return self.block_size - 1
 
 
-class DFlashAttention(nn.Module):
+class DFlashAttention(DraftAttention):
     """Grouped-query attention with per-head q/k RMSNorm (Qwen3), keys from the context and the block."""
 
     def __init__(self, cfg):
-        super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.cfg = cfg
-        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
-        self.q_norm = Norm(d, cfg.rms_norm_eps)
-        self.k_norm = Norm(d, cfg.rms_norm_eps)
-
-    def _heads(self, x, proj, n):
-        b, q_len, _ = x.shape
-        return proj(x).view(b, q_len, n, self.cfg.head_dim).transpose(1, 2)
-
-    def key_value(self, x, positions):
-        """x [B, T, H] -> rotated, normed keys and values [B, kv_heads, T, D]."""
-        c = self.cfg
-        k = rotate(self.k_norm(self._heads(x, self.k_proj, c.num_key_value_heads)), positions, c.rope_theta)
-        return k, self._heads(x, self.v_proj, c.num_key_value_heads)
+        super().__init__(cfg, cfg.hidden_size, qk_norm=True)
 
     def forward(self, x, positions, context_k, context_v, mask):
         """Queries of the block x [B, Q, H] over keys cat(context [B, kv, T, D], block): mask [B, Q, T + Q]."""
-        c = self.cfg
-        q = rotate(self.q_norm(self._heads(x, self.q_proj, c.num_attention_heads)), positions, c.rope_theta)
+        q = self.query(x, positions)
         k, v = self.key_value(x, positions)
         keys, values = torch.cat([context_k, k], 2), torch.cat([context_v, v], 2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None],
                                              enable_gqa=q.shape[1] != keys.shape[1])
-        return self.o_proj(out.transpose(1, 2).flatten(2))
+        return self.output(out)
 
 
 class DFlashLayer(nn.Module):
@@ -194,10 +164,11 @@ def sample_anchors(loss_mask, num_anchors, generator=None):
     return anchors, keep
 
 
-def position_weights(block_size, gamma, device=None):
-    """[S] loss weight of each block slot: 0 for the anchor, exp(-(i-1)/gamma) for slot i >= 1."""
+def position_weights(block_size, gamma, device=None, first=1):
+    """[S] loss weight of each block slot: 0 before the first slot that predicts (`first`: 1 for
+    DFlash, whose anchor predicts nothing), exp(-(i-first)/gamma) for slot i >= first."""
     i = torch.arange(block_size, device=device, dtype=torch.float32)
-    return torch.where(i > 0, torch.exp(-(i - 1) / gamma), torch.zeros_like(i))
+    return torch.where(i >= first, torch.exp(-(i - first) / gamma), torch.zeros_like(i))
 
 
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the loss decay the DFlash paper trains its block sizes with
@@ -212,6 +183,12 @@ def block_logits(draft, aux_hidden, tokens, anchors, keep, embed_weight, head_we
     """Logits [B, N*S, V] of N packed blocks per row (anchor n's block at slots n*S..n*S+S-1),
     every block seeing the context before its anchor: one forward, as inference computes each block.
     aux_hidden [B, T, n_layers * H] and tokens [B, T] of whole sequences (the target's, detached)."""
+    states, positions = block_states(draft, aux_hidden, tokens, anchors, keep, embed_weight)
+    return draft.logits(states, head_weight), positions
+
+
+def block_states(draft, aux_hidden, tokens, anchors, keep, embed_weight):
+    """(final-normed states [B, N*S, H], positions [B, N*S]) of the packed blocks of `block_logits`."""
     s = draft.cfg.block_size
     b, t = tokens.shape
     offsets = torch.arange(s, device=tokens.device)
@@ -221,8 +198,7 @@ def block_logits(draft, aux_hidden, tokens, anchors, keep, embed_weight, head_we
     context = draft.context(aux_hidden)
     kv = draft.context_kv(context, torch.arange(t, device=tokens.device).expand(b, t))
     mask = block_visibility(anchors, keep, t, s)
-    states = draft(F.embedding(block_tokens, embed_weight), positions, kv, mask)
-    return draft.logits(states, head_weight), positions
+    return draft(F.embedding(block_tokens, embed_weight), positions, kv, mask), positions
 
 
 def block_loss(draft, aux_hidden, tokens, loss_mask, embed_weight, head_weight, num_anchors, gamma=None,

@@ -17,92 +17,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtp.blocks import SwiGLU
+from mtp.blocks import DraftAttention, DraftShape, Norm, SwiGLU, causal_attention
 from mtp.loss import MTP_LOSSES
 
 
-@dataclass(frozen=True)
-class Eagle3Config:
+@dataclass(frozen=True, kw_only=True)
+class Eagle3Config(DraftShape):
     """The draft's architecture (the fields of its config.json that shape the tensors)."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    target_hidden_size: int
     aux_layer_ids: tuple  # the target layers whose hidden states fc reads (vLLM's numbering)
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 256
 
 
-def rms(x, weight, eps):
-    """RMSNorm in fp32, scaled in the input dtype (vLLM's RMSNorm on CPU)."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-class Norm(nn.Module):
-    """An RMSNorm scale (named `<norm>.weight`, as the checkpoint stores it)."""
-
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return rms(x, self.weight, self.eps)
-
-
-def rotate(x, positions, theta):
-    """Neox-style rotary embedding of x [B, heads, Q, D] at positions [B, Q]."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=x.device).float() / d))
-    freqs = positions.float()[..., None] * inv_freq
-    emb = torch.cat([freqs, freqs], -1)
-    cos, sin = emb.cos().unsqueeze(1).to(x.dtype), emb.sin().unsqueeze(1).to(x.dtype)
-    half = d // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
-
-
-def causal_attention(q, k, v, positions):
-    """Attention over the same sequence, causal by position (no cache: training, references)."""
-    mask = positions[:, None, None, :] <= positions[:, None, :, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-
-
-class Eagle3Attention(nn.Module):
-    """Grouped-query attention whose q/k/v read the concatenated 2H input (no bias, no q/k norm)."""
+class Eagle3Attention(DraftAttention):
+    """Grouped-query attention whose q/k/v read the concatenated 2H input (no q/k norm)."""
 
     def __init__(self, cfg):
-        super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.cfg = cfg
-        self.q_proj = nn.Linear(2 * h, cfg.num_attention_heads * d, bias=False)
-        self.k_proj = nn.Linear(2 * h, cfg.num_key_value_heads * d, bias=False)
-        self.v_proj = nn.Linear(2 * h, cfg.num_key_value_heads * d, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+        super().__init__(cfg, 2 * cfg.hidden_size)
 
     def qkv(self, x, positions):
         """x [B, Q, 2H] -> rotated q [B, heads, Q, D], rotated k and v [B, kv_heads, Q, D]."""
-        b, q_len, _ = x.shape
-        c = self.cfg
-        q = self.q_proj(x).view(b, q_len, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, q_len, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, q_len, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        return rotate(q, positions, c.rope_theta), rotate(k, positions, c.rope_theta), v
-
-    def output(self, attn):
-        """[B, heads, Q, D] attention output -> [B, Q, H]."""
-        return self.o_proj(attn.transpose(1, 2).flatten(2))
+        return (self.query(x, positions), *self.key_value(x, positions))
 
     def forward(self, x, positions, cache=None):
         """x [B, Q, 2H]; `cache` is a KV view with `attend(q, k, v, positions)` or None."""
         q, k, v = self.qkv(x, positions)
         out = causal_attention(q, k, v, positions) if cache is None else cache.attend(q, k, v, positions)
         return self.output(out)
-
 
 
 class Eagle3MidLayer(nn.Module):

@@ -282,6 +282,11 @@ class Placement:
         threads = threads_for(self.demand.engine.get("CPU"))
         return [{"threads": threads, "cpu_slot": slot} for slot in slots]
 
+    def engine_gpu_shares(self):
+        """Per engine: its share of the GPU it shares with a trainer rank (paired in one bundle), else None."""
+        return [self.demand.resources("engine", i).get("GPU") if i < self.demand.pairs else None
+                for i in range(self.demand.engines)]
+
     def node_id_of(self, kind, index):
         """The id of the node holding that rank's or engine's bundle."""
         from ray.util.placement_group import placement_group_table

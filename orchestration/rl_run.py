@@ -25,7 +25,8 @@ class RLRun:
         engines = [self.placement.engine_options(i) for i in range(self.placement.demand.engines)]
         self.rollout = None if cfg.run.debug_train_only else RolloutManager.options(num_cpus=0).remote(
             cfg.rollout, cfg.model.hf_checkpoint, cfg.train.advantage_estimator, worker_options=engines,
-            bf16=cfg.model.bf16, worker_cpus=self.placement.engine_cpus())
+            bf16=cfg.model.bf16, worker_cpus=self.placement.engine_cpus(),
+            worker_gpu_shares=self.placement.engine_gpu_shares())
         self.trainers = None if cfg.run.debug_rollout_only else TrainerGroup(cfg, load=model_load,
                                                                              placement=self.placement)
         self.sync = None
@@ -55,6 +56,8 @@ class RLRun:
         if self.sync:  # workers held the weights pushed after step - 1 (step - 2 when run ahead)
             check_weight_versions(samples, expected=expected)
             metrics.update(staleness_metrics(samples, step))
+        if self.trainers and not self.cfg.run.async_rollout:  # the trainer's turn: engines let go of memory
+            metrics.update(ray_get(self.rollout.release_memory.remote()))
         if self.cfg.run.save_debug_rollout_data:
             os.makedirs(self.cfg.run.save_debug_rollout_data, exist_ok=True)
             with open(os.path.join(self.cfg.run.save_debug_rollout_data, f"step_{step:07d}.pkl"), "wb") as f:

@@ -14,6 +14,7 @@ from rollout.group_batching import DynamicBatch, groups_of, renumber, spread_gro
 from rollout.rewards import make_scorer
 from rollout.sampling_params import SamplingParams
 from rollout.spec_stats import add_counters, empty_counters, spec_rates
+from vime.devices import phase_memory, reset_peak_memory
 from vime.sample import Sample
 
 
@@ -23,26 +24,32 @@ class RolloutWorkerImpl:
 
     def __init__(self, hf_checkpoint, spec_config, max_batch_size, threads=1, backend="embedded", sync_draft=True,
                  spec_adaptive=False, time_plain_baseline=False, bf16=False, cpu_slot=0, weight_transfer="reload",
-                 enforce_eager=False):
+                 enforce_eager=False, gpu_share=None, release_kv_cache=None, release_weights=False):
         from rollout.backend import build_backend
         from vime.cpu_cores import cores_for_slot
         from vime.precision import compute_dtype
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # this process's own finding
         cores = cores_for_slot(os.sched_getaffinity(0), cpu_slot, threads) if device == "cpu" else None
         torch.set_num_threads(len(cores) if cores else threads)
+        # memory by turns: asked for, or (unset) for an engine that shares a CUDA GPU with a trainer rank
+        shares = gpu_share is not None and device == "cuda"
+        self.release_kv = shares if release_kv_cache is None else release_kv_cache
+        self.release_weights = release_weights
+        sharing = {"gpu_share": gpu_share, "release_memory": self.release_kv or release_weights} if shares else None
         self.backend = build_backend(backend, hf_checkpoint, spec_config, max_batch_size, device, adaptive=spec_adaptive,
                                      dtype=compute_dtype(bf16), cpu_cores=cores, weight_transfer=weight_transfer,
-                                     enforce_eager=enforce_eager)
+                                     enforce_eager=enforce_eager, sharing=sharing)
         self.sync_draft = sync_draft
         self.time_plain_baseline, self.calls = time_plain_baseline, 0
         self.receiver = None
         self.draft_version = 0  # the checkpoint's draft until a push loads one
 
     def generate(self, samples, sampling):
-        """(samples, the backend's stats of this call: seconds, generated tokens, spec counters, spec_k_mean, ...);
-        each sample is stamped with the version of the weights that generated it (the driver compares it
-        with the trainer's step)."""
+        """(samples, the backend's stats of this call: seconds, generated tokens, spec counters, spec_k_mean,
+        the call's memory (vime/devices.py `phase_memory`), ...); each sample is stamped with the version
+        of the weights that generated it (the driver compares it with the trainer's step)."""
+        reset_peak_memory()
         if self.time_plain_baseline:  # plain first on every other call: drift hits both sides alike
             baseline = self.backend.generate_with_plain_baseline(samples, sampling, plain_first=self.calls % 2 == 0)
         else:
@@ -51,7 +58,15 @@ class RolloutWorkerImpl:
         self.calls += 1
         for s in samples:
             s.weight_version, s.draft_version = self.backend.weight_version, self.draft_version
-        return samples, dict(self.backend.stats(), **baseline)
+        return samples, dict(self.backend.stats(), memory=phase_memory("rollout"), **baseline)
+
+    def release_memory(self):
+        """Memory by turns, once the rollout is done and the trainer steps: the backend gives back its KV
+        cache (and with --rollout-release-weights its weights) when this engine takes turns; returns
+        what this process holds while the trainer steps."""
+        if self.release_kv or self.release_weights:
+            self.backend.release_memory(weights=self.release_weights)
+        return phase_memory("engine_while_training", peak=False)
 
     def device_identity(self):
         """Where this engine computes (vime/devices.py): its node, its Ray GPUs, torch's device here."""
@@ -109,7 +124,7 @@ class RolloutManagerImpl:
     """Owns the prompt data, the rollout workers, the reward and the advantage estimator."""
 
     def __init__(self, rollout_cfg, hf_checkpoint, advantage_estimator, worker_options=None, bf16=False,
-                 worker_cpus=None):
+                 worker_cpus=None, worker_gpu_shares=None):
         from vime.models.hf_format import read_config
         from rollout.tokenizer import TextCodec
 
@@ -131,16 +146,23 @@ class RolloutManagerImpl:
         n = rollout_cfg.rollout_num_workers
         opts = worker_options or [worker_resources()] * n  # placed, or anywhere
         cpus = worker_cpus or [{"threads": 1, "cpu_slot": i} for i in range(n)]  # {threads, cpu_slot} per engine
+        shares = worker_gpu_shares or [None] * n  # an engine's GPU share where it shares a GPU with a trainer rank
         self.workers = [RolloutWorker.options(**opts[i]).remote(
             hf_checkpoint, rollout_cfg.vllm_speculative_config, rollout_cfg.rollout_max_batch_size,
             backend=rollout_cfg.backend, sync_draft=rollout_cfg.sync_draft_weights,
             spec_adaptive=rollout_cfg.spec_adaptive, time_plain_baseline=rollout_cfg.time_plain_baseline,
             bf16=bf16, weight_transfer=rollout_cfg.vllm_weight_transfer, enforce_eager=rollout_cfg.enforce_eager,
-            **cpus[i])
+            gpu_share=shares[i], release_kv_cache=rollout_cfg.release_kv_cache,
+            release_weights=rollout_cfg.release_weights, **cpus[i])
             for i in range(n)]
 
     def get_workers(self):
         return self.workers
+
+    def release_memory(self):
+        """Memory by turns: every engine lets go of what it may while the trainer steps; the largest
+        memory an engine then holds (memory/engine_while_training_*)."""
+        return _largest(ray.get([w.release_memory.remote() for w in self.workers]))
 
     def data_cursor(self):
         return self.data.cursor
@@ -170,6 +192,7 @@ class RolloutManagerImpl:
         assign_advantages(samples, self.advantage_estimator)
         return samples, dict(self._metrics(drawn, elapsed, counters), **{"perf/rollout_engine_time": engine_time},
                              **_adaptive_metrics(done), **_plain_baseline_metrics(done, engine_time), **extra,
+                             **_largest([stats["memory"] for stats in done]),
                              **{f"rollout/{k}": v for k, v in self.reward_counts.items()})
 
     def _prompts_per_draw(self):
@@ -275,6 +298,11 @@ def _adaptive_metrics(worker_stats):
         if values:
             out[f"rollout/{key}"] = sum(values) / len(values)
     return out
+
+
+def _largest(per_worker):
+    """{metric: the largest value over the workers} of per-worker memory metrics."""
+    return {k: max(m[k] for m in per_worker) for k in per_worker[0]} if per_worker else {}
 
 
 def _plain_baseline_metrics(worker_stats, engine_time):

@@ -10,6 +10,7 @@ validates vime's own --spec-adaptive flag, which lives outside the JSON so the J
 import dataclasses
 
 from vime.errors import require
+from vime.models.draft_kinds import external_kind
 from vime.spec_config import FLAG, EXAMPLE, SpecConfig, parse_spec_config  # noqa: F401  (the engines' names for them)
 
 ADAPTIVE_FLAG = "--spec-adaptive"
@@ -72,29 +73,14 @@ def check_against_checkpoint(spec, target_cfg):
 
 
 def check_external_draft(spec, target_cfg):
-    """An external draft (EAGLE-3, DFlash) is a draft directory that fits the target, and the target's
-    family gives aux hidden states (one line each). Run for both backends: vLLM's own validation
-    accepts a MiMo target or a misfit draft and fails later inside its engine process."""
-    check = EXTERNAL_DRAFT_CHECKS.get(spec.method if spec is not None else None)
-    if check is not None:
-        check(spec, target_cfg)
-
-
-def check_eagle3_draft(spec, target_cfg):
-    from vime.models.eagle3 import check_draft_fits_target, read_draft_config
-
-    check_draft_fits_target(spec.model, read_draft_config(spec.model), target_cfg)
-
-
-def check_dflash_draft(spec, target_cfg):
-    """A DFlash draft also fits the block asked for (num_speculative_tokens)."""
-    from vime.models.dflash import check_draft_fits_target, read_draft_config
-
-    check_draft_fits_target(spec.model, read_draft_config(spec.model), target_cfg, spec.num_speculative_tokens)
-
-
-# method -> the check of its external draft against the target
-EXTERNAL_DRAFT_CHECKS = {"eagle3": check_eagle3_draft, "dflash": check_dflash_draft}
+    """An external draft is a draft directory of its kind that fits the target and the drafts asked
+    for, its tensors those its config implies (one line each, nothing loaded). Run for both backends:
+    vLLM's own validation accepts a misfit draft and fails later inside its engine process. Any
+    family is a target (the embedded engine computes the aux hidden states of every family; what
+    vLLM's models return is the vLLM backend's own check)."""
+    kind = external_kind(spec.method) if spec is not None else None
+    if kind is not None:
+        kind.check_directory(spec.model, target_cfg, spec.num_speculative_tokens)
 
 
 def require_lossless(spec, where="training"):

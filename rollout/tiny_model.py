@@ -156,7 +156,7 @@ def corpus_batch(rng, codec, batch_size, trace_fraction, direct_error_rate, vari
 
 def pretrain_loss(model, tokens, mask, is_trace):
     """(next-token CE, MTP CE): the MTP loss counts only `direct`-format sequences."""
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     hidden, mtp_input = model.forward_states(tokens, positions)
     logits = model.logits(hidden[:, :-1])
     lm_mask = mask[:, 1:]
@@ -178,29 +178,43 @@ def balance_experts(model, rate):
 
 
 def pretrain(model, steps, batch_size=64, lr=3e-3, trace_fraction=0.2, seed=0, log_every=100, log=print,
-             direct_error_rate=0.6, variant=DEFAULT_TASK_VARIANT, codec=None, fmt_name="plain", balance_rate=1e-3):
+             direct_error_rate=0.6, variant=DEFAULT_TASK_VARIANT, codec=None, fmt_name="plain", balance_rate=1e-3,
+             device="cpu", autocast_dtype=None, seconds=None):
     """AdamW with cosine decay on the synthetic corpus; returns the final (lm, mtp) loss.
     MoE layers balance their experts with the correction bias (`balance_rate` per step).
 
     `codec` and `fmt_name` (a SEQUENCE_FORMATS key) pick the tokenizer and the sequence layout:
-    the character model's plain text (default) or the chat model's template and boxed answers."""
+    the character model's plain text (default) or the chat model's template and boxed answers.
+    `device`: where the model (already there) and its batches compute; `autocast_dtype` (e.g. bf16
+    on a GPU) the matmuls' dtype under torch.autocast, the weights staying fp32; `seconds`: a time
+    budget instead of a step count — the cosine runs over the budget, training stops when it is spent
+    (`steps` is then a bound)."""
     rng = random.Random(seed)
     codec = codec or TextCodec(tokenizer=build_tokenizer())
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     start = time.time()
+    if seconds is None:
+        decay = lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))  # noqa: E731
+    else:
+        decay = lambda s: 0.5 * (1 + math.cos(math.pi * min((time.time() - start) / seconds, 1.0)))  # noqa: E731
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * decay(s))
+    autocast = torch.autocast(torch.device(device).type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     for step in range(steps):
-        lm, mtp = pretrain_loss(model, *corpus_batch(rng, codec, batch_size, trace_fraction, direct_error_rate, variant,
-                                                     fmt_name))
+        batch = [t.to(device) for t in corpus_batch(rng, codec, batch_size, trace_fraction, direct_error_rate,
+                                                    variant, fmt_name)]
+        with autocast:
+            lm, mtp = pretrain_loss(model, *batch)
         opt.zero_grad()
         (lm + mtp).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         balance_experts(model, balance_rate)
-        if step % log_every == 0 or step == steps - 1:
+        last = step == steps - 1 or seconds is not None and time.time() - start >= seconds
+        if step % log_every == 0 or last:
             log(f"step {step:5d}  lm {lm.item():.4f}  mtp {mtp.item():.4f}  {time.time() - start:.0f}s")
+        if last:
+            break
     return lm.item(), mtp.item()
 
 

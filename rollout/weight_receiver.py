@@ -20,7 +20,7 @@ memory on this device instead: the driver picks it for an engine that shares the
 import typing
 
 from vime import weight_sync
-from vime.models.families import is_draft_name
+from vime.models.draft_kinds import is_draft_name
 
 
 class WeightReceiver(typing.Protocol):
@@ -60,10 +60,19 @@ class BucketReceiver:
 
 class HandOverReceiver(BucketReceiver):
     """in_place: the trainer's flat buckets mapped where they are (CUDA IPC on a shared GPU, shared
-    memory on CPU; the push's note maps them), loaded through `load_weights` and let go at once."""
+    memory on CPU; the push's note maps them) and loaded through `load_weights`. A GPU's are let go at
+    once (the trainer gives that memory back to the device); host buckets, which the trainer refills
+    for every push under the same note, stay mapped."""
+
+    def __init__(self, load_weights, num_hidden_layers, keep_draft=True):
+        super().__init__(load_weights, num_hidden_layers, keep_draft)
+        self.note, self.mapped = None, None
 
     def join(self, rendezvous, rank):
         """No group: the trainer's memory is on this device already."""
 
     def receive(self, header, version, note=None):
-        self._load(weight_sync.take_over(header, note), version)
+        mapped = self.mapped if note == self.note else list(weight_sync.take_over(header, note))
+        self._load(mapped, version)
+        on_host = bool(mapped) and mapped[0][1].device.type == "cpu"
+        self.note, self.mapped = (note, mapped) if on_host else (None, None)

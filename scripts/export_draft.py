@@ -16,15 +16,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-
-from trainer.drafts import DRAFT_STATE_FILE, saved_draft_state_file  # noqa: E402
+from trainer.drafts import DRAFT_STATE_FILE, read_draft_state, saved_draft_state_file  # noqa: E402
 from vime.checkpointing import resolve_load  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
-from vime.models import dflash, eagle3  # noqa: E402
-
-# a draft kind -> the writer of its directory format (vime/models/<kind>.py)
-DRAFT_WRITERS = {"eagle3": eagle3.save_draft, "dflash": dflash.save_draft}
+from vime.models.draft_kinds import EXTERNAL_KINDS, external_kind  # noqa: E402
 
 
 @exit_on_user_error
@@ -37,12 +32,12 @@ def main(argv=None):
     file = saved_draft_state_file(os.path.join(iteration, "model"))
     require(file is not None, f"--load {args.load}: step {step} holds no external draft ({DRAFT_STATE_FILE}); "
             "the run was not trained with --enable-draft-training")
-    state = torch.load(file, map_location="cpu", weights_only=False)
-    kind = state.get("kind", "eagle3")  # the legacy file held an EAGLE-3 draft
-    require(kind in DRAFT_WRITERS, f"--load {args.load}: step {step} holds a {kind} draft, which has no directory "
-            f"format of its own (exported kinds: {', '.join(DRAFT_WRITERS)})")
-    DRAFT_WRITERS[kind](args.out, state["config"], state["draft"])
-    print(f"saved {args.out} (the {kind} draft at step {step})")
+    state = read_draft_state(file)
+    kind = external_kind(state["kind"])
+    require(kind is not None, f"--load {args.load}: step {step} holds a {state['kind']} draft, which has no "
+            f"directory format of its own (exported kinds: {', '.join(k.name for k in EXTERNAL_KINDS)})")
+    kind.save(args.out, state["config"], state["draft"])  # its tensors checked against its config first
+    print(f"saved {args.out} (the {kind.name} draft at step {step})")
 
 
 if __name__ == "__main__":

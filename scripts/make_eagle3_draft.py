@@ -1,10 +1,12 @@
 #!/usr/bin/env python
-"""Make an EAGLE-3 draft for a target without MTP layers, in the directory vLLM serves.
+"""Make an EAGLE-3 draft for a target (any family the embedded engine runs), in the directory vLLM serves.
 
     python scripts/make_eagle3_draft.py --target checkpoints/tiny-qwen2 --out DIR [--warmup-steps 300]
 
 The draft (mtp/eagle3.py, format vime/models/eagle3.py) is shaped for the target: its hidden size,
-heads and vocabulary, fc over the target's three aux layers as vLLM picks them. Its head and final
+heads and vocabulary, fc over three aux layers of the target (`--aux-layer-ids`; by default vLLM's
+choice, or on a target of fewer than 7 layers the embedding output, the middle and the last layer's
+output). Any family the embedded engine runs is a target; vLLM drafts for Qwen2 and Qwen3. Its head and final
 norm start as the target's; the rest is a small random init. `--warmup-steps N` then trains it
 offline for N steps on the target's own samples (prompts from the target directory's train.jsonl,
 temperature 1) with EAGLE-3's training-time test over `--ttt-steps` drafting steps: a draft that
@@ -27,15 +29,17 @@ from mtp.eagle3 import Eagle3Draft, training_time_test_loss  # noqa: E402
 from rollout.embedded.engine import Engine, EngineConfig  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
-from vime.models.eagle3 import check_draft_fits_target, draft_config_for_target, save_draft  # noqa: E402
+from vime.models.eagle3 import EAGLE3, draft_config_for_target  # noqa: E402
 from vime.models.hf_format import load_hf_checkpoint  # noqa: E402
 from vime.sample import samples_for_prompts  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, help="the target's HF checkpoint (a family vLLM drafts for with eagle3)")
+    p.add_argument("--target", required=True, help="the target's HF checkpoint (any family the embedded engine runs)")
     p.add_argument("--out", required=True)
+    p.add_argument("--aux-layer-ids", type=int, nargs=3, default=None,
+                   help="the three aux layers the draft reads (id i: before target layer i; default: see above)")
     p.add_argument("--intermediate-size", type=int, default=None, help="the draft's MLP width (default: the target's)")
     p.add_argument("--warmup-steps", type=int, default=0, help="offline training steps on the target's samples")
     p.add_argument("--warmup-samples", type=int, default=512)
@@ -47,9 +51,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def init_draft(target_cfg, target_state, seed, intermediate_size=None, std=0.02):
+def init_draft(target_cfg, target_state, seed, intermediate_size=None, aux_layer_ids=None, std=0.02):
     """A draft for the target: head and final norm copied from the target, the rest normal(std)."""
-    cfg = draft_config_for_target(target_cfg, intermediate_size)
+    cfg = draft_config_for_target(target_cfg, intermediate_size, aux_layer_ids)
     torch.manual_seed(seed)
     draft = Eagle3Draft(cfg)
     with torch.no_grad():
@@ -93,12 +97,12 @@ def main(argv=None):
     require(args.ttt_steps >= 1, f"--ttt-steps must be >= 1 (got {args.ttt_steps})")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     target_cfg, target_state, _ = load_hf_checkpoint(args.target, "--target")
-    draft = init_draft(target_cfg, target_state, args.seed, args.intermediate_size)
-    check_draft_fits_target(args.out, draft.cfg, target_cfg)
+    draft = init_draft(target_cfg, target_state, args.seed, args.intermediate_size, args.aux_layer_ids)
+    EAGLE3.check_fits(args.out, draft.cfg, target_cfg, tensors={n: t.shape for n, t in draft.state_dict().items()})
     if args.warmup_steps:
         sequences, target = target_samples(args.target, args.warmup_samples, args.max_new_tokens, args.seed)
         warm_up(draft, target, sequences, args.warmup_steps, args.batch_size, args.lr, args.ttt_steps, args.seed)
-    save_draft(args.out, draft.cfg, draft.state_dict())
+    EAGLE3.save(args.out, draft.cfg, draft.state_dict())
     print(f"saved {args.out} (aux layers {list(draft.cfg.aux_layer_ids)} of {target_cfg.num_hidden_layers})")
 
 

@@ -13,6 +13,10 @@ pretrains on the long-tail problems instead (answers of ~10-100 tokens); `--init
 from a checkpoint instead of a random init. checkpoints/tiny-mimo-longtail continues the shipped
 model, which already knows the digits and both formats (its PROVENANCE.json has the command).
 
+`--config-overrides '{"hidden_size": 768, ...}'` changes the family's tiny shape (a larger model on a GPU:
+scripts/bench/gpu_recipe.py), `--device cuda --bf16` pretrains there in bf16 autocast, and `--seconds S`
+pretrains for a time budget instead of --steps (the cosine runs over the budget).
+
 `--chat` makes the chat model (checkpoints/tiny-mimo-chat): a byte-level BPE trained with
 `tokenizers` on the task's conversations, a ChatML chat template in tokenizer_config.json, prompts
 as chat messages and answers ending in \\boxed{<sum>}; `--warm-start-from` copies the character
@@ -34,7 +38,7 @@ from vime.models.hf_format import load_hf_checkpoint, save_hf_checkpoint  # noqa
 from rollout.task import DEFAULT_TASK_VARIANT, TASK_VARIANTS, write_jsonl  # noqa: E402
 from rollout.tiny_model import TINY_CONFIG, init_model, pretrain, tiny_config  # noqa: E402
 from rollout.tokenizer import build_tokenizer, save_tokenizer  # noqa: E402
-from vime.errors import exit_on_user_error, require  # noqa: E402
+from vime.errors import UserError, exit_on_user_error, require  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -62,7 +66,30 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--num-train-prompts", type=int, default=4096)
     p.add_argument("--num-eval-prompts", type=int, default=256)
+    p.add_argument("--config-overrides", default=None,
+                   help="JSON of ModelConfig fields that change the family's tiny shape (e.g. hidden_size)")
+    p.add_argument("--device", default="cpu", help="where to pretrain (cpu, cuda)")
+    p.add_argument("--bf16", action="store_true", help="pretrain in bf16 autocast (fp32 weights), e.g. on a GPU")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="pretrain for this many seconds (the cosine over them), --steps being the bound")
     return p.parse_args(argv)
+
+
+def model_config(args):
+    """The family's tiny config with --config-overrides applied (one line for an unknown field)."""
+    import json
+
+    cfg = tiny_config(args.family)
+    if not args.config_overrides:
+        return cfg
+    try:
+        overrides = json.loads(args.config_overrides)
+    except json.JSONDecodeError as e:
+        raise UserError(f"--config-overrides {args.config_overrides!r}: not JSON ({e.msg})") from None
+    known = {f.name for f in dataclasses.fields(cfg)}
+    require(isinstance(overrides, dict) and set(overrides) <= known,
+            f"--config-overrides: give a JSON object of ModelConfig fields ({', '.join(sorted(known))})")
+    return dataclasses.replace(cfg, **overrides)
 
 
 def load_same_shape(model, cfg, path):
@@ -79,20 +106,26 @@ def main(argv=None):
     require(args.steps >= 0, f"--steps must be >= 0 (got {args.steps})")
     torch.set_num_threads(args.threads)
     if args.chat:
+        require(not (args.config_overrides or args.seconds or args.bf16 or args.device != "cpu"),
+                "--chat makes the shipped chat model's shape on CPU: drop --config-overrides, --device, --bf16 "
+                "and --seconds")
         return make_chat_model(args)
-    cfg = tiny_config(args.family)
+    cfg = model_config(args)
     model = init_model(cfg, args.seed)
     if args.init_from is not None:
         load_same_shape(model, cfg, args.init_from)
     print(f"tiny model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
-    pretrain(model, args.steps, args.batch_size, args.lr, args.trace_fraction, args.seed,
-             direct_error_rate=args.direct_error_rate, variant=args.task_variant)
+    model.to(args.device)
+    losses = pretrain(model, args.steps, args.batch_size, args.lr, args.trace_fraction, args.seed,
+                      direct_error_rate=args.direct_error_rate, variant=args.task_variant, device=args.device,
+                      autocast_dtype=torch.bfloat16 if args.bf16 else None, seconds=args.seconds)
     save_tokenizer(build_tokenizer(), args.out)
-    save_hf_checkpoint(args.out, cfg, model.state_dict())
+    save_hf_checkpoint(args.out, cfg, {k: v.detach().cpu() for k, v in model.state_dict().items()})
     prompts = TASK_VARIANTS[args.task_variant].prompts
     write_jsonl(prompts(args.num_train_prompts, seed=args.seed + 1), os.path.join(args.out, "train.jsonl"))
     write_jsonl(prompts(args.num_eval_prompts, seed=args.seed + 2), os.path.join(args.out, "eval.jsonl"))
     print(f"saved {args.out}")
+    return losses
 
 
 def make_chat_model(args):

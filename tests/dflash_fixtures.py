@@ -41,17 +41,26 @@ def reference_block_logits(target_hf, state, cfg, ids):
 
     target_hf: transformers' Qwen2ForCausalLM; state: the draft's tensors by checkpoint name;
     cfg: the draft's config.json as a dict."""
-    dflash, eps, theta = cfg["dflash_config"], cfg["rms_norm_eps"], cfg["rope_parameters"]["rope_theta"]
+    dflash = cfg["dflash_config"]
+    states = reference_block_states(target_hf, state, cfg, ids, dflash["target_layer_ids"],
+                                    [dflash["mask_token_id"]] * (cfg["block_size"] - 1))
+    return states @ target_hf.lm_head.weight.T.detach()
+
+
+def reference_block_states(target_hf, state, cfg, ids, target_layer_ids, fill):
+    """[1 + len(fill), H] final-normed states of the block [ids[-1]] + fill at positions n-1 ..., over
+    the context of `ids` (every position before the newest token), recomputed from scratch."""
+    eps, theta = cfg["rms_norm_eps"], cfg["rope_parameters"]["rope_theta"]
     heads, kv_heads, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    n, k = len(ids), cfg["block_size"] - 1
+    n, k = len(ids), len(fill)
     with torch.no_grad():
         out = target_hf(torch.tensor([ids]), output_hidden_states=True)
         # transformers' last entry is after the final norm: vLLM's id L is the raw stream, so stay below it
-        assert max(dflash["target_layer_ids"]) + 1 < target_hf.config.num_hidden_layers
-        aux = torch.cat([out.hidden_states[t + 1][0, :n - 1] for t in dflash["target_layer_ids"]], -1)
+        assert max(target_layer_ids) + 1 < target_hf.config.num_hidden_layers
+        aux = torch.cat([out.hidden_states[t + 1][0, :n - 1] for t in target_layer_ids], -1)
         ctx = _rms(aux @ state["fc.weight"].T, state["hidden_norm.weight"], eps)
         ctx_pos, blk_pos = torch.arange(n - 1), torch.arange(n - 1, n + k)
-        block = torch.tensor([ids[-1]] + [dflash["mask_token_id"]] * k)
+        block = torch.tensor([ids[-1]] + list(fill))
         x = target_hf.model.embed_tokens.weight[block]
         for i in range(cfg["num_hidden_layers"]):
             w = {name[len(f"layers.{i}."):]: t for name, t in state.items() if name.startswith(f"layers.{i}.")}
@@ -73,7 +82,7 @@ def reference_block_logits(target_hf, state, cfg, ids):
             h = _rms(x, w["post_attention_layernorm.weight"], eps)
             gate, up = h @ w["mlp.gate_proj.weight"].T, h @ w["mlp.up_proj.weight"].T
             x = x + (torch.nn.functional.silu(gate) * up) @ w["mlp.down_proj.weight"].T
-        return _rms(x, state["norm.weight"], eps) @ target_hf.lm_head.weight.T
+        return _rms(x, state["norm.weight"], eps)
 
 
 def load_reference(draft_dir=DRAFT):
@@ -95,7 +104,13 @@ def reference_acceptance(reference, prompt, response, max_new_tokens, past_end=F
     response before it (vLLM's definition). `past_end`: vLLM drafts a whole block past the length
     budget too and counts it; the embedded engine never drafts what it may not emit."""
     target, state, cfg = reference
-    k = cfg["block_size"] - 1
+    return greedy_acceptance(target, cfg["block_size"] - 1, prompt, response, max_new_tokens, past_end,
+                             lambda ids: reference_block_logits(target, state, cfg, ids)[1:].argmax(-1).tolist())
+
+
+def greedy_acceptance(target, k, prompt, response, max_new_tokens, past_end, drafts_after):
+    """(drafted, accepted) per draft position of greedy speculative decoding of `response` by a block draft
+    of k drafts, `drafts_after(ids)` its k drafts after the known tokens `ids` (recomputed from scratch)."""
     ids = list(prompt) + list(response)
     with torch.no_grad():  # the target's greedy continuation past the response, to judge drafts there
         for _ in range(k + 1):
@@ -104,7 +119,7 @@ def reference_acceptance(reference, prompt, response, max_new_tokens, past_end=F
     p, end = len(prompt) + 1, len(prompt) + len(response)  # the prefill emitted the first token
     while p < end:
         budget = k if past_end else min(k, max_new_tokens - (p - len(prompt)) - 1)
-        drafts = reference_block_logits(target, state, cfg, ids[:p])[1:1 + budget].argmax(-1).tolist()
+        drafts = drafts_after(ids[:p])[:budget]
         a = 0
         while a < budget and ids[p + a] == drafts[a]:
             a += 1

@@ -1,27 +1,13 @@
-"""EAGLE-3 fixtures: the shipped tiny Qwen2 target and its draft, random tiny targets and drafts,
-and a cache-free reference of greedy acceptance per draft position."""
-import dataclasses
+"""EAGLE-3 fixtures: the shipped tiny Qwen2 target and its draft, and a cache-free reference of greedy
+acceptance per draft position (random drafts of any kind: draft_kind_fixtures.py)."""
 import os
 
 import torch
 import torch.nn.functional as F
 
-from mtp.eagle3 import Eagle3Draft
-from vime.models.eagle3 import draft_config_for_target
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(REPO, "checkpoints", "tiny-qwen2")
 DRAFT = os.path.join(REPO, "checkpoints", "tiny-qwen2-eagle3")
-
-
-def random_draft(target_cfg, seed, std, aux_layer_ids=None):
-    """A random EAGLE-3 draft for `target_cfg` (norm weights perturbed too, so each norm matters)."""
-    torch.manual_seed(seed)
-    draft = Eagle3Draft(draft_config_for_target(target_cfg, aux_layer_ids=aux_layer_ids))
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.normal_(0, std) if p.dim() == 2 else p.add_(torch.randn(p.shape) * std)
-    return draft.eval().requires_grad_(False)
 
 
 def reference_eagle3_drafts(target, draft, ids, k):

@@ -16,6 +16,17 @@ def reduction_rtol(longest_reduction, depth):
     return depth * longest_reduction * FP32_UNIT_ROUNDOFF
 
 
+def probable_reduction_rtol(longest_reduction, depth):
+    """Relative error that `depth` chained fp32 reductions of length <= `longest_reduction` exceed with
+    negligible probability: modelling each rounding as an independent zero-mean error (Higham and
+    Mary's probabilistic analysis, SIAM J. Sci. Comput. 2019), a length-n sum is within lam * sqrt(n) * u
+    except with probability 2 exp(-lam^2 / 2), and the `depth` links add in quadrature; depth * sqrt(n)
+    * u is that bound at lam = sqrt(depth) (exceeded with probability < 2 exp(-depth / 2): 1e-16 at
+    depth 76). Where the worst case `reduction_rtol` is too loose to tell a layout's result from one
+    rank's at the 1e-4 a user compares them at, this is the bound two reduction orders stay within."""
+    return depth * longest_reduction ** 0.5 * FP32_UNIT_ROUNDOFF
+
+
 def close(a, b, rtol, scale=None):
     """|a - b| <= rtol * scale, scale defaulting to max(|a|, |b|, 1): losses are means of O(1)
     terms, so when they cancel to near zero the terms' size, not the result's, sets the error."""
@@ -28,11 +39,18 @@ def model_logprob_bound(cfg, context, max_abs_logit):
     widths included) that differ in reduction order only: each logit is within reduction_rtol *
     max|logit| of the exact one (the longest sum of the model, chained through its depth, MTP layer
     included), and log_softmax moves a log-prob by at most twice the largest logit change."""
+    return 2 * 2 * reduction_rtol(longest_reduction(cfg, context), forward_depth(cfg.num_hidden_layers + 1)) * max_abs_logit
+
+
+def longest_reduction(cfg, context):
+    """The longest sum a forward of the model of `cfg` (a ModelConfig) takes over `context` positions:
+    a matmul's inner width (hidden, MLP, the MTP layer's concatenation, attention heads, MLA's latent),
+    or attention over the context."""
     widths = [cfg.hidden_size, cfg.intermediate_size, 2 * cfg.hidden_size, context,
               cfg.num_attention_heads * cfg.head_dim]
     if cfg.mla:
         widths += [cfg.mla.latent_width, cfg.num_attention_heads * cfg.mla.v_head_dim]
-    return 2 * 2 * reduction_rtol(max(widths), forward_depth(cfg.num_hidden_layers + 1)) * max_abs_logit
+    return max(widths)
 
 
 # bf16 (--bf16): 8 significant bits, unit roundoff 2**-8. Matmuls and sums accumulate in fp32 on

@@ -66,13 +66,14 @@ def online_and_frozen_acceptance(spec, steps=4):
     return acceptance(online, held), acceptance(frozen, held)
 
 
-def run_online(tmp_path, backend, spec):
-    """(metrics per step, --save directory) of a 2-step train_rl.py run training the draft of `spec`
-    online on `backend`, the guard on (--check-weight-update-equal)."""
+def run_online(tmp_path, backend, spec, target=TARGET, steps=2):
+    """(metrics per step, --save directory) of a `steps`-step train_rl.py run on `target` training the
+    draft of `spec` online on `backend`, the guard on (--check-weight-update-equal)."""
     out, save = tmp_path / "run", tmp_path / "save"
-    cmd = [sys.executable, "train_rl.py", "--hf-checkpoint", TARGET, "--vllm-speculative-config", json.dumps(spec),
-           "--enable-draft-training", "--rollout-backend", backend, "--num-rollout", "2", "--output-dir", str(out),
-           "--save", str(save), "--save-interval", "2", "--check-weight-update-equal", "--progress", "false"]
+    cmd = [sys.executable, "train_rl.py", "--hf-checkpoint", target, "--vllm-speculative-config", json.dumps(spec),
+           "--enable-draft-training", "--rollout-backend", backend, "--num-rollout", str(steps), "--output-dir",
+           str(out), "--save", str(save), "--save-interval", str(steps), "--check-weight-update-equal", "--progress",
+           "false"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -101,3 +102,26 @@ def assert_online_beats_frozen(spec, steps=4):
     (a1, n1), (a0, n0) = online_and_frozen_acceptance(spec, steps)
     assert n1 > 0 and n0 > 0
     assert two_proportion_z(a1, n1, a0, n0) > 3, (a1, n1, a0, n0)
+
+
+def trained_and_exported(tmp_path, backend, spec, kind, block_size):
+    """A 2-step online run of `spec` (run_online) whose every step synced the draft (the guard compared it,
+    none stale) and logged its block and per-position figures, then its draft exported (export_draft) and
+    checked to be the checkpoint's; returns (the exported directory, its tensors, the initial draft's)."""
+    import torch
+    from safetensors.torch import load_file
+
+    k = spec["num_speculative_tokens"]
+    metrics, save = run_online(tmp_path, backend, spec)
+    for m in metrics:
+        assert m["weight_sync/draft_checksum"] != 0.0  # the draft is in the guard's comparison
+        assert m["weight_sync/draft_checksum"] == m["weight_sync/worker_draft_checksum"]
+        assert m["weight_sync/draft_stale"] == 0
+        assert m["rollout/spec_block_size"] == block_size
+        assert [f"rollout/spec_accept_rate_pos_{i}" in m for i in range(k)] == [True] * k
+        assert [f"train/draft_{i}_loss" in m for i in range(1, k + 1)] == [True] * k
+    out = tmp_path / "exported"
+    saved, exported = export_draft(save, out)
+    assert saved["kind"] == kind
+    assert exported.keys() == saved["draft"].keys() and all(torch.equal(exported[n], saved["draft"][n]) for n in exported)
+    return str(out), exported, load_file(os.path.join(spec["model"], "model.safetensors"))

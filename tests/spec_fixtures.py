@@ -87,15 +87,16 @@ def exact_joint(model, prompt=(0, 3, 1), steps=3):
     return joint
 
 
-def sampled_counts(target, proposer, method, n, prompt=(0, 3, 1)):
+def sampled_counts(target, proposer, method, n, prompt=(0, 3, 1), k_policy=None):
     """({first 3 tokens: count} of n temperature-1 samples after `prompt` drafted by `proposer` and
-    verified by `method`, the acceptance rate)."""
+    verified by `method` (drafts per step chosen by `k_policy`, default all), the acceptance rate)."""
     from rollout.embedded.engine import Engine, EngineConfig
     from rollout.sampling_params import SamplingParams
     from vime.sample import samples_for_prompts
 
     engine = Engine(target, EngineConfig(max_batch_size=n, max_len=16, rejection_sample_method=method),
                     proposer=proposer)
+    engine.k_policy = k_policy or engine.k_policy
     samples = engine.generate(samples_for_prompts([list(prompt)] * n),
                               SamplingParams(temperature=1.0, max_new_tokens=3, seed=7))
     counts = {}
@@ -129,14 +130,13 @@ def alternating_k():
 
 def qwen2_draft_specs():
     """A speculative config of every proposer with device draft steps (and n-gram's host drafts) on
-    the shipped tiny Qwen2 target: its EAGLE-3 and DFlash drafts, itself as the draft model."""
-    from dflash_fixtures import DRAFT as DFLASH_DRAFT
-    from eagle3_fixtures import DRAFT as EAGLE3_DRAFT, TARGET
+    the shipped tiny Qwen2 target: each external kind's shipped draft, the target as its own draft model."""
+    from draft_kind_fixtures import TARGET, shipped_spec
+    from vime.models.draft_kinds import EXTERNAL_KINDS
 
-    return [{"method": "eagle3", "num_speculative_tokens": 3, "model": EAGLE3_DRAFT},
-            {"method": "dflash", "num_speculative_tokens": 3, "model": DFLASH_DRAFT},
-            {"method": "draft_model", "num_speculative_tokens": 2, "model": TARGET},
-            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}]
+    return [shipped_spec(kind) for kind in EXTERNAL_KINDS] + [
+        {"method": "draft_model", "num_speculative_tokens": 2, "model": TARGET},
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}]
 
 
 def hf_first_two_joint(checkpoint, prompt, temperature):
@@ -197,10 +197,10 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def check_sampled_drafts_keep_the_target_distribution(target, proposer, method, n, alpha):
+def check_sampled_drafts_keep_the_target_distribution(target, proposer, method, n, alpha, k_policy=None):
     """A draft kind's sampled speculative output: both the accept and the residual paths are taken
     often, and the first tokens' counts pass the chi-square test against the exact joint."""
-    counts, rate = sampled_counts(target, proposer, method, n)
+    counts, rate = sampled_counts(target, proposer, method, n, k_policy=k_policy)
     assert 0.1 < rate < 0.9  # both the accept and the residual paths are sampled often
     assert chi_square_p_value(counts, exact_joint(target), n) > alpha
 

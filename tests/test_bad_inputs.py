@@ -59,6 +59,10 @@ def test_the_fixture_passes_preflight(ckpt, tmp_path):
     (["--vllm-speculative-config", '{"method":"mtp","num_speculative_tokens":1000}'], ["num_speculative_tokens 1000"]),
     (["--vllm-weight-transfer", "shm"], ["--vllm-weight-transfer 'shm'", "reload", "nccl"]),
     (["--vllm-weight-transfer", "nccl"], ["--vllm-weight-transfer nccl", "--rollout-backend vllm"]),
+    (["--expert-model-parallel-size", 2, "--data-parallel-size", 2],
+     ["--expert-model-parallel-size 2", "dense model", "no routed experts", "drop the flag"]),
+    (["--expert-tensor-parallel-size", 2, "--data-parallel-size", 2],
+     ["--expert-tensor-parallel-size 2", "dense model", "drop the flag"]),
 ])
 def test_flags_refused(ckpt, tmp_path, extra, needles):
     refused(args_for(ckpt, tmp_path, *extra), *needles)

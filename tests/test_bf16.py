@@ -180,7 +180,7 @@ def test_bf16_weights_go_on_the_wire_as_bf16_and_the_engine_fingerprint_sums_wha
     before = backend.fingerprint()
     backend.load_weights(received, version=1)
     n = read_config(hf_dir).num_hidden_layers
-    from vime.models.families import is_draft_name
+    from vime.models.draft_kinds import is_draft_name
 
     fp = backend.fingerprint()
     assert fp["target"] == weight_sync.checksum([(k, v) for k, v in sent if not is_draft_name(k, n)])
@@ -238,17 +238,16 @@ def test_the_rejection_sampler_computes_in_fp32_on_bf16_inputs(method):
 
 # ---------------------------------------------------------------- the online EAGLE-3 draft in bf16
 def test_the_online_eagle3_draft_trains_in_bf16_on_fp32_masters_and_syncs_bit_for_bit(tmp_path):
-    from eagle3_fixtures import random_draft
+    from draft_kind_fixtures import random_draft
     from rollout.backend import EmbeddedBackend
-    from vime.models.eagle3 import save_draft
+    from vime.models.eagle3 import EAGLE3
     from rollout.spec_config import parse_spec_config
-    from vime.models.families import DRAFT_PREFIX
 
     target = str(tmp_path / "target")
     make_tiny(target, seed=1, std=0.3, family="qwen2", num_nextn_predict_layers=0)
-    draft = random_draft(read_config(target), seed=2, std=0.05, aux_layer_ids=(0, 1, 2))
+    draft = random_draft(EAGLE3, read_config(target), seed=2, std=0.05, layers=(0, 1, 2))
     draft_dir = str(tmp_path / "draft")
-    save_draft(draft_dir, draft.cfg, draft.state_dict())
+    EAGLE3.save(draft_dir, draft.cfg, draft.state_dict())
     spec = {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": 2}
     trainer = Trainer(TrainerConfig(bf16=True, enable_draft_training=True, speculative_config=parse_spec_config(spec),
                                     micro_batch_size=2), target)
@@ -265,7 +264,7 @@ def test_the_online_eagle3_draft_trains_in_bf16_on_fp32_masters_and_syncs_bit_fo
     sent = [(k, v.detach().cpu()) for k, v in trainer.named_hf_weights()]
     backend = EmbeddedBackend(target, spec, 4, dtype=torch.bfloat16)
     backend.load_weights(sent, version=1)
-    drafted = {k: v for k, v in sent if k.startswith(DRAFT_PREFIX)}
+    drafted = {k: v for k, v in sent if k.startswith(EAGLE3.wire_prefix)}
     assert drafted and {v.dtype for v in drafted.values()} == {torch.bfloat16}
     assert backend.fingerprint()["draft"] == weight_sync.checksum(list(drafted.items()))
 
@@ -280,7 +279,7 @@ def test_vllm_in_bf16_speculates_exactly_takes_the_bf16_trainers_weights_and_agr
     pytest.importorskip("vllm")
     from rollout.vllm.backend import VLLMBackend
     from tests.mimo_fixtures import make_tiny_mimo
-    from vime.models.families import is_draft_name
+    from vime.models.draft_kinds import is_draft_name
 
     ckpt = make_tiny_mimo(str(tmp_path / "mimo"), seed=1)
     cfg = read_config(ckpt)

@@ -6,14 +6,13 @@ guard compares them), the block size and per-slot acceptance are logged, and `sc
 writes exactly the checkpoint's draft as a directory the engines load. Bad training inputs are one line.
 """
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from online_draft_fixtures import REPO, TARGET, assert_online_beats_frozen, export_draft, run_online
+from online_draft_fixtures import REPO, TARGET, assert_online_beats_frozen, trained_and_exported
 from tests.bad_input_helpers import refused
 
 K = 3
@@ -39,25 +38,11 @@ def test_the_online_draft_reaches_the_rollout_every_step_and_exports(tmp_path, b
     from rollout.embedded.engine_builder import build_engine
 
     spec = initial_draft(str(tmp_path / "draft"))
-    metrics, save = run_online(tmp_path, backend, spec)
-    for m in metrics:
-        assert m["weight_sync/draft_checksum"] != 0.0  # the draft is in the guard's comparison
-        assert m["weight_sync/draft_checksum"] == m["weight_sync/worker_draft_checksum"]
-        assert m["weight_sync/draft_stale"] == 0
-        assert m["rollout/spec_block_size"] == K + 1
-        assert [f"rollout/spec_accept_rate_pos_{i}" in m for i in range(K)] == [True] * K
-        assert [f"train/draft_{i}_loss" in m for i in range(1, K + 1)] == [True] * K
-    out = tmp_path / "exported"
-    saved, exported = export_draft(save, out)
-    assert saved["kind"] == "dflash"
-    assert exported.keys() == saved["draft"].keys() and all(torch.equal(exported[k], saved["draft"][k]) for k in exported)
-    from safetensors.torch import load_file
-
-    initial = load_file(os.path.join(spec["model"], "model.safetensors"))
+    out, exported, initial = trained_and_exported(tmp_path, backend, spec, "dflash", K + 1)
     assert any(not torch.equal(exported[k], initial[k]) for k in initial)  # it trained
-    build_engine(TARGET, dict(spec, model=str(out)))  # loads and fits the target
+    build_engine(TARGET, dict(spec, model=out))  # loads and fits the target
     if backend == "vllm":
-        assert_plain_vllm_serves(str(out))
+        assert_plain_vllm_serves(out)
 
 
 def assert_plain_vllm_serves(draft_dir, n_prompts=6, max_new=24):

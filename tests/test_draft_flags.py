@@ -12,6 +12,7 @@ from trainer.drafts import DRAFT_TRAINERS, check_draft_config
 from vime.cli_config import REMOVED_FLAGS, REMOVED_KEYS, help_text, load_config
 from vime.config import flag_table
 from vime.errors import UserError
+from vime.models.draft_kinds import DRAFT_KINDS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = ("--draft-lr", "--draft-steps-per-rollout", "--draft-replay-batches", "--draft-loss-type",
@@ -51,9 +52,9 @@ def test_help_lists_each_shared_draft_knob_once_and_no_replaced_flag():
     for name in SHARED:
         assert options.count(name) == 1, name
     assert not set(REMOVED_FLAGS) & set(options)
-    # the kinds' own defaults (declared in their files) are what --help says
+    # the kinds' own defaults (their descriptors') are what --help says
     for kind, words in (("mtp", "MTP layers"), ("eagle3", "EAGLE-3"), ("dflash", "DFlash")):
-        d = DRAFT_TRAINERS[kind].DEFAULTS
+        d = DRAFT_KINDS[kind].knobs
         for knob in (f"{d.lr:g} for {words}", f"{d.steps_per_rollout} for {words}", f"{d.replay_batches} for {words}"):
             assert knob in " ".join(text.split()), knob
 

@@ -20,7 +20,7 @@ def initial_draft(path, seed=0):
     """A barely trained EAGLE-3 draft for the shipped target (what online training starts from):
     the target's head and final norm, everything else small random weights."""
     from mtp.eagle3 import Eagle3Draft
-    from vime.models.eagle3 import draft_config_for_target, save_draft
+    from vime.models.eagle3 import EAGLE3, draft_config_for_target
     from vime.models.hf_format import load_hf_checkpoint
 
     cfg, state, _ = load_hf_checkpoint(TARGET)
@@ -32,7 +32,7 @@ def initial_draft(path, seed=0):
                 torch.nn.init.normal_(p, std=0.02)
         draft.lm_head.weight.copy_(state["lm_head.weight"])
         draft.norm.weight.copy_(state["model.norm.weight"])
-    save_draft(path, draft.cfg, draft.state_dict())
+    EAGLE3.save(path, draft.cfg, draft.state_dict())
     return {"method": "eagle3", "model": path, "num_speculative_tokens": K}
 
 

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from eagle3_fixtures import TARGET as QWEN2_TARGET
+from draft_kind_fixtures import TARGET as QWEN2_TARGET, warmed_up_draft
 from fp32_bounds import greedy_logprob_bound, max_logprob_diff
 from rollout.embedded.engine import EngineConfig
 from rollout.embedded.engine_builder import build_engine
@@ -23,6 +23,7 @@ from rollout.sampling_params import SamplingParams
 from rollout.task import make_prompts
 from rollout.tokenizer import TextCodec
 from spec_fixtures import markov_model, one_thread, qwen2_draft_specs, save_checkpoint  # noqa: F401
+from vime.models.draft_kinds import EXTERNAL_KINDS
 from vime.models.families import MTP_FAMILIES
 from vime.sample import samples_for_prompts
 
@@ -56,7 +57,8 @@ def assert_same_decoding(ckpt, spec, prompts, max_new_tokens, max_batch_size, **
     got = generate(engine, prompts, max_new_tokens)
     assert [s.response_ids for s in got] == [s.response_ids for s in eager]
     assert max_logprob_diff(got, eager) <= greedy_logprob_bound(ckpt, eager)
-    assert bool(engine.steps.captured) == engine.graphable  # the steps ran as (stand-in) graphs where they may
+    # the target's steps ran as (stand-in) graphs where they may (a mixture-of-experts model's run eagerly)
+    assert any(key[0] == "target" for key in engine.steps.captured) == engine.graphable
     return engine, got
 
 
@@ -150,6 +152,21 @@ def test_graph_shaped_mtp_steps_of_every_family_decode_as_the_eager_engine(famil
 @pytest.mark.parametrize("spec", qwen2_draft_specs(), ids=lambda s: s["method"])
 def test_graph_shaped_draft_steps_of_every_proposer_decode_as_the_eager_engine(spec):
     assert_same_decoding(QWEN2_TARGET, spec, prompts_of(QWEN2_TARGET, 10, seed=5), 24, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", EXTERNAL_KINDS, ids=lambda kind: kind.name)
+def test_graph_shaped_external_draft_steps_on_a_mixture_of_experts_target_decode_as_the_eager_engine(kind, tmp_path):
+    """A dense external draft on GLM-4.5 (MoE): the target's steps run eagerly, the draft's as graphs."""
+    path = MOE_CHECKPOINTS["glm4-moe"]
+    prompts = prompts_of(path, 6)
+    plain_engine = build_engine(path, None, EngineConfig(max_batch_size=8))
+    plain = generate(plain_engine, prompts, 16)
+    draft = warmed_up_draft(kind, plain_engine.model, [s.prompt_ids + s.response_ids for s in plain], 3)
+    kind.save(str(tmp_path / "draft"), draft.cfg, draft.state_dict())
+    engine, _ = assert_same_decoding(path, {"method": kind.name, "model": str(tmp_path / "draft"),
+                                            "num_speculative_tokens": 3}, prompts, 16, 8)
+    assert engine.steps.captured  # the draft's steps
 
 
 @pytest.mark.slow

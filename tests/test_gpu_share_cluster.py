@@ -4,7 +4,9 @@ runs unchanged (the cluster has fewer GPUs than ranks + engines, so the rank and
 onto the one GPU, half each), and so does the `--colocate` fractional form. Both actors compute on
 CPU (each finds its own device; the GPU in Ray's table is logical), see the same Ray GPU, and so take
 the weights by the in-place hand-over (shared memory here, CUDA IPC on a GPU); every tensor is checked
-after every push (--check-weight-update-equal)."""
+after every push (--check-weight-update-equal). With memory by turns asked for, the engine gives its KV
+cache and weights back while the trainer steps and the trainer keeps its optimizer state on the host
+while the engine generates: the pushes bring the weights back and the guard finds them equal."""
 import json
 import os
 import subprocess
@@ -42,7 +44,9 @@ def rows_of(out):
 @pytest.mark.parametrize("flags, packed_line", [
     ((), True),
     (("--colocate", "--actor-num-gpus-per-node", 0.5, "--rollout-num-gpus-per-engine", 0.5), False),
-], ids=["main-command", "colocate-fractions"])
+    (("--colocate", "--rollout-release-kv-cache", "true", "--rollout-release-weights", "--offload-optimizer-state"),
+     False),
+], ids=["main-command", "colocate-fractions", "colocate-memory-by-turns"])
 def test_a_rank_and_an_engine_share_the_one_gpu_and_hand_weights_over_in_place(one_gpu_cluster, tmp_path, flags,
                                                                                 packed_line):
     proc = run_on(one_gpu_cluster, tmp_path, *flags)
@@ -52,3 +56,7 @@ def test_a_rank_and_an_engine_share_the_one_gpu_and_hand_weights_over_in_place(o
     assert all(r["rollout/weight_version_synced"] == r["rollout/step"] + 1 for r in rows)
     assert all(r["weight_sync/in_place_engines"] == 1 for r in rows)
     assert ("share a GPU with an engine" in proc.stdout + proc.stderr) == packed_line
+    assert all(r["memory/rollout_rss_gib"] > 0 and r["memory/engine_while_training_rss_gib"] > 0 for r in rows)
+    from scripts.bench.lib.run_summary import summary  # the line scripts/gpu_check.sh prints of such a run
+
+    assert f"{STEPS} steps" in summary(rows) and "in-place engines 1" in summary(rows)

@@ -19,10 +19,12 @@ SCRIPTS = ("train_rl",)
 # A module belongs to the longest prefix that names it.
 LAYERS = (
     ("pure MTP math", {"mtp": ("mtp",)}),
-    ("shared basics: Sample, config tree + CLI, weight-sync wire format, logging, atomic saves",
-     {"vime": ("vime",)}),
-    ("model families (pure): registry, HF checkpoint format, megatron-core and vLLM name maps",
-     {"models": ("vime.models",)}),
+    ("shared basics: Sample, weight-sync wire format, logging, atomic saves", {"vime": ("vime",)}),
+    ("model families and draft kinds (pure): registries, HF checkpoint and draft formats, megatron-core and vLLM "
+     "name maps", {"models": ("vime.models",)}),
+    ("the run's config (pure): the dataclass tree + CLI, the speculative config (it names the draft kinds),"
+     " and the memory plan's CLI that reads the tree",
+     {"config": ("vime.config", "vime.cli_config", "vime.spec_config", "vime.models.memory_plan")}),
     ("the two sides' own basics: rollout's spec config, stats, task, tokenizer, data; the trainer",
      {"rollout": ("rollout",), "trainer": ("trainer",)}),
     ("the two rollout engines, side by side", {"embedded": ("rollout.embedded",), "vllm": ("rollout.vllm",)}),

@@ -224,6 +224,18 @@ def test_a_mixture_of_experts_rank_holds_what_the_plan_counts():
     assert_plan_counts(counts, MOE, ParallelLayout())
 
 
+@pytest.mark.slow  # two processes building both models (about 20 s on 2 cores)
+def test_each_expert_parallel_rank_holds_what_the_plan_counts(tmp_path):
+    """EP = 2 over two gloo processes: each rank builds its half of the routed experts (trunk and MTP layer)
+    through trainer/model.py and holds what the plan counts for it."""
+    layout = ParallelLayout(dp=2, ep=2)
+    mp.spawn(run_counts, args=(2, free_port(), layout, MOE, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        counts = torch.load(tmp_path / f"rank{rank}.pt")
+        assert counts["ep_rank"] == rank
+        assert_plan_counts(counts, MOE, layout)
+
+
 @pytest.mark.parametrize("bf16, train_mtp", [(True, True), (False, False)])
 def test_the_plans_gradients_and_optimizer_state_are_what_the_trainer_allocates(bf16, train_mtp):
     """One train step of the trainer on the shipped GLM-4.5 MoE model; then its gradients (fp32: on the
@@ -255,14 +267,10 @@ def counts_spec():
     return spec_name()
 
 
-def test_the_plan_plans_past_what_the_trainer_does_not_run_yet_and_the_trainer_still_refuses_it():
-    """A PP 2 x EP 2 layout of the GLM-4.5 model: megatron-core can split the model so (the plan lists it), the
-    trainer does not run it yet (its pre-start check refuses it in one line)."""
+def test_a_layout_the_plan_lists_is_one_the_trainer_runs():
+    """A PP 2 x EP 2 layout of the GLM-4.5 model: megatron-core can split the model so (the plan lists it), and
+    the trainer's pre-start check takes it (test_trainer_tensor_parallel.py runs it)."""
     cfg = read_config("checkpoints/tiny-glm4-moe-mtp")
     layout = ParallelLayout(pp=2, dp=2, ep=2, last_stage_layers=2)
     layout.check_split(cfg)
-    with pytest.raises(UserError, match="does not split the routed experts yet"):
-        layout.check_model(cfg)
-    with pytest.raises(UserError, match="does not split the routed experts yet"):
-        ParallelLayout(dp=2, ep=2).check_model(cfg)
-    ParallelLayout(pp=2, dp=2, last_stage_layers=2).check_model(cfg)  # its pipeline stages alone do run
+    layout.check_model(cfg)

@@ -26,8 +26,8 @@ from trainer.config import TrainerConfig
 from trainer.model import forward
 from trainer.routing_replay import decoder_moe_routers
 from trainer.trainer import Trainer
-from trainer_fixtures import distinct_random_routes, engine_model
-from vime.models.families import is_draft_name
+from trainer_fixtures import engine_model
+from vime.models.draft_kinds import is_draft_name
 from vime.models.hf_format import read_config
 from vime.models.moe_routing import route
 from vime.models.routing_replay import NO_ROUTE, route_dtype
@@ -175,6 +175,14 @@ class RouterTap:
     def close(self):
         for h in self.handles:
             h.remove()
+
+
+def distinct_random_routes(shape, num_experts, seed):
+    """[..., k] random expert sets (k distinct experts each), as int16 routes."""
+    g = torch.Generator().manual_seed(seed)
+    flat = torch.stack([torch.randperm(num_experts, generator=g)[:shape[-1]]
+                        for _ in range(int(torch.tensor(shape[:-1]).prod()))])
+    return flat.view(*shape).to(torch.int16)
 
 
 def test_with_replay_the_trainer_applies_the_rollout_routes_with_its_own_gate_weights(ckpt):

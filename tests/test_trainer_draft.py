@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3_fixtures import random_draft
+from draft_kind_fixtures import random_draft
 from mtp.eagle3 import training_time_test_loss
 from rollout.embedded.model import CausalLMWithMTP
 from rollout.spec_config import parse_spec_config
@@ -14,8 +14,7 @@ from trainer.config import TrainerConfig
 from trainer.trainer import Trainer
 from trainer_fixtures import make_batch, make_tiny
 from fp32_bounds import reduction_rtol
-from vime.models.eagle3 import save_draft
-from vime.models.families import DRAFT_PREFIX
+from vime.models.eagle3 import EAGLE3
 from vime.models.hf_format import load_hf_checkpoint, read_config
 
 AUX = (0, 1, 2)
@@ -26,9 +25,9 @@ def pair(tmp_path_factory):
     """A 2-layer Qwen2 target without MTP and a random EAGLE-3 draft reading its layers 0, 1, 2."""
     target = str(tmp_path_factory.mktemp("qwen2_target"))
     make_tiny(target, seed=1, family="qwen2", num_nextn_predict_layers=0)
-    draft = random_draft(read_config(target), seed=2, std=0.05, aux_layer_ids=AUX)
+    draft = random_draft(EAGLE3, read_config(target), seed=2, std=0.05, layers=AUX)
     path = str(tmp_path_factory.mktemp("draft"))
-    save_draft(path, draft.cfg, draft.state_dict())
+    EAGLE3.save(path, draft.cfg, draft.state_dict())
     return target, path
 
 
@@ -57,7 +56,7 @@ def embedded_model(target, named_weights=None):
     checkpoint's weights, or with the trainer's (`named_weights`: its HF-named tensors)."""
     cfg, state, _ = load_hf_checkpoint(target)
     if named_weights is not None:
-        state = {n: t.clone() for n, t in named_weights if not n.startswith(DRAFT_PREFIX)}
+        state = {n: t.clone() for n, t in named_weights if not n.startswith(EAGLE3.wire_prefix)}
     model = CausalLMWithMTP(cfg)
     model.load_state_dict(state)
     return model
@@ -86,9 +85,8 @@ def loss_bound(target, expected):
 
 def load_draft_module(draft_dir):
     from mtp.eagle3 import Eagle3Draft
-    from vime.models.eagle3 import load_draft
 
-    draft_cfg, draft_state = load_draft(draft_dir)
+    draft_cfg, draft_state = EAGLE3.load(draft_dir)
     draft = Eagle3Draft(draft_cfg)
     draft.load_state_dict(draft_state)
     return draft
@@ -148,7 +146,7 @@ def test_a_step_moves_the_draft_and_sends_it_under_its_wire_names(pair):
     before = {n: p.clone() for n, p in trainer.draft.module.state_dict().items()}
     metrics = trainer.train_step(make_batch())
     assert metrics["train/draft_grad_norm"] > 0
-    sent = {n[len(DRAFT_PREFIX):]: t for n, t in trainer.named_hf_weights() if n.startswith(DRAFT_PREFIX)}
+    sent = {n[len(EAGLE3.wire_prefix):]: t for n, t in trainer.named_hf_weights() if n.startswith(EAGLE3.wire_prefix)}
     assert sent.keys() == before.keys()
     assert any(not torch.equal(sent[n], before[n]) for n in sent)
     assert all(torch.equal(sent[n], p) for n, p in trainer.draft.module.state_dict().items())

@@ -1,15 +1,17 @@
-"""Every draft kind (MTP layers, external EAGLE-3 and DFlash drafts) trains through the Trainer's one
+"""Every draft kind (MTP layers, external EAGLE-3, DFlash and DSpark drafts) trains through the Trainer's one
 step loop: each kind's loss equals its own formula recomputed by an independent implementation (the
 embedded engine's model or transformers, cache-free), the policy's loss, gradients and update are
 bit-identical with and without the draft, and a shared knob left unset takes the kind's own default."""
 import math
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_fixtures import reference_block_logits
-from eagle3_fixtures import random_draft, reference_ttt_losses
+from dflash_fixtures import reference_block_logits, reference_block_states
+from draft_kind_fixtures import REPO, random_draft
+from eagle3_fixtures import reference_ttt_losses
 from fp32_bounds import reduction_rtol
 from mtp_oracles import reference_mtp_hidden
 from rollout.embedded.model import CausalLMWithMTP
@@ -20,7 +22,9 @@ from trainer.trainer import Trainer
 from trainer_fixtures import make_batch, make_tiny
 from mtp.dflash import DFlashDraft, default_gamma
 from vime.models import dflash as dflash_format
-from vime.models.eagle3 import save_draft
+from vime.models.dspark import DSPARK
+from vime.models.draft_kinds import DRAFT_KINDS
+from vime.models.eagle3 import EAGLE3
 from vime.models.hf_format import load_hf_checkpoint, read_config
 
 TTT_STEPS = 3
@@ -38,9 +42,9 @@ def eagle3_pair(tmp_path_factory):
     """A 2-layer Qwen2 target without MTP layers and a random EAGLE-3 draft reading its layers 0, 1, 2."""
     target = str(tmp_path_factory.mktemp("drafts_qwen2_target"))
     make_tiny(target, seed=1, family="qwen2", num_nextn_predict_layers=0)
-    draft = random_draft(read_config(target), seed=2, std=0.05, aux_layer_ids=(0, 1, 2))
+    draft = random_draft(EAGLE3, read_config(target), seed=2, std=0.05, layers=(0, 1, 2))
     path = str(tmp_path_factory.mktemp("drafts_eagle3"))
-    save_draft(path, draft.cfg, draft.state_dict())
+    EAGLE3.save(path, draft.cfg, draft.state_dict())
     return target, path, draft
 
 
@@ -58,16 +62,27 @@ def dflash_pair(tmp_path_factory):
         for p in draft.parameters():  # norms perturbed too, so that each matters
             p.normal_(0, 0.05) if p.dim() == 2 else p.add_(torch.randn(p.shape) * 0.3)
     path = str(tmp_path_factory.mktemp("drafts_dflash"))
-    dflash_format.save_draft(path, cfg, draft.state_dict())
+    dflash_format.DFLASH.save(path, cfg, draft.state_dict())
+    return target, path
+
+
+@pytest.fixture(scope="module")
+def dspark_pair(dflash_pair, tmp_path_factory):
+    """dflash_pair's target and a random two-layer DSpark draft on the same layers (blocks of TTT_STEPS slots,
+    its confidence head reading the Markov embedding too)."""
+    target = dflash_pair[0]
+    draft = random_draft(DSPARK, read_config(target), seed=4, std=0.05, k=TTT_STEPS, layers=(0, 1))
+    path = str(tmp_path_factory.mktemp("drafts_dspark"))
+    DSPARK.save(path, draft.cfg, draft.state_dict())
     return target, path
 
 
 @pytest.fixture(params=sorted(DRAFT_TRAINERS))
-def kind(request, mtp_target, eagle3_pair, dflash_pair):
+def kind(request, mtp_target, eagle3_pair, dflash_pair, dspark_pair):
     """(kind, target checkpoint, the TrainerConfig settings that train that kind)."""
     if request.param == "mtp":
         return "mtp", mtp_target, dict(enable_mtp_training=True)
-    target, draft_dir = (eagle3_pair[:2] if request.param == "eagle3" else dflash_pair)
+    target, draft_dir = {"eagle3": eagle3_pair[:2], "dflash": dflash_pair, "dspark": dspark_pair}[request.param]
     spec = parse_spec_config({"method": request.param, "model": draft_dir, "num_speculative_tokens": TTT_STEPS})
     return request.param, target, dict(enable_draft_training=True, speculative_config=spec)
 
@@ -150,12 +165,62 @@ def reference_dflash_losses(target, draft_dir, tokens, loss_mask, weigh=True, lo
     return weighted / weights, [x / max(n, 1) for x, n in zip(slot_sum, slot_count)]
 
 
+def reference_dspark_losses(target, draft_dir, tokens, loss_mask, weights):
+    """DSpark's objective from its definition, every block recomputed from scratch on transformers' states
+    (dflash_fixtures): a block at every anchor a >= 1 whose next token is a response token, slot i >= 0
+    predicting token a+i+1 where it is a response token, from its state through the target's head plus
+    the Markov bias of the true token a+i; the terms: cross-entropy of that token, L1 distance to the
+    policy's distribution of it (its logits at a+i, temperature 1), and the binary cross-entropy of the
+    confidence against 1 - L1/2; slot i weighted exp(-i/gamma). Returns (weighted mean, per-slot mean)."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
+    with open(os.path.join(draft_dir, "config.json")) as f:
+        cfg = json.load(f)
+    state = {k: v.double() for k, v in load_file(os.path.join(draft_dir, "model.safetensors")).items()}
+    size, head = cfg["block_size"], model.lm_head.weight.detach().double()
+    w1, w2 = state["markov_head.markov_w1.weight"], state["markov_head.markov_w2.weight"]
+    proj_w, proj_b = state["confidence_head.proj.weight"][0], state["confidence_head.proj.bias"][0]
+    gamma = default_gamma(size)
+    weighted, total_weight = 0.0, 0.0
+    slot_sum, slot_count = [0.0] * size, [0] * size
+    for b in range(tokens.shape[0]):
+        ids, mask = tokens[b].tolist(), loss_mask[b].tolist()
+        with torch.no_grad():
+            policy = torch.softmax(model(tokens[b:b + 1]).logits[0].double(), -1)
+        for a in range(1, len(ids) - 1):
+            if not mask[a + 1]:
+                continue
+            states = reference_block_states(model, load_file(os.path.join(draft_dir, "model.safetensors")), cfg,
+                                            ids[:a + 1], cfg["target_layer_ids"],
+                                            [cfg["dspark_noise_token_id"]] * (size - 1)).double()
+            for i in range(size):
+                p = a + i + 1
+                if p >= len(ids) or not mask[p]:
+                    continue
+                logits = states[i] @ head.T + w2 @ w1[ids[a + i]]
+                ce = -float(torch.log_softmax(logits, -1)[ids[p]])
+                l1 = float((torch.softmax(logits, -1) - policy[a + i]).abs().sum())
+                c = float(torch.cat([states[i], w1[ids[a + i]]]) @ proj_w + proj_b)
+                label = 1 - l1 / 2
+                bce = -(label * math.log(1 / (1 + math.exp(-c))) + (1 - label) * math.log(1 / (1 + math.exp(c))))
+                loss = weights["ce"] * ce + weights["l1"] * l1 + weights["confidence"] * bce
+                w = math.exp(-i / gamma)
+                weighted, total_weight = weighted + w * loss, total_weight + w
+                slot_sum[i] += loss
+                slot_count[i] += 1
+    return weighted / total_weight, [x / max(n, 1) for x, n in zip(slot_sum, slot_count)]
+
+
 def test_each_kind_trains_through_the_one_step_loop_on_its_own_loss_formula(kind, eagle3_pair):
     name, target, settings = kind
     batch = make_batch(n=3)
     # the whole batch in one micro-batch: EAGLE-3's loss is a mean per micro-batch
     trainer = Trainer(TrainerConfig(micro_batch_size=0, draft_steps_per_rollout=2, **settings), target)
-    if name == "dflash":  # a block at every anchor the responses offer: the objective with no sampling left
+    if name in ("dflash", "dspark"):  # a block at every anchor the responses offer: no sampling left
         trainer.draft.anchors_per_sequence = batch.tokens.shape[1]
         losses = []
         trainer.draft.loss = lambda inputs, own=trainer.draft.loss: losses.append(own(inputs)) or losses[-1]
@@ -178,6 +243,18 @@ def test_each_kind_trains_through_the_one_step_loop_on_its_own_loss_formula(kind
         # negative control: the same slots unweighted give another loss
         unweighted, _ = reference_dflash_losses(target, draft_dir, batch.tokens, batch.loss_mask, weigh=False)
         assert abs(unweighted - want) > loss_tolerance(target, want)
+        assert metrics["train/draft_grad_norm"] > 0
+    elif name == "dspark":
+        draft_dir = settings["speculative_config"].model
+        recipe = dict(DSPARK.loss_weights)
+        want, per_slot = reference_dspark_losses(target, draft_dir, batch.tokens, batch.loss_mask, recipe)
+        assert abs(float(losses[0][0].detach()) - want) <= loss_tolerance(target, want)
+        for slot, want_slot in enumerate(per_slot, start=1):
+            assert abs(metrics[f"train/draft_{slot}_loss"] - want_slot) <= loss_tolerance(target, want_slot), slot
+        # negative control: other weights of the same terms give another loss
+        other, _ = reference_dspark_losses(target, draft_dir, batch.tokens, batch.loss_mask,
+                                           dict(recipe, ce=1.0, l1=0.0))
+        assert abs(other - want) > loss_tolerance(target, want)
         assert metrics["train/draft_grad_norm"] > 0
     else:
         wants = reference_ttt_losses(model, eagle3_pair[2], batch.tokens, batch.loss_mask, TTT_STEPS)
@@ -208,14 +285,14 @@ def test_the_policy_loss_gradients_and_update_are_bit_identical_with_and_without
 
 def test_a_shared_knob_left_unset_takes_the_kinds_own_default(kind):
     name, target, settings = kind
-    defaults = DRAFT_TRAINERS[name].DEFAULTS
+    defaults = DRAFT_KINDS[name].knobs
     assert Trainer(TrainerConfig(**settings), target).draft.knobs == defaults
     given = Trainer(TrainerConfig(draft_lr=3e-4, draft_steps_per_rollout=2, draft_replay_batches=1, **settings), target)
     assert (given.draft.knobs.lr, given.draft.knobs.steps_per_rollout, given.draft.knobs.replay_batches) == (3e-4, 2, 1)
     assert given.draft.optimizer.param_groups[-1]["lr"] == 3e-4
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash"], indirect=True)
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark"], indirect=True)
 def test_an_external_drafts_checkpoint_resumes_the_same_next_step(kind, tmp_path):
     """--save/--load keep an external draft's weights, optimizer state and whatever it draws from
     (DFlash's anchors): the resumed trainer's next step moves the draft exactly as the original's."""
@@ -225,7 +302,7 @@ def test_an_external_drafts_checkpoint_resumes_the_same_next_step(kind, tmp_path
     trainer.train_step(make_batch(seed=0))
     trainer.save(str(tmp_path / "ckpt"))
     resumed = Trainer(cfg, target, load=str(tmp_path / "ckpt"))
-    if kind[0] == "dflash":  # fewer blocks than the responses offer: which anchors is drawn
+    if kind[0] in ("dflash", "dspark"):  # fewer blocks than the responses offer: which anchors is drawn
         trainer.draft.anchors_per_sequence = resumed.draft.anchors_per_sequence = 2
     batch = make_batch(seed=3)
     m = {"original": trainer.train_step(batch), "resumed": resumed.train_step(batch)}
@@ -251,3 +328,31 @@ def test_the_dflash_draft_distils_the_detached_policys_distribution(dflash_pair,
     # negative control: the hard-label loss of the same slots is another figure
     _, hard = reference_dflash_losses(target, draft_dir, batch.tokens, batch.loss_mask)
     assert abs(hard[0] - per_slot[0]) > loss_tolerance(target, per_slot[0])
+
+
+@pytest.mark.parametrize("family", [pytest.param("glm4_moe", marks=pytest.mark.slow), "deepseek_v3"])  # MoE; + MLA
+def test_an_external_draft_trains_on_a_moe_or_mla_policys_aux_hidden_states_as_the_engine_computes_them(family,
+                                                                                                       tmp_path):
+    """The trainer keeps the aux hidden states of a mixture-of-experts policy (GLM-4.5; DeepSeek-V3 with
+    MLA too) as the embedded engine computes them: an EAGLE-3 draft's training-time-test losses on the
+    shipped tiny model equal the cache-free reference on the engine's model (megatron-core shares no code
+    with it); the same draft reading other layers is the negative control."""
+    import dataclasses
+
+    from mtp.eagle3 import Eagle3Draft
+
+    target = os.path.join(REPO, "checkpoints", f"tiny-{family.replace('_', '-')}-mtp")
+    draft = random_draft(EAGLE3, read_config(target), seed=2, std=0.05)  # a 5-layer target's default (0, 2, 5)
+    EAGLE3.save(str(tmp_path / "draft"), draft.cfg, draft.state_dict())
+    spec = parse_spec_config({"method": "eagle3", "model": str(tmp_path / "draft"), "num_speculative_tokens": TTT_STEPS})
+    trainer = Trainer(TrainerConfig(micro_batch_size=0, enable_draft_training=True, speculative_config=spec), target)
+    batch = make_batch(n=3)
+    metrics = trainer.train_step(batch)  # the reported losses are the joint step's, before it moved anything
+    model = engine_model(target)
+    wants = reference_ttt_losses(model, draft, batch.tokens, batch.loss_mask, TTT_STEPS)
+    for step, want in enumerate(wants, start=1):
+        assert abs(metrics[f"train/draft_{step}_loss"] - want) <= loss_tolerance(target, want), step
+    elsewhere = Eagle3Draft(dataclasses.replace(draft.cfg, aux_layer_ids=(0, 2, 4)))
+    elsewhere.load_state_dict(draft.state_dict())
+    other = reference_ttt_losses(model, elsewhere.eval(), batch.tokens, batch.loss_mask, 1)[0]
+    assert abs(other - wants[0]) > loss_tolerance(target, other)

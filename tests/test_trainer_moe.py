@@ -183,11 +183,24 @@ def run_args(ckpt, out, *extra):
             "4", "--global-batch-size", "16", "--micro-batch-size", "8", "--output-dir", str(out), *extra]
 
 
+# three data-parallel ranks (EP 3 fits them; a global batch of 24 = 3 x 8)
+DP3 = ("--data-parallel-size", "3", "--rollout-batch-size", "6", "--global-batch-size", "24")
+
+
 @pytest.mark.parametrize("extra, config_changes, needles", [
     (("--tensor-model-parallel-size", "2"), {}, ("--tensor-model-parallel-size 2", "mixture-of-experts",
-                                                 "--data-parallel-size")),
+                                                 "--data-parallel-size", "--expert-model-parallel-size")),
     ((), {"norm_topk_prob": False}, ("cannot train", "norm_topk_prob true")),
-], ids=["tensor-parallel-moe", "unnormalised-topk"])
+    (("--expert-model-parallel-size", "2"), {}, ("--expert-model-parallel-size 2 x --expert-tensor-parallel-size 1",
+                                                 "does not divide the 1 trainer ranks of a pipeline stage")),
+    (("--data-parallel-size", "2", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"), {},
+     ("--expert-model-parallel-size 2 x --expert-tensor-parallel-size 2", "does not divide the 2 trainer ranks")),
+    (("--expert-model-parallel-size", "3", *DP3), {}, ("--expert-model-parallel-size 3", "8 routed experts",
+                                                       "choose a divisor of 8")),
+    (("--expert-tensor-parallel-size", "3", *DP3), {}, ("--expert-tensor-parallel-size 3", "32 hidden units",
+                                                        "moe_intermediate_size")),
+], ids=["tensor-parallel-moe", "unnormalised-topk", "ep-over-too-few-ranks", "ep-x-etp-over-too-few-ranks",
+        "ep-not-dividing-the-experts", "etp-not-dividing-an-expert"])
 def test_what_megatron_cannot_train_is_refused_in_one_line_before_start(tmp_path, extra, config_changes, needles):
     ckpt = str(tmp_path / "hf")
     write_checkpoint(ckpt, "glm4_moe", seed=26)

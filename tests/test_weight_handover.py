@@ -35,9 +35,9 @@ def update():
 
 def engine_process(rendezvous, pipe):
     """The engine's side in its own process: the bucket broadcast, then the hand-over of the same update;
-    sends back both as {name: tensor} copies, then reads its mapped memory again when told."""
+    sends back both as {name: host copy}, then reads its mapped memory again when told."""
     got = {}
-    bucket = BucketReceiver(lambda named, version: got.setdefault("bucket", {k: v.clone() for k, v in named}), 0)
+    bucket = BucketReceiver(lambda named, version: got.setdefault("bucket", {k: v.cpu() for k, v in named}), 0)
     bucket.join(rendezvous, 1)
     bucket.receive(pipe.recv(), version=1)
     kept = []
@@ -45,13 +45,16 @@ def engine_process(rendezvous, pipe):
     mapped.join(None, 1)
     header, note = pipe.recv()  # the bytes a Ray call would carry
     mapped.receive(header, 1, note)
-    pipe.send({"bucket": got["bucket"], "in_place": {k: v.clone() for k, v in kept}})
+    pipe.send({"bucket": got["bucket"], "in_place": {k: v.cpu().clone() for k, v in kept},
+               "devices": sorted({v.device.type for _, v in kept})})
     pipe.recv()  # the trainer wrote into its buckets
-    pipe.send({k: v.clone() for k, v in kept})
+    pipe.send({k: v.cpu().clone() for k, v in kept})
 
 
-def test_the_shared_memory_hand_over_delivers_what_the_bucket_broadcast_delivers():
-    named = update()
+def both_ways(named, device="cpu"):
+    """One update pushed to an engine process both ways: the bucket broadcast over gloo (the reference),
+    then the in-place hand-over of the same tensors on `device`. Returns (what the engine got, the bytes
+    handed over, the header, what the engine read after the trainer overwrote its buckets)."""
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
     rendezvous = {"master_addr": "127.0.0.1", "master_port": free_port(), "world_size": 2, "device": "cpu"}
@@ -62,8 +65,9 @@ def test_the_shared_memory_hand_over_delivers_what_the_bucket_broadcast_delivers
         ours.send(broadcast.header(named))
         broadcast.send(named)
         hand_over = SENDERS[IN_PLACE]({}, None, BUFFER)
-        header = hand_over.header(named)
-        size, note = hand_over.send(named)
+        on_device = [(k, v.to(device)) for k, v in named]
+        header = hand_over.header(on_device)
+        size, note = hand_over.send(on_device)
         ours.send((header, note))
         got = ours.recv()
         for bucket in hand_over.buckets:  # the trainer's memory, after the push
@@ -72,10 +76,16 @@ def test_the_shared_memory_hand_over_delivers_what_the_bucket_broadcast_delivers
         seen_after = ours.recv()
         hand_over.release()
     finally:
-        engine.join(timeout=60)
+        engine.join(timeout=120)
         if engine.is_alive():
             engine.kill()
     assert engine.exitcode == 0
+    return got, size, header, seen_after
+
+
+def test_the_shared_memory_hand_over_delivers_what_the_bucket_broadcast_delivers():
+    named = update()
+    got, size, header, seen_after = both_ways(named)
     assert len(header) > 2 and size == sum(v.numel() * v.element_size() for _, v in named)
     reference = weight_sync.digests(got["bucket"].items())
     assert weight_sync.digests(got["in_place"].items()) == reference == weight_sync.digests(named)
@@ -84,6 +94,7 @@ def test_the_shared_memory_hand_over_delivers_what_the_bucket_broadcast_delivers
     assert all(bool((v == 7).all()) for v in seen_after.values())
 
 
+@pytest.mark.slow  # the mechanism's fast test is the one above; this one adds the engine's load_weights
 def test_an_engine_takes_a_hand_over_into_its_weights_as_the_bucket_push_loads_them(tmp_path):
     from test_weight_push import SPEC, new_weights, push
 

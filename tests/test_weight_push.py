@@ -14,7 +14,7 @@ from rollout.backend import EmbeddedBackend
 from trainer.weight_senders import SENDERS
 from trainer_fixtures import make_tiny
 from vime import weight_sync
-from vime.models.families import is_draft_name
+from vime.models.draft_kinds import is_draft_name
 from vime.models.hf_format import load_hf_checkpoint
 from vime.net import free_port
 

@@ -45,23 +45,5 @@ def random_scored_samples(n=4, prompt_len=4, seed=0, vocab=32, advantages=None):
     return samples
 
 
-def distinct_random_routes(shape, num_experts, seed):
-    """[..., k] random expert sets (k distinct experts each), as int16 routes."""
-    g = torch.Generator().manual_seed(seed)
-    flat = torch.stack([torch.randperm(num_experts, generator=g)[:shape[-1]]
-                        for _ in range(int(torch.tensor(shape[:-1]).prod()))])
-    return flat.view(*shape).to(torch.int16)
-
-
-def make_batch(routes=None, **kw):
-    """A batch of `random_scored_samples(**kw)`; `routes` (MoE layers, experts, k): with random rollout
-    routes at every real position (NO_ROUTE on padding), as a MoE rollout records them."""
-    from vime.models.routing_replay import NO_ROUTE
-
-    batch = build_batch(random_scored_samples(**kw))
-    if routes is not None:
-        layers, experts, k = routes
-        drawn = distinct_random_routes((*batch.tokens.shape, layers, k), experts, kw.get("seed", 0))
-        no_route = torch.tensor(NO_ROUTE, dtype=torch.int16)
-        batch.routed_experts = torch.where(batch.token_mask[:, :, None, None], drawn, no_route)
-    return batch
+def make_batch(**kw):
+    return build_batch(random_scored_samples(**kw))

@@ -60,3 +60,24 @@ def hf_greedy(model, prompt, max_new):
             if tok == EOS:
                 break
     return out
+
+
+def sample_first_tokens(backend, checkpoint, n, prompt="37+58="):
+    """(prompt ids, n samples of 4 tokens after `prompt` at temperature 1, drafts made) from a rollout backend."""
+    from rollout.sampling_params import SamplingParams
+    from vime.sample import samples_for_prompts
+
+    ids = TextCodec(checkpoint).encode_prompt(prompt, 1)
+    samples = samples_for_prompts([ids], n=n)
+    backend.generate(samples, SamplingParams(temperature=1.0, max_new_tokens=4))
+    return ids, samples, backend.stats()["spec"]["draft_tokens"]
+
+
+def first_two_p_value(checkpoint, sampled, temperature):
+    """Chi-square p-value of the sampled joint of the first two tokens (`sample_first_tokens`) against the
+    exact joint of the policy at `temperature` (transformers)."""
+    from spec_fixtures import chi_square_p_value, first_two_counts, hf_first_two_joint
+
+    prompt, samples, _ = sampled
+    return chi_square_p_value(first_two_counts(samples), hf_first_two_joint(checkpoint, prompt, temperature),
+                              len(samples))

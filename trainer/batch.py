@@ -12,6 +12,8 @@ import torch
 
 from vime.models.routing_replay import NO_ROUTE, batch_routes
 
+_PADDING = {"tokens": 0, "routed_experts": NO_ROUTE}  # what a padded position holds (others: 0 / False)
+
 
 @dataclass
 class Batch:
@@ -47,22 +49,36 @@ class Batch:
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
                                 if getattr(self, f.name) is not None})
 
+    @property
+    def width(self):
+        return self.tokens.shape[1]
+
+    def padded_to(self, width):
+        """This batch right-padded to `width` positions (padding is out of every mask: no loss, no
+        expert load; causal attention keeps it out of the real positions)."""
+        return self._padded(1, width - self.width)
+
+    def with_rows(self, rows):
+        """This batch with empty rows appended up to `rows` (padding everywhere: they add nothing to
+        any loss, metric or expert-load count)."""
+        return self._padded(0, rows - self.size)
+
+    def _padded(self, dim, extra):
+        """`extra` padding positions (dim 1) or rows (dim 0) appended to every tensor."""
+        if extra <= 0:
+            return self
+
+        def pad(name, t):
+            shape = list(t.shape)
+            shape[dim] = extra
+            return torch.cat([t, torch.full(shape, _PADDING.get(name, 0), dtype=t.dtype, device=t.device)], dim=dim)
+
+        return replace(self, **{f.name: pad(f.name, getattr(self, f.name)) for f in fields(self)
+                                if getattr(self, f.name) is not None})
+
     def micro_batches(self, micro_batch_size):
         size = micro_batch_size if micro_batch_size and micro_batch_size > 0 else self.size
         return [self.rows(i, i + size) for i in range(0, self.size, size)]
-
-    def padded_to(self, rows):
-        """This batch with empty rows appended up to `rows`: padding everywhere (token_mask False, loss
-        mask 0, no rollout route), so they add nothing to any loss, metric or expert-load count."""
-        def pad(name, t):
-            fill = torch.full((rows - self.size, *t.shape[1:]), NO_ROUTE if name == "routed_experts" else 0,
-                              dtype=t.dtype, device=t.device)
-            return torch.cat([t, fill])
-
-        if rows == self.size:
-            return self
-        return replace(self, **{f.name: pad(f.name, getattr(self, f.name)) for f in fields(self)
-                                if getattr(self, f.name) is not None})
 
 
 def _row(values, offset, width, dtype, fill=0):

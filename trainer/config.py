@@ -48,6 +48,8 @@ class TrainerConfig:
     decoder_first_pipeline_num_layers: Optional[int] = tree_field("train.decoder_first_pipeline_num_layers")
     decoder_last_pipeline_num_layers: Optional[int] = tree_field("train.decoder_last_pipeline_num_layers")
     data_parallel_size: int = tree_field("train.data_parallel_size")
+    expert_model_parallel_size: int = tree_field("train.expert_model_parallel_size")
+    expert_tensor_parallel_size: Optional[int] = tree_field("train.expert_tensor_parallel_size")  # None: TP's
     micro_batch_size: int = tree_field("train.micro_batch_size")  # 0: the whole local batch at once
     global_batch_size: int = tree_field("train.global_batch_size")  # informational: train_step gets the step
     seed: int = tree_field("train.seed")
@@ -56,7 +58,7 @@ class TrainerConfig:
     use_rollout_routing_replay: bool = tree_field("train.use_rollout_routing_replay")  # MoE: replay rollout routes
     moe_router_bias_update_rate: float = tree_field("train.moe_router_bias_update_rate")  # MoE expert-bias step
     enable_draft_training: bool = tree_field("draft.enable_training")  # the external draft of speculative_config
-    # how the trained draft (MTP layers or external) steps; None: the kind's own default (trainer/drafts/<kind>.py)
+    # how the trained draft (MTP layers or external) steps; None: the kind's own default (vime/models/draft_kinds.py)
     draft_lr: Optional[float] = tree_field("draft.lr")
     draft_steps_per_rollout: Optional[int] = tree_field("draft.steps_per_rollout")  # > 1: draft-only steps
     draft_replay_batches: Optional[int] = tree_field("draft.replay_batches")  # earlier batches they also cycle over
@@ -65,9 +67,14 @@ class TrainerConfig:
     draft_clip_grad: Optional[float] = tree_field("draft.clip_grad")  # None: same as clip_grad
     draft_loss_scaling_factor: float = tree_field("draft.loss_scaling_factor")  # an external draft's
     draft_ttt_steps: Optional[int] = tree_field("draft.ttt_steps")  # None: num_speculative_tokens
+    # the weights of a kind's loss terms (its descriptor's loss_weights); None: the kind's own
+    draft_ce_weight: Optional[float] = tree_field("draft.ce_weight")
+    draft_l1_weight: Optional[float] = tree_field("draft.l1_weight")
+    draft_confidence_weight: Optional[float] = tree_field("draft.confidence_weight")
     # the rollout's speculative config (vime.spec_config.SpecConfig, or None): an external draft is its `model`
     speculative_config: Any = tree_field("rollout.vllm_speculative_config")
     bf16: bool = tree_field("model.bf16")  # bf16 compute, fp32 master weights (trainer/mixed_precision.py)
+    offload_optimizer_state: bool = tree_field("train.offload_optimizer_state")  # trainer/offload.py, between steps
 
     @classmethod
     def from_tree(cls, cfg):
@@ -87,6 +94,13 @@ class TrainerConfig:
     @property
     def effective_draft_clip_grad(self):
         return self.clip_grad if self.draft_clip_grad is None else self.draft_clip_grad
+
+    @property
+    def draft_loss_weights(self):
+        """{term: weight} of the loss terms given (the others keep the kind's defaults)."""
+        given = (("ce", self.draft_ce_weight), ("l1", self.draft_l1_weight),
+                 ("confidence", self.draft_confidence_weight))
+        return {term: weight for term, weight in given if weight is not None}
 
     @property
     def effective_eps_clip_high(self):

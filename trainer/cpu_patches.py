@@ -27,6 +27,10 @@ MEGATRON_NOISE = (
     r"Please use DTensor instead and we are deprecating ShardedTensor",
     r"`load_state_dict` is deprecated",
     r"`torch\.jit\.script_method` is deprecated",
+    # the all-gather token dispatcher's collectives at EP / ETP > 1 (and TP's gathers): gloo implements
+    # both in torch 2.13, so they need no CPU stand-in; torch only renames them
+    r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+    r"`torch\.distributed\.reduce_scatter_tensor` is deprecated",
 )
 
 

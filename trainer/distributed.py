@@ -17,8 +17,8 @@ from vime.parallel_layout import ONE_RANK
 
 
 def init_distributed(rank, world_size, master_addr, master_port, layout=ONE_RANK):
-    """Join the process group (gloo on CPU, nccl on GPU) and build megatron's TP/PP/DP groups of
-    `layout` (a vime.parallel_layout.ParallelLayout of `world_size` ranks)."""
+    """Join the process group (gloo on CPU, nccl on GPU) and build megatron's TP/PP/DP groups and its
+    expert (EP x ETP) groups of `layout` (a vime.parallel_layout.ParallelLayout of `world_size` ranks)."""
     layout.check()
     layout.check_world(world_size)
     apply_cpu_patches()
@@ -32,7 +32,8 @@ def init_distributed(rank, world_size, master_addr, master_port, layout=ONE_RANK
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                                 expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
 
 
 def init_single_process():

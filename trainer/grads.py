@@ -5,34 +5,38 @@ gradients itself, by megatron's rules: q/k-layernorm grads are partial sums per 
 (`_allreduce_non_tensor_model_parallel_grads`); under pipeline parallelism the last stage's copy
 of the word embedding and the first stage's sum their grads (`_allreduce_word_embedding_grads`,
 the parameters megatron marks `shared_embedding`), so both copies take the same steps; and the
-loss is normalised by the step's global token count, so DP ranks sum their gradients. The
-grad norm counts every weight once: TP shards on every TP rank, replicated weights on TP rank 0,
-each stage its own layers, an embedding copy (megatron's `shared` mark) not at all.
+loss is normalised by the step's global token count, so DP ranks sum their gradients. A routed
+expert's shard under expert parallelism already holds the gradient of every token the EP ranks sent
+it (the dispatcher's reduce-scatter carries them back), so it is summed over the ranks holding the
+same shard (expert DP) only. The grad norm counts every weight once: TP shards on every TP rank,
+replicated weights on TP rank 0, a routed expert's shard once over the ETP x EP ranks, each stage
+its own layers, an embedding copy (megatron's `shared` mark) not at all.
 """
 import math
 
 import torch
 import torch.distributed as dist
 
-from trainer.distributed import (collective_device, dp_group, embedding_group, pp_group, pp_size, tp_group,
+from trainer import expert_parallel
+from trainer.distributed import (collective_device, dp_group, embedding_group, pp_size, pp_sum, tp_group,
                                  tp_rank_and_size)
 
 _TP_PARTIAL = ("q_layernorm", "k_layernorm")
 
 
 def reduce_gradients(named_params):
-    """All-reduce (sum) the word embedding's grads over its pipeline copies, qk-layernorm grads over TP
-    and every grad over DP."""
+    """All-reduce (sum) the word embedding's grads over its pipeline copies, qk-layernorm grads over TP,
+    a routed expert's grads over expert DP and every other grad over DP."""
     _sum_embedding_copies([p for _, p in named_params])
     _, tp = tp_rank_and_size()
-    dp = dist.get_world_size(dp_group())
     for name, p in named_params:
         if p.grad is None:
             continue
         if tp > 1 and any(k in name for k in _TP_PARTIAL):
             dist.all_reduce(p.grad, group=tp_group())
-        if dp > 1:
-            dist.all_reduce(p.grad, group=dp_group())
+        group = expert_parallel.expert_dp_group() if expert_parallel.is_routed_expert(p) else dp_group()
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(p.grad, group=group)
 
 
 def _sum_embedding_copies(params):
@@ -62,18 +66,26 @@ def _counted_once(param, tp_rank):
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
-def grad_norm(params):
-    """L2 norm of the grads of `params` over the whole (TP-sharded) model."""
-    tp_rank, tp = tp_rank_and_size()
+def _sum_of_squares(params, group):
+    """Sum of the squared grads of `params` (float64) over the ranks of `group`."""
     sq = torch.zeros((), dtype=torch.float64, device=collective_device())  # NCCL reduces CUDA tensors only
     for p in params:
-        if p.grad is not None and _counted_once(p, tp_rank):
-            sq += p.grad.detach().double().pow(2).sum().to(sq.device)
-    if tp > 1:
-        dist.all_reduce(sq, group=tp_group())
-    if pp_size() > 1:
-        dist.all_reduce(sq, group=pp_group())
-    return math.sqrt(sq.item())
+        sq += p.grad.detach().double().pow(2).sum().to(sq.device)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(sq, group=group)
+    return sq.item()
+
+
+def grad_norm(params):
+    """L2 norm of the grads of `params` over the whole (TP-, ETP-, EP- and PP-sharded) model."""
+    tp_rank, _ = tp_rank_and_size()
+    with_grad = [p for p in params if p.grad is not None]
+    experts = [p for p in with_grad if expert_parallel.is_routed_expert(p)]
+    dense = [p for p in with_grad if not expert_parallel.is_routed_expert(p) and _counted_once(p, tp_rank)]
+    sq = _sum_of_squares(dense, tp_group())
+    if any(expert_parallel.is_routed_expert(p) for p in params):  # the same on every rank: the model's structure
+        sq += _sum_of_squares(experts, expert_parallel.expert_shards_group())
+    return math.sqrt(pp_sum(sq).item())  # each pipeline stage holds its own layers
 
 
 def clip_by_norm(params, max_norm):

@@ -21,12 +21,15 @@ import contextlib
 
 import torch
 
+from trainer.expert_parallel import EXPERT_MARK
+
 
 def _copy_parallel_attributes(dst, src):
     """megatron's parallel attributes (TP-sharded? along which dim? a pipeline stage's copy of the word
-    embedding?) onto the main parameter, which the gradient reductions and the grad norm read
-    (trainer/grads.py)."""
-    for name in ("tensor_model_parallel", "partition_dim", "partition_stride", "shared", "shared_embedding"):
+    embedding?) and the routed-expert mark (trainer/expert_parallel.py) onto the main parameter, which
+    the gradient reductions and the grad norm read (trainer/grads.py)."""
+    for name in ("tensor_model_parallel", "partition_dim", "partition_stride", "shared", "shared_embedding",
+                 EXPERT_MARK):
         if hasattr(src, name):
             setattr(dst, name, getattr(src, name))
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from mtp.reuse import reuse_attention_mask, reuse_positions
+from trainer.expert_parallel import mark_expert_params
 from vime.models.megatron_names import MTP_INNER_LAYER
 from vime.models.trainable import check_trainable
 from vime.parallel_layout import ONE_RANK
@@ -74,7 +75,8 @@ def spec_name():
 
 def transformer_config(model_cfg, mtp_num_layers, layout=ONE_RANK, params_dtype=torch.float32):
     """megatron TransformerConfig of `model_cfg` (RMSNorm, RoPE, SwiGLU; GQA with the config's q/k/v
-    bias and q/k norm, or MLA; dense MLPs, or MoE from `first_k_dense_replace` on), split as `layout` says."""
+    bias and q/k norm, or MLA; dense MLPs, or MoE from `first_k_dense_replace` on), split as `layout` says
+    (a MoE model's routed experts over its EP ranks, each expert over its ETP ranks)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     check_trainable(model_cfg)
@@ -94,7 +96,8 @@ def transformer_config(model_cfg, mtp_num_layers, layout=ONE_RANK, params_dtype=
         **pipeline_options(layout, params_dtype),
     )
     if model_cfg.moe is not None:
-        options.update(moe_options(model_cfg))
+        options.update(moe_options(model_cfg), expert_model_parallel_size=layout.ep,
+                       expert_tensor_parallel_size=layout.etp)
     if model_cfg.mla is not None:
         options.update(mla_options(model_cfg))
         return MLATransformerConfig(**options)
@@ -113,10 +116,15 @@ def pipeline_options(layout, params_dtype):
                 calculate_per_token_loss=True)
 
 
+# megatron's token dispatcher per device: all-to-all sends each token only to its experts' ranks, but
+# assumes CUDA; the all-gather one (every rank sees the ETP x EP group's tokens) runs anywhere
+TOKEN_DISPATCHERS = {"cuda": "alltoall", "cpu": "allgather"}
+
+
 def moe_options(model_cfg):
-    """TransformerConfig options of the MoE layers (SequentialMLP experts, allgather dispatch: what
-    runs without Transformer Engine on CPU; the router's sigmoid + expert bias + group-limited choice
-    as vime.models.moe_routing does it)."""
+    """TransformerConfig options of the MoE layers (SequentialMLP experts, the device's token
+    dispatcher; the router's sigmoid + expert bias + group-limited choice as vime.models.moe_routing
+    does it)."""
     moe = model_cfg.moe
     grouped = moe.n_group > 1
     return dict(
@@ -131,7 +139,8 @@ def moe_options(model_cfg):
                                              if moe.n_shared_experts else None),
         moe_shared_expert_overlap=False, moe_layer_freq=[int(moe.is_moe_layer(i))
                                                          for i in range(model_cfg.num_hidden_layers)],
-        moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_permute_fusion=False,
+        moe_token_dispatcher_type=TOKEN_DISPATCHERS["cuda" if torch.cuda.is_available() else "cpu"],
+        moe_grouped_gemm=False, moe_permute_fusion=False,
     )
 
 
@@ -338,6 +347,7 @@ def build_model(model_cfg, mtp_num_layers, layout=ONE_RANK, seed=1234, params_dt
     model = model.to(params_dtype)
     for router in routers(model):  # megatron keeps the expert bias fp32, but only from the first forward
         router._maintain_float32_expert_bias()  # on: before it the sync's bucket layout would take it bf16
+    mark_expert_params(model)
     if torch.cuda.is_available():
         model = model.cuda()
     return model

@@ -80,8 +80,15 @@ class TrainerActorImpl:
         return ref
 
     def train(self, samples, num_steps):
-        """`num_steps` optimizer steps over this rank's `samples`; metrics averaged over them."""
+        """`num_steps` optimizer steps over this rank's `samples`; metrics averaged over them, and the
+        memory of the phase (vime/devices.py: its peak, and what the rank holds while the engines generate,
+        with --offload-optimizer-state after the optimizer state went to the host)."""
+        from vime.devices import phase_memory, reset_peak_memory
+
         start = time.perf_counter()
+        reset_peak_memory()
+        if self.cfg.offload_optimizer_state:
+            self.trainer.onload()
         per_step = len(samples) // num_steps
         batches = [build_batch(samples[i * per_step:(i + 1) * per_step]) for i in range(num_steps)]
         if self.cfg.use_tis and num_steps > 1:  # pi_old for the updates after the first (which is its own pi_old)
@@ -93,6 +100,10 @@ class TrainerActorImpl:
                 batch.ref_logprobs = self._ref_logprobs(batch)
             for k, v in self.trainer.train_step(batch).items():
                 totals[k] = totals.get(k, 0.0) + v / num_steps
+        totals.update(phase_memory("train"))
+        if self.cfg.offload_optimizer_state:
+            self.trainer.offload()
+        totals.update(phase_memory("trainer_while_rolling_out", peak=False))
         totals["perf/train_time"] = time.perf_counter() - start
         return totals
 
@@ -146,7 +157,7 @@ class TrainerActorImpl:
 
 def _draft_part(named, model_cfg, draft):
     """The draft's tensors (draft True) or the target's."""
-    from vime.models.families import is_draft_name
+    from vime.models.draft_kinds import is_draft_name
 
     return [(k, v) for k, v in named if is_draft_name(k, model_cfg.num_hidden_layers) == draft]
 

@@ -20,9 +20,10 @@ import torch
 from vime.models.hf_format import load_hf_checkpoint, read_config
 from vime.models.torch_dist_format import torch_dist_tensor_problem
 from mtp.sampling import effective_temperature, token_logprobs
-from trainer import checkpoint, grads
+from trainer import checkpoint, grads, offload as optimizer_offload
 from trainer.mixed_precision import build_optimizer, fp32_params_for_checkpoint, grad_params, named_grad_params
 from trainer.distributed import dp_sum, ensure_distributed, from_last_stage, pp_sum, tensor_from_last_stage
+from trainer.expert_parallel import padded_to_common_width
 from trainer.drafts import build_draft, load_draft_state, save_draft_state
 from trainer.losses import entropy_from_logits, policy_loss, token_mean
 from trainer.routing_replay import RoutingReplay
@@ -66,6 +67,7 @@ class Trainer:
         # the draft trained beside the policy (trainer/drafts: MTP layers, EAGLE-3, DFlash), or None
         self.draft = build_draft(cfg, self.model, self.model_cfg)
         self.optimizer = self._build_optimizer()
+        self.offloaded = False  # the optimizer state waits on the host (--offload-optimizer-state)
         if self.draft is not None:
             self.draft.attach(self.optimizer)
         # earlier rollout batches the draft-only steps also train on (--draft-replay-batches; CPU
@@ -101,11 +103,17 @@ class Trainer:
         """The model's device: batches are built on the CPU and moved here."""
         return next(self.model.parameters()).device
 
+    def _on_device(self, batch):
+        """`batch` on the model's device, as wide as its expert-parallel peers' (trainer/expert_parallel.py)."""
+        batch = batch.to(self.device)
+        return padded_to_common_width(batch) if self.model_cfg.moe is not None else batch
+
     @torch.no_grad()
     def compute_logprobs(self, batch):
         """[B, S] log-prob of each token given its prefix (0 at position 0), at the rollout temperature
         (computed on the last pipeline stage, returned on every stage)."""
-        batch = batch.to(self.device)
+        width = batch.width
+        batch = self._on_device(batch)
         self.model.eval()
 
         def logprobs(out, mb):
@@ -113,7 +121,7 @@ class Trainer:
 
         rows = self._run(batch.micro_batches(self.cfg.micro_batch_size), logprobs, forward_only=True)
         lp = torch.nn.functional.pad(torch.cat(rows), (1, 0))[:batch.size] if rows else torch.empty(batch.tokens.shape)
-        return tensor_from_last_stage(lp.to(self.device, torch.float32))
+        return tensor_from_last_stage(lp.to(self.device, torch.float32))[:, :width]
 
     def _run(self, micro_batches, loss, forward_only=False, training=False):
         """`loss(out, mb)` of every micro-batch's forward, through the pipeline stages
@@ -131,7 +139,7 @@ class Trainer:
 
         micro_batches = list(micro_batches)
         if self.cfg.pipeline_model_parallel_size > 1:
-            micro_batches = [mb.padded_to(micro_batches[0].size) for mb in micro_batches]
+            micro_batches = [mb.with_rows(micro_batches[0].size) for mb in micro_batches]
         return run_micro_batches(self.model, micro_batches, forward_one, loss, forward_only)
 
     def _rollout_routes(self, mb):
@@ -173,7 +181,7 @@ class Trainer:
     def backward(self, batch):
         """Forward + backward over micro-batches, the policy's loss and the draft's; grads left on the
         parameters, reduced over ranks. Returns metrics."""
-        batch = batch.to(self.device)
+        batch = self._on_device(batch)
         self.model.train()
         for optimizer in self._optimizers():
             optimizer.zero_grad(set_to_none=True)
@@ -222,7 +230,7 @@ class Trainer:
     def _draft_inputs(self, batch):
         """The draft's inputs of every micro-batch of `batch` under the current policy: one no-grad
         forward each (the policy does not change between the draft-only steps)."""
-        batch = batch.to(self.device)
+        batch = self._on_device(batch)
         micro_batches = list(batch.micro_batches(self.cfg.micro_batch_size))
         normaliser = self.draft.normaliser(batch, len(micro_batches))
 
@@ -298,6 +306,29 @@ class Trainer:
         balance over the tokens they routed in it; a router that routed none keeps its bias."""
         update_expert_biases(self.model, self.cfg.moe_router_bias_update_rate)
 
+    # ---- memory by turns --------------------------------------------------------------
+    def offload(self):
+        """While the engines generate: gradients freed, optimizer state on the host (trainer/offload.py)."""
+        optimizer_offload.offload(self._optimizers())
+        self.offloaded = True
+
+    def onload(self):
+        """Before a step: the optimizer state back on the model's device."""
+        if self.offloaded:
+            optimizer_offload.onload(self._optimizers(), self.device)
+            self.offloaded = False
+
+    @contextlib.contextmanager
+    def _state_on_device(self):
+        """Around a save or load: the optimizer state where the model is, then as it was."""
+        was = self.offloaded
+        self.onload()
+        try:
+            yield
+        finally:
+            if was:
+                self.offload()
+
     # ---- weights and checkpoints ------------------------------------------------------
     def named_hf_weights(self):
         """[(canonical HF name, full tensor)] of every weight, trunk, MTP and an external draft's: the whole
@@ -314,7 +345,8 @@ class Trainer:
 
     def save(self, path):
         """torch_dist checkpoint of weights + optimizer state (collective: every rank calls it)."""
-        with fp32_params_for_checkpoint(self.model, self.optimizer):  # under --bf16 the fp32 masters: a plain fp32 checkpoint
+        with self._state_on_device(), fp32_params_for_checkpoint(self.model, self.optimizer):
+            # under --bf16 the fp32 masters: a plain fp32 checkpoint
             checkpoint.save(path, self.model, self.optimizer, self._meta())
         if self.draft is not None:
             save_draft_state(path, self.draft)
@@ -327,7 +359,8 @@ class Trainer:
                 f"fewer than --mtp-num-layers {self.mtp_num_layers}")
         problem = torch_dist_tensor_problem(meta, self.model_cfg, self.mtp_num_layers)
         require(problem is None, f"--load {path}: its tensors disagree with the model's config: {problem}")
-        with fp32_params_for_checkpoint(self.model, self.optimizer):  # under --bf16 into the fp32 masters, then rounded
+        with self._state_on_device(), fp32_params_for_checkpoint(self.model, self.optimizer):
+            # under --bf16 into the fp32 masters, then rounded
             checkpoint.load(path, self.model, self.optimizer)
         if self.draft is not None:
             load_draft_state(path, self.draft)

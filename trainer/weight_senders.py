@@ -67,27 +67,30 @@ class InPlaceHandOver:
     """in_place: engines on the trainer rank's own device (a GPU they share, where NCCL cannot join
     them, or the same machine's memory on CPU) map the trainer's flat buckets (the bucket path's
     layout) through CUDA IPC handles or shared memory: no group, no trip through the host. The
-    buckets live from `send` until `release`; the note of a push is what maps them."""
+    note of a push is what maps them. On a GPU the buckets live from `send` to `release` (their
+    memory goes back to the device for the trainer's turn); on CPU they stay, refilled by each push
+    and mapped once by the engines."""
 
     needs_gpus, automatic = False, True
 
     def __init__(self, plan, rendezvous, buffer_size):
         del plan, rendezvous  # every backend takes the buckets as they are; no group to meet in
-        self.buffer_size, self.layout, self.buckets = buffer_size, None, None
+        self.buffer_size, self.layout, self.buckets, self.note = buffer_size, None, None, None
 
     def header(self, named):
         self.layout = weight_sync.bucket_layout(named, self.buffer_size)
         return self.layout
 
     def send(self, named):
-        self.release()
-        self.buckets, note = weight_sync.hand_over(self.layout, named)
-        return sum(b.numel() * b.element_size() for b in self.buckets), note
+        kept = self.buckets
+        self.buckets = weight_sync.fill_buckets(self.layout, named, kept)
+        if kept is None:
+            self.note = weight_sync.share(self.buckets)
+        return sum(b.numel() * b.element_size() for b in self.buckets), self.note
 
     def release(self):
-        cuda = bool(self.buckets) and self.buckets[0].device.type == "cuda"
-        self.buckets = None
-        if cuda:
+        if self.buckets and self.buckets[0].device.type == "cuda":
+            self.buckets = self.note = None
             import torch
 
             torch.cuda.ipc_collect()  # give back the blocks the engines have let go of

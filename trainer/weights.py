@@ -6,8 +6,8 @@ two steps, one per kind of split:
 
 - `STAGE_GATHERS`, one gather per parallel dimension that splits a pipeline stage's weights, in order,
   each taking and yielding (megatron name, tensor) pairs of the stage: `tp` all-gathers each tensor's
-  shards (every TP rank then holds the stage's full tensors). A dimension that splits a stage another
-  way (experts over EP ranks) adds its gather here; `stage_hf_weights` runs them and maps the names
+  shards (a routed expert's over its expert-TP group), `ep` each MoE layer's experts over the EP ranks;
+  then every rank of the stage holds its full tensors. `stage_hf_weights` runs them and maps the names
   to HF (vime/models/megatron_names.py).
 - `gather_stages`: the stages' HF-named tensors (and the draft's, which lives on the last stage) sent
   point to point to the first stage of trainer rank 0's pipeline, which then holds the whole model and
@@ -18,17 +18,20 @@ two steps, one per kind of split:
 Sharding follows megatron's parameter attributes (`tensor_model_parallel`, `partition_dim`);
 the one exception is `linear_fc1`, whose rows are [gate; up] on *every* rank, so each half
 is split separately. Besides the parameters, the buffers that are checkpoint weights (the MoE
-router's expert bias) move too.
+router's expert bias) move too. A routed expert's parameters are this rank's share under expert
+parallelism: sharded over the expert-TP group, named by their global expert id and gathered over
+the EP ranks (trainer/expert_parallel.py).
 """
 import torch
 import torch.distributed as dist
 
 from vime.models.megatron_names import hf_to_megatron, megatron_to_hf
+from trainer import expert_parallel
 from trainer.distributed import (collective_device, dp_group, pp_group, pp_size, tp_group,
                                  tp_rank_and_size)
 from trainer.model import (WORD_EMBEDDING, is_last_stage, last_stage_keeps_word_embedding, named_weights)
 
-_PER_HALF = ("mlp.linear_fc1.weight",)  # [gate; up] stacked within each TP shard
+_PER_HALF = ("linear_fc1.weight",)  # [gate; up] stacked within each TP (or expert-TP) shard: every MLP, routed experts too
 
 
 def _is_sharded(param):
@@ -49,14 +52,22 @@ def shard(name, full, param, tp_rank, tp):
     return full.chunk(tp, dim=dim)[tp_rank]
 
 
+def _shard_group(name):
+    """(rank, size, group) of the tensor-parallel group a parameter is sharded over: the expert-TP group
+    for a routed expert's, the TP group for the others."""
+    if expert_parallel.is_expert_param(name):
+        return (*expert_parallel.etp_rank_and_size(), expert_parallel.etp_group())
+    return (*tp_rank_and_size(), tp_group())
+
+
 def gather(name, param):
-    """The full megatron tensor of a (possibly TP-sharded) parameter, on every TP rank."""
+    """The full megatron tensor of a (possibly TP- or ETP-sharded) parameter, on every rank of its group."""
     local = param.detach()
-    _, tp = tp_rank_and_size()
+    _, tp, group = _shard_group(name)
     if not _is_sharded(param) or tp == 1:
         return local.clone()
     parts = [torch.empty_like(local) for _ in range(tp)]
-    dist.all_gather(parts, local.contiguous(), group=tp_group())
+    dist.all_gather(parts, local.contiguous(), group=group)
     dim = param.partition_dim
     if _per_half(name):
         halves = [p.chunk(2, dim=dim) for p in parts]
@@ -68,10 +79,15 @@ def gather(name, param):
 def load_hf_state(model, hf_state, model_cfg):
     """Copy canonical HF tensors into every weight of `model` (this rank's shards of this stage's weights,
     the stage's copies of the word embedding too)."""
-    tp_rank, tp = tp_rank_and_size()
+    num_local = _num_local_experts(model_cfg)
     for name, param in named_weights(model, copies=True):
-        full = hf_to_megatron(name, hf_state, model_cfg)
-        param.copy_(shard(name, full, param, tp_rank, tp).to(param.dtype))
+        full = hf_to_megatron(expert_parallel.global_expert_name(name, num_local), hf_state, model_cfg)
+        rank, size, _ = _shard_group(name)
+        param.copy_(shard(name, full, param, rank, size).to(param.dtype))
+
+
+def _num_local_experts(model_cfg):
+    return expert_parallel.num_local_experts(model_cfg) if model_cfg.moe is not None else 0
 
 
 @torch.no_grad()
@@ -95,13 +111,22 @@ def word_embedding_on_last_stage(model):
     return embedding
 
 
-def _gather_tensor_parallel(named):
-    """Every TP rank: the full tensor of each (megatron name, shard) of the stage."""
+def _gather_tensor_parallel(named, model_cfg):
+    """Every TP rank: the full tensor of each (megatron name, shard) of the stage (a routed expert's over
+    its expert-TP group)."""
     for name, param in named:
         yield name, gather(name, param)
 
 
-STAGE_GATHERS = {"tp": _gather_tensor_parallel}  # parallel dimension -> its gather within a stage, in order
+def _gather_experts(named, model_cfg):
+    """Every EP rank: each MoE layer's routed experts of all EP ranks, named by their global expert ids."""
+    num_local = _num_local_experts(model_cfg)
+    for experts, run in expert_parallel.grouped_by_experts_module(named):
+        yield from expert_parallel.gather_over_ep(run, num_local) if experts else run
+
+
+# parallel dimension -> its gather within a stage, in order: each takes and yields (megatron name, tensor)
+STAGE_GATHERS = {"tp": _gather_tensor_parallel, "ep": _gather_experts}
 
 
 @torch.no_grad()
@@ -110,7 +135,7 @@ def stage_hf_weights(model, model_cfg):
     over the dimensions that split a stage (`STAGE_GATHERS`); the same on every rank of the stage."""
     named = named_weights(model)
     for gather_dimension in STAGE_GATHERS.values():
-        named = gather_dimension(named)
+        named = gather_dimension(named, model_cfg)
     return [hf for name, tensor in named for hf in megatron_to_hf(name, tensor, model_cfg)]
 
 

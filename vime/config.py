@@ -16,6 +16,7 @@ from typing import Any, Optional
 from mtp.loss import MTP_LOSSES
 from mtp.reuse import REUSE_ATTENTION
 from vime.errors import UserError, require
+from vime.models.draft_kinds import EXTERNAL_KINDS, LOSS_TERMS, trained_kinds
 from vime.parallel_layout import ParallelLayout
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,7 +53,8 @@ class RolloutSection:
              "time_plain_baseline": "rollout", "dynamic_sampling": "rollout", "over_sampling_batch_size":
              "dynamic_sampling", "dynamic_sampling_max_draws": "dynamic_sampling", "eval_prompt_data": "rollout",
              "eval_interval": "eval", "n_samples_per_eval_prompt": "eval", "eval_temperature": "eval",
-             "sync_draft_weights": "sync", "vllm_weight_transfer": "sync"}  # see SWITCHES
+             "sync_draft_weights": "sync", "vllm_weight_transfer": "sync", "release_kv_cache": "sync",
+             "release_weights": "sync"}  # see SWITCHES
 
     prompt_data: Optional[str] = field(default=None, metadata=flag(
         "--prompt-data", "JSONL prompts (default: the tiny model's train.jsonl)"))
@@ -117,6 +119,13 @@ class RolloutSection:
         "scores 0 and rollout/reward_timeouts counts it"))
     reward_num_workers: int = field(default=2, metadata=flag(
         "--reward-num-workers", "processes scoring pooled rewards (--rm-type math)"))
+    release_kv_cache: Optional[bool] = field(default=None, metadata=flag(
+        "--rollout-release-kv-cache", "memory by turns: while the trainer steps, each engine gives its KV cache "
+        "back and allocates it again for the next rollout (none: on for an engine that shares a CUDA GPU with a "
+        "trainer rank, off otherwise)"))
+    release_weights: bool = field(default=False, metadata=flag(
+        "--rollout-release-weights", "memory by turns: while the trainer steps, each engine gives its weights back "
+        "too; the next push brings them back (needs the draft synced: not with --no-sync-draft-weights)"))
     eval_prompt_data: Optional[str] = field(default=None, metadata=flag(
         "--eval-prompt-data", "JSONL held-out prompts (same keys as --prompt-data) evaluated at step 0 and "
         "every --eval-interval steps"))
@@ -140,6 +149,9 @@ def _validate_rollout(r):
             "do not truncate); leave --rollout-top-k at 0")
     require(r.task_variant is None or r.prompt_data is None,
             f"--task-variant {r.task_variant} makes the prompts; drop --prompt-data {r.prompt_data} or the variant")
+    require(not r.release_weights or r.sync_draft_weights,
+            "--rollout-release-weights: the engines give their weights back while the trainer steps and the push "
+            "brings them back, but --no-sync-draft-weights pushes no draft, so the draft would be lost; drop one")
 
 
 @dataclass
@@ -147,7 +159,8 @@ class TrainSection:
     """Optimiser, policy loss, batch sizes and parallelism of the trainers (`cfg.train`)."""
 
     NEEDS = {"use_kl_loss": "trainers", "kl_loss_coef": "kl_loss", "kl_loss_type": "kl_loss", "use_tis": "trainers",
-             "tis_clip": "tis", "use_rollout_routing_replay": "trainers"}  # see SWITCHES
+             "tis_clip": "tis", "use_rollout_routing_replay": "trainers",
+             "offload_optimizer_state": "sync"}  # see SWITCHES
 
     lr: float = field(default=2e-4, metadata=flag("--lr", "learning rate of the policy (Adam)"))
     weight_decay: float = field(default=0.0, metadata=flag("--weight-decay", "Adam weight decay"))
@@ -179,6 +192,12 @@ class TrainSection:
         "--decoder-last-pipeline-num-layers", "decoder layers of the last pipeline stage (none: the even share)"))
     data_parallel_size: int = field(default=1, metadata=flag(
         "--data-parallel-size", "trainer data parallelism (DP); trainer actors = TP x PP x DP"))
+    expert_model_parallel_size: int = field(default=1, metadata=flag(
+        "--expert-model-parallel-size", "MoE models: expert parallelism (EP), the routed experts split over EP "
+        "ranks of each pipeline stage's TP x DP ranks (megatron's); tokens reach their experts by all-gather"))
+    expert_tensor_parallel_size: Optional[int] = field(default=None, metadata=flag(
+        "--expert-tensor-parallel-size", "MoE models: tensor parallelism inside each routed expert (ETP; none: "
+        "--tensor-model-parallel-size, as megatron)"))
     seed: int = field(default=1234, metadata=flag("--seed", "trainer seed"))
     use_tis: bool = field(default=False, metadata=flag(
         "--use-tis", "truncated importance sampling: weight the loss by min(pi_old / pi_rollout, --tis-clip), "
@@ -187,6 +206,10 @@ class TrainSection:
     use_rollout_routing_replay: bool = field(default=False, metadata=flag(
         "--use-rollout-routing-replay", "MoE models: the trainer's routers take the experts the rollout chose at "
         "every position (gate weights still from the trainer's scores); the MTP layers route by their own"))
+    offload_optimizer_state: bool = field(default=False, metadata=flag(
+        "--offload-optimizer-state", "memory by turns: while the engines generate, the trainer keeps its optimizer "
+        "state (Adam's moments; under --bf16 the fp32 main weights) on the host and its gradients freed, back on its "
+        "device for the next step (a trainer rank sharing its GPU with an engine leaves it the room)"))
     moe_router_bias_update_rate: float = field(default=1e-3, metadata=flag(
         "--moe-router-bias-update-rate", "MoE models: after each step every router's expert bias moves by this "
         "much towards balance (DeepSeek-V3's auxiliary-loss-free balancing; 0: fixed bias)"))
@@ -312,6 +335,17 @@ def _validate_run(run):
             f"--wandb-mode {run.wandb_mode!r}: use offline, online or disabled")
 
 
+def _validate_memory_turns(cfg):
+    """Memory by turns needs turns: a rollout that does not overlap the training (a debug run, which has
+    one side only, is refused by the knobs' switches)."""
+    r = cfg.rollout
+    flags = [name for name, on in (("--rollout-release-kv-cache", r.release_kv_cache),
+                                   ("--rollout-release-weights", r.release_weights),
+                                   ("--offload-optimizer-state", cfg.train.offload_optimizer_state)) if on]
+    require(not (flags and cfg.run.async_rollout), f"{flags[0] if flags else ''} frees memory while the other "
+            "side works, and --async-rollout runs the rollout during training: drop one of them")
+
+
 @dataclass
 class PlacementSection:
     """Where the actors go: Ray placement-group bundles per trainer rank and rollout engine (`cfg.placement`)."""
@@ -343,31 +377,45 @@ class PlacementSection:
         "--placement-timeout", "seconds to wait for the placement groups before stopping with what is missing"))
 
 
+def _kind_defaults(knob):
+    """--help's statement of each trained kind's default of a shared draft knob (from the table of kinds)."""
+    return ", ".join(f"{getattr(kind.knobs, knob):g} for {kind.title}" for kind in trained_kinds())
+
+
+def _loss_weight_defaults(term):
+    """--help's statement of each kind's default weight of a loss term (the kinds that weigh their terms)."""
+    return ", ".join(f"{dict(kind.loss_weights)[term]:g} for {kind.title}" for kind in trained_kinds()
+                     if term in dict(kind.loss_weights))
+
+
+def _external_titles():
+    return ", ".join(kind.title for kind in EXTERNAL_KINDS)
+
+
 @dataclass
 class DraftSection:
     """The draft trained online beside the policy, whatever its kind (`cfg.draft`): the policy's MTP layers
     (--enable-mtp-training) or an external draft named by --vllm-speculative-config (--enable-draft-training,
     EAGLE-3, DFlash). The knobs apply to whichever trains; those left at none take the kind's own default
-    (trainer/drafts/<kind>.py)."""
+    (the table of kinds, vime/models/draft_kinds.py)."""
 
     NEEDS = {"*": "draft_training", "enable_training": "trainers"}  # every knob sets how the draft trains
 
     enable_training: bool = field(default=False, metadata=flag(
-        "--enable-draft-training", "train the external draft of --vllm-speculative-config (EAGLE-3, DFlash) online "
+        "--enable-draft-training", f"train the external draft of --vllm-speculative-config ({_external_titles()}) online "
         "in the trainers, from the policy's detached hidden states of the rollout batch, and sync it to the rollout "
         "every step (the policy's own MTP layers: --enable-mtp-training)"))
     lr: Optional[float] = field(default=None, metadata=flag(
-        "--draft-lr", "learning rate of the trained draft (default none: the kind's own, 0.005 for MTP layers, "
-        "0.001 for EAGLE-3, 0.001 for DFlash; Adam makes the loss factor nearly scale-free)"))
+        "--draft-lr", "learning rate of the trained draft (default none: the kind's own, "
+        f"{_kind_defaults('lr')}; Adam makes the loss factor nearly scale-free)"))
     steps_per_rollout: Optional[int] = field(default=None, metadata=flag(
         "--draft-steps-per-rollout", "optimiser steps of the draft per RL step: the one beside the policy's, then "
         "N-1 of the draft alone on the states of the updated policy, the one the next rollout drafts for "
-        "(default none: the kind's own, 1 for MTP layers, 8 for EAGLE-3, 8 for DFlash)"))
+        f"(default none: the kind's own, {_kind_defaults('steps_per_rollout')})"))
     replay_batches: Optional[int] = field(default=None, metadata=flag(
         "--draft-replay-batches", "the draft-only steps (--draft-steps-per-rollout) cycle over this RL step's batch "
         "and the R previous ones, their states recomputed with the current policy; at most --draft-steps-per-rollout "
-        "- 2, the earlier batches those steps reach (default none: the kind's own, 0 for MTP layers, 4 for EAGLE-3, "
-        "4 for DFlash)"))
+        f"- 2, the earlier batches those steps reach (default none: the kind's own, {_kind_defaults('replay_batches')})"))
     loss_type: str = field(default="ce", metadata=flag(
         "--draft-loss-type", "ce (sampled token) | soft_ce | tv (against the detached policy's distribution, "
         "mtp/loss.py)"))
@@ -380,9 +428,18 @@ class DraftSection:
         "--draft-loss-scaling-factor", "factor of an external draft's loss (its own optimiser: the policy never "
         "sees it; MTP layers: --mtp-loss-scaling-factor)"))
     ttt_steps: Optional[int] = field(default=None, metadata=flag(
-        "--draft-ttt-steps", "drafting steps EAGLE-3's training-time test unrolls, at most num_speculative_tokens "
+        "--draft-ttt-steps", "drafting steps a chain draft's training-time test unrolls, at most num_speculative_tokens "
         "(the drafts the rollout asks for; each step keeps its activations for the backward) (none: "
         "num_speculative_tokens; MTP layers: --mtp-train-depths)"))
+    ce_weight: Optional[float] = field(default=None, metadata=flag(
+        "--draft-ce-weight", "weight of the cross-entropy on the sampled token, in the loss of a kind that weighs "
+        f"its terms (default none: the kind's own, {_loss_weight_defaults('ce')})"))
+    l1_weight: Optional[float] = field(default=None, metadata=flag(
+        "--draft-l1-weight", "weight of the L1 distance (2 x total variation) to the detached policy's distribution "
+        f"(default none: the kind's own, {_loss_weight_defaults('l1')})"))
+    confidence_weight: Optional[float] = field(default=None, metadata=flag(
+        "--draft-confidence-weight", "weight of the confidence head's binary cross-entropy against the acceptance "
+        f"1 - TV (default none: the kind's own, {_loss_weight_defaults('confidence')})"))
 
 
 def _validate_drafts(d, m):
@@ -398,6 +455,9 @@ def _validate_drafts(d, m):
     require(d.ttt_steps is None or not m.enable_training,
             "--draft-ttt-steps unrolls an external draft's training-time test; the MTP layers train the depths "
             "of --mtp-train-depths")
+    for term in LOSS_TERMS:
+        weight = getattr(d, f"{term}_weight")
+        require(weight is None or weight >= 0, f"--draft-{term}-weight must be >= 0 (got {weight})")
     require(d.loss_scaling_factor == 1.0 or not m.enable_training,
             "--draft-loss-scaling-factor scales an external draft's loss; the MTP layers' factor is "
             "--mtp-loss-scaling-factor")
@@ -510,6 +570,7 @@ def validate(cfg):
             f"= {per_step} samples per step")
     _validate_train(t)
     _validate_run(cfg.run)
+    _validate_memory_turns(cfg)
     _validate_drafts(cfg.draft, cfg.mtp)
     _validate_rollout(r)
 

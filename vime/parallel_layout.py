@@ -171,7 +171,8 @@ def _check_tensor_parallel(layout, model_cfg):
     # megatron shards MoE layers over TP only with sequence parallelism, which its local
     # (non-Transformer-Engine) norm does not implement
     require(tp == 1 or model_cfg.moe is None, f"{FLAGS['tp']} {tp}: mixture-of-experts models "
-            f"({_architecture(model_cfg)}) train at {FLAGS['tp']} 1; scale out with {FLAGS['dp']}")
+            f"({_architecture(model_cfg)}) train at {FLAGS['tp']} 1 (megatron splits their layers over TP only with "
+            f"sequence parallelism); scale out with {FLAGS['dp']}, {FLAGS['ep']} and {FLAGS['etp']}")
     for what, n in (("attention heads", model_cfg.num_attention_heads),
                     ("key/value heads", model_cfg.num_key_value_heads),
                     ("vocabulary size", model_cfg.vocab_size),
@@ -259,12 +260,6 @@ def _check_pipeline_stages(layout, model_cfg):
             f"stage{'s' if middle > 1 else ''}, which must hold an equal number of at least 1 each")
 
 
-def _check_experts_run(layout, model_cfg):
-    require(layout.ep == 1 and layout.expert_tp == layout.tp, f"{FLAGS['ep']} {layout.ep} x {FLAGS['etp']} "
-            f"{layout.expert_tp}: the trainer does not split the routed experts yet; use {FLAGS['ep']} 1 and scale out "
-            f"with {FLAGS['dp']}")
-
-
 FLAG_CHECKS = [_check_stage_flags, _check_expert_flags]
 MODEL_CHECKS = [_check_tensor_parallel, _check_pipeline_stages, _check_expert_parallel]
-NOT_RUN_YET = [_check_experts_run]
+NOT_RUN_YET = []  # every split megatron-core can make of a model, the trainer runs

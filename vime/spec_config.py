@@ -25,19 +25,19 @@ from dataclasses import dataclass
 
 from mtp.rejection import REJECTION_METHODS
 from vime.errors import UserError, require
+from vime.models.draft_kinds import DRAFT_KINDS, METHOD_ALIASES
 
 FLAG = "--vllm-speculative-config"
 EXAMPLE = '\'{"method":"mtp","num_speculative_tokens":3}\''
 
-# the embedded engine's methods under every name vLLM gives them
-METHOD_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "mimo_mtp": "mtp", "glm4_moe_mtp": "mtp",
-                  "ngram": "ngram", "suffix": "suffix", "draft_model": "draft_model", "eagle3": "eagle3",
-                  "dflash": "dflash"}
-BLOCK_METHODS = frozenset({"dflash"})  # drafts that propose a whole block in one forward
-UNSUPPORTED_METHODS = ("eagle", "medusa", "mlp_speculator", "ngram_gpu", "dspark",
+# the embedded engine's methods under every name vLLM gives them: METHOD_ALIASES (the table of kinds)
+BLOCK_METHODS = frozenset(name for name, kind in DRAFT_KINDS.items() if kind.block)  # a whole block per forward
+UNSUPPORTED_METHODS = ("eagle", "medusa", "mlp_speculator", "ngram_gpu",
                        "custom_class", "extract_hidden_states")
+# methods whose drafts come with a confidence that can size verification (enable_adaptive_verification)
+CONFIDENCE_METHODS = tuple(name for name, kind in DRAFT_KINDS.items() if kind.confidence)
 # vLLM 0.32 SpeculativeConfig keys the embedded engine does not implement (vLLM takes them as is)
-VLLM_ONLY_KEYS = ("draft_sample_method", "parallel_drafting", "enable_adaptive_verification",
+VLLM_ONLY_KEYS = ("draft_sample_method", "parallel_drafting",
                   "disable_padded_drafter_batch", "quantization", "revision", "code_revision", "max_model_len",
                   "enforce_eager", "kv_cache_dtype", "attention_backend", "moe_backend", "use_local_argmax_reduction",
                   "index_share_for_mtp_iteration", "disable_eagle_block_drop", "dspark_draft_topk",
@@ -54,13 +54,7 @@ MISPLACED_KEYS = {
 }
 
 # methods that draft with a separate checkpoint -> what to give (the same on every backend)
-NEEDS_MODEL = {
-    "draft_model": "\"model\": \"/path/to/draft/hf/checkpoint\"",
-    "eagle3": "\"model\": \"/path/to/eagle3/draft\" (make one with "
-              "`python scripts/make_eagle3_draft.py --target CKPT --out DIR`)",
-    "dflash": "\"model\": \"/path/to/dflash/draft\" (make one with "
-              "`python scripts/make_dflash_draft.py --target CKPT --out DIR`)",
-}
+NEEDS_MODEL = {name: kind.needs_model for name, kind in DRAFT_KINDS.items() if kind.needs_model}
 
 
 @dataclass(frozen=True)
@@ -87,6 +81,8 @@ class SpecConfig:
     synthetic_acceptance_length: float = None
     # vLLM's dynamic schedule: ((range_start, range_end, k), ...), inclusive, sorted
     num_speculative_tokens_per_batch_size: tuple = None
+    # vLLM's: verify per step only as many drafts as the draft's confidence makes worth it (DSpark)
+    enable_adaptive_verification: bool = False
     given: tuple = dataclasses.field(default=(), repr=False)
 
     @property
@@ -97,9 +93,12 @@ class SpecConfig:
 
     @property
     def block_size(self):
-        """Tokens one draft forward fills, anchor included, for a block draft (DFlash: its drafts plus
-        the newest verified token; the draft's checks tie it to its own block); None otherwise."""
-        return self.num_speculative_tokens + 1 if self.method in BLOCK_METHODS else None
+        """Tokens one draft forward fills, anchor included, for a block draft (its drafts plus the newest
+        verified token, or its drafts alone where the anchor's slot drafts too; the draft's checks tie it
+        to its own block); None otherwise."""
+        if self.method not in BLOCK_METHODS:
+            return None
+        return self.num_speculative_tokens + (0 if DRAFT_KINDS[self.method].anchor_drafts else 1)
 
     def to_vllm(self):
         """The config as vLLM takes it: the keys as written (a fresh dict each call)."""
@@ -128,6 +127,7 @@ _TYPES = {
     "synthetic_acceptance_rates": ((list,), "a list of numbers in [0, 1], one per draft position"),
     "synthetic_acceptance_length": ((int, float), "a number"),
     "num_speculative_tokens_per_batch_size": ((list,), "a list of [range_start, range_end, k] entries"),
+    "enable_adaptive_verification": ((bool,), "true or false"),
 }
 
 _NULLABLE = ("model", "synthetic_acceptance_rate", "synthetic_acceptance_rates", "synthetic_acceptance_length",
@@ -198,6 +198,7 @@ def _read_for_embedded(raw):
     _lookup_bounds(raw)
     _rejection(raw)
     _batch_schedule(raw)
+    _adaptive_verification(raw)
     require(raw.get("draft_tensor_parallel_size", 1) == 1,
             f"{FLAG}: draft_tensor_parallel_size must be 1 for the embedded engine "
             f"(got {raw.get('draft_tensor_parallel_size')})")
@@ -217,7 +218,8 @@ def _read_for_vllm(raw):
     if isinstance(method, str):
         method = METHOD_ALIASES.get(method, method)
         _require_model(dict(raw, method=method))
-    kept = {key: raw[key] for key in ("num_speculative_tokens", "model", "rejection_sample_method") if key in raw}
+    kept = {key: raw[key] for key in ("num_speculative_tokens", "model", "rejection_sample_method",
+                                      "enable_adaptive_verification") if key in raw}
     return SpecConfig(method=method, **{"num_speculative_tokens": None, **kept}, given=tuple(raw.items()))
 
 
@@ -255,7 +257,7 @@ def _check_type(key, val):
     types, name = _TYPES[key]
     if key in _NULLABLE and val is None:
         return
-    ok = isinstance(val, types) and not isinstance(val, bool)
+    ok = isinstance(val, types) and (bool in types or not isinstance(val, bool))
     require(ok, f"{FLAG}: {key} must be {name} (got {json.dumps(val)})")
 
 
@@ -299,6 +301,17 @@ def _rejection(raw):
     if raw.get("synthetic_acceptance_length") is not None:
         length = raw["synthetic_acceptance_length"]
         require(1 <= length <= n + 1, f"{FLAG}: synthetic_acceptance_length must be in [1, {n + 1}] (got {length})")
+
+
+def _adaptive_verification(raw):
+    """vLLM's enable_adaptive_verification sizes verification by a draft's confidence (DSpark's head)."""
+    require(not raw.get("enable_adaptive_verification") or raw["method"] in CONFIDENCE_METHODS,
+            f"{FLAG}: enable_adaptive_verification sizes verification by the draft's confidence head, which "
+            f"method {raw['method']!r} has not (use it with {', '.join(CONFIDENCE_METHODS)}, or --spec-adaptive "
+            "to choose k per batch size from measured acceptance)")
+    require(not (raw.get("enable_adaptive_verification") and raw.get("num_speculative_tokens_per_batch_size")),
+            f"{FLAG}: enable_adaptive_verification and num_speculative_tokens_per_batch_size both choose how many "
+            "drafts a step verifies; give one of them")
 
 
 def _batch_schedule(raw):

@@ -7,7 +7,7 @@ the trainer's own default group. Names and shapes never change during a run, so 
 bucket layout is fixed once (`bucket_layout`); each sync then broadcasts flat buffers, built
 where the trainer's tensors live (on a GPU they never visit the host).
 An engine on the trainer's own device (a GPU they share, which NCCL cannot join twice, or the
-same machine's memory on CPU) maps the same flat buckets instead (`hand_over` / `take_over`):
+same machine's memory on CPU) maps the same flat buckets instead (`fill_buckets`, `share` / `take_over`):
 CUDA IPC handles on a GPU, shared-memory files on CPU, both torch.multiprocessing's reductions
 pickled into bytes that Ray carries.
 Checksums let the loop prove that a worker's weights equal the trainer's after a sync.
@@ -143,25 +143,27 @@ def mapped(blob):
     return pickle.loads(blob)
 
 
-def hand_over(layout, named_tensors):
-    """Trainer side of the in-place hand-over: (the flat buckets of `layout`, built where the tensors
-    live, and the bytes that map them). The caller keeps the buckets until the engines took them."""
+def fill_buckets(layout, named_tensors, buckets=None):
+    """The flat buckets of `layout`, where the tensors live, for the in-place hand-over: written into
+    `buckets` (an earlier push's, reused) when given, else new ones (on CPU in shared memory, so that
+    sharing them copies nothing). The tensors may come from any gathering of the trainer's shards."""
     by_name = dict(named_tensors)
-    buckets = []
-    for bucket in layout:
+    out = []
+    for i, bucket in enumerate(layout):
         parts = [by_name[s.name].reshape(-1).to(s.dtype) for s in bucket]
-        flat = torch.empty(sum(s.numel for s in bucket), dtype=bucket[0].dtype, device=parts[0].device)
-        if flat.device.type == "cpu":
-            flat.share_memory_()  # built in shared memory: no second copy when shared
+        flat = buckets[i] if buckets else torch.empty(sum(s.numel for s in bucket), dtype=bucket[0].dtype,
+                                                     device=parts[0].device)
+        if flat.device.type == "cpu" and not flat.is_shared():
+            flat.share_memory_()
         torch.cat(parts, out=flat)
-        buckets.append(flat)
-    if buckets and buckets[0].device.type == "cuda":
+        out.append(flat)
+    if out and out[0].device.type == "cuda":
         torch.cuda.current_stream().synchronize()  # the engine reads them from another process
-    return buckets, share(buckets)
+    return out
 
 
 def take_over(layout, blob):
-    """Engine side: (name, tensor) of every bucket `hand_over` shared, views of the trainer's memory."""
+    """Engine side: (name, tensor) of every bucket `share` shared, views of the trainer's memory."""
     for bucket, flat in zip(layout, mapped(blob)):
         yield from unflatten_bucket(bucket, flat)
 

@@ -152,6 +152,7 @@ class Engine:
                        if self.fast.num_moe_layers else None)
         self.weight_version = 0
         self.paused = False
+        self.released_weights = {}  # name -> shape of the weights `release_memory` gave back
         self.last_stats = {}
         self.step_k = 0  # drafts the proposer makes this iteration (verified at the next)
         self.set_proposer(proposer or Proposer())
@@ -189,6 +190,10 @@ class Engine:
     def generate(self, samples, sampling):
         """Fill response_ids / response / rollout_logprobs / finish_reason / spec of `samples`."""
         require(not self.paused, "the engine is paused (a weight update is in progress); call resume() first")
+        if self.released_weights:
+            raise RuntimeError("the engine's weights were released (release_memory) and no push brought them back")
+        for cache in self.kv_caches():
+            cache.restore()
         for s in samples:
             self._check_prompt(s)
         requests = [Request(s, sampling, self._generator(sampling, s)) for s in samples]
@@ -226,11 +231,35 @@ class Engine:
             for name, tensor in named_tensors:
                 if name not in params:
                     raise UserError(f"load_weights: unknown tensor {name!r}; expected canonical HF names")
+                if name in self.released_weights:  # given back by release_memory: this push brings it back
+                    params[name].data = torch.empty(self.released_weights.pop(name), dtype=params[name].dtype,
+                                                    device=params[name].device)
                 params[name].copy_(tensor.to(params[name].dtype))
                 if name in draft:
                     self.proposer.draft_synced()
+        if self.released_weights:
+            raise RuntimeError(f"load_weights: the push did not bring back {len(self.released_weights)} released "
+                               f"weights (first: {next(iter(self.released_weights))}); the engine cannot decode")
         self.fast.refresh(in_place=self.steps.graphs)  # captured graphs keep reading the fused tensors
         self.weight_version = version
+
+    def release_memory(self, weights=False):
+        """Give back the KV caches (the engine's and its proposer's; the next generate allocates them
+        again) and, with `weights`, the model's weights and their packed copies (the next load_weights
+        brings them back): memory by turns with a trainer on the same device."""
+        self.steps.reset()  # the captured graphs read the caches (and fused weights) given back here
+        for cache in self.kv_caches():
+            cache.release()
+        if weights:
+            self.fast.release()  # its fused copies; everything else reads the parameters when it runs
+            for name, p in self.model.named_parameters():
+                self.released_weights[name] = p.shape
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        if torch.device(self.config.device).type == "cuda":
+            torch.cuda.empty_cache()  # to the device, for the trainer, not kept in torch's cache
+
+    def kv_caches(self):
+        return [self.cache, *self.proposer.kv_caches()]
 
     def pause(self):
         self.paused = True

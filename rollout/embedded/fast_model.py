@@ -156,6 +156,11 @@ class FastForward:
         self.num_moe_layers = len(moe_decoder)
         self.route_writer = None  # set by the engine around a forward whose routes it records
 
+    def release(self):
+        """Drop the fused and packed copies of the weights (the model's weights were released);
+        `refresh` makes them again."""
+        self.layers = self.head = self.eh_proj = None  # the next refresh fuses them anew
+
     def logits(self, hidden):
         """Twin of `CausalLMWithMTP.logits` on the packed LM head."""
         return linear(hidden, self.head)

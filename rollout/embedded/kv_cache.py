@@ -31,6 +31,8 @@ class KVCache:
     `scratch_room` more positions past it for kernels that write a whole query window unclamped
     (flash-attn's cache update)."""
 
+    fields = ("k", "v")  # the attributes holding the per-slot tensors
+
     def __init__(self, num_layers, num_slots, max_len, num_kv_heads, head_dim, dtype=torch.float32, device="cpu",
                  scratch_room=0):
         shape = (num_layers, num_slots, max_len + scratch_room, num_kv_heads, head_dim)
@@ -41,11 +43,27 @@ class KVCache:
     def _set_extent(self, num_slots, max_len, scratch_room):
         self.num_slots, self.scratch_position = num_slots, max_len - 1
         self.max_len = max_len + scratch_room  # positions allocated
+        self.released = None
 
     @property
     def tensors(self):
         """Every per-slot tensor of the cache (slot copies and moves apply to each)."""
-        return (self.k, self.v)
+        return tuple(getattr(self, f) for f in self.fields)
+
+    def release(self):
+        """Give the cache's memory back (while a trainer on the same device steps); `restore` before use."""
+        if self.released is None:
+            self.released = {f: (t.shape, t.dtype, t.device) for f, t in zip(self.fields, self.tensors)}
+            for f, (_, dtype, device) in self.released.items():
+                setattr(self, f, torch.empty(0, dtype=dtype, device=device))
+
+    def restore(self):
+        """Allocate the released cache again, zeroed as at start: no request survives a release, and a
+        slot's entries past its length are never read, so what decodes next is what a fresh cache gives."""
+        if self.released is not None:
+            for f, (shape, dtype, device) in self.released.items():
+                setattr(self, f, torch.zeros(shape, dtype=dtype, device=device))
+            self.released = None
 
     def copy_slots(self, src, dst, length):
         """Copy the first `length` positions of slots `src` (a tensor) into slots `dst` (every layer)."""
@@ -79,13 +97,11 @@ class LatentKVCache(KVCache):
     """Multi-head latent attention's cache: one [kv latent ; rope key] row per token and layer
     [layers, slots, positions, width], read by every head (rollout/embedded/mla.py)."""
 
+    fields = ("latent",)
+
     def __init__(self, num_layers, num_slots, max_len, width, dtype=torch.float32, device="cpu"):
         self.latent = torch.zeros((num_layers, num_slots, max_len, width), dtype=dtype, device=device)
         self._set_extent(num_slots, max_len, 0)
-
-    @property
-    def tensors(self):
-        return (self.latent,)
 
 
 def make_kv_cache(cfg, num_layers, num_slots, max_len, dtype=torch.float32, device="cpu", scratch_room=0):

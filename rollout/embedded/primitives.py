@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtp.blocks import Norm
 from vime.models.rope import rotary_inv_freq
 
 
@@ -15,16 +16,10 @@ def rms_norm(x, weight, eps):
     return weight * xf.to(dtype)
 
 
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm with a learned scale."""
+class RMSNorm(Norm):
+    """Root-mean-square layer norm with a learned scale, computed as Qwen3's `rms_norm`."""
 
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+    norm = staticmethod(rms_norm)
 
 
 def apply_rotary(x, cos, sin, interleaved=False):

@@ -28,8 +28,25 @@ drafts are verified, so every policy keeps the output exact.
               costs the same for any k, would never be drafted, so never measured.
               Not priced: the one catch-up of draft positions deferred by k = 0 steps at a switch
               to drafting (a draft-layer pass, a fraction of what the trunk spent on them).
+  ConfidenceSizedK  vLLM's enable_adaptive_verification: AdaptiveK's schedule decides how much to
+              draft at each batch size, and once a block is drafted the step verifies q drafts, rate(q) =
+              (B + sum_rows sum_{j<q} s_j) / (verify(B, 1+q) + draft(B, k)) being the expected tokens per
+              second, s_j the running product of the draft's per-slot confidences (the chance draft j is
+              still accepted), the draft already paid. q grows while one more draft raises rate(q) (the
+              argmax where rate is unimodal): whether draft j is verified then depends on s_0..s_j,
+              which depend on the drafts before j only, never on draft j itself. That is what keeps
+              sampled drafts exact: a draft verified or not according to its own value would be
+              verified as drawn from a distribution other than its q. vLLM ranks single draft slots
+              because its verify costs per token; this engine's verify pads every row to the longest,
+              so its price depends on q alone. The schedule's acceptance counts the verified drafts'
+              outcomes and, for the drafts a step leaves unverified, what their confidence expects;
+              it starts at 1 (every draft passes) where AdaptiveK starts at 1/2, so that blocks get
+              drafted and their confidences seen: a block the profile prices above 1 + 1/2 + 1/4 + ...
+              tokens was otherwise never drafted, its acceptance never known.
 """
 import math
+
+import torch
 
 ACCEPT_PRIOR = 0.5  # acceptance assumed before a position was ever drafted
 ACCEPT_PRIOR_ROWS = 8  # pseudo-rows of prior (the previous position's rate) in each estimate
@@ -53,6 +70,12 @@ class FixedK:
 
     def observe(self, step):
         pass
+
+    def verification_size(self, batch_size, survival):
+        """How many drafts a step verifies given each row's survival [B, k]: one count for every row, or
+        one per row (None: every one drafted). Whether draft j is verified may depend on survival up to
+        j only (which the drafts before j decide), or sampled drafts stop being exact."""
+        return None
 
     def prepare(self, engine):
         pass
@@ -115,6 +138,7 @@ class AdaptiveK(ScheduleK):
 
     observes = True
     corrects_costs = True  # False: the profile is the whole price (one made for another machine)
+    accept_prior = ACCEPT_PRIOR
 
     def __init__(self, k_max):
         FixedK.__init__(self, k_max)
@@ -131,12 +155,17 @@ class AdaptiveK(ScheduleK):
         """Profile verify(B, 1+k) + draft(B, k) once, on the engine's own forward passes."""
         if self.costs is not None:
             return
+        grid, verify, draft = self.profile(engine)
+        self.set_profile(grid, {k: [v + d for v, d in zip(verify[k], draft[k])] for k in verify})
+
+    def profile(self, engine):
+        """(batch grid, {k: verify seconds per grid size}, {k: draft seconds per grid size})."""
         grid = batch_grid(engine.config.max_batch_size)
         ks = range(self.k + 1)
         verify = monotone_envelope({k: [engine.profile_verify(b, 1 + k, repeats=PROFILE_REPEATS) for b in grid]
                                     for k in ks})
         draft = monotone_envelope({k: [engine.profile_draft(b, k, repeats=PROFILE_REPEATS) for b in grid] for k in ks})
-        self.set_profile(grid, {k: [v + d for v, d in zip(verify[k], draft[k])] for k in ks})
+        return grid, verify, draft
 
     def set_profile(self, grid, step_s):
         """The step costs: step_s[k][i] seconds of a k-draft step at grid[i] rows, linear in between."""
@@ -146,7 +175,7 @@ class AdaptiveK(ScheduleK):
     def acceptance(self):
         """Per position, rows accepted over rows reached, with ACCEPT_PRIOR_ROWS rows at the previous
         position's rate (a deep position seen in few rows stays near the shallower one)."""
-        out, prior = [], ACCEPT_PRIOR
+        out, prior = [], self.accept_prior
         for drafted, accepted in zip(self.drafted, self.accepted):
             prior = (accepted + ACCEPT_PRIOR_ROWS * prior) / (drafted + ACCEPT_PRIOR_ROWS)
             out.append(prior)
@@ -210,10 +239,14 @@ class AdaptiveK(ScheduleK):
         t["plain_s_pred"] += step.emitted * self.costs[b][0] / b
         t["measured_s"] += step.verify_s + (step.draft_s or 0.0)
         self.measured_s[k] += step.verify_s + (step.draft_s or 0.0)
-        self.profiled_s[k] += self.costs[b][k]
+        self.profiled_s[k] += self.priced(b, step)
         t["pred_tokens"] += b * self.tokens[k]
-        t["pred_s"] += self.costs[b][k]
+        t["pred_s"] += self.priced(b, step)
         t["emitted"] += step.emitted
+
+    def priced(self, b, step):
+        """What the profile prices `step` at (b rows): a step verifying and drafting k."""
+        return self.costs[b][step.k_verified]
 
     def summary(self):
         """spec_k_mean (row-weighted) and predicted vs measured speedup over plain decoding."""
@@ -224,6 +257,57 @@ class AdaptiveK(ScheduleK):
         return {"spec_k_mean": t["k_rows"] / t["rows"],
                 "spec_predicted_speedup": (t["pred_tokens"] / t["pred_s"]) / plain_rate,
                 "spec_measured_speedup": (t["emitted"] / t["measured_s"]) / plain_rate}
+
+
+class ConfidenceSizedK(AdaptiveK):
+    """AdaptiveK's schedule of how much to draft, and each step's verification sized by the drafts'
+    confidence (vLLM's enable_adaptive_verification; see module doc)."""
+
+    accept_prior = 1.0  # every draft passes until drafted blocks say otherwise (module doc)
+
+    def prepare(self, engine):
+        if self.costs is not None:
+            return
+        self.set_costs(*self.profile(engine))
+
+    def set_costs(self, grid, verify, draft):
+        """The profile: {k: seconds at each grid batch size} of a verify of 1+k tokens and of drafting k."""
+        self.set_profile(grid, {k: [v + d for v, d in zip(verify[k], draft[k])] for k in verify})
+        sizes = range(1, grid[-1] + 1)
+        self.verify_s = [None] + [[interpolate(grid, verify[k], b) for k in verify] for b in sizes]
+        self.draft_s = [None] + [[interpolate(grid, draft[k], b) for k in draft] for b in sizes]
+
+    def verification_size(self, batch_size, survival):
+        """The q where one more draft stops raising (B + sum of the rows' survival of drafts < q) /
+        (corrected verify(B, 1+q) + draft(B, k)) (see the module doc for why it stops there)."""
+        if self.costs is None:
+            return None
+        b, k = min(batch_size, len(self.costs) - 1), survival.shape[1]
+        expected = [float(batch_size)] + (float(batch_size) + survival.sum(0).cumsum(0)).tolist()
+        correction = self.cost_correction()
+
+        def rate(q):
+            return expected[q] / max((self.verify_s[b][q] + self.draft_s[b][k]) * correction[q], 1e-12)
+
+        q = 0
+        while q < k and rate(q + 1) > rate(q):
+            q += 1
+        self.count_unverified(survival, q)
+        return q
+
+    def count_unverified(self, survival, q):
+        """The drafts from q on are not verified: count what the confidence expects of them, rows reaching
+        draft j (survival of j-1) and accepting it (survival of j), beside the verified drafts' outcomes."""
+        reached = torch.cat([torch.ones_like(survival[:, :1]), survival[:, :-1]], 1).sum(0).tolist()
+        passed = survival.sum(0).tolist()
+        for j in range(q, min(survival.shape[1], self.k)):
+            self.drafted[j] += reached[j]
+            self.accepted[j] += passed[j]
+
+    def priced(self, b, step):
+        """The verify of k_verified drafts plus the draft of k_drafted (sized steps verify fewer than drafted)."""
+        drafted = self.draft_s[b][step.k_drafted] if step.k_drafted else 0.0
+        return self.verify_s[b][step.k_verified] + drafted
 
 
 def new_trace():
@@ -270,6 +354,8 @@ def build_k_policy(spec, adaptive, max_batch_size):
     """The policy for a SpecConfig (None: no speculation) and the --spec-adaptive flag."""
     if spec is None:
         return FixedK(0)
+    if spec.enable_adaptive_verification:
+        return ConfidenceSizedK(spec.num_speculative_tokens)
     if adaptive:
         return AdaptiveK(spec.num_speculative_tokens)
     if spec.num_speculative_tokens_per_batch_size is not None:

@@ -14,10 +14,11 @@ the next rows) happens between steps.
 Graphs need fixed shapes, so where steps run as graphs rows are padded up to a batch bucket
 (`row_bucket`) and the keys read up to a length bucket (`key_bucket`); elsewhere (the CPU
 default) a step has exactly the batch's shape and does no extra work. A padding row brings
-token 0, reads like any row and writes only its slot's scratch position (a cache's last
-position, never a valid entry: kv_cache.py), so padding changes no real row's output.
+token 0, reads like any row and writes only at its slot's scratch position (past every valid
+entry: kv_cache.py), so padding changes no real row's output.
 
-`StepRunner.run` is the one place that decides eager or graph. A captured graph owns static
+`StepRunner.layout` decides whether a step runs as a graph (graphs on, a step function that allows
+it, a decode / verify window) and `StepRunner.run` runs it so. A captured graph owns static
 copies of its inputs; its outputs live in one buffer per step family shared by all of that
 family's graphs (sized for the largest), so a replay overwrites the previous output of the same
 family: callers use an output before the next step of that family, and copy what they keep.

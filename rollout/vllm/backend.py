@@ -38,7 +38,7 @@ import time
 import torch
 
 from vime.models.hf_format import read_config
-from rollout.vllm import dflash_cpu
+from rollout.vllm.drafter_repairs import repairs_of
 from rollout.vllm import worker as vllm_worker
 from rollout.vllm.quiet import quiet_vllm_console
 from rollout.vllm.weight_transfer import NcclReceiver
@@ -48,9 +48,12 @@ from rollout.spec_stats import empty_counters
 from rollout.tokenizer import codec_or_none
 from rollout.weight_receiver import BucketReceiver, HandOverReceiver
 from vime.errors import UserError, require
+from vime.models.draft_kinds import external_kind
+from vime.models.families import vllm_aux_hidden_state_families
 from vime.spec_config import FLAG, as_spec_config
 from vime.precision import dtype_name
 
+VLLM_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of a GPU's memory, for an engine alone on it
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM's CPU thread binding: core ids, "auto" or "nobind"
 SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                 "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
@@ -82,12 +85,14 @@ def cpu_binding(cpu_cores):
 
 
 def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dtype=torch.float32,
-                  weight_transfer="reload", record_routes=False, enforce_eager=False):
+                  weight_transfer="reload", record_routes=False, enforce_eager=False, sharing=None):
     """Keyword arguments of vllm.LLM / EngineArgs. `dtype` is the trainer's (fp32 by default,
     bf16 under --bf16): the trainer syncs weights in it and the guard compares exact sums of them
     (a bf16 copy of fp32 weights could never match); CPU also runs eager (no graph capture to
     gain there) and prefills whole prompts, as a GPU does under --rollout-enforce-eager;
-    --vllm-weight-transfer nccl turns on vLLM's weight transfer engine. Everything else is vLLM's default."""
+    --vllm-weight-transfer nccl turns on vLLM's weight transfer engine. An engine sharing its GPU
+    with a trainer rank (`sharing`) claims its share of vLLM's default memory budget and, for memory
+    by turns, vLLM's sleep mode. Everything else is vLLM's default."""
     spec = as_spec_config(speculative_config, "vllm")
     kwargs = dict(model=hf_checkpoint, skip_tokenizer_init=True, seed=0, disable_log_stats=False,
                   max_model_len=read_config(hf_checkpoint).max_position_embeddings, max_num_seqs=max_batch_size,
@@ -100,6 +105,9 @@ def engine_kwargs(hf_checkpoint, speculative_config, max_batch_size, device, dty
         kwargs["enable_prefix_caching"] = False
     if enforce_eager:
         kwargs["enforce_eager"] = True
+    if sharing and device != "cpu":
+        kwargs["gpu_memory_utilization"] = VLLM_GPU_MEMORY_UTILIZATION * min(sharing["gpu_share"], 1.0)
+        kwargs["enable_sleep_mode"] = sharing["release_memory"]
     if device == "cpu":
         # chunked prefill splits a prompt over steps and rewinds a seeded request's generator
         # for the discarded token (`set_offset`), which CPU generators lack: the engine dies as
@@ -120,13 +128,41 @@ def check_config(cfg, hf):
     require_not_adaptive(r.spec_adaptive)
     require(not r.time_plain_baseline, "--rollout-time-plain-baseline times the embedded engine without drafts; "
             "vLLM cannot switch speculation off in place: drop the flag or use --rollout-backend embedded")
+    check_drafter_target(r.vllm_speculative_config, hf)
     check_external_draft(r.vllm_speculative_config, hf)
     require_vllm()
+    check_drafts_on_this_build(r.vllm_speculative_config)
     check_model_on_vllm(cfg.model.hf_checkpoint, hf)
     check_routes_recordable(cfg)
+    check_sleep_mode(r)
     # last: vLLM's own validation builds its engine config (tens of seconds on CPU)
     check_speculative_config(cfg.model.hf_checkpoint, r.vllm_speculative_config, r.rollout_max_batch_size,
                              dtype=compute_dtype(cfg.model.bf16))
+
+
+def check_drafter_target(spec, hf):
+    """An external draft reads aux hidden states of the target, which vLLM 0.32 returns only for the
+    families flagged `vllm_aux_hidden_states` (its SupportsEagle3 models); the embedded engine computes
+    them for every family."""
+    kind = external_kind(spec.method) if spec is not None else None
+    fam = hf.model_family
+    require(kind is None or fam.vllm_aux_hidden_states,
+            f"{FLAG}: method '{spec.method if spec else ''}' needs a target whose vLLM model returns aux hidden "
+            f"states; vLLM 0.32's {fam.architectures[0]} ({fam.name}) does not (vLLM serves external drafts for "
+            f"{vllm_aux_hidden_state_families()}): draft it with --rollout-backend embedded, which runs every "
+            "family, or with method 'mtp' if the model has MTP layers")
+
+
+def check_sleep_mode(r):
+    """Memory by turns on vLLM is vLLM's sleep mode, which its CPU build does not have: its platform says
+    sleep mode is unavailable (a config asking for it is refused) and its CPU worker's sleep and
+    wake_up do nothing. Asked for there, one line."""
+    asked = [name for name, on in (("--rollout-release-kv-cache", r.release_kv_cache),
+                                   ("--rollout-release-weights", r.release_weights)) if on]
+    require(not asked or not _vllm_is_cpu_build(),
+            f"{asked[0] if asked else ''}: the vLLM backend releases memory with vLLM's sleep mode, which vLLM's "
+            "CPU build does not have (its platform refuses sleep mode, its CPU worker's sleep does nothing); "
+            "drop the flag or use --rollout-backend embedded")
 
 
 # the MLA latent (kv_lora_rank, qk_rope_head_dim) vllm-cpu's MLA decode kernel is compiled for,
@@ -168,6 +204,24 @@ def check_routes_recordable(cfg):
             "--use-rollout-routing-replay: this vLLM build cannot return routed experts (vime records them on "
             "the CPU build of vLLM 0.32 through its routers' capture hook); use --rollout-backend embedded or "
             "drop the flag")
+
+
+# what vLLM 0.32 runs only in its GPU model runner (Model Runner V2, Triton kernels): its CPU build (V1
+# runner; V2 "requires Triton") refuses it with "Model Runner V1 does not support ..." (checked)
+GPU_RUNNER_ONLY_KEYS = {"enable_adaptive_verification": "size verification by a draft's confidence"}
+
+
+def check_drafts_on_this_build(spec):
+    """A kind vLLM drafts only in its GPU model runner (its descriptor's `vllm_gpu_runner_only`), and the
+    keys only that runner honours, refused in one line on the CPU build; a GPU build gets them as written."""
+    spec = as_spec_config(spec, "vllm")
+    if spec is None or not _vllm_is_cpu_build():
+        return
+    kind = external_kind(spec.method)
+    asked = ([f"draft {kind.title}"] if kind is not None and kind.vllm_gpu_runner_only else []) + \
+        [what for key, what in GPU_RUNNER_ONLY_KEYS.items() if dict(spec.given).get(key)]
+    require(not asked, f"{FLAG}: the CPU build of vLLM cannot {asked[0] if asked else ''}: vLLM 0.32 does that only in "
+            "its GPU model runner (Model Runner V2, Triton kernels); use --rollout-backend embedded, which does")
 
 
 def _vllm_is_cpu_build():
@@ -235,18 +289,13 @@ def _first_line(e):
 
 
 
-# drafters whose vllm-cpu 0.32 kernels compute otherwise than the draft's definition, each with the
-# repair run in vLLM's worker (it probes the kernel first and changes nothing where it is right)
-CPU_DRAFTER_REPAIRS = {"dflash": dflash_cpu.repair_dflash_context_norm}
-
-
 class VLLMBackend:
     """A vllm.LLM behind the rollout-backend protocol (see the module docstring)."""
 
     name = "vllm"
 
     def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False,
-                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", enforce_eager=False):
+                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", enforce_eager=False, sharing=None):
         require_not_adaptive(adaptive)
         _set_env(device)
         from vllm import LLM
@@ -256,11 +305,13 @@ class VLLMBackend:
         self.eos_ids = {cfg.eos_token_id} - {None}
         self.max_len = cfg.max_position_embeddings
         self.spec = as_spec_config(speculative_config, "vllm")
+        check_drafts_on_this_build(self.spec)
         self.records_routes = cfg.moe is not None
         with cpu_binding(cpu_cores if device == "cpu" else None):
             self.llm = LLM(**engine_kwargs(hf_checkpoint, self.spec, max_batch_size, device, dtype,
                                            weight_transfer, record_routes=self.records_routes,
-                                           enforce_eager=enforce_eager))
+                                           enforce_eager=enforce_eager, sharing=sharing))
+        self.asleep = None  # vLLM's sleep level while the trainer steps (release_memory), else None
         if self.records_routes:
             self.llm.collective_rpc(vllm_worker.record_routes, args=(cfg.moe.num_experts_per_tok,
                                                                      cfg.moe.n_routed_experts, self.max_len))
@@ -268,11 +319,12 @@ class VLLMBackend:
         self.llm.collective_rpc(vllm_worker.repair_cpu_expand_kernel)  # before any sampled verification
         if device == "cpu" and cfg.mla is not None:  # MLA's strided rope query breaks vllm-cpu's rotary kernel
             self.llm.collective_rpc(vllm_worker.contiguous_mla_rope)
-        repair = CPU_DRAFTER_REPAIRS.get(self.spec.method) if self.spec is not None else None
+        method = self.spec.method if self.spec is not None else None
+        repair = repairs_of(method).at_start  # a kind's drafter the CPU build's kernels compute otherwise
         if device == "cpu" and repair is not None:
             self.llm.collective_rpc(repair)
         has_draft = bool(self.llm.collective_rpc(vllm_worker.has_draft)[0])
-        self.weights = ServedWeights(self.llm, hf_checkpoint, cfg, dtype, has_draft)
+        self.weights = ServedWeights(self.llm, hf_checkpoint, cfg, dtype, has_draft, method)
         self.codec = codec_or_none(hf_checkpoint)
         self.weight_version, self.paused = 0, False
         self.last = {"seconds": 0.0, "generated_tokens": 0, "spec": empty_counters()}
@@ -282,6 +334,7 @@ class VLLMBackend:
         from vllm import SamplingParams as VSampling
 
         require(not self.paused, "the vLLM backend is paused (a weight update is in progress)")
+        require(not self.asleep, "the vLLM backend sleeps (release_memory) until a push wakes it")
         # the LLM has no tokenizer, so the model's EOS reaches vLLM as a stop id (and stays out
         # under ignore_eos, vLLM's own flag, which only covers the tokenizer's EOS)
         stops = sorted((set() if sampling.ignore_eos else self.eos_ids) | set(sampling.stop_token_ids))
@@ -366,10 +419,27 @@ class VLLMBackend:
 
     # ---------------------------------------------------------------- the rest of the protocol
     def pause(self):
+        """Before a push: weights put to sleep wake first (level 1 from the host copy, level 2 as empty
+        memory), so the push loads into them, the target and then the drafter."""
         self.paused = True
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
 
     def resume(self):
+        """After a push: the KV cache wakes too, and no prefix cached before the sleep is reused."""
         self.paused = False
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.llm.reset_prefix_cache()
+            self.asleep = None
+
+    def release_memory(self, weights=False):
+        """vLLM's own sleep while the trainer steps: level 1 drops the KV cache and keeps the weights on the
+        host, level 2 (`weights`) drops both. Every push reloads the drafter's weights after the target's
+        (vime/models/vllm_names.py `update_rounds`), so a level-2 sleep loses no drafter weights, and the
+        guard reads both back after it (vLLM keeps every parameter readable on a GPU)."""
+        self.asleep = 2 if weights else 1
+        self.llm.sleep(level=self.asleep)
 
     def compute_cores(self):
         """The cores vLLM's worker process may run on (what the OS reports, after vLLM's binding)."""

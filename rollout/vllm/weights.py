@@ -22,7 +22,8 @@ import torch
 
 from rollout.vllm import worker as vllm_worker
 from vime import weight_sync
-from vime.models.families import EXTERNAL_DRAFT_PREFIXES, is_draft_name, is_mtp_name, to_canonical
+from vime.models.draft_kinds import EXTERNAL_DRAFT_PREFIXES, is_draft_name
+from vime.models.families import is_mtp_name, to_canonical
 from vime.models.vllm_names import checkpoint_names, update_rounds
 from vime.precision import dtype_name, held_dtype
 
@@ -30,8 +31,9 @@ from vime.precision import dtype_name, held_dtype
 class ServedWeights:
     """One engine's weights as vLLM holds them (target and drafter), under canonical names."""
 
-    def __init__(self, llm, checkpoint, model_cfg, dtype, has_draft):
+    def __init__(self, llm, checkpoint, model_cfg, dtype, has_draft, method=None):
         self.llm, self.dtype, self.has_draft = llm, dtype, has_draft
+        self.method = method  # the speculative method: its drafter's repairs follow a reload
         self.num_layers, self.num_mtp = model_cfg.num_hidden_layers, model_cfg.num_nextn_predict_layers
         self.layout = model_cfg.family if self.num_mtp else None  # its MTP layout renames canonical tensors
         self._init_from_checkpoint(checkpoint)
@@ -44,8 +46,8 @@ class ServedWeights:
     # ---------------------------------------------------------------- loading in place
     def load(self, named_tensors, shared=False):
         """Reload the sent canonical tensors into vLLM: trunk into the target, MTP (or an external
-        draft's tensors, sent as `eagle3.<checkpoint name>` / `dflash.<checkpoint name>`) into the drafter;
-        `shared`: each round goes to vLLM's worker as shared tensors (where they are), not as a file."""
+        draft's tensors, sent as `<kind>.<checkpoint name>`) into the drafter; `shared`: each round goes to
+        vLLM's worker as shared tensors (where they are), not as a file."""
         # as sent: bf16 under --bf16, bar the weights every part keeps fp32 (vime.precision.held_dtype)
         canonical = {name: t.detach().to(held_dtype(name, self.dtype)).clone() for name, t in named_tensors}
         for kind, named in update_rounds(canonical, self.layout, self.num_layers, self.num_mtp, self.has_draft):
@@ -71,13 +73,13 @@ class ServedWeights:
         os.close(fd)
         try:
             save_file({k: v.contiguous() for k, v in named.items()}, path)
-            self.llm.collective_rpc(vllm_worker.reload, args=(path, draft))
+            self.llm.collective_rpc(vllm_worker.reload, args=(path, draft, self.method))
         finally:
             os.unlink(path)
 
     def _reload_shared(self, named, draft):
         blob = weight_sync.share({k: v.contiguous() for k, v in named.items()})
-        self.llm.collective_rpc(vllm_worker.reload_shared, args=(blob, draft))
+        self.llm.collective_rpc(vllm_worker.reload_shared, args=(blob, draft, self.method))
 
     # ---------------------------------------------------------------- reading back
     def _init_from_checkpoint(self, checkpoint):

@@ -57,62 +57,38 @@ def _model(worker, draft):
     return runner.get_draft_model() if draft else runner.get_model()
 
 
-def reload(worker, path, draft):
-    """Load `path` into the target (draft=False) or the drafter; returns the number loaded."""
+def reload(worker, path, draft, method=None):
+    """Load `path` into the target (draft=False) or the drafter of speculative `method`, then its
+    repairs (rollout/vllm/drafter_repairs.py); returns the number loaded."""
     from safetensors.torch import load_file
 
-    return _reload_named(worker, list(load_file(path).items()), draft)
+    return _reload_named(worker, list(load_file(path).items()), draft, method)
 
 
-def reload_shared(worker, blob, draft):
+def reload_shared(worker, blob, draft, method=None):
     """`reload` of tensors the rollout worker shared in place (vime/weight_sync.py `share`: CUDA IPC
     handles on a GPU, shared memory on CPU), mapped here without a copy; returns the number loaded."""
     from vime.weight_sync import mapped
 
-    return _reload_named(worker, list(mapped(blob).items()), draft)
+    return _reload_named(worker, list(mapped(blob).items()), draft, method)
 
 
-def _reload_named(worker, named, draft):
+def _reload_named(worker, named, draft, method=None):
     """vLLM's in-place reload of checkpoint-named tensors into the target or the drafter, then what
-    the CPU build needs redone after it."""
+    the CPU build needs redone after it and the repairs of the drafter of speculative `method`."""
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    from rollout.vllm.drafter_repairs import repairs_of
 
     model = _model(worker, draft)
     reload_weights(worker.vllm_config, model, weights_iterator=iter(named), weights_path=None,
                    is_checkpoint_format=True)
     _repack_kept_cpu_weights(model)
     _prepack_reloaded_cpu_experts(model, [name for name, _ in named])
-    if draft:
-        _refresh_dflash_context_projection(model, dict(named))
+    after_reload = repairs_of(method).after_reload if draft else None
+    if after_reload is not None:
+        after_reload(model, dict(named))
     return len(named)
-
-
-def _refresh_dflash_context_projection(model, named):
-    """Rebuild what a DFlash drafter derives from its weights once they are reloaded.
-
-    vLLM's DFlash drafter turns context states into every layer's keys and values with one GEMM
-    over a copy of the layers' K/V projection rows (`_fused_kv_weight`), a stack of their k-norms
-    and aliases of its rotary cache and hidden norm, made at the end of its `load_weights`. In an
-    in-place reload that runs before the reload has put every tensor back (the rotary cache is
-    still a placeholder), and the CPU build empties the projections once they are repacked, so
-    the drafter would fail on its first context. This makes them again once the reload is done,
-    the projection copy from the sent tensors in vLLM's layout: per layer, this rank's rows of
-    k_proj then v_proj. Anything else (no DFlash drafter, a quantized one) is left as it is."""
-    import torch
-    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-    inner = getattr(model, "model", None)
-    if not hasattr(inner, "_build_fused_kv_buffers"):
-        return
-    inner._build_fused_kv_buffers()
-    if inner._fused_kv_weight is None:
-        return
-    names = [(f"layers.{i}.self_attn.k_proj.weight", f"layers.{i}.self_attn.v_proj.weight")
-             for i in range(len(inner.layers))]
-    rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    rows = [named[n].chunk(size, dim=0)[rank] for pair in names for n in pair]
-    old = inner._fused_kv_weight
-    inner._fused_kv_weight = torch.cat(rows, dim=0).to(dtype=old.dtype, device=old.device)
 
 
 def _repack_kept_cpu_weights(model):

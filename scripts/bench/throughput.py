@@ -6,6 +6,7 @@ with speculation, timed by one harness.
     python scripts/bench/throughput.py vs-vllm [--hf-checkpoint DIR]      # embedded vs vLLM backend, plain and MTP
     python scripts/bench/throughput.py spec-decode [--methods "none,mtp k=2"]   # speculative methods vs none
     python scripts/bench/throughput.py spec-decode --hf-checkpoint TARGET --dflash-drafts D4,D8 --methods "none,dflash k=7"
+    python scripts/bench/throughput.py spec-decode --hf-checkpoint TARGET --dspark-drafts D3 --methods "none,dspark k=3 sized"
     python scripts/bench/throughput.py spec-scale [--device cuda --dtype bfloat16]  # synthetic acceptance, big model
     python scripts/bench/throughput.py compaction                          # slot compaction on / off
     python scripts/bench/throughput.py step-limit [--device cuda --dtype bfloat16 --layers 24 --hidden 2048 --intermediate 5632]
@@ -35,7 +36,7 @@ from rollout.spec_stats import aggregate_spec_stats, spec_rates  # noqa: E402
 from rollout.task import DEFAULT_TASK_VARIANT, TASK_VARIANTS, make_prompts  # noqa: E402
 from rollout.tiny_model import make_random_checkpoint  # noqa: E402
 from rollout.tokenizer import TextCodec  # noqa: E402
-from vime.models.dflash import read_draft_config  # noqa: E402
+from vime.models.draft_kinds import DRAFT_KINDS  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
 from vime.sample import Sample, samples_for_prompts  # noqa: E402
 
@@ -70,15 +71,21 @@ def responses(samples):
     return [list(s.response_ids) for s in samples]
 
 
-def time_interleaved(runs, repeats):
+# --clock: wall seconds, or this process's CPU seconds (with one thread and the engine on the CPU, what
+# a quiet machine's wall clock shows; a shared machine's other jobs do not count in it)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def time_interleaved(runs, repeats, clock="wall"):
     """{name: (best tokens/s, samples of the last repeat)}: each run (a callable returning samples)
     once per repeat, runs interleaved so a busy machine slows every one alike."""
     best, last = {}, {}
+    now = CLOCKS[clock]
     for _ in range(repeats):
         for name, run in runs.items():
-            start = time.perf_counter()
+            start = now()
             samples = run()
-            rate = sum(len(s.response_ids) for s in samples) / (time.perf_counter() - start)
+            rate = sum(len(s.response_ids) for s in samples) / (now() - start)
             best[name], last[name] = max(best.get(name, 0.0), rate), samples
     return {name: (best[name], last[name]) for name in runs}
 
@@ -209,15 +216,22 @@ def spec_methods(draft, rejection):
     return {name: spec and dict(spec, rejection_sample_method=rejection) for name, spec in table.items()}
 
 
-def dflash_methods(drafts):
-    """'dflash k=K' and 'dflash k=K adaptive' per DFlash draft directory (K: its block less the anchor)."""
+# block draft kind -> the ways the benchmark runs it: name suffix -> extra spec keys
+BLOCK_KINDS = {"dflash": {"": {}, " adaptive": {}},
+               "dspark": {"": {}, " adaptive": {}, " sized": {"enable_adaptive_verification": True}}}
+
+
+def block_methods(kind, drafts):
+    """'KIND k=K' and its variants (' adaptive': --spec-adaptive; DSpark's ' sized': verification sized by
+    confidence) per draft directory of a block kind (K: the drafts of its block)."""
+    variants = BLOCK_KINDS[kind]
     table = {}
     for path in drafts:
         require(os.path.isfile(os.path.join(path, "config.json")),
-                f"--dflash-drafts {path}: not a draft directory (make one with scripts/make_dflash_draft.py)")
-        k = read_draft_config(path).block_size - 1
-        table[f"dflash k={k}"] = table[f"dflash k={k} adaptive"] = {"method": "dflash", "num_speculative_tokens": k,
-                                                                    "model": path}
+                f"--{kind}-drafts {path}: not a draft directory (make one with scripts/make_{kind}_draft.py)")
+        k = DRAFT_KINDS[kind].read_config(path).num_drafts
+        for suffix, extra in variants.items():
+            table[f"{kind} k={k}{suffix}"] = {"method": kind, "num_speculative_tokens": k, "model": path, **extra}
     return table
 
 
@@ -265,16 +279,18 @@ def spec_decode(args):
     if args.min_response_len:
         prompts, indices = long_responses(args.hf_checkpoint, prompts, sampling, args.num_prompts, args.min_response_len)
     table = spec_methods(args.draft_model or args.hf_checkpoint, args.rejection_sample_method)
-    table.update({name: dict(spec, rejection_sample_method=args.rejection_sample_method)
-                  for name, spec in dflash_methods(args.dflash_drafts.split(",") if args.dflash_drafts else []).items()})
-    adaptive = ADAPTIVE | {name for name in table if name.startswith("dflash") and name.endswith(" adaptive")}
+    for kind in BLOCK_KINDS:
+        drafts = getattr(args, f"{kind}_drafts")
+        table.update({name: dict(spec, rejection_sample_method=args.rejection_sample_method)
+                      for name, spec in block_methods(kind, drafts.split(",") if drafts else []).items()})
+    adaptive = ADAPTIVE | {name for name in table if name.endswith(" adaptive")}
     wanted = args.methods.split(",") if args.methods else list(table)
     require(all(name in table for name in wanted), f"--methods {args.methods!r}: choose from {', '.join(table)}")
     print(f"checkpoint {args.hf_checkpoint}, temperature {args.temperature}, {args.num_prompts} prompts, "
           f"{'up to ' if args.stop_at_eos else ''}{args.max_new_tokens} new tokens"
           f"{', stop at EOS' if args.stop_at_eos else ''}"
           f"{f', plain responses >= {args.min_response_len} tokens' if args.min_response_len else ''}, "
-          f"best of {args.repeats} (methods interleaved)")
+          f"best of {args.repeats} (methods interleaved), {args.clock} clock")
     print("| batch | method | tokens/s | speedup | tokens/verify | accept rate | per position |")
     print("|---|---|---|---|---|---|---|")
     for batch in batch_sizes(args.batch_sizes):
@@ -283,7 +299,7 @@ def spec_decode(args):
         for engine in engines.values():
             engine.generate(samples_for_prompts(prompts[:batch]), sampling)  # warm-up (and the adaptive profile)
         got = time_interleaved({name: fresh_proposer_run(engines[name], table[name], prompts, sampling, indices)
-                                for name in wanted}, args.repeats)
+                                for name in wanted}, args.repeats, args.clock)
         for name in wanted[1:]:
             require_same_work(f"{name} vs {wanted[0]} at batch {batch}", responses(got[name][1]),
                               responses(got[wanted[0]][1]), greedy=args.temperature == 0)
@@ -294,7 +310,7 @@ def spec_decode(args):
             pos = " / ".join(f"{st[k]:.2f}" for k in sorted(st) if k.startswith("spec_accept_rate_pos_"))
             print(f"| {batch} | {name} | {rate:.0f} | {rate / base:.2f}x | {st['spec_accept_length']:.2f} | "
                   f"{st['spec_accept_rate']:.2f} | {pos or '-'} |", flush=True)
-        for name in [n for n in wanted if n in adaptive]:
+        for name in [n for n in wanted if n in adaptive or n.endswith(" sized")]:
             print(f"batch {batch}: {name} drafted k = {engines[name].stats().get('spec_k_mean', float('nan')):.2f} "
                   "on average (the last repeat)", flush=True)
         fixed = [n for n in FIXED_K if n in got]
@@ -518,6 +534,13 @@ def add_spec_decode_arguments(p):
     p.add_argument("--dflash-drafts", default=None,
                    help="comma-separated DFlash draft directories of the checkpoint: methods 'dflash k=K' and "
                         "'dflash k=K adaptive' each (K = the draft's block size - 1)")
+    p.add_argument("--dspark-drafts", default=None,
+                   help="comma-separated DSpark draft directories of the checkpoint: methods 'dspark k=K', "
+                        "'dspark k=K adaptive' and 'dspark k=K sized' (enable_adaptive_verification) each "
+                        "(K = the draft's block size)")
+    p.add_argument("--clock", default="wall", choices=list(CLOCKS),
+                   help="time by the wall clock, or by this process's CPU seconds (one thread: what a quiet "
+                        "machine's wall clock shows, whatever else the machine runs)")
     p.add_argument("--stop-at-eos", action="store_true",
                    help="end a response at EOS (a rollout's drain: rows leave as they finish) instead of "
                         "--max-new-tokens for every row; at T = 1 give --rejection-sample-method strict so "

@@ -115,3 +115,13 @@ def test_drafter_reuse_attention_is_refused_with_transformer_engine_layers(tmp_p
     make_tiny(tmp_path / "hf", seed=4)
     with pytest.raises(UserError, match="--mtp-reuse-attention megatron"):
         Trainer(TrainerConfig(enable_mtp_training=True, mtp_train_depths=3), str(tmp_path / "hf"))
+
+
+@cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
+def test_ep2_on_two_gpus_trains_the_moe_model_like_one_gpu(tmp_path):
+    """Expert parallelism on CUDA: megatron's all-to-all token dispatcher over NCCL, the expert gather of
+    the push on the GPUs; log-probs, losses, grad norms, full weights and the checkpoint as on one GPU."""
+    from test_trainer_tensor_parallel import assert_expert_layout_trains_like_one_rank_and_resumes_on_one
+
+    assert_expert_layout_trains_like_one_rank_and_resumes_on_one(tmp_path, "glm4_moe", "ep2")

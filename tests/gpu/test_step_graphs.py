@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from eagle3_fixtures import TARGET as QWEN2_TARGET
+from draft_kind_fixtures import TARGET as QWEN2_TARGET
 from fp32_bounds import greedy_logprob_bound, max_logprob_diff
 from rollout.embedded.engine import EngineConfig
 from rollout.embedded.engine_builder import build_engine

@@ -136,3 +136,39 @@ def test_nccl_weight_transfer_loads_target_and_draft_into_vllm(mimo_ckpt):
         assert backend.stats()["readback_fraction"] == 1.0  # every tensor read from vLLM, none assumed
     finally:
         backend.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="two trainer GPUs and one for vLLM")
+def test_ep2_trainer_pushes_every_expert_through_vllms_nccl_engine_like_one_rank(tmp_path):
+    """--vllm-weight-transfer nccl from an expert-parallel trainer: the experts gathered on the GPUs and
+    broadcast into vLLM, checked tensor by tensor; the step and the pushed checksums equal one rank's."""
+    from tests.test_train_rl_moe_layouts import SHIPPED, assert_ep2_steps_like_one_rank
+
+    assert_ep2_steps_like_one_rank(SHIPPED["glm4_moe"], tmp_path, "vllm", "--vllm-weight-transfer", "nccl")
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_plain_vllm_on_cuda_serves_the_dspark_draft_greedy_as_plain(adaptive):
+    """The shipped DSpark draft (vLLM's Qwen3DSparkModel format) served by plain `vllm.LLM` on a GPU
+    build, which drafts DSpark in its GPU model runner: greedy output equals plain decoding's, drafts
+    are accepted, and with enable_adaptive_verification the key reaches vLLM and the output is the same."""
+    from vllm import LLM, SamplingParams as VSampling
+
+    from dflash_fixtures import TARGET
+    from dspark_fixtures import DRAFT
+
+    prompts = [{"prompt_token_ids": [1, 5 + i, 7, 9]} for i in range(16)]
+    params = VSampling(temperature=0, max_tokens=24, ignore_eos=True)
+    spec = {"method": "dspark", "model": DRAFT, "num_speculative_tokens": 3, "enable_adaptive_verification": adaptive}
+    outs = {}
+    for name, config in (("plain", None), ("dspark", spec)):
+        llm = LLM(model=TARGET, skip_tokenizer_init=True, dtype="float32", speculative_config=config,
+                  disable_log_stats=False, gpu_memory_utilization=0.3)
+        try:
+            outs[name] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+            if config is not None:
+                accepted = sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_accepted_tokens")
+                assert accepted > 0
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    assert outs["dspark"] == outs["plain"]

@@ -1,20 +1,24 @@
 """Drafts trained online beside the policy: one file per kind behind one interface (base.py).
 
-`DRAFT_TRAINERS` maps a kind to its trainer: `mtp` (the policy's own MTP layers,
---enable-mtp-training) and the external drafts of the speculative config, by its `method`
-(--enable-draft-training). Adding a kind is a file and a line here.
+`DRAFT_TRAINERS` maps a kind to its trainer, derived from the table of kinds (vime/models/draft_kinds.py:
+each kind trained online names its class of `trainer/drafts/<kind>.py`): `mtp` (the policy's own MTP
+layers, --enable-mtp-training) and the external drafts of the speculative config, by its `method`
+(--enable-draft-training).
 """
-from trainer.drafts.base import DRAFT_STATE_FILE, DraftTrainer, load_draft_state, save_draft_state, saved_draft_state_file
-from trainer.drafts.dflash import DFlashDraftTrainer
-from trainer.drafts.eagle3 import Eagle3DraftTrainer
-from trainer.drafts.mtp import MTPDraftTrainer
-from vime.errors import require
+import importlib
 
-DRAFT_TRAINERS = {"mtp": MTPDraftTrainer, "eagle3": Eagle3DraftTrainer, "dflash": DFlashDraftTrainer}
-EXTERNAL_EXAMPLE = '\'{"method":"eagle3","model":DRAFT_DIR,"num_speculative_tokens":3}\''
+from trainer.drafts.base import (DRAFT_STATE_FILE, DraftTrainer, load_draft_state, read_draft_state, save_draft_state,
+                                 saved_draft_state_file)
+from vime.errors import require
+from vime.models.draft_kinds import MTP, trained_kinds
+
+DRAFT_TRAINERS = {kind.name: getattr(importlib.import_module(f"trainer.drafts.{kind.name}"), kind.trainer)
+                  for kind in trained_kinds()}
+EXTERNAL_TRAINED = tuple(name for name in DRAFT_TRAINERS if name != MTP.name)  # external kinds trained online
+EXTERNAL_EXAMPLE = f'\'{{"method":"{EXTERNAL_TRAINED[0]}","model":DRAFT_DIR,"num_speculative_tokens":3}}\''
 
 __all__ = ["DRAFT_STATE_FILE", "DRAFT_TRAINERS", "DraftTrainer", "build_draft", "check_draft_config", "draft_kind",
-           "load_draft_state", "save_draft_state", "saved_draft_state_file"]
+           "load_draft_state", "read_draft_state", "save_draft_state", "saved_draft_state_file"]
 
 
 def draft_kind(cfg):
@@ -24,17 +28,16 @@ def draft_kind(cfg):
             "--enable-mtp-training and --enable-draft-training each train the run's one draft: keep the one "
             "that --vllm-speculative-config drafts with")
     if cfg.enable_mtp_training:
-        return "mtp"
+        return MTP.name
     if not cfg.enable_draft_training:
         return None
     spec = cfg.speculative_config
     method = spec.method if spec is not None else None
-    require(method != "mtp", "--enable-draft-training trains an external draft, but method 'mtp' drafts with the "
+    require(method != MTP.name, "--enable-draft-training trains an external draft, but method 'mtp' drafts with the "
             "policy's own MTP layers: train those with --enable-mtp-training --mtp-num-layers N")
-    external = sorted(k for k in DRAFT_TRAINERS if k != "mtp")
-    require(method in DRAFT_TRAINERS,
-            f"--enable-draft-training trains an external draft ({', '.join(external)}): give --vllm-speculative-config "
-            f"{EXTERNAL_EXAMPLE} (got {'no speculation' if spec is None else 'method ' + repr(method)})")
+    require(method in EXTERNAL_TRAINED,
+            f"--enable-draft-training trains an external draft ({', '.join(sorted(EXTERNAL_TRAINED))}): give "
+            f"--vllm-speculative-config {EXTERNAL_EXAMPLE} (got {'no speculation' if spec is None else 'method ' + repr(method)})")
     return method
 
 

@@ -12,61 +12,56 @@ The Trainer (trainer/trainer.py) runs one loop for every kind:
    policy (the one the next rollout drafts for), cycling over this batch and the
    `--draft-replay-batches` previous ones, recomputed with one no-grad forward each.
 
-A kind declares its defaults of the shared knobs (`DEFAULTS`, used where a `--draft-*` knob is left
-unset), the names of its metrics, its weights for the push to the rollout and its checkpoint state.
+A kind's descriptor (vime/models/draft_kinds.py) holds its defaults of the shared knobs (used where a
+`--draft-*` knob is left unset); its trainer says the names of its metrics, its weights for the push to
+the rollout and its checkpoint state.
 """
 import abc
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from mtp.loss import DISTILLATION_LOSSES
 from vime.errors import require
+from vime.models.draft_kind import DraftKnobs
+from vime.models.draft_kinds import DRAFT_KINDS
 
 DRAFT_STATE_FILE = "draft.pt"  # in a --save checkpoint: a draft's own state (`DraftTrainer.state`)
-LEGACY_STATE_FILES = ("eagle3_draft.pt",)  # what checkpoints held before: still read
+# what checkpoints held before, still read: file name -> the kind whose state it holds
+LEGACY_STATE_FILES = {kind.legacy_state_file: kind.name for kind in DRAFT_KINDS.values() if kind.legacy_state_file}
 
 
-@dataclass(frozen=True)
-class DraftKnobs:
-    """The shared knobs (`--draft-lr`, `--draft-steps-per-rollout`, `--draft-replay-batches`) resolved."""
+def resolve_knobs(kind, lr, steps_per_rollout, replay_batches):
+    """The shared knobs given (None: the DraftKind `kind`'s default); replay without draft-only steps is refused."""
+    defaults = kind.knobs
+    knobs = DraftKnobs(lr=defaults.lr if lr is None else lr,
+                       steps_per_rollout=defaults.steps_per_rollout if steps_per_rollout is None else steps_per_rollout,
+                       replay_batches=defaults.replay_batches if replay_batches is None else replay_batches)
+    require(knobs.replay_batches == 0 or knobs.steps_per_rollout > 1,
+            f"--draft-replay-batches {knobs.replay_batches} feeds the draft-only steps, but the {kind.name} draft "
+            f"takes --draft-steps-per-rollout {knobs.steps_per_rollout}: pass --draft-steps-per-rollout "
+            f"{knobs.replay_batches + 2} or more, or --draft-replay-batches 0")
+    return knobs
 
-    lr: float
-    steps_per_rollout: int
-    replay_batches: int
 
-    @classmethod
-    def resolve(cls, kind, defaults, lr, steps_per_rollout, replay_batches):
-        """The knobs given (None: the kind's `defaults`); replay without draft-only steps is refused."""
-        knobs = cls(lr=defaults.lr if lr is None else lr,
-                    steps_per_rollout=defaults.steps_per_rollout if steps_per_rollout is None else steps_per_rollout,
-                    replay_batches=defaults.replay_batches if replay_batches is None else replay_batches)
-        require(knobs.replay_batches == 0 or knobs.steps_per_rollout > 1,
-                f"--draft-replay-batches {knobs.replay_batches} feeds the draft-only steps, but the {kind} draft "
-                f"takes --draft-steps-per-rollout {knobs.steps_per_rollout}: pass --draft-steps-per-rollout "
-                f"{knobs.replay_batches + 2} or more, or --draft-replay-batches 0")
-        return knobs
-
-    def check_replay_bound(self, kind):
-        """The replayed batches a run may keep: its steps-1 draft-only steps visit this step's batch and at most
-        steps-2 earlier ones, and a batch kept past them costs a forward and its memory every step for nothing."""
-        steps, replay = self.steps_per_rollout, self.replay_batches
-        most = max(0, steps - 2)
-        require(replay <= most,
-                f"--draft-replay-batches {replay}: the {kind} draft's --draft-steps-per-rollout {steps} takes {steps - 1} "
-                f"draft-only steps, over this step's batch and at most {most} earlier ones (a batch kept past them "
-                f"costs a forward and memory and trains nothing): pass --draft-replay-batches {most} or less, or "
-                f"--draft-steps-per-rollout {replay + 2} or more")
+def check_replay_bound(knobs, kind):
+    """The replayed batches a run may keep: its steps-1 draft-only steps visit this step's batch and at most
+    steps-2 earlier ones, and a batch kept past them costs a forward and its memory every step for nothing."""
+    steps, replay = knobs.steps_per_rollout, knobs.replay_batches
+    most = max(0, steps - 2)
+    require(replay <= most,
+            f"--draft-replay-batches {replay}: the {kind.name} draft's --draft-steps-per-rollout {steps} takes "
+            f"{steps - 1} draft-only steps, over this step's batch and at most {most} earlier ones (a batch kept past "
+            f"them costs a forward and memory and trains nothing): pass --draft-replay-batches {most} or less, or "
+            f"--draft-steps-per-rollout {replay + 2} or more")
 
 
 class DraftTrainer(abc.ABC):
     """One kind of draft trained beside the policy (see module docstring); `trainer/drafts/<kind>.py`."""
 
-    kind = None  # the registry name (trainer/drafts/__init__.py DRAFT_TRAINERS)
+    kind = None  # its DraftKind (vime/models/draft_kinds.py): name, defaults of the shared knobs
     metric_prefix = "draft"  # train/<prefix>_<i>_loss, train/<prefix>_loss, train/<prefix>_grad_norm
-    DEFAULTS = None  # DraftKnobs: this kind's value of each shared knob left unset
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -76,9 +71,12 @@ class DraftTrainer(abc.ABC):
     @classmethod
     def checked_knobs(cls, cfg):
         """The shared knobs of TrainerConfig `cfg` resolved for this kind, once `check_config` passed."""
+        unweighed = [term for term in cfg.draft_loss_weights if term not in dict(cls.kind.loss_weights)]
+        weighing = ", ".join(k.title for k in DRAFT_KINDS.values() if k.loss_weights)
+        require(not unweighed, f"--draft-{unweighed[0] if unweighed else ''}-weight weighs a loss term of {weighing}; "
+                f"the {cls.kind.title} draft trains with --draft-loss-type")
         cls.check_config(cfg)
-        return DraftKnobs.resolve(cls.kind, cls.DEFAULTS, cfg.draft_lr, cfg.draft_steps_per_rollout,
-                                  cfg.draft_replay_batches)
+        return resolve_knobs(cls.kind, cfg.draft_lr, cfg.draft_steps_per_rollout, cfg.draft_replay_batches)
 
     @classmethod
     def check_config(cls, cfg):
@@ -88,7 +86,7 @@ class DraftTrainer(abc.ABC):
     def check_bounds(cls, cfg, knobs):
         """Refuse (one line) a knob past the point where it only costs memory and time, given what the run's
         rollout drafts; a run's pre-start check (a Trainer built on its own takes any value it can run)."""
-        knobs.check_replay_bound(cls.kind)
+        check_replay_bound(knobs, cls.kind)
 
     @property
     def reads_policy_logits(self):
@@ -161,7 +159,7 @@ def save_draft_state(path, draft):
 
     state = draft.state()
     if state is not None and writes_for_last_stage():
-        torch.save({"kind": draft.kind, **state}, os.path.join(path, DRAFT_STATE_FILE))
+        torch.save({"kind": draft.kind.name, **state}, os.path.join(path, DRAFT_STATE_FILE))
     dist.barrier()
 
 
@@ -173,6 +171,13 @@ def saved_draft_state_file(path):
     return None
 
 
+def read_draft_state(file):
+    """A saved draft state (`save_draft_state`'s, or a legacy file's) with its "kind" named."""
+    state = torch.load(file, map_location="cpu", weights_only=False)
+    state.setdefault("kind", LEGACY_STATE_FILES.get(os.path.basename(file)))  # a legacy file is one kind's
+    return state
+
+
 def load_draft_state(path, draft):
     """What save_draft_state wrote into `path`, into `draft`; one line when it holds none or another kind's."""
     if draft.state() is None:
@@ -180,8 +185,8 @@ def load_draft_state(path, draft):
     file = saved_draft_state_file(path)
     require(file is not None, f"--load {path}: the checkpoint holds no external draft ({DRAFT_STATE_FILE}); "
             "it was saved without --enable-draft-training: resume without it")
-    state = torch.load(file, map_location="cpu", weights_only=False)
-    kind = state.pop("kind", "eagle3")  # the legacy file held an EAGLE-3 draft
-    require(kind == draft.kind, f"--load {path}: the checkpoint's draft is {kind}, this run trains {draft.kind}: "
-            "resume with the same --vllm-speculative-config")
+    state = read_draft_state(file)
+    kind = state.pop("kind")
+    require(kind == draft.kind.name, f"--load {path}: the checkpoint's draft is {kind}, this run trains "
+            f"{draft.kind.name}: resume with the same --vllm-speculative-config")
     draft.load_state(state)

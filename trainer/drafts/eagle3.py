@@ -7,40 +7,16 @@ the policy's loss and gradients are exactly what they are without it. It has its
 (--draft-lr), data-parallel ranks average its gradients, and its tensors go to the rollout with
 the policy's under `eagle3.<checkpoint name>`. A checkpoint keeps its weights and optimizer state.
 """
-import dataclasses
-from dataclasses import dataclass
-from typing import Optional
-
-import torch
-
-from mtp.eagle3 import Eagle3Draft, training_time_test_loss
-from trainer.drafts.base import DraftKnobs
-from trainer.drafts.external import AuxHiddenStates, ExternalDraftTrainer
+from mtp.eagle3 import training_time_test_loss
+from trainer.drafts.external import ExternalDraftTrainer
 from vime.errors import require
-from vime.models.eagle3 import check_draft_fits_target, load_draft, resolve_aux_layers
-from vime.models.families import DRAFT_PREFIX
-
-
-@dataclass
-class Eagle3Inputs:
-    """What the draft's loss reads from one policy forward over a micro-batch (all detached)."""
-
-    tokens: torch.Tensor  # [b, s]
-    loss_mask: torch.Tensor  # [b, s] 1 on response tokens (the predicted tokens that count)
-    share: float  # this micro-batch's share of the step (1 / micro-batches)
-    policy_logits: Optional[torch.Tensor] = None  # [b, s, V] for a distillation loss, else None
-    embeds: Optional[torch.Tensor] = None  # [b, s, H] the policy's token embeddings (set by `fill`)
-    aux: Optional[torch.Tensor] = None  # [b, s, 3H] its aux hidden states, in aux_layer_ids order (`fill`)
+from vime.models.eagle3 import EAGLE3
 
 
 class Eagle3DraftTrainer(ExternalDraftTrainer):
     """The external EAGLE-3 draft (trainer/drafts/external.py: its optimizer, the hooks, the push)."""
 
-    kind = "eagle3"
-    metric_prefix = "draft"
-    wire_prefix = DRAFT_PREFIX
-    # a small module of its own: many cheap steps on the updated policy's states keep it caught up
-    DEFAULTS = DraftKnobs(lr=1e-3, steps_per_rollout=8, replay_batches=4)
+    kind = EAGLE3
 
     @classmethod
     def check_bounds(cls, cfg, knobs):
@@ -54,22 +30,12 @@ class Eagle3DraftTrainer(ExternalDraftTrainer):
                 f"position never drafted): pass --draft-ttt-steps {k} or less, or raise num_speculative_tokens")
 
     def __init__(self, cfg, model, model_cfg):
-        spec = cfg.speculative_config
-        self.ttt_steps = cfg.draft_ttt_steps or spec.num_speculative_tokens  # drafting steps the loss unrolls
-        draft_cfg, state = load_draft(spec.model)
-        check_draft_fits_target(spec.model, draft_cfg, model_cfg)
-        module = Eagle3Draft(resolve_aux_layers(draft_cfg, model_cfg))
-        module.load_state_dict(state, strict=True)
-        super().__init__(cfg, model, model_cfg, module, module.cfg.aux_layer_ids)
+        super().__init__(cfg, model, model_cfg)
+        self.ttt_steps = cfg.draft_ttt_steps or cfg.speculative_config.num_speculative_tokens  # steps the loss unrolls
 
     # ---- the loss ----------------------------------------------------------------------
-    def inputs(self, out, mb, normaliser):
-        return Eagle3Inputs(mb.tokens, mb.loss_mask, 1 / normaliser, self.policy_logits(out))
-
-    def fill(self, inputs, kept, weights):
-        # aux id 0, the embedding output, is also the token embeddings the draft reads
-        return dataclasses.replace(inputs, embeds=kept[0],
-                                   aux=AuxHiddenStates.concat(kept, self.module.cfg.aux_layer_ids))
+    def policy_inputs(self, kept, dtype, target):
+        return {"embeds": kept[0]}  # aux id 0, the embedding output, is the token embeddings the draft reads
 
     def loss(self, inputs):
         c = self.cfg

@@ -5,7 +5,9 @@ stream at a few layers (`AuxHiddenStates`, kept detached by forward hooks on eve
 forward, so the policy's loss and gradients are exactly those without it), steps with its own
 AdamW (--draft-lr), averages its gradients over data-parallel ranks, goes to the rollout under
 its wire prefix (`<kind>.<checkpoint name>`) and keeps its weights and optimizer state in a
-checkpoint. Each kind (eagle3.py, dflash.py) adds its module and its loss.
+checkpoint. The draft's module is its kind's (vime/models/draft_kinds.py), loaded from the speculative
+config's `model` once the directory is checked against the policy; each kind's trainer (<kind>.py)
+adds its loss and what of the policy it reads beside the aux states.
 
 Under pipeline parallelism the layers it reads live on different stages. The draft trains on the
 last stage (where the policy's logits are, for a distillation loss): every stage keeps the states
@@ -15,6 +17,10 @@ micro-batch; its states are detached, so running it after the policy's backward 
 it gets inside it. The draft's module exists on every stage, but only the last stage's trains, is
 pushed and is saved.
 """
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -23,6 +29,8 @@ from trainer.distributed import collective_device, dp_group, pp_group, pp_size
 from trainer.drafts.base import DraftTrainer
 from trainer.mixed_precision import build_optimizer, fp32_params_for_checkpoint, grad_params
 from trainer.model import global_layer_index, is_last_stage
+from trainer.weights import gather, word_embedding_on_last_stage
+from vime.errors import require
 
 
 class AuxHiddenStates:
@@ -54,6 +62,20 @@ class AuxHiddenStates:
         return torch.cat([kept[i] for i in aux_layer_ids], -1)
 
 
+@dataclass
+class DraftInputs:
+    """What an external draft's loss reads from one policy forward over a micro-batch (all detached)."""
+
+    aux: Optional[torch.Tensor]  # [b, s, n * H] the policy's states at the draft's aux layers, in order (`complete`)
+    tokens: torch.Tensor  # [b, s]
+    loss_mask: torch.Tensor  # [b, s] 1 on response tokens (the predicted tokens that count)
+    share: float  # this micro-batch's share of the step (1 / micro-batches)
+    policy_logits: Optional[torch.Tensor] = None  # [b, s, V] for a distillation loss, else None
+    embeds: Optional[torch.Tensor] = None  # [b, s, H] the policy's token embeddings (a draft reading them)
+    embed_weight: Optional[torch.Tensor] = None  # [V, H] the policy's embedding (a draft storing none)
+    head_weight: Optional[torch.Tensor] = None  # [V, H] the policy's output layer (a draft storing none)
+
+
 def stage_aux_ids(layout, num_layers, aux_layer_ids, stage):
     """The aux ids pipeline `stage` of `layout` keeps (AuxHiddenStates): the embedding output (0) on the
     first stage, the stream after each of its layers that `aux_layer_ids` names."""
@@ -62,36 +84,77 @@ def stage_aux_ids(layout, num_layers, aux_layer_ids, stage):
 
 
 class ExternalDraftTrainer(DraftTrainer):
-    """An external draft `module` reading the policy's aux states `aux_layer_ids`, with its own optimizer."""
-
-    wire_prefix = None  # its tensors on the weight-sync wire: wire_prefix + checkpoint name
+    """The external draft of the speculative config's `model`, reading the policy's aux states, with its
+    own optimizer."""
 
     loss_in_pipeline = False  # it reads detached states of every stage: its loss runs after the pipeline
+    reads_target_weights = False  # whether its loss reads the policy's embedding and head (`target_weights`)
 
-    def __init__(self, cfg, model, model_cfg, module, aux_layer_ids):
+    def __init__(self, cfg, model, model_cfg):
         super().__init__(cfg)
+        spec = cfg.speculative_config
+        module = self.kind.load_for_target(spec.model, model_cfg, spec.num_speculative_tokens)
         policy = next(model.parameters())
         self.module = module.to(policy.device, policy.dtype)  # --bf16: bf16 like the policy, fp32 masters in the optimizer
         self.optimizer = build_optimizer([{"params": list(self.module.parameters())}], cfg.bf16, lr=self.knobs.lr,
                                          weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
-        self.model, self.hidden_size, self.state_dtype = model, model_cfg.hidden_size, policy.dtype
-        self.stage_ids = [stage_aux_ids(cfg.layout, model_cfg.num_hidden_layers, aux_layer_ids, stage)
+        self.aux = AuxHiddenStates(model, module.cfg.aux_layer_ids)
+        self.model, self.vocab_size = model, model_cfg.vocab_size
+        self.hidden_size, self.state_dtype = model_cfg.hidden_size, policy.dtype
+        self.stage_ids = [stage_aux_ids(cfg.layout, model_cfg.num_hidden_layers, module.cfg.aux_layer_ids, stage)
                           for stage in range(cfg.layout.pp)]
-        self.aux = AuxHiddenStates(model, aux_layer_ids)
         self._forwards = []  # this stage's kept states of each forward since the last `complete`
 
-    # ---- the states of every stage, on the last -------------------------------------------------
+    @classmethod
+    def check_config(cls, cfg):
+        require(cfg.draft_ttt_steps is None or not cls.kind.block,
+                f"--draft-ttt-steps {cfg.draft_ttt_steps} unrolls a chain draft's drafting steps; a {cls.kind.title} "
+                "draft trains its whole block in one forward (the block size is the draft's): leave it unset")
+
+    def policy_logits(self, out):
+        """The forward's logits, detached, where the loss reads them (else None: not kept)."""
+        return out.logits.detach() if self.reads_policy_logits else None
+
+    def target_weights(self):
+        """Collective over the pipeline stages: the policy's [V, H] embedding and head as the rollout reads
+        them (whole: gathered over TP, the embedding from the first stage when the last keeps no copy),
+        detached, on the last stage (None elsewhere)."""
+        embed = word_embedding_on_last_stage(self.model)
+        if not is_last_stage(self.model):
+            return None
+        head = gather("output_layer.weight", self.model.output_weight())
+        return embed[:self.vocab_size], head[:self.vocab_size]
+
+    # ---- the loss ----------------------------------------------------------------------
+    def normaliser(self, batch, num_micro_batches):
+        return num_micro_batches
+
+    def inputs(self, out, mb, normaliser):
+        return DraftInputs(None, mb.tokens, mb.loss_mask, 1 / normaliser, self.policy_logits(out))
+
+    def policy_inputs(self, kept, dtype, target):
+        """What of the policy the kind's loss reads beside its aux states (DraftInputs fields), given the
+        forward's kept states {aux id: [b, s, H]} (id 0: the token embeddings), the draft's dtype and the
+        policy's (embedding, head) when the kind `reads_target_weights` (else None)."""
+        return {}
+
+    # ---- the states of every stage, on the last ----------------------------------------------
     def after_forward(self):
         self._forwards.append(self.aux.take())
 
     def complete(self, inputs):
-        """The last stage's `inputs` with the kept states of every stage (`fill`); [] on the other stages."""
+        """The last stage's `inputs` with the kept states of every stage and what of the policy the kind
+        reads (`policy_inputs`); [] on the other stages."""
         forwards, self._forwards = self._forwards, []
         states = self._states_on_last_stage(forwards, [i.tokens.shape for i in inputs])
-        weights = self.policy_weights()
+        target = self.target_weights() if self.reads_target_weights else None
         if not is_last_stage(self.model):
             return []
-        return [self.fill(i, kept, weights) for i, kept in zip(inputs, states)]
+        done = []
+        for partial, kept in zip(inputs, states):
+            aux = AuxHiddenStates.concat(kept, self.module.cfg.aux_layer_ids)
+            done.append(dataclasses.replace(partial, aux=aux, **self.policy_inputs(kept, aux.dtype, target)))
+        return done
 
     def _states_on_last_stage(self, forwards, shapes):
         """[{aux id: [b, s, H]}] per forward: the earlier stages send theirs (one flat buffer each, forwards
@@ -116,23 +179,6 @@ class ExternalDraftTrainer(DraftTrainer):
             for kept, (b, s) in zip(forwards, shapes):
                 kept.update({i: next(parts).view(b, s, self.hidden_size) for i in ids})
         return forwards
-
-    def policy_weights(self):
-        """Collective over the pipeline stages: the policy weights (not states) the loss reads besides the
-        states, on the last stage (None: none)."""
-        return None
-
-    def fill(self, inputs, kept, weights):
-        """`inputs` with the states `kept` ({aux id: [b, s, H]}) and the `policy_weights` set."""
-        raise NotImplementedError
-
-    def policy_logits(self, out):
-        """The forward's logits, detached, where the loss reads them (else None: not kept)."""
-        return out.logits.detach() if self.reads_policy_logits else None
-
-    # ---- the loss ----------------------------------------------------------------------
-    def normaliser(self, batch, num_micro_batches):
-        return num_micro_batches
 
     def scaled(self, share, total, parts):
         """(loss to backward, reported parts) of a micro-batch whose loss is a mean over it: the
@@ -162,7 +208,7 @@ class ExternalDraftTrainer(DraftTrainer):
         if not is_last_stage(self.model):
             return
         for name, p in self.module.state_dict().items():
-            yield self.wire_prefix + name, p.detach()
+            yield self.kind.wire_prefix + name, p.detach()
 
     def state(self):
         """The draft's weights (under --bf16 its fp32 masters), optimizer state and config."""

@@ -13,10 +13,11 @@ import dataclasses
 from mtp.loss import mtp_loss, mtp_loss_mask, scaled_mtp_loss
 from trainer import grads
 from trainer.distributed import dp_sum
-from trainer.drafts.base import DraftKnobs, DraftTrainer
+from trainer.drafts.base import DraftTrainer
 from trainer.mixed_precision import grad_params, named_grad_params
 from trainer.model import is_mtp_param, spec_name
 from vime.errors import require
+from vime.models.draft_kinds import MTP
 
 
 def resolve_train_depths(requested, num_layers):
@@ -30,11 +31,8 @@ def resolve_train_depths(requested, num_layers):
 class MTPDraftTrainer(DraftTrainer):
     """The MTP layers of the policy's model as the trained draft (see module docstring)."""
 
-    kind = "mtp"
+    kind = MTP
     metric_prefix = "mtp"  # train/mtp_loss, train/mtp_<d>_loss, train/mtp_grad_norm (the names users know)
-    # layers inside the policy, stepped once beside each policy step; Adam with a larger lr than the
-    # policy's moves a detached draft as fast as the loss factor alone would not
-    DEFAULTS = DraftKnobs(lr=5e-3, steps_per_rollout=1, replay_batches=0)
 
     @classmethod
     def check_bounds(cls, cfg, knobs):

@@ -73,9 +73,10 @@ class ModelFamily:
     mtp_reads_pre_norm_hidden: bool = False
     mtp_zero_embedding_at_position_0: bool = False
     head_dim_free: bool = True  # False: head_dim must be hidden_size / num_attention_heads (Qwen2)
-    # vLLM's model of this family returns the aux hidden states an EAGLE-3 draft reads (its
-    # SupportsEagle3 path); vLLM 0.32's MiMo model does not, so a MiMo target cannot use eagle3
-    eagle3_aux_hidden_states: bool = True
+    # vLLM's model of this family returns the aux hidden states an external draft reads (its
+    # SupportsEagle3 path); vLLM 0.32's MiMo, GLM-4.5 and DeepSeek-V3 models do not, so on the vLLM
+    # backend those targets draft with MTP only (the embedded engine computes them for every family)
+    vllm_aux_hidden_states: bool = True
     # its checkpoints may carry MTP layers (the MTP tests and recipes run over these families)
     has_mtp: bool = True
     attention: str = "gqa"  # "gqa": grouped-query attention; "mla": multi-head latent attention (DeepSeek-V3)
@@ -108,9 +109,9 @@ FAMILIES = {
         name="mimo", architectures=("MiMoForCausalLM",), model_type="qwen2",
         hf_trunk_class="Qwen2ForCausalLM", qkv_bias=True, qk_norm=False, mtp_layout=MIMO_LAYOUT,
         mtp_reads_pre_norm_hidden=True, mtp_zero_embedding_at_position_0=True, head_dim_free=False,
-        eagle3_aux_hidden_states=False,
+        vllm_aux_hidden_states=False,
     ),
-    # Qwen2 without MTP layers: a target that drafts with an external EAGLE-3 draft. Its MTP
+    # Qwen2 without MTP layers: a target that drafts with an external draft. Its MTP
     # layout is the canonical one only so names resolve; no Qwen2 checkpoint carries MTP layers.
     "qwen2": ModelFamily(
         name="qwen2", architectures=("Qwen2ForCausalLM",), model_type="qwen2",
@@ -122,13 +123,13 @@ FAMILIES = {
     "glm4_moe": ModelFamily(
         name="glm4_moe", architectures=("Glm4MoeForCausalLM",), model_type="glm4_moe",
         hf_trunk_class="Glm4MoeForCausalLM", qkv_bias=True, qk_norm=False, mtp_layout=GLM_LAYOUT,
-        moe=True, qkv_from_config=True, eagle3_aux_hidden_states=False,
+        moe=True, qkv_from_config=True, vllm_aux_hidden_states=False,
     ),
     # DeepSeek-V3/R1/V3.1: multi-head latent attention with YaRN, the same MoE as GLM-4.5
     "deepseek_v3": ModelFamily(
         name="deepseek_v3", architectures=("DeepseekV3ForCausalLM",), model_type="deepseek_v3",
         hf_trunk_class="DeepseekV3ForCausalLM", qkv_bias=False, qk_norm=False, mtp_layout=GLM_LAYOUT,
-        attention="mla", moe=True, eagle3_aux_hidden_states=False,
+        attention="mla", moe=True, vllm_aux_hidden_states=False,
     ),
 }
 # the dense families with MTP layers (tests build them in any dense shape: head counts, widths)
@@ -159,9 +160,9 @@ def supported_families():
     return ", ".join(f"{f.name} ({f.architectures[0]})" for f in FAMILIES.values())
 
 
-def eagle3_target_families():
-    """The families whose vLLM model gives EAGLE-3 its aux hidden states, for error messages."""
-    return ", ".join(f"{f.name} ({f.architectures[0]})" for f in FAMILIES.values() if f.eagle3_aux_hidden_states)
+def vllm_aux_hidden_state_families():
+    """The families whose vLLM model gives an external draft its aux hidden states, for error messages."""
+    return ", ".join(f"{f.name} ({f.architectures[0]})" for f in FAMILIES.values() if f.vllm_aux_hidden_states)
 
 
 def get_family(name):
@@ -231,22 +232,6 @@ def to_canonical(state, layout, num_hidden_layers, num_mtp_layers):
 def from_canonical(state, layout, num_hidden_layers, num_mtp_layers):
     """Rename canonical tensors to the names `layout` (an MTPLayout or a family name) stores them under."""
     return _rename_mtp(state, CANONICAL_LAYOUT, _as_layout(layout), num_hidden_layers, num_mtp_layers)
-
-
-# canonical names of an external draft's tensors on the weight-sync wire: "<method>.<checkpoint name>"
-DRAFT_PREFIX = "eagle3."  # an EAGLE-3 draft's: "eagle3.fc.weight", ...
-DFLASH_PREFIX = "dflash."  # a DFlash draft's: "dflash.layers.0.self_attn.q_proj.weight", ...
-EXTERNAL_DRAFT_PREFIXES = (DRAFT_PREFIX, DFLASH_PREFIX)
-
-
-def external_draft_prefix(name):
-    """The wire prefix of an external draft's tensor `name` ("eagle3.", "dflash."), or None."""
-    return next((p for p in EXTERNAL_DRAFT_PREFIXES if name.startswith(p)), None)
-
-
-def is_draft_name(name, num_hidden_layers):
-    """True for a tensor of the draft: an MTP layer's, or an external draft's (`EXTERNAL_DRAFT_PREFIXES`)."""
-    return external_draft_prefix(name) is not None or is_mtp_name(name, num_hidden_layers)
 
 
 def is_mtp_name(name, num_hidden_layers):

@@ -64,6 +64,8 @@ MOE_LAYER = {  # router and shared experts, megatron -> HF (1:1 renames)
 # buffers that are weights of the checkpoint (synced, converted): the aux-loss-free routing bias
 SYNCED_BUFFERS = ("mlp.router.expert_bias",)
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+# a routed expert's parameter anywhere in the model: (its experts module's prefix, expert index, the rest)
+_ANY_EXPERT = re.compile(r"^(.+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 
 FUSED = {  # decoder-layer suffix, megatron -> (fusion kind, HF parts in order)
     "self_attention.linear_qkv.weight": ("qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
@@ -162,6 +164,19 @@ def _split(kind, tensor, cfg):
 def attention_kind(cfg):
     """The `attention` argument of hf_targets for a ModelConfig: \"mla\" or \"gqa\"."""
     return "mla" if cfg.mla is not None else "gqa"
+
+
+def expert_index(megatron_name):
+    """(the experts module's prefix, the expert's index) of a routed expert's parameter, else None.
+    Under expert parallelism megatron numbers a rank's experts from 0 (its local index)."""
+    m = _ANY_EXPERT.match(megatron_name)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def with_expert_index(megatron_name, index):
+    """A routed expert's parameter name with the expert's index replaced by `index`."""
+    m = _ANY_EXPERT.match(megatron_name)
+    return f"{m.group(1)}{index}{m.group(3)}"
 
 
 def is_synced_buffer(megatron_name):

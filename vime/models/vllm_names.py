@@ -13,8 +13,8 @@ under checkpoint names, for both ways weights enter vLLM (in-place reload, NCCL 
 """
 import re
 
-from vime.models.families import (DFLASH_PREFIX, DRAFT_PREFIX, external_draft_prefix, from_canonical,
-                                   is_draft_name, is_mtp_name)
+from vime.models.draft_kinds import EXTERNAL_KINDS, external_draft_prefix, is_draft_name
+from vime.models.families import from_canonical, is_mtp_name
 from vime.precision import dtype_name
 
 # fused vLLM module name -> the checkpoint modules stacked in it (dim 0, in this order)
@@ -31,21 +31,16 @@ _GLM_MTP_LAYER = re.compile(r"^model\.layers\.(\d+)\.(?=mtp_block\.|enorm\.|hnor
 _DRAFT_LAYER = re.compile(r"^model\.mtp_layers\.(\d+)\.")
 
 
-# vLLM drafter module -> checkpoint module of each external draft's tensors (`L`: the target's
-# layers, after which vLLM numbers the draft's); embed_tokens (and DFlash's lm_head) are the target's
-EXTERNAL_DRAFTER_NAMES = {
-    DRAFT_PREFIX: ((r"model\.layers\.{L}\.", "midlayer."), (r"model\.fc\.", "fc."), (r"model\.norm\.", "norm."),
-                   (r"lm_head\.", "lm_head.")),
-    DFLASH_PREFIX: ((r"model\.layers\.(\d+)\.", "layers.{}."), (r"model\.fc\.", "fc."),
-                    (r"model\.hidden_norm\.", "hidden_norm."), (r"model\.norm\.", "norm.")),
-}
+# vLLM drafter module -> checkpoint module of each external draft's tensors, by wire prefix (each kind's
+# descriptor: `L` is the target's layers, after which vLLM numbers the draft's)
+EXTERNAL_DRAFTER_NAMES = {kind.wire_prefix: kind.format.vllm_names for kind in EXTERNAL_KINDS}
 
 
 def draft_to_checkpoint_name(name, num_hidden_layers, sent_shapes=()):
     """Drafter parameter name (vLLM) -> checkpoint name: MiMo's MTP layers, or an external draft's
-    tensors under their wire names (`eagle3.midlayer.*`, `dflash.layers.0.*`, ...; the kind is the
-    one whose names `sent_shapes` holds, EAGLE-3 by default); None for tensors the drafter shares
-    with the target (the embedding)."""
+    tensors under their wire names (`<kind>.<checkpoint name>`; the kind is the one whose names
+    `sent_shapes` holds); None for tensors the drafter shares with the target (the embedding) and
+    for an external drafter's when nothing of it was sent."""
     m = _DRAFT_LAYER.match(name)
     if m:
         k = int(m.group(1)) - num_hidden_layers
@@ -53,8 +48,8 @@ def draft_to_checkpoint_name(name, num_hidden_layers, sent_shapes=()):
     m = _GLM_MTP_LAYER.match(name)
     if m and int(m.group(1)) >= num_hidden_layers:
         return name.replace("mtp_block.", "", 1)
-    prefix = next((external_draft_prefix(n) for n in sent_shapes if external_draft_prefix(n)), DRAFT_PREFIX)
-    for vllm_module, ckpt_module in EXTERNAL_DRAFTER_NAMES[prefix]:
+    prefix = next((external_draft_prefix(n) for n in sent_shapes if external_draft_prefix(n)), None)
+    for vllm_module, ckpt_module in EXTERNAL_DRAFTER_NAMES.get(prefix, ()):
         # only names the trainer sent are compared (unpack): a MiMo drafter's are never external
         found = re.match(vllm_module.replace("{L}", str(num_hidden_layers)), name)
         if found:
@@ -106,8 +101,8 @@ def update_rounds(canonical, layout, num_hidden_layers, num_mtp_layers, has_draf
     """Canonical tensors sent to vLLM -> [(kind, {checkpoint name: tensor})], the loads a weight
     update makes in order: "target" (the trunk), then into the drafter either "mtp" (the MTP
     layers with the embedding and head they share, so a drafter with its own copies stays
-    current) or an external draft's wire prefix ("eagle3.", "dflash.": its tensors, sent as
-    `<prefix><name>`, loaded under their own names). Draft tensors are dropped when vLLM runs no drafter."""
+    current) or an external draft's wire prefix (`<kind>.`: its tensors, sent as `<prefix><name>`,
+    loaded under their own names). Draft tensors are dropped when vLLM runs no drafter."""
     model = (layout, num_hidden_layers, num_mtp_layers)
     trunk = {k: v for k, v in canonical.items() if not is_draft_name(k, num_hidden_layers)}
     mtp = {k: v for k, v in canonical.items() if is_mtp_name(k, num_hidden_layers)}

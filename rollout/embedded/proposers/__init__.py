@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from vime.lazy import lazy_constructor
+from vime.models.draft_kinds import DRAFT_KINDS
 
 
 @dataclass
@@ -39,7 +40,7 @@ class Proposer:
     """No speculation: plain decoding is verification with zero drafts."""
 
     num_speculative_tokens = 0
-    aux_hidden_layers = ()  # target layers whose hidden states it reads instead (EAGLE-3: three)
+    aux_hidden_layers = ()  # target layers whose hidden states it reads instead (an external draft's)
     # True: it works at every step, also one the k policy gives no drafts (DFlash writes its
     # context), and its profile_draft(batch_size, 0) prices that work
     costs_at_k0 = False
@@ -53,6 +54,11 @@ class Proposer:
 
     def release(self, request):
         """The request finished: drop its per-request state."""
+
+    def kv_caches(self):
+        """The KV caches this proposer keeps (its `cache`, when it has one): released with the engine's."""
+        cache = getattr(self, "cache", None)
+        return [cache] if cache is not None else []
 
     def named_draft_weights(self):
         """(wire name, tensor) of an external draft the trainer trains and syncs, once it has
@@ -71,17 +77,8 @@ class Proposer:
         move what this proposer keeps per slot."""
 
 
-def _lazy(module, name):
-    """A proposer of this package, imported only when that method is asked for."""
-    return lazy_constructor(f"rollout.embedded.proposers.{module}", name)
-
-
-PROPOSERS = {
-    "none": lambda spec_config: Proposer(),
-    "mtp": _lazy("mtp", "MTPProposer"),
-    "ngram": _lazy("ngram", "NgramProposer"),
-    "suffix": _lazy("suffix", "SuffixProposer"),
-    "draft_model": _lazy("draft_model", "DraftModelProposer"),
-    "eagle3": _lazy("eagle3", "Eagle3Proposer"),
-    "dflash": _lazy("dflash", "DFlashProposer"),
-}
+# every kind's proposer (rollout/embedded/proposers/<kind>.py, its class named by the kind's descriptor),
+# imported only when that method is asked for
+PROPOSERS = {"none": lambda spec_config: Proposer(),
+             **{name: lazy_constructor(f"rollout.embedded.proposers.{name}", kind.proposer)
+                for name, kind in DRAFT_KINDS.items()}}

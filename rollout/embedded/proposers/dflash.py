@@ -12,31 +12,19 @@ The block's own keys are never cached: the next step's context overwrites those 
 Drafts are verified exactly as every proposer's (rejection sampler of mtp/); sampled drafts
 come with their distribution q, each slot's drawn independently (the draft reads no draft).
 """
-import dataclasses
-
 import torch
 
-from mtp.dflash import DFlashDraft
 from rollout.embedded.steps import device_tensor
 from rollout.embedded.proposers import Proposer
-from rollout.embedded.proposers.drafting import (DRAFT_ATTENTION, TrainedExternalDraft, assign_drafts, draft_cache,
-                                                 draft_family, pick_drafts, uniforms_if_sampling)
-from vime.models.dflash import WIRE_PREFIX, check_draft_fits_target, load_draft
+from rollout.embedded.proposers.drafting import (DRAFT_ATTENTION, ExternalDraft, assign_drafts, draft_family,
+                                                 pick_drafts, uniforms_if_sampling)
+from vime.models.dflash import DFLASH
 
 
-def load_dflash_draft(path, target_cfg, num_speculative_tokens, dtype=torch.float32, device="cpu"):
-    """The draft module of a draft directory, checked against the target and the block asked for."""
-    cfg, state = load_draft(path)
-    check_draft_fits_target(path, cfg, target_cfg, num_speculative_tokens)
-    draft = DFlashDraft(cfg)
-    draft.load_state_dict(state, strict=True)
-    return draft.to(device, dtype).eval().requires_grad_(False)
-
-
-class DFlashProposer(TrainedExternalDraft, Proposer):
+class DFlashProposer(ExternalDraft, Proposer):
     """Drafts a block per request in one forward of an external DFlash draft (its own KV cache of context)."""
 
-    wire_prefix = WIRE_PREFIX
+    kind = DFLASH
     costs_at_k0 = True  # the context write runs at every step: a step without drafts is not plain decoding
 
     def __init__(self, spec, draft=None, sample_drafts=False):
@@ -45,17 +33,7 @@ class DFlashProposer(TrainedExternalDraft, Proposer):
         self.synced = False
 
     def attach(self, engine):
-        self.engine = engine
-        ec = engine.config
-        if self.draft_model is None:
-            self.draft_model = load_dflash_draft(self.spec.model, engine.cfg, self.num_speculative_tokens,
-                                                 ec.dtype, ec.device)
-        else:
-            check_draft_fits_target("(in memory)", self.draft_model.cfg, engine.cfg, self.num_speculative_tokens)
-        cfg = self.draft_model.cfg
-        self.aux_hidden_layers = cfg.aux_layer_ids
-        shape = dataclasses.replace(engine.cfg, num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
-        self.cache = draft_cache(engine, cfg.num_hidden_layers, shape, self.num_speculative_tokens)
+        super().attach(engine)  # the draft and its cache (drafting.py)
         self.family = draft_family()
 
     # ---- weight sync (an external draft the trainer trains) ----
@@ -101,6 +79,11 @@ class DFlashProposer(TrainedExternalDraft, Proposer):
         """[n, block_size, V] logits of the block [anchor, mask x k] at positions anchors .. anchors+k,
         over the cached context before each anchor and the whole block (not causal); slots,
         anchor_tokens, anchors: host ints. A static step that reads the cache and writes nothing."""
+        return self.block_forward(slots, anchor_tokens, anchors)[0]
+
+    def block_forward(self, slots, anchor_tokens, anchors, with_states=False):
+        """(the block's logits [n, block_size, V], and with `with_states` its final-normed states
+        [n, block_size, H]) of `block_logits`' step; outputs a graph's buffers: use them before the next."""
         layout = self.engine.steps.layout(self.cache, slots, anchors, [0] * len(slots))
         shape, size = layout.shape, self.draft_model.cfg.block_size
 
@@ -114,22 +97,29 @@ class DFlashProposer(TrainedExternalDraft, Proposer):
                               torch.ones(shape.rows, size, size, dtype=torch.bool, device=anchors.device)], 2)
             positions = anchors[:, None] + torch.arange(size, device=anchors.device)[None, :]
             states = draft(draft.block_input(anchor_tokens, target.model.embed_tokens.weight), positions, kv, mask)
-            return (draft.logits(states, target.head_weight()),)
+            logits = draft.logits(states, target.head_weight())
+            return (logits, states) if with_states else (logits,)
         tokens = device_tensor(anchor_tokens + [0] * (shape.rows - layout.n), layout.slots.device)
-        (logits,) = self.engine.steps.run((f"{self.family}/block", shape), step, (tokens, layout.slots, layout.starts),
-                                          layout.graphed)
-        return logits[:layout.n]
+        outputs = self.engine.steps.run((f"{self.family}/block", shape, with_states), step,
+                                        (tokens, layout.slots, layout.starts), layout.graphed)
+        return tuple(x[:layout.n] for x in outputs)
 
     def profile_draft(self, batch_size, k, new_tokens=2):
         """One drafting for batch_size rows (context for `new_tokens` verified positions, the block
         forward) on dummy inputs in slots 0..batch_size-1. The block costs the same for any k >= 1;
         k = 0 is the context write alone, what a step without drafts still does."""
+        with torch.inference_mode():
+            slots, anchors = self.profile_context(batch_size, new_tokens)
+            if k > 0:
+                self.block_logits(slots, [0] * batch_size, anchors)
+
+    def profile_context(self, batch_size, new_tokens):
+        """The context write of `new_tokens` dummy verified positions for batch_size rows in slots
+        0..batch_size-1 (the probes'); returns (the slots, the positions of their blocks' anchors)."""
         ec = self.engine.config
         slots = list(range(batch_size))
         context = max(0, min(32, self.engine.max_len - new_tokens - self.num_speculative_tokens - 1))
         width = len(self.aux_hidden_layers) * self.engine.cfg.hidden_size
         hidden = torch.zeros(batch_size, new_tokens, width, device=ec.device, dtype=ec.dtype)
-        with torch.inference_mode():
-            self.write_context(slots, hidden, [context] * batch_size, [new_tokens] * batch_size)
-            if k > 0:
-                self.block_logits(slots, [0] * batch_size, [context + new_tokens] * batch_size)
+        self.write_context(slots, hidden, [context] * batch_size, [new_tokens] * batch_size)
+        return slots, [context + new_tokens] * batch_size

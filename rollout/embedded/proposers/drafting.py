@@ -1,4 +1,6 @@
-"""Helpers the model-based proposers share: picking draft tokens from draft logits.
+"""Helpers the model-based proposers share: picking draft tokens from draft logits, their draft
+forwards as static steps (`DraftSteps`), and what every external draft's proposer has in common
+(`ExternalDraft`).
 
 A draft is either deterministic (argmax; the verifier then treats q as one-hot, which is
 exact for any deterministic proposer) or sampled from q = the draft's distribution
@@ -11,6 +13,7 @@ on the tiny model at temperature 1 the MTP head is flatter than the target and a
 (0.33 vs 0.25 acceptance, see BENCHMARKS.md). `sample_drafts=True` switches to sampled
 drafts; it only applies with `probabilistic` verification (strict ignores q).
 """
+import dataclasses
 import itertools
 
 import torch
@@ -24,15 +27,37 @@ DRAFT_FAMILY = "draft"  # every proposer step family starts so (the engine drops
 DRAFT_ATTENTION = "sdpa"
 
 
-class TrainedExternalDraft:
-    """Weight-sync hooks of an external draft module (`self.draft_model`) the trainer trains:
-    its parameters travel under `wire_prefix`, and count as synced once a sync wrote them."""
+class ExternalDraft:
+    """What every external draft's proposer shares: the draft module of its kind (`kind`, a DraftKind),
+    loaded from the speculative config's `model` and checked against the target unless given; its
+    own KV cache; and the weight-sync hooks of a draft the trainer trains (its parameters travel
+    under the kind's wire prefix, and count as synced once a sync wrote them)."""
 
-    wire_prefix = ""
+    kind = None  # the DraftKind (vime/models/draft_kinds.py)
     synced = False
 
+    def attach(self, engine):
+        """Load (or check, when given) the draft for the engine's target; build its KV cache."""
+        self.engine, ec, k = engine, engine.config, self.num_speculative_tokens
+        if self.draft_model is None:
+            self.draft_model = self.kind.load_for_target(self.spec.model, engine.cfg, k)
+        else:
+            shapes = {name: tuple(t.shape) for name, t in self.draft_model.state_dict().items()}
+            self.kind.check_fits("(in memory)", self.draft_model.cfg, engine.cfg, k, tensors=shapes)
+        self.draft_model = self.draft_model.to(ec.device, ec.dtype).eval().requires_grad_(False)
+        cfg = self.draft_model.cfg
+        self.aux_hidden_layers = tuple(cfg.aux_layer_ids)
+        # the draft's attention is grouped-query attention of its own, whatever the target's (MLA too)
+        shape = dataclasses.replace(engine.cfg, num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                    mla=None)
+        self.cache = draft_cache(engine, self.draft_layers(), shape, k)
+
+    def draft_layers(self):
+        """How many layers of the draft keep a KV cache."""
+        return self.draft_model.cfg.num_hidden_layers
+
     def loadable_draft_weights(self):
-        return {self.wire_prefix + name: p for name, p in self.draft_model.named_parameters()}
+        return {self.kind.wire_prefix + name: p for name, p in self.draft_model.named_parameters()}
 
     def named_draft_weights(self):
         # counted once a sync wrote the draft: only a trained draft has a trainer-side twin

@@ -4,6 +4,7 @@ speculation, one RL run per arm, same target, seed and prompts.
     python scripts/bench/rl_arms.py drift --draft mtp                  # tiny MiMo, its MTP layer, k = 2
     python scripts/bench/rl_arms.py drift --draft eagle3 --backends embedded,vllm   # tiny Qwen2 + EAGLE-3, k = 3
     python scripts/bench/rl_arms.py drift --draft dflash               # tiny Qwen2 + DFlash, blocks of 4
+    python scripts/bench/rl_arms.py drift --draft dspark --arms dspark --draft-warmup-steps 20   # DSpark, k = 3
     python scripts/bench/rl_arms.py drift --hf-checkpoint checkpoints/tiny-glm4-moe-mtp   # another MTP target
 
 RL moves the policy away from what a frozen draft was trained on; the online arm trains the draft
@@ -12,7 +13,8 @@ Arms are `online`, `frozen` or `none`, each optionally followed by `:key=value` 
 append train_rl.py flags: loss (--draft-loss-type), topk (--draft-distill-topk), lr (--draft-lr),
 steps (--draft-steps-per-rollout), replay (--draft-replay-batches), layers (--mtp-num-layers),
 depths (--mtp-train-depths), reuse (--mtp-reuse-attention), ckpt (--hf-checkpoint), sync_draft
-(--sync-draft-weights: false syncs only the target, the draft goes stale); e.g.
+(--sync-draft-weights: false syncs only the target, the draft goes stale), ce_weight / l1_weight /
+confidence_weight (--draft-<term>-weight); e.g.
 `online:depths=3:steps=16:replay=8`. Two options change the arm's draft instead: draft=KIND (another
 draft kind, for arms of several kinds in one run) and k=N (its speculative tokens; a DFlash draft is
 built for blocks of k + 1, so the arm gets its own draft made with --draft-warmup-steps); draft_layers=N makes that arm's draft with N decoder layers
@@ -32,7 +34,7 @@ many steps online rolled out the same responses as none (strict verification rep
 sampling, so there the arms timed the same work). --time-plain adds the paired speedup against
 plain decoding of the same batch (on the none arm: plain against plain, the noise control).
 vLLM counts drafts accepted past a request's end too, so compare arms within one backend.
-A draft kind (DRAFT_KINDS) names its target, its speculative config and the flags that train it
+A draft kind (DRIFT_DRAFTS) names its target, its speculative config and the flags that train it
 online: adding a kind is one entry there.
 """
 import csv
@@ -44,6 +46,7 @@ import subprocess
 import sys
 
 from scripts.bench.lib.arm_runs import REPO, run_arm, window
+from vime.models.draft_kinds import LOSS_TERMS
 from vime.errors import UserError
 
 
@@ -57,7 +60,7 @@ def _external_spec(method):
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftKind:
+class DriftDraft:
     """What the drift benchmark needs to know of one draft kind."""
 
     target: str  # the checkpoint the draft drafts for
@@ -70,15 +73,21 @@ class DraftKind:
     maker_options: tuple = ()  # (arm option, flag of its make_draft script): arm options that shape the draft
 
 
-DRAFT_KINDS = {
-    "mtp": DraftKind("checkpoints/tiny-mimo-mtp", 2, _mtp_spec, ("--enable-mtp-training", "--mtp-num-layers", "1")),
-    "eagle3": DraftKind("checkpoints/tiny-qwen2", 3, _external_spec("eagle3"), ("--enable-draft-training",),
+DRIFT_DRAFTS = {
+    "mtp": DriftDraft("checkpoints/tiny-mimo-mtp", 2, _mtp_spec, ("--enable-mtp-training", "--mtp-num-layers", "1")),
+    "eagle3": DriftDraft("checkpoints/tiny-qwen2", 3, _external_spec("eagle3"), ("--enable-draft-training",),
                         draft_model="checkpoints/tiny-qwen2-eagle3", make_draft=("make_eagle3_draft.py", lambda k: [])),
     # a block draft: k is its block size less the anchor (the shipped one drafts blocks of 4)
-    "dflash": DraftKind("checkpoints/tiny-qwen2", 3, _external_spec("dflash"), ("--enable-draft-training",),
+    "dflash": DriftDraft("checkpoints/tiny-qwen2", 3, _external_spec("dflash"), ("--enable-draft-training",),
                         draft_model="checkpoints/tiny-qwen2-dflash",
                         make_draft=("make_dflash_draft.py", lambda k: ["--block-size", str(k + 1)]), built_for_k=True,
                         maker_options=(("draft_layers", "--num-layers"),)),
+    # a block whose every slot drafts (k = its block size), Markov head and confidence head as shipped
+    "dspark": DriftDraft("checkpoints/tiny-qwen2", 3, _external_spec("dspark"), ("--enable-draft-training",),
+                        draft_model="checkpoints/tiny-qwen2-dspark",
+                        make_draft=("make_dspark_draft.py", lambda k: ["--block-size", str(k), "--markov-rank", "8",
+                                                                       "--confidence-head-with-markov"]),
+                        built_for_k=True, maker_options=(("draft_layers", "--num-layers"),)),
 }
 ARMS = ("online", "frozen", "none")
 BACKENDS = ("embedded", "vllm")
@@ -86,17 +95,19 @@ BACKENDS = ("embedded", "vllm")
 ARM_OPTIONS = {"loss": "--draft-loss-type", "topk": "--draft-distill-topk", "lr": "--draft-lr",
                "steps": "--draft-steps-per-rollout", "replay": "--draft-replay-batches",
                "layers": "--mtp-num-layers", "depths": "--mtp-train-depths", "reuse": "--mtp-reuse-attention",
-               "ckpt": "--hf-checkpoint", "sync_draft": "--sync-draft-weights"}
+               "ckpt": "--hf-checkpoint", "sync_draft": "--sync-draft-weights",
+               **{f"{term}_weight": f"--draft-{term}-weight" for term in LOSS_TERMS}}
 DRAFT_OPTIONS = ("draft", "k", "draft_layers")  # arm options that choose the arm's draft, not train_rl.py flags
-ARM_SETS = {  # --arms NAME: the block-size question, every draft from the same warm-up
-    "blocks": "online:draft=eagle3,online,frozen,online:k=7,frozen:k=7",
+ARM_SETS = {  # --arms NAME: a question answered by arms whose drafts all start from the same warm-up
+    "blocks": "online:draft=eagle3,online,frozen,online:k=7,frozen:k=7",  # the block size
+    "dspark": "online,frozen,online:draft=dflash,online:draft=eagle3",  # DSpark against the other kinds at k = 3
 }
 MAX_POSITIONS = 8
 
 
 def add_arguments(p):
     """The drift experiment's flags on its argparse sub-parser."""
-    p.add_argument("--draft", default="mtp", choices=list(DRAFT_KINDS), help="the draft kind")
+    p.add_argument("--draft", default="mtp", choices=list(DRIFT_DRAFTS), help="the draft kind")
     p.add_argument("--hf-checkpoint", default=None,
                    help="the target every arm trains (default: the draft kind's, e.g. mtp: checkpoints/tiny-mimo-mtp)")
     p.add_argument("--arms", default=",".join(ARMS),
@@ -112,6 +123,9 @@ def add_arguments(p):
     p.add_argument("--png", default=None, help="the reward / acceptance / tokens/s curves (default OUT/drift.png)")
     p.add_argument("--curves", default=None, help="also write the per-position acceptance PNG here")
     p.add_argument("--spec-adaptive", action="store_true", help="k per batch size (--spec-adaptive)")
+    p.add_argument("--save-arms", action="store_true",
+                   help="each speculative arm saves its last step (--save ARM_DIR/save): its policy and draft, "
+                        "to export (checkpoint_convert.torch_dist_to_hf, scripts/export_draft.py)")
     p.add_argument("--time-plain", action="store_true",
                    help="speculative arms also decode each batch without drafts, back to back "
                         "(--rollout-time-plain-baseline): a paired speedup per step")
@@ -139,9 +153,9 @@ def arm_draft(arm, args):
     """(draft kind name, k) of an arm: its draft=/k= options, else --draft and its k."""
     draft = arm_options(arm)[2]
     name = draft.get("draft", args.draft)
-    if name not in DRAFT_KINDS:
-        raise UserError(f"--arms {arm!r}: draft= is one of {', '.join(DRAFT_KINDS)}")
-    k = draft.get("k") or args.num_speculative_tokens or DRAFT_KINDS[name].default_k
+    if name not in DRIFT_DRAFTS:
+        raise UserError(f"--arms {arm!r}: draft= is one of {', '.join(DRIFT_DRAFTS)}")
+    k = draft.get("k") or args.num_speculative_tokens or DRIFT_DRAFTS[name].default_k
     try:
         k = int(k)
     except ValueError:
@@ -154,7 +168,7 @@ def arm_draft(arm, args):
 def maker_flags(arm, args):
     """The arm's draft options its kind's make_draft script takes (e.g. draft_layers=2 -> --num-layers 2)."""
     name, _ = arm_draft(arm, args)
-    takes = dict(DRAFT_KINDS[name].maker_options)
+    takes = dict(DRIFT_DRAFTS[name].maker_options)
     flags = []
     for key, value in arm_options(arm)[2].items():
         if key in ("draft", "k"):
@@ -201,11 +215,11 @@ def check_args(args):
     drafts = [arm_draft(arm, args) for arm in arm_list(args)]
     for arm in arm_list(args):
         maker_flags(arm, args)
-    if (args.draft_model or args.draft_warmup_steps is not None) and not any(DRAFT_KINDS[n].draft_model for n, _ in drafts):
+    if (args.draft_model or args.draft_warmup_steps is not None) and not any(DRIFT_DRAFTS[n].draft_model for n, _ in drafts):
         raise UserError(f"--draft-model / --draft-warmup-steps: the {args.draft} draft lives in the target checkpoint; "
                         "these options are for an external draft (--draft eagle3, --draft dflash)")
     for name, k in drafts:
-        kind = DRAFT_KINDS[name]
+        kind = DRIFT_DRAFTS[name]
         if kind.built_for_k and k != kind.default_k and args.draft_warmup_steps is None and not args.draft_model:
             raise UserError(f"--arms: the shipped {name} draft is built for k = {kind.default_k}; give "
                             f"--draft-warmup-steps N to make one for k = {k}")
@@ -219,7 +233,7 @@ def target_of(kind, args):
 def warmed_up_draft(name, args, k, extra=()):
     """--draft-warmup-steps N: a draft of the target warmed up for N offline steps (made once into --out);
     `extra`: the arm's maker flags (its directory is named after them)."""
-    kind = DRAFT_KINDS[name]
+    kind = DRIFT_DRAFTS[name]
     suffix = (f"_k{k}" if kind.built_for_k else "") + "".join(f"_{f.strip('-')}{v}" for f, v in zip(extra[::2], extra[1::2]))
     out = os.path.join(args.out, f"{name}{suffix}_draft_warmup{args.draft_warmup_steps}")
     if not os.path.isfile(os.path.join(out, "config.json")):
@@ -240,6 +254,8 @@ def arm_flags(kind, base, args, k, draft_model):
         flags += ["--vllm-speculative-config", json.dumps(kind.spec(k, draft_model))]
         flags += ["--spec-adaptive"] if args.spec_adaptive else []
     flags += list(kind.online_flags) if base == "online" else []
+    if args.save_arms and base != "none":
+        flags += ["--save", os.path.join(args.out, "{arm_dir}", "save"), "--save-interval", args.steps]
     # on the none arm the paired pass decodes plain twice: the A/A control of the paired figure
     return flags + (["--rollout-time-plain-baseline"] if args.time_plain else [])
 
@@ -272,7 +288,7 @@ def row(label, m):
 
 def draft_model_of(name, args, k, extra=()):
     """The arm's external draft directory (None for a draft inside the target); `extra`: its maker flags."""
-    kind = DRAFT_KINDS[name]
+    kind = DRIFT_DRAFTS[name]
     if kind.draft_model is None:
         return None
     if args.draft_warmup_steps is not None:
@@ -289,10 +305,10 @@ def run(args):
         for arm in arm_list(args):
             base, options, _ = arm_options(arm)
             name, k = arm_draft(arm, args)
-            kind = DRAFT_KINDS[name]
+            kind = DRIFT_DRAFTS[name]
             label = arm_label(backend, arm)
             flags = arm_flags(kind, base, args, k, draft_model_of(name, args, k, maker_flags(arm, args)))
-            flags += ["--rollout-backend", backend]
+            flags = [str(f).replace("{arm_dir}", arm_dir(label)) for f in flags] + ["--rollout-backend", backend]
             # an arm's own options win over the shared extra arguments
             metrics = run_arm(arm_dir(label), args.out, flags + args.extra + options, args.steps, args.reuse)
             rows_by_arm[label] = [row(label, m) for m in metrics]

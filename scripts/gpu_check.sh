@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# What one GPU shows of vime, in under 8 minutes, one summary line per check:
+#
+#   bash scripts/gpu_check.sh          # from the project root, on a machine with one CUDA GPU
+#
+# 1. tests/gpu (flash-attn, NCCL and CUDA vLLM tests skip where those are missing);
+# 2. the README's main command, 40 steps, rank and engine sharing the GPU (weights handed over by CUDA
+#    IPC, every tensor checked after every push), with each phase's memory;
+# 3. spec-scale (scripts/bench/throughput.py) at 1 and 8 rows: synthetic acceptance on a 112 M model;
+# 4. a decode step against the GPU's bandwidth limit on the 1.2 B shape, where throughput.py has that
+#    mode (step-limit);
+# 5. the recipe (scripts/bench/gpu_recipe.py): pretraining a 112 M model with an MTP layer, then 40 RL
+#    steps each without speculation, with a frozen and with an online MTP draft: rollout and whole-step
+#    speed-ups with the acceptance measured.
+#
+# A machine that lacks Ray, megatron-core or Hydra gets them from `.gpu/` (a bundle of those packages
+# built beside the checkout): when `.gpu/on_device.sh` exists it is sourced first. Each check runs
+# under its own time limit (seconds, overridable: TESTS_S, MAIN_S, SCALE_S, LIMIT_S, RECIPE_S; the
+# recipe's pretraining RECIPE_PRETRAIN_S) so the whole stays within 8 minutes; a check that runs out
+# says so in its line. Logs: $OUT (default runs/gpu_check), one file per check, and summary.txt.
+set -u
+cd "$(dirname "$0")/.."
+if [ -f .gpu/on_device.sh ]; then
+  # shellcheck disable=SC1091
+  source .gpu/on_device.sh || { echo "error: .gpu/on_device.sh failed; rebuild the bundle" >&2; exit 2; }
+fi
+python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
+  echo "error: scripts/gpu_check.sh needs a CUDA GPU and torch sees none here; on CPU run python -m pytest -q" >&2
+  exit 2
+}
+OUT=${OUT:-runs/gpu_check}
+mkdir -p "$OUT"
+: > "$OUT/summary.txt"
+export RAY_ADDRESS=local PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+
+# check NAME LIMIT_S SUMMARY_COMMAND -- COMMAND...: run COMMAND under its time limit into $OUT/NAME.log,
+# then print "NAME: <summary> (<seconds> s)"; the summary command reads the log on stdin
+check() {
+  local name=$1 limit=$2 summarise=$3
+  shift 4
+  local start=$SECONDS rc line
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  if [ "$rc" = 124 ]; then
+    line="timed out after $limit s (see $OUT/$name.log)"
+  elif [ "$rc" != 0 ]; then
+    line="failed with exit code $rc: $(grep -v '^\s*$' "$OUT/$name.log" | tail -1)"
+  else
+    line=$(bash -c "$summarise" < "$OUT/$name.log")
+  fi
+  echo "$name: $line ($((SECONDS - start)) s)" | tee -a "$OUT/summary.txt"
+}
+
+check tests "${TESTS_S:-100}" 'tail -1' -- python3 -m pytest -q tests/gpu
+check main "${MAIN_S:-90}" "python3 -m scripts.bench.lib.run_summary $OUT/main" -- \
+  python3 train_rl.py --enable-mtp-training --mtp-num-layers 1 --num-rollout 40 --no-use-wandb --progress false \
+  --check-weight-update-equal --output-dir "$OUT/main"
+check spec-scale "${SCALE_S:-45}" "grep -E '^ *(1|8) ' | awk '{print \$1\" rows: online/none \"\$6\", online/frozen \"\$7}' | paste -sd ';'" -- \
+  python3 scripts/bench/throughput.py spec-scale --device cuda --dtype bfloat16 --batch-sizes 1,8 --repeats 3
+if grep -q '"step-limit"' scripts/bench/throughput.py; then
+  check step-limit "${LIMIT_S:-35}" 'tail -1' -- python3 scripts/bench/throughput.py step-limit --device cuda \
+    --dtype bfloat16 --layers 24 --hidden 2048 --intermediate 5632
+fi
+check recipe "${RECIPE_S:-210}" "grep '^recipe: ' | tail -1 | cut -c9-" -- \
+  python3 scripts/bench/gpu_recipe.py --pretrain-seconds "${RECIPE_PRETRAIN_S:-40}" --steps 40 --out "$OUT/recipe"
+echo "summary in $OUT/summary.txt"

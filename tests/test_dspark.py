@@ -1,0 +1,329 @@
+"""What DSpark adds to a block draft, on the embedded engine (what every external kind shares, DSpark's
+included, is checked by the kind-parametrized tests: test_external_draft_engine.py,
+test_external_draft_distribution.py, test_draft_format.py, test_trainer_drafts.py).
+
+References: an independent torch reference of vLLM's DSpark computation on transformers' target states
+(tests/dspark_fixtures.py) for the block states, the Markov drafts and the confidences, also where
+steps without drafts deferred the context; plain decoding under verification sized by confidence; the
+exact joint distribution of a 5-token target for sampled output sized by each row's confidence
+(chi-square), with a negative control that sizes by a draft's own value; direct formulas for the
+verification size and the training loss.
+"""
+import dataclasses
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_fixtures import REPO, TARGET
+from dspark_fixtures import DRAFT, load_reference, reference_block
+from fp32_bounds import forward_depth, reduction_rtol
+from mtp.dflash import block_states
+from mtp.dspark import DSparkDraft, dspark_loss
+from rollout.embedded.engine import Engine, EngineConfig
+from rollout.embedded.engine_builder import build_engine
+from rollout.embedded.proposers.dspark import DSparkProposer
+from rollout.embedded.spec_policy import ConfidenceSizedK, FixedK
+from rollout.sampling_params import SamplingParams
+from rollout.spec_config import check_against_checkpoint, parse_spec_config
+from spec_fixtures import check_sampled_drafts_keep_the_target_distribution, one_thread  # noqa: F401
+from test_external_draft_engine import plain, prompts  # noqa: F401  (the shipped target's prompts, plain decoded)
+from vime.errors import UserError
+from vime.models.dspark import DSPARK, draft_config_for_target
+from vime.models.hf_format import read_config
+from vime.sample import samples_for_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+K = 3  # the shipped draft's blocks: 3 slots, each drafting a token
+GREEDY = SamplingParams(temperature=0, max_new_tokens=40)
+
+
+def spec(k=K, model=DRAFT, **extra):
+    return {"method": "dspark", "num_speculative_tokens": k, "model": model, **extra}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return load_reference()
+
+
+def test_greedy_confidence_sized_verification_equals_plain_decoding(prompts, plain):
+    """enable_adaptive_verification: the steps verify as many drafts as the confidence makes worth it
+    (fewer than drafted at some steps), and the output is plain decoding's."""
+    engine = build_engine(TARGET, spec(enable_adaptive_verification=True), EngineConfig(max_batch_size=32))
+    policy = engine.k_policy
+    # a profile of this machine's step costs would make the sizes timing-dependent: a fixed price where a
+    # verified draft costs 0.6 of a plain step, and a measured acceptance of 1 so that whole blocks are drafted
+    policy.set_costs([1, 32], {q: [1.0 + 0.6 * q] * 2 for q in range(K + 1)}, {q: [0.1 * (q > 0)] * 2
+                                                                                for q in range(K + 1)})
+    policy.corrects_costs = False
+    policy.drafted, policy.accepted = [1000.0] * K, [1000.0] * K
+    sizes = []
+    original = engine.proposer.verification_size
+    engine.proposer.verification_size = lambda b, c, k: sizes.extend(original(b, c, k)) or sizes[-b:]
+    got = engine.generate(samples_for_prompts(prompts), GREEDY)
+    assert [s.response_ids for s in got] == [s.response_ids for s in plain]
+    assert min(sizes) < K and max(sizes) > 0  # sized, not all or nothing
+
+
+class Alternating(FixedK):
+    """Draft at two steps of every three: the third defers the context write."""
+
+    calls = 0
+
+    def choose(self, batch_size):
+        self.calls += 1
+        return self.k if self.calls % 3 else 0
+
+
+class RecordingProposer(DSparkProposer):
+    """The engine's proposer, keeping each block's states, drafts and confidences with the tokens known."""
+
+    def propose(self, out):
+        self.known = [list(r.all_ids) for r in out.requests]
+        self.step = {}
+        super().propose(out)
+        if self.step:
+            self.records += list(zip(self.known, self.step["states"], [r.drafts for r in out.requests],
+                                     self.step["confidence"]))
+
+    def catch_up(self, slots, hidden, starts, n_valid):
+        self.deferred_rows += sum(self.written[s] < start for s, start in zip(slots, starts))  # context left to write
+        super().catch_up(slots, hidden, starts, n_valid)
+
+    def block_forward(self, slots, anchor_tokens, anchors, with_states=False):
+        outputs = super().block_forward(slots, anchor_tokens, anchors, with_states)
+        self.step["states"] = outputs[1].clone()
+        return outputs
+
+    def verification_size(self, batch_size, confidence, k):
+        self.step["confidence"] = confidence
+        return super().verification_size(batch_size, confidence, k)
+
+
+def tolerance(cfg, draft_cfg, x):
+    """fp32 reduction-order bound through the target's and the draft's layers, scaled by x."""
+    longest = max(cfg.intermediate_size, len(draft_cfg.target_layer_ids) * cfg.hidden_size, cfg.max_position_embeddings)
+    return reduction_rtol(longest, forward_depth(cfg.num_hidden_layers + draft_cfg.num_hidden_layers + 1)) * \
+        float(x.detach().abs().max())
+
+
+def test_blocks_drafts_and_confidences_equal_an_independent_reference_of_vllms_dspark(prompts, reference):
+    """Every block the engine drafted (context written step by step and caught up after steps without
+    drafts, ragged batches, moved slots) has the states, the greedy Markov drafts and the confidences of
+    vLLM's DSpark computation redone from scratch on transformers' states."""
+    proposer = RecordingProposer(parse_spec_config(spec()))
+    proposer.records, proposer.deferred_rows = [], 0
+    engine = Engine.from_checkpoint(TARGET, EngineConfig(max_batch_size=6), proposer)
+    engine.k_policy = Alternating(K)
+    engine.generate(samples_for_prompts(prompts[:10]), GREEDY)
+    assert len(proposer.records) >= 2 * 10  # several blocks per request, across steps and slots
+    for known, states, drafts, confidence in proposer.records:
+        want_states, want_drafts, want_logits, want_confidence = reference_block(reference, known)
+        assert (states - want_states).abs().max() <= tolerance(engine.cfg, proposer.draft_model.cfg, want_states)
+        margin = want_logits.topk(2, -1).values
+        clear = (margin[:, 0] - margin[:, 1]) > 2 * tolerance(engine.cfg, proposer.draft_model.cfg, want_logits)
+        assert all(d == w for d, w, c in zip(drafts, want_drafts, clear.tolist()) if c), (known, drafts, want_drafts)
+        assert (confidence - want_confidence).abs().max() <= tolerance(engine.cfg, proposer.draft_model.cfg,
+                                                                       want_states)
+    assert proposer.deferred_rows > 0  # some steps drafted nothing and their context was caught up later
+
+
+# ---------------------------------------------------------------- confidence-sized verification
+def test_the_verification_size_verifies_while_one_more_draft_raises_the_expected_rate():
+    """ConfidenceSizedK's q against the direct formula: q grows while rate(q + 1) > rate(q), rate(q) =
+    (B + the rows' summed survival of drafts < q) / (verify(B, 1+q) + draft(B, k)), on a profile where
+    several q are chosen."""
+    policy = ConfidenceSizedK(3)
+    verify = {0: [1.0, 2.0], 1: [1.3, 2.8], 2: [1.6, 3.6], 3: [1.9, 4.4]}  # at 1 and 2 rows
+    draft = {k: [0.0 if k == 0 else 0.4, 0.0 if k == 0 else 0.6] for k in range(4)}
+    policy.set_costs([1, 2], verify, draft)
+    seen = set()
+    for survival in ([[0.9, 0.8, 0.7]], [[0.5, 0.2, 0.1]], [[0.1, 0.0, 0.0]], [[0.95, 0.9, 0.85], [0.4, 0.1, 0.0]],
+                     [[0.99, 0.98, 0.97], [0.99, 0.98, 0.97]]):
+        s = torch.tensor(survival)
+        b = s.shape[0]
+        def rate(q):
+            return (b + float(s[:, :q].sum())) / (verify[q][b - 1] + draft[3][b - 1])
+        want = next((q for q in range(3) if rate(q + 1) <= rate(q)), 3)
+        before = list(policy.drafted), list(policy.accepted)
+        assert policy.verification_size(b, s) == want
+        seen.add(want)
+        # the drafts left unverified count as the confidence expects: rows reaching j (survival of j - 1)
+        # and passing it (survival of j); the verified ones are counted from the verify's outcome
+        for j in range(3):
+            reached = float(s[:, j - 1].sum()) if j else float(b)
+            assert policy.drafted[j] - before[0][j] == pytest.approx(reached if j >= want else 0.0)
+            assert policy.accepted[j] - before[1][j] == pytest.approx(float(s[:, j].sum()) if j >= want else 0.0)
+    assert len(seen) >= 3
+
+
+# ---------------------------------------------------------------- training
+def test_the_loss_is_the_recipes_three_terms_by_direct_formula():
+    """dspark_loss against the terms written out: CE on the next token, L1 to softmax(policy / T),
+    BCE of the confidence against 1 - L1/2, slot i weighted exp(-i/gamma), over the response slots."""
+    torch.manual_seed(0)
+    target_cfg = dataclasses.replace(read_config(TARGET), vocab_size=11, pad_token_id=0)
+    draft = DSparkDraft(draft_config_for_target(target_cfg, 1, 3, markov_rank=4, confidence_head_with_markov=True))
+    for p in draft.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    b, t, h, v = 2, 9, target_cfg.hidden_size, 11
+    aux, tokens = torch.randn(b, t, 3 * h), torch.randint(1, v, (b, t))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1, 1, 1, 1]]).float()
+    embed, head, policy = torch.randn(v, h) * 0.3, torch.randn(v, h) * 0.3, torch.randn(b, t, v)
+    weights, gamma, temperature = {"ce": 0.3, "l1": 0.5, "confidence": 0.7}, 1.7, 0.8
+    gen = torch.Generator().manual_seed(3)
+    loss, per_slot, parts = dspark_loss(draft, aux, tokens, mask, embed, head, 2, policy, weights, gamma, gen,
+                                        temperature)
+    from mtp.dflash import sample_anchors
+    anchors, keep = sample_anchors(mask, 2, torch.Generator().manual_seed(3))
+    states, positions = block_states(draft, aux, tokens, anchors, keep, embed)
+    total = norm = 0.0
+    for row in range(b):
+        for j, a in enumerate(anchors[row].tolist()):
+            for i in range(3):
+                p = a + i
+                if not keep[row, j] or p + 1 >= t or mask[row, p + 1] == 0:
+                    continue
+                e = draft.markov_head.markov_w1.weight[tokens[row, p]]
+                z = states[row, j * 3 + i] @ head.T + draft.markov_head.markov_w2.weight @ e
+                ce = -torch.log_softmax(z, -1)[tokens[row, p + 1]]
+                l1 = (torch.softmax(z / temperature, -1) - torch.softmax(policy[row, p] / temperature, -1)).abs().sum()
+                c = torch.cat([states[row, j * 3 + i], e]) @ draft.confidence_head.proj.weight[0] + \
+                    draft.confidence_head.proj.bias[0]
+                label = 1 - l1 / 2
+                bce = -(label * F.logsigmoid(c) + (1 - label) * F.logsigmoid(-c))
+                w = torch.exp(torch.tensor(-i / gamma))
+                total = total + w * (0.3 * ce + 0.5 * l1 + 0.7 * bce)
+                norm = norm + w
+    want = total / norm
+    loss, want = float(loss.detach()), float(want.detach())
+    assert abs(loss - want) <= reduction_rtol(v * h, 4) * max(1.0, want)
+    assert per_slot.shape == (3,) and set(parts) == {"ce", "l1", "confidence"}
+
+
+# ---------------------------------------------------------------- sampled output: the target distribution
+N, ALPHA = 20000, 1e-3  # samples after spec_fixtures.sampled_counts' prompt
+
+
+@pytest.fixture(scope="module")
+def vocab_pair():
+    """The kinds' 5-token target (draft_kind_fixtures) and a random DSpark draft on it (blocks of 2) whose
+    confidence head leans on the Markov embedding, so that slot 1's confidence depends on the token drawn
+    at slot 0."""
+    from draft_kind_fixtures import SMALL_TARGET_LAYERS, random_draft, vocab_pair as kinds_pair
+
+    target, _ = kinds_pair(DSPARK)
+    cfg = draft_config_for_target(target.cfg, 1, 2, markov_rank=3, confidence_head_with_markov=True,
+                                  target_layer_ids=SMALL_TARGET_LAYERS["dspark"])
+    draft = random_draft(DSPARK, target.cfg, seed=4, std=0.35, cfg=cfg)
+    with torch.no_grad():
+        draft.confidence_head.proj.weight[:, target.cfg.hidden_size:].mul_(10)
+    return target, draft
+
+
+def proposer(draft, method, sample_drafts):
+    sc = parse_spec_config(spec(2, model="unused", rejection_sample_method=method))
+    return DSparkProposer(sc, draft=draft, sample_drafts=sample_drafts)
+
+
+class RowsStopWhereSurvivalFalls(FixedK):
+    """Each row verifies its drafts while their survival stays >= 1/2: whether draft j is verified
+    depends on the confidences up to j, which the drafts before j decide (ConfidenceSizedK's rule, per row)."""
+
+    def verification_size(self, batch_size, survival):
+        return (survival >= 0.5).sum(1)
+
+
+class RowsPeekAtTheNextSurvival(FixedK):
+    """The negative control: a row verifies both drafts when the survival of slot 1 is >= 0.04, else none;
+    that survival depends on the token drawn at slot 0, so slot 0's draft is verified according to its
+    own value."""
+
+    def verification_size(self, batch_size, survival):
+        return torch.where(survival[:, 1] >= 0.04, 2, 0)
+
+
+def test_sampled_output_sized_by_each_rows_confidence_follows_the_target_distribution(vocab_pair):
+    """Sampled drafts drawn left to right through the Markov head, verified with their q, each row verifying
+    the drafts its survival admits (decided by the drafts before them)."""
+    target, draft = vocab_pair
+    check_sampled_drafts_keep_the_target_distribution(target, proposer(draft, "probabilistic", True), "probabilistic",
+                                                      N, ALPHA, RowsStopWhereSurvivalFalls(2))
+
+
+@pytest.mark.slow
+def test_the_distribution_test_rejects_verification_sized_by_the_drafts_own_values(vocab_pair):
+    """Why the sizing stops where survival falls: a size that peeks at the confidence a draft itself
+    decides verifies that draft as if drawn from another distribution, and the test catches it."""
+    from spec_fixtures import chi_square_p_value, exact_joint, sampled_counts
+
+    target, draft = vocab_pair
+    counts, _ = sampled_counts(target, proposer(draft, "probabilistic", True), "probabilistic", N,
+                               k_policy=RowsPeekAtTheNextSurvival(2))
+    assert chi_square_p_value(counts, exact_joint(target), N) < ALPHA
+
+
+# ---------------------------------------------------------------- the format, and bad drafts: one line each
+def test_the_shipped_draft_is_in_vllms_format():
+    with open(os.path.join(DRAFT, "config.json")) as f:
+        raw = json.load(f)
+    assert raw["architectures"] == ["Qwen3DSparkModel"] and raw["model_type"] == "qwen3"
+    assert raw["target_layer_ids"] == [1, 3, 5] and raw["block_size"] == K and raw["sample_from_anchor"] is True
+    assert raw["dspark_noise_token_id"] == read_config(TARGET).pad_token_id
+    assert raw["markov_rank"] >= 1 and raw["enable_confidence_head"] is True
+
+
+def copy_draft(tmp_path, edit_config=None):
+    out = tmp_path / "draft"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(DRAFT, out)
+    if edit_config:
+        raw = json.loads((out / "config.json").read_text())
+        edit_config(raw)
+        (out / "config.json").write_text(json.dumps(raw))
+    return str(out)
+
+
+def refusal(target, draft_dir, k=K, **extra):
+    with pytest.raises(UserError) as e:
+        check_against_checkpoint(parse_spec_config(spec(k, model=draft_dir, **extra)), read_config(target))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_a_draft_whose_heads_or_block_do_not_fit_is_refused(tmp_path):
+    assert "lacks 'markov_rank'" in refusal(TARGET, copy_draft(tmp_path, lambda raw: raw.pop("markov_rank")))
+    assert "dspark_noise_token_id 32" in refusal(TARGET, copy_draft(tmp_path, lambda raw: raw.update(
+        dspark_noise_token_id=32)))
+    assert "markov_rank" in refusal(TARGET, copy_draft(tmp_path, lambda raw: raw.update(markov_rank=5)))
+    assert "confidence_head.proj" in refusal(TARGET, copy_draft(tmp_path, lambda raw: raw.update(
+        enable_confidence_head=False)))
+    assert "sample_from_anchor" in refusal(TARGET, copy_draft(tmp_path, lambda raw: raw.update(sample_from_anchor=False)))
+    message = refusal(TARGET, DRAFT, k=K + 1)
+    assert f"num_speculative_tokens {K + 1}" in message and f"blocks of {K}" in message
+
+
+def test_adaptive_verification_without_a_confidence_method_is_refused():
+    with pytest.raises(UserError, match="enable_adaptive_verification sizes verification by the draft's confidence"):
+        parse_spec_config({"method": "dflash", "model": DRAFT, "num_speculative_tokens": 3,
+                           "enable_adaptive_verification": True})
+    with pytest.raises(UserError, match="enable_adaptive_verification must be true or false"):
+        parse_spec_config(spec(enable_adaptive_verification="yes"))
+
+
+def test_make_dspark_draft_refuses_bad_options_in_one_line(tmp_path, capsys):
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    from make_dspark_draft import main
+
+    for flag, value, message in (("--block-size", "0", "error: --block-size must be >= 1"),
+                                 ("--markov-rank", "0", "error: --markov-rank must be >= 1"),
+                                 ("--l1-weight", "-1", "error: --l1-weight must be >= 0")):
+        with pytest.raises(SystemExit) as e:
+            main(["--target", TARGET, "--out", str(tmp_path / "d"), flag, value])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.strip().count("\n") == 0 and err.startswith(message), err
