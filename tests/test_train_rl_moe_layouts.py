@@ -17,7 +17,7 @@ from rollout.task import make_prompts, write_jsonl
 from tests.fp32_bounds import close, longest_reduction, probable_reduction_rtol
 from tests.moe_fixtures import VLLM_CPU_MLA, write_checkpoint
 from tests.test_train_rl import REPO, metrics, run_train
-from vime.models.families import is_draft_name
+from vime.models.draft_kinds import is_draft_name
 from vime.models.hf_format import load_hf_checkpoint, read_config
 
 SHIPPED = {"glm4_moe": os.path.join(REPO, "checkpoints", "tiny-glm4-moe-mtp"),

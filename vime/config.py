@@ -631,6 +631,8 @@ RANGES = {
     "--draft-loss-scaling-factor": AT_LEAST_0, "--draft-lr": LEARNING_RATE,
     "--draft-steps-per-rollout": AT_LEAST_1, "--draft-replay-batches": AT_LEAST_0,
     "--draft-distill-topk": AT_LEAST_0, "--draft-ttt-steps": AT_LEAST_1, "--draft-clip-grad": AT_LEAST_0,
+    "--draft-ce-weight": AT_LEAST_0, "--draft-l1-weight": AT_LEAST_0, "--draft-confidence-weight": AT_LEAST_0,
+    "--expert-model-parallel-size": AT_LEAST_1, "--expert-tensor-parallel-size": AT_LEAST_1,
     "--reward-timeout": POSITIVE, "--reward-num-workers": AT_LEAST_1, "--eval-interval": AT_LEAST_1,
     "--n-samples-per-eval-prompt": AT_LEAST_1, "--eval-temperature": AT_LEAST_0,
 }
