@@ -7,7 +7,8 @@ the weights by the in-place hand-over (shared memory here, CUDA IPC on a GPU); e
 after every push (--check-weight-update-equal); a vLLM engine maps them and shares each round on into
 vLLM's worker the same way. With memory by turns asked for, the engine gives its KV
 cache and weights back while the trainer steps and the trainer keeps its optimizer state on the host
-while the engine generates: the pushes bring the weights back and the guard finds them equal."""
+while the engine generates: the pushes bring the weights back and the guard finds them equal. Shares
+the one GPU cannot hold are refused in one line (exit 2) before any actor starts."""
 import json
 import os
 import subprocess

@@ -100,13 +100,6 @@ def padded_steps_joint(model):
     return sampled_joint(model, "probabilistic", False, alternating_k(), max_batch_size=1000, pad_to_buckets=True)
 
 
-def test_sampling_with_steps_padded_to_buckets_matches_the_target_joint_distribution():
-    model = tiny_vocab_model(seed=1, family="qwen3", tie_word_embeddings=True)
-    counts, rate = padded_steps_joint(model)
-    assert 0.1 < rate < 0.9
-    assert p_value(counts, exact_joint(model)) > ALPHA
-
-
 def graph_steps_joint(model):
     """Sampled with every decode, verify and draft step run as the stand-in for a CUDA graph: traced whole,
     replayed from static input copies into outputs each step family shares (64 slots: row buckets 1 to 64
@@ -114,20 +107,18 @@ def graph_steps_joint(model):
     return sampled_joint(model, "probabilistic", True, alternating_k(), max_batch_size=64, graph_steps=True)
 
 
-@pytest.mark.slow  # a trace per step shape (1-2 min here); the padded steps' test above is the default run's
-def test_sampling_with_graph_shaped_static_steps_matches_the_target_joint_distribution():
+# the step layouts CUDA graphs run: padded (eager) in the default run; graph-shaped (a trace per step
+# shape, about half a minute here) among the slow tests
+STATIC_STEPS = [pytest.param(padded_steps_joint, id="padded-to-buckets"),
+                pytest.param(graph_steps_joint, id="graph-shaped", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("static_steps_joint", STATIC_STEPS)
+def test_sampling_with_static_steps_matches_the_target_joint_distribution(static_steps_joint):
     model = tiny_vocab_model(seed=1, family="qwen3", tie_word_embeddings=True)
-    counts, rate = graph_steps_joint(model)
+    counts, rate = static_steps_joint(model)
     assert 0.1 < rate < 0.9
     assert p_value(counts, exact_joint(model)) > ALPHA
-
-
-@pytest.mark.slow
-def test_distribution_test_with_graph_shaped_steps_rejects_a_sampler_that_resamples_from_p(monkeypatch):
-    model = tiny_vocab_model(seed=1, family="qwen3", tie_word_embeddings=True)
-    monkeypatch.setattr(rejection, "_residual_sample", resample_from_p)
-    counts, _ = graph_steps_joint(model)
-    assert p_value(counts, exact_joint(model)) < ALPHA
 
 
 def test_distribution_test_rejects_a_sampler_that_resamples_from_p(model, monkeypatch):
@@ -138,10 +129,11 @@ def test_distribution_test_rejects_a_sampler_that_resamples_from_p(model, monkey
 
 
 @pytest.mark.slow
-def test_distribution_test_with_padded_steps_rejects_a_sampler_that_resamples_from_p(monkeypatch):
+@pytest.mark.parametrize("static_steps_joint", STATIC_STEPS)
+def test_distribution_test_with_static_steps_rejects_a_sampler_that_resamples_from_p(static_steps_joint, monkeypatch):
     model = tiny_vocab_model(seed=1, family="qwen3", tie_word_embeddings=True)
     monkeypatch.setattr(rejection, "_residual_sample", resample_from_p)
-    counts, _ = padded_steps_joint(model)
+    counts, _ = static_steps_joint(model)
     assert p_value(counts, exact_joint(model)) < ALPHA
 
 
