@@ -11,6 +11,7 @@ verification size and the training loss.
 """
 import dataclasses
 import json
+import math
 import os
 import shutil
 import sys
@@ -27,7 +28,7 @@ from mtp.dspark import DSparkDraft, dspark_loss
 from rollout.embedded.engine import Engine, EngineConfig
 from rollout.embedded.engine_builder import build_engine
 from rollout.embedded.proposers.dspark import DSparkProposer
-from rollout.embedded.spec_policy import ConfidenceSizedK, FixedK
+from rollout.embedded.spec_policy import AdaptiveK, ConfidenceSizedK, FixedK
 from rollout.sampling_params import SamplingParams
 from rollout.spec_config import check_against_checkpoint, parse_spec_config
 from spec_fixtures import check_sampled_drafts_keep_the_target_distribution, one_thread  # noqa: F401
@@ -160,6 +161,41 @@ def test_the_verification_size_verifies_while_one_more_draft_raises_the_expected
             assert policy.drafted[j] - before[0][j] == pytest.approx(reached if j >= want else 0.0)
             assert policy.accepted[j] - before[1][j] == pytest.approx(float(s[:, j].sum()) if j >= want else 0.0)
     assert len(seen) >= 3
+
+
+def test_the_sized_schedule_prices_each_k_at_the_verification_its_steps_would_size_to():
+    """Once steps are sized, the schedule's k at each batch size against the direct formula: k maximises
+    E(q) / (verify(B, 1+q) + draft(B, k)), q <= k being where one more verified draft stops raising that
+    rate at the measured acceptance (k = 0: a plain step), the larger k on a tie. Control: on the same
+    profile AdaptiveK, which verifies all it drafts, drafts fewer than the block where a whole verify
+    does not pay, so its steps could never verify more."""
+    grid = [1, 2, 4]
+    verify = {0: [1.0, 1.5, 2.0], 1: [1.1, 1.8, 2.8], 2: [1.2, 2.6, 4.6], 3: [2.6, 3.6, 6.6]}
+    draft = {k: [0.0 if k == 0 else 0.3, 0.0 if k == 0 else 0.4, 0.0 if k == 0 else 0.6] for k in range(4)}
+    for accept in ([0.9, 0.7, 0.6], [0.5, 0.3, 0.2], [0.95, 0.95, 0.95]):
+        policy, adaptive = ConfidenceSizedK(3), AdaptiveK(3)
+        policy.set_costs(grid, verify, draft)
+        adaptive.set_profile(grid, {k: [v + d for v, d in zip(verify[k], draft[k])] for k in verify})
+        policy.verification_size(1, torch.ones(1, 3))  # a sized step: the sized schedule from here on
+        for p in (policy, adaptive):
+            p.corrects_costs = False
+            # rows reaching draft j and accepting it: a_j, its acceptance given the drafts before it
+            p.drafted, p.accepted = [1e9] * 3, [1e9 * a for a in accept]
+            p.begin()
+        tokens = [1 + sum(math.prod(accept[:i + 1]) for i in range(q)) for q in range(4)]
+        for b in (1, 2, 4):
+            at = grid.index(b)
+
+            def rate(q, k):
+                return tokens[q] / (verify[q][at] + draft[k][at])
+
+            def sized_q(k):
+                return next((q for q in range(k) if rate(q + 1, k) <= rate(q, k)), k)
+
+            best = max(rate(sized_q(k), k) for k in range(4))
+            want = max(k for k in range(4) if rate(sized_q(k), k) == pytest.approx(best, rel=1e-9))
+            assert policy.lookup[b] == want, (accept, b)
+    assert (policy.lookup[1], adaptive.lookup[1]) == (3, 2)  # the control: AdaptiveK drafts 2 of the block
 
 
 # ---------------------------------------------------------------- training

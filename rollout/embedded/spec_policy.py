@@ -28,8 +28,9 @@ drafts are verified, so every policy keeps the output exact.
               costs the same for any k, would never be drafted, so never measured.
               Not priced: the one catch-up of draft positions deferred by k = 0 steps at a switch
               to drafting (a draft-layer pass, a fraction of what the trunk spent on them).
-  ConfidenceSizedK  vLLM's enable_adaptive_verification: AdaptiveK's schedule decides how much to
-              draft at each batch size, and once a block is drafted the step verifies q drafts, rate(q) =
+  ConfidenceSizedK  vLLM's enable_adaptive_verification: a schedule like AdaptiveK's decides how much to
+              draft at each batch size, each k priced as its steps will be sized (best_k), and once a
+              block is drafted the step verifies q drafts, rate(q) =
               (B + sum_rows sum_{j<q} s_j) / (verify(B, 1+q) + draft(B, k)) being the expected tokens per
               second, s_j the running product of the draft's per-slot confidences (the chance draft j is
               still accepted), the draft already paid. q grows while one more draft raises rate(q) (the
@@ -260,10 +261,11 @@ class AdaptiveK(ScheduleK):
 
 
 class ConfidenceSizedK(AdaptiveK):
-    """AdaptiveK's schedule of how much to draft, and each step's verification sized by the drafts'
-    confidence (vLLM's enable_adaptive_verification; see module doc)."""
+    """A schedule of how much to draft, priced as its steps will be sized, and each step's verification
+    sized by the drafts' confidence (vLLM's enable_adaptive_verification; see module doc)."""
 
     accept_prior = 1.0  # every draft passes until drafted blocks say otherwise (module doc)
+    sized = False  # True once a step was sized by confidences (a draft without the head never is)
 
     def prepare(self, engine):
         if self.costs is not None:
@@ -282,18 +284,40 @@ class ConfidenceSizedK(AdaptiveK):
         (corrected verify(B, 1+q) + draft(B, k)) (see the module doc for why it stops there)."""
         if self.costs is None:
             return None
+        self.sized = True
         b, k = min(batch_size, len(self.costs) - 1), survival.shape[1]
         expected = [float(batch_size)] + (float(batch_size) + survival.sum(0).cumsum(0)).tolist()
-        correction = self.cost_correction()
+        q = self.sized_q(b, k, expected, self.cost_correction())
+        self.count_unverified(survival, q)
+        return q
 
+    def sized_q(self, b, k, expected, correction):
+        """The q where one more draft stops raising expected[q] / (corrected verify(b, 1+q) + draft(b, k)),
+        expected[q] the tokens a step verifying q drafts emits (for all rows, or per row)."""
         def rate(q):
             return expected[q] / max((self.verify_s[b][q] + self.draft_s[b][k]) * correction[q], 1e-12)
 
         q = 0
         while q < k and rate(q + 1) > rate(q):
             q += 1
-        self.count_unverified(survival, q)
         return q
+
+    def best_k(self, b, correction=None):
+        """Once steps are sized by confidence: the k whose steps emit the most per second when each verifies
+        the q it would size to at the acceptance measured so far (q <= k, the drafting of k paid), plain
+        decoding for k = 0; the larger k on a tie (a block's forward costs the same for any k, and a
+        step whose confidences are high may verify more than the average says). AdaptiveK's rule
+        verifies all k drafted, so it drafted fewer than a block where verifying a whole block did
+        not pay, and then no step could verify more. Until a step is sized (a draft without a
+        confidence head never is), AdaptiveK's k."""
+        if not self.sized:
+            return super().best_k(b, correction)
+        correction = correction or [1.0] * (self.k + 1)
+
+        def rate(k):
+            q = self.sized_q(b, k, self.tokens, correction)
+            return self.tokens[q] / max((self.verify_s[b][q] + self.draft_s[b][k]) * correction[q], 1e-12)
+        return max(range(self.k + 1), key=lambda k: (rate(k), k))
 
     def count_unverified(self, survival, q):
         """The drafts from q on are not verified: count what the confidence expects of them, rows reaching
