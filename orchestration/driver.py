@@ -181,7 +181,10 @@ def init_ray(run_cfg, needed_cpus):
         **vllm_logging_env(run_cfg.verbose)}}
     if run_cfg.ray_address:
         check_ray_address(run_cfg.ray_address, run_cfg.ray_connect_timeout)
-        ray.init(address=run_cfg.ray_address, runtime_env=env, log_to_driver=True)
+        # Ray's own handler would add its INFO lines (connecting, the dashboard's address, the upload) to
+        # the run's error output, as configure_logging=False spares a local start: a refusal that
+        # needs the cluster (a placement it cannot hold) stays one line; Ray's warnings still show
+        ray.init(address=run_cfg.ray_address, runtime_env=env, log_to_driver=True, configure_logging=False)
     else:
         if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":  # unset: Ray turns token auth on
             print("[vime] RAY_AUTH_MODE=disabled: this Ray cluster accepts any client that reaches it", flush=True)

@@ -56,4 +56,4 @@ def test_dspark_loss_weights_are_refused_for_another_kind_and_the_single_loss_ty
     refused(["--hf-checkpoint", TARGET, "--enable-draft-training", "--vllm-speculative-config", dspark,
              "--draft-loss-type", "tv"], "--draft-loss-type tv", "--draft-ce-weight")
     refused(["--hf-checkpoint", TARGET, "--enable-draft-training", "--vllm-speculative-config", dspark,
-             "--draft-confidence-weight", "-1"], "--draft-confidence-weight must be >= 0")
+             "--draft-confidence-weight", "-1"], "--draft-confidence-weight -1.0: must be >= 0")

@@ -17,6 +17,7 @@ from rollout.embedded.engine import Engine, EngineConfig
 from vime.sample import samples_for_prompts
 from rollout.sampling_params import SamplingParams
 from rollout.embedded.proposers.mtp import MTPProposer
+from rollout.embedded.steps import StepRunner
 from rollout.spec_config import parse_spec_config
 from spec_fixtures import (alternating_k, chi_square_p_value, exact_joint, one_thread, resample_from_p,  # noqa: F401
                            tiny_vocab_model)
@@ -34,11 +35,15 @@ def model(request):
     return tiny_vocab_model(seed=1, family=family, tie_word_embeddings=tied)
 
 
-def sampled_joint(model, method, sample_drafts=True, k_policy=None, max_batch_size=N, pad_to_buckets=None):
+def sampled_joint(model, method, sample_drafts=True, k_policy=None, max_batch_size=N, pad_to_buckets=None,
+                  graph_steps=False):
     spec = parse_spec_config({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": method})
     config = EngineConfig(max_batch_size=max_batch_size, max_len=16, rejection_sample_method=method,
                           pad_to_buckets=pad_to_buckets)
     engine = Engine(model, config, proposer=MTPProposer(spec, sample_drafts=sample_drafts))
+    if graph_steps:  # what a CUDA graph runs, traced whole and replayed from static buffers (steps.py `trace`)
+        engine.steps = StepRunner("cpu", graphs=True, max_rows=max_batch_size, capture="trace")
+        engine.steps.max_graph_q_len = 1 + spec.num_speculative_tokens
     if k_policy is not None:
         engine.k_policy = k_policy
     samples = engine.generate(samples_for_prompts([PROMPT] * N), SamplingParams(temperature=1.0, max_new_tokens=3, seed=7))
@@ -95,9 +100,23 @@ def padded_steps_joint(model):
     return sampled_joint(model, "probabilistic", False, alternating_k(), max_batch_size=1000, pad_to_buckets=True)
 
 
-def test_sampling_with_steps_padded_to_buckets_matches_the_target_joint_distribution():
+def graph_steps_joint(model):
+    """Sampled with every decode, verify and draft step run as the stand-in for a CUDA graph: traced whole,
+    replayed from static input copies into outputs each step family shares (64 slots: row buckets 1 to 64
+    as the waves drain; k alternating 2 / 0, so catch-up windows run eagerly between graphed steps)."""
+    return sampled_joint(model, "probabilistic", True, alternating_k(), max_batch_size=64, graph_steps=True)
+
+
+# the step layouts CUDA graphs run: padded (eager) in the default run; graph-shaped (a trace per step
+# shape, about half a minute here) among the slow tests
+STATIC_STEPS = [pytest.param(padded_steps_joint, id="padded-to-buckets"),
+                pytest.param(graph_steps_joint, id="graph-shaped", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("static_steps_joint", STATIC_STEPS)
+def test_sampling_with_static_steps_matches_the_target_joint_distribution(static_steps_joint):
     model = tiny_vocab_model(seed=1, family="qwen3", tie_word_embeddings=True)
-    counts, rate = padded_steps_joint(model)
+    counts, rate = static_steps_joint(model)
     assert 0.1 < rate < 0.9
     assert p_value(counts, exact_joint(model)) > ALPHA
 
@@ -110,10 +129,11 @@ def test_distribution_test_rejects_a_sampler_that_resamples_from_p(model, monkey
 
 
 @pytest.mark.slow
-def test_distribution_test_with_padded_steps_rejects_a_sampler_that_resamples_from_p(monkeypatch):
+@pytest.mark.parametrize("static_steps_joint", STATIC_STEPS)
+def test_distribution_test_with_static_steps_rejects_a_sampler_that_resamples_from_p(static_steps_joint, monkeypatch):
     model = tiny_vocab_model(seed=1, family="qwen3", tie_word_embeddings=True)
     monkeypatch.setattr(rejection, "_residual_sample", resample_from_p)
-    counts, _ = padded_steps_joint(model)
+    counts, _ = static_steps_joint(model)
     assert p_value(counts, exact_joint(model)) < ALPHA
 
 

@@ -1,13 +1,17 @@
 """train_rl.py end to end on the MoE models with the routed experts split over trainer ranks: the first
-RL step of an expert-parallel trainer equals one rank's, on the embedded engine and on vLLM.
+RL step of an expert-parallel trainer (EP2 over two data-parallel ranks, and PP2 x EP2 x DP2: four ranks,
+two pipeline stages whose experts are split over the two data-parallel replicas of each, the MTP layer
+on the last stage) equals one rank's, on the embedded engine and on vLLM.
 
-Both runs roll out the same samples (the same engine, weights and seed), so the trainer layout is all
+Every run rolls out the same samples (the same engine, weights and seed), so the trainer layout is all
 that differs: the step's policy loss, MTP loss, entropy and grad norms, and the checksums of the
-weights pushed after it (the full per-expert HF tensors every engine receives, each compared tensor
-by tensor with the trainer's under --check-weight-update-equal), equal one rank's within what fp32
-reduction order can change (tests/fp32_bounds.py probable_reduction_rtol, <= 1e-4). The GLM-4.5 runs
-replay the rollout's routes (--use-rollout-routing-replay) and log train/route_disagreement.
-A whole run each: slow-marked (1-3 min per pair on 2 cores).
+weights pushed after it (the full per-expert HF tensors every engine receives, gathered over the
+stages and the expert ranks, each compared tensor by tensor with the trainer's under
+--check-weight-update-equal), equal one rank's within what fp32 reduction order can change
+(tests/fp32_bounds.py probable_reduction_rtol, <= 1e-4). The GLM-4.5 runs replay the rollout's routes
+(--use-rollout-routing-replay) and log train/route_disagreement. The one-rank run of a model and
+engine is made once per module and compared with every layout. A whole run each: slow-marked
+(1-4 min per run on 2 cores).
 """
 import os
 
@@ -17,13 +21,16 @@ from rollout.task import make_prompts, write_jsonl
 from tests.fp32_bounds import close, longest_reduction, probable_reduction_rtol
 from tests.moe_fixtures import VLLM_CPU_MLA, write_checkpoint
 from tests.test_train_rl import REPO, metrics, run_train
+from tests.test_train_rl_pipeline import weight_tensor_count
 from vime.models.draft_kinds import is_draft_name
 from vime.models.hf_format import load_hf_checkpoint, read_config
 
 SHIPPED = {"glm4_moe": os.path.join(REPO, "checkpoints", "tiny-glm4-moe-mtp"),
            "deepseek_v3": os.path.join(REPO, "checkpoints", "tiny-deepseek-v3-mtp")}
-# the layouts compared with one rank: (trainer flags, what the run adds)
+# the layouts compared with one rank, by test id: their trainer flags
 EP2 = ("--data-parallel-size", 2, "--expert-model-parallel-size", 2)
+PP = "--pipeline-model-parallel-size"
+LAYOUTS = {"ep2": EP2, "pp2-ep2-dp2": (PP, 2, *EP2)}
 LR, DRAFT_LR = 1e-3, 5e-3  # --adam-eps = the lr: Adam does not amplify a rounding difference (test_trainer_tensor_parallel.py)
 KEYS = ("train/policy_loss", "train/mtp_loss", "train/entropy", "train/grad_norm", "train/mtp_grad_norm")
 REPLAY = {"glm4_moe": ("--use-rollout-routing-replay",), "deepseek_v3": ()}
@@ -38,11 +45,25 @@ def run_args(ckpt, out, backend, *extra):
             "--mtp-num-layers", 1, "--check-weight-update-equal", "--use-wandb", "false", *extra]
 
 
-def rtol_of(ckpt):
-    """fp32 reduction order through a forward, backward and norm of every layer and the MTP layer."""
+def layout_flags(ckpt, name):
+    """The trainer flags of layout `name` for `ckpt`: decoder layers that do not split evenly over two
+    stages leave the first stage the smaller share (the shipped models' 5 layers: 2 + 3)."""
+    flags = LAYOUTS[name]
+    layers = read_config(ckpt).num_hidden_layers
+    if PP in flags and layers % 2:
+        flags += ("--decoder-first-pipeline-num-layers", layers // 2)
+    return flags
+
+
+def rtol_of(ckpt, pipelined=False):
+    """fp32 reduction order through a forward, backward and norm of every layer and the MTP layer; stages
+    add one link to that chain (the grad norm's sum over weight tensors, split into one sum per stage)."""
     cfg = read_config(ckpt)
     depth = 3 * 2 * 2 * (cfg.num_hidden_layers + cfg.num_nextn_predict_layers) + 4
-    return probable_reduction_rtol(longest_reduction(cfg, cfg.max_position_embeddings), depth)
+    longest = longest_reduction(cfg, cfg.max_position_embeddings)
+    if pipelined:
+        depth, longest = depth + 1, max(longest, weight_tensor_count(ckpt))
+    return probable_reduction_rtol(longest, depth)
 
 
 def checksum_atol(ckpt, draft, rtol):
@@ -53,28 +74,46 @@ def checksum_atol(ckpt, draft, rtol):
     return n * (DRAFT_LR if draft else LR) * rtol / 4
 
 
-def assert_ep2_steps_like_one_rank(ckpt, tmp_path, backend, *extra):
+def first_step(ckpt, out, backend, *flags):
+    """The metrics of the first RL step of a train_rl.py run with `flags` (every push checked tensor by tensor)."""
+    proc = run_train(*run_args(ckpt, out, backend, *flags), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return metrics(out)[0]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """first_step of one trainer rank, run once per (checkpoint, backend, flags) for every layout compared with it."""
     rows = {}
-    for name, layout in (("one", ()), ("ep2", EP2)):
-        out = tmp_path / name
-        proc = run_train(*run_args(ckpt, out, backend, *layout, *extra), timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rows[name] = metrics(out)[0]
-    one, ep2 = rows["one"], rows["ep2"]
-    rtol = rtol_of(ckpt)
+
+    def row(ckpt, backend, *extra):
+        key = (ckpt, backend, extra)
+        if key not in rows:
+            rows[key] = first_step(ckpt, tmp_path_factory.mktemp("one_rank"), backend, *extra)
+        return rows[key]
+    return row
+
+
+def assert_layout_steps_like_one_rank(one_rank, ckpt, tmp_path, backend, layout, *extra):
+    one = one_rank(ckpt, backend, *extra)
+    flags = layout_flags(ckpt, layout)
+    got = first_step(ckpt, tmp_path / layout, backend, *flags, *extra)
+    rtol = rtol_of(ckpt, pipelined=PP in flags)
     assert rtol <= 1e-4
     replayed = "--use-rollout-routing-replay" in extra
     for key in KEYS + (("train/route_disagreement",) if replayed else ()):
-        assert close(ep2[key], one[key], rtol), (key, ep2[key], one[key])
+        assert close(got[key], one[key], rtol), (key, got[key], one[key])
     for key, draft in (("weight_sync/target_checksum", False), ("weight_sync/draft_checksum", True)):
-        assert abs(ep2[key] - one[key]) <= checksum_atol(ckpt, draft, rtol), (key, ep2[key], one[key])
+        assert abs(got[key] - one[key]) <= checksum_atol(ckpt, draft, rtol), (key, got[key], one[key])
     assert one["train/grad_norm"] > 0 and one["train/mtp_loss"] > 0
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("family", sorted(SHIPPED))
-def test_ep2_trains_the_shipped_moe_model_like_one_rank_on_the_embedded_engine(tmp_path, family):
-    assert_ep2_steps_like_one_rank(SHIPPED[family], tmp_path, "embedded", *REPLAY[family])
+def test_expert_layouts_train_the_shipped_moe_model_like_one_rank_on_the_embedded_engine(tmp_path, one_rank, family,
+                                                                                        layout):
+    assert_layout_steps_like_one_rank(one_rank, SHIPPED[family], tmp_path, "embedded", layout, *REPLAY[family])
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +126,15 @@ def vllm_cpu_deepseek(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_ep2_trains_glm_moe_like_one_rank_with_vllm_rollouts(tmp_path):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_expert_layouts_train_glm_moe_like_one_rank_with_vllm_rollouts(tmp_path, one_rank, layout):
     pytest.importorskip("vllm")
-    assert_ep2_steps_like_one_rank(SHIPPED["glm4_moe"], tmp_path, "vllm")
+    assert_layout_steps_like_one_rank(one_rank, SHIPPED["glm4_moe"], tmp_path, "vllm", layout)
 
 
 @pytest.mark.slow
-def test_ep2_trains_deepseek_v3_like_one_rank_with_vllm_rollouts(tmp_path, vllm_cpu_deepseek):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_expert_layouts_train_deepseek_v3_like_one_rank_with_vllm_rollouts(tmp_path, one_rank, vllm_cpu_deepseek,
+                                                                           layout):
     pytest.importorskip("vllm")
-    assert_ep2_steps_like_one_rank(vllm_cpu_deepseek, tmp_path, "vllm")
+    assert_layout_steps_like_one_rank(one_rank, vllm_cpu_deepseek, tmp_path, "vllm", layout)

@@ -49,6 +49,7 @@ def engine_process(rendezvous, pipe):
                "devices": sorted({v.device.type for _, v in kept})})
     pipe.recv()  # the trainer wrote into its buckets
     pipe.send({k: v.cpu().clone() for k, v in kept})
+    pipe.recv()  # torch passes the tensors' storage as file descriptors this process serves: stay until taken
 
 
 def both_ways(named, device="cpu"):
@@ -74,6 +75,7 @@ def both_ways(named, device="cpu"):
             bucket.fill_(7)
         ours.send("wrote")
         seen_after = ours.recv()
+        ours.send("taken")
         hand_over.release()
     finally:
         engine.join(timeout=120)

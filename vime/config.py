@@ -16,7 +16,7 @@ from typing import Any, Optional
 from mtp.loss import MTP_LOSSES
 from mtp.reuse import REUSE_ATTENTION
 from vime.errors import UserError, require
-from vime.models.draft_kinds import EXTERNAL_KINDS, LOSS_TERMS, trained_kinds
+from vime.models.draft_kinds import EXTERNAL_KINDS, trained_kinds
 from vime.parallel_layout import ParallelLayout
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -455,9 +455,6 @@ def _validate_drafts(d, m):
     require(d.ttt_steps is None or not m.enable_training,
             "--draft-ttt-steps unrolls an external draft's training-time test; the MTP layers train the depths "
             "of --mtp-train-depths")
-    for term in LOSS_TERMS:
-        weight = getattr(d, f"{term}_weight")
-        require(weight is None or weight >= 0, f"--draft-{term}-weight must be >= 0 (got {weight})")
     require(d.loss_scaling_factor == 1.0 or not m.enable_training,
             "--draft-loss-scaling-factor scales an external draft's loss; the MTP layers' factor is "
             "--mtp-loss-scaling-factor")
