@@ -28,7 +28,8 @@ def proposer(kind, draft, method, sample_drafts):
     return PROPOSERS[kind.name](spec, draft=draft, sample_drafts=sample_drafts)
 
 
-@pytest.mark.parametrize("method, sample_drafts", [("probabilistic", True), ("strict", False)])
+@pytest.mark.parametrize("method, sample_drafts", [("probabilistic", True),
+                                                   pytest.param("strict", False, marks=pytest.mark.slow)])
 def test_sampled_output_with_each_kinds_draft_follows_the_target_distribution(pair, method, sample_drafts):
     kind, target, draft = pair
     check_sampled_drafts_keep_the_target_distribution(target, proposer(kind, draft, method, sample_drafts), method,

@@ -70,6 +70,7 @@ def test_incomplete_checkpoint_is_a_one_line_error(tmp_path, small_ckpt, prompts
                           "missing", "incomplete")
 
 
+@pytest.mark.parametrize("small_ckpt", ["mimo"], indirect=True)  # the prompt file's checks know no family
 @pytest.mark.parametrize("lines, needle", [
     (['{"prompt": "1+2="}', '{"prompt": "3+4="'], "line 2 is not valid JSON"),
     (['{"prompt": ""}'], "line 1: the prompt is empty"),

@@ -65,7 +65,8 @@ def test_wandb_mode_offline_with_a_key_set_logs_offline(tmp_path):
     assert "warning:" not in proc.stderr  # offline by choice: nothing to warn about
 
 
-@pytest.mark.parametrize("key, cause", [(KEY, "CommError"), ("short", "AuthenticationError")],
+@pytest.mark.parametrize("key, cause", [pytest.param(KEY, "CommError", marks=pytest.mark.slow),  # waits out a timeout
+                                        ("short", "AuthenticationError")],
                          ids=["unreachable-server", "bad-key"])
 def test_a_failed_online_start_is_one_warning_and_the_run_logs_offline(tmp_path, key, cause):
     proc, mode = log_one_step(tmp_path, WANDB_API_KEY=key, WANDB_INIT_TIMEOUT="3")

@@ -59,7 +59,8 @@ def p_value(counts, exact):
     return chi_square_p_value(counts, exact, N)
 
 
-@pytest.mark.parametrize("method, sample_drafts", [("probabilistic", True), ("probabilistic", False),
+@pytest.mark.parametrize("method, sample_drafts", [("probabilistic", True),
+                                                   pytest.param("probabilistic", False, marks=pytest.mark.slow),
                                                    ("strict", False)])
 def test_speculative_sampling_matches_the_target_joint_distribution(model, method, sample_drafts):
     exact = exact_joint(model)
@@ -68,7 +69,7 @@ def test_speculative_sampling_matches_the_target_joint_distribution(model, metho
     assert p_value(counts, exact) > ALPHA
 
 
-@pytest.mark.parametrize("policy", ["adaptive", "alternating"])
+@pytest.mark.parametrize("policy", ["adaptive", pytest.param("alternating", marks=pytest.mark.slow)])
 def test_sampling_with_k_chosen_per_step_matches_the_target_joint_distribution(model, policy):
     """k changes only how much is drafted: a per-step k (the adaptive policy, or one that
     alternates 0 and 2 so deferred MTP catch-up is exercised) keeps the distribution."""

@@ -283,7 +283,7 @@ def assert_refused_before_actors(proc, needle):
     assert "Ray" not in proc.stdout + proc.stderr.replace(errors[0], "")
 
 
-@pytest.mark.parametrize("extra, needle", [
+BAD_INPUTS = [
     (["--enable-mtp-training"], "--enable-mtp-training needs --mtp-num-layers"),
     (["--global-batch-size", 5], "--global-batch-size 5 must divide"),
     (["--rm-type", "nope"], "--rm-type 'nope' is unknown"),
@@ -305,12 +305,28 @@ def assert_refused_before_actors(proc, needle):
       '"num_speculative_tokens_per_batch_size": [[1, 4, 2]]}'], "give one of them"),
     (["--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 2, '
       '"num_speculative_tokens_per_batch_size": [[2, 4, 2]]}'], "must start at 1"),
-])
-def test_bad_input_is_a_one_line_error_before_any_actor_starts(ckpt, tmp_path, extra, needle):
+]
+# whole train_rl.py processes (exit 2, one line, no Ray) for a flag, a file and a reward function; every
+# case goes through the same pre-start checks in-process below
+WHOLE_PROCESS = ("--enable-mtp-training needs", "--prompt-data /nonexistent.jsonl", "--custom-rm-path")
+
+
+def args_without_reward(ckpt, tmp_path):
     args = base_args(ckpt, tmp_path, 1)
     cut = args.index("--custom-rm-path")
-    args = args[:cut] + args[cut + 2:]
-    assert_refused_before_actors(run_train(*args, *extra, timeout=120), needle)
+    return args[:cut] + args[cut + 2:]
+
+
+@pytest.mark.parametrize("extra, needle", [c for c in BAD_INPUTS if c[1].startswith(WHOLE_PROCESS)])
+def test_bad_input_is_a_one_line_error_before_any_actor_starts(ckpt, tmp_path, extra, needle):
+    assert_refused_before_actors(run_train(*args_without_reward(ckpt, tmp_path), *extra, timeout=120), needle)
+
+
+@pytest.mark.parametrize("extra, needle", BAD_INPUTS)
+def test_bad_input_is_refused_by_the_pre_start_checks(ckpt, tmp_path, extra, needle):
+    from bad_input_helpers import refused
+
+    refused([str(a) for a in (*args_without_reward(ckpt, tmp_path), *extra)], needle)
 
 
 def test_an_incomplete_checkpoint_is_refused_before_any_actor_starts(ckpt, tmp_path):

@@ -131,9 +131,11 @@ def processes_with_marker(marker):
 
 @pytest.mark.parametrize("spec, needle", [
     ('{"method":"magic","num_speculative_tokens":2}', "method: Input should be"),
-    ('{"method":"eagle","num_speculative_tokens":2}', "without speculative model"),
-    ('{"method":"mtp","num_speculative_tokens":0}', "greater than 0"),
-    ('{"method":"mtp","num_speculative_token":2}', "did you mean 'num_speculative_tokens'"),
+    # one run per mechanism in the default run (vLLM's own validation reaching the user as one line)
+    pytest.param('{"method":"eagle","num_speculative_tokens":2}', "without speculative model", marks=pytest.mark.slow),
+    pytest.param('{"method":"mtp","num_speculative_tokens":0}', "greater than 0", marks=pytest.mark.slow),
+    pytest.param('{"method":"mtp","num_speculative_token":2}', "did you mean 'num_speculative_tokens'",
+                 marks=pytest.mark.slow),
 ])
 def test_bad_speculative_configs_are_one_line_errors_with_no_process_left(ckpt, tmp_path, spec, needle):
     marker = uuid.uuid4().hex

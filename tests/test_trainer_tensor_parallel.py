@@ -38,7 +38,9 @@ RTOL = reduction_rtol(TINY["intermediate_size"], DEPTH)
 WEIGHT_ATOL = len(SEEDS) * CFG["lr"] * RTOL
 
 
-@pytest.mark.parametrize("family", sorted(MTP_FAMILIES))  # MoE trains at TP 1 (test_trainer_moe.py)
+# MoE trains at TP 1 (test_trainer_moe.py); the default run splits one dense family, -m slow every one
+@pytest.mark.parametrize("family", [f if f == "mimo" else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in sorted(MTP_FAMILIES)])
 def test_tp2_matches_tp1_losses_and_its_checkpoint_loads_at_tp1(tmp_path, family):
     hf, ckpt, out = str(tmp_path / "hf"), str(tmp_path / "ckpt_tp2"), str(tmp_path / "tp2.pt")
     make_tiny(hf, seed=5, tie_word_embeddings=False, family=family)

@@ -117,7 +117,7 @@ def test_layouts_that_cannot_be_placed_are_refused_before_ray_starts(ckpt, tmp_p
 
 @pytest.mark.parametrize("extra, missing", [
     (["--rollout-resources", json.dumps({ROLLOUT: 1})], f"1 {ROLLOUT} (free: 0)"),
-    (["--actor-num-gpus-per-node", 1], "1 GPU (free: 0)"),
+    pytest.param(["--actor-num-gpus-per-node", 1], "1 GPU (free: 0)", marks=pytest.mark.slow),  # same path, GPUs
 ])
 def test_placement_that_does_not_fit_the_cluster_is_one_line_and_no_wait(ckpt, tmp_path, extra, missing):  # noqa: F811
     start = time.time()
