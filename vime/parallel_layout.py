@@ -183,11 +183,9 @@ def _check_tensor_parallel(layout, model_cfg):
 
 # ---- expert parallelism -----------------------------------------------------------------------
 def _check_expert_flags(layout):
-    """EP x ETP must divide a pipeline stage's TP x DP ranks: megatron-core lays the expert groups out inside them."""
+    """EP x ETP must divide a pipeline stage's TP x DP ranks: megatron-core lays the expert groups out inside them
+    (each size >= 1 is the flags' range, checked by every command line before a layout is built)."""
     stage = layout.tp * layout.dp
-    for name in ("ep", "etp"):
-        value = getattr(layout, name)
-        require(value is None or value >= 1, f"{FLAGS[name]} {value}: must be at least 1")
     require(stage % (layout.ep * layout.expert_tp) == 0,
             f"{FLAGS['ep']} {layout.ep} x {FLAGS['etp']} {layout.expert_tp} does not divide the {stage} trainer ranks "
             f"of a pipeline stage ({FLAGS['tp']} {layout.tp} x {FLAGS['dp']} {layout.dp}); choose EP x ETP dividing "
@@ -216,8 +214,6 @@ def _check_stage_flags(layout):
         value = getattr(layout, name)
         require(value is None or layout.pp > 1, f"{FLAGS[name]} {value} sets the layers of one of several pipeline "
                 f"stages: use it with {FLAGS['pp']} 2 or more, or drop it")
-        require(value is None or value >= 1, f"{FLAGS[name]} {value}: every pipeline stage holds at least one "
-                "decoder layer")
 
 
 def _suggest_split(num_layers, pp):
