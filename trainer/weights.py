@@ -22,9 +22,12 @@ router's expert bias) move too. A routed expert's parameters are this rank's sha
 parallelism: sharded over the expert-TP group, named by their global expert id and gathered over
 the EP ranks (trainer/expert_parallel.py).
 """
+import math
+
 import torch
 import torch.distributed as dist
 
+from vime import weight_sync
 from vime.models.megatron_names import hf_to_megatron, megatron_to_hf
 from trainer import expert_parallel
 from trainer.distributed import (collective_device, dp_group, pp_group, pp_size, tp_group,
@@ -165,32 +168,21 @@ def gather_stages(named):
 
 
 def _send_pairs(named, dst, group):
-    """Names, shapes and dtypes first, then one flat buffer per dtype (in that order)."""
-    header = [(name, tuple(t.shape), t.dtype) for name, t in named]
-    dist.send_object_list([header], dst=dst, group=group, device=collective_device())
-    for dtype in sorted({d for _, _, d in header}, key=str):
-        dist.send(torch.cat([t.reshape(-1) for _, t in named if t.dtype == dtype]).to(collective_device()),
-                  dst=dst, group=group)
+    """The pairs in the weight-sync wire format: the bucket layout (names, shapes, dtypes), then each bucket flat
+    (one per run of a dtype)."""
+    layout = weight_sync.bucket_layout(named, buffer_size=math.inf)
+    dist.send_object_list([layout], dst=dst, group=group, device=collective_device())
+    by_name = dict(named)
+    for bucket in layout:
+        dist.send(weight_sync.flatten_bucket(bucket, by_name).to(collective_device()), dst=dst, group=group)
 
 
 def _recv_pairs(src, group):
     box = [None]
     dist.recv_object_list(box, src=src, group=group, device=collective_device())
-    header = box[0]
-    tensors = {}
-    for dtype in sorted({d for _, _, d in header}, key=str):
-        specs = [(name, shape) for name, shape, d in header if d == dtype]
-        flat = torch.empty(sum(_numel(shape) for _, shape in specs), dtype=dtype, device=collective_device())
+    pairs = []
+    for bucket in box[0]:
+        flat = torch.empty(sum(s.numel for s in bucket), dtype=bucket[0].dtype, device=collective_device())
         dist.recv(flat, src=src, group=group)
-        offset = 0
-        for name, shape in specs:
-            tensors[name] = flat[offset:offset + _numel(shape)].view(shape)
-            offset += _numel(shape)
-    return [(name, tensors[name]) for name, _, _ in header]
-
-
-def _numel(shape):
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+        pairs += weight_sync.unflatten_bucket(bucket, flat)
+    return pairs

@@ -14,6 +14,7 @@ Checksums let the loop prove that a worker's weights equal the trainer's after a
 """
 import datetime
 import hashlib
+import math
 import pickle
 from dataclasses import dataclass
 
@@ -33,10 +34,7 @@ class TensorSpec:
 
     @property
     def numel(self):
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def bucket_layout(named_tensors, buffer_size):
