@@ -527,11 +527,12 @@ class Engine:
         if torch.device(self.config.device).type == "cuda":
             torch.cuda.synchronize(self.config.device)
 
-    def profile_verify(self, batch_size, q_len, context=32, repeats=3, back_to_back=1):
+    def profile_verify(self, batch_size, q_len, context=32, repeats=3, back_to_back=1, warm_up=True):
         """Seconds of one verify forward (trunk + head + log-probs) of batch_size rows x q_len
         tokens after `context` cached ones; writes only into free slots (call between generates).
         back_to_back > 1: the mean of that many forwards issued without waiting in between (on
-        CUDA the device's time per step once the host keeps ahead of it)."""
+        CUDA the device's time per step once the host keeps ahead of it). warm_up: one untimed call
+        first (the first calls allocate)."""
         context = max(0, min(context, self.max_len - q_len))
 
         class Probe:
@@ -546,16 +547,16 @@ class Engine:
             for _ in range(back_to_back):
                 _, _, logits = self._forward(probes, rows, [context] * batch_size, with_logits=True)
                 processed_logprobs(logits, 1.0, 0, 1.0)
-        return _min_seconds(steps, repeats, self._synchronize) / back_to_back
+        return _min_seconds(steps, repeats, self._synchronize, warm_up) / back_to_back
 
-    def profile_draft(self, batch_size, k, repeats=3, new_tokens=2):
+    def profile_draft(self, batch_size, k, repeats=3, new_tokens=2, warm_up=True):
         """Seconds the proposer takes to draft k tokens for batch_size rows after catching up
         `new_tokens` verified positions per row (0 if it cannot say, and at k = 0 unless the
         proposer works at every step: `costs_at_k0`)."""
         probe = getattr(self.proposer, "profile_draft", None)
         if probe is None or (k == 0 and not self.proposer.costs_at_k0):
             return 0.0
-        return _min_seconds(lambda: probe(batch_size, k, new_tokens), repeats, self._synchronize)
+        return _min_seconds(lambda: probe(batch_size, k, new_tokens), repeats, self._synchronize, warm_up)
 
     # ---------------------------------------------------------------- checks and helpers
     def _check_prompt(self, s):
@@ -584,8 +585,9 @@ def _cast_keeping_fp32_router_bias(model, device, dtype):
     return model
 
 
-def _min_seconds(fn, repeats, synchronize):
-    fn()  # warm-up: first calls allocate
+def _min_seconds(fn, repeats, synchronize, warm_up=True):
+    if warm_up:
+        fn()  # first calls allocate
     best = float("inf")
     for _ in range(repeats):
         synchronize()

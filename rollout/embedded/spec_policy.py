@@ -28,12 +28,15 @@ drafts are verified, so every policy keeps the output exact.
               costs the same for any k, would never be drafted, so never measured.
               Not priced: the one catch-up of draft positions deferred by k = 0 steps at a switch
               to drafting (a draft-layer pass, a fraction of what the trunk spent on them).
-  ConfidenceSizedK  vLLM's enable_adaptive_verification: a schedule like AdaptiveK's decides how much to
-              draft at each batch size, each k priced as its steps will be sized (best_k), and once a
-              block is drafted the step verifies q drafts, rate(q) =
+  ConfidenceSizedK  vLLM's enable_adaptive_verification: a schedule like AdaptiveK's decides at each batch
+              size whether to draft the block or nothing, the block priced as its steps will be sized
+              (best_k), and once a block is drafted the step verifies q drafts, rate(q) =
               (B + sum_rows sum_{j<q} s_j) / (verify(B, 1+q) + draft(B, k)) being the expected tokens per
               second, s_j the running product of the draft's per-slot confidences (the chance draft j is
-              still accepted), the draft already paid. q grows while one more draft raises rate(q) (the
+              still accepted), the draft already paid. The verify and the draft are each priced at the
+              profile's seconds plus what real steps' parts took beyond it near that batch size,
+              pooled over every q and k (CostEvidence): the engine's host work around a forward,
+              which the profile's probes do not do. q grows while one more draft raises rate(q) (the
               argmax where rate is unimodal): whether draft j is verified then depends on s_0..s_j,
               which depend on the drafts before j only, never on draft j itself. That is what keeps
               sampled drafts exact: a draft verified or not according to its own value would be
@@ -160,13 +163,22 @@ class AdaptiveK(ScheduleK):
         self.set_profile(grid, {k: [v + d for v, d in zip(verify[k], draft[k])] for k in verify})
 
     def profile(self, engine):
-        """(batch grid, {k: verify seconds per grid size}, {k: draft seconds per grid size})."""
+        """(batch grid, {k: verify seconds per grid size}, {k: draft seconds per grid size}): each point
+        the best of PROFILE_REPEATS, the points interleaved (every point once per round, after one
+        untimed round): a machine whose speed drifts while it profiles slows every point alike
+        instead of the ks profiled last (a profile taken k by k priced a whole k up or down)."""
         grid = batch_grid(engine.config.max_batch_size)
         ks = range(self.k + 1)
-        verify = monotone_envelope({k: [engine.profile_verify(b, 1 + k, repeats=PROFILE_REPEATS) for b in grid]
-                                    for k in ks})
-        draft = monotone_envelope({k: [engine.profile_draft(b, k, repeats=PROFILE_REPEATS) for b in grid] for k in ks})
-        return grid, verify, draft
+        verify = {k: [math.inf] * len(grid) for k in ks}
+        draft = {k: [math.inf] * len(grid) for k in ks}
+        for timed in [False] + [True] * PROFILE_REPEATS:
+            for i, b in enumerate(grid):
+                for k in ks:
+                    v = engine.profile_verify(b, 1 + k, repeats=1, warm_up=False)
+                    d = engine.profile_draft(b, k, repeats=1, warm_up=False)
+                    if timed:
+                        verify[k][i], draft[k][i] = min(verify[k][i], v), min(draft[k][i], d)
+        return grid, monotone_envelope(verify), monotone_envelope(draft)
 
     def set_profile(self, grid, step_s):
         """The step costs: step_s[k][i] seconds of a k-draft step at grid[i] rows, linear in between."""
@@ -215,13 +227,20 @@ class AdaptiveK(ScheduleK):
             self.accepted = [n * ACCEPT_KEEP_PER_LOAD for n in self.accepted]
         self.tokens = [expected_tokens(self.acceptance(), k) for k in range(self.k + 1)]
         if self.costs is not None:
-            correction = self.cost_correction()
-            self.lookup = [0] + [self.best_k(b, correction) for b in range(1, len(self.costs))]
-            # the correction follows the machine's load: older steps count less at each generate
-            self.measured_s = [x * COST_KEEP_PER_GENERATE for x in self.measured_s]
-            self.profiled_s = [x * COST_KEEP_PER_GENERATE for x in self.profiled_s]
-            self.forget_thin_cost_evidence()
+            self.write_schedule()
+            self.age_cost_evidence()
         self.trace = new_trace()
+
+    def write_schedule(self):
+        """This generate's k for every batch size."""
+        correction = self.cost_correction()
+        self.lookup = [0] + [self.best_k(b, correction) for b in range(1, len(self.costs))]
+
+    def age_cost_evidence(self):
+        """The correction follows the machine's load: older steps count less at each generate."""
+        self.measured_s = [x * COST_KEEP_PER_GENERATE for x in self.measured_s]
+        self.profiled_s = [x * COST_KEEP_PER_GENERATE for x in self.profiled_s]
+        self.forget_thin_cost_evidence()
 
     def choose(self, batch_size):
         k = super().choose(batch_size)
@@ -239,11 +258,15 @@ class AdaptiveK(ScheduleK):
         b, k, t = min(step.batch_size, len(self.costs) - 1), step.k_verified, self.trace
         t["plain_s_pred"] += step.emitted * self.costs[b][0] / b
         t["measured_s"] += step.verify_s + (step.draft_s or 0.0)
-        self.measured_s[k] += step.verify_s + (step.draft_s or 0.0)
-        self.profiled_s[k] += self.priced(b, step)
+        self.record_cost(b, step)
         t["pred_tokens"] += b * self.tokens[k]
         t["pred_s"] += self.priced(b, step)
         t["emitted"] += step.emitted
+
+    def record_cost(self, b, step):
+        """Add what `step` (b rows) took and what the profile priced it at to its k's evidence."""
+        self.measured_s[step.k_verified] += step.verify_s + (step.draft_s or 0.0)
+        self.profiled_s[step.k_verified] += self.priced(b, step)
 
     def priced(self, b, step):
         """What the profile prices `step` at (b rows): a step verifying and drafting k."""
@@ -260,12 +283,54 @@ class AdaptiveK(ScheduleK):
                 "spec_measured_speedup": (t["emitted"] / t["measured_s"]) / plain_rate}
 
 
+class CostEvidence:
+    """What one part of real steps (their verify, their drafting, the proposer's work at steps without
+    drafts) took beyond what the profile priced it at: decayed sums of that difference and of the
+    steps, per batch bucket (the profile's grid point nearest the step's batch size), pooled over
+    every q and k. Why added, not multiplied: the difference is mostly the engine's host work around
+    a forward (sampling draws, acceptance, bookkeeping per row; the catch-up of more positions than
+    the probe's), which is about the same for any q: a real verify of 2 rows took 1.6x its profile,
+    and scaling every q's price by that priced each more verified draft 1.6x too dear, so steps were
+    sized short and blocks not drafted where they paid. Why pooled over sizes: one correction per
+    size priced each q by its own steps only, so a q never run kept the largest of the others' and
+    was never tried."""
+
+    def __init__(self, grid):
+        self.grid = grid
+        self.extra_s, self.steps = [0.0] * len(grid), [0.0] * len(grid)
+
+    def bucket(self, b):
+        return min(range(len(self.grid)), key=lambda i: (abs(self.grid[i] - b), i))
+
+    def add(self, b, measured_s, profiled_s):
+        i = self.bucket(b)
+        self.extra_s[i] += measured_s - profiled_s
+        self.steps[i] += 1.0
+
+    def offset(self, b):
+        """Seconds a step of b rows takes beyond its profiled price: its bucket's mean, else the
+        nearest bucket's with evidence worth COST_FORGET_STEPS steps, else None (no evidence)."""
+        i = self.bucket(b)
+        known = [j for j in range(len(self.grid)) if self.steps[j] >= COST_FORGET_STEPS]
+        if not known:
+            return None
+        j = min(known, key=lambda j: (abs(self.grid[j] - self.grid[i]), j))
+        return self.extra_s[j] / self.steps[j]
+
+    def age(self, keep):
+        self.extra_s = [x * keep for x in self.extra_s]
+        self.steps = [x * keep for x in self.steps]
+
+
 class ConfidenceSizedK(AdaptiveK):
     """A schedule of how much to draft, priced as its steps will be sized, and each step's verification
     sized by the drafts' confidence (vLLM's enable_adaptive_verification; see module doc)."""
 
     accept_prior = 1.0  # every draft passes until drafted blocks say otherwise (module doc)
     sized = False  # True once a step was sized by confidences (a draft without the head never is)
+    # a step's verify without drafts, with drafts (more tokens to accept and record), its drafting, and
+    # the proposer's work at a step without drafts
+    PARTS = ("plain", "verify", "draft", "idle")
 
     def prepare(self, engine):
         if self.costs is not None:
@@ -278,24 +343,59 @@ class ConfidenceSizedK(AdaptiveK):
         sizes = range(1, grid[-1] + 1)
         self.verify_s = [None] + [[interpolate(grid, verify[k], b) for k in verify] for b in sizes]
         self.draft_s = [None] + [[interpolate(grid, draft[k], b) for k in draft] for b in sizes]
+        self.evidence = {part: CostEvidence(grid) for part in self.PARTS}
+        self.step_offsets = [None] + [(0.0,) * len(self.PARTS)] * grid[-1]  # offsets(b) at this generate's start
+
+    def offsets(self, b):
+        """(plain, verify, drafting, no-drafts) seconds real steps of b rows took beyond the profile
+        (CostEvidence); a verify without evidence takes the other verify's (the host work both do),
+        anything else without evidence 0; all 0 where the profile is the whole price (`corrects_costs`)."""
+        if not self.corrects_costs:
+            return (0.0,) * len(self.PARTS)
+        plain, verify, draft, idle = (self.evidence[part].offset(b) for part in self.PARTS)
+        plain, verify = (plain if plain is not None else verify), (verify if verify is not None else plain)
+        return tuple(0.0 if x is None else x for x in (plain, verify, draft, idle))
+
+    def price(self, b, q, k, offsets):
+        """Seconds of a step at b rows verifying q drafts of k drafted: the profile's plus `offsets`."""
+        plain, verify, draft, idle = offsets
+        return max(self.verify_s[b][q] + (verify if q else plain) + self.draft_s[b][k] + (draft if k else idle), 1e-12)
+
+    def record_cost(self, b, step):
+        self.evidence["verify" if step.k_verified else "plain"].add(b, step.verify_s, self.verify_s[b][step.k_verified])
+        if step.draft_s is not None:
+            k = step.k_drafted or 0
+            self.evidence["draft" if k else "idle"].add(b, step.draft_s, self.draft_s[b][k])
+
+    def age_cost_evidence(self):
+        for evidence in self.evidence.values():
+            evidence.age(COST_KEEP_PER_GENERATE)
+
+    def write_schedule(self):
+        """Every batch size's offsets for this generate (its steps are sized with them), then its k."""
+        self.step_offsets = [None] + [self.offsets(b) for b in range(1, len(self.costs))]
+        self.lookup = [0] + [self.best_k(b) for b in range(1, len(self.costs))]
 
     def verification_size(self, batch_size, survival):
         """The q where one more draft stops raising (B + sum of the rows' survival of drafts < q) /
-        (corrected verify(B, 1+q) + draft(B, k)) (see the module doc for why it stops there)."""
+        price(B, q, k) (see the module doc for why it stops there)."""
         if self.costs is None:
             return None
         self.sized = True
         b, k = min(batch_size, len(self.costs) - 1), survival.shape[1]
-        expected = [float(batch_size)] + (float(batch_size) + survival.sum(0).cumsum(0)).tolist()
-        q = self.sized_q(b, k, expected, self.cost_correction())
-        self.count_unverified(survival, q)
+        passed = survival.sum(0).tolist()  # per draft j, the rows' summed chance it is still accepted
+        expected = [float(batch_size)]
+        for p in passed:
+            expected.append(expected[-1] + p)
+        q = self.sized_q(b, k, expected, self.step_offsets[b])
+        self.count_unverified(batch_size, passed, q)
         return q
 
-    def sized_q(self, b, k, expected, correction):
-        """The q where one more draft stops raising expected[q] / (corrected verify(b, 1+q) + draft(b, k)),
-        expected[q] the tokens a step verifying q drafts emits (for all rows, or per row)."""
+    def sized_q(self, b, k, expected, offsets):
+        """The q where one more draft stops raising expected[q] / price(b, q, k), expected[q] the tokens
+        a step verifying q drafts emits (for all rows, or per row)."""
         def rate(q):
-            return expected[q] / max((self.verify_s[b][q] + self.draft_s[b][k]) * correction[q], 1e-12)
+            return expected[q] / self.price(b, q, k, offsets)
 
         q = 0
         while q < k and rate(q + 1) > rate(q):
@@ -303,29 +403,27 @@ class ConfidenceSizedK(AdaptiveK):
         return q
 
     def best_k(self, b, correction=None):
-        """Once steps are sized by confidence: the k whose steps emit the most per second when each verifies
-        the q it would size to at the acceptance measured so far (q <= k, the drafting of k paid), plain
-        decoding for k = 0; the larger k on a tie (a block's forward costs the same for any k, and a
-        step whose confidences are high may verify more than the average says). AdaptiveK's rule
-        verifies all k drafted, so it drafted fewer than a block where verifying a whole block did
-        not pay, and then no step could verify more. Until a step is sized (a draft without a
-        confidence head never is), AdaptiveK's k."""
-        if not self.sized:
-            return super().best_k(b, correction)
-        correction = correction or [1.0] * (self.k + 1)
+        """Once steps are sized by confidence: the whole block or nothing, whichever emits more per second,
+        the block's steps each verifying the q it would size to at the acceptance measured so far (the
+        drafting paid), k = 0 a plain step; the block on a tie. Why not fewer than the block: AdaptiveK's
+        rule verifies all k drafted, so it drafted fewer where verifying a whole block did not pay, and
+        then no step could verify more; and a shorter draft saves only Markov steps, a difference the
+        profile's noise decided (the schedule drafted 1 of a block at 8 rows and the whole at 4 and 16).
+        Until a step is sized (a draft without a confidence head never is), AdaptiveK's rule: every k
+        verifies all it drafts, the smaller k on a tie. Both priced by `price` at this generate's offsets."""
+        offsets = self.step_offsets[b]
+        if self.sized:
+            q = self.sized_q(b, self.k, self.tokens, offsets)
+            block = self.tokens[q] / self.price(b, q, self.k, offsets)
+            return self.k if block >= self.tokens[0] / self.price(b, 0, 0, offsets) else 0
+        return min(range(self.k + 1), key=lambda k: (-self.tokens[k] / self.price(b, k, k, offsets), k))
 
-        def rate(k):
-            q = self.sized_q(b, k, self.tokens, correction)
-            return self.tokens[q] / max((self.verify_s[b][q] + self.draft_s[b][k]) * correction[q], 1e-12)
-        return max(range(self.k + 1), key=lambda k: (rate(k), k))
-
-    def count_unverified(self, survival, q):
+    def count_unverified(self, batch_size, passed, q):
         """The drafts from q on are not verified: count what the confidence expects of them, rows reaching
-        draft j (survival of j-1) and accepting it (survival of j), beside the verified drafts' outcomes."""
-        reached = torch.cat([torch.ones_like(survival[:, :1]), survival[:, :-1]], 1).sum(0).tolist()
-        passed = survival.sum(0).tolist()
-        for j in range(q, min(survival.shape[1], self.k)):
-            self.drafted[j] += reached[j]
+        draft j (the summed survival of j-1, every row for j = 0) and accepting it (that of j), beside
+        the verified drafts' outcomes."""
+        for j in range(q, min(len(passed), self.k)):
+            self.drafted[j] += passed[j - 1] if j else float(batch_size)
             self.accepted[j] += passed[j]
 
     def priced(self, b, step):

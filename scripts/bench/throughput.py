@@ -76,17 +76,28 @@ def responses(samples):
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def time_interleaved(runs, repeats, clock="wall"):
+MAX_REPEATS = 50  # --min-seconds stops adding repeats here
+
+
+def time_interleaved(runs, repeats, clock="wall", min_seconds=0.0):
     """{name: (best tokens/s, samples of the last repeat)}: each run (a callable returning samples)
-    once per repeat, runs interleaved so a busy machine slows every one alike."""
-    best, last = {}, {}
+    once per repeat, runs interleaved so a busy machine slows every one alike; at least `repeats`
+    repeats, more (up to MAX_REPEATS) until every run has been timed for `min_seconds` in all (a
+    short run's best of a few is as noisy as the machine). A run's `prepare` (if it has one) is
+    called first, off the clock."""
+    best, last, spent = {}, {}, dict.fromkeys(runs, 0.0)
     now = CLOCKS[clock]
-    for _ in range(repeats):
+    done = 0
+    while done < repeats or (min(spent.values()) < min_seconds and done < MAX_REPEATS):
         for name, run in runs.items():
+            getattr(run, "prepare", lambda: None)()
             start = now()
             samples = run()
-            rate = sum(len(s.response_ids) for s in samples) / (now() - start)
+            seconds = now() - start
+            spent[name] += seconds
+            rate = sum(len(s.response_ids) for s in samples) / seconds
             best[name], last[name] = max(best.get(name, 0.0), rate), samples
+        done += 1
     return {name: (best[name], last[name]) for name in runs}
 
 
@@ -241,11 +252,15 @@ FIXED_K = ("none", "mtp k=1", "mtp k=2", "mtp k=3")  # what adaptive k is compar
 
 
 def fresh_proposer_run(engine, spec, prompts, sampling, indices=None):
-    """A run that gives the engine a fresh proposer first: suffix decoding would otherwise replay the
-    previous repeat (the k policy is kept: an adaptive engine keeps its profile and acceptance)."""
+    """A run whose `prepare` gives the engine a fresh proposer, off the clock (it loads the draft from
+    disk): suffix decoding would otherwise replay the previous repeat (the k policy is kept: an
+    adaptive engine keeps its profile and acceptance)."""
     def run():
-        engine.set_proposer(build_proposer(parse_spec_config(spec) if spec is not None else None), engine.k_policy)
         return engine.generate(indexed_samples(prompts, indices), sampling)
+
+    def prepare():
+        engine.set_proposer(build_proposer(parse_spec_config(spec) if spec is not None else None), engine.k_policy)
+    run.prepare = prepare
     return run
 
 
@@ -290,7 +305,8 @@ def spec_decode(args):
           f"{'up to ' if args.stop_at_eos else ''}{args.max_new_tokens} new tokens"
           f"{', stop at EOS' if args.stop_at_eos else ''}"
           f"{f', plain responses >= {args.min_response_len} tokens' if args.min_response_len else ''}, "
-          f"best of {args.repeats} (methods interleaved), {args.clock} clock")
+          f"best of {args.repeats}{f' (or more, {args.min_seconds:g} s a method)' if args.min_seconds else ''} "
+          f"(methods interleaved), {args.clock} clock")
     print("| batch | method | tokens/s | speedup | tokens/verify | accept rate | per position |")
     print("|---|---|---|---|---|---|---|")
     for batch in batch_sizes(args.batch_sizes):
@@ -299,7 +315,7 @@ def spec_decode(args):
         for engine in engines.values():
             engine.generate(samples_for_prompts(prompts[:batch]), sampling)  # warm-up (and the adaptive profile)
         got = time_interleaved({name: fresh_proposer_run(engines[name], table[name], prompts, sampling, indices)
-                                for name in wanted}, args.repeats, args.clock)
+                                for name in wanted}, args.repeats, args.clock, args.min_seconds)
         for name in wanted[1:]:
             require_same_work(f"{name} vs {wanted[0]} at batch {batch}", responses(got[name][1]),
                               responses(got[wanted[0]][1]), greedy=args.temperature == 0)
@@ -541,6 +557,9 @@ def add_spec_decode_arguments(p):
     p.add_argument("--clock", default="wall", choices=list(CLOCKS),
                    help="time by the wall clock, or by this process's CPU seconds (one thread: what a quiet "
                         "machine's wall clock shows, whatever else the machine runs)")
+    p.add_argument("--min-seconds", type=float, default=0.0,
+                   help="repeat (beyond --repeats, up to %d) until every method has been timed this long in all "
+                        "at each batch size: short runs (many rows) need more repeats for a steady best" % MAX_REPEATS)
     p.add_argument("--stop-at-eos", action="store_true",
                    help="end a response at EOS (a rollout's drain: rows leave as they finish) instead of "
                         "--max-new-tokens for every row; at T = 1 give --rejection-sample-method strict so "

@@ -98,7 +98,7 @@ class DSparkProposer(DFlashProposer):
         if self.kept is None:  # made at the first step without drafts: a schedule that always drafts needs none
             ec = self.engine.config
             with torch.inference_mode(False):  # a normal tensor: slot moves update it outside inference mode
-                self.kept = torch.zeros(ec.max_batch_size, self.cache.max_len, hidden.shape[-1], dtype=ec.dtype,
+                self.kept = torch.empty(ec.max_batch_size, self.cache.max_len, hidden.shape[-1], dtype=ec.dtype,
                                         device=ec.device)
         # every position of the forward, the unverified ones too: one copy, no masking; those hold
         # garbage until the step that verifies them writes them, always before a catch-up reads them
