@@ -28,7 +28,8 @@ from mtp.dspark import DSparkDraft, dspark_loss
 from rollout.embedded.engine import Engine, EngineConfig
 from rollout.embedded.engine_builder import build_engine
 from rollout.embedded.proposers.dspark import DSparkProposer
-from rollout.embedded.spec_policy import COST_KEEP_PER_GENERATE, AdaptiveK, ConfidenceSizedK, FixedK, StepRecord
+from rollout.embedded.spec_policy import (COST_KEEP_PER_GENERATE, DRAFT_MARGIN, AdaptiveK, ConfidenceSizedK, FixedK,
+                                          StepRecord)
 from rollout.sampling_params import SamplingParams
 from rollout.spec_config import check_against_checkpoint, parse_spec_config
 from spec_fixtures import check_sampled_drafts_keep_the_target_distribution, one_thread  # noqa: F401
@@ -163,9 +164,10 @@ def test_the_verification_size_verifies_while_one_more_draft_raises_the_expected
     assert len(seen) >= 3
 
 
-def sized_step(b, q, k, verify_s, draft_s):
-    """A StepRecord of b rows verifying q of k drafts (acceptance counts beside the point here)."""
-    return StepRecord(b, q, verify_s, k, draft_s, b, [0] * k, [0] * k)
+def sized_step(b, q, k, verify_s, draft_s, emitted=None):
+    """A StepRecord of b rows verifying q of k drafts, emitting `emitted` tokens (default one a row;
+    acceptance counts beside the point here)."""
+    return StepRecord(b, q, verify_s, k, draft_s, b if emitted is None else emitted, [0] * k, [0] * k)
 
 
 def test_a_sized_step_is_priced_at_the_profile_plus_the_extra_seconds_real_steps_took_near_its_batch_size():
@@ -173,8 +175,8 @@ def test_a_sized_step_is_priced_at_the_profile_plus_the_extra_seconds_real_steps
     mean extra seconds that real steps' verify (with drafts, or without: a plain step) and drafting took
     at the profile's grid point nearest b, pooled over every q and k: a q never run is priced with the
     others' extra; a bucket without evidence takes the nearest bucket's; a plain verify never run takes
-    the verify's with drafts; every extra decays at each generate (COST_KEEP_PER_GENERATE), which
-    leaves a mean unchanged."""
+    the drafting verifies' extra per token they emitted, for its b tokens; every extra decays at each
+    generate (COST_KEEP_PER_GENERATE), which leaves a mean unchanged."""
     grid = [1, 2, 4, 8]
     verify = {q: [1.0 + 0.1 * q * b for b in grid] for q in range(4)}
     draft = {k: [(0.3 + 0.05 * b) * (k > 0) for b in grid] for k in range(4)}
@@ -182,16 +184,20 @@ def test_a_sized_step_is_priced_at_the_profile_plus_the_extra_seconds_real_steps
     policy.set_costs(grid, verify, draft)
     at = {b: grid.index(b) for b in grid}
     extra_verify, extra_draft = [0.5, 0.7, 0.3], [0.2, 0.4, 0.0]  # the real steps' seconds beyond the profile at 2 rows
-    for ev, ed in zip(extra_verify, extra_draft):
-        policy.observe(sized_step(2, 3, 3, verify[3][at[2]] + ev, draft[3][at[2]] + ed))
+    emitted = [7, 5, 8]  # tokens each of those steps emitted (2 rows, up to 4 tokens a row)
+    for ev, ed, n in zip(extra_verify, extra_draft, emitted):
+        policy.observe(sized_step(2, 3, 3, verify[3][at[2]] + ev, draft[3][at[2]] + ed, n))
     policy.begin()
     mean_verify, mean_draft = sum(extra_verify) / 3, sum(extra_draft) / 3
+    per_token = sum(extra_verify) / sum(emitted)
     for b in (1, 2, 3, 4, 8):  # 1 and 3 are nearest to 2 (4 too: nearest with evidence); 8 too
-        assert policy.step_offsets[b] == pytest.approx((mean_verify, mean_verify, mean_draft, 0.0))
-    for q in range(4):  # q = 0..2 never ran: priced with q = 3's extra (q = 0 as a plain verify)
+        assert policy.step_offsets[b] == pytest.approx((per_token * b, mean_verify, mean_draft, 0.0))
+    for q in range(1, 4):  # q = 1, 2 never ran: priced with q = 3's extra
         assert policy.price(2, q, 3, policy.step_offsets[2]) == pytest.approx(
             verify[q][at[2]] + mean_verify + draft[3][at[2]] + mean_draft)
-    assert policy.price(2, 0, 0, policy.step_offsets[2]) == pytest.approx(verify[0][at[2]] + mean_verify)
+    assert policy.price(2, 0, 3, policy.step_offsets[2]) == pytest.approx(
+        verify[0][at[2]] + 2 * per_token + draft[3][at[2]] + mean_draft)
+    assert policy.price(2, 0, 0, policy.step_offsets[2]) == pytest.approx(verify[0][at[2]] + 2 * per_token)
     # plain steps at 8 rows: their own extra there (and at 4, nearer to 8 than 2 is), the verify's elsewhere
     policy.observe(sized_step(8, 0, 0, verify[0][at[8]] - 0.1, 0.05))
     policy.begin()
@@ -233,7 +239,7 @@ def test_host_work_added_to_every_verify_sizes_steps_as_their_true_costs_do():
 
 def test_the_sized_schedule_prices_each_k_at_the_verification_its_steps_would_size_to():
     """Once steps are sized, the schedule's k at each batch size against the direct formula: the block
-    (k = 3) where E(q) / (verify(B, 1+q) + draft(B, 3)) is at least a plain step's 1 / verify(B, 1), q
+    (k = 3) where E(q) / (verify(B, 1+q) + draft(B, 3)) is at least (1 + DRAFT_MARGIN) a plain step's 1 / verify(B, 1), q
     being where one more verified draft stops raising that rate at the measured acceptance, else 0.
     Control: on the same profile AdaptiveK, which verifies all it drafts, drafts fewer than the block
     where a whole verify does not pay, so its steps could never verify more."""
@@ -261,7 +267,7 @@ def test_the_sized_schedule_prices_each_k_at_the_verification_its_steps_would_si
             def sized_q(k):
                 return next((q for q in range(k) if rate(q + 1, k) <= rate(q, k)), k)
 
-            want = 3 if rate(sized_q(3), 3) >= rate(0, 0) else 0
+            want = 3 if rate(sized_q(3), 3) >= (1 + DRAFT_MARGIN) * rate(0, 0) else 0
             assert policy.lookup[b] == want, (accept, b)
             seen.add(want)
     assert seen == {0, 3}  # both choices made somewhere

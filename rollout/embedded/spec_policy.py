@@ -58,6 +58,10 @@ ACCEPT_KEEP_PER_LOAD = 0.5  # share of the row counts kept when a generate runs 
 COST_KEEP_PER_GENERATE = 0.5  # share of the measured/profiled step seconds kept at each generate
 COST_FORGET_STEPS = 1.0  # a k's measured/profiled evidence below this many 1-row steps is dropped
 PROFILE_REPEATS = 5  # best-of repeats per profiled point
+# a sized schedule drafts its block only where that is priced this much faster than plain decoding: the
+# prices err by about as much (the profile's points and the steps' host work each vary by 5-10% between
+# runs on a shared CPU), and drafting where it looked a little faster ran at 0.87x of plain at 128 rows
+DRAFT_MARGIN = 0.05
 
 
 class FixedK:
@@ -297,29 +301,38 @@ class CostEvidence:
 
     def __init__(self, grid):
         self.grid = grid
-        self.extra_s, self.steps = [0.0] * len(grid), [0.0] * len(grid)
+        self.extra_s, self.steps, self.tokens = [0.0] * len(grid), [0.0] * len(grid), [0.0] * len(grid)
 
     def bucket(self, b):
         return min(range(len(self.grid)), key=lambda i: (abs(self.grid[i] - b), i))
 
-    def add(self, b, measured_s, profiled_s):
+    def add(self, b, measured_s, profiled_s, tokens=0):
         i = self.bucket(b)
         self.extra_s[i] += measured_s - profiled_s
         self.steps[i] += 1.0
+        self.tokens[i] += tokens
 
-    def offset(self, b):
-        """Seconds a step of b rows takes beyond its profiled price: its bucket's mean, else the
-        nearest bucket's with evidence worth COST_FORGET_STEPS steps, else None (no evidence)."""
+    def nearest_known(self, b):
+        """The bucket nearest b's with evidence worth COST_FORGET_STEPS steps, None if there is none."""
         i = self.bucket(b)
         known = [j for j in range(len(self.grid)) if self.steps[j] >= COST_FORGET_STEPS]
-        if not known:
-            return None
-        j = min(known, key=lambda j: (abs(self.grid[j] - self.grid[i]), j))
-        return self.extra_s[j] / self.steps[j]
+        return min(known, key=lambda j: (abs(self.grid[j] - self.grid[i]), j)) if known else None
+
+    def offset(self, b):
+        """Seconds a step of b rows takes beyond its profiled price: the mean at the nearest bucket with
+        evidence (b's own first), None without evidence."""
+        j = self.nearest_known(b)
+        return None if j is None else self.extra_s[j] / self.steps[j]
+
+    def per_token(self, b):
+        """The same extra seconds per token those steps emitted, None without evidence."""
+        j = self.nearest_known(b)
+        return None if j is None or self.tokens[j] <= 0 else self.extra_s[j] / self.tokens[j]
 
     def age(self, keep):
         self.extra_s = [x * keep for x in self.extra_s]
         self.steps = [x * keep for x in self.steps]
+        self.tokens = [x * keep for x in self.tokens]
 
 
 class ConfidenceSizedK(AdaptiveK):
@@ -348,12 +361,17 @@ class ConfidenceSizedK(AdaptiveK):
 
     def offsets(self, b):
         """(plain, verify, drafting, no-drafts) seconds real steps of b rows took beyond the profile
-        (CostEvidence); a verify without evidence takes the other verify's (the host work both do),
-        anything else without evidence 0; all 0 where the profile is the whole price (`corrects_costs`)."""
+        (CostEvidence). A plain verify without evidence takes the drafting verifies' extra per emitted
+        token for its b tokens (their host work is mostly per token: appending, recording, drawing),
+        a drafting verify without evidence the plain one's; anything else without evidence 0; all 0
+        where the profile is the whole price (`corrects_costs` False)."""
         if not self.corrects_costs:
             return (0.0,) * len(self.PARTS)
         plain, verify, draft, idle = (self.evidence[part].offset(b) for part in self.PARTS)
-        plain, verify = (plain if plain is not None else verify), (verify if verify is not None else plain)
+        if plain is None:
+            per_token = self.evidence["verify"].per_token(b)
+            plain = None if per_token is None else per_token * b
+        verify = verify if verify is not None else plain
         return tuple(0.0 if x is None else x for x in (plain, verify, draft, idle))
 
     def price(self, b, q, k, offsets):
@@ -362,7 +380,8 @@ class ConfidenceSizedK(AdaptiveK):
         return max(self.verify_s[b][q] + (verify if q else plain) + self.draft_s[b][k] + (draft if k else idle), 1e-12)
 
     def record_cost(self, b, step):
-        self.evidence["verify" if step.k_verified else "plain"].add(b, step.verify_s, self.verify_s[b][step.k_verified])
+        self.evidence["verify" if step.k_verified else "plain"].add(b, step.verify_s, self.verify_s[b][step.k_verified],
+                                                                    step.emitted)
         if step.draft_s is not None:
             k = step.k_drafted or 0
             self.evidence["draft" if k else "idle"].add(b, step.draft_s, self.draft_s[b][k])
@@ -403,9 +422,9 @@ class ConfidenceSizedK(AdaptiveK):
         return q
 
     def best_k(self, b, correction=None):
-        """Once steps are sized by confidence: the whole block or nothing, whichever emits more per second,
-        the block's steps each verifying the q it would size to at the acceptance measured so far (the
-        drafting paid), k = 0 a plain step; the block on a tie. Why not fewer than the block: AdaptiveK's
+        """Once steps are sized by confidence: the whole block where its steps, each verifying the q it would
+        size to at the acceptance measured so far (the drafting paid), emit DRAFT_MARGIN more per second
+        than plain steps (k = 0), else nothing. Why not fewer than the block: AdaptiveK's
         rule verifies all k drafted, so it drafted fewer where verifying a whole block did not pay, and
         then no step could verify more; and a shorter draft saves only Markov steps, a difference the
         profile's noise decided (the schedule drafted 1 of a block at 8 rows and the whole at 4 and 16).
@@ -415,7 +434,7 @@ class ConfidenceSizedK(AdaptiveK):
         if self.sized:
             q = self.sized_q(b, self.k, self.tokens, offsets)
             block = self.tokens[q] / self.price(b, q, self.k, offsets)
-            return self.k if block >= self.tokens[0] / self.price(b, 0, 0, offsets) else 0
+            return self.k if block >= (1 + DRAFT_MARGIN) * self.tokens[0] / self.price(b, 0, 0, offsets) else 0
         return min(range(self.k + 1), key=lambda k: (-self.tokens[k] / self.price(b, k, k, offsets), k))
 
     def count_unverified(self, batch_size, passed, q):
