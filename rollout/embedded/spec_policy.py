@@ -62,6 +62,11 @@ PROFILE_REPEATS = 5  # best-of repeats per profiled point
 # prices err by about as much (the profile's points and the steps' host work each vary by 5-10% between
 # runs on a shared CPU), and drafting where it looked a little faster ran at 0.87x of plain at 128 rows
 DRAFT_MARGIN = 0.05
+# where a sized schedule has not measured both plain steps and block steps at a batch size, every
+# EXPLORE_EVERY-th step there runs the option not scheduled; RATE_STEPS of each (verify and draft
+# parts, decayed like the cost evidence) let the measured rates decide there (OptionRates)
+EXPLORE_EVERY = 4
+RATE_STEPS = 4.0
 
 
 class FixedK:
@@ -335,6 +340,41 @@ class CostEvidence:
         self.tokens = [x * keep for x in self.tokens]
 
 
+class OptionRates:
+    """Tokens per second that real steps of one option (plain decoding, or the block drafted) reached,
+    per batch bucket: decayed sums of their verifies' seconds, steps and emitted tokens and of their
+    draftings' seconds and steps. Why measured and not priced: on a CPU shared with other work a
+    step's speed swings by a third within seconds, and the profile's best-of probes and real steps'
+    averages differ by that much again; two options run interleaved at the same batch size meet the
+    same swings, and their rates include every cost the profile leaves out."""
+
+    def __init__(self, grid):
+        n = len(grid)
+        self.verify_s, self.verify_steps, self.tokens = [0.0] * n, [0.0] * n, [0.0] * n
+        self.draft_s, self.draft_steps = [0.0] * n, [0.0] * n
+
+    def add_verify(self, i, seconds, tokens):
+        self.verify_s[i] += seconds
+        self.verify_steps[i] += 1.0
+        self.tokens[i] += tokens
+
+    def add_draft(self, i, seconds):
+        self.draft_s[i] += seconds
+        self.draft_steps[i] += 1.0
+
+    def rate(self, i):
+        """Tokens per second at bucket i (a verify's tokens over a verify's and a drafting's seconds),
+        None before RATE_STEPS of each part."""
+        if self.verify_steps[i] < RATE_STEPS or self.draft_steps[i] < RATE_STEPS:
+            return None
+        seconds = self.verify_s[i] / self.verify_steps[i] + self.draft_s[i] / self.draft_steps[i]
+        return self.tokens[i] / self.verify_steps[i] / max(seconds, 1e-12)
+
+    def age(self, keep):
+        for name in ("verify_s", "verify_steps", "tokens", "draft_s", "draft_steps"):
+            setattr(self, name, [x * keep for x in getattr(self, name)])
+
+
 class ConfidenceSizedK(AdaptiveK):
     """A schedule of how much to draft, priced as its steps will be sized, and each step's verification
     sized by the drafts' confidence (vLLM's enable_adaptive_verification; see module doc)."""
@@ -357,6 +397,9 @@ class ConfidenceSizedK(AdaptiveK):
         self.verify_s = [None] + [[interpolate(grid, verify[k], b) for k in verify] for b in sizes]
         self.draft_s = [None] + [[interpolate(grid, draft[k], b) for k in draft] for b in sizes]
         self.evidence = {part: CostEvidence(grid) for part in self.PARTS}
+        self.rates = {option: OptionRates(grid) for option in ("plain", "block")}
+        self.bucket_of = [None] + [self.evidence["verify"].bucket(b) for b in sizes]
+        self.explore_steps = 0
         self.step_offsets = [None] + [(0.0,) * len(self.PARTS)] * grid[-1]  # offsets(b) at this generate's start
 
     def offsets(self, b):
@@ -380,6 +423,10 @@ class ConfidenceSizedK(AdaptiveK):
         return max(self.verify_s[b][q] + (verify if q else plain) + self.draft_s[b][k] + (draft if k else idle), 1e-12)
 
     def record_cost(self, b, step):
+        i = self.bucket_of[b]
+        self.rates["block" if step.k_verified else "plain"].add_verify(i, step.verify_s, step.emitted)
+        if step.draft_s is not None:
+            self.rates["block" if step.k_drafted else "plain"].add_draft(i, step.draft_s)
         self.evidence["verify" if step.k_verified else "plain"].add(b, step.verify_s, self.verify_s[b][step.k_verified],
                                                                     step.emitted)
         if step.draft_s is not None:
@@ -387,8 +434,33 @@ class ConfidenceSizedK(AdaptiveK):
             self.evidence["draft" if k else "idle"].add(b, step.draft_s, self.draft_s[b][k])
 
     def age_cost_evidence(self):
-        for evidence in self.evidence.values():
+        for evidence in list(self.evidence.values()) + list(self.rates.values()):
             evidence.age(COST_KEEP_PER_GENERATE)
+
+    def measured_choice(self, b):
+        """The block or nothing by the rates real steps of each reached near b rows (OptionRates), the
+        block where it ran DRAFT_MARGIN faster; None until both are measured there."""
+        i = self.bucket_of[b]
+        plain, block = self.rates["plain"].rate(i), self.rates["block"].rate(i)
+        if plain is None or block is None:
+            return None
+        return self.k if block >= (1 + DRAFT_MARGIN) * plain else 0
+
+    def choose(self, batch_size):
+        """The schedule's k; once steps are sized, the measured choice where there is one (it may come
+        within a generate), else every EXPLORE_EVERY-th step the option the schedule did not pick."""
+        b = min(max(batch_size, 1), len(self.lookup) - 1)
+        k = self.lookup[b]
+        if self.sized and self.costs is not None:
+            measured = self.measured_choice(b)
+            if measured is not None:
+                k = measured
+            else:
+                self.explore_steps += 1
+                k = (0 if k else self.k) if self.explore_steps % EXPLORE_EVERY == 0 else k
+        self.trace["k_rows"] += k * batch_size
+        self.trace["rows"] += batch_size
+        return k
 
     def write_schedule(self):
         """Every batch size's offsets for this generate (its steps are sized with them), then its k."""
@@ -431,6 +503,8 @@ class ConfidenceSizedK(AdaptiveK):
         Until a step is sized (a draft without a confidence head never is), AdaptiveK's rule: every k
         verifies all it drafts, the smaller k on a tie. Both priced by `price` at this generate's offsets."""
         offsets = self.step_offsets[b]
+        if self.sized and self.measured_choice(b) is not None:
+            return self.measured_choice(b)
         if self.sized:
             q = self.sized_q(b, self.k, self.tokens, offsets)
             block = self.tokens[q] / self.price(b, q, self.k, offsets)
