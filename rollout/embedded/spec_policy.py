@@ -440,6 +440,8 @@ class ConfidenceSizedK(AdaptiveK):
     def measured_choice(self, b):
         """The block or nothing by the rates real steps of each reached near b rows (OptionRates), the
         block where it ran DRAFT_MARGIN faster; None until both are measured there."""
+        if not self.corrects_costs:  # the profile is the whole price
+            return None
         i = self.bucket_of[b]
         plain, block = self.rates["plain"].rate(i), self.rates["block"].rate(i)
         if plain is None or block is None:
@@ -451,7 +453,7 @@ class ConfidenceSizedK(AdaptiveK):
         within a generate), else every EXPLORE_EVERY-th step the option the schedule did not pick."""
         b = min(max(batch_size, 1), len(self.lookup) - 1)
         k = self.lookup[b]
-        if self.sized and self.costs is not None:
+        if self.sized and self.costs is not None and self.corrects_costs:
             measured = self.measured_choice(b)
             if measured is not None:
                 k = measured
