@@ -28,9 +28,12 @@ drafts are verified, so every policy keeps the output exact.
               costs the same for any k, would never be drafted, so never measured.
               Not priced: the one catch-up of draft positions deferred by k = 0 steps at a switch
               to drafting (a draft-layer pass, a fraction of what the trunk spent on them).
-  ConfidenceSizedK  vLLM's enable_adaptive_verification: a schedule like AdaptiveK's decides at each batch
-              size whether to draft the block or nothing, the block priced as its steps will be sized
-              (best_k), and once a block is drafted the step verifies q drafts, rate(q) =
+  ConfidenceSizedK  vLLM's enable_adaptive_verification: at each batch size the block or nothing is
+              drafted: where real plain steps and block steps were both measured there, by their
+              measured tokens per second (OptionRates; until then every EXPLORE_EVERY-th step there
+              runs the option not scheduled), else by their prices, the block priced as its steps
+              will be sized (best_k), DRAFT_MARGIN in plain decoding's favour either way. Once a
+              block is drafted the step verifies q drafts, rate(q) =
               (B + sum_rows sum_{j<q} s_j) / (verify(B, 1+q) + draft(B, k)) being the expected tokens per
               second, s_j the running product of the draft's per-slot confidences (the chance draft j is
               still accepted), the draft already paid. The verify and the draft are each priced at the
@@ -58,9 +61,9 @@ ACCEPT_KEEP_PER_LOAD = 0.5  # share of the row counts kept when a generate runs 
 COST_KEEP_PER_GENERATE = 0.5  # share of the measured/profiled step seconds kept at each generate
 COST_FORGET_STEPS = 1.0  # a k's measured/profiled evidence below this many 1-row steps is dropped
 PROFILE_REPEATS = 5  # best-of repeats per profiled point
-# a sized schedule drafts its block only where that is priced this much faster than plain decoding: the
-# prices err by about as much (the profile's points and the steps' host work each vary by 5-10% between
-# runs on a shared CPU), and drafting where it looked a little faster ran at 0.87x of plain at 128 rows
+# a sized schedule drafts its block only where it is measured (or priced) this much faster than plain
+# decoding: rates measured on a shared CPU err by about as much, and drafting where it looked a little
+# faster ran at 0.87x of plain at 128 rows
 DRAFT_MARGIN = 0.05
 # where a sized schedule has not measured both plain steps and block steps at a batch size, every
 # EXPLORE_EVERY-th step there runs the option not scheduled; RATE_STEPS of each (verify and draft

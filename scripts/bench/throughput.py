@@ -9,6 +9,7 @@ with speculation, timed by one harness.
     python scripts/bench/throughput.py spec-decode --hf-checkpoint TARGET --dspark-drafts D3 --methods "none,dspark k=3 sized"
     python scripts/bench/throughput.py spec-scale [--device cuda --dtype bfloat16]  # synthetic acceptance, big model
     python scripts/bench/throughput.py compaction                          # slot compaction on / off
+    python scripts/bench/throughput.py repeatability                       # how steady this machine times the same work
     python scripts/bench/throughput.py step-limit [--device cuda --dtype bfloat16 --layers 24 --hidden 2048 --intermediate 5632]
                                                                            # a decode step vs the bandwidth limit
 
@@ -524,6 +525,29 @@ def compaction(args):
           f"ratio {seconds[True] / seconds[False]:.3f}; same responses {same} of {rows * args.batches}")
 
 
+def repeatability(args):
+    """How steady this machine times the same work: one plain-decoding generate (the same prompts and
+    draws every time) run --repeats times back to back, each run's seconds by --clock, and the spread
+    (max / min, median / min). A ratio of two methods measured here is good to about that spread of
+    their best runs, however many ratios a table prints."""
+    for flag in ("num_prompts", "batch_size", "max_new_tokens", "repeats"):
+        require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} {getattr(args, flag)}: give at least 1")
+    rows = TASK_VARIANTS[DEFAULT_TASK_VARIANT].prompts(args.num_prompts, seed=1234)
+    prompts = [[1] + TextCodec(args.hf_checkpoint).encode(r["prompt"]) for r in rows]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=1234)
+    engine = build_engine(args.hf_checkpoint, None, EngineConfig(max_batch_size=args.batch_size))
+    engine.generate(indexed_samples(prompts[:args.batch_size]), sampling)  # warm-up
+    now, seconds = CLOCKS[args.clock], []
+    for _ in range(args.repeats):
+        start = now()
+        engine.generate(indexed_samples(prompts), sampling)
+        seconds.append(now() - start)
+    ordered = sorted(seconds)
+    print(f"{args.hf_checkpoint}: {args.num_prompts} prompts at {args.batch_size} rows, {args.repeats} runs, "
+          f"{args.clock} clock: seconds {' '.join(f'{x:.3f}' for x in ordered)}")
+    print(f"max / min {ordered[-1] / ordered[0]:.2f}, median / min {ordered[len(ordered) // 2] / ordered[0]:.2f}")
+
+
 # ------------------------------------------------------------------ command line
 def add_compare_arguments(p):
     p.add_argument("--hf-checkpoint", default=None, help="default: a random-weight tiny MiMo")
@@ -603,9 +627,19 @@ def add_compaction_arguments(p):
     p.add_argument("--max-new-tokens", type=int, default=128)
 
 
+def add_repeatability_arguments(p):
+    p.add_argument("--hf-checkpoint", default="checkpoints/tiny-qwen2")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--clock", default="cpu", choices=list(CLOCKS))
+
+
 MODES = {"vs-hf": (vs_hf, add_compare_arguments), "vs-vllm": (vs_vllm, add_vllm_arguments),
          "spec-decode": (spec_decode, add_spec_decode_arguments), "spec-scale": (spec_scale, add_spec_scale_arguments),
-         "step-limit": (step_limit, add_step_limit_arguments), "compaction": (compaction, add_compaction_arguments)}
+         "step-limit": (step_limit, add_step_limit_arguments), "compaction": (compaction, add_compaction_arguments),
+         "repeatability": (repeatability, add_repeatability_arguments)}
 
 
 @exit_on_user_error

@@ -1,0 +1,54 @@
+"""The throughput bench's timing harness (scripts/bench/throughput.py): what is on the clock, how many
+repeats --min-seconds adds, and the repeatability mode's refusals. The clock is the wall clock and
+the runs sleep, so every bound below is a sleep's length, far from the scheduler's jitter."""
+import time
+
+import pytest
+
+from scripts.bench.throughput import MAX_REPEATS, main, time_interleaved
+from vime.sample import Sample
+
+RUN_S, PREPARE_S = 0.01, 0.2
+
+
+class SleepingRun:
+    """A run of one 4-token sample taking RUN_S, its `prepare` PREPARE_S; counts its calls."""
+
+    def __init__(self):
+        self.calls = self.prepared = 0
+
+    def prepare(self):
+        self.prepared += 1
+        time.sleep(PREPARE_S)
+
+    def __call__(self):
+        self.calls += 1
+        time.sleep(RUN_S)
+        return [Sample(prompt_ids=[1], response_ids=[5, 6, 7, 8])]
+
+
+def test_a_runs_prepare_is_off_the_clock():
+    run = SleepingRun()
+    (rate, samples), = time_interleaved({"a": run}, repeats=2).values()
+    assert run.prepared == run.calls == 2
+    assert 4 / rate < PREPARE_S  # the best run's seconds: its sleep, not its preparation's
+    assert [s.response_ids for s in samples] == [[5, 6, 7, 8]]
+
+
+def test_min_seconds_repeats_until_every_run_was_timed_that_long_and_no_further_than_max_repeats():
+    runs = {"a": SleepingRun(), "b": SleepingRun()}
+    time_interleaved(runs, repeats=2, min_seconds=5 * RUN_S)
+    # each call takes at least RUN_S: at most 5 calls reach 5 RUN_S (and at least 2, the repeats)
+    assert all(2 <= r.calls <= 5 for r in runs.values()) and runs["a"].calls == runs["b"].calls
+    calls = []
+    time_interleaved({"c": lambda: calls.append(1) or [Sample(prompt_ids=[1], response_ids=[5])]}, repeats=1,
+                     min_seconds=1e9)
+    assert len(calls) == MAX_REPEATS
+
+
+@pytest.mark.parametrize("flag", ["--repeats", "--batch-size", "--num-prompts", "--max-new-tokens"])
+def test_the_repeatability_mode_refuses_a_count_below_one_in_one_line(flag, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["repeatability", flag, "0"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and flag in err
