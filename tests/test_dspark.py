@@ -28,8 +28,8 @@ from mtp.dspark import DSparkDraft, dspark_loss
 from rollout.embedded.engine import Engine, EngineConfig
 from rollout.embedded.engine_builder import build_engine
 from rollout.embedded.proposers.dspark import DSparkProposer
-from rollout.embedded.spec_policy import (COST_KEEP_PER_GENERATE, DRAFT_MARGIN, EXPLORE_EVERY, RATE_STEPS, AdaptiveK,
-                                          ConfidenceSizedK, FixedK, StepRecord)
+from rollout.embedded.spec_policy import (COST_KEEP_PER_GENERATE, DRAFT_MARGIN, RATE_STEPS, AdaptiveK, ConfidenceSizedK,
+                                          FixedK, StepRecord)
 from rollout.sampling_params import SamplingParams
 from rollout.spec_config import check_against_checkpoint, parse_spec_config
 from spec_fixtures import check_sampled_drafts_keep_the_target_distribution, one_thread  # noqa: F401
@@ -237,13 +237,12 @@ def test_host_work_added_to_every_verify_sizes_steps_as_their_true_costs_do():
     assert differs >= 1  # the control: a factor on the whole verify would have sized differently
 
 
-def test_measured_rates_of_plain_and_block_steps_decide_where_both_ran_and_every_fourth_step_explores_till_then():
-    """At a batch size where the profile says the block pays, the sized schedule drafts it and every
-    EXPLORE_EVERY-th step runs plain decoding instead, until RATE_STEPS steps of each option are
-    measured there; from then the measured tokens per second decide (the direct formula: a verify's
-    mean tokens over a verify's and a drafting's mean seconds), the block only where it ran
-    DRAFT_MARGIN faster. Cases: plain faster (the profile overruled), the block faster by more than
-    the margin, the block faster by less."""
+def test_measured_rates_of_plain_and_block_steps_decide_where_both_ran():
+    """At a batch size where the profile says the block pays, the sized schedule drafts it until
+    RATE_STEPS steps of plain decoding and of the block are both measured there; from then the measured
+    tokens per second decide (the direct formula: a verify's mean tokens over a verify's and a
+    drafting's mean seconds), the block only where it ran DRAFT_MARGIN faster. Cases: plain faster
+    (the profile overruled), the block faster by more than the margin, the block faster by less."""
     grid = [1, 2]
     verify = {q: [1.0, 1.1] for q in range(4)}  # a flat verify and a cheap draft: the profile says draft
     draft = {k: [0.1 * (k > 0), 0.1 * (k > 0)] for k in range(4)}
@@ -256,14 +255,16 @@ def test_measured_rates_of_plain_and_block_steps_decide_where_both_ran_and_every
         policy.verification_size(2, torch.ones(2, 3))  # a sized step: the sized schedule from here on
         policy.begin()
         assert policy.lookup[2] == 3
-        ks = [policy.choose(2) for _ in range(2 * EXPLORE_EVERY)]
-        assert ks == ([3] * (EXPLORE_EVERY - 1) + [0]) * 2
+        for _ in range(n - 1):  # one step short of deciding
+            policy.observe(sized_step(2, 3, 3, block_s, block_draft_s, block_tokens))
+            policy.observe(sized_step(2, 0, 0, plain_s, 0.0, plain_tokens))
+        policy.begin()
+        assert policy.lookup[2] == 3
         for _ in range(n):
             policy.observe(sized_step(2, 3, 3, block_s, block_draft_s, block_tokens))
             policy.observe(sized_step(2, 0, 0, plain_s, 0.0, plain_tokens))
         block_rate = block_tokens / (block_s + block_draft_s)
         want = 3 if block_rate >= (1 + DRAFT_MARGIN) * plain_tokens / plain_s else 0
-        assert [policy.choose(2) for _ in range(2 * EXPLORE_EVERY)] == [want] * 2 * EXPLORE_EVERY  # no more exploring
         policy.begin()
         assert policy.lookup[2] == want
         wants.append(want)

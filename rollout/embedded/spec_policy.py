@@ -29,11 +29,13 @@ drafts are verified, so every policy keeps the output exact.
               Not priced: the one catch-up of draft positions deferred by k = 0 steps at a switch
               to drafting (a draft-layer pass, a fraction of what the trunk spent on them).
   ConfidenceSizedK  vLLM's enable_adaptive_verification: at each batch size the block or nothing is
-              drafted: where real plain steps and block steps were both measured there, by their
-              measured tokens per second (OptionRates; until then every EXPLORE_EVERY-th step there
-              runs the option not scheduled), else by their prices, the block priced as its steps
-              will be sized (best_k), DRAFT_MARGIN in plain decoding's favour either way. Once a
-              block is drafted the step verifies q drafts, rate(q) =
+              drafted: where real plain steps and block steps were both measured there (the schedule
+              chose each at some generate), by their measured tokens per second (OptionRates), else
+              by their prices, the block priced as its steps will be sized (best_k); DRAFT_MARGIN in
+              plain decoding's favour either way. (Mixing the two within a generate to measure both
+              was dearer than it told: a drafting step after plain ones catches up their context,
+              and its first draft was accepted less, 0.85 against 0.91 with every 4th step plain.)
+              Once a block is drafted the step verifies q drafts, rate(q) =
               (B + sum_rows sum_{j<q} s_j) / (verify(B, 1+q) + draft(B, k)) being the expected tokens per
               second, s_j the running product of the draft's per-slot confidences (the chance draft j is
               still accepted), the draft already paid. The verify and the draft are each priced at the
@@ -65,10 +67,8 @@ PROFILE_REPEATS = 5  # best-of repeats per profiled point
 # decoding: rates measured on a shared CPU err by about as much, and drafting where it looked a little
 # faster ran at 0.87x of plain at 128 rows
 DRAFT_MARGIN = 0.05
-# where a sized schedule has not measured both plain steps and block steps at a batch size, every
-# EXPLORE_EVERY-th step there runs the option not scheduled; RATE_STEPS of each (verify and draft
-# parts, decayed like the cost evidence) let the measured rates decide there (OptionRates)
-EXPLORE_EVERY = 4
+# steps of plain decoding and of the block (verify and draft parts each, decayed like the cost evidence)
+# a batch bucket needs before their measured rates decide there (OptionRates)
 RATE_STEPS = 4.0
 
 
@@ -402,7 +402,6 @@ class ConfidenceSizedK(AdaptiveK):
         self.evidence = {part: CostEvidence(grid) for part in self.PARTS}
         self.rates = {option: OptionRates(grid) for option in ("plain", "block")}
         self.bucket_of = [None] + [self.evidence["verify"].bucket(b) for b in sizes]
-        self.explore_steps = 0
         self.step_offsets = [None] + [(0.0,) * len(self.PARTS)] * grid[-1]  # offsets(b) at this generate's start
 
     def offsets(self, b):
@@ -451,21 +450,6 @@ class ConfidenceSizedK(AdaptiveK):
             return None
         return self.k if block >= (1 + DRAFT_MARGIN) * plain else 0
 
-    def choose(self, batch_size):
-        """The schedule's k; once steps are sized, the measured choice where there is one (it may come
-        within a generate), else every EXPLORE_EVERY-th step the option the schedule did not pick."""
-        b = min(max(batch_size, 1), len(self.lookup) - 1)
-        k = self.lookup[b]
-        if self.sized and self.costs is not None and self.corrects_costs:
-            measured = self.measured_choice(b)
-            if measured is not None:
-                k = measured
-            else:
-                self.explore_steps += 1
-                k = (0 if k else self.k) if self.explore_steps % EXPLORE_EVERY == 0 else k
-        self.trace["k_rows"] += k * batch_size
-        self.trace["rows"] += batch_size
-        return k
 
     def write_schedule(self):
         """Every batch size's offsets for this generate (its steps are sized with them), then its k."""
