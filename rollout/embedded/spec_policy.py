@@ -483,17 +483,19 @@ class ConfidenceSizedK(AdaptiveK):
         return q
 
     def best_k(self, b, correction=None):
-        """Once steps are sized by confidence: the whole block where its steps, each verifying the q it would
-        size to at the acceptance measured so far (the drafting paid), emit DRAFT_MARGIN more per second
-        than plain steps (k = 0), else nothing. Why not fewer than the block: AdaptiveK's
+        """Once steps are sized by confidence: the measured choice where real plain and block steps both ran
+        near b (measured_choice); else the whole block where its steps, each verifying the q it would
+        size to at the acceptance measured so far (the drafting paid), are priced DRAFT_MARGIN more per
+        second than plain steps (k = 0), else nothing. Why not fewer than the block: AdaptiveK's
         rule verifies all k drafted, so it drafted fewer where verifying a whole block did not pay, and
         then no step could verify more; and a shorter draft saves only Markov steps, a difference the
         profile's noise decided (the schedule drafted 1 of a block at 8 rows and the whole at 4 and 16).
         Until a step is sized (a draft without a confidence head never is), AdaptiveK's rule: every k
         verifies all it drafts, the smaller k on a tie. Both priced by `price` at this generate's offsets."""
         offsets = self.step_offsets[b]
-        if self.sized and self.measured_choice(b) is not None:
-            return self.measured_choice(b)
+        measured = self.measured_choice(b) if self.sized else None
+        if measured is not None:
+            return measured
         if self.sized:
             q = self.sized_q(b, self.k, self.tokens, offsets)
             block = self.tokens[q] / self.price(b, q, self.k, offsets)
