@@ -52,3 +52,13 @@ def test_the_repeatability_mode_refuses_a_count_below_one_in_one_line(flag, caps
         main(["repeatability", flag, "0"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and flag in err
+
+
+def test_the_runs_order_rotates_at_each_repeat():
+    """Every run takes every place in the order: repeat r starts at run r mod n."""
+    order = []
+
+    def run(name):
+        return lambda: order.append(name) or [Sample(prompt_ids=[1], response_ids=[5])]
+    time_interleaved({n: run(n) for n in "abc"}, repeats=3)
+    assert order == list("abc") + list("bca") + list("cab")

@@ -82,15 +82,19 @@ MAX_REPEATS = 50  # --min-seconds stops adding repeats here
 
 def time_interleaved(runs, repeats, clock="wall", min_seconds=0.0):
     """{name: (best tokens/s, samples of the last repeat)}: each run (a callable returning samples)
-    once per repeat, runs interleaved so a busy machine slows every one alike; at least `repeats`
-    repeats, more (up to MAX_REPEATS) until every run has been timed for `min_seconds` in all (a
-    short run's best of a few is as noisy as the machine). A run's `prepare` (if it has one) is
-    called first, off the clock."""
+    once per repeat, runs interleaved so a busy machine slows every one alike, their order rotated at
+    each repeat (a DSpark engine timed second, after plain decoding, ran 7-12% below an engine doing the
+    same work timed third, and ran level with it when their places swapped); at least `repeats`
+    repeats, more (up to MAX_REPEATS)
+    until every run has been timed for `min_seconds` in all (a short run's best of a few is as noisy
+    as the machine). A run's `prepare` (if it has one) is called first, off the clock."""
     best, last, spent = {}, {}, dict.fromkeys(runs, 0.0)
     now = CLOCKS[clock]
-    done = 0
+    names, done = list(runs), 0
     while done < repeats or (min(spent.values()) < min_seconds and done < MAX_REPEATS):
-        for name, run in runs.items():
+        shift = done % len(names)
+        for name in names[shift:] + names[:shift]:
+            run = runs[name]
             getattr(run, "prepare", lambda: None)()
             start = now()
             samples = run()
