@@ -62,3 +62,10 @@ def test_the_runs_order_rotates_at_each_repeat():
         return lambda: order.append(name) or [Sample(prompt_ids=[1], response_ids=[5])]
     time_interleaved({n: run(n) for n in "abc"}, repeats=3)
     assert order == list("abc") + list("bca") + list("cab")
+
+
+def test_spec_decode_refuses_negative_min_seconds_in_one_line(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["spec-decode", "--min-seconds", "-1"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "--min-seconds" in err

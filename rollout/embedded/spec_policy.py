@@ -55,8 +55,6 @@ drafts are verified, so every policy keeps the output exact.
 """
 import math
 
-import torch
-
 ACCEPT_PRIOR = 0.5  # acceptance assumed before a position was ever drafted
 ACCEPT_PRIOR_ROWS = 8  # pseudo-rows of prior (the previous position's rate) in each estimate
 ACCEPT_KEEP_PER_LOAD = 0.5  # share of the row counts kept when a generate runs on new weights
@@ -311,30 +309,26 @@ class CostEvidence:
         self.grid = grid
         self.extra_s, self.steps, self.tokens = [0.0] * len(grid), [0.0] * len(grid), [0.0] * len(grid)
 
-    def bucket(self, b):
-        return min(range(len(self.grid)), key=lambda i: (abs(self.grid[i] - b), i))
-
-    def add(self, b, measured_s, profiled_s, tokens=0):
-        i = self.bucket(b)
+    def add(self, i, measured_s, profiled_s, tokens=0):
+        """A step at bucket i: its measured and profiled seconds, the tokens it emitted."""
         self.extra_s[i] += measured_s - profiled_s
         self.steps[i] += 1.0
         self.tokens[i] += tokens
 
-    def nearest_known(self, b):
-        """The bucket nearest b's with evidence worth COST_FORGET_STEPS steps, None if there is none."""
-        i = self.bucket(b)
+    def nearest_known(self, i):
+        """The bucket nearest bucket i with evidence worth COST_FORGET_STEPS steps, None if there is none."""
         known = [j for j in range(len(self.grid)) if self.steps[j] >= COST_FORGET_STEPS]
         return min(known, key=lambda j: (abs(self.grid[j] - self.grid[i]), j)) if known else None
 
-    def offset(self, b):
-        """Seconds a step of b rows takes beyond its profiled price: the mean at the nearest bucket with
-        evidence (b's own first), None without evidence."""
-        j = self.nearest_known(b)
+    def offset(self, i):
+        """Seconds a step at bucket i takes beyond its profiled price: the mean at the nearest bucket with
+        evidence (i's own first), None without evidence."""
+        j = self.nearest_known(i)
         return None if j is None else self.extra_s[j] / self.steps[j]
 
-    def per_token(self, b):
+    def per_token(self, i):
         """The same extra seconds per token those steps emitted, None without evidence."""
-        j = self.nearest_known(b)
+        j = self.nearest_known(i)
         return None if j is None or self.tokens[j] <= 0 else self.extra_s[j] / self.tokens[j]
 
     def age(self, keep):
@@ -348,8 +342,7 @@ class OptionRates:
     per batch bucket: decayed sums of their verifies' seconds, steps and emitted tokens and of their
     draftings' seconds and steps. Why measured and not priced: on a CPU shared with other work a
     step's speed swings by a third within seconds, and the profile's best-of probes and real steps'
-    averages differ by that much again; two options run interleaved at the same batch size meet the
-    same swings, and their rates include every cost the profile leaves out."""
+    averages differ by that much again; measured rates include every cost the profile leaves out."""
 
     def __init__(self, grid):
         n = len(grid)
@@ -401,7 +394,7 @@ class ConfidenceSizedK(AdaptiveK):
         self.draft_s = [None] + [[interpolate(grid, draft[k], b) for k in draft] for b in sizes]
         self.evidence = {part: CostEvidence(grid) for part in self.PARTS}
         self.rates = {option: OptionRates(grid) for option in ("plain", "block")}
-        self.bucket_of = [None] + [self.evidence["verify"].bucket(b) for b in sizes]
+        self.bucket_of = [None] + [nearest_bucket(grid, b) for b in sizes]
         self.step_offsets = [None] + [(0.0,) * len(self.PARTS)] * grid[-1]  # offsets(b) at this generate's start
 
     def offsets(self, b):
@@ -412,9 +405,10 @@ class ConfidenceSizedK(AdaptiveK):
         where the profile is the whole price (`corrects_costs` False)."""
         if not self.corrects_costs:
             return (0.0,) * len(self.PARTS)
-        plain, verify, draft, idle = (self.evidence[part].offset(b) for part in self.PARTS)
+        i = self.bucket_of[b]
+        plain, verify, draft, idle = (self.evidence[part].offset(i) for part in self.PARTS)
         if plain is None:
-            per_token = self.evidence["verify"].per_token(b)
+            per_token = self.evidence["verify"].per_token(i)
             plain = None if per_token is None else per_token * b
         verify = verify if verify is not None else plain
         return tuple(0.0 if x is None else x for x in (plain, verify, draft, idle))
@@ -425,15 +419,13 @@ class ConfidenceSizedK(AdaptiveK):
         return max(self.verify_s[b][q] + (verify if q else plain) + self.draft_s[b][k] + (draft if k else idle), 1e-12)
 
     def record_cost(self, b, step):
-        i = self.bucket_of[b]
-        self.rates["block" if step.k_verified else "plain"].add_verify(i, step.verify_s, step.emitted)
-        if step.draft_s is not None:
-            self.rates["block" if step.k_drafted else "plain"].add_draft(i, step.draft_s)
-        self.evidence["verify" if step.k_verified else "plain"].add(b, step.verify_s, self.verify_s[b][step.k_verified],
-                                                                    step.emitted)
+        i, q = self.bucket_of[b], step.k_verified
+        self.rates["block" if q else "plain"].add_verify(i, step.verify_s, step.emitted)
+        self.evidence["verify" if q else "plain"].add(i, step.verify_s, self.verify_s[b][q], step.emitted)
         if step.draft_s is not None:
             k = step.k_drafted or 0
-            self.evidence["draft" if k else "idle"].add(b, step.draft_s, self.draft_s[b][k])
+            self.rates["block" if k else "plain"].add_draft(i, step.draft_s)
+            self.evidence["draft" if k else "idle"].add(i, step.draft_s, self.draft_s[b][k])
 
     def age_cost_evidence(self):
         for evidence in list(self.evidence.values()) + list(self.rates.values()):
@@ -449,7 +441,6 @@ class ConfidenceSizedK(AdaptiveK):
         if plain is None or block is None:
             return None
         return self.k if block >= (1 + DRAFT_MARGIN) * plain else 0
-
 
     def write_schedule(self):
         """Every batch size's offsets for this generate (its steps are sized with them), then its k."""
@@ -519,6 +510,11 @@ class ConfidenceSizedK(AdaptiveK):
 def new_trace():
     """This generate's sums for summary(): rows and k x rows chosen, predicted and measured seconds."""
     return dict.fromkeys(("k_rows", "rows", "plain_s_pred", "measured_s", "pred_tokens", "pred_s", "emitted"), 0.0)
+
+
+def nearest_bucket(grid, b):
+    """The index of the grid point nearest b (the lower on a tie)."""
+    return min(range(len(grid)), key=lambda i: (abs(grid[i] - b), i))
 
 
 def interpolate(grid, ys, b):

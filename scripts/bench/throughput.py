@@ -85,9 +85,8 @@ def time_interleaved(runs, repeats, clock="wall", min_seconds=0.0):
     once per repeat, runs interleaved so a busy machine slows every one alike, their order rotated at
     each repeat (a DSpark engine timed second, after plain decoding, ran 7-12% below an engine doing the
     same work timed third, and ran level with it when their places swapped); at least `repeats`
-    repeats, more (up to MAX_REPEATS)
-    until every run has been timed for `min_seconds` in all (a short run's best of a few is as noisy
-    as the machine). A run's `prepare` (if it has one) is called first, off the clock."""
+    repeats, more (up to MAX_REPEATS) until every run has been timed for `min_seconds` in all (a
+    short run's best of a few is as noisy as the machine). A run's `prepare` (if it has one) is called first, off the clock."""
     best, last, spent = {}, {}, dict.fromkeys(runs, 0.0)
     now = CLOCKS[clock]
     names, done = list(runs), 0
@@ -256,6 +255,11 @@ ADAPTIVE = {"mtp adaptive"}  # methods run with --spec-adaptive (and every "... 
 FIXED_K = ("none", "mtp k=1", "mtp k=2", "mtp k=3")  # what adaptive k is compared with
 
 
+def task_prompts(checkpoint, variant, n):
+    """n prompts of the task variant (the same seed everywhere), as token ids after BOS."""
+    return [[1] + TextCodec(checkpoint).encode(r["prompt"]) for r in TASK_VARIANTS[variant].prompts(n, seed=1234)]
+
+
 def fresh_proposer_run(engine, spec, prompts, sampling, indices=None):
     """A run whose `prepare` gives the engine a fresh proposer, off the clock (it loads the draft from
     disk): suffix decoding would otherwise replay the previous repeat (the k policy is kept: an
@@ -290,9 +294,9 @@ def spec_decode(args):
     """Per batch size and method (none, mtp k=1..3, mtp adaptive, ngram, suffix, draft_model):
     tokens/s, speedup against the first method, tokens per verify, acceptance rate and per position;
     the adaptive method against the best fixed k."""
+    require(args.min_seconds >= 0, f"--min-seconds {args.min_seconds}: give 0 (just --repeats) or more")
     pool = args.num_prompts * (POOL_PER_PROMPT if args.min_response_len else 1)
-    rows = TASK_VARIANTS[args.task_variant].prompts(pool, seed=1234)
-    prompts = [[1] + TextCodec(args.hf_checkpoint).encode(r["prompt"]) for r in rows]
+    prompts = task_prompts(args.hf_checkpoint, args.task_variant, pool)
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               ignore_eos=not args.stop_at_eos, seed=1234)  # the same draws on every side
     indices = None
@@ -311,7 +315,7 @@ def spec_decode(args):
           f"{', stop at EOS' if args.stop_at_eos else ''}"
           f"{f', plain responses >= {args.min_response_len} tokens' if args.min_response_len else ''}, "
           f"best of {args.repeats}{f' (or more, {args.min_seconds:g} s a method)' if args.min_seconds else ''} "
-          f"(methods interleaved), {args.clock} clock")
+          f"(methods interleaved, their order rotated), {args.clock} clock")
     print("| batch | method | tokens/s | speedup | tokens/verify | accept rate | per position |")
     print("|---|---|---|---|---|---|---|")
     for batch in batch_sizes(args.batch_sizes):
@@ -534,10 +538,9 @@ def repeatability(args):
     draws every time) run --repeats times back to back, each run's seconds by --clock, and the spread
     (max / min, median / min). A ratio of two methods measured here is good to about that spread of
     their best runs, however many ratios a table prints."""
-    for flag in ("num_prompts", "batch_size", "max_new_tokens", "repeats"):
+    for flag in ("num_prompts", "batch_size", "max_new_tokens", "repeats"):  # a count of 0 has no spread
         require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} {getattr(args, flag)}: give at least 1")
-    rows = TASK_VARIANTS[DEFAULT_TASK_VARIANT].prompts(args.num_prompts, seed=1234)
-    prompts = [[1] + TextCodec(args.hf_checkpoint).encode(r["prompt"]) for r in rows]
+    prompts = task_prompts(args.hf_checkpoint, DEFAULT_TASK_VARIANT, args.num_prompts)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=1234)
     engine = build_engine(args.hf_checkpoint, None, EngineConfig(max_batch_size=args.batch_size))
     engine.generate(indexed_samples(prompts[:args.batch_size]), sampling)  # warm-up
