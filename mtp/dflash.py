@@ -174,9 +174,12 @@ def position_weights(block_size, gamma, device=None, first=1):
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the loss decay the DFlash paper trains its block sizes with
 
 
-def default_gamma(block_size):
-    """The paper's decay for its block sizes, about half the block otherwise."""
-    return PAPER_GAMMA.get(block_size, max(1.0, block_size / 2))
+def default_gamma(num_drafts):
+    """The loss decay of a block draft that drafts `num_drafts` tokens, whichever slots draft them:
+    the paper's for its DFlash blocks (num_drafts + 1 slots, the anchor drafting nothing), about
+    half such a block otherwise. A DSpark block drafting as many tokens decays alike."""
+    block = num_drafts + 1
+    return PAPER_GAMMA.get(block, max(1.0, block / 2))
 
 
 def block_logits(draft, aux_hidden, tokens, anchors, keep, embed_weight, head_weight):
@@ -211,7 +214,7 @@ def block_loss(draft, aux_hidden, tokens, loss_mask, embed_weight, head_weight, 
     token, or a distillation loss (`soft_ce`, `tv`) against the target's own distribution of that
     token: `policy_logits` [B, T, V] at position anchor+i-1 (its next-token logits), detached."""
     s = draft.cfg.block_size
-    gamma = default_gamma(s) if gamma is None else gamma
+    gamma = default_gamma(draft.cfg.num_drafts) if gamma is None else gamma
     anchors, keep = sample_anchors(loss_mask, num_anchors, generator)
     logits, positions = block_logits(draft, aux_hidden, tokens, anchors, keep, embed_weight, head_weight)
     t = tokens.shape[1]

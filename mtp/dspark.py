@@ -22,7 +22,8 @@ response positions, the Markov head teacher-forced with the true tokens:
   ce_weight * CE(draft, true token) + l1_weight * ||softmax(draft) - policy||_1
   + confidence_weight * BCE(confidence, 1 - TV),
 the L1 distance and the acceptance label 1 - TV = 1 - L1/2 read at the rollout temperature against
-the detached policy's distribution, every term weighted by exp(-i/gamma) at slot i. The defaults
+the detached policy's distribution, every term weighted by exp(-i/gamma) at slot i, gamma by default
+that of a DFlash block drafting as many tokens (mtp/dflash.py `default_gamma`). The defaults
 (`RECIPE_WEIGHTS`) are the recipes' (docs/drafts.md cites them).
 """
 from dataclasses import dataclass
@@ -162,7 +163,7 @@ def dspark_loss(draft, aux_hidden, tokens, loss_mask, embed_weight, head_weight,
     if conf is not None:
         label = (1 - l1.detach() / 2).clamp(0, 1)
         terms["confidence"] = F.binary_cross_entropy_with_logits(conf, label, reduction="none")
-    gamma = default_gamma(s) if gamma is None else gamma
+    gamma = default_gamma(draft.cfg.num_drafts) if gamma is None else gamma
     weight = position_weights(s, gamma, tokens.device, first=0).repeat(anchors.shape[1])[None] * learn
     per_position = sum(w[name] * term for name, term in terms.items())
     norm = weight.sum().clamp(min=1e-9)

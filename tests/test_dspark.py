@@ -309,9 +309,11 @@ def test_the_sized_schedule_prices_each_k_at_the_verification_its_steps_would_si
 
 
 # ---------------------------------------------------------------- training
-def test_the_loss_is_the_recipes_three_terms_by_direct_formula():
+@pytest.mark.parametrize("gamma, decay", [(1.7, 1.7), (None, 2.0)], ids=["given", "default"])
+def test_the_loss_is_the_recipes_three_terms_by_direct_formula(gamma, decay):
     """dspark_loss against the terms written out: CE on the next token, L1 to softmax(policy / T),
-    BCE of the confidence against 1 - L1/2, slot i weighted exp(-i/gamma), over the response slots."""
+    BCE of the confidence against 1 - L1/2, slot i weighted exp(-i/gamma), over the response slots.
+    The default decay is that of a DFlash block drafting the same 3 tokens: 4 slots, gamma = 4 / 2."""
     torch.manual_seed(0)
     target_cfg = dataclasses.replace(read_config(TARGET), vocab_size=11, pad_token_id=0)
     draft = DSparkDraft(draft_config_for_target(target_cfg, 1, 3, markov_rank=4, confidence_head_with_markov=True))
@@ -321,7 +323,7 @@ def test_the_loss_is_the_recipes_three_terms_by_direct_formula():
     aux, tokens = torch.randn(b, t, 3 * h), torch.randint(1, v, (b, t))
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1, 1, 1, 1]]).float()
     embed, head, policy = torch.randn(v, h) * 0.3, torch.randn(v, h) * 0.3, torch.randn(b, t, v)
-    weights, gamma, temperature = {"ce": 0.3, "l1": 0.5, "confidence": 0.7}, 1.7, 0.8
+    weights, temperature = {"ce": 0.3, "l1": 0.5, "confidence": 0.7}, 0.8
     gen = torch.Generator().manual_seed(3)
     loss, per_slot, parts = dspark_loss(draft, aux, tokens, mask, embed, head, 2, policy, weights, gamma, gen,
                                         temperature)
@@ -343,7 +345,7 @@ def test_the_loss_is_the_recipes_three_terms_by_direct_formula():
                     draft.confidence_head.proj.bias[0]
                 label = 1 - l1 / 2
                 bce = -(label * F.logsigmoid(c) + (1 - label) * F.logsigmoid(-c))
-                w = torch.exp(torch.tensor(-i / gamma))
+                w = torch.exp(torch.tensor(-i / decay))
                 total = total + w * (0.3 * ce + 0.5 * l1 + 0.7 * bce)
                 norm = norm + w
     want = total / norm

@@ -20,7 +20,7 @@ from trainer.config import TrainerConfig
 from trainer.drafts import DRAFT_TRAINERS
 from trainer.trainer import Trainer
 from trainer_fixtures import make_batch, make_tiny
-from mtp.dflash import DFlashDraft, default_gamma
+from mtp.dflash import DFlashDraft
 from vime.models import dflash as dflash_format
 from vime.models.dspark import DSPARK
 from vime.models.draft_kinds import DRAFT_KINDS
@@ -127,6 +127,12 @@ def slot_loss(loss_type, draft_logits, token, policy_logits):
             "tv": lambda: 0.5 * float((q - p).abs().sum())}[loss_type]()
 
 
+def block_decay(slots):
+    """The DFlash paper's loss decay for its blocks of 16, 10 and 8 slots, half the block otherwise: the
+    decay of a block drafting slots - 1 tokens (a DSpark block drafting as many has one slot fewer)."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(slots, max(1.0, slots / 2))
+
+
 def reference_dflash_losses(target, draft_dir, tokens, loss_mask, weigh=True, loss_type="ce"):
     """DFlash's block objective from its definition, every block recomputed from scratch on transformers'
     states (dflash_fixtures): a block at every anchor a >= 1 whose next token is a response token, slot
@@ -144,7 +150,7 @@ def reference_dflash_losses(target, draft_dir, tokens, loss_mask, weigh=True, lo
         cfg = json.load(f)
     state = load_file(os.path.join(draft_dir, "model.safetensors"))
     size = cfg["block_size"]
-    gamma = default_gamma(size) if weigh else float("inf")
+    gamma = block_decay(size) if weigh else float("inf")
     weighted, weights = 0.0, 0.0
     slot_sum, slot_count = [0.0] * (size - 1), [0] * (size - 1)
     for b in range(tokens.shape[0]):
@@ -171,7 +177,8 @@ def reference_dspark_losses(target, draft_dir, tokens, loss_mask, weights):
     predicting token a+i+1 where it is a response token, from its state through the target's head plus
     the Markov bias of the true token a+i; the terms: cross-entropy of that token, L1 distance to the
     policy's distribution of it (its logits at a+i, temperature 1), and the binary cross-entropy of the
-    confidence against 1 - L1/2; slot i weighted exp(-i/gamma). Returns (weighted mean, per-slot mean)."""
+    confidence against 1 - L1/2; slot i weighted exp(-i/gamma), gamma that of a DFlash block drafting as many
+    tokens. Returns (weighted mean, per-slot mean)."""
     import json
 
     from safetensors.torch import load_file
@@ -184,7 +191,7 @@ def reference_dspark_losses(target, draft_dir, tokens, loss_mask, weights):
     size, head = cfg["block_size"], model.lm_head.weight.detach().double()
     w1, w2 = state["markov_head.markov_w1.weight"], state["markov_head.markov_w2.weight"]
     proj_w, proj_b = state["confidence_head.proj.weight"][0], state["confidence_head.proj.bias"][0]
-    gamma = default_gamma(size)
+    gamma = block_decay(size + 1)  # as many drafts as a DFlash block of size + 1
     weighted, total_weight = 0.0, 0.0
     slot_sum, slot_count = [0.0] * size, [0] * size
     for b in range(tokens.shape[0]):
