@@ -271,6 +271,52 @@ def test_measured_rates_of_plain_and_block_steps_decide_where_both_ran():
     assert wants == [0, 3, 0]  # plain faster; the block faster by more than the margin; by less
 
 
+def test_a_measured_verdict_stands_after_the_ruled_out_option_expires_until_the_acceptance_moves():
+    """Once plain and block steps were both measured at a batch size, their verdict stands after the
+    option it ruled out stops running there (its rate expires), where the profile's price alone would
+    choose the other; it is reopened (the price decides again) once the block's expected tokens
+    1 + a + a^2 + a^3 (a: the acceptance) move by DRAFT_MARGIN against the verdict, not before. Both
+    verdicts: plain measured faster where the price drafts, the block measured faster where it does not."""
+    def tokens(a):
+        return 1 + a + a * a + a ** 3
+
+    grid, n = [1, 2], int(RATE_STEPS)
+    verify = {q: [1.0, 1.1] for q in range(4)}
+    for draft_s, (plain_s, block_s), start, moves in (
+            (0.1, (0.2, 1.0), 0.5, (0.52, 0.6)),  # a cheap draft: the price drafts; plain measured faster
+            (4.0, (1.0, 0.2), 0.9, (0.88, 0.85))):  # a dear draft: the price does not; the block faster
+        draft = {k: [draft_s * (k > 0)] * 2 for k in range(4)}
+        policy = ConfidenceSizedK(3)
+        policy.set_costs(grid, verify, draft)
+        policy.verification_size(2, torch.ones(2, 3))  # a sized step: the sized schedule from here on
+        policy.drafted, policy.accepted = [1e9] * 3, [1e9 * start] * 3
+        policy.begin()
+        priced = policy.lookup[2]
+        for _ in range(n):
+            policy.observe(sized_step(2, 3, 3, block_s, 0.1, 8))
+            policy.observe(sized_step(2, 0, 0, plain_s, 0.0, 2))
+        policy.begin()
+        measured = policy.lookup[2]
+        assert measured == (3 if 8 / (block_s + 0.1) >= (1 + DRAFT_MARGIN) * 2 / plain_s else 0) != priced
+        for _ in range(3):  # only the chosen option runs: the other's rate expires
+            policy.observe(sized_step(2, 3, 3, block_s, 0.1, 8) if measured else sized_step(2, 0, 0, plain_s, 0.0, 2))
+            policy.begin()
+            assert policy.lookup[2] == measured
+        ruled_out = "plain" if measured else "block"
+        assert policy.rates[ruled_out].rate(policy.bucket_of[2]) is None
+        small, large = moves
+        assert abs(tokens(small) - tokens(start)) < DRAFT_MARGIN * min(tokens(small), tokens(start))
+        policy.accepted = [1e9 * small] * 3  # the acceptance moves by less than the margin: the verdict stands
+        policy.begin()
+        assert policy.lookup[2] == measured
+        grown = tokens(large) >= (1 + DRAFT_MARGIN) * tokens(start) if not measured \
+            else tokens(large) * (1 + DRAFT_MARGIN) <= tokens(start)
+        assert grown
+        policy.accepted = [1e9 * large] * 3  # by more: the price decides again
+        policy.begin()
+        assert policy.lookup[2] == priced
+
+
 def test_the_sized_schedule_prices_each_k_at_the_verification_its_steps_would_size_to():
     """Once steps are sized, the schedule's k at each batch size against the direct formula: the block
     (k = 3) where E(q) / (verify(B, 1+q) + draft(B, 3)) is at least (1 + DRAFT_MARGIN) a plain step's 1 / verify(B, 1), q
