@@ -271,20 +271,38 @@ def test_measured_rates_of_plain_and_block_steps_decide_where_both_ran():
     assert wants == [0, 3, 0]  # plain faster; the block faster by more than the margin; by less
 
 
-def test_a_measured_verdict_stands_after_the_ruled_out_option_expires_until_the_acceptance_moves():
-    """Once plain and block steps were both measured at a batch size, their verdict stands after the
-    option it ruled out stops running there (its rate expires), where the profile's price alone would
-    choose the other; it is reopened (the price decides again) once the block's expected tokens
-    1 + a + a^2 + a^3 (a: the acceptance) move by DRAFT_MARGIN against the verdict, not before. Both
-    verdicts: plain measured faster where the price drafts, the block measured faster where it does not."""
+def test_where_only_the_block_was_measured_plain_decoding_runs_once_to_compare():
+    """Where the price drafts the block and only block steps were measured, the next generate decodes plain
+    there; once plain is measured too, the measured rates decide (here the block, measured faster)."""
+    grid, n = [1, 2], int(RATE_STEPS)
+    policy = ConfidenceSizedK(3)
+    policy.set_costs(grid, {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
+    policy.verification_size(2, torch.ones(2, 3))
+    policy.begin()
+    assert policy.lookup[2] == 3  # the price drafts
+    for _ in range(2 * n):
+        policy.observe(sized_step(2, 3, 3, 0.2, 0.1, 8))
+    policy.begin()
+    assert policy.lookup[2] == 0 and policy.lookup[1] == 3  # plain tried where the block ran, the price elsewhere
+    for _ in range(n):
+        policy.observe(sized_step(2, 0, 0, 0.2, 0.0, 2))
+    policy.begin()
+    assert policy.lookup[2] == (3 if 8 / 0.3 >= (1 + DRAFT_MARGIN) * 2 / 0.2 else 0) == 3
+
+
+def test_an_option_no_longer_run_keeps_its_last_measured_rate_the_blocks_scaled_by_its_expected_tokens():
+    """Once plain and block steps were both measured at a batch size, the option ruled out stops running
+    there and its rate expires; the choice then compares the other's rate with its last one, where the
+    profile's price alone would choose otherwise. The block's last rate counts scaled by its expected
+    tokens 1 + a + a^2 + a^3 now over then (a: the acceptance): the direct formula decides when the
+    acceptance moves. Both ways: plain measured faster where the price drafts, and the block measured
+    faster where it does not (then the block's own new steps decide against plain's last rate)."""
     def tokens(a):
         return 1 + a + a * a + a ** 3
 
     grid, n = [1, 2], int(RATE_STEPS)
     verify = {q: [1.0, 1.1] for q in range(4)}
-    for draft_s, (plain_s, block_s), start, moves in (
-            (0.1, (0.2, 1.0), 0.5, (0.52, 0.6)),  # a cheap draft: the price drafts; plain measured faster
-            (4.0, (1.0, 0.2), 0.9, (0.88, 0.85))):  # a dear draft: the price does not; the block faster
+    for draft_s, plain_s, block_s, start in ((0.1, 0.2, 1.0, 0.5), (4.0, 1.0, 0.2, 0.9)):
         draft = {k: [draft_s * (k > 0)] * 2 for k in range(4)}
         policy = ConfidenceSizedK(3)
         policy.set_costs(grid, verify, draft)
@@ -296,25 +314,26 @@ def test_a_measured_verdict_stands_after_the_ruled_out_option_expires_until_the_
             policy.observe(sized_step(2, 3, 3, block_s, 0.1, 8))
             policy.observe(sized_step(2, 0, 0, plain_s, 0.0, 2))
         policy.begin()
+        block_rate, plain_rate = 8 / (block_s + 0.1), 2 / plain_s
         measured = policy.lookup[2]
-        assert measured == (3 if 8 / (block_s + 0.1) >= (1 + DRAFT_MARGIN) * 2 / plain_s else 0) != priced
+        assert measured == (3 if block_rate >= (1 + DRAFT_MARGIN) * plain_rate else 0) != priced
         for _ in range(3):  # only the chosen option runs: the other's rate expires
             policy.observe(sized_step(2, 3, 3, block_s, 0.1, 8) if measured else sized_step(2, 0, 0, plain_s, 0.0, 2))
             policy.begin()
             assert policy.lookup[2] == measured
-        ruled_out = "plain" if measured else "block"
-        assert policy.rates[ruled_out].rate(policy.bucket_of[2]) is None
-        small, large = moves
-        assert abs(tokens(small) - tokens(start)) < DRAFT_MARGIN * min(tokens(small), tokens(start))
-        policy.accepted = [1e9 * small] * 3  # the acceptance moves by less than the margin: the verdict stands
-        policy.begin()
-        assert policy.lookup[2] == measured
-        grown = tokens(large) >= (1 + DRAFT_MARGIN) * tokens(start) if not measured \
-            else tokens(large) * (1 + DRAFT_MARGIN) <= tokens(start)
-        assert grown
-        policy.accepted = [1e9 * large] * 3  # by more: the price decides again
-        policy.begin()
-        assert policy.lookup[2] == priced
+        assert policy.rates["plain" if measured else "block"].rate(policy.bucket_of[2]) is None
+        if measured:  # the block's own steps slow down 100x: mixed with the fewer fast ones before, their
+            for _ in range(4 * n):  # rate is below 8 / (100 block_s * 4n / (5n + 3)), under plain's last rate
+                policy.observe(sized_step(2, 3, 3, 100 * block_s, 0.1, 8))
+            policy.begin()
+            assert 8 / (100 * block_s * 4 * n / (5 * n + 3)) < plain_rate and policy.lookup[2] == 0
+            continue
+        for a in (0.6, 0.7, 0.8, 0.9):  # the acceptance grows: the block's last rate scaled by its tokens
+            policy.accepted = [1e9 * a] * 3
+            policy.begin()
+            scaled = block_rate * tokens(a) / tokens(start)
+            assert policy.lookup[2] == (3 if scaled >= (1 + DRAFT_MARGIN) * plain_rate else 0), a
+        assert policy.lookup[2] == 3  # 0.9 tips it (0.6 does not)
 
 
 def test_the_sized_schedule_prices_each_k_at_the_verification_its_steps_would_size_to():

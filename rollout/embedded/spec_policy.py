@@ -30,11 +30,11 @@ drafts are verified, so every policy keeps the output exact.
               to drafting (a draft-layer pass, a fraction of what the trunk spent on them).
   ConfidenceSizedK  vLLM's enable_adaptive_verification: at each batch size the block or nothing is
               drafted: where real plain steps and block steps were both measured there (the schedule
-              chose each at some generate), by their measured tokens per second (OptionRates), a
-              verdict that stands once the option it ruled out is no longer measured there, until the
-              block's expected tokens move by DRAFT_MARGIN against it (measured_choice); else by their
-              prices, the block priced as its steps will be sized (best_k); DRAFT_MARGIN in plain
-              decoding's favour either way. (Mixing the two within a generate to measure both
+              chose each at some generate), by their measured tokens per second (OptionRates), an
+              option no longer run there keeping its last rate (the block's scaled by its expected
+              tokens now over then); plain decoding tried once where only the block was measured;
+              else by their prices, the block priced as its steps will be sized (best_k);
+              DRAFT_MARGIN in plain decoding's favour either way. (Mixing the two within a generate to measure both
               was dearer than it told: a drafting step after plain ones catches up their context,
               and its first draft was accepted less, 0.85 against 0.91 with every 4th step plain.)
               Once a block is drafted the step verifies q drafts, rate(q) =
@@ -344,12 +344,14 @@ class OptionRates:
     per batch bucket: decayed sums of their verifies' seconds, steps and emitted tokens and of their
     draftings' seconds and steps. Why measured and not priced: on a CPU shared with other work a
     step's speed swings by a third within seconds, and the profile's best-of probes and real steps'
-    averages differ by that much again; measured rates include every cost the profile leaves out."""
+    averages differ by that much again; measured rates include every cost the profile leaves out.
+    Each bucket also keeps its last rate (`estimate`), for when the option stops running there."""
 
     def __init__(self, grid):
         n = len(grid)
         self.verify_s, self.verify_steps, self.tokens = [0.0] * n, [0.0] * n, [0.0] * n
         self.draft_s, self.draft_steps = [0.0] * n, [0.0] * n
+        self.last = [None] * n  # per bucket: (the last rate measured there, the expected tokens then)
 
     def add_verify(self, i, seconds, tokens):
         self.verify_s[i] += seconds
@@ -367,6 +369,21 @@ class OptionRates:
             return None
         seconds = self.verify_s[i] / self.verify_steps[i] + self.draft_s[i] / self.draft_steps[i]
         return self.tokens[i] / self.verify_steps[i] / max(seconds, 1e-12)
+
+    def estimate(self, i, tokens=None):
+        """The rate at bucket i: measured now, else the last one measured there scaled by `tokens` (the
+        option's expected tokens per row now) over what they were then (None: not scaled), else None.
+        Why kept: once the schedule stops running an option at a batch size its rate expires, and a
+        choice that then fell back to the profile's price put the slower option back every few
+        generates (plain decoding measured 1.2x the block at 128 rows, the price drafted the block)."""
+        rate = self.rate(i)
+        if rate is not None:
+            self.last[i] = (rate, tokens)
+            return rate
+        if self.last[i] is None:
+            return None
+        rate, then = self.last[i]
+        return rate if tokens is None or not then else rate * tokens / then
 
     def age(self, keep):
         for name in ("verify_s", "verify_steps", "tokens", "draft_s", "draft_steps"):
@@ -398,7 +415,6 @@ class ConfidenceSizedK(AdaptiveK):
         self.rates = {option: OptionRates(grid) for option in ("plain", "block")}
         self.bucket_of = [None] + [nearest_bucket(grid, b) for b in sizes]
         self.step_offsets = [None] + [(0.0,) * len(self.PARTS)] * grid[-1]  # offsets(b) at this generate's start
-        self.verdicts = {}  # batch size -> (the measured choice, the block's expected tokens then)
 
     def offsets(self, b):
         """(plain, verify, drafting, no-drafts) seconds real steps of b rows took beyond the profile
@@ -435,27 +451,20 @@ class ConfidenceSizedK(AdaptiveK):
             evidence.age(COST_KEEP_PER_GENERATE)
 
     def measured_choice(self, b):
-        """The block or nothing by the rates real steps of each reached near b rows (OptionRates), the
-        block where it ran DRAFT_MARGIN faster; None until both are measured there. The verdict then
-        stands (`verdicts`) after the option it ruled out stops being measured and its rate expires, until
-        the block's expected tokens (the acceptance) move by DRAFT_MARGIN against that option: a verdict
-        that fell back to the profile's price at expiry put the slower option back every few generates
-        (plain decoding measured 1.2x the block at 128 rows, the price drafted the block again)."""
+        """The block or nothing by the rates real steps of each reached near b rows (OptionRates
+        `estimate`: the block's last rate scaled by its expected tokens now over then), the block where it
+        ran DRAFT_MARGIN faster; plain decoding once where only the block was measured (to compare, at
+        the cost of one generate's steps there); None where neither was, or only plain was (the price
+        then says whether to try the block)."""
         if not self.corrects_costs:  # the profile is the whole price
             return None
         i = self.bucket_of[b]
-        plain, block = self.rates["plain"].rate(i), self.rates["block"].rate(i)
-        if plain is not None and block is not None:
-            choice = self.k if block >= (1 + DRAFT_MARGIN) * plain else 0
-            self.verdicts[b] = (choice, self.tokens[self.k])
-            return choice
-        if b not in self.verdicts:
+        plain, block = self.rates["plain"].estimate(i), self.rates["block"].estimate(i, self.tokens[self.k])
+        if block is None:
             return None
-        choice, tokens = self.verdicts[b]
-        if verdict_outdated(choice, tokens, self.tokens[self.k]):
-            del self.verdicts[b]
-            return None
-        return choice
+        if plain is None:
+            return 0
+        return self.k if block >= (1 + DRAFT_MARGIN) * plain else 0
 
     def write_schedule(self):
         """Every batch size's offsets for this generate (its steps are sized with them), then its k."""
@@ -520,14 +529,6 @@ class ConfidenceSizedK(AdaptiveK):
         """The verify of k_verified drafts plus the draft of k_drafted (sized steps verify fewer than drafted)."""
         drafted = self.draft_s[b][step.k_drafted] if step.k_drafted else 0.0
         return self.verify_s[b][step.k_verified] + drafted
-
-
-def verdict_outdated(choice, tokens_then, tokens_now):
-    """Whether a measured verdict no longer holds: the block ruled out (choice 0) and its expected tokens
-    since grown by DRAFT_MARGIN, or the block chosen and its expected tokens since shrunk by as much."""
-    if choice == 0:
-        return tokens_now >= (1 + DRAFT_MARGIN) * tokens_then
-    return tokens_now * (1 + DRAFT_MARGIN) <= tokens_then
 
 
 def new_trace():
