@@ -28,8 +28,8 @@ from mtp.dspark import DSparkDraft, dspark_loss
 from rollout.embedded.engine import Engine, EngineConfig
 from rollout.embedded.engine_builder import build_engine
 from rollout.embedded.proposers.dspark import DSparkProposer
-from rollout.embedded.spec_policy import (COST_KEEP_PER_GENERATE, DRAFT_MARGIN, RATE_STEPS, AdaptiveK, ConfidenceSizedK,
-                                          FixedK, StepRecord)
+from rollout.embedded.spec_policy import (COST_KEEP_PER_GENERATE, DRAFT_MARGIN, RATE_KEEP_GENERATES, RATE_STEPS,
+                                          AdaptiveK, ConfidenceSizedK, FixedK, StepRecord)
 from rollout.sampling_params import SamplingParams
 from rollout.spec_config import check_against_checkpoint, parse_spec_config
 from spec_fixtures import check_sampled_drafts_keep_the_target_distribution, one_thread  # noqa: F401
@@ -271,32 +271,15 @@ def test_measured_rates_of_plain_and_block_steps_decide_where_both_ran():
     assert wants == [0, 3, 0]  # plain faster; the block faster by more than the margin; by less
 
 
-def test_where_only_the_block_was_measured_plain_decoding_runs_once_to_compare():
-    """Where the price drafts the block and only block steps were measured, the next generate decodes plain
-    there; once plain is measured too, the measured rates decide (here the block, measured faster)."""
-    grid, n = [1, 2], int(RATE_STEPS)
-    policy = ConfidenceSizedK(3)
-    policy.set_costs(grid, {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
-    policy.verification_size(2, torch.ones(2, 3))
-    policy.begin()
-    assert policy.lookup[2] == 3  # the price drafts
-    for _ in range(2 * n):
-        policy.observe(sized_step(2, 3, 3, 0.2, 0.1, 8))
-    policy.begin()
-    assert policy.lookup[2] == 0 and policy.lookup[1] == 3  # plain tried where the block ran, the price elsewhere
-    for _ in range(n):
-        policy.observe(sized_step(2, 0, 0, 0.2, 0.0, 2))
-    policy.begin()
-    assert policy.lookup[2] == (3 if 8 / 0.3 >= (1 + DRAFT_MARGIN) * 2 / 0.2 else 0) == 3
-
-
 def test_an_option_no_longer_run_keeps_its_last_measured_rate_the_blocks_scaled_by_its_expected_tokens():
-    """Once plain and block steps were both measured at a batch size, the option ruled out stops running
-    there and its rate expires; the choice then compares the other's rate with its last one, where the
-    profile's price alone would choose otherwise. The block's last rate counts scaled by its expected
-    tokens 1 + a + a^2 + a^3 now over then (a: the acceptance): the direct formula decides when the
-    acceptance moves. Both ways: plain measured faster where the price drafts, and the block measured
-    faster where it does not (then the block's own new steps decide against plain's last rate)."""
+    """Once plain and block steps were both measured at a batch size (from the second generate on: the
+    first one's steps are not rated), the option ruled out stops running there and its rate expires; the
+    choice then compares the other's rate with its last one for RATE_KEEP_GENERATES generates, where the
+    profile's price alone would choose otherwise, and falls back to the price after. The block's last
+    rate counts scaled by its expected tokens 1 + a + a^2 + a^3 now over then (a: the acceptance): the
+    direct formula decides when the acceptance moves. Both ways: plain measured faster where the price
+    drafts, and the block measured faster where it does not (then the block's own new steps decide
+    against plain's last rate)."""
     def tokens(a):
         return 1 + a + a * a + a ** 3
 
@@ -310,10 +293,13 @@ def test_an_option_no_longer_run_keeps_its_last_measured_rate_the_blocks_scaled_
         policy.drafted, policy.accepted = [1e9] * 3, [1e9 * start] * 3
         policy.begin()
         priced = policy.lookup[2]
-        for _ in range(n):
-            policy.observe(sized_step(2, 3, 3, block_s, 0.1, 8))
-            policy.observe(sized_step(2, 0, 0, plain_s, 0.0, 2))
-        policy.begin()
+        for first in (True, False):
+            for _ in range(n):
+                policy.observe(sized_step(2, 3, 3, block_s, 0.1, 8))
+                policy.observe(sized_step(2, 0, 0, plain_s, 0.0, 2))
+            if first:  # the first generate's steps are not rated
+                assert policy.rates["block"].rate(policy.bucket_of[2]) is None
+            policy.begin()
         block_rate, plain_rate = 8 / (block_s + 0.1), 2 / plain_s
         measured = policy.lookup[2]
         assert measured == (3 if block_rate >= (1 + DRAFT_MARGIN) * plain_rate else 0) != priced
@@ -328,12 +314,21 @@ def test_an_option_no_longer_run_keeps_its_last_measured_rate_the_blocks_scaled_
             policy.begin()
             assert 8 / (100 * block_s * 4 * n / (5 * n + 3)) < plain_rate and policy.lookup[2] == 0
             continue
-        for a in (0.6, 0.7, 0.8, 0.9):  # the acceptance grows: the block's last rate scaled by its tokens
+        choices = []
+        for a in (0.6, 0.9):  # the acceptance grows: the block's last rate scaled by its tokens
             policy.accepted = [1e9 * a] * 3
             policy.begin()
             scaled = block_rate * tokens(a) / tokens(start)
+            choices.append(policy.lookup[2])
             assert policy.lookup[2] == (3 if scaled >= (1 + DRAFT_MARGIN) * plain_rate else 0), a
-        assert policy.lookup[2] == 3  # 0.9 tips it (0.6 does not)
+        assert choices == [0, 3]  # 0.9 tips it, 0.6 does not
+        # back where it was: plain, until the block's last rate is RATE_KEEP_GENERATES generates old; the
+        # price after (generates since its rate was last measured: the 3 above and the 2 of the acceptance)
+        policy.accepted = [1e9 * start] * 3
+        for since in range(6, RATE_KEEP_GENERATES + 2):
+            policy.observe(sized_step(2, 0, 0, plain_s, 0.0, 2))
+            policy.begin()
+            assert policy.lookup[2] == (0 if since < RATE_KEEP_GENERATES else priced), since
 
 
 def test_the_sized_schedule_prices_each_k_at_the_verification_its_steps_would_size_to():

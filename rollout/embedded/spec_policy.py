@@ -32,8 +32,8 @@ drafts are verified, so every policy keeps the output exact.
               drafted: where real plain steps and block steps were both measured there (the schedule
               chose each at some generate), by their measured tokens per second (OptionRates), an
               option no longer run there keeping its last rate (the block's scaled by its expected
-              tokens now over then); plain decoding tried once where only the block was measured;
-              else by their prices, the block priced as its steps will be sized (best_k);
+              tokens now over then) for RATE_KEEP_GENERATES generates, the first generate not
+              measured (first calls); else by their prices, the block priced as its steps will be sized (best_k);
               DRAFT_MARGIN in plain decoding's favour either way. (Mixing the two within a generate to measure both
               was dearer than it told: a drafting step after plain ones catches up their context,
               and its first draft was accepted less, 0.85 against 0.91 with every 4th step plain.)
@@ -70,6 +70,9 @@ DRAFT_MARGIN = 0.05
 # steps of plain decoding and of the block (verify and draft parts each, decayed like the cost evidence)
 # a batch bucket needs before their measured rates decide there (OptionRates)
 RATE_STEPS = 4.0
+# generates an option's last measured rate at a batch bucket stands once the option no longer runs there
+# (its steps' rate expired): the ruled-out option is then tried again about once in this many generates
+RATE_KEEP_GENERATES = 8
 
 
 class FixedK:
@@ -345,13 +348,14 @@ class OptionRates:
     draftings' seconds and steps. Why measured and not priced: on a CPU shared with other work a
     step's speed swings by a third within seconds, and the profile's best-of probes and real steps'
     averages differ by that much again; measured rates include every cost the profile leaves out.
-    Each bucket also keeps its last rate (`estimate`), for when the option stops running there."""
+    Each bucket also keeps its last rate for RATE_KEEP_GENERATES generates (`estimate`), for when the
+    option stops running there."""
 
     def __init__(self, grid):
         n = len(grid)
         self.verify_s, self.verify_steps, self.tokens = [0.0] * n, [0.0] * n, [0.0] * n
         self.draft_s, self.draft_steps = [0.0] * n, [0.0] * n
-        self.last = [None] * n  # per bucket: (the last rate measured there, the expected tokens then)
+        self.last = [None] * n  # per bucket: (last rate measured there, the expected tokens then, generates since)
 
     def add_verify(self, i, seconds, tokens):
         self.verify_s[i] += seconds
@@ -371,23 +375,26 @@ class OptionRates:
         return self.tokens[i] / self.verify_steps[i] / max(seconds, 1e-12)
 
     def estimate(self, i, tokens=None):
-        """The rate at bucket i: measured now, else the last one measured there scaled by `tokens` (the
-        option's expected tokens per row now) over what they were then (None: not scaled), else None.
-        Why kept: once the schedule stops running an option at a batch size its rate expires, and a
-        choice that then fell back to the profile's price put the slower option back every few
-        generates (plain decoding measured 1.2x the block at 128 rows, the price drafted the block)."""
+        """The rate at bucket i: measured now, else the last one measured there within RATE_KEEP_GENERATES
+        generates scaled by `tokens` (the option's expected tokens per row now) over what they were then
+        (None: not scaled), else None. Why kept: once the schedule stops running an option at a batch
+        size its rate expires within two generates, and a choice that then fell back to the profile's
+        price put the slower option back every few generates (plain decoding measured 1.2x the block at
+        128 rows, the price drafted the block again). Why not for good: a rate measured during a burst
+        of load would rule its option out for good."""
         rate = self.rate(i)
         if rate is not None:
-            self.last[i] = (rate, tokens)
+            self.last[i] = (rate, tokens, 0)
             return rate
-        if self.last[i] is None:
+        if self.last[i] is None or self.last[i][2] >= RATE_KEEP_GENERATES:
             return None
-        rate, then = self.last[i]
+        rate, then, _ = self.last[i]
         return rate if tokens is None or not then else rate * tokens / then
 
     def age(self, keep):
         for name in ("verify_s", "verify_steps", "tokens", "draft_s", "draft_steps"):
             setattr(self, name, [x * keep for x in getattr(self, name)])
+        self.last = [None if last is None else (*last[:2], last[2] + 1) for last in self.last]
 
 
 class ConfidenceSizedK(AdaptiveK):
@@ -395,6 +402,7 @@ class ConfidenceSizedK(AdaptiveK):
     sized by the drafts' confidence (vLLM's enable_adaptive_verification; see module doc)."""
 
     accept_prior = 1.0  # every draft passes until drafted blocks say otherwise (module doc)
+    generates = 0  # generates begun with a profile
     sized = False  # True once a step was sized by confidences (a draft without the head never is)
     # a step's verify without drafts, with drafts (more tokens to accept and record), its drafting, and
     # the proposer's work at a step without drafts
@@ -438,32 +446,35 @@ class ConfidenceSizedK(AdaptiveK):
         return max(self.verify_s[b][q] + (verify if q else plain) + self.draft_s[b][k] + (draft if k else idle), 1e-12)
 
     def record_cost(self, b, step):
+        """The step's parts into the cost evidence, and from the second generate on into its option's rate:
+        the first generate's steps include the first call of every step shape, which made the block's
+        first rate at 1 row half of what its later steps reached."""
         i, q = self.bucket_of[b], step.k_verified
-        self.rates["block" if q else "plain"].add_verify(i, step.verify_s, step.emitted)
+        rated = self.generates > 1
+        if rated:
+            self.rates["block" if q else "plain"].add_verify(i, step.verify_s, step.emitted)
         self.evidence["verify" if q else "plain"].add(i, step.verify_s, self.verify_s[b][q], step.emitted)
         if step.draft_s is not None:
             k = step.k_drafted or 0
-            self.rates["block" if k else "plain"].add_draft(i, step.draft_s)
+            if rated:
+                self.rates["block" if k else "plain"].add_draft(i, step.draft_s)
             self.evidence["draft" if k else "idle"].add(i, step.draft_s, self.draft_s[b][k])
 
     def age_cost_evidence(self):
+        self.generates += 1
         for evidence in list(self.evidence.values()) + list(self.rates.values()):
             evidence.age(COST_KEEP_PER_GENERATE)
 
     def measured_choice(self, b):
         """The block or nothing by the rates real steps of each reached near b rows (OptionRates
         `estimate`: the block's last rate scaled by its expected tokens now over then), the block where it
-        ran DRAFT_MARGIN faster; plain decoding once where only the block was measured (to compare, at
-        the cost of one generate's steps there); None where neither was, or only plain was (the price
-        then says whether to try the block)."""
+        ran DRAFT_MARGIN faster; None until both are measured there."""
         if not self.corrects_costs:  # the profile is the whole price
             return None
         i = self.bucket_of[b]
         plain, block = self.rates["plain"].estimate(i), self.rates["block"].estimate(i, self.tokens[self.k])
-        if block is None:
+        if plain is None or block is None:
             return None
-        if plain is None:
-            return 0
         return self.k if block >= (1 + DRAFT_MARGIN) * plain else 0
 
     def write_schedule(self):
