@@ -271,6 +271,27 @@ def test_measured_rates_of_plain_and_block_steps_decide_where_both_ran():
     assert wants == [0, 3, 0]  # plain faster; the block faster by more than the margin; by less
 
 
+def test_where_only_the_block_was_measured_plain_decoding_runs_to_compare():
+    """Where the price drafts the block and only block steps were rated (from the second generate on),
+    the next generate decodes plain there; once plain is rated too, the measured rates decide (here the
+    block, measured faster)."""
+    grid, n = [1, 2], int(RATE_STEPS)
+    policy = ConfidenceSizedK(3)
+    policy.set_costs(grid, {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
+    policy.verification_size(2, torch.ones(2, 3))
+    for generate in range(2):  # the first generate's steps are not rated: the price still drafts after it
+        policy.begin()
+        assert policy.lookup[2] == 3
+        for _ in range(2 * n):
+            policy.observe(sized_step(2, 3, 3, 0.2, 0.1, 8))
+    policy.begin()
+    assert policy.lookup[2] == 0 and policy.lookup[1] == 3  # plain tried where the block ran, the price elsewhere
+    for _ in range(n):
+        policy.observe(sized_step(2, 0, 0, 0.2, 0.0, 2))
+    policy.begin()
+    assert policy.lookup[2] == (3 if 8 / 0.3 >= (1 + DRAFT_MARGIN) * 2 / 0.2 else 0) == 3
+
+
 def test_an_option_no_longer_run_keeps_its_last_measured_rate_the_blocks_scaled_by_its_expected_tokens():
     """Once plain and block steps were both measured at a batch size (from the second generate on: the
     first one's steps are not rated), the option ruled out stops running there and its rate expires; the
