@@ -292,6 +292,27 @@ def test_where_only_the_block_was_measured_plain_decoding_runs_to_compare():
     assert policy.lookup[2] == (3 if 8 / 0.3 >= (1 + DRAFT_MARGIN) * 2 / 0.2 else 0) == 3
 
 
+def test_the_proposers_work_after_a_prefill_counts_in_the_drafting_seconds_of_the_option_chosen_then():
+    """A prefill's proposer seconds P join the drafting seconds of the option chosen at its batch size,
+    at no step of their own: the block's rate at 2 rows after n steps of verify v, drafting d, t tokens
+    is t / (v + (n d + P) / n) (the direct formula); the first generate's are not rated; with k = 0 they
+    go to plain decoding's drafting seconds."""
+    grid, n, v, d, t, prefill = [1, 2], int(RATE_STEPS), 0.2, 0.1, 8, 0.6
+    policy = ConfidenceSizedK(3)
+    policy.set_costs(grid, {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
+    policy.begin()
+    policy.observe_prefill(2, 3, 100.0)  # the first generate: not rated
+    policy.begin()
+    policy.observe_prefill(2, 3, prefill)
+    policy.observe_prefill(2, 0, prefill)
+    for _ in range(n):
+        policy.observe(sized_step(2, 3, 3, v, d, t))
+        policy.observe(sized_step(2, 0, 0, v, 0.0, 2))
+    at = policy.bucket_of[2]
+    assert policy.rates["block"].rate(at) == pytest.approx(t / (v + (n * d + prefill) / n))
+    assert policy.rates["plain"].rate(at) == pytest.approx(2 / (v + prefill / n))
+
+
 def test_an_option_no_longer_run_keeps_its_last_measured_rate_the_blocks_scaled_by_its_expected_tokens():
     """Once plain and block steps were both measured at a batch size (from the second generate on: the
     first one's steps are not rated), the option ruled out stops running there and its rate expires; the

@@ -284,7 +284,7 @@ class Engine:
             running += admitted
             self.step_k = self.k_policy.choose(len(running))
             if admitted:
-                self._prefill(admitted, sampling)
+                self._prefill(admitted, sampling, len(running))
             if decoding:
                 self._verify_step(decoding, sampling)
             finished = [r for r in running if r.finished]
@@ -319,9 +319,10 @@ class Engine:
             running.sort(key=lambda r: r.slot)
         return list(range(n, self.config.max_batch_size))[::-1]
 
-    def _prefill(self, reqs, sampling):
+    def _prefill(self, reqs, sampling, batch_size):
         """One ragged forward over the admitted prompts; a prompt shared by several requests (a
-        GRPO group) is computed once and its KV entries copied into the other requests' slots."""
+        GRPO group) is computed once and its KV entries copied into the other requests' slots. The
+        proposer's work after it is told to the k policy (batch_size: the rows running with them)."""
         leaders, source = self._prompt_leaders(reqs)
         hidden, mtp_hidden = self._prompt_forward(leaders)
         lengths = device_tensor([len(r.sample.prompt_ids) for r in leaders], self.config.device)
@@ -335,7 +336,10 @@ class Engine:
         n_new = [len(r.sample.prompt_ids) for r in reqs]
         for r in reqs:
             r.num_cached = len(r.sample.prompt_ids)
+        start = time.perf_counter()
         self._propose(reqs, mtp_hidden, [0] * len(reqs), n_new)
+        if self.k_policy.observes:
+            self.k_policy.observe_prefill(batch_size, self.step_k, time.perf_counter() - start)
 
     def _prompt_leaders(self, reqs):
         """(the requests whose prompts get computed, for each request its leader's index there or
