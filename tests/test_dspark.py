@@ -271,23 +271,27 @@ def test_measured_rates_of_plain_and_block_steps_decide_where_both_ran():
     assert wants == [0, 3, 0]  # plain faster; the block faster by more than the margin; by less
 
 
-def test_where_only_the_block_was_measured_plain_decoding_runs_to_compare():
-    """Where the price drafts the block and only block steps were rated (from the second generate on),
-    the next generate decodes plain there; once plain is rated too, the measured rates decide (here the
-    block, measured faster)."""
+@pytest.mark.parametrize("draft_s", [0.1, 4.0], ids=["price-drafts", "price-does-not"])
+def test_where_only_one_option_was_measured_the_other_runs_to_compare(draft_s):
+    """Where only steps of the option the price chooses were rated (from the second generate on), the next
+    generate runs the other option there; once both are rated, the measured rates decide (the direct
+    formula; here the block, measured faster, in both cases)."""
     grid, n = [1, 2], int(RATE_STEPS)
     policy = ConfidenceSizedK(3)
-    policy.set_costs(grid, {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
+    policy.set_costs(grid, {q: [1.0, 1.1] for q in range(4)}, {k: [draft_s * (k > 0)] * 2 for k in range(4)})
     policy.verification_size(2, torch.ones(2, 3))
-    for generate in range(2):  # the first generate's steps are not rated: the price still drafts after it
-        policy.begin()
-        assert policy.lookup[2] == 3
-        for _ in range(2 * n):
-            policy.observe(sized_step(2, 3, 3, 0.2, 0.1, 8))
     policy.begin()
-    assert policy.lookup[2] == 0 and policy.lookup[1] == 3  # plain tried where the block ran, the price elsewhere
+    priced = policy.lookup[2]
+    assert priced == (3 if draft_s < 1 else 0)
+    block, plain = sized_step(2, 3, 3, 0.2, 0.1, 8), sized_step(2, 0, 0, 0.2, 0.0, 2)
+    for generate in range(2):  # the first generate's steps are not rated: the price still decides after it
+        assert policy.lookup[2] == priced
+        for _ in range(2 * n):
+            policy.observe(block if priced else plain)
+        policy.begin()
+    assert policy.lookup[2] == 3 - priced and policy.lookup[1] == priced  # the other tried where one ran
     for _ in range(n):
-        policy.observe(sized_step(2, 0, 0, 0.2, 0.0, 2))
+        policy.observe(plain if priced else block)
     policy.begin()
     assert policy.lookup[2] == (3 if 8 / 0.3 >= (1 + DRAFT_MARGIN) * 2 / 0.2 else 0) == 3
 
@@ -317,7 +321,7 @@ def test_an_option_no_longer_run_keeps_its_last_measured_rate_the_blocks_scaled_
     """Once plain and block steps were both measured at a batch size (from the second generate on: the
     first one's steps are not rated), the option ruled out stops running there and its rate expires; the
     choice then compares the other's rate with its last one for RATE_KEEP_GENERATES generates, where the
-    profile's price alone would choose otherwise, and falls back to the price after. The block's last
+    profile's price alone would choose otherwise, and tries the ruled-out option again after. The block's last
     rate counts scaled by its expected tokens 1 + a + a^2 + a^3 now over then (a: the acceptance): the
     direct formula decides when the acceptance moves. Both ways: plain measured faster where the price
     drafts, and the block measured faster where it does not (then the block's own new steps decide
@@ -364,13 +368,13 @@ def test_an_option_no_longer_run_keeps_its_last_measured_rate_the_blocks_scaled_
             choices.append(policy.lookup[2])
             assert policy.lookup[2] == (3 if scaled >= (1 + DRAFT_MARGIN) * plain_rate else 0), a
         assert choices == [0, 3]  # 0.9 tips it, 0.6 does not
-        # back where it was: plain, until the block's last rate is RATE_KEEP_GENERATES generates old; the
-        # price after (generates since its rate was last measured: the 3 above and the 2 of the acceptance)
+        # back where it was: plain, until the block's last rate is RATE_KEEP_GENERATES generates old; the block
+        # tried again after (generates since its rate was last measured: the 3 above and the 2 of the acceptance)
         policy.accepted = [1e9 * start] * 3
         for since in range(6, RATE_KEEP_GENERATES + 2):
             policy.observe(sized_step(2, 0, 0, plain_s, 0.0, 2))
             policy.begin()
-            assert policy.lookup[2] == (0 if since < RATE_KEEP_GENERATES else priced), since
+            assert policy.lookup[2] == (0 if since < RATE_KEEP_GENERATES else 3), since
 
 
 def test_the_sized_schedule_prices_each_k_at_the_verification_its_steps_would_size_to():

@@ -33,7 +33,7 @@ drafts are verified, so every policy keeps the output exact.
               chose each at some generate), by their measured tokens per second (OptionRates), an
               option no longer run there keeping its last rate (the block's scaled by its expected
               tokens now over then) for RATE_KEEP_GENERATES generates, the first generate not
-              measured (first calls); plain decoding tried where only the block was measured; else
+              measured (first calls); where only one option was measured, the other is tried; else
               by their prices, the block priced as its steps will be sized (best_k);
               DRAFT_MARGIN in plain decoding's favour either way. (Mixing the two within a generate to measure both
               was dearer than it told: a drafting step after plain ones catches up their context,
@@ -484,17 +484,15 @@ class ConfidenceSizedK(AdaptiveK):
     def measured_choice(self, b):
         """The block or nothing by the rates real steps of each reached near b rows (OptionRates
         `estimate`: the block's last rate scaled by its expected tokens now over then), the block where it
-        ran DRAFT_MARGIN faster; plain decoding where only the block was measured (to compare: where the
-        price drafts, plain decoding ran at no generate otherwise, 1.04x the block at 128 rows); None
-        where the block was not (the price then says whether to try it)."""
+        ran DRAFT_MARGIN faster; where only one of them was measured, the other (to compare: where the
+        price drafts, plain decoding ran at no generate otherwise, though 1.04x the block at 128 rows; where
+        it does not, the block ran at none, though 1.25x plain decoding at 2 rows); None where neither was."""
         if not self.corrects_costs:  # the profile is the whole price
             return None
         i = self.bucket_of[b]
         plain, block = self.rates["plain"].estimate(i), self.rates["block"].estimate(i, self.tokens[self.k])
-        if block is None:
-            return None
-        if plain is None:
-            return 0
+        if plain is None or block is None:
+            return None if plain is None and block is None else (self.k if block is None else 0)
         return self.k if block >= (1 + DRAFT_MARGIN) * plain else 0
 
     def write_schedule(self):
