@@ -232,13 +232,15 @@ def spec_methods(draft, rejection):
 
 
 # block draft kind -> the ways the benchmark runs it: name suffix -> extra spec keys
-BLOCK_KINDS = {"dflash": {"": {}, " adaptive": {}},
-               "dspark": {"": {}, " adaptive": {}, " sized": {"enable_adaptive_verification": True}}}
+# ' idle': the draft attached but a schedule of k = 0 at every batch size (what a step without drafts costs)
+IDLE = {"num_speculative_tokens_per_batch_size": [[1, 1, 0]]}
+BLOCK_KINDS = {"dflash": {"": {}, " adaptive": {}, " idle": IDLE},
+               "dspark": {"": {}, " adaptive": {}, " sized": {"enable_adaptive_verification": True}, " idle": IDLE}}
 
 
 def block_methods(kind, drafts):
     """'KIND k=K' and its variants (' adaptive': --spec-adaptive; DSpark's ' sized': verification sized by
-    confidence) per draft directory of a block kind (K: the drafts of its block)."""
+    confidence; ' idle': drafting nothing) per draft directory of a block kind (K: the drafts of its block)."""
     variants = BLOCK_KINDS[kind]
     table = {}
     for path in drafts:
@@ -579,12 +581,13 @@ def add_spec_decode_arguments(p):
     p.add_argument("--rejection-sample-method", default="probabilistic", choices=["strict", "probabilistic"])
     p.add_argument("--methods", default=None, help="comma-separated subset of the method names")
     p.add_argument("--dflash-drafts", default=None,
-                   help="comma-separated DFlash draft directories of the checkpoint: methods 'dflash k=K' and "
-                        "'dflash k=K adaptive' each (K = the draft's block size - 1)")
+                   help="comma-separated DFlash draft directories of the checkpoint: methods 'dflash k=K', "
+                        "'dflash k=K adaptive' and 'dflash k=K idle' (drafting nothing) each (K = the draft's block "
+                        "size - 1)")
     p.add_argument("--dspark-drafts", default=None,
                    help="comma-separated DSpark draft directories of the checkpoint: methods 'dspark k=K', "
-                        "'dspark k=K adaptive' and 'dspark k=K sized' (enable_adaptive_verification) each "
-                        "(K = the draft's block size)")
+                        "'dspark k=K adaptive', 'dspark k=K sized' (enable_adaptive_verification) and 'dspark k=K "
+                        "idle' (drafting nothing) each (K = the draft's block size)")
     p.add_argument("--clock", default="wall", choices=list(CLOCKS),
                    help="time by the wall clock, or by this process's CPU seconds (one thread: what a quiet "
                         "machine's wall clock shows, whatever else the machine runs)")
