@@ -36,7 +36,7 @@ def traced(engine):
     """`engine` with its steps run as the stand-in for CUDA graphs (padded, traced whole, replayed)."""
     engine.steps = StepRunner("cpu", graphs=True, pad=engine.config.pad_to_buckets, max_rows=engine.config.max_batch_size,
                               capture="trace")
-    engine.steps.max_graph_q_len = 1 + engine.proposer.num_speculative_tokens
+    engine.graph_query_windows(1 + engine.proposer.num_speculative_tokens)
     return engine
 
 
@@ -106,6 +106,22 @@ def test_graph_shaped_steps_decode_as_the_eager_engine_token_for_token(markov_ck
     prompts = prompts_of(markov_ckpt, 6)
     engine, _ = assert_same_decoding(markov_ckpt, spec, prompts, 10, 8)
     assert any(key[1].rows > 1 for key in engine.steps.captured)
+
+
+def test_a_plain_engine_asked_for_verify_windows_runs_them_as_graphs(markov_ckpt):
+    """The benchmarks time a plain engine's verifies of 2-4 tokens as a speculative engine runs them:
+    graphed once asked (graph_query_windows), eagerly before."""
+    engine = traced(build_engine(markov_ckpt, None, EngineConfig(max_batch_size=4)))
+
+    def graphed_windows():
+        return {key[1].q_len for key in engine.steps.captured if key[0] == "target"}
+
+    for q in (1, 3):
+        engine.profile_verify(1, q, repeats=1)
+    assert graphed_windows() == {1}
+    engine.graph_query_windows(4)
+    engine.profile_verify(1, 3, repeats=1)
+    assert graphed_windows() == {1, 3}
 
 
 def test_graph_shaped_steps_read_the_weights_a_sync_loads_and_a_reallocated_cache(markov_ckpt):

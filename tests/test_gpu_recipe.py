@@ -37,6 +37,29 @@ def test_the_recipes_pretraining_stage_makes_a_checkpoint_that_learned_and_that_
                          "--output-dir", str(tmp_path / "run")]))
 
 
+def test_every_arm_of_the_recipe_at_its_gpu_size_passes_train_rls_checks(tmp_path):
+    from scripts.bench import gpu_recipe, rl_arms
+    from scripts.bench.lib import drift
+
+    _, _, rl_flags, online_options = gpu_recipe.recipe_size("cuda")
+    arms = ",".join(gpu_recipe.arm_specs(online_options).values())
+    args = rl_arms.parse_args(["drift", "--draft", "mtp", "--arms", arms, "--out", str(tmp_path), "--", *rl_flags])
+    planned = drift.plan_arms(args)
+    assert {label.split("/")[1].split(":")[0] for _, label, _ in planned} == set(gpu_recipe.ARMS)
+    for _, _, flags in planned:
+        drift.check_arm_flags(flags)
+
+
+def test_the_drift_bench_refuses_a_flag_one_arm_cannot_take_before_any_arm_runs(tmp_path):
+    """--draft-lr given to every arm: the frozen and none arms train no draft, so train_rl.py refuses it;
+    the benchmark says so in one line before the first (online) arm starts."""
+    proc = subprocess.run([sys.executable, "scripts/bench/rl_arms.py", "drift", "--draft", "mtp", "--arms",
+                           "online,frozen,none", "--steps", "2", "--out", str(tmp_path), "--", "--draft-lr", "1e-3"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --draft-lr") and proc.stderr.count("\n") == 1
+    assert not any(p.is_dir() for p in tmp_path.iterdir())  # no arm ran
+
+
 def test_the_recipe_refuses_a_gpu_it_does_not_have_in_one_line(tmp_path):
     import torch
 

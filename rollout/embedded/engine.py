@@ -183,8 +183,14 @@ class Engine:
         self.steps.forget(DRAFT_FAMILY)  # the previous proposer's graphs read its caches
         self.proposer = proposer
         proposer.attach(self)
-        self.steps.max_graph_q_len = 1 + proposer.num_speculative_tokens  # a verify's window
+        self.graph_query_windows(1 + proposer.num_speculative_tokens)  # a verify's window
         self.k_policy = k_policy or FixedK(proposer.num_speculative_tokens)
+
+    def graph_query_windows(self, q_len):
+        """Run query windows of up to q_len tokens as graphs (where steps run as graphs); longer ones
+        (prompts, catch-ups) run eagerly. A speculative engine graphs its verifies (1 + k tokens); a
+        benchmark asks a plain engine for the same to time the verifies a speculative one runs."""
+        self.steps.max_graph_q_len = q_len
 
     # ---------------------------------------------------------------- public API
     def generate(self, samples, sampling):

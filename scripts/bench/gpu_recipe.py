@@ -41,17 +41,18 @@ END_WINDOW = 5
 
 
 def recipe_size(device):
-    """The recipe's model and its pretraining and RL settings for its size (a GPU in bf16)."""
+    """The recipe's model and its pretraining and RL settings for its size (a GPU in bf16): (shape,
+    pretraining flags, train_rl.py flags of every arm, the online arm's own options)."""
     shape = dict(SHAPE, max_position_embeddings=256)  # the task's prompts and answers fit in 256 positions
     pretrain = ["--batch-size", "128", "--lr", "6e-4"] + (["--bf16"] if device != "cpu" else [])
-    rl = (["--bf16"] if device != "cpu" else []) + ["--lr", "3e-5", "--draft-lr", "1e-3"]
-    return shape, pretrain, rl
+    rl = (["--bf16"] if device != "cpu" else []) + ["--lr", "3e-5"]
+    return shape, pretrain, rl, ":lr=1e-3"  # --draft-lr: only the online arm trains a draft
 
 
 def tiny_size(device):
     """The shipped tiny model's shape and settings: the recipe at test size."""
     del device
-    return {}, [], []
+    return {}, [], [], ""
 
 
 SIZES = {"recipe": recipe_size, "tiny": tiny_size}
@@ -78,20 +79,26 @@ def parse_args(argv):
 
 def pretrain_stage(args):
     """The recipe's checkpoint in OUT/model; returns (its directory, final lm loss, final MTP loss)."""
-    shape, flags, _ = SIZES[args.size](args.device)
+    shape, flags, _, _ = SIZES[args.size](args.device)
     out = os.path.join(args.out, "model")
     lm, mtp = make_tiny_model.main(["--out", out, "--steps", "1000000", "--seconds", str(args.pretrain_seconds),
                                     "--device", args.device, "--config-overrides", json.dumps(shape), *flags])
     return out, lm, mtp
 
 
+def arm_specs(online_options):
+    """{arm: its rl_arms.py drift spec}: the online arm with its own options."""
+    return {arm: arm + (online_options if arm == "online" else "") for arm in ARMS}
+
+
 def rl_stage(args, checkpoint):
     """The drift benchmark's three arms on `checkpoint`; {arm: its metrics rows}."""
-    _, _, rl_flags = SIZES[args.size](args.device)
+    _, _, rl_flags, online_options = SIZES[args.size](args.device)
     arms_out = os.path.join(args.out, "arms")
-    rl_arms.main(["drift", "--draft", "mtp", "--hf-checkpoint", checkpoint, "--arms", ",".join(ARMS),
+    specs = arm_specs(online_options)
+    rl_arms.main(["drift", "--draft", "mtp", "--hf-checkpoint", checkpoint, "--arms", ",".join(specs.values()),
                   "--steps", str(args.steps), "--out", arms_out, "--", *rl_flags, *args.extra])
-    return {arm: read_metrics(os.path.join(arms_out, arm_dir(arm_label("embedded", arm)))) for arm in ARMS}
+    return {arm: read_metrics(os.path.join(arms_out, arm_dir(arm_label("embedded", spec)))) for arm, spec in specs.items()}
 
 
 def mean_after_warmup(rows, key):

@@ -384,6 +384,7 @@ def spec_scale(args):
     print(f"random {cfg.num_hidden_layers}-layer model + {cfg.num_nextn_predict_layers} MTP layer, {params / 1e6:.0f} M "
           f"parameters {args.dtype} on {args.device}; synthetic acceptance online {args.online_rates}, frozen "
           f"{args.frozen_rates}; {args.max_new_tokens} new tokens per row, greedy, EOS off")
+    engines["none"].graph_query_windows(4)  # its verify probes run as a speculative engine's verifies do
     ms = [1e3 * engines["none"].profile_verify(1, q, repeats=5) for q in range(1, 5)]
     print("verify forward at 1 row, 1..4 tokens: " + " / ".join(f"{t:.1f}" for t in ms) + " ms = "
           + " / ".join(f"{t / ms[0]:.2f}x" for t in ms) + " a plain step")
@@ -462,6 +463,7 @@ def step_limit(args):
     probes = {name: (lambda fn=fn: timed_seconds(fn, args.device), nbytes)
               for name, (fn, nbytes) in bandwidth_probes(args.device, dtype, args.copy_mib << 20).items()}
     for arm, engine in engines.items():  # warm-up (and graph capture) outside the timing
+        engine.graph_query_windows(4)  # the verify probes' windows run as a k = 3 engine runs them
         engine.generate(samples_for_prompts(prompt), greedy(4))
         for q in range(1, 5):
             probes[(arm, q)] = (lambda e=engine, q=q: args.steps * e.profile_verify(

@@ -300,7 +300,20 @@ def run(args):
     """Every arm on every backend; writes drift.csv and the PNGs, prints the tables."""
     check_args(args)
     os.makedirs(args.out, exist_ok=True)
+    planned = plan_arms(args)
+    for _, _, flags in planned:  # a flag an arm refuses stops the benchmark before its first arm runs
+        check_arm_flags(flags)
     rows_by_arm, groups = {}, {}
+    for arm, label, flags in planned:
+        metrics = run_arm(arm_dir(label), args.out, flags, args.steps, args.reuse)
+        rows_by_arm[label] = [row(label, m) for m in metrics]
+        groups[label] = group_name(arm, args)
+    report(rows_by_arm, groups, args, max(arm_draft(arm, args)[1] for arm in arm_list(args)))
+
+
+def plan_arms(args):
+    """[(arm, label, train_rl.py flags)] of every arm on every backend, in the order they run."""
+    planned = []
     for backend in args.backends.split(","):
         for arm in arm_list(args):
             base, options, _ = arm_options(arm)
@@ -310,10 +323,16 @@ def run(args):
             flags = arm_flags(kind, base, args, k, draft_model_of(name, args, k, maker_flags(arm, args)))
             flags = [str(f).replace("{arm_dir}", arm_dir(label)) for f in flags] + ["--rollout-backend", backend]
             # an arm's own options win over the shared extra arguments
-            metrics = run_arm(arm_dir(label), args.out, flags + args.extra + options, args.steps, args.reuse)
-            rows_by_arm[label] = [row(label, m) for m in metrics]
-            groups[label] = group_name(arm, args)
-    report(rows_by_arm, groups, args, max(arm_draft(arm, args)[1] for arm in arm_list(args)))
+            planned.append((arm, label, flags + args.extra + options))
+    return planned
+
+
+def check_arm_flags(flags):
+    """train_rl.py's checks that read no file, on one arm's flags (a UserError line if it refuses one)."""
+    from orchestration.preflight import check_config
+    from vime.cli_config import load_config
+
+    check_config(load_config([str(f) for f in flags]))
 
 
 def report(rows_by_arm, groups, args, k):
