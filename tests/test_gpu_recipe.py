@@ -50,14 +50,17 @@ def test_every_arm_of_the_recipe_at_its_gpu_size_passes_train_rls_checks(tmp_pat
         drift.check_arm_flags(flags)
 
 
-def test_the_drift_bench_refuses_a_flag_one_arm_cannot_take_before_any_arm_runs(tmp_path):
+@pytest.mark.parametrize("draft", [["--draft", "mtp"], ["--draft", "dflash", "--draft-warmup-steps", "5"]],
+                         ids=["mtp", "warmed-up-dflash"])
+def test_the_drift_bench_refuses_a_flag_one_arm_cannot_take_before_any_arm_runs(tmp_path, draft):
     """--draft-lr given to every arm: the frozen and none arms train no draft, so train_rl.py refuses it;
-    the benchmark says so in one line before the first (online) arm starts."""
-    proc = subprocess.run([sys.executable, "scripts/bench/rl_arms.py", "drift", "--draft", "mtp", "--arms",
-                           "online,frozen,none", "--steps", "2", "--out", str(tmp_path), "--", "--draft-lr", "1e-3"],
+    the benchmark says so in one line before the first (online) arm starts and before any draft is
+    warmed up."""
+    proc = subprocess.run([sys.executable, "scripts/bench/rl_arms.py", "drift", *draft, "--arms", "online,frozen,none",
+                           "--steps", "2", "--out", str(tmp_path), "--", "--draft-lr", "1e-3"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.startswith("error: --draft-lr") and proc.stderr.count("\n") == 1
-    assert not any(p.is_dir() for p in tmp_path.iterdir())  # no arm ran
+    assert not any(p.is_dir() for p in tmp_path.iterdir())  # no draft made, no arm ran
 
 
 def test_the_recipe_refuses_a_gpu_it_does_not_have_in_one_line(tmp_path):

@@ -526,7 +526,7 @@ class ConfidenceSizedK(AdaptiveK):
             q += 1
         return q
 
-    def best_k(self, b, correction=None):
+    def best_k(self, b):
         """Once steps are sized by confidence: the measured choice where real plain and block steps both ran
         near b (measured_choice); else the whole block where its steps, each verifying the q it would
         size to at the acceptance measured so far (the drafting paid), are priced DRAFT_MARGIN more per

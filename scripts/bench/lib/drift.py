@@ -230,13 +230,14 @@ def target_of(kind, args):
     return os.path.join(REPO, args.hf_checkpoint or kind.target)
 
 
-def warmed_up_draft(name, args, k, extra=()):
-    """--draft-warmup-steps N: a draft of the target warmed up for N offline steps (made once into --out);
-    `extra`: the arm's maker flags (its directory is named after them)."""
+def warmed_up_draft(name, args, k, extra=(), make=True):
+    """--draft-warmup-steps N: a draft of the target warmed up for N offline steps (made once into --out,
+    unless `make` is False: its directory only); `extra`: the arm's maker flags (the directory is named
+    after them)."""
     kind = DRIFT_DRAFTS[name]
     suffix = (f"_k{k}" if kind.built_for_k else "") + "".join(f"_{f.strip('-')}{v}" for f, v in zip(extra[::2], extra[1::2]))
     out = os.path.join(args.out, f"{name}{suffix}_draft_warmup{args.draft_warmup_steps}")
-    if not os.path.isfile(os.path.join(out, "config.json")):
+    if make and not os.path.isfile(os.path.join(out, "config.json")):
         script, flags = kind.make_draft
         cmd = [sys.executable, os.path.join(REPO, "scripts", script), "--target", target_of(kind, args),
                "--out", out, "--warmup-steps", str(args.draft_warmup_steps), *flags(k), *extra]
@@ -286,13 +287,14 @@ def row(label, m):
             "spec_speedup_vs_plain": m.get("perf/spec_speedup_vs_plain", "")}
 
 
-def draft_model_of(name, args, k, extra=()):
-    """The arm's external draft directory (None for a draft inside the target); `extra`: its maker flags."""
+def draft_model_of(name, args, k, extra=(), make=True):
+    """The arm's external draft directory (None for a draft inside the target); `extra`: its maker flags;
+    `make` False: a warmed-up draft's directory without making it."""
     kind = DRIFT_DRAFTS[name]
     if kind.draft_model is None:
         return None
     if args.draft_warmup_steps is not None:
-        return warmed_up_draft(name, args, k, extra)
+        return warmed_up_draft(name, args, k, extra, make)
     return os.path.join(REPO, args.draft_model if args.draft_model and name == args.draft else kind.draft_model)
 
 
@@ -300,9 +302,10 @@ def run(args):
     """Every arm on every backend; writes drift.csv and the PNGs, prints the tables."""
     check_args(args)
     os.makedirs(args.out, exist_ok=True)
-    planned = plan_arms(args)
-    for _, _, flags in planned:  # a flag an arm refuses stops the benchmark before its first arm runs
+    # a flag an arm refuses stops the benchmark before any draft is warmed up or arm run
+    for _, _, flags in plan_arms(args, make_drafts=False):
         check_arm_flags(flags)
+    planned = plan_arms(args)
     rows_by_arm, groups = {}, {}
     for arm, label, flags in planned:
         metrics = run_arm(arm_dir(label), args.out, flags, args.steps, args.reuse)
@@ -311,8 +314,9 @@ def run(args):
     report(rows_by_arm, groups, args, max(arm_draft(arm, args)[1] for arm in arm_list(args)))
 
 
-def plan_arms(args):
-    """[(arm, label, train_rl.py flags)] of every arm on every backend, in the order they run."""
+def plan_arms(args, make_drafts=True):
+    """[(arm, label, train_rl.py flags)] of every arm on every backend, in the order they run; with
+    make_drafts False no warmed-up draft is made (its directory is named all the same)."""
     planned = []
     for backend in args.backends.split(","):
         for arm in arm_list(args):
@@ -320,7 +324,7 @@ def plan_arms(args):
             name, k = arm_draft(arm, args)
             kind = DRIFT_DRAFTS[name]
             label = arm_label(backend, arm)
-            flags = arm_flags(kind, base, args, k, draft_model_of(name, args, k, maker_flags(arm, args)))
+            flags = arm_flags(kind, base, args, k, draft_model_of(name, args, k, maker_flags(arm, args), make_drafts))
             flags = [str(f).replace("{arm_dir}", arm_dir(label)) for f in flags] + ["--rollout-backend", backend]
             # an arm's own options win over the shared extra arguments
             planned.append((arm, label, flags + args.extra + options))
