@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from scripts.bench.throughput import MAX_REPEATS, main, time_interleaved
+from scripts.bench.throughput import MAX_REPEATS, main, paired_median, time_interleaved
 from vime.sample import Sample
 
 RUN_S, PREPARE_S = 0.01, 0.2
@@ -69,3 +69,19 @@ def test_spec_decode_refuses_negative_min_seconds_in_one_line(capsys):
         main(["spec-decode", "--min-seconds", "-1"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "--min-seconds" in err
+
+
+def test_time_interleaved_hands_back_every_repeats_rate_in_order():
+    rates = {}
+    runs = {n: (lambda n=n: [Sample(prompt_ids=[1], response_ids=[5] * (1 + "ab".index(n)))]) for n in "ab"}
+    time_interleaved(runs, repeats=3, rates=rates)
+    assert sorted(rates) == ["a", "b"] and all(len(r) == 3 and all(x > 0 for x in r) for r in rates.values())
+
+
+def test_the_paired_speedup_is_the_median_of_each_repeats_ratio_to_the_base():
+    """Against the written-out medians: the base's own is 1, and one repeat a burst hit moves the median
+    of three no further than the middle ratio."""
+    rates = {"none": [10.0, 20.0, 5.0], "x": [15.0, 22.0, 50.0]}
+    paired = paired_median(rates, "none")
+    assert paired["none"] == 1.0
+    assert paired["x"] == sorted([15 / 10, 22 / 20, 50 / 5])[1]

@@ -21,6 +21,7 @@ weights; acceptance does). `MODE --help` says what each prints.
 """
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -80,13 +81,14 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 MAX_REPEATS = 50  # --min-seconds stops adding repeats here
 
 
-def time_interleaved(runs, repeats, clock="wall", min_seconds=0.0):
+def time_interleaved(runs, repeats, clock="wall", min_seconds=0.0, rates=None):
     """{name: (best tokens/s, samples of the last repeat)}: each run (a callable returning samples)
     once per repeat, runs interleaved so a busy machine slows every one alike, their order rotated at
     each repeat (a DSpark engine timed second, after plain decoding, ran 7-12% below an engine doing the
     same work timed third, and ran level with it when their places swapped); at least `repeats`
     repeats, more (up to MAX_REPEATS) until every run has been timed for `min_seconds` in all (a
-    short run's best of a few is as noisy as the machine). A run's `prepare` (if it has one) is called first, off the clock."""
+    short run's best of a few is as noisy as the machine). A run's `prepare` (if it has one) is called first, off the clock.
+    `rates` (a dict), if given, gets every run's tokens/s of each repeat, in order (for `paired_median`)."""
     best, last, spent = {}, {}, dict.fromkeys(runs, 0.0)
     now = CLOCKS[clock]
     names, done = list(runs), 0
@@ -101,8 +103,19 @@ def time_interleaved(runs, repeats, clock="wall", min_seconds=0.0):
             spent[name] += seconds
             rate = sum(len(s.response_ids) for s in samples) / seconds
             best[name], last[name] = max(best.get(name, 0.0), rate), samples
+            if rates is not None:
+                rates.setdefault(name, []).append(rate)
         done += 1
     return {name: (best[name], last[name]) for name in runs}
+
+
+def paired_median(rates, base):
+    """{name: the median over repeats of its tokens/s over `base`'s in the same repeat}. Why beside the
+    best of each: this CPU's speed moves by a fifth between runs half a second apart, so the best of one
+    method and the best of another can come from different moments (the same engine timed twice in one
+    run gave best-of ratios of 0.93x and 1.04x); a repeat's runs are adjacent in time, and the median
+    drops the repeats a burst of load hit."""
+    return {name: statistics.median(r / b for r, b in zip(rs, rates[base])) for name, rs in rates.items()}
 
 
 def generator(engine, prompts, sampling, n=1):
@@ -294,7 +307,8 @@ def long_responses(checkpoint, prompts, sampling, n, min_len):
 
 def spec_decode(args):
     """Per batch size and method (none, mtp k=1..3, mtp adaptive, ngram, suffix, draft_model):
-    tokens/s, speedup against the first method, tokens per verify, acceptance rate and per position;
+    tokens/s, speedup against the first method (best against best), tokens per verify, acceptance rate and per
+    position, and the paired speedup (`paired_median`);
     the adaptive method against the best fixed k."""
     require(args.min_seconds >= 0, f"--min-seconds {args.min_seconds}: give 0 (just --repeats) or more")
     pool = args.num_prompts * (POOL_PER_PROMPT if args.min_response_len else 1)
@@ -318,15 +332,17 @@ def spec_decode(args):
           f"{f', plain responses >= {args.min_response_len} tokens' if args.min_response_len else ''}, "
           f"best of {args.repeats}{f' (or more, {args.min_seconds:g} s a method)' if args.min_seconds else ''} "
           f"(methods interleaved, their order rotated), {args.clock} clock")
-    print("| batch | method | tokens/s | speedup | tokens/verify | accept rate | per position |")
-    print("|---|---|---|---|---|---|---|")
+    print("| batch | method | tokens/s | speedup | tokens/verify | accept rate | per position | paired speedup |")
+    print("|---|---|---|---|---|---|---|---|")
     for batch in batch_sizes(args.batch_sizes):
         engines = {name: build_engine(args.hf_checkpoint, table[name], EngineConfig(max_batch_size=batch),
                                       adaptive=name in adaptive) for name in wanted}
         for engine in engines.values():
             engine.generate(samples_for_prompts(prompts[:batch]), sampling)  # warm-up (and the adaptive profile)
+        rates = {}
         got = time_interleaved({name: fresh_proposer_run(engines[name], table[name], prompts, sampling, indices)
-                                for name in wanted}, args.repeats, args.clock, args.min_seconds)
+                                for name in wanted}, args.repeats, args.clock, args.min_seconds, rates)
+        paired = paired_median(rates, wanted[0])
         for name in wanted[1:]:
             require_same_work(f"{name} vs {wanted[0]} at batch {batch}", responses(got[name][1]),
                               responses(got[wanted[0]][1]), greedy=args.temperature == 0)
@@ -336,7 +352,7 @@ def spec_decode(args):
             st = aggregate_spec_stats(samples)
             pos = " / ".join(f"{st[k]:.2f}" for k in sorted(st) if k.startswith("spec_accept_rate_pos_"))
             print(f"| {batch} | {name} | {rate:.0f} | {rate / base:.2f}x | {st['spec_accept_length']:.2f} | "
-                  f"{st['spec_accept_rate']:.2f} | {pos or '-'} |", flush=True)
+                  f"{st['spec_accept_rate']:.2f} | {pos or '-'} | {paired[name]:.2f}x |", flush=True)
         for name in [n for n in wanted if n in adaptive or n.endswith(" sized")]:
             print(f"batch {batch}: {name} drafted k = {engines[name].stats().get('spec_k_mean', float('nan')):.2f} "
                   "on average (the last repeat)", flush=True)
