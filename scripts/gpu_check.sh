@@ -65,6 +65,6 @@ check spec-scale "${SCALE_S:-60}" "grep -E '^ *(1|8) ' | awk '{print \$1\" rows:
   python3 scripts/bench/throughput.py spec-scale --device cuda --dtype bfloat16 --batch-sizes 1,8 --repeats 3
 check step-limit "${LIMIT_S:-150}" "grep -E '^ *graphed ' | awk '{print \"graphed step \"\$2\" ms = \"\$3\" of the copy limit, verify 2 / 3 / 4 tokens \"\$5\" \"\$7\" \"\$9\" a plain step, engine \"\$10\" ms a token\"}'" -- \
   python3 scripts/bench/throughput.py step-limit --device cuda --dtype bfloat16 --layers 24 --hidden 2048 --intermediate 5632
-check recipe "${RECIPE_S:-330}" "grep '^recipe: ' | tail -1 | cut -c9-" -- \
+check recipe "${RECIPE_S:-470}" "grep '^recipe: ' | tail -1 | cut -c9-" -- \
   python3 scripts/bench/gpu_recipe.py --pretrain-seconds "${RECIPE_PRETRAIN_S:-40}" --steps 40 --out "$OUT/recipe"
 echo "summary in $OUT/summary.txt"
