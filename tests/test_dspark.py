@@ -28,7 +28,8 @@ from mtp.dspark import DSparkDraft, dspark_loss
 from rollout.embedded.engine import Engine, EngineConfig
 from rollout.embedded.engine_builder import build_engine
 from rollout.embedded.proposers.dspark import DSparkProposer
-from rollout.embedded.spec_policy import (COST_KEEP_PER_GENERATE, DRAFT_MARGIN, RATE_KEEP_GENERATES, RATE_STEPS,
+from rollout.embedded.spec_policy import (COST_KEEP_PER_GENERATE, DRAFT_MARGIN, PAIR_KEEP_PER_GENERATE,
+                                          PAIR_MIN_STEPS, PAIR_RUN_STEPS, PAIR_STALE, RATE_KEEP_GENERATES, RATE_STEPS,
                                           AdaptiveK, ConfidenceSizedK, FixedK, StepRecord)
 from rollout.sampling_params import SamplingParams
 from rollout.spec_config import check_against_checkpoint, parse_spec_config
@@ -375,6 +376,53 @@ def test_an_option_no_longer_run_keeps_its_last_measured_rate_the_blocks_scaled_
             policy.observe(sized_step(2, 0, 0, plain_s, 0.0, 2))
             policy.begin()
             assert policy.lookup[2] == (0 if since < RATE_KEEP_GENERATES else 3), since
+
+
+def run_sized_generate(policy, steps, block_step, plain_step):
+    """One generate at 2 rows: `steps` steps, each drafting what the policy chooses and observed as the block's
+    step or plain decoding's; then the next generate begins. Returns the ks chosen."""
+    ks = []
+    for _ in range(steps):
+        ks.append(policy.choose(2))
+        policy.observe(block_step if ks[-1] else plain_step)
+    policy.begin()
+    return ks
+
+
+@pytest.mark.parametrize("block_s", [0.2, 1.0], ids=["block-faster", "plain-faster"])
+def test_a_bucket_compares_the_block_and_plain_decoding_inside_one_generate_and_their_ratio_decides(block_s):
+    """Where a generate ran PAIR_MIN_STEPS steps at a batch bucket and no paired evidence is there, the next
+    generate alternates runs of PAIR_RUN_STEPS steps of the block and of plain decoding there; the ratio of
+    their rates in that generate (the direct formula: tokens over a verify's and a drafting's mean seconds,
+    each) decides from then on, the block where it is DRAFT_MARGIN faster, also against the rates of other
+    generates: the control is a generate drafting the block on a machine 10x slower, where the ratio of
+    rates measured in different generates (measured_choice) chooses plain decoding. The comparison
+    repeats once the evidence decays below PAIR_STALE: after ceil(log PAIR_STALE / log
+    PAIR_KEEP_PER_GENERATE) generates."""
+    grid = [1, 2]
+    policy = ConfidenceSizedK(3)
+    policy.set_costs(grid, {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
+    policy.verification_size(2, torch.ones(2, 3))  # a sized step: the sized schedule from here on
+    policy.begin()
+    block, plain = sized_step(2, 3, 3, block_s, 0.1, 8), sized_step(2, 0, 0, 0.5, 0.0, 2)
+    assert run_sized_generate(policy, PAIR_MIN_STEPS, block, plain) == [3] * PAIR_MIN_STEPS  # the price drafts
+    ks = run_sized_generate(policy, 2 * PAIR_MIN_STEPS, block, plain)
+    assert ks == ([3] * PAIR_RUN_STEPS + [0] * PAIR_RUN_STEPS) * (PAIR_MIN_STEPS // PAIR_RUN_STEPS)
+    want = 3 if (8 / (block_s + 0.1)) >= (1 + DRAFT_MARGIN) * 2 / 0.5 else 0
+    assert policy.lookup[2] == want
+    if want:  # the control: the block's steps on a slower machine, against plain decoding's last rate
+        slow = sized_step(2, 3, 3, 10 * block_s, 1.0, 8)
+        assert run_sized_generate(policy, PAIR_MIN_STEPS, slow, plain) == [3] * PAIR_MIN_STEPS
+        assert policy.measured_choice(2) == 0 and policy.lookup[2] == 3
+    stale_after = math.ceil(math.log(PAIR_STALE) / math.log(PAIR_KEEP_PER_GENERATE))
+    since = 1 + bool(want)  # generates run since the comparison
+    while True:
+        ks = run_sized_generate(policy, PAIR_MIN_STEPS, block, plain)
+        since += 1
+        if len(set(ks)) > 1:
+            break
+        assert since < stale_after + 2
+    assert since == stale_after + 1  # the stale evidence's generate counted, the comparing one after it
 
 
 def test_the_sized_schedule_prices_each_k_at_the_verification_its_steps_would_size_to():

@@ -29,15 +29,19 @@ drafts are verified, so every policy keeps the output exact.
               Not priced: the one catch-up of draft positions deferred by k = 0 steps at a switch
               to drafting (a draft-layer pass, a fraction of what the trunk spent on them).
   ConfidenceSizedK  vLLM's enable_adaptive_verification: at each batch size the block or nothing is
-              drafted: where real plain steps and block steps were both measured there (the schedule
+              drafted: where the two were compared inside one generate (PairedEvidence: at a batch bucket
+              that ran PAIR_MIN_STEPS steps, a generate alternates runs of PAIR_RUN_STEPS steps of each,
+              about once in ten generates), by the ratio of their rates there, both measured under the
+              machine's speed of the same moments; else where real plain steps and block steps were both measured there (the schedule
               chose each at some generate), by their measured tokens per second (OptionRates), an
               option no longer run there keeping its last rate (the block's scaled by its expected
               tokens now over then) for RATE_KEEP_GENERATES generates, the first generate not
               measured (first calls); where only one option was measured, the other is tried; else
               by their prices, the block priced as its steps will be sized (best_k);
-              DRAFT_MARGIN in plain decoding's favour either way. (Mixing the two within a generate to measure both
+              DRAFT_MARGIN in plain decoding's favour either way. (Mixing the two at every generate
               was dearer than it told: a drafting step after plain ones catches up their context,
-              and its first draft was accepted less, 0.85 against 0.91 with every 4th step plain.)
+              and its first draft was accepted less, 0.85 against 0.91 with every 4th step plain;
+              hence runs of several steps, and only where the paired evidence is stale.)
               Once a block is drafted the step verifies q drafts, rate(q) =
               (B + sum_rows sum_{j<q} s_j) / (verify(B, 1+q) + draft(B, k)) being the expected tokens per
               second, s_j the running product of the draft's per-slot confidences (the chance draft j is
@@ -74,6 +78,18 @@ RATE_STEPS = 4.0
 # generates an option's last measured rate at a batch bucket stands once the option no longer runs there
 # (its steps' rate expired): the ruled-out option is then tried again about once in this many generates
 RATE_KEEP_GENERATES = 8
+# paired comparison (ConfidenceSizedK): at a batch bucket where the last generate ran PAIR_MIN_STEPS steps and
+# the paired evidence is worth less than PAIR_STALE generates, the next generate alternates the block and plain
+# decoding in runs of PAIR_RUN_STEPS steps there; the two rates of that one generate give one ratio, whose
+# evidence is kept PAIR_KEEP_PER_GENERATE at each generate and decides there while worth PAIR_FORGET
+PAIR_RUN_STEPS = 3
+PAIR_MIN_STEPS = 4 * PAIR_RUN_STEPS  # two runs of each option at least
+# steps of each part a compared option needs in its generate: rates of steps moments apart share the machine's
+# speed, so fewer steps than RATE_STEPS (rates of different generates) give a steady ratio
+PAIR_RATE_STEPS = 2.0
+PAIR_KEEP_PER_GENERATE = 0.9
+PAIR_STALE = 0.35  # one comparison's weight falls below this after 10 generates: compared again then
+PAIR_FORGET = 0.1
 
 
 class FixedK:
@@ -371,10 +387,10 @@ class OptionRates:
         self.draft_s[i] += seconds
         self.draft_steps[i] += steps
 
-    def rate(self, i):
+    def rate(self, i, min_steps=RATE_STEPS):
         """Tokens per second at bucket i (a verify's tokens over a verify's and a drafting's seconds),
-        None before RATE_STEPS of each part."""
-        if self.verify_steps[i] < RATE_STEPS or self.draft_steps[i] < RATE_STEPS:
+        None before `min_steps` of each part."""
+        if self.verify_steps[i] < min_steps or self.draft_steps[i] < min_steps:
             return None
         seconds = self.verify_s[i] / self.verify_steps[i] + self.draft_s[i] / self.draft_steps[i]
         return self.tokens[i] / self.verify_steps[i] / max(seconds, 1e-12)
@@ -402,6 +418,34 @@ class OptionRates:
         self.last = [None if last is None else (*last[:2], last[2] + 1) for last in self.last]
 
 
+class PairedEvidence:
+    """Per batch bucket, what comparisons of the block with plain decoding inside one generate found: decayed
+    sums of log(block rate / plain rate / the block's expected tokens then) and of their weights (one per
+    comparing generate). Why within one generate: this CPU's speed moves by a fifth between generates half a
+    second apart, so rates measured in different generates (OptionRates) compared the machine's moments as
+    much as the options: at 128 rows the block measured 0.79-1.07x plain decoding from one generate to the
+    next, and the schedule drafted there in a third of them; runs of a few steps of each, alternated, share
+    the machine's speed. Divided by the expected tokens, a ratio follows the draft's acceptance as it moves."""
+
+    def __init__(self, grid):
+        self.log_sum, self.weight = [0.0] * len(grid), [0.0] * len(grid)
+
+    def add(self, i, ratio, tokens):
+        self.log_sum[i] += math.log(ratio / tokens)
+        self.weight[i] += 1.0
+
+    def ratio(self, i, tokens):
+        """The block's rate over plain decoding's at bucket i with `tokens` expected tokens now, None where
+        the evidence is worth less than PAIR_FORGET."""
+        if self.weight[i] < PAIR_FORGET:
+            return None
+        return math.exp(self.log_sum[i] / self.weight[i]) * tokens
+
+    def age(self, keep):
+        self.log_sum = [x * keep for x in self.log_sum]
+        self.weight = [x * keep for x in self.weight]
+
+
 class ConfidenceSizedK(AdaptiveK):
     """A schedule of how much to draft, priced as its steps will be sized, and each step's verification
     sized by the drafts' confidence (vLLM's enable_adaptive_verification; see module doc)."""
@@ -426,6 +470,8 @@ class ConfidenceSizedK(AdaptiveK):
         self.draft_s = [None] + [[interpolate(grid, draft[k], b) for k in draft] for b in sizes]
         self.evidence = {part: CostEvidence(grid) for part in self.PARTS}
         self.rates = {option: OptionRates(grid) for option in ("plain", "block")}
+        self.paired = PairedEvidence(grid)
+        self.start_generate_pairs(grid)
         self.bucket_of = [None] + [nearest_bucket(grid, b) for b in sizes]
         self.step_offsets = [None] + [(0.0,) * len(self.PARTS)] * grid[-1]  # offsets(b) at this generate's start
 
@@ -457,12 +503,14 @@ class ConfidenceSizedK(AdaptiveK):
         i, q = self.bucket_of[b], step.k_verified
         rated = self.generates > 1
         if rated:
-            self.rates["block" if q else "plain"].add_verify(i, step.verify_s, step.emitted)
+            for rates in (self.rates, self.generate_rates):
+                rates["block" if q else "plain"].add_verify(i, step.verify_s, step.emitted)
         self.evidence["verify" if q else "plain"].add(i, step.verify_s, self.verify_s[b][q], step.emitted)
         if step.draft_s is not None:
             k = step.k_drafted or 0
             if rated:
-                self.rates["block" if k else "plain"].add_draft(i, step.draft_s)
+                for rates in (self.rates, self.generate_rates):
+                    rates["block" if k else "plain"].add_draft(i, step.draft_s)
             self.evidence["draft" if k else "idle"].add(i, step.draft_s, self.draft_s[b][k])
 
     def observe_prefill(self, batch_size, k, seconds):
@@ -474,12 +522,55 @@ class ConfidenceSizedK(AdaptiveK):
         write (8 ms of a 300 ms generate there) is one of the costs steps alone leave out."""
         if self.costs is not None and self.generates > 1:
             b = min(batch_size, len(self.costs) - 1)
-            self.rates["block" if k else "plain"].add_draft(self.bucket_of[b], seconds, steps=0.0)
+            for rates in (self.rates, self.generate_rates):
+                rates["block" if k else "plain"].add_draft(self.bucket_of[b], seconds, steps=0.0)
 
     def age_cost_evidence(self):
         self.generates += 1
         for evidence in list(self.evidence.values()) + list(self.rates.values()):
             evidence.age(COST_KEEP_PER_GENERATE)
+        self.paired.age(PAIR_KEEP_PER_GENERATE)
+        self.comparing = {i for i, steps in enumerate(self.bucket_steps)
+                          if self.sized and steps >= PAIR_MIN_STEPS and self.paired.weight[i] < PAIR_STALE}
+        self.start_generate_pairs(self.grid)
+
+    # ---- paired comparisons inside one generate (PairedEvidence) ----
+    def start_generate_pairs(self, grid):
+        """A generate starts: its own rates per option and its steps per bucket from zero."""
+        self.grid = grid
+        self.generate_rates = {option: OptionRates(grid) for option in ("plain", "block")}
+        self.bucket_steps = [0] * len(grid)
+        if not hasattr(self, "comparing"):
+            self.comparing = set()
+
+    def fold_pairs(self):
+        """The generate that ends: at every bucket it compared where both options' rates were measured, their
+        ratio into the paired evidence (divided by the block's expected tokens then)."""
+        plain, block = self.generate_rates["plain"], self.generate_rates["block"]
+        for i in sorted(self.comparing):
+            p, b = plain.rate(i, PAIR_RATE_STEPS), block.rate(i, PAIR_RATE_STEPS)
+            if p is not None and b is not None:
+                self.paired.add(i, b / p, self.tokens[self.k])
+
+    def begin(self, weight_version=None):
+        """Fold the ending generate's paired comparisons in (at its expected tokens), then AdaptiveK's begin."""
+        if self.costs is not None:
+            self.fold_pairs()
+        super().begin(weight_version)
+
+    def choose(self, batch_size):
+        """The schedule's k, except at a bucket compared this generate: runs of PAIR_RUN_STEPS steps drafting
+        the block, then as many drafting nothing, alternating."""
+        if self.costs is None:
+            return super().choose(batch_size)
+        i = self.bucket_of[min(max(batch_size, 1), len(self.costs) - 1)]
+        self.bucket_steps[i] += 1
+        if i not in self.comparing:
+            return super().choose(batch_size)
+        k = self.k if (self.bucket_steps[i] - 1) // PAIR_RUN_STEPS % 2 == 0 else 0
+        self.trace["k_rows"] += k * batch_size
+        self.trace["rows"] += batch_size
+        return k
 
     def measured_choice(self, b):
         """The block or nothing by the rates real steps of each reached near b rows (OptionRates
@@ -537,6 +628,9 @@ class ConfidenceSizedK(AdaptiveK):
         Until a step is sized (a draft without a confidence head never is), AdaptiveK's rule: every k
         verifies all it drafts, the smaller k on a tie. Both priced by `price` at this generate's offsets."""
         offsets = self.step_offsets[b]
+        paired = self.paired.ratio(self.bucket_of[b], self.tokens[self.k]) if self.sized else None
+        if paired is not None:
+            return self.k if paired >= 1 + DRAFT_MARGIN else 0
         measured = self.measured_choice(b) if self.sized else None
         if measured is not None:
             return measured
