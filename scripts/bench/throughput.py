@@ -280,11 +280,13 @@ def fresh_proposer_run(engine, spec, prompts, sampling, indices=None):
     disk): suffix decoding would otherwise replay the previous repeat (the k policy is kept: an
     adaptive engine keeps its profile and acceptance)."""
     def run():
-        return engine.generate(indexed_samples(prompts, indices), sampling)
+        samples = engine.generate(indexed_samples(prompts, indices), sampling)
+        run.k_means.append(engine.stats().get("spec_k_mean"))
+        return samples
 
     def prepare():
         engine.set_proposer(build_proposer(parse_spec_config(spec) if spec is not None else None), engine.k_policy)
-    run.prepare = prepare
+    run.prepare, run.k_means = prepare, []  # k_means: each run's row-weighted mean k (a k policy that reports it)
     return run
 
 
@@ -339,9 +341,9 @@ def spec_decode(args):
                                       adaptive=name in adaptive) for name in wanted}
         for engine in engines.values():
             engine.generate(samples_for_prompts(prompts[:batch]), sampling)  # warm-up (and the adaptive profile)
-        rates = {}
-        got = time_interleaved({name: fresh_proposer_run(engines[name], table[name], prompts, sampling, indices)
-                                for name in wanted}, args.repeats, args.clock, args.min_seconds, rates)
+        rates, runs = {}, {name: fresh_proposer_run(engines[name], table[name], prompts, sampling, indices)
+                           for name in wanted}
+        got = time_interleaved(runs, args.repeats, args.clock, args.min_seconds, rates)
         paired = paired_median(rates, wanted[0])
         for name in wanted[1:]:
             require_same_work(f"{name} vs {wanted[0]} at batch {batch}", responses(got[name][1]),
@@ -354,8 +356,10 @@ def spec_decode(args):
             print(f"| {batch} | {name} | {rate:.0f} | {rate / base:.2f}x | {st['spec_accept_length']:.2f} | "
                   f"{st['spec_accept_rate']:.2f} | {pos or '-'} | {paired[name]:.2f}x |", flush=True)
         for name in [n for n in wanted if n in adaptive or n.endswith(" sized")]:
-            print(f"batch {batch}: {name} drafted k = {engines[name].stats().get('spec_k_mean', float('nan')):.2f} "
-                  "on average (the last repeat)", flush=True)
+            ks = [k for k in runs[name].k_means if k is not None]
+            print(f"batch {batch}: {name} drafted k = {statistics.mean(ks) if ks else float('nan'):.2f} on average over "
+                  f"{len(ks)} runs, {min(ks, default=float('nan')):.2f}-{max(ks, default=float('nan')):.2f} per run",
+                  flush=True)
         fixed = [n for n in FIXED_K if n in got]
         for name in [n for n in wanted if n in adaptive and fixed]:
             best = max(fixed, key=lambda n: got[n][0])
