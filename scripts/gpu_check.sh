@@ -22,8 +22,14 @@
 set -u
 cd "$(dirname "$0")/.."
 if [ -f .gpu/on_device.sh ]; then
+  # the bundle's own output goes to a log: on a machine it was not built for it fails loudly, and this
+  # script's refusal is one line
+  bundle_log=$(mktemp)
   # shellcheck disable=SC1091
-  source .gpu/on_device.sh || { echo "error: .gpu/on_device.sh failed; rebuild the bundle" >&2; exit 2; }
+  source .gpu/on_device.sh > "$bundle_log" 2>&1 || {
+    echo "error: .gpu/on_device.sh failed (its output: $bundle_log); rebuild the bundle on this machine's Python" >&2
+    exit 2
+  }
 fi
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
   echo "error: scripts/gpu_check.sh needs a CUDA GPU and torch sees none here; on CPU run python -m pytest -q" >&2

@@ -98,6 +98,11 @@ class RecordingProposer(DSparkProposer):
         self.deferred_rows += sum(self.written[s] < start for s, start in zip(slots, starts))  # context left to write
         super().catch_up(slots, hidden, starts, n_valid)
 
+    def move_slots(self, requests, old_slots):
+        # rows moved while states of theirs wait in `kept` for a catch-up (their kept rows swapped, not copied)
+        self.moved_deferred += sum(self.written[o] < r.num_cached for r, o in zip(requests, old_slots))
+        super().move_slots(requests, old_slots)
+
     def block_forward(self, slots, anchor_tokens, anchors, with_states=False):
         outputs = super().block_forward(slots, anchor_tokens, anchors, with_states)
         self.step["states"] = outputs[1].clone()
@@ -120,7 +125,7 @@ def test_blocks_drafts_and_confidences_equal_an_independent_reference_of_vllms_d
     drafts, ragged batches, moved slots) has the states, the greedy Markov drafts and the confidences of
     vLLM's DSpark computation redone from scratch on transformers' states."""
     proposer = RecordingProposer(parse_spec_config(spec()))
-    proposer.records, proposer.deferred_rows = [], 0
+    proposer.records, proposer.deferred_rows, proposer.moved_deferred = [], 0, 0
     engine = Engine.from_checkpoint(TARGET, EngineConfig(max_batch_size=6), proposer)
     engine.k_policy = Alternating(K)
     engine.generate(samples_for_prompts(prompts[:10]), GREEDY)
@@ -134,6 +139,7 @@ def test_blocks_drafts_and_confidences_equal_an_independent_reference_of_vllms_d
         assert (confidence - want_confidence).abs().max() <= tolerance(engine.cfg, proposer.draft_model.cfg,
                                                                        want_states)
     assert proposer.deferred_rows > 0  # some steps drafted nothing and their context was caught up later
+    assert proposer.moved_deferred > 0  # some rows moved slots with context still to catch up
 
 
 # ---------------------------------------------------------------- confidence-sized verification
