@@ -453,6 +453,7 @@ class ConfidenceSizedK(AdaptiveK):
     accept_prior = 1.0  # every draft passes until drafted blocks say otherwise (module doc)
     generates = 0  # generates begun with a profile
     sized = False  # True once a step was sized by confidences (a draft without the head never is)
+    comparing = frozenset()  # the batch buckets this generate compares the block with plain decoding at
     # a step's verify without drafts, with drafts (more tokens to accept and record), its drafting, and
     # the proposer's work at a step without drafts
     PARTS = ("plain", "verify", "draft", "idle")
@@ -540,8 +541,6 @@ class ConfidenceSizedK(AdaptiveK):
         self.grid = grid
         self.generate_rates = {option: OptionRates(grid) for option in ("plain", "block")}
         self.bucket_steps = [0] * len(grid)
-        if not hasattr(self, "comparing"):
-            self.comparing = set()
 
     def fold_pairs(self):
         """The generate that ends: at every bucket it compared where both options' rates were measured, their
