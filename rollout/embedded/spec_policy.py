@@ -279,10 +279,14 @@ class AdaptiveK(ScheduleK):
         self.forget_thin_cost_evidence()
 
     def choose(self, batch_size):
-        k = super().choose(batch_size)
+        k = self.scheduled_k(batch_size)
         self.trace["k_rows"] += k * batch_size
         self.trace["rows"] += batch_size
         return k
+
+    def scheduled_k(self, batch_size):
+        """This generate's k for batch_size rows (the schedule written at `begin`)."""
+        return ScheduleK.choose(self, batch_size)
 
     def observe(self, step):
         """Count the rows that reached and accepted each draft position; trace predicted vs measured."""
@@ -471,8 +475,8 @@ class ConfidenceSizedK(AdaptiveK):
         self.draft_s = [None] + [[interpolate(grid, draft[k], b) for k in draft] for b in sizes]
         self.evidence = {part: CostEvidence(grid) for part in self.PARTS}
         self.rates = {option: OptionRates(grid) for option in ("plain", "block")}
-        self.paired = PairedEvidence(grid)
-        self.start_generate_pairs(grid)
+        self.grid, self.paired = grid, PairedEvidence(grid)
+        self.start_generate_pairs()
         self.bucket_of = [None] + [nearest_bucket(grid, b) for b in sizes]
         self.step_offsets = [None] + [(0.0,) * len(self.PARTS)] * grid[-1]  # offsets(b) at this generate's start
 
@@ -530,17 +534,20 @@ class ConfidenceSizedK(AdaptiveK):
         self.generates += 1
         for evidence in list(self.evidence.values()) + list(self.rates.values()):
             evidence.age(COST_KEEP_PER_GENERATE)
+
+    # ---- paired comparisons inside one generate (PairedEvidence) ----
+    def start_generate_pairs(self):
+        """A generate starts: its own rates per option and its steps per bucket from zero."""
+        self.generate_rates = {option: OptionRates(self.grid) for option in ("plain", "block")}
+        self.bucket_steps = [0] * len(self.grid)
+
+    def pick_comparisons(self):
+        """The buckets the new generate compares at: where the last one ran PAIR_MIN_STEPS steps and the paired
+        evidence, aged a generate, is worth less than PAIR_STALE."""
         self.paired.age(PAIR_KEEP_PER_GENERATE)
         self.comparing = {i for i, steps in enumerate(self.bucket_steps)
                           if self.sized and steps >= PAIR_MIN_STEPS and self.paired.weight[i] < PAIR_STALE}
-        self.start_generate_pairs(self.grid)
-
-    # ---- paired comparisons inside one generate (PairedEvidence) ----
-    def start_generate_pairs(self, grid):
-        """A generate starts: its own rates per option and its steps per bucket from zero."""
-        self.grid = grid
-        self.generate_rates = {option: OptionRates(grid) for option in ("plain", "block")}
-        self.bucket_steps = [0] * len(grid)
+        self.start_generate_pairs()
 
     def fold_pairs(self):
         """The generate that ends: at every bucket it compared where both options' rates were measured, their
@@ -552,24 +559,24 @@ class ConfidenceSizedK(AdaptiveK):
                 self.paired.add(i, b / p, self.tokens[self.k])
 
     def begin(self, weight_version=None):
-        """Fold the ending generate's paired comparisons in (at its expected tokens), then AdaptiveK's begin."""
-        if self.costs is not None:
-            self.fold_pairs()
+        """Fold the ending generate's paired comparisons in (at its expected tokens), AdaptiveK's begin (the
+        schedule), then the buckets this generate compares at."""
+        if self.costs is None:
+            return super().begin(weight_version)
+        self.fold_pairs()
         super().begin(weight_version)
+        self.pick_comparisons()
 
-    def choose(self, batch_size):
+    def scheduled_k(self, batch_size):
         """The schedule's k, except at a bucket compared this generate: runs of PAIR_RUN_STEPS steps drafting
         the block, then as many drafting nothing, alternating."""
         if self.costs is None:
-            return super().choose(batch_size)
+            return super().scheduled_k(batch_size)
         i = self.bucket_of[min(max(batch_size, 1), len(self.costs) - 1)]
         self.bucket_steps[i] += 1
         if i not in self.comparing:
-            return super().choose(batch_size)
-        k = self.k if (self.bucket_steps[i] - 1) // PAIR_RUN_STEPS % 2 == 0 else 0
-        self.trace["k_rows"] += k * batch_size
-        self.trace["rows"] += batch_size
-        return k
+            return super().scheduled_k(batch_size)
+        return self.k if (self.bucket_steps[i] - 1) // PAIR_RUN_STEPS % 2 == 0 else 0
 
     def measured_choice(self, b):
         """The block or nothing by the rates real steps of each reached near b rows (OptionRates
