@@ -85,3 +85,29 @@ def test_the_paired_speedup_is_the_median_of_each_repeats_ratio_to_the_base():
     paired = paired_median(rates, "none")
     assert paired["none"] == 1.0
     assert paired["x"] == sorted([15 / 10, 22 / 20, 50 / 5])[1]
+
+
+def test_a_run_keeps_its_engines_proposer_unless_it_remembers_earlier_outputs():
+    """As an engine keeps its proposer across generates, the bench keeps it across repeats (a DSpark draft's
+    kept-state buffer is allocated and touched once); suffix decoding, whose drafts follow earlier outputs,
+    gets a fresh proposer at each prepare, so no repeat replays the one before."""
+    from rollout.embedded.engine import EngineConfig
+    from rollout.embedded.engine_builder import build_engine
+    from rollout.sampling_params import SamplingParams
+    from scripts.bench.throughput import proposer_run
+
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, seed=1)
+    specs = {"suffix": {"method": "suffix", "num_speculative_tokens": 2},
+             "dspark": {"method": "dspark", "num_speculative_tokens": 3, "model": "checkpoints/tiny-qwen2-dspark"}}
+    for method, spec in specs.items():
+        engine = build_engine("checkpoints/tiny-qwen2", spec, EngineConfig(max_batch_size=2))
+        run = proposer_run(engine, spec, [[1, 5, 9], [1, 7, 3]], sampling)
+        run.prepare()
+        first = engine.proposer
+        run()
+        run.prepare()
+        if method == "suffix":
+            assert engine.proposer is not first and not engine.proposer.responses  # nothing to replay
+            assert first.responses  # the run had filled the one it replaced
+        else:
+            assert engine.proposer is first

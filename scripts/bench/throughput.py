@@ -275,17 +275,19 @@ def task_prompts(checkpoint, variant, n):
     return [[1] + TextCodec(checkpoint).encode(r["prompt"]) for r in TASK_VARIANTS[variant].prompts(n, seed=1234)]
 
 
-def fresh_proposer_run(engine, spec, prompts, sampling, indices=None):
-    """A run whose `prepare` gives the engine a fresh proposer, off the clock (it loads the draft from
-    disk): suffix decoding would otherwise replay the previous repeat (the k policy is kept: an
-    adaptive engine keeps its profile and acceptance)."""
+def proposer_run(engine, spec, prompts, sampling, indices=None):
+    """A run of `prompts` on the engine's proposer, kept across repeats as an engine keeps it across
+    generates (a draft's buffers are allocated and touched once); one that remembers earlier outputs gets a
+    fresh one at each `prepare`, off the clock (suffix decoding would replay the previous repeat). The k
+    policy is kept: an adaptive engine keeps its profile and acceptance."""
     def run():
         samples = engine.generate(indexed_samples(prompts, indices), sampling)
         run.k_means.append(engine.stats().get("spec_k_mean"))
         return samples
 
     def prepare():
-        engine.set_proposer(build_proposer(parse_spec_config(spec) if spec is not None else None), engine.k_policy)
+        if engine.proposer.remembers_outputs:
+            engine.set_proposer(build_proposer(parse_spec_config(spec) if spec is not None else None), engine.k_policy)
     run.prepare, run.k_means = prepare, []  # k_means: each run's row-weighted mean k (a k policy that reports it)
     return run
 
@@ -341,7 +343,7 @@ def spec_decode(args):
                                       adaptive=name in adaptive) for name in wanted}
         for engine in engines.values():
             engine.generate(samples_for_prompts(prompts[:batch]), sampling)  # warm-up (and the adaptive profile)
-        rates, runs = {}, {name: fresh_proposer_run(engines[name], table[name], prompts, sampling, indices)
+        rates, runs = {}, {name: proposer_run(engines[name], table[name], prompts, sampling, indices)
                            for name in wanted}
         got = time_interleaved(runs, args.repeats, args.clock, args.min_seconds, rates)
         paired = paired_median(rates, wanted[0])

@@ -44,6 +44,8 @@ class Proposer:
     # True: it works at every step, also one the k policy gives no drafts (DFlash writes its
     # context), and its profile_draft(batch_size, 0) prices that work
     costs_at_k0 = False
+    # True: its drafts depend on earlier generates' outputs (suffix decoding's cache of responses)
+    remembers_outputs = False
 
     def attach(self, engine):
         """Called once the engine exists (allocate caches, read the model)."""

@@ -69,6 +69,8 @@ def suffix_draft(ctx, earlier, k, max_depth, spec_factor, min_prob):
 class SuffixProposer(Proposer):
     """Suffix-decoding drafts from this request's text and earlier responses to the same prompt."""
 
+    remembers_outputs = True
+
     def __init__(self, spec):
         self.spec = spec
         self.num_speculative_tokens = spec.num_speculative_tokens
