@@ -398,7 +398,7 @@ def run_sized_generate(policy, steps, block_step, plain_step):
 @pytest.mark.parametrize("block_s", [0.2, 1.0], ids=["block-faster", "plain-faster"])
 def test_a_bucket_compares_the_block_and_plain_decoding_inside_one_generate_and_their_ratio_decides(block_s):
     """Where a generate ran PAIR_MIN_STEPS steps at a batch bucket and no paired evidence is there, the next
-    generate alternates runs of PAIR_RUN_STEPS steps of the block and of plain decoding there; the ratio of
+    generate runs PAIR_RUN_STEPS steps of plain decoding there, then the block to the bucket's end; the ratio of
     their rates in that generate (the direct formula: tokens over a verify's and a drafting's mean seconds,
     each) decides from then on, the block where it is DRAFT_MARGIN faster, also against the rates of other
     generates: the control is a generate drafting the block on a machine 10x slower, where the ratio of
@@ -413,7 +413,7 @@ def test_a_bucket_compares_the_block_and_plain_decoding_inside_one_generate_and_
     block, plain = sized_step(2, 3, 3, block_s, 0.1, 8), sized_step(2, 0, 0, 0.5, 0.0, 2)
     assert run_sized_generate(policy, PAIR_MIN_STEPS, block, plain) == [3] * PAIR_MIN_STEPS  # the price drafts
     ks = run_sized_generate(policy, 2 * PAIR_MIN_STEPS, block, plain)
-    assert ks == ([3] * PAIR_RUN_STEPS + [0] * PAIR_RUN_STEPS) * (PAIR_MIN_STEPS // PAIR_RUN_STEPS)
+    assert ks == [0] * PAIR_RUN_STEPS + [3] * (2 * PAIR_MIN_STEPS - PAIR_RUN_STEPS)  # plain first, then the block
     want = 3 if (8 / (block_s + 0.1)) >= (1 + DRAFT_MARGIN) * 2 / 0.5 else 0
     assert policy.lookup[2] == want
     if want:  # the control: the block's steps on a slower machine, against plain decoding's last rate
@@ -635,3 +635,44 @@ def test_make_dspark_draft_refuses_bad_options_in_one_line(tmp_path, capsys):
             main(["--target", TARGET, "--out", str(tmp_path / "d"), flag, value])
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.strip().count("\n") == 0 and err.startswith(message), err
+
+
+@pytest.mark.parametrize("catch_up_s, entered_from_plain, drafts",
+                         [(5.0, True, False), (3.0, True, True), (5.0, False, True)],
+                         ids=["dear-switch", "cheap-switch", "control-no-switch"])
+def test_a_run_of_drafting_buckets_entered_from_plain_decoding_drafts_only_where_the_catch_up_pays(
+        catch_up_s, entered_from_plain, drafts):
+    """Rows that drain from a plain bucket into drafting ones catch up their draft context once; the schedule
+    drafts there only while that catch-up (the seconds per position caught up so far times the positions the
+    rows held at their first step there) costs less than drafting saved there in the ending generate: at each
+    bucket its tokens at plain decoding's price per token times 1 - plain's rate over the block's (the direct
+    formula below, on the profile alone). Control: the same dear catch-up where the generate started at the
+    drafting buckets (no plain bucket above them), so it never switches."""
+    grid = [1, 2, 4]
+    verify = {q: [1.0 + 0.05 * q, 1.1 + 0.1 * q, 1.2 + 1.5 * q] for q in range(4)}
+    draft = {k: [0.2 * (k > 0), 0.2 * (k > 0), 0.3 * (k > 0)] for k in range(4)}
+    policy = ConfidenceSizedK(3)
+    policy.corrects_costs = False  # the profile is the whole price: the formula below needs no measured offsets
+    policy.set_costs(grid, verify, draft)
+    policy.verification_size(2, torch.ones(2, 3))  # a sized step: the sized schedule from here on
+    policy.begin()
+    assert [policy.lookup[b] for b in (1, 2, 3, 4)] == [3, 3, 3, 0]  # the price: the block below 4 rows
+    positions, context_at_2 = 10, 20
+    if entered_from_plain:
+        for _ in range(2):
+            policy.observe(StepRecord(4, 0, verify[0][2], 0, 0.0, 4, [0] * 3, [0] * 3, context=40))
+    policy.observe(StepRecord(2, 3, verify[3][1], 3, draft[3][1] + catch_up_s, 6, [0] * 3, [0] * 3,
+                              context=context_at_2, caught_up=(positions, catch_up_s)))
+    policy.observe(StepRecord(2, 3, verify[3][1], 3, draft[3][1], 6, [0] * 3, [0] * 3, context=context_at_2 + 8))
+    for context in (13, 16):
+        policy.observe(StepRecord(1, 3, verify[3][0], 3, draft[3][0], 3, [0] * 3, [0] * 3, context=context))
+    policy.begin()
+
+    def saves(i, b, tokens):  # every draft passes (the sized prior): a step verifying q emits 1 + q a row
+        rate = [(1 + q) / (verify[q][i] + draft[3][i]) for q in range(4)]
+        q = next((q for q in range(3) if rate[q + 1] <= rate[q]), 3)
+        return tokens * verify[0][i] / b * (1 - 1 / (rate[q] * verify[0][i]))
+    pays = saves(1, 2, 12) + saves(0, 1, 6) >= catch_up_s / positions * context_at_2
+    assert pays == (catch_up_s == 3.0)  # the cases sit either side of the line
+    assert [policy.lookup[b] for b in (1, 2, 3)] == ([3] * 3 if drafts else [0] * 3)
+    assert policy.lookup[4] == 0

@@ -394,14 +394,16 @@ class Engine:
         verified = time.perf_counter()
         drafted = self._propose(reqs, mtp_hidden, starts, [1 + a for a in n_acc])
         if self.k_policy.observes:
-            self._observe_step(reqs, drafts.shape[1], counts, n_acc, drafted, start, verified, generated_before)
+            self._observe_step(reqs, drafts.shape[1], counts, n_acc, drafted, start, verified, generated_before,
+                               sum(starts))
 
-    def _observe_step(self, reqs, k_verified, counts, n_acc, drafted, start, verified, generated_before):
-        """Tell the k policy what this step cost and what got accepted."""
+    def _observe_step(self, reqs, k_verified, counts, n_acc, drafted, start, verified, generated_before, context):
+        """Tell the k policy what this step cost and what got accepted (context: the rows' cached positions
+        before it)."""
         self.k_policy.observe(StepRecord(
             len(reqs), k_verified, verified - start, self.step_k if drafted else None,
             time.perf_counter() - verified, sum(r.num_generated for r in reqs) - generated_before,
-            *_per_position(counts, n_acc)))
+            *_per_position(counts, n_acc), context=context, caught_up=self.proposer.take_catch_up()))
 
     def _accept(self, reqs, logprobs, drafts, counts, sampling, draft_probs):
         """Verify drafts, append the emitted tokens (cut at stop / budget), update stats."""

@@ -30,8 +30,8 @@ drafts are verified, so every policy keeps the output exact.
               to drafting (a draft-layer pass, a fraction of what the trunk spent on them).
   ConfidenceSizedK  vLLM's enable_adaptive_verification: at each batch size the block or nothing is
               drafted: where the two were compared inside one generate (PairedEvidence: at a batch bucket
-              that ran PAIR_MIN_STEPS steps, a generate alternates runs of PAIR_RUN_STEPS steps of each,
-              about once in ten generates), by the ratio of their rates there, both measured under the
+              that ran PAIR_MIN_STEPS steps, a generate runs PAIR_RUN_STEPS steps of plain decoding, then
+              the block, about once in ten generates), by the ratio of their rates there, both measured under the
               machine's speed of the same moments; else where real plain steps and block steps were both measured there (the schedule
               chose each at some generate), by their measured tokens per second (OptionRates), an
               option no longer run there keeping its last rate (the block's scaled by its expected
@@ -41,7 +41,11 @@ drafts are verified, so every policy keeps the output exact.
               DRAFT_MARGIN in plain decoding's favour either way. (Mixing the two at every generate
               was dearer than it told: a drafting step after plain ones catches up their context,
               and its first draft was accepted less, 0.85 against 0.91 with every 4th step plain;
-              hence runs of several steps, and only where the paired evidence is stale.)
+              hence runs of several steps, and only where the paired evidence is stale.) Rows that drain
+              from a plain bucket into drafting ones catch up their draft context there once, for every
+              position since admission: a run of drafting buckets entered so drafts only where that
+              catch-up, priced per position as measured, costs less than drafting saved there in the last
+              generate (price_switches).
               Once a block is drafted the step verifies q drafts, rate(q) =
               (B + sum_rows sum_{j<q} s_j) / (verify(B, 1+q) + draft(B, k)) being the expected tokens per
               second, s_j the running product of the draft's per-slot confidences (the chance draft j is
@@ -79,11 +83,11 @@ RATE_STEPS = 4.0
 # (its steps' rate expired): the ruled-out option is then tried again about once in this many generates
 RATE_KEEP_GENERATES = 8
 # paired comparison (ConfidenceSizedK): at a batch bucket where the last generate ran PAIR_MIN_STEPS steps and
-# the paired evidence is worth less than PAIR_STALE generates, the next generate alternates the block and plain
-# decoding in runs of PAIR_RUN_STEPS steps there; the two rates of that one generate give one ratio, whose
+# the paired evidence is worth less than PAIR_STALE generates, the next generate runs PAIR_RUN_STEPS steps of
+# plain decoding there, then the block; the two rates of that one generate give one ratio, whose
 # evidence is kept PAIR_KEEP_PER_GENERATE at each generate and decides there while worth PAIR_FORGET
 PAIR_RUN_STEPS = 3
-PAIR_MIN_STEPS = 4 * PAIR_RUN_STEPS  # two runs of each option at least
+PAIR_MIN_STEPS = 4 * PAIR_RUN_STEPS  # room for the plain run and the block's steps after it in a bucket that shrinks
 # steps of each part a compared option needs in its generate: rates of steps moments apart share the machine's
 # speed, so fewer steps than RATE_STEPS (rates of different generates) give a steady ratio
 PAIR_RATE_STEPS = 2.0
@@ -154,13 +158,15 @@ def dense_schedule(schedule, k_max, max_batch_size):
 
 class StepRecord:
     """What one engine step did: batch size, k verified / drafted, times, and per draft position the
-    rows that reached it and the rows that accepted it."""
+    rows that reached it and the rows that accepted it; the rows' cached positions before it (context),
+    and the draft context its drafting caught up for earlier steps without drafts (positions, seconds)."""
 
     def __init__(self, batch_size, k_verified, verify_s, k_drafted, draft_s, emitted, drafted_per_pos,
-                 accepted_per_pos):
+                 accepted_per_pos, context=0, caught_up=(0, 0.0)):
         self.batch_size, self.k_verified, self.verify_s = batch_size, k_verified, verify_s
         self.k_drafted, self.draft_s, self.emitted = k_drafted, draft_s, emitted
         self.drafted_per_pos, self.accepted_per_pos = drafted_per_pos, accepted_per_pos
+        self.context, self.caught_up = context, caught_up
 
 
 def expected_tokens(acceptance, k):
@@ -476,6 +482,7 @@ class ConfidenceSizedK(AdaptiveK):
         self.evidence = {part: CostEvidence(grid) for part in self.PARTS}
         self.rates = {option: OptionRates(grid) for option in ("plain", "block")}
         self.grid, self.paired = grid, PairedEvidence(grid)
+        self.catch_up_s = self.catch_up_positions = 0.0  # decayed sums over the catch-ups of switches to drafting
         self.start_generate_pairs()
         self.bucket_of = [None] + [nearest_bucket(grid, b) for b in sizes]
         self.step_offsets = [None] + [(0.0,) * len(self.PARTS)] * grid[-1]  # offsets(b) at this generate's start
@@ -506,6 +513,7 @@ class ConfidenceSizedK(AdaptiveK):
         the first generate's steps include the first call of every step shape, which made the block's
         first rate at 1 row half of what its later steps reached."""
         i, q = self.bucket_of[b], step.k_verified
+        self.generate_buckets.add(i, step)
         rated = self.generates > 1
         if rated:
             for rates in (self.rates, self.generate_rates):
@@ -517,6 +525,9 @@ class ConfidenceSizedK(AdaptiveK):
                 for rates in (self.rates, self.generate_rates):
                     rates["block" if k else "plain"].add_draft(i, step.draft_s)
             self.evidence["draft" if k else "idle"].add(i, step.draft_s, self.draft_s[b][k])
+            positions, seconds = step.caught_up  # the price of a switch to drafting (price_switches)
+            self.catch_up_s += seconds
+            self.catch_up_positions += positions
 
     def observe_prefill(self, batch_size, k, seconds):
         """The proposer's work after a prefill counts in the drafting seconds of the option chosen then, at
@@ -534,12 +545,15 @@ class ConfidenceSizedK(AdaptiveK):
         self.generates += 1
         for evidence in list(self.evidence.values()) + list(self.rates.values()):
             evidence.age(COST_KEEP_PER_GENERATE)
+        self.catch_up_s *= COST_KEEP_PER_GENERATE  # the seconds per position stay; later catch-ups weigh more
+        self.catch_up_positions *= COST_KEEP_PER_GENERATE
 
     # ---- paired comparisons inside one generate (PairedEvidence) ----
     def start_generate_pairs(self):
         """A generate starts: its own rates per option and its steps per bucket from zero."""
         self.generate_rates = {option: OptionRates(self.grid) for option in ("plain", "block")}
         self.bucket_steps = [0] * len(self.grid)
+        self.generate_buckets = GenerateBuckets(self.grid)
 
     def pick_comparisons(self):
         """The buckets the new generate compares at: where the last one ran PAIR_MIN_STEPS steps and the paired
@@ -568,15 +582,20 @@ class ConfidenceSizedK(AdaptiveK):
         self.pick_comparisons()
 
     def scheduled_k(self, batch_size):
-        """The schedule's k, except at a bucket compared this generate: runs of PAIR_RUN_STEPS steps drafting
-        the block, then as many drafting nothing, alternating."""
+        """The schedule's k, except at a bucket compared this generate: its first PAIR_RUN_STEPS steps draft
+        nothing, the rest the block. Why plain decoding first and the block to the end: drafting leaves the
+        rows' lengths apart (each accepts its own count) and a step's attention pads every row to the longest,
+        a cost that grows over the block's steps. Alternated runs left it to the plain steps after block ones
+        and missed most of it in the block's short runs: at 128 rows, all prompts of one length, they measured
+        plain steps 10 % slower than plain generates did and the block 1.17x plain decoding, where whole
+        generates of each measured 1.04-1.07x."""
         if self.costs is None:
             return super().scheduled_k(batch_size)
         i = self.bucket_of[min(max(batch_size, 1), len(self.costs) - 1)]
         self.bucket_steps[i] += 1
         if i not in self.comparing:
             return super().scheduled_k(batch_size)
-        return self.k if (self.bucket_steps[i] - 1) // PAIR_RUN_STEPS % 2 == 0 else 0
+        return 0 if self.bucket_steps[i] <= PAIR_RUN_STEPS else self.k
 
     def measured_choice(self, b):
         """The block or nothing by the rates real steps of each reached near b rows (OptionRates
@@ -596,6 +615,64 @@ class ConfidenceSizedK(AdaptiveK):
         """Every batch size's offsets for this generate (its steps are sized with them), then its k."""
         self.step_offsets = [None] + [self.offsets(b) for b in range(1, len(self.costs))]
         self.lookup = [0] + [self.best_k(b) for b in range(1, len(self.costs))]
+        if self.sized:
+            self.price_switches()
+
+    def price_switches(self):
+        """Plain decoding over each run of drafting buckets that rows enter from plain decoding (the ending
+        generate stepped at a plain bucket above the run) where catching up their draft context there costs more
+        than drafting saved in the run: the catch-up priced at the seconds per position caught up so far times
+        the positions the ending generate's rows held at its first step in the run; the saving at each bucket
+        of the run, its tokens in the ending generate at plain decoding's price per token times 1 - plain's
+        rate over the block's there (`block_ratio`). Why: the block's steps are rated without the catch-up,
+        which a switch pays once for every position since admission; at 128 rows draining to the end of short
+        answers, the block drafted from 64 rows on made whole generates 0.95x plain decoding."""
+        per_position = self.catch_up_s / self.catch_up_positions if self.catch_up_positions else None
+        if per_position is None:
+            return
+        ended = self.generate_buckets
+        drafting = [self.lookup[b] > 0 for b in self.grid]
+        from_plain, i = False, len(self.grid) - 1
+        while i >= 0:
+            if not drafting[i]:
+                from_plain = from_plain or ended.context[i] is not None
+                i -= 1
+                continue
+            run = []
+            while i >= 0 and drafting[i]:
+                run.append(i)
+                i -= 1
+            entered = [ended.context[j] for j in run if ended.context[j] is not None]
+            saves = sum(self.drafting_saves(j, ended.tokens[j]) for j in run)
+            if from_plain and entered and saves < per_position * entered[0]:
+                self.lookup = [0 if b and self.bucket_of[b] in run else k for b, k in enumerate(self.lookup)]
+            else:
+                from_plain = False  # the run drafts: its rows' context is written
+
+    def drafting_saves(self, i, tokens):
+        """Seconds drafting the block saves over plain decoding at bucket i for `tokens` emitted there."""
+        b = self.grid[i]
+        plain_per_token = self.price(b, 0, 0, self.step_offsets[b]) / b
+        return tokens * plain_per_token * (1 - 1 / max(self.block_ratio(b), 1e-12))
+
+    def block_ratio(self, b):
+        """The block's rate over plain decoding's near b rows: as compared inside one generate (PairedEvidence),
+        else as measured where both ran (OptionRates), else as priced (`priced_ratio`)."""
+        i = self.bucket_of[b]
+        paired = self.paired.ratio(i, self.tokens[self.k])
+        if paired is not None:
+            return paired
+        plain, block = self.rates["plain"].estimate(i), self.rates["block"].estimate(i, self.tokens[self.k])
+        if plain and block:
+            return block / plain
+        return self.priced_ratio(b)
+
+    def priced_ratio(self, b):
+        """The block's priced rate over plain decoding's at b rows, its steps verifying the q they would size to at
+        the acceptance measured so far (the drafting paid), both at this generate's offsets."""
+        offsets = self.step_offsets[b]
+        q = self.sized_q(b, self.k, self.tokens, offsets)
+        return (self.tokens[q] / self.price(b, q, self.k, offsets)) / (self.tokens[0] / self.price(b, 0, 0, offsets))
 
     def verification_size(self, batch_size, survival):
         """The q where one more draft stops raising (B + sum of the rows' survival of drafts < q) /
@@ -641,9 +718,7 @@ class ConfidenceSizedK(AdaptiveK):
         if measured is not None:
             return measured
         if self.sized:
-            q = self.sized_q(b, self.k, self.tokens, offsets)
-            block = self.tokens[q] / self.price(b, q, self.k, offsets)
-            return self.k if block >= (1 + DRAFT_MARGIN) * self.tokens[0] / self.price(b, 0, 0, offsets) else 0
+            return self.k if self.priced_ratio(b) >= 1 + DRAFT_MARGIN else 0
         return min(range(self.k + 1), key=lambda k: (-self.tokens[k] / self.price(b, k, k, offsets), k))
 
     def count_unverified(self, batch_size, passed, q):
@@ -658,6 +733,19 @@ class ConfidenceSizedK(AdaptiveK):
         """The verify of k_verified drafts plus the draft of k_drafted (sized steps verify fewer than drafted)."""
         drafted = self.draft_s[b][step.k_drafted] if step.k_drafted else 0.0
         return self.verify_s[b][step.k_verified] + drafted
+
+
+class GenerateBuckets:
+    """What one generate did at each batch bucket: the tokens its steps emitted, and the rows' cached positions
+    at its first step there (None where it ran none): what a switch to drafting at that bucket catches up."""
+
+    def __init__(self, grid):
+        self.tokens, self.context = [0.0] * len(grid), [None] * len(grid)
+
+    def add(self, i, step):
+        self.tokens[i] += step.emitted
+        if self.context[i] is None:
+            self.context[i] = step.context
 
 
 def new_trace():

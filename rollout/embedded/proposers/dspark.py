@@ -22,6 +22,8 @@ new positions' target states: the context write is deferred to the next drafting
 writes every position since the last one in its one context forward, so a schedule that stops
 drafting falls back to plain decoding's cost.
 """
+import time
+
 import torch
 
 from mtp.dspark import acceptance_confidence, draft_left_to_right
@@ -45,6 +47,11 @@ class DSparkProposer(DFlashProposer):
         self.kept = None  # [rows, positions, aux width]: target states of positions not yet in the context
         # slot -> its row of `kept` (a permutation): a slot move swaps two entries and copies no state
         self.kept_rows = list(range(engine.config.max_batch_size))
+        self.caught_up = (0, 0.0)  # deferred positions written and their share of the write's seconds (take_catch_up)
+
+    def take_catch_up(self):
+        caught_up, self.caught_up = self.caught_up, (0, 0.0)
+        return caught_up
 
     def release(self, request):
         self.written[request.slot] = 0
@@ -118,17 +125,22 @@ class DSparkProposer(DFlashProposer):
 
     def catch_up(self, slots, hidden, starts, n_valid):
         """Write the context of every position since each row's last drafting step: this forward's
-        states, and the kept states of the steps between, in one context forward."""
+        states, and the kept states of the steps between, in one context forward. The deferred positions'
+        share of its seconds is counted for the k policy (`take_catch_up`): a switch to drafting pays it."""
         first = [self.written[s] for s in slots]
         end = [s + v for s, v in zip(starts, n_valid)]
         if first == list(starts):  # nothing deferred: this forward's states are the whole catch-up
             self.write_context(slots, hidden, starts, n_valid)
         else:
+            begun = time.perf_counter()
             self.keep_states(slots, hidden, starts)
             dev, width = self.kept.device, max(e - f for e, f in zip(end, first))
             at = device_tensor(first, dev)[:, None] + torch.arange(width, device=dev)[None, :]
             self.write_context(slots, self.kept[self.rows_of(slots)[:, None], at.clamp(max=self.kept.shape[1] - 1)],
                                first, [e - f for e, f in zip(end, first)])
+            deferred, written = sum(s - f for s, f in zip(starts, first)), sum(e - f for e, f in zip(end, first))
+            positions, seconds = self.caught_up
+            self.caught_up = (positions + deferred, seconds + (time.perf_counter() - begun) * deferred / written)
         for slot, e in zip(slots, end):
             self.written[slot] = e
 
