@@ -324,7 +324,7 @@ def test_the_proposers_work_after_a_prefill_counts_in_the_drafting_seconds_of_th
     assert policy.rates["plain"].rate(at) == pytest.approx(2 / (v + prefill / n))
 
 
-def test_an_option_no_longer_run_keeps_its_last_measured_rate_the_blocks_scaled_by_its_expected_tokens():
+def test_an_option_no_longer_run_keeps_its_last_measured_rate_the_blocks_scaled_by_its_expected_tokens(monkeypatch):
     """Once plain and block steps were both measured at a batch size (from the second generate on: the
     first one's steps are not rated), the option ruled out stops running there and its rate expires; the
     choice then compares the other's rate with its last one for RATE_KEEP_GENERATES generates, where the
@@ -336,6 +336,8 @@ def test_an_option_no_longer_run_keeps_its_last_measured_rate_the_blocks_scaled_
     def tokens(a):
         return 1 + a + a * a + a ** 3
 
+    # these generates feed both options' steps at one bucket: no comparison inside a generate (paired evidence)
+    monkeypatch.setattr("rollout.embedded.spec_policy.PAIR_MIN_STEPS", math.inf)
     grid, n = [1, 2], int(RATE_STEPS)
     verify = {q: [1.0, 1.1] for q in range(4)}
     for draft_s, plain_s, block_s, start in ((0.1, 0.2, 1.0, 0.5), (4.0, 1.0, 0.2, 0.9)):
@@ -441,7 +443,7 @@ def test_the_sized_schedule_prices_each_k_at_the_verification_its_steps_would_si
     verify = {0: [1.0, 1.5, 2.0], 1: [1.1, 1.8, 2.8], 2: [1.2, 2.6, 4.6], 3: [2.6, 3.6, 6.6]}
     draft = {k: [0.0 if k == 0 else 0.3, 0.0 if k == 0 else 0.4, 0.0 if k == 0 else 0.6] for k in range(4)}
     seen = set()
-    for accept in ([0.9, 0.7, 0.6], [0.5, 0.3, 0.2], [0.1, 0.05, 0.0], [0.95, 0.95, 0.95]):
+    for accept in ([0.9, 0.7, 0.6], [0.5, 0.32, 0.2], [0.1, 0.05, 0.0], [0.95, 0.95, 0.95]):
         policy, adaptive = ConfidenceSizedK(3), AdaptiveK(3)
         policy.set_costs(grid, verify, draft)
         adaptive.set_profile(grid, {k: [v + d for v, d in zip(verify[k], draft[k])] for k in verify})
@@ -676,3 +678,20 @@ def test_a_run_of_drafting_buckets_entered_from_plain_decoding_drafts_only_where
     assert pays == (catch_up_s == 3.0)  # the cases sit either side of the line
     assert [policy.lookup[b] for b in (1, 2, 3)] == ([3] * 3 if drafts else [0] * 3)
     assert policy.lookup[4] == 0
+
+
+@pytest.mark.parametrize("tokens_a_step, compared", [(8, True), (2, False)], ids=["block-steps", "control"])
+def test_a_bucket_is_compared_by_the_tokens_a_row_it_emitted_not_its_steps(tokens_a_step, compared):
+    """A bucket where the block drafts runs fewer steps than plain decoding would for its tokens; what makes it due
+    for a comparison is PAIR_MIN_STEPS tokens a row in the ending generate: here fewer steps than that, at 4 tokens
+    a row each, qualify; the control, the same steps at 1 token a row, does not."""
+    policy = ConfidenceSizedK(3)
+    policy.set_costs([1, 2], {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
+    policy.verification_size(2, torch.ones(2, 3))
+    policy.begin()
+    steps = PAIR_MIN_STEPS // 2
+    block = sized_step(2, 3, 3, 0.2, 0.1, tokens_a_step)
+    assert run_sized_generate(policy, steps, block, block) == [3] * steps
+    assert (steps * tokens_a_step / 2 >= PAIR_MIN_STEPS) == compared
+    ks = run_sized_generate(policy, steps, block, block)
+    assert ks == ([0] * PAIR_RUN_STEPS + [3] * (steps - PAIR_RUN_STEPS) if compared else [3] * steps)

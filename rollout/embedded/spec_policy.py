@@ -73,9 +73,12 @@ COST_KEEP_PER_GENERATE = 0.5  # share of the measured/profiled step seconds kept
 COST_FORGET_STEPS = 1.0  # a k's measured/profiled evidence below this many 1-row steps is dropped
 PROFILE_REPEATS = 5  # best-of repeats per profiled point
 # a sized schedule drafts its block only where it is measured (or priced) this much faster than plain
-# decoding: rates measured on a shared CPU err by about as much, and drafting where it looked a little
-# faster ran at 0.87x of plain at 128 rows
-DRAFT_MARGIN = 0.05
+# decoding: the steps it rates leave out what drafting costs the steps after them (the rows' lengths drift
+# apart and every later step's attention pads to the longest) and the draft cache's moves as rows finish;
+# at 128 rows the block's steps measured 1.02-1.08x plain decoding's inside one generate while whole
+# generates drafting it there ran at 0.95-0.98x (0.10 left the block undrafted at 32 rows in half the runs,
+# where it paid 1.11x)
+DRAFT_MARGIN = 0.08
 # steps of plain decoding and of the block (verify and draft parts each, decayed like the cost evidence)
 # a batch bucket needs before their measured rates decide there (OptionRates)
 RATE_STEPS = 4.0
@@ -556,11 +559,15 @@ class ConfidenceSizedK(AdaptiveK):
         self.generate_buckets = GenerateBuckets(self.grid)
 
     def pick_comparisons(self):
-        """The buckets the new generate compares at: where the last one ran PAIR_MIN_STEPS steps and the paired
-        evidence, aged a generate, is worth less than PAIR_STALE."""
+        """The buckets the new generate compares at: where the last one emitted PAIR_MIN_STEPS tokens a row (the
+        steps plain decoding takes for them) and the paired evidence, aged a generate, is worth less than
+        PAIR_STALE. Why tokens and not steps: a bucket where the block drafts runs a third of the steps, and
+        counted in steps it dropped below the threshold and was never compared again."""
         self.paired.age(PAIR_KEEP_PER_GENERATE)
-        self.comparing = {i for i, steps in enumerate(self.bucket_steps)
-                          if self.sized and steps >= PAIR_MIN_STEPS and self.paired.weight[i] < PAIR_STALE}
+        ended = self.generate_buckets
+        self.comparing = {i for i in range(len(self.grid))
+                          if self.sized and ended.tokens[i] >= PAIR_MIN_STEPS * (ended.rows[i] or math.inf)
+                          and self.paired.weight[i] < PAIR_STALE}
         self.start_generate_pairs()
 
     def fold_pairs(self):
@@ -736,16 +743,16 @@ class ConfidenceSizedK(AdaptiveK):
 
 
 class GenerateBuckets:
-    """What one generate did at each batch bucket: the tokens its steps emitted, and the rows' cached positions
-    at its first step there (None where it ran none): what a switch to drafting at that bucket catches up."""
+    """What one generate did at each batch bucket: the tokens its steps emitted, and at its first step there the
+    rows and their cached positions (0 and None where it ran none): what a switch to drafting there catches up."""
 
     def __init__(self, grid):
-        self.tokens, self.context = [0.0] * len(grid), [None] * len(grid)
+        self.tokens, self.rows, self.context = [0.0] * len(grid), [0] * len(grid), [None] * len(grid)
 
     def add(self, i, step):
         self.tokens[i] += step.emitted
         if self.context[i] is None:
-            self.context[i] = step.context
+            self.rows[i], self.context[i] = step.batch_size, step.context
 
 
 def new_trace():
