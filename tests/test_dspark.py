@@ -96,6 +96,7 @@ class RecordingProposer(DSparkProposer):
 
     def catch_up(self, slots, hidden, starts, n_valid):
         self.deferred_rows += sum(self.written[s] < start for s, start in zip(slots, starts))  # context left to write
+        self.deferred_positions += sum(start - self.written[s] for s, start in zip(slots, starts))
         super().catch_up(slots, hidden, starts, n_valid)
 
     def move_slots(self, requests, old_slots):
@@ -125,7 +126,7 @@ def test_blocks_drafts_and_confidences_equal_an_independent_reference_of_vllms_d
     drafts, ragged batches, moved slots) has the states, the greedy Markov drafts and the confidences of
     vLLM's DSpark computation redone from scratch on transformers' states."""
     proposer = RecordingProposer(parse_spec_config(spec()))
-    proposer.records, proposer.deferred_rows, proposer.moved_deferred = [], 0, 0
+    proposer.records, proposer.deferred_rows, proposer.moved_deferred, proposer.deferred_positions = [], 0, 0, 0
     engine = Engine.from_checkpoint(TARGET, EngineConfig(max_batch_size=6), proposer)
     engine.k_policy = Alternating(K)
     engine.generate(samples_for_prompts(prompts[:10]), GREEDY)
@@ -140,6 +141,9 @@ def test_blocks_drafts_and_confidences_equal_an_independent_reference_of_vllms_d
                                                                        want_states)
     assert proposer.deferred_rows > 0  # some steps drafted nothing and their context was caught up later
     assert proposer.moved_deferred > 0  # some rows moved slots with context still to catch up
+    # what the k policy is told a switch to drafting caught up (no policy here took it): every deferred position
+    positions, seconds = proposer.take_catch_up()
+    assert positions == proposer.deferred_positions and seconds > 0 and proposer.take_catch_up() == (0, 0.0)
 
 
 # ---------------------------------------------------------------- confidence-sized verification

@@ -30,7 +30,7 @@ drafts are verified, so every policy keeps the output exact.
               to drafting (a draft-layer pass, a fraction of what the trunk spent on them).
   ConfidenceSizedK  vLLM's enable_adaptive_verification: at each batch size the block or nothing is
               drafted: where the two were compared inside one generate (PairedEvidence: at a batch bucket
-              that ran PAIR_MIN_STEPS steps, a generate runs PAIR_RUN_STEPS steps of plain decoding, then
+              that emitted PAIR_MIN_STEPS tokens a row, a generate runs PAIR_RUN_STEPS steps of plain decoding, then
               the block, about once in ten generates), by the ratio of their rates there, both measured under the
               machine's speed of the same moments; else where real plain steps and block steps were both measured there (the schedule
               chose each at some generate), by their measured tokens per second (OptionRates), an
@@ -85,7 +85,7 @@ RATE_STEPS = 4.0
 # generates an option's last measured rate at a batch bucket stands once the option no longer runs there
 # (its steps' rate expired): the ruled-out option is then tried again about once in this many generates
 RATE_KEEP_GENERATES = 8
-# paired comparison (ConfidenceSizedK): at a batch bucket where the last generate ran PAIR_MIN_STEPS steps and
+# paired comparison (ConfidenceSizedK): at a batch bucket where the last generate emitted PAIR_MIN_STEPS tokens a row and
 # the paired evidence is worth less than PAIR_STALE generates, the next generate runs PAIR_RUN_STEPS steps of
 # plain decoding there, then the block; the two rates of that one generate give one ratio, whose
 # evidence is kept PAIR_KEEP_PER_GENERATE at each generate and decides there while worth PAIR_FORGET
@@ -594,8 +594,8 @@ class ConfidenceSizedK(AdaptiveK):
         rows' lengths apart (each accepts its own count) and a step's attention pads every row to the longest,
         a cost that grows over the block's steps. Alternated runs left it to the plain steps after block ones
         and missed most of it in the block's short runs: at 128 rows, all prompts of one length, they measured
-        plain steps 10 % slower than plain generates did and the block 1.17x plain decoding, where whole
-        generates of each measured 1.04-1.07x."""
+        plain steps 10 % slower than plain generates' steps and the block 1.17x plain decoding, where the steps
+        of block generates measured 1.04-1.07x those of plain ones."""
         if self.costs is None:
             return super().scheduled_k(batch_size)
         i = self.bucket_of[min(max(batch_size, 1), len(self.costs) - 1)]
@@ -631,9 +631,10 @@ class ConfidenceSizedK(AdaptiveK):
         than drafting saved in the run: the catch-up priced at the seconds per position caught up so far times
         the positions the ending generate's rows held at its first step in the run; the saving at each bucket
         of the run, its tokens in the ending generate at plain decoding's price per token times 1 - plain's
-        rate over the block's there (`block_ratio`). Why: the block's steps are rated without the catch-up,
-        which a switch pays once for every position since admission; at 128 rows draining to the end of short
-        answers, the block drafted from 64 rows on made whole generates 0.95x plain decoding."""
+        rate over the block's there (`block_ratio`). Why: a switch pays the catch-up once for every position since
+        admission, which the block's rate at that bucket spreads over its steps there and nothing prices against
+        the few steps left after it; at 128 rows draining to the end of short answers, the block drafted from 64
+        rows on made whole generates 0.95x plain decoding."""
         per_position = self.catch_up_s / self.catch_up_positions if self.catch_up_positions else None
         if per_position is None:
             return
