@@ -699,3 +699,19 @@ def test_a_bucket_is_compared_by_the_tokens_a_row_it_emitted_not_its_steps(token
     assert (steps * tokens_a_step / 2 >= PAIR_MIN_STEPS) == compared
     ks = run_sized_generate(policy, steps, block, block)
     assert ks == ([0] * PAIR_RUN_STEPS + [3] * (steps - PAIR_RUN_STEPS) if compared else [3] * steps)
+
+
+def test_a_drained_buckets_switch_price_reads_its_rates_from_one_step_of_each():
+    """The saving a switch is priced against reads the block's rate over plain decoding's at a bucket from a
+    step of each there (the direct formula: each option's tokens over its verify's and drafting's seconds),
+    where the choice at that bucket still waits for RATE_STEPS of each and falls back to the price."""
+    grid = [1, 2]
+    policy = ConfidenceSizedK(3)
+    policy.set_costs(grid, {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
+    policy.verification_size(2, torch.ones(2, 3))
+    policy.begin()
+    policy.begin()  # the first generate's steps are not rated
+    policy.observe(sized_step(2, 3, 3, 0.9, 0.3, 6))
+    policy.observe(sized_step(2, 0, 0, 0.4, 0.05, 2))
+    assert policy.block_ratio(2) == pytest.approx((6 / (0.9 + 0.3)) / (2 / (0.4 + 0.05)))
+    assert policy.measured_choice(2) is None  # one step of each: the choice waits for RATE_STEPS

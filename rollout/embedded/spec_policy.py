@@ -408,15 +408,15 @@ class OptionRates:
         seconds = self.verify_s[i] / self.verify_steps[i] + self.draft_s[i] / self.draft_steps[i]
         return self.tokens[i] / self.verify_steps[i] / max(seconds, 1e-12)
 
-    def estimate(self, i, tokens=None, min_steps=RATE_STEPS):
-        """The rate at bucket i: measured now (`min_steps` of each part), else the last one measured there within RATE_KEEP_GENERATES
+    def estimate(self, i, tokens=None):
+        """The rate at bucket i: measured now, else the last one measured there within RATE_KEEP_GENERATES
         generates scaled by `tokens` (the option's expected tokens per row now) over what they were then
         (None: not scaled), else None. Why kept: once the schedule stops running an option at a batch
         size its rate expires within two generates, and a choice that then fell back to the profile's
         price put the slower option back every few generates (plain decoding measured 1.2x the block at
         128 rows, the price drafted the block again). Why not for good: a rate measured during a burst
         of load would rule its option out for good."""
-        rate = self.rate(i, min_steps)
+        rate = self.rate(i)
         if rate is not None:
             self.last[i] = (rate, tokens, 0)
             return rate
@@ -665,7 +665,8 @@ class ConfidenceSizedK(AdaptiveK):
 
     def block_ratio(self, b):
         """The block's rate over plain decoding's near b rows: as compared inside one generate (PairedEvidence),
-        else as measured where both ran, from a step of each on (OptionRates), else as priced (`priced_ratio`).
+        else as measured where both ran, from a step of each on, or their last rates kept (OptionRates), else as
+        priced (`priced_ratio`). The thin rates inform this price only: the choice at a bucket waits for RATE_STEPS.
         Why from one step: the buckets a batch drains through run a step or two a generate, never the RATE_STEPS a
         choice there waits for, and their prices missed what the block's steps there lose (rows ending inside
         a block): at 64 rows draining, the block measured 0.75x plain decoding where its price said 1.3x."""
@@ -673,8 +674,8 @@ class ConfidenceSizedK(AdaptiveK):
         paired = self.paired.ratio(i, self.tokens[self.k])
         if paired is not None:
             return paired
-        plain = self.rates["plain"].estimate(i, min_steps=1.0)
-        block = self.rates["block"].estimate(i, self.tokens[self.k], min_steps=1.0)
+        plain = self.rates["plain"].rate(i, 1.0) or self.rates["plain"].estimate(i)
+        block = self.rates["block"].rate(i, 1.0) or self.rates["block"].estimate(i, self.tokens[self.k])
         if plain and block:
             return block / plain
         return self.priced_ratio(b)
