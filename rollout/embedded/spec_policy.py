@@ -553,7 +553,7 @@ class ConfidenceSizedK(AdaptiveK):
 
     # ---- paired comparisons inside one generate (PairedEvidence) ----
     def start_generate_pairs(self):
-        """A generate starts: its own rates per option and its steps per bucket from zero."""
+        """A generate starts: its own rates per option, its steps per bucket and its bucket log from zero."""
         self.generate_rates = {option: OptionRates(self.grid) for option in ("plain", "block")}
         self.bucket_steps = [0] * len(self.grid)
         self.generate_buckets = GenerateBuckets(self.grid)
