@@ -30,9 +30,10 @@ drafts are verified, so every policy keeps the output exact.
               to drafting (a draft-layer pass, a fraction of what the trunk spent on them).
   ConfidenceSizedK  vLLM's enable_adaptive_verification: at each batch size the block or nothing is
               drafted: where the two were compared inside one generate (PairedEvidence: at a batch bucket
-              that emitted PAIR_MIN_STEPS tokens a row, a generate runs PAIR_RUN_STEPS steps of plain decoding, then
-              the block, about once in ten generates), by the ratio of their rates there, both measured under the
-              machine's speed of the same moments; else where real plain steps and block steps were both measured there (the schedule
+              that emitted PAIR_MIN_STEPS tokens a row, a generate runs PAIR_RUN_STEPS steps of plain
+              decoding, then the block, about once in ten generates), by the ratio of their rates there,
+              both measured under the machine's speed of the same moments; else where real plain steps
+              and block steps were both measured there (the schedule
               chose each at some generate), by their measured tokens per second (OptionRates), an
               option no longer run there keeping its last rate (the block's scaled by its expected
               tokens now over then) for RATE_KEEP_GENERATES generates, the first generate not
@@ -85,9 +86,9 @@ RATE_STEPS = 4.0
 # generates an option's last measured rate at a batch bucket stands once the option no longer runs there
 # (its steps' rate expired): the ruled-out option is then tried again about once in this many generates
 RATE_KEEP_GENERATES = 8
-# paired comparison (ConfidenceSizedK): at a batch bucket where the last generate emitted PAIR_MIN_STEPS tokens a row and
-# the paired evidence is worth less than PAIR_STALE generates, the next generate runs PAIR_RUN_STEPS steps of
-# plain decoding there, then the block; the two rates of that one generate give one ratio, whose
+# paired comparison (ConfidenceSizedK): at a batch bucket where the last generate emitted PAIR_MIN_STEPS tokens a
+# row and the paired evidence is worth less than PAIR_STALE generates, the next generate runs PAIR_RUN_STEPS steps
+# of plain decoding there, then the block; the two rates of that one generate give one ratio, whose
 # evidence is kept PAIR_KEEP_PER_GENERATE at each generate and decides there while worth PAIR_FORGET
 PAIR_RUN_STEPS = 3
 PAIR_MIN_STEPS = 4 * PAIR_RUN_STEPS  # room for the plain run and the block's steps after it in a bucket that shrinks
@@ -566,7 +567,7 @@ class ConfidenceSizedK(AdaptiveK):
         self.paired.age(PAIR_KEEP_PER_GENERATE)
         ended = self.generate_buckets
         self.comparing = {i for i in range(len(self.grid))
-                          if self.sized and ended.tokens[i] >= PAIR_MIN_STEPS * (ended.rows[i] or math.inf)
+                          if self.sized and ended.rows[i] and ended.tokens[i] >= PAIR_MIN_STEPS * ended.rows[i]
                           and self.paired.weight[i] < PAIR_STALE}
         self.start_generate_pairs()
 
@@ -635,25 +636,25 @@ class ConfidenceSizedK(AdaptiveK):
         admission, which the block's rate at that bucket spreads over its steps there and nothing prices against
         the few steps left after it; at 128 rows draining to the end of short answers, the block drafted from 64
         rows on made whole generates 0.95x plain decoding."""
-        per_position = self.catch_up_s / self.catch_up_positions if self.catch_up_positions else None
-        if per_position is None:
+        if not self.catch_up_positions:
             return
+        per_position = self.catch_up_s / self.catch_up_positions
         ended = self.generate_buckets
         drafting = [self.lookup[b] > 0 for b in self.grid]
         from_plain, i = False, len(self.grid) - 1
         while i >= 0:
             if not drafting[i]:
-                from_plain = from_plain or ended.context[i] is not None
+                from_plain = from_plain or ended.rows[i] > 0
                 i -= 1
                 continue
             run = []
             while i >= 0 and drafting[i]:
                 run.append(i)
                 i -= 1
-            entered = [ended.context[j] for j in run if ended.context[j] is not None]
+            entered = [ended.context[j] for j in run if ended.rows[j]]
             saves = sum(self.drafting_saves(j, ended.tokens[j]) for j in run)
             if from_plain and entered and saves < per_position * entered[0]:
-                self.lookup = [0 if b and self.bucket_of[b] in run else k for b, k in enumerate(self.lookup)]
+                self.lookup = [0 if self.bucket_of[b] in run else k for b, k in enumerate(self.lookup)]
             else:
                 from_plain = False  # the run drafts: its rows' context is written
 
@@ -671,7 +672,7 @@ class ConfidenceSizedK(AdaptiveK):
         choice there waits for, and their prices missed what the block's steps there lose (rows ending inside
         a block): at 64 rows draining, the block measured 0.75x plain decoding where its price said 1.3x."""
         i = self.bucket_of[b]
-        paired = self.paired.ratio(i, self.tokens[self.k])
+        paired = self.paired_ratio(b)
         if paired is not None:
             return paired
         plain = self.rates["plain"].rate(i, 1.0) or self.rates["plain"].estimate(i)
@@ -679,6 +680,11 @@ class ConfidenceSizedK(AdaptiveK):
         if plain and block:
             return block / plain
         return self.priced_ratio(b)
+
+    def paired_ratio(self, b):
+        """The block's rate over plain decoding's near b rows as compared inside one generate, at the block's
+        expected tokens now (None without such evidence)."""
+        return self.paired.ratio(self.bucket_of[b], self.tokens[self.k])
 
     def priced_ratio(self, b):
         """The block's priced rate over plain decoding's at b rows, its steps verifying the q they would size to at
@@ -724,7 +730,7 @@ class ConfidenceSizedK(AdaptiveK):
         Until a step is sized (a draft without a confidence head never is), AdaptiveK's rule: every k
         verifies all it drafts, the smaller k on a tie. Both priced by `price` at this generate's offsets."""
         offsets = self.step_offsets[b]
-        paired = self.paired.ratio(self.bucket_of[b], self.tokens[self.k]) if self.sized else None
+        paired = self.paired_ratio(b) if self.sized else None
         if paired is not None:
             return self.k if paired >= 1 + DRAFT_MARGIN else 0
         measured = self.measured_choice(b) if self.sized else None
@@ -750,14 +756,14 @@ class ConfidenceSizedK(AdaptiveK):
 
 class GenerateBuckets:
     """What one generate did at each batch bucket: the tokens its steps emitted, and at its first step there the
-    rows and their cached positions (0 and None where it ran none): what a switch to drafting there catches up."""
+    rows and their cached positions (0 rows where it ran none): what a switch to drafting there catches up."""
 
     def __init__(self, grid):
-        self.tokens, self.rows, self.context = [0.0] * len(grid), [0] * len(grid), [None] * len(grid)
+        self.tokens, self.rows, self.context = [0.0] * len(grid), [0] * len(grid), [0] * len(grid)
 
     def add(self, i, step):
         self.tokens[i] += step.emitted
-        if self.context[i] is None:
+        if not self.rows[i]:
             self.rows[i], self.context[i] = step.batch_size, step.context
 
 
