@@ -437,6 +437,39 @@ def test_a_bucket_compares_the_block_and_plain_decoding_inside_one_generate_and_
     assert since == stale_after + 1  # the stale evidence's generate counted, the comparing one after it
 
 
+@pytest.mark.parametrize("fluke", [True, False], ids=["one-comparison-overturned", "control-agrees"])
+def test_a_comparison_whose_verdict_differs_from_the_last_is_repeated_until_two_agree(fluke):
+    """A comparison whose verdict (the block DRAFT_MARGIN faster, or not) differs from the bucket's last one (at
+    its first comparison: the schedule the generate ran there) makes the next generate compare there again, until
+    two verdicts in a row agree; the schedule follows the paired evidence meanwhile. Here the block is 6.7x plain
+    decoding and one comparison, overturned by a machine 10x slower during its block steps, says 0.67x: the
+    generates after it compare again (plain steps first, then the block), twice: the first repeat disagrees
+    with the overturned verdict, the second agrees with the first repeat; the evidence then drafts the block
+    (the direct formula: the weighted mean of the two logs, ln 0.67 kept 0.9, each ratio over the block's
+    expected tokens of its generate, times those now). The control, every
+    comparison agreeing with the schedule, compares once and not at the next generate."""
+    policy = ConfidenceSizedK(3)
+    policy.set_costs([1, 2], {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
+    policy.verification_size(2, torch.ones(2, 3))  # a sized step: the sized schedule from here on
+    policy.begin()
+    block, plain = sized_step(2, 3, 3, 0.2, 0.1, 8), sized_step(2, 0, 0, 0.5, 0.0, 2)
+    slow = sized_step(2, 3, 3, 2.0, 1.0, 8)  # the block's steps on a machine 10x slower: (8 / 3) / 4 = 0.67x plain
+    steps, compared = 2 * PAIR_MIN_STEPS, [0] * PAIR_RUN_STEPS + [3] * (2 * PAIR_MIN_STEPS - PAIR_RUN_STEPS)
+    assert run_sized_generate(policy, steps, block, plain) == [3] * steps  # the price drafts; due for a comparison
+    overturned_at = policy.tokens[3]  # a ratio counts over the block's expected tokens of its generate
+    assert run_sized_generate(policy, steps, slow if fluke else block, plain) == compared
+    assert policy.lookup[2] == (0 if fluke else 3)  # the paired evidence decides
+    if fluke:
+        repeated_at = policy.tokens[3]
+        assert run_sized_generate(policy, steps, block, plain) == compared  # differs from the overturned verdict
+        assert policy.lookup[2] == 3
+        ratio = math.exp((PAIR_KEEP_PER_GENERATE * math.log((8 / 3) / 4 / overturned_at) +
+                          math.log((8 / 0.3) / 4 / repeated_at)) / (1 + PAIR_KEEP_PER_GENERATE)) * policy.tokens[3]
+        assert policy.paired_ratio(2) == pytest.approx(ratio) and ratio >= 1 + DRAFT_MARGIN
+        assert run_sized_generate(policy, steps, block, plain) == compared  # agrees with the one before: settled
+    assert run_sized_generate(policy, steps, block, plain) == [3] * steps
+
+
 def test_the_sized_schedule_prices_each_k_at_the_verification_its_steps_would_size_to():
     """Once steps are sized, the schedule's k at each batch size against the direct formula: the block
     (k = 3) where E(q) / (verify(B, 1+q) + draft(B, 3)) is at least (1 + DRAFT_MARGIN) a plain step's 1 / verify(B, 1), q

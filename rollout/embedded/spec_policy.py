@@ -31,7 +31,8 @@ drafts are verified, so every policy keeps the output exact.
   ConfidenceSizedK  vLLM's enable_adaptive_verification: at each batch size the block or nothing is
               drafted: where the two were compared inside one generate (PairedEvidence: at a batch bucket
               that emitted PAIR_MIN_STEPS tokens a row, a generate runs PAIR_RUN_STEPS steps of plain
-              decoding, then the block, about once in ten generates), by the ratio of their rates there,
+              decoding, then the block, about once in ten generates, and again at the next generate where
+              its verdict differs from the last one there, until two agree), by the ratio of their rates there,
               both measured under the machine's speed of the same moments; else where real plain steps
               and block steps were both measured there (the schedule
               chose each at some generate), by their measured tokens per second (OptionRates), an
@@ -88,8 +89,9 @@ RATE_STEPS = 4.0
 RATE_KEEP_GENERATES = 8
 # paired comparison (ConfidenceSizedK): at a batch bucket where the last generate emitted PAIR_MIN_STEPS tokens a
 # row and the paired evidence is worth less than PAIR_STALE generates, the next generate runs PAIR_RUN_STEPS steps
-# of plain decoding there, then the block; the two rates of that one generate give one ratio, whose
-# evidence is kept PAIR_KEEP_PER_GENERATE at each generate and decides there while worth PAIR_FORGET
+# of plain decoding there, then the block (and so does the generate after a comparison whose verdict differs
+# from the last one there); the two rates of that one generate give one ratio, whose evidence is kept
+# PAIR_KEEP_PER_GENERATE at each generate and decides there while worth PAIR_FORGET
 PAIR_RUN_STEPS = 3
 PAIR_MIN_STEPS = 4 * PAIR_RUN_STEPS  # room for the plain run and the block's steps after it in a bucket that shrinks
 # steps of each part a compared option needs in its generate: rates of steps moments apart share the machine's
@@ -443,6 +445,7 @@ class PairedEvidence:
 
     def __init__(self, grid):
         self.log_sum, self.weight = [0.0] * len(grid), [0.0] * len(grid)
+        self.verdict = [None] * len(grid)  # per bucket, whether its last comparison found the block worth drafting
 
     def add(self, i, ratio, tokens):
         self.log_sum[i] += math.log(ratio / tokens)
@@ -468,6 +471,7 @@ class ConfidenceSizedK(AdaptiveK):
     generates = 0  # generates begun with a profile
     sized = False  # True once a step was sized by confidences (a draft without the head never is)
     comparing = frozenset()  # the batch buckets this generate compares the block with plain decoding at
+    contested = frozenset()  # buckets whose last verdict differs from the one before: the next generate compares
     # a step's verify without drafts, with drafts (more tokens to accept and record), its drafting, and
     # the proposer's work at a step without drafts
     PARTS = ("plain", "verify", "draft", "idle")
@@ -568,17 +572,31 @@ class ConfidenceSizedK(AdaptiveK):
         ended = self.generate_buckets
         self.comparing = {i for i in range(len(self.grid))
                           if self.sized and ended.rows[i] and ended.tokens[i] >= PAIR_MIN_STEPS * ended.rows[i]
-                          and self.paired.weight[i] < PAIR_STALE}
+                          and (self.paired.weight[i] < PAIR_STALE or i in self.contested)}
         self.start_generate_pairs()
 
     def fold_pairs(self):
         """The generate that ends: at every bucket it compared where both options' rates were measured, their
-        ratio into the paired evidence (divided by the block's expected tokens then)."""
+        ratio into the paired evidence (divided by the block's expected tokens then). A verdict (the block
+        DRAFT_MARGIN faster, or not) other than the bucket's last one (at its first comparison: the schedule the
+        generate ran there) marks the bucket contested: the next generate compares it again, until two verdicts
+        in a row agree. Why: the plain run is a few steps and the block the rest of the bucket, at 1 row seconds
+        later, so a burst of load on the machine in between can overturn one comparison, and one overturned at 1
+        row (the block 1.5x plain decoding) had decoded plainly for the ten generates until the next. Where the
+        two options are about as fast, verdicts alternate and the bucket is compared at every generate, which
+        costs little there: either option is as good."""
         plain, block = self.generate_rates["plain"], self.generate_rates["block"]
+        contested = set()
         for i in sorted(self.comparing):
             p, b = plain.rate(i, PAIR_RATE_STEPS), block.rate(i, PAIR_RATE_STEPS)
             if p is not None and b is not None:
                 self.paired.add(i, b / p, self.tokens[self.k])
+                verdict = b / p >= 1 + DRAFT_MARGIN
+                last = self.paired.verdict[i]
+                if verdict != (self.lookup[self.grid[i]] > 0 if last is None else last):
+                    contested.add(i)
+                self.paired.verdict[i] = verdict
+        self.contested = contested
 
     def begin(self, weight_version=None):
         """Fold the ending generate's paired comparisons in (at its expected tokens), AdaptiveK's begin (the

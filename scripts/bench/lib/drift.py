@@ -100,7 +100,9 @@ ARM_OPTIONS = {"loss": "--draft-loss-type", "topk": "--draft-distill-topk", "lr"
 DRAFT_OPTIONS = ("draft", "k", "draft_layers")  # arm options that choose the arm's draft, not train_rl.py flags
 ARM_SETS = {  # --arms NAME: a question answered by arms whose drafts all start from the same warm-up
     "blocks": "online:draft=eagle3,online,frozen,online:k=7,frozen:k=7",  # the block size
-    "dspark": "online,frozen,online:draft=dflash,online:draft=eagle3",  # DSpark against the other kinds at k = 3
+    # DSpark against the other kinds at k = 3, and DSpark trained on cross-entropy alone (DFlash's loss) against
+    # the recipes' mix: which of the two costs its later slots
+    "dspark": "online,frozen,online:draft=dflash,online:draft=eagle3,online:ce_weight=1:l1_weight=0",
 }
 MAX_POSITIONS = 8
 
