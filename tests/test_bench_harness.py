@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from scripts.bench.throughput import MAX_REPEATS, main, paired_median, time_interleaved
+from scripts.bench.throughput import MAX_REPEATS, head_to_head, main, paired_median, time_interleaved
 from vime.sample import Sample
 
 RUN_S, PREPARE_S = 0.01, 0.2
@@ -85,6 +85,25 @@ def test_the_paired_speedup_is_the_median_of_each_repeats_ratio_to_the_base():
     paired = paired_median(rates, "none")
     assert paired["none"] == 1.0
     assert paired["x"] == sorted([15 / 10, 22 / 20, 50 / 5])[1]
+
+
+def test_head_to_head_is_the_median_ratio_and_a_two_sided_sign_test():
+    """Against written-out values: the median of the per-repeat ratios; the sign test's p-value from the binomial
+    tail at 1/2 (5 of 5: 2 / 2^5; 4 of 5: 2 (1 + 5) / 2^5); a repeat a burst hit counts once, whatever its size."""
+    first, second = [12.0, 11.0, 30.0, 10.5, 11.5], [10.0, 10.0, 10.0, 10.0, 10.0]
+    ratio, wins, n, p = head_to_head({"a": first, "b": second}, "a", "b")
+    assert ratio == pytest.approx(1.15) and (wins, n) == (5, 5) and p == pytest.approx(2 / 32)
+    first[3] = 9.0
+    ratio, wins, n, p = head_to_head({"a": first, "b": second}, "a", "b")
+    assert ratio == pytest.approx(1.15) and wins == 4 and p == pytest.approx(2 * 6 / 32)
+    assert head_to_head({"a": first, "b": second}, "b", "a")[1:] == (1, 5, pytest.approx(2 * 6 / 32))
+
+
+def test_spec_decode_refuses_a_versus_pair_outside_its_methods_in_one_line(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["spec-decode", "--hf-checkpoint", "checkpoints/tiny-qwen2", "--methods", "none", "--versus", "none/mtp k=1"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "--versus" in err
 
 
 def test_a_run_keeps_its_engines_proposer_unless_it_remembers_earlier_outputs():

@@ -20,6 +20,7 @@ checking both sides did the same work (as many tokens; greedy: the same tokens).
 weights; acceptance does). `MODE --help` says what each prints.
 """
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -116,6 +117,17 @@ def paired_median(rates, base):
     against plain decoding at 128 rows, gave best-of ratios of 0.93x and 1.04x in two runs of 40 repeats);
     a repeat's runs are adjacent in time, and the median drops the repeats a burst of load hit."""
     return {name: statistics.median(r / b for r, b in zip(rs, rates[base])) for name, rs in rates.items()}
+
+
+def head_to_head(rates, first, second):
+    """(the median over repeats of `first`'s tokens/s over `second`'s in the same repeat, the repeats where
+    `first` was faster, the repeats, the two-sided sign test's p-value that either is faster as often as not).
+    Why a sign test: it asks only which of two adjacent runs was faster, so a burst of load that hit one repeat
+    counts as one repeat, whatever it did to the rates."""
+    ratios = [a / b for a, b in zip(rates[first], rates[second])]
+    n, wins = len(ratios), sum(r > 1 for r in ratios)
+    tail = sum(math.comb(n, i) for i in range(min(wins, n - wins) + 1)) / 2 ** n
+    return statistics.median(ratios), wins, n, min(1.0, 2 * tail)
 
 
 def generator(engine, prompts, sampling, n=1):
@@ -330,6 +342,7 @@ def spec_decode(args):
     adaptive = ADAPTIVE | {name for name in table if name.endswith(" adaptive")}
     wanted = args.methods.split(",") if args.methods else list(table)
     require(all(name in table for name in wanted), f"--methods {args.methods!r}: choose from {', '.join(table)}")
+    pairs = versus_pairs(args.versus, wanted)
     print(f"checkpoint {args.hf_checkpoint}, temperature {args.temperature}, {args.num_prompts} prompts, "
           f"{'up to ' if args.stop_at_eos else ''}{args.max_new_tokens} new tokens"
           f"{', stop at EOS' if args.stop_at_eos else ''}"
@@ -362,10 +375,23 @@ def spec_decode(args):
             print(f"batch {batch}: {name} drafted k = {statistics.mean(ks) if ks else float('nan'):.2f} on average over "
                   f"{len(ks)} runs, {min(ks, default=float('nan')):.2f}-{max(ks, default=float('nan')):.2f} per run",
                   flush=True)
+        for first, second in pairs:
+            ratio, wins, n, p = head_to_head(rates, first, second)
+            print(f"batch {batch}: {first} / {second} paired {ratio:.2f}x, faster in {wins} of {n} repeats "
+                  f"(sign test p = {p:.3g})", flush=True)
         fixed = [n for n in FIXED_K if n in got]
         for name in [n for n in wanted if n in adaptive and fixed]:
             best = max(fixed, key=lambda n: got[n][0])
             print(f"batch {batch}: {name} / best fixed k ({best}) = {got[name][0] / got[best][0]:.3f}", flush=True)
+
+
+def versus_pairs(versus, wanted):
+    """[(first, second)] of --versus 'A/B,C/D', each a pair of --methods."""
+    pairs = [tuple(pair.split("/")) for pair in versus.split(",")] if versus else []
+    for pair in pairs:
+        require(len(pair) == 2 and all(name in wanted for name in pair),
+                f"--versus {versus!r}: give FIRST/SECOND pairs of --methods, comma-separated")
+    return pairs
 
 
 # ------------------------------------------------------------------ spec-scale
@@ -625,6 +651,9 @@ def add_spec_decode_arguments(p):
     p.add_argument("--min-response-len", type=int, default=0,
                    help="with --stop-at-eos: only prompts whose plain response is at least this long (the rows "
                         "left at a rollout's drained end)")
+    p.add_argument("--versus", default=None,
+                   help="comma-separated FIRST/SECOND pairs of --methods: each batch size also prints FIRST's paired "
+                        "speedup over SECOND and a sign test of which was faster, repeat by repeat")
     p.add_argument("--task-variant", default=DEFAULT_TASK_VARIANT, choices=list(TASK_VARIANTS),
                    help="the prompts' task (longtail: the long-tail model's)")
 
