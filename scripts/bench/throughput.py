@@ -325,7 +325,7 @@ def spec_decode(args):
     """Per batch size and method (none, mtp k=1..3, mtp adaptive, ngram, suffix, draft_model):
     tokens/s, speedup against the first method (best against best), tokens per verify, acceptance rate and per
     position, and the paired speedup (`paired_median`);
-    the adaptive method against the best fixed k."""
+    the adaptive method against the best fixed k; with --versus, one method head to head with another (`head_to_head`)."""
     require(args.min_seconds >= 0, f"--min-seconds {args.min_seconds}: give 0 (just --repeats) or more")
     pool = args.num_prompts * (POOL_PER_PROMPT if args.min_response_len else 1)
     prompts = task_prompts(args.hf_checkpoint, args.task_variant, pool)
