@@ -124,10 +124,9 @@ def head_to_head(rates, first, second):
     `first` was faster, the repeats, the two-sided sign test's p-value that either is faster as often as not).
     Why a sign test: it asks only which of two adjacent runs was faster, so a burst of load that hit one repeat
     counts as one repeat, whatever it did to the rates."""
-    ratios = [a / b for a, b in zip(rates[first], rates[second])]
-    n, wins = len(ratios), sum(r > 1 for r in ratios)
+    n, wins = len(rates[first]), sum(a > b for a, b in zip(rates[first], rates[second]))
     tail = sum(math.comb(n, i) for i in range(min(wins, n - wins) + 1)) / 2 ** n
-    return statistics.median(ratios), wins, n, min(1.0, 2 * tail)
+    return paired_median(rates, second)[first], wins, n, min(1.0, 2 * tail)
 
 
 def generator(engine, prompts, sampling, n=1):
