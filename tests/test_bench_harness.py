@@ -4,6 +4,7 @@ the runs sleep, so every bound below is a sleep's length, far from the scheduler
 import time
 
 import pytest
+import torch
 
 from scripts.bench.throughput import MAX_REPEATS, head_to_head, main, paired_median, time_interleaved
 from vime.sample import Sample
@@ -69,6 +70,15 @@ def test_spec_decode_refuses_negative_min_seconds_in_one_line(capsys):
         main(["spec-decode", "--min-seconds", "-1"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "--min-seconds" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a machine without CUDA")
+@pytest.mark.parametrize("mode", ["spec-decode", "spec-scale", "step-limit"])
+def test_a_cuda_device_on_a_machine_without_one_is_refused_in_one_line(mode, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main([mode, "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "--device cuda" in err
 
 
 def test_time_interleaved_hands_back_every_repeats_rate_in_order():

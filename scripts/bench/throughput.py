@@ -326,6 +326,7 @@ def spec_decode(args):
     position, and the paired speedup (`paired_median`);
     the adaptive method against the best fixed k; with --versus, one method head to head with another (`head_to_head`)."""
     require(args.min_seconds >= 0, f"--min-seconds {args.min_seconds}: give 0 (just --repeats) or more")
+    require_device(args.device)
     pool = args.num_prompts * (POOL_PER_PROMPT if args.min_response_len else 1)
     prompts = task_prompts(args.hf_checkpoint, args.task_variant, pool)
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
@@ -342,7 +343,7 @@ def spec_decode(args):
     wanted = args.methods.split(",") if args.methods else list(table)
     require(all(name in table for name in wanted), f"--methods {args.methods!r}: choose from {', '.join(table)}")
     pairs = versus_pairs(args.versus, wanted)
-    print(f"checkpoint {args.hf_checkpoint}, temperature {args.temperature}, {args.num_prompts} prompts, "
+    print(f"checkpoint {args.hf_checkpoint} on {args.device}, temperature {args.temperature}, {args.num_prompts} prompts, "
           f"{'up to ' if args.stop_at_eos else ''}{args.max_new_tokens} new tokens"
           f"{', stop at EOS' if args.stop_at_eos else ''}"
           f"{f', plain responses >= {args.min_response_len} tokens' if args.min_response_len else ''}, "
@@ -351,7 +352,8 @@ def spec_decode(args):
     print("| batch | method | tokens/s | speedup | tokens/verify | accept rate | per position | paired speedup |")
     print("|---|---|---|---|---|---|---|---|")
     for batch in batch_sizes(args.batch_sizes):
-        engines = {name: build_engine(args.hf_checkpoint, table[name], EngineConfig(max_batch_size=batch),
+        engines = {name: build_engine(args.hf_checkpoint, table[name],
+                                      EngineConfig(max_batch_size=batch, device=args.device),
                                       adaptive=name in adaptive) for name in wanted}
         for engine in engines.values():
             engine.generate(samples_for_prompts(prompts[:batch]), sampling)  # warm-up (and the adaptive profile)
@@ -415,6 +417,7 @@ def spec_scale(args):
     against a plain step, then per row count tokens/s of none / frozen / online / online adaptive
     and the speedups online/none, online/frozen, adaptive/none. The acceptance is assumed, not
     measured: the figures say what a draft at those rates buys on this device."""
+    require_device(args.device)
     dtype = getattr(torch, args.dtype)
     shape = spec_scale_shape(args)
     sizes = batch_sizes(args.batch_sizes)
@@ -461,6 +464,13 @@ def spec_scale_shape(args):
                 num_attention_heads=heads, num_key_value_heads=heads // 2)
 
 
+def require_device(device):
+    """Whether `device` is CUDA; refused in one line where torch has no such device."""
+    cuda = torch.device(device).type == "cuda"
+    require(not cuda or torch.cuda.is_available(), f"--device {device}: this machine has no CUDA device")
+    return cuda
+
+
 def synchronize(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -498,8 +508,7 @@ def step_limit(args):
     the limit; then eager / graphed. Every quantity is measured once per round, rounds interleave
     them all (load from other jobs hits each alike), best of --repeats rounds."""
     dtype = getattr(torch, args.dtype)
-    cuda = torch.device(args.device).type == "cuda"
-    require(not cuda or torch.cuda.is_available(), f"--device {args.device}: this machine has no CUDA device")
+    cuda = require_device(args.device)
     require(cuda or not args.compile, "--compile: the torch.compile + graphed arm needs --device cuda")
     arms = [a for a in STEP_ARMS if a == "eager" or (cuda and (a == "graphed" or args.compile))]
     prompt = [[1] + [3 + j % 20 for j in range(8)]]
@@ -628,6 +637,7 @@ def add_spec_decode_arguments(p):
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; RL rollouts use 1")
     p.add_argument("--rejection-sample-method", default="probabilistic", choices=["strict", "probabilistic"])
+    p.add_argument("--device", default="cpu", help="torch device of the engines (cpu, or cuda: steps as CUDA graphs)")
     p.add_argument("--methods", default=None, help="comma-separated subset of the method names")
     p.add_argument("--dflash-drafts", default=None,
                    help="comma-separated DFlash draft directories of the checkpoint: methods 'dflash k=K', "

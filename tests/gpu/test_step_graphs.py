@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from draft_kind_fixtures import TARGET as QWEN2_TARGET
+from draft_kind_fixtures import shipped_k, shipped_spec
 from fp32_bounds import greedy_logprob_bound, max_logprob_diff
 from rollout.embedded.engine import EngineConfig
 from rollout.embedded.engine_builder import build_engine
@@ -64,6 +65,31 @@ def test_graphed_steps_decode_as_eager_steps_token_for_token(markov_ckpt, spec):
 @pytest.mark.parametrize("spec", qwen2_draft_specs(), ids=lambda s: s["method"])
 def test_graphed_draft_steps_of_every_proposer_decode_as_eager_steps(spec):
     assert_graphs_equal_eager(QWEN2_TARGET, spec, prompts_of(QWEN2_TARGET, 12, seed=5))
+
+
+def test_graphed_confidence_sized_dspark_decodes_as_graphed_plain_decoding():
+    """enable_adaptive_verification on CUDA graphs: steps verify fewer drafts than drafted at some rows'
+    steps (the verify graphs of several sizes), and greedy output is plain decoding's, graphed or eager."""
+    from vime.models.draft_kinds import DRAFT_KINDS
+
+    k = shipped_k(DRAFT_KINDS["dspark"])
+    prompts = prompts_of(QWEN2_TARGET, 12, seed=5)
+    plain = greedy(build_engine(QWEN2_TARGET, None, config()), prompts)
+    for extra in ({}, {"enforce_eager": True}):
+        engine = build_engine(QWEN2_TARGET, shipped_spec(DRAFT_KINDS["dspark"], enable_adaptive_verification=True),
+                              config(**extra))
+        policy = engine.k_policy
+        # fixed prices (a verified draft costs 0.6 of a plain step) and a measured acceptance of 1, so the
+        # sizes follow the confidences, not this GPU's timings
+        policy.set_costs([1, 16], {q: [1.0 + 0.6 * q] * 2 for q in range(k + 1)},
+                         {q: [0.1 * (q > 0)] * 2 for q in range(k + 1)})
+        policy.corrects_costs = False
+        policy.drafted, policy.accepted = [1000.0] * k, [1000.0] * k
+        sizes, original = [], engine.proposer.verification_size
+        engine.proposer.verification_size = lambda b, c, kk: sizes.extend(original(b, c, kk)) or sizes[-b:]
+        assert [s.response_ids for s in greedy(engine, prompts)] == [s.response_ids for s in plain]
+        assert min(sizes) < k and max(sizes) > 0  # sized, not all or nothing
+        assert bool(engine.steps.captured) != bool(extra)
 
 
 def test_graphed_speculation_decodes_as_graphed_plain_decoding(markov_ckpt):
