@@ -385,7 +385,8 @@ def test_an_option_no_longer_run_keeps_its_last_measured_rate_the_blocks_scaled_
         # tried again after (generates since its rate was last measured: the 3 above and the 2 of the acceptance)
         policy.accepted = [1e9 * start] * 3
         for since in range(6, RATE_KEEP_GENERATES + 2):
-            policy.observe(sized_step(2, 0, 0, plain_s, 0.0, 2))
+            for _ in range(n):  # a bucket that runs RATE_STEPS steps a generate: drained ones are tested apart
+                policy.observe(sized_step(2, 0, 0, plain_s, 0.0, 2))
             policy.begin()
             assert policy.lookup[2] == (0 if since < RATE_KEEP_GENERATES else 3), since
 
@@ -437,6 +438,25 @@ def test_a_bucket_compares_the_block_and_plain_decoding_inside_one_generate_and_
     assert since == stale_after + 1  # the stale evidence's generate counted, the comparing one after it
 
 
+def test_a_comparisons_ratio_counts_over_the_acceptance_its_own_drafts_measured():
+    """Right after a comparison the paired ratio is the one its generate measured (the direct formula: tokens
+    over a verify's and a drafting's mean seconds, each option), though the acceptance estimate fell during
+    that generate, from every draft accepted to one row in two accepting the first draft and none the second:
+    a ratio counts over the block's expected tokens after its generate's drafts, not before them."""
+    policy = ConfidenceSizedK(3)
+    policy.set_costs([1, 2], {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
+    policy.verification_size(2, torch.ones(2, 3))  # a sized step: the sized schedule from here on
+    policy.begin()
+    steps, plain = 2 * PAIR_MIN_STEPS, sized_step(2, 0, 0, 0.5, 0.0, 2)
+    every_draft = StepRecord(2, 3, 0.2, 3, 0.1, 8, [2, 2, 2], [2, 2, 2])
+    half_the_first = StepRecord(2, 3, 0.2, 3, 0.1, 3, [2, 1, 0], [1, 0, 0])
+    assert run_sized_generate(policy, steps, every_draft, plain) == [3] * steps  # due for a comparison
+    before = policy.tokens[3]
+    assert run_sized_generate(policy, steps, half_the_first, plain)[:PAIR_RUN_STEPS] == [0] * PAIR_RUN_STEPS
+    assert policy.tokens[3] < 0.8 * before  # the estimate fell in the comparing generate
+    assert policy.paired_ratio(2) == pytest.approx((3 / (0.2 + 0.1)) / (2 / 0.5))
+
+
 @pytest.mark.parametrize("fluke", [True, False], ids=["one-comparison-overturned", "control-agrees"])
 def test_a_comparison_whose_verdict_differs_from_the_last_is_repeated_until_two_agree(fluke):
     """A comparison whose verdict (the block DRAFT_MARGIN faster, or not) differs from the bucket's last one (at
@@ -446,7 +466,7 @@ def test_a_comparison_whose_verdict_differs_from_the_last_is_repeated_until_two_
     generates after it compare again (plain steps first, then the block), twice: the first repeat disagrees
     with the overturned verdict, the second agrees with the first repeat; the evidence then drafts the block
     (the direct formula: the weighted mean of the two logs, ln 0.67 kept 0.9, each ratio over the block's
-    expected tokens of its generate, times those now). The control, every
+    expected tokens after its generate, times those now). The control, every
     comparison agreeing with the schedule, compares once and not at the next generate."""
     policy = ConfidenceSizedK(3)
     policy.set_costs([1, 2], {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
@@ -456,12 +476,12 @@ def test_a_comparison_whose_verdict_differs_from_the_last_is_repeated_until_two_
     slow = sized_step(2, 3, 3, 2.0, 1.0, 8)  # the block's steps on a machine 10x slower: (8 / 3) / 4 = 0.67x plain
     steps, compared = 2 * PAIR_MIN_STEPS, [0] * PAIR_RUN_STEPS + [3] * (2 * PAIR_MIN_STEPS - PAIR_RUN_STEPS)
     assert run_sized_generate(policy, steps, block, plain) == [3] * steps  # the price drafts; due for a comparison
-    overturned_at = policy.tokens[3]  # a ratio counts over the block's expected tokens of its generate
     assert run_sized_generate(policy, steps, slow if fluke else block, plain) == compared
+    overturned_at = policy.tokens[3]  # a ratio counts over the block's expected tokens after its generate
     assert policy.lookup[2] == (0 if fluke else 3)  # the paired evidence decides
     if fluke:
-        repeated_at = policy.tokens[3]
         assert run_sized_generate(policy, steps, block, plain) == compared  # differs from the overturned verdict
+        repeated_at = policy.tokens[3]
         assert policy.lookup[2] == 3
         ratio = math.exp((PAIR_KEEP_PER_GENERATE * math.log((8 / 3) / 4 / overturned_at) +
                           math.log((8 / 0.3) / 4 / repeated_at)) / (1 + PAIR_KEEP_PER_GENERATE)) * policy.tokens[3]
@@ -734,17 +754,26 @@ def test_a_bucket_is_compared_by_the_tokens_a_row_it_emitted_not_its_steps(token
     assert ks == ([0] * PAIR_RUN_STEPS + [3] * (steps - PAIR_RUN_STEPS) if compared else [3] * steps)
 
 
-def test_a_drained_buckets_switch_price_reads_its_rates_from_one_step_of_each():
-    """The saving a switch is priced against reads the block's rate over plain decoding's at a bucket from a
-    step of each there (the direct formula: each option's tokens over its verify's and drafting's seconds),
-    where the choice at that bucket still waits for RATE_STEPS of each and falls back to the price."""
+@pytest.mark.parametrize("pairs", [1, 2], ids=["drained", "control"])
+def test_a_drained_buckets_choice_and_switch_price_read_its_rates_from_one_step_of_each(pairs):
+    """At a bucket the ending generate ran fewer than RATE_STEPS steps at (one a batch drains through: decayed
+    by COST_KEEP_PER_GENERATE, its steps never add up to RATE_STEPS), the block's rate and plain decoding's are
+    read from a step of each (the direct formula: each option's tokens over its verify's and drafting's
+    seconds), for the saving a switch is priced against and for the choice there: plain decoding, measured
+    faster. The control ran RATE_STEPS steps there, fewer of each: the measured choice waits for RATE_STEPS of
+    each."""
     grid = [1, 2]
     policy = ConfidenceSizedK(3)
     policy.set_costs(grid, {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
     policy.verification_size(2, torch.ones(2, 3))
     policy.begin()
     policy.begin()  # the first generate's steps are not rated
-    policy.observe(sized_step(2, 3, 3, 0.9, 0.3, 6))
-    policy.observe(sized_step(2, 0, 0, 0.4, 0.05, 2))
-    assert policy.block_ratio(2) == pytest.approx((6 / (0.9 + 0.3)) / (2 / (0.4 + 0.05)))
-    assert policy.measured_choice(2) is None  # one step of each: the choice waits for RATE_STEPS
+    for _ in range(pairs):
+        policy.observe(sized_step(2, 3, 3, 1.2, 0.3, 6))
+        policy.observe(sized_step(2, 0, 0, 0.4, 0.05, 2))
+    block, plain = 6 / (1.2 + 0.3), 2 / (0.4 + 0.05)
+    assert policy.block_ratio(2) == pytest.approx(block / plain) and block < plain
+    assert (2 * pairs < RATE_STEPS) == (pairs == 1)
+    policy.begin()
+    assert policy.measured_choice(2) == (0 if pairs == 1 else None)
+    assert pairs == 2 or policy.lookup[2] == 0

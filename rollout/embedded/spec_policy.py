@@ -84,6 +84,10 @@ DRAFT_MARGIN = 0.08
 # steps of plain decoding and of the block (verify and draft parts each, decayed like the cost evidence)
 # a batch bucket needs before their measured rates decide there (OptionRates)
 RATE_STEPS = 4.0
+# ... at a bucket the ending generate ran fewer than RATE_STEPS steps at (one a batch drains through): evidence
+# decayed by COST_KEEP_PER_GENERATE holds at most twice the steps a generate runs there, so RATE_STEPS is never
+# reached and a rate from this many steps of each part decides instead
+THIN_RATE_STEPS = 1.0
 # generates an option's last measured rate at a batch bucket stands once the option no longer runs there
 # (its steps' rate expired): the ruled-out option is then tried again about once in this many generates
 RATE_KEEP_GENERATES = 8
@@ -392,9 +396,12 @@ class OptionRates:
         n = len(grid)
         self.verify_s, self.verify_steps, self.tokens = [0.0] * n, [0.0] * n, [0.0] * n
         self.draft_s, self.draft_steps = [0.0] * n, [0.0] * n
-        self.last = [None] * n  # per bucket: (last rate measured there, the expected tokens then, generates since)
+        self.last = [None] * n  # per bucket: (last rate measured there, the expected tokens then)
+        # per bucket, generates since the option's last step there: a rate from decayed steps is that old
+        self.since = [math.inf] * n
 
     def add_verify(self, i, seconds, tokens):
+        self.since[i] = 0
         self.verify_s[i] += seconds
         self.verify_steps[i] += 1.0
         self.tokens[i] += tokens
@@ -411,27 +418,27 @@ class OptionRates:
         seconds = self.verify_s[i] / self.verify_steps[i] + self.draft_s[i] / self.draft_steps[i]
         return self.tokens[i] / self.verify_steps[i] / max(seconds, 1e-12)
 
-    def estimate(self, i, tokens=None):
-        """The rate at bucket i: measured now, else the last one measured there within RATE_KEEP_GENERATES
-        generates scaled by `tokens` (the option's expected tokens per row now) over what they were then
-        (None: not scaled), else None. Why kept: once the schedule stops running an option at a batch
+    def estimate(self, i, tokens=None, min_steps=RATE_STEPS):
+        """The rate at bucket i: measured now (from `min_steps` steps), else the last one measured there if the
+        option ran there within RATE_KEEP_GENERATES generates, scaled by `tokens` (the option's expected tokens
+        per row now) over what they were then (None: not scaled), else None. Why kept: once the schedule stops running an option at a batch
         size its rate expires within two generates, and a choice that then fell back to the profile's
         price put the slower option back every few generates (plain decoding measured 1.2x the block at
         128 rows, the price drafted the block again). Why not for good: a rate measured during a burst
         of load would rule its option out for good."""
-        rate = self.rate(i)
+        rate = self.rate(i, min_steps)
         if rate is not None:
-            self.last[i] = (rate, tokens, 0)
+            self.last[i] = (rate, tokens)
             return rate
-        if self.last[i] is None or self.last[i][2] >= RATE_KEEP_GENERATES:
+        if self.last[i] is None or self.since[i] >= RATE_KEEP_GENERATES:
             return None
-        rate, then, _ = self.last[i]
+        rate, then = self.last[i]
         return rate if tokens is None or not then else rate * tokens / then
 
     def age(self, keep):
         for name in ("verify_s", "verify_steps", "tokens", "draft_s", "draft_steps"):
             setattr(self, name, [x * keep for x in getattr(self, name)])
-        self.last = [None if last is None else (*last[:2], last[2] + 1) for last in self.last]
+        self.since = [n + 1 for n in self.since]
 
 
 class PairedEvidence:
@@ -490,6 +497,7 @@ class ConfidenceSizedK(AdaptiveK):
         self.evidence = {part: CostEvidence(grid) for part in self.PARTS}
         self.rates = {option: OptionRates(grid) for option in ("plain", "block")}
         self.grid, self.paired = grid, PairedEvidence(grid)
+        self.rate_steps = [RATE_STEPS] * len(grid)  # per bucket, the steps a rate needs to decide (measured_choice)
         self.catch_up_s = self.catch_up_positions = 0.0  # decayed sums over the catch-ups of switches to drafting
         self.start_generate_pairs()
         self.bucket_of = [None] + [nearest_bucket(grid, b) for b in sizes]
@@ -577,7 +585,10 @@ class ConfidenceSizedK(AdaptiveK):
 
     def fold_pairs(self):
         """The generate that ends: at every bucket it compared where both options' rates were measured, their
-        ratio into the paired evidence (divided by the block's expected tokens then). A verdict (the block
+        ratio into the paired evidence, divided by the block's expected tokens at the acceptance measured up to
+        its end. Why not at its start: at a draft's first comparison that is the prior (every draft passes), and a
+        block measured 1.45x plain decoding at 1 row, counted over 4 expected tokens where its drafts gave 2.6,
+        was taken for 0.94x. A verdict (the block
         DRAFT_MARGIN faster, or not) other than the bucket's last one (at its first comparison: the schedule the
         generate ran there) marks the bucket contested: the next generate compares it again, until two verdicts
         in a row agree. Why: the plain run is a few steps and the block the rest of the bucket, at 1 row seconds
@@ -586,11 +597,12 @@ class ConfidenceSizedK(AdaptiveK):
         two options are about as fast, verdicts alternate and the bucket is compared at every generate, which
         costs little there: either option is as good."""
         plain, block = self.generate_rates["plain"], self.generate_rates["block"]
+        tokens = expected_tokens(self.acceptance(), self.k)  # with what the generate's own drafts measured
         contested = set()
         for i in sorted(self.comparing):
             p, b = plain.rate(i, PAIR_RATE_STEPS), block.rate(i, PAIR_RATE_STEPS)
             if p is not None and b is not None:
-                self.paired.add(i, b / p, self.tokens[self.k])
+                self.paired.add(i, b / p, tokens)
                 verdict = b / p >= 1 + DRAFT_MARGIN
                 last = self.paired.verdict[i]
                 if verdict != (self.lookup[self.grid[i]] > 0 if last is None else last):
@@ -628,11 +640,16 @@ class ConfidenceSizedK(AdaptiveK):
         `estimate`: the block's last rate scaled by its expected tokens now over then), the block where it
         ran DRAFT_MARGIN faster; where only one of them was measured, the other (to compare: where the
         price drafts, plain decoding ran at no generate otherwise, though 1.04x the block at 128 rows; where
-        it does not, the block ran at none, though 1.25x plain decoding at 2 rows); None where neither was."""
+        it does not, the block ran at none, though 1.25x plain decoding at 2 rows); None where neither was.
+        At a bucket the ending generate ran fewer than RATE_STEPS steps at, a rate counts from THIN_RATE_STEPS:
+        waiting for RATE_STEPS there left the measured option's rate against nothing, and the block, never
+        rated at the two steps a generate of 64 rows draining gave it, was tried at every generate, at
+        0.75x plain decoding's rate."""
         if not self.corrects_costs:  # the profile is the whole price
             return None
         i = self.bucket_of[b]
-        plain, block = self.rates["plain"].estimate(i), self.rates["block"].estimate(i, self.tokens[self.k])
+        plain = self.rates["plain"].estimate(i, min_steps=self.rate_steps[i])
+        block = self.rates["block"].estimate(i, self.tokens[self.k], min_steps=self.rate_steps[i])
         if plain is None or block is None:
             return None if plain is None and block is None else (self.k if block is None else 0)
         return self.k if block >= (1 + DRAFT_MARGIN) * plain else 0
@@ -640,6 +657,7 @@ class ConfidenceSizedK(AdaptiveK):
     def write_schedule(self):
         """Every batch size's offsets for this generate (its steps are sized with them), then its k."""
         self.step_offsets = [None] + [self.offsets(b) for b in range(1, len(self.costs))]
+        self.rate_steps = [THIN_RATE_STEPS if n < RATE_STEPS else RATE_STEPS for n in self.generate_buckets.steps]
         self.lookup = [0] + [self.best_k(b) for b in range(1, len(self.costs))]
         if self.sized:
             self.price_switches()
@@ -773,13 +791,15 @@ class ConfidenceSizedK(AdaptiveK):
 
 
 class GenerateBuckets:
-    """What one generate did at each batch bucket: the tokens its steps emitted, and at its first step there the
+    """What one generate did at each batch bucket: its steps, the tokens they emitted, and at its first step there the
     rows and their cached positions (0 rows where it ran none): what a switch to drafting there catches up."""
 
     def __init__(self, grid):
         self.tokens, self.rows, self.context = [0.0] * len(grid), [0] * len(grid), [0] * len(grid)
+        self.steps = [0] * len(grid)
 
     def add(self, i, step):
+        self.steps[i] += 1
         self.tokens[i] += step.emitted
         if not self.rows[i]:
             self.rows[i], self.context[i] = step.batch_size, step.context
