@@ -29,8 +29,8 @@ from rollout.embedded.engine import Engine, EngineConfig
 from rollout.embedded.engine_builder import build_engine
 from rollout.embedded.proposers.dspark import DSparkProposer
 from rollout.embedded.spec_policy import (COST_KEEP_PER_GENERATE, DRAFT_MARGIN, PAIR_KEEP_PER_GENERATE,
-                                          PAIR_MIN_STEPS, PAIR_RUN_STEPS, PAIR_STALE, RATE_KEEP_GENERATES, RATE_STEPS,
-                                          AdaptiveK, ConfidenceSizedK, FixedK, StepRecord)
+                                          PAIR_MIN_STEPS, PAIR_RUN_STEPS, PAIR_STALE, RATE_KEEP_GENERATES,
+                                          RATE_KEEP_MAX_GENERATES, RATE_STEPS, AdaptiveK, ConfidenceSizedK, FixedK, StepRecord)
 from rollout.sampling_params import SamplingParams
 from rollout.spec_config import check_against_checkpoint, parse_spec_config
 from spec_fixtures import check_sampled_drafts_keep_the_target_distribution, one_thread  # noqa: F401
@@ -307,6 +307,30 @@ def test_where_only_one_option_was_measured_the_other_runs_to_compare(draft_s):
     assert policy.lookup[2] == (3 if 8 / 0.3 >= (1 + DRAFT_MARGIN) * 2 / 0.2 else 0) == 3
 
 
+@pytest.mark.parametrize("stepped", [True, False], ids=["tried-unrated", "control-not-stepped"])
+def test_an_option_that_ran_without_a_rated_step_where_the_other_is_measured_is_not_tried_again(stepped):
+    """Where only plain decoding is measured at a bucket, the next generate tries the block there; if that
+    generate stepped there and no block step was rated (here its one step verified nothing: the drafts it made
+    would be verified at the next bucket), the measured option decides from then on. The control: the generate
+    that would try the block never stepped at that bucket, and the block is tried at the next."""
+    n = int(RATE_STEPS)
+    policy = ConfidenceSizedK(3)
+    policy.set_costs([1, 2], {q: [1.0, 1.1] for q in range(4)}, {k: [4.0 * (k > 0)] * 2 for k in range(4)})
+    policy.verification_size(2, torch.ones(2, 3))
+    policy.begin()
+    policy.begin()  # the first generate's steps are not rated
+    assert policy.lookup[2] == 0  # the price: plain decoding
+    for _ in range(n):
+        policy.observe(sized_step(2, 0, 0, 0.4, 0.0, 2))
+    policy.begin()
+    assert policy.lookup[2] == 3  # only plain decoding measured: the block is tried
+    if stepped:
+        policy.observe(StepRecord(2, 0, 0.4, 3, 0.3, 2, [0] * 3, [0] * 3))
+    policy.begin()
+    assert policy.rates["block"].rate(policy.bucket_of[2], 1.0) is None
+    assert policy.lookup[2] == (0 if stepped else 3)
+
+
 def test_the_proposers_work_after_a_prefill_counts_in_the_drafting_seconds_of_the_option_chosen_then():
     """A prefill's proposer seconds P join the drafting seconds of the option chosen at its batch size,
     at no step of their own: the block's rate at 2 rows after n steps of verify v, drafting d, t tokens
@@ -384,11 +408,39 @@ def test_an_option_no_longer_run_keeps_its_last_measured_rate_the_blocks_scaled_
         # back where it was: plain, until the block's last rate is RATE_KEEP_GENERATES generates old; the block
         # tried again after (generates since its rate was last measured: the 3 above and the 2 of the acceptance)
         policy.accepted = [1e9 * start] * 3
-        for since in range(6, RATE_KEEP_GENERATES + 2):
+        for since in range(6, RATE_KEEP_GENERATES + 1):
             for _ in range(n):  # a bucket that runs RATE_STEPS steps a generate: drained ones are tested apart
                 policy.observe(sized_step(2, 0, 0, plain_s, 0.0, 2))
             policy.begin()
             assert policy.lookup[2] == (0 if since < RATE_KEEP_GENERATES else 3), since
+
+
+def test_a_retry_that_rules_the_block_out_again_doubles_the_wait_before_the_next():
+    """Where the block's measured rate loses to plain decoding's, the block is retried once its last rate is
+    RATE_KEEP_GENERATES generates old; each retry that rules it out again doubles that wait, up to
+    RATE_KEEP_MAX_GENERATES (a drafting generate follows the last one after a wait + 1). The control: a retry the
+    block wins resets the wait, and the next time it is ruled out it is retried after RATE_KEEP_GENERATES + 1."""
+    policy = ConfidenceSizedK(3)
+    policy.set_costs([1, 2], {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
+    policy.verification_size(2, torch.ones(2, 3))
+    policy.begin()
+    slow, fast = sized_step(2, 3, 3, 1.0, 0.5, 4), sized_step(2, 3, 3, 0.1, 0.1, 8)  # 2.7 and 40 tokens/s
+    plain = sized_step(2, 0, 0, 0.4, 0.0, 2)  # 5 tokens/s
+    wins_at = 6  # the block's drafting generate (counted from 0) that runs fast
+    drafted = []
+    for generate in range(170):
+        if policy.lookup[2]:
+            step = fast if len(drafted) == wins_at else slow
+            drafted.append(generate)
+        else:
+            step = plain
+        for _ in range(int(RATE_STEPS)):
+            policy.observe(step)
+        policy.begin()
+    waits = [b - a - 1 for a, b in zip(drafted, drafted[1:])]
+    k, most = RATE_KEEP_GENERATES, RATE_KEEP_MAX_GENERATES
+    # the first generate's steps are not rated, so the block runs again at the second
+    assert waits == [0, k, 2 * k, min(4 * k, most), most, most, 0, k, 2 * k]
 
 
 def run_sized_generate(policy, steps, block_step, plain_step):

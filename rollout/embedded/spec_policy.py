@@ -35,10 +35,11 @@ drafts are verified, so every policy keeps the output exact.
               its verdict differs from the last one there, until two agree), by the ratio of their rates there,
               both measured under the machine's speed of the same moments; else where real plain steps
               and block steps were both measured there (the schedule
-              chose each at some generate), by their measured tokens per second (OptionRates), an
+              chose each at some generate), by their measured tokens per second (OptionRates; at a
+              bucket a batch drains through, a step or two a generate, from one step of each), an
               option no longer run there keeping its last rate (the block's scaled by its expected
-              tokens now over then) for RATE_KEEP_GENERATES generates, the first generate not
-              measured (first calls); where only one option was measured, the other is tried; else
+              tokens now over then) for RATE_KEEP_GENERATES generates after its last step there, the
+              first generate not measured (first calls); where only one option was measured, the other is tried; else
               by their prices, the block priced as its steps will be sized (best_k);
               DRAFT_MARGIN in plain decoding's favour either way. (Mixing the two at every generate
               was dearer than it told: a drafting step after plain ones catches up their context,
@@ -89,8 +90,10 @@ RATE_STEPS = 4.0
 # reached and a rate from this many steps of each part decides instead
 THIN_RATE_STEPS = 1.0
 # generates an option's last measured rate at a batch bucket stands once the option no longer runs there
-# (its steps' rate expired): the ruled-out option is then tried again about once in this many generates
+# (its steps' rate expired): the ruled-out option is then tried again about once in this many generates;
+# each retry that rules it out again doubles that, up to RATE_KEEP_MAX_GENERATES
 RATE_KEEP_GENERATES = 8
+RATE_KEEP_MAX_GENERATES = 32
 # paired comparison (ConfidenceSizedK): at a batch bucket where the last generate emitted PAIR_MIN_STEPS tokens a
 # row and the paired evidence is worth less than PAIR_STALE generates, the next generate runs PAIR_RUN_STEPS steps
 # of plain decoding there, then the block (and so does the generate after a comparison whose verdict differs
@@ -399,6 +402,8 @@ class OptionRates:
         self.last = [None] * n  # per bucket: (last rate measured there, the expected tokens then)
         # per bucket, generates since the option's last step there: a rate from decayed steps is that old
         self.since = [math.inf] * n
+        self.keep = [RATE_KEEP_GENERATES] * n  # per bucket, generates the last rate stands after the last step
+        self.lost = [False] * n  # per bucket, whether the last measured choice there ruled the option out
 
     def add_verify(self, i, seconds, tokens):
         self.since[i] = 0
@@ -430,10 +435,22 @@ class OptionRates:
         if rate is not None:
             self.last[i] = (rate, tokens)
             return rate
-        if self.last[i] is None or self.since[i] >= RATE_KEEP_GENERATES:
+        if self.last[i] is None or self.since[i] >= self.keep[i]:
             return None
         rate, then = self.last[i]
         return rate if tokens is None or not then else rate * tokens / then
+
+    def chosen(self, i, won):
+        """The measured choice at bucket i kept the option (`won`) or ruled it out. Ruled out again by what it
+        measured at the ending generate (a retry), its last rate stands twice as long (up to
+        RATE_KEEP_MAX_GENERATES); kept, RATE_KEEP_GENERATES again. Why: at 64 rows of short answers the block
+        lost to plain decoding at every retry, 0.6x at each of the two buckets the rows drain through, and its
+        retries, one generate in nine, cost 4 % over all generates."""
+        if won:
+            self.keep[i] = RATE_KEEP_GENERATES
+        elif self.lost[i] and self.since[i] == 0:
+            self.keep[i] = min(2 * self.keep[i], RATE_KEEP_MAX_GENERATES)
+        self.lost[i] = not won
 
     def age(self, keep):
         for name in ("verify_s", "verify_steps", "tokens", "draft_s", "draft_steps"):
@@ -498,23 +515,27 @@ class ConfidenceSizedK(AdaptiveK):
         self.rates = {option: OptionRates(grid) for option in ("plain", "block")}
         self.grid, self.paired = grid, PairedEvidence(grid)
         self.rate_steps = [RATE_STEPS] * len(grid)  # per bucket, the steps a rate needs to decide (measured_choice)
+        self.tried = [None] * (grid[-1] + 1)  # per batch size, the k the ending generate ran there (write_schedule)
         self.catch_up_s = self.catch_up_positions = 0.0  # decayed sums over the catch-ups of switches to drafting
         self.start_generate_pairs()
         self.bucket_of = [None] + [nearest_bucket(grid, b) for b in sizes]
         self.step_offsets = [None] + [(0.0,) * len(self.PARTS)] * grid[-1]  # offsets(b) at this generate's start
 
-    def offsets(self, b):
+    def bucket_offsets(self, i):
+        """At bucket i, each part's seconds beyond the profile and the drafting verifies' extra per token
+        (CostEvidence; None without evidence): what `offsets` reads, once a bucket."""
+        return tuple(self.evidence[part].offset(i) for part in self.PARTS) + (self.evidence["verify"].per_token(i),)
+
+    def offsets(self, b, at_bucket=None):
         """(plain, verify, drafting, no-drafts) seconds real steps of b rows took beyond the profile
-        (CostEvidence). A plain verify without evidence takes the drafting verifies' extra per emitted
-        token for its b tokens (their host work is mostly per token: appending, recording, drawing),
-        a drafting verify without evidence the plain one's; anything else without evidence 0; all 0
-        where the profile is the whole price (`corrects_costs` False)."""
+        (CostEvidence; `at_bucket`: bucket_offsets of b's bucket, if already read). A plain verify without
+        evidence takes the drafting verifies' extra per emitted token for its b tokens (their host work is
+        mostly per token: appending, recording, drawing), a drafting verify without evidence the plain one's;
+        anything else without evidence 0; all 0 where the profile is the whole price (`corrects_costs` False)."""
         if not self.corrects_costs:
             return (0.0,) * len(self.PARTS)
-        i = self.bucket_of[b]
-        plain, verify, draft, idle = (self.evidence[part].offset(i) for part in self.PARTS)
+        plain, verify, draft, idle, per_token = at_bucket or self.bucket_offsets(self.bucket_of[b])
         if plain is None:
-            per_token = self.evidence["verify"].per_token(i)
             plain = None if per_token is None else per_token * b
         verify = verify if verify is not None else plain
         return tuple(0.0 if x is None else x for x in (plain, verify, draft, idle))
@@ -640,7 +661,10 @@ class ConfidenceSizedK(AdaptiveK):
         `estimate`: the block's last rate scaled by its expected tokens now over then), the block where it
         ran DRAFT_MARGIN faster; where only one of them was measured, the other (to compare: where the
         price drafts, plain decoding ran at no generate otherwise, though 1.04x the block at 128 rows; where
-        it does not, the block ran at none, though 1.25x plain decoding at 2 rows); None where neither was.
+        it does not, the block ran at none, though 1.25x plain decoding at 2 rows), unless the ending generate
+        ran that other one there without a step of it rated (it never will be: at 64 rows of short answers the
+        block, drafted at a bucket's last step for the next bucket, was tried at every generate); None where
+        neither was.
         At a bucket the ending generate ran fewer than RATE_STEPS steps at, a rate counts from THIN_RATE_STEPS:
         waiting for RATE_STEPS there left the measured option's rate against nothing, and the block, never
         rated at the two steps a generate of 64 rows draining gave it, was tried at every generate, at
@@ -648,16 +672,43 @@ class ConfidenceSizedK(AdaptiveK):
         if not self.corrects_costs:  # the profile is the whole price
             return None
         i = self.bucket_of[b]
-        plain = self.rates["plain"].estimate(i, min_steps=self.rate_steps[i])
-        block = self.rates["block"].estimate(i, self.tokens[self.k], min_steps=self.rate_steps[i])
+        plain, block = self.measured_rates(i)
+        if plain is None and block is None:
+            return None
         if plain is None or block is None:
-            return None if plain is None and block is None else (self.k if block is None else 0)
+            untried, measured = (self.k, 0) if block is None else (0, self.k)
+            # the option without a rate had its chance: the ending generate ran it here and stepped here, and no
+            # step of it could be rated (drafts made at a bucket's last step are verified at the next bucket)
+            return measured if self.tried[b] == untried else untried
         return self.k if block >= (1 + DRAFT_MARGIN) * plain else 0
+
+    def measured_rates(self, i):
+        """(plain decoding's, the block's) rate at bucket i for the measured choice (OptionRates `estimate`)."""
+        return (self.rates["plain"].estimate(i, min_steps=self.rate_steps[i]),
+                self.rates["block"].estimate(i, self.tokens[self.k], min_steps=self.rate_steps[i]))
+
+    def note_choices(self):
+        """Each bucket's measured choice, once a generate, into its options' retry waits (OptionRates `chosen`)."""
+        for i in range(len(self.grid)):
+            plain, block = self.measured_rates(i)
+            if plain is not None and block is not None:
+                drafts = block >= (1 + DRAFT_MARGIN) * plain
+                self.rates["block"].chosen(i, drafts)
+                self.rates["plain"].chosen(i, not drafts)
 
     def write_schedule(self):
         """Every batch size's offsets for this generate (its steps are sized with them), then its k."""
-        self.step_offsets = [None] + [self.offsets(b) for b in range(1, len(self.costs))]
-        self.rate_steps = [THIN_RATE_STEPS if n < RATE_STEPS else RATE_STEPS for n in self.generate_buckets.steps]
+        # every batch size's offsets, each bucket's evidence read once (a schedule at 128 rows has 128 of them)
+        buckets = [self.bucket_offsets(i) for i in range(len(self.grid))] if self.corrects_costs else None
+        self.step_offsets = [None] + [self.offsets(b, buckets and buckets[self.bucket_of[b]])
+                                      for b in range(1, len(self.costs))]
+        steps = self.generate_buckets.steps
+        self.rate_steps = [THIN_RATE_STEPS if n < RATE_STEPS else RATE_STEPS for n in steps]
+        rated = self.generates > 1  # the ending generate's steps were rated (record_cost); its schedule was written
+        # per batch size, the k the ending generate ran where it stepped at its bucket with rated steps (None elsewhere)
+        self.tried = [self.lookup[b] if rated and b and steps[self.bucket_of[b]] else None for b in range(len(self.costs))]
+        if self.sized and self.corrects_costs:
+            self.note_choices()
         self.lookup = [0] + [self.best_k(b) for b in range(1, len(self.costs))]
         if self.sized:
             self.price_switches()
