@@ -30,7 +30,8 @@ from rollout.embedded.engine_builder import build_engine
 from rollout.embedded.proposers.dspark import DSparkProposer
 from rollout.embedded.spec_policy import (COST_KEEP_PER_GENERATE, DRAFT_MARGIN, PAIR_KEEP_PER_GENERATE,
                                           PAIR_MIN_STEPS, PAIR_RUN_STEPS, PAIR_STALE, RATE_KEEP_GENERATES,
-                                          RATE_KEEP_MAX_GENERATES, RATE_STEPS, AdaptiveK, ConfidenceSizedK, FixedK, StepRecord)
+                                          RATE_KEEP_MAX_GENERATES, RATE_STEPS, AdaptiveK, ConfidenceSizedK, FixedK,
+                                          StepRecord)
 from rollout.sampling_params import SamplingParams
 from rollout.spec_config import check_against_checkpoint, parse_spec_config
 from spec_fixtures import check_sampled_drafts_keep_the_target_distribution, one_thread  # noqa: F401

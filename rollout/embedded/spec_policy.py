@@ -38,8 +38,10 @@ drafts are verified, so every policy keeps the output exact.
               chose each at some generate), by their measured tokens per second (OptionRates; at a
               bucket a batch drains through, a step or two a generate, from one step of each), an
               option no longer run there keeping its last rate (the block's scaled by its expected
-              tokens now over then) for RATE_KEEP_GENERATES generates after its last step there, the
-              first generate not measured (first calls); where only one option was measured, the other is tried; else
+              tokens now over then) for RATE_KEEP_GENERATES generates after its last step there (doubled
+              at each retry that rules it out again, up to RATE_KEEP_MAX_GENERATES), the first generate not
+              measured (first calls); where only one option was measured, the other is tried (unless the
+              last generate ran it there without a step of it measured); else
               by their prices, the block priced as its steps will be sized (best_k);
               DRAFT_MARGIN in plain decoding's favour either way. (Mixing the two at every generate
               was dearer than it told: a drafting step after plain ones catches up their context,
@@ -425,9 +427,10 @@ class OptionRates:
 
     def estimate(self, i, tokens=None, min_steps=RATE_STEPS):
         """The rate at bucket i: measured now (from `min_steps` steps), else the last one measured there if the
-        option ran there within RATE_KEEP_GENERATES generates, scaled by `tokens` (the option's expected tokens
-        per row now) over what they were then (None: not scaled), else None. Why kept: once the schedule stops running an option at a batch
-        size its rate expires within two generates, and a choice that then fell back to the profile's
+        option ran there within its keep (RATE_KEEP_GENERATES, or more after retries: `chosen`), scaled by
+        `tokens` (the option's expected tokens per row now) over what they were then (None: not scaled), else
+        None. Why kept: once the schedule stops running an option at a batch size its rate expires within two
+        generates, and a choice that then fell back to the profile's
         price put the slower option back every few generates (plain decoding measured 1.2x the block at
         128 rows, the price drafted the block again). Why not for good: a rate measured during a burst
         of load would rule its option out for good."""
@@ -443,9 +446,9 @@ class OptionRates:
     def chosen(self, i, won):
         """The measured choice at bucket i kept the option (`won`) or ruled it out. Ruled out again by what it
         measured at the ending generate (a retry), its last rate stands twice as long (up to
-        RATE_KEEP_MAX_GENERATES); kept, RATE_KEEP_GENERATES again. Why: at 64 rows of short answers the block
-        lost to plain decoding at every retry, 0.6x at each of the two buckets the rows drain through, and its
-        retries, one generate in nine, cost 4 % over all generates."""
+        RATE_KEEP_MAX_GENERATES); kept, RATE_KEEP_GENERATES again. Why: each retry costs a generate's worth of
+        the option's loss there, and at 64 rows of short answers the block measured 0.55-0.75x plain decoding at
+        every retry of both buckets the rows drain through."""
         if won:
             self.keep[i] = RATE_KEEP_GENERATES
         elif self.lost[i] and self.since[i] == 0:
@@ -706,7 +709,8 @@ class ConfidenceSizedK(AdaptiveK):
         self.rate_steps = [THIN_RATE_STEPS if n < RATE_STEPS else RATE_STEPS for n in steps]
         rated = self.generates > 1  # the ending generate's steps were rated (record_cost); its schedule was written
         # per batch size, the k the ending generate ran where it stepped at its bucket with rated steps (None elsewhere)
-        self.tried = [self.lookup[b] if rated and b and steps[self.bucket_of[b]] else None for b in range(len(self.costs))]
+        self.tried = [self.lookup[b] if rated and b and steps[self.bucket_of[b]] else None
+                      for b in range(len(self.costs))]
         if self.sized and self.corrects_costs:
             self.note_choices()
         self.lookup = [0] + [self.best_k(b) for b in range(1, len(self.costs))]
@@ -842,8 +846,8 @@ class ConfidenceSizedK(AdaptiveK):
 
 
 class GenerateBuckets:
-    """What one generate did at each batch bucket: its steps, the tokens they emitted, and at its first step there the
-    rows and their cached positions (0 rows where it ran none): what a switch to drafting there catches up."""
+    """What one generate did at each batch bucket: its steps, the tokens they emitted, and at its first step there
+    the rows and their cached positions (0 rows where it ran none): what a switch to drafting there catches up."""
 
     def __init__(self, grid):
         self.tokens, self.rows, self.context = [0.0] * len(grid), [0] * len(grid), [0] * len(grid)

@@ -343,7 +343,8 @@ def spec_decode(args):
     wanted = args.methods.split(",") if args.methods else list(table)
     require(all(name in table for name in wanted), f"--methods {args.methods!r}: choose from {', '.join(table)}")
     pairs = versus_pairs(args.versus, wanted)
-    print(f"checkpoint {args.hf_checkpoint} on {args.device}, temperature {args.temperature}, {args.num_prompts} prompts, "
+    print(f"checkpoint {args.hf_checkpoint} on {args.device}, temperature {args.temperature}, "
+          f"{args.num_prompts} prompts, "
           f"{'up to ' if args.stop_at_eos else ''}{args.max_new_tokens} new tokens"
           f"{', stop at EOS' if args.stop_at_eos else ''}"
           f"{f', plain responses >= {args.min_response_len} tokens' if args.min_response_len else ''}, "
