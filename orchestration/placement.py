@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from trainer.weight_senders import IN_PLACE
 from vime.errors import UserError, require
 
-# what the working_dir upload leaves out: history, weights, run outputs (their paths stay absolute on the driver)
-CODE_EXCLUDES = [".git", "checkpoints", "runs", "docs", "**/__pycache__", "*.safetensors", "*.pkl", "wandb"]
+# what the working_dir upload leaves out: history, weights, run outputs (their paths stay absolute on the driver),
+# and the GPU machine's package bundle (.gpu/: installed outside the checkout, reached through PYTHONPATH; its
+# 16 MiB archive made Ray print a size warning at every start)
+CODE_EXCLUDES = [".git", "checkpoints", "runs", "docs", "**/__pycache__", "*.safetensors", "*.pkl", "wandb", ".gpu"]
 STRATEGY = {True: "STRICT_PACK", False: "PACK"}  # one trainer node: strictly one node; more: packed
 
 
