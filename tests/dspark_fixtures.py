@@ -24,6 +24,20 @@ from dflash_fixtures import REPO, TARGET, greedy_acceptance, reference_block_sta
 DRAFT = os.path.join(REPO, "checkpoints", "tiny-qwen2-dspark")
 
 
+def record_sizes_at_fixed_prices(engine, k, max_rows):
+    """Make a confidence-sized engine's verification sizes follow the confidences, not the machine's timings:
+    fixed prices (a verified draft costs 0.6 of a plain step), a measured acceptance of 1 (so whole blocks are
+    drafted). Returns the list each step's per-row sizes are appended to."""
+    policy = engine.k_policy
+    policy.set_costs([1, max_rows], {q: [1.0 + 0.6 * q] * 2 for q in range(k + 1)},
+                     {q: [0.1 * (q > 0)] * 2 for q in range(k + 1)})
+    policy.corrects_costs = False
+    policy.drafted, policy.accepted = [1000.0] * k, [1000.0] * k
+    sizes, original = [], engine.proposer.verification_size
+    engine.proposer.verification_size = lambda b, c, kk: sizes.extend(original(b, c, kk)) or sizes[-b:]
+    return sizes
+
+
 def load_reference(draft_dir=DRAFT):
     """(transformers target, draft tensors, draft config dict)."""
     from safetensors.torch import load_file

@@ -72,13 +72,14 @@ def test_spec_decode_refuses_negative_min_seconds_in_one_line(capsys):
     assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "--min-seconds" in err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a machine without CUDA")
+@pytest.mark.parametrize("device", ["gpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the refusal is of a machine without CUDA"))])
 @pytest.mark.parametrize("mode", ["spec-decode", "spec-scale", "step-limit"])
-def test_a_cuda_device_on_a_machine_without_one_is_refused_in_one_line(mode, capsys):
+def test_a_device_this_machine_lacks_is_refused_in_one_line(mode, device, capsys):
     with pytest.raises(SystemExit) as stop:
-        main([mode, "--device", "cuda"])
+        main([mode, "--device", device])
     err = capsys.readouterr().err
-    assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "--device cuda" in err
+    assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and f"--device {device}" in err
 
 
 def test_time_interleaved_hands_back_every_repeats_rate_in_order():

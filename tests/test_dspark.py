@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_fixtures import REPO, TARGET
-from dspark_fixtures import DRAFT, load_reference, reference_block
+from dspark_fixtures import DRAFT, load_reference, record_sizes_at_fixed_prices, reference_block
 from fp32_bounds import forward_depth, reduction_rtol
 from mtp.dflash import block_states
 from mtp.dspark import DSparkDraft, dspark_loss
@@ -59,16 +59,7 @@ def test_greedy_confidence_sized_verification_equals_plain_decoding(prompts, pla
     """enable_adaptive_verification: the steps verify as many drafts as the confidence makes worth it
     (fewer than drafted at some steps), and the output is plain decoding's."""
     engine = build_engine(TARGET, spec(enable_adaptive_verification=True), EngineConfig(max_batch_size=32))
-    policy = engine.k_policy
-    # a profile of this machine's step costs would make the sizes timing-dependent: a fixed price where a
-    # verified draft costs 0.6 of a plain step, and a measured acceptance of 1 so that whole blocks are drafted
-    policy.set_costs([1, 32], {q: [1.0 + 0.6 * q] * 2 for q in range(K + 1)}, {q: [0.1 * (q > 0)] * 2
-                                                                                for q in range(K + 1)})
-    policy.corrects_costs = False
-    policy.drafted, policy.accepted = [1000.0] * K, [1000.0] * K
-    sizes = []
-    original = engine.proposer.verification_size
-    engine.proposer.verification_size = lambda b, c, k: sizes.extend(original(b, c, k)) or sizes[-b:]
+    sizes = record_sizes_at_fixed_prices(engine, K, 32)  # a profile of this machine would make them timing-dependent
     got = engine.generate(samples_for_prompts(prompts), GREEDY)
     assert [s.response_ids for s in got] == [s.response_ids for s in plain]
     assert min(sizes) < K and max(sizes) > 0  # sized, not all or nothing

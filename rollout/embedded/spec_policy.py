@@ -517,7 +517,7 @@ class ConfidenceSizedK(AdaptiveK):
         self.evidence = {part: CostEvidence(grid) for part in self.PARTS}
         self.rates = {option: OptionRates(grid) for option in ("plain", "block")}
         self.grid, self.paired = grid, PairedEvidence(grid)
-        self.rate_steps = [RATE_STEPS] * len(grid)  # per bucket, the steps a rate needs to decide (measured_choice)
+        self.measured = [(None, None)] * len(grid)  # per bucket, the rates the measured choice reads (write_schedule)
         self.tried = [None] * (grid[-1] + 1)  # per batch size, the k the ending generate ran there (write_schedule)
         self.catch_up_s = self.catch_up_positions = 0.0  # decayed sums over the catch-ups of switches to drafting
         self.start_generate_pairs()
@@ -627,7 +627,7 @@ class ConfidenceSizedK(AdaptiveK):
             p, b = plain.rate(i, PAIR_RATE_STEPS), block.rate(i, PAIR_RATE_STEPS)
             if p is not None and b is not None:
                 self.paired.add(i, b / p, tokens)
-                verdict = b / p >= 1 + DRAFT_MARGIN
+                verdict = pays(b / p)
                 last = self.paired.verdict[i]
                 if verdict != (self.lookup[self.grid[i]] > 0 if last is None else last):
                     contested.add(i)
@@ -674,8 +674,7 @@ class ConfidenceSizedK(AdaptiveK):
         0.75x plain decoding's rate."""
         if not self.corrects_costs:  # the profile is the whole price
             return None
-        i = self.bucket_of[b]
-        plain, block = self.measured_rates(i)
+        plain, block = self.measured[self.bucket_of[b]]
         if plain is None and block is None:
             return None
         if plain is None or block is None:
@@ -683,19 +682,23 @@ class ConfidenceSizedK(AdaptiveK):
             # the option without a rate had its chance: the ending generate ran it here and stepped here, and no
             # step of it could be rated (drafts made at a bucket's last step are verified at the next bucket)
             return measured if self.tried[b] == untried else untried
-        return self.k if block >= (1 + DRAFT_MARGIN) * plain else 0
+        return self.k if pays(block / plain) else 0
 
-    def measured_rates(self, i):
-        """(plain decoding's, the block's) rate at bucket i for the measured choice (OptionRates `estimate`)."""
-        return (self.rates["plain"].estimate(i, min_steps=self.rate_steps[i]),
-                self.rates["block"].estimate(i, self.tokens[self.k], min_steps=self.rate_steps[i]))
+    def measured_rates(self, steps):
+        """Per bucket, (plain decoding's, the block's) rate for the measured choice (OptionRates `estimate`), from
+        RATE_STEPS steps of each, or THIN_RATE_STEPS where the ending generate ran fewer than RATE_STEPS there."""
+        rates = []
+        for i, n in enumerate(steps):
+            min_steps = THIN_RATE_STEPS if n < RATE_STEPS else RATE_STEPS
+            rates.append((self.rates["plain"].estimate(i, min_steps=min_steps),
+                          self.rates["block"].estimate(i, self.tokens[self.k], min_steps=min_steps)))
+        return rates
 
     def note_choices(self):
         """Each bucket's measured choice, once a generate, into its options' retry waits (OptionRates `chosen`)."""
-        for i in range(len(self.grid)):
-            plain, block = self.measured_rates(i)
+        for i, (plain, block) in enumerate(self.measured):
             if plain is not None and block is not None:
-                drafts = block >= (1 + DRAFT_MARGIN) * plain
+                drafts = pays(block / plain)
                 self.rates["block"].chosen(i, drafts)
                 self.rates["plain"].chosen(i, not drafts)
 
@@ -706,7 +709,8 @@ class ConfidenceSizedK(AdaptiveK):
         self.step_offsets = [None] + [self.offsets(b, buckets and buckets[self.bucket_of[b]])
                                       for b in range(1, len(self.costs))]
         steps = self.generate_buckets.steps
-        self.rate_steps = [THIN_RATE_STEPS if n < RATE_STEPS else RATE_STEPS for n in steps]
+        # each bucket's measured rates, read once (every batch size's choice reads its bucket's)
+        self.measured = self.measured_rates(steps) if self.corrects_costs else self.measured
         rated = self.generates > 1  # the ending generate's steps were rated (record_cost); its schedule was written
         # per batch size, the k the ending generate ran where it stepped at its bucket with rated steps (None elsewhere)
         self.tried = [self.lookup[b] if rated and b and steps[self.bucket_of[b]] else None
@@ -823,12 +827,12 @@ class ConfidenceSizedK(AdaptiveK):
         offsets = self.step_offsets[b]
         paired = self.paired_ratio(b) if self.sized else None
         if paired is not None:
-            return self.k if paired >= 1 + DRAFT_MARGIN else 0
+            return self.k if pays(paired) else 0
         measured = self.measured_choice(b) if self.sized else None
         if measured is not None:
             return measured
         if self.sized:
-            return self.k if self.priced_ratio(b) >= 1 + DRAFT_MARGIN else 0
+            return self.k if pays(self.priced_ratio(b)) else 0
         return min(range(self.k + 1), key=lambda k: (-self.tokens[k] / self.price(b, k, k, offsets), k))
 
     def count_unverified(self, batch_size, passed, q):
@@ -863,6 +867,11 @@ class GenerateBuckets:
 def new_trace():
     """This generate's sums for summary(): rows and k x rows chosen, predicted and measured seconds."""
     return dict.fromkeys(("k_rows", "rows", "plain_s_pred", "measured_s", "pred_tokens", "pred_s", "emitted"), 0.0)
+
+
+def pays(ratio):
+    """Whether the block's rate over plain decoding's is worth drafting: DRAFT_MARGIN in plain decoding's favour."""
+    return ratio >= 1 + DRAFT_MARGIN
 
 
 def nearest_bucket(grid, b):

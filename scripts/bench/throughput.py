@@ -309,10 +309,10 @@ def indexed_samples(prompts, indices=None):
     return [Sample(prompt_ids=list(p), index=i) for p, i in zip(prompts, indices or range(len(prompts)))]
 
 
-def long_responses(checkpoint, prompts, sampling, n, min_len):
-    """(prompts, their indices) of the first n requests whose plain response under `sampling` has at
-    least min_len tokens: the rows still running at a rollout's drained end."""
-    plain = build_engine(checkpoint, None, EngineConfig(max_batch_size=len(prompts))).generate(
+def long_responses(checkpoint, prompts, sampling, n, min_len, device="cpu"):
+    """(prompts, their indices) of the first n requests whose plain response under `sampling` (on `device`, as the
+    timed runs decode) has at least min_len tokens: the rows still running at a rollout's drained end."""
+    plain = build_engine(checkpoint, None, EngineConfig(max_batch_size=len(prompts), device=device)).generate(
         indexed_samples(prompts), sampling)
     kept = [(p, s.index) for p, s in zip(prompts, plain) if len(s.response_ids) >= min_len][:n]
     require(len(kept) == n, f"--min-response-len {min_len}: only {len(kept)} of {len(prompts)} requests give a "
@@ -333,7 +333,8 @@ def spec_decode(args):
                               ignore_eos=not args.stop_at_eos, seed=1234)  # the same draws on every side
     indices = None
     if args.min_response_len:
-        prompts, indices = long_responses(args.hf_checkpoint, prompts, sampling, args.num_prompts, args.min_response_len)
+        prompts, indices = long_responses(args.hf_checkpoint, prompts, sampling, args.num_prompts, args.min_response_len,
+                                          args.device)
     table = spec_methods(args.draft_model or args.hf_checkpoint, args.rejection_sample_method)
     for kind in BLOCK_KINDS:
         drafts = getattr(args, f"{kind}_drafts")
@@ -466,10 +467,11 @@ def spec_scale_shape(args):
 
 
 def require_device(device):
-    """Whether `device` is CUDA; refused in one line where torch has no such device."""
-    cuda = torch.device(device).type == "cuda"
-    require(not cuda or torch.cuda.is_available(), f"--device {device}: this machine has no CUDA device")
-    return cuda
+    """Whether `device` is CUDA; refused in one line unless it is cpu, or cuda where torch sees a CUDA device."""
+    kind = device.split(":")[0]
+    require(kind in ("cpu", "cuda"), f"--device {device}: give cpu or cuda")
+    require(kind == "cpu" or torch.cuda.is_available(), f"--device {device}: this machine has no CUDA device")
+    return kind == "cuda"
 
 
 def synchronize(device):

@@ -14,6 +14,7 @@ import torch
 
 from draft_kind_fixtures import TARGET as QWEN2_TARGET
 from draft_kind_fixtures import shipped_k, shipped_spec
+from dspark_fixtures import record_sizes_at_fixed_prices
 from fp32_bounds import greedy_logprob_bound, max_logprob_diff
 from rollout.embedded.engine import EngineConfig
 from rollout.embedded.engine_builder import build_engine
@@ -78,15 +79,7 @@ def test_graphed_confidence_sized_dspark_decodes_as_graphed_plain_decoding():
     for extra in ({}, {"enforce_eager": True}):
         engine = build_engine(QWEN2_TARGET, shipped_spec(DRAFT_KINDS["dspark"], enable_adaptive_verification=True),
                               config(**extra))
-        policy = engine.k_policy
-        # fixed prices (a verified draft costs 0.6 of a plain step) and a measured acceptance of 1, so the
-        # sizes follow the confidences, not this GPU's timings
-        policy.set_costs([1, 16], {q: [1.0 + 0.6 * q] * 2 for q in range(k + 1)},
-                         {q: [0.1 * (q > 0)] * 2 for q in range(k + 1)})
-        policy.corrects_costs = False
-        policy.drafted, policy.accepted = [1000.0] * k, [1000.0] * k
-        sizes, original = [], engine.proposer.verification_size
-        engine.proposer.verification_size = lambda b, c, kk: sizes.extend(original(b, c, kk)) or sizes[-b:]
+        sizes = record_sizes_at_fixed_prices(engine, k, 16)  # they follow the confidences, not this GPU's timings
         assert [s.response_ids for s in greedy(engine, prompts)] == [s.response_ids for s in plain]
         assert min(sizes) < k and max(sizes) > 0  # sized, not all or nothing
         assert bool(engine.steps.captured) != bool(extra)
