@@ -66,13 +66,16 @@ class MarkovHead(nn.Module):
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
 
-    # functional calls on the modules' weights: a drafting step runs these once per slot, and at one row
-    # the modules' call overhead was a third of the Markov stage
-    def embed(self, tokens):
-        return F.embedding(tokens, self.markov_w1.weight)
+    def corrector(self):
+        """(logits [..., V], the tokens before those slots [...]) -> (logits + the tokens' transition bias, their
+        embeddings [..., r]), on the weights read here once. Why: slot-by-slot drafting runs it once per slot, and at
+        one row reading the weights through the modules at every slot was half of the Markov stage's time."""
+        w1, w2 = self.markov_w1.weight, self.markov_w2.weight
 
-    def bias(self, embeds):
-        return F.linear(embeds, self.markov_w2.weight)
+        def correct(logits, tokens):
+            embeds = F.embedding(tokens, w1)
+            return logits + F.linear(embeds, w2).to(logits.dtype), embeds
+        return correct
 
 
 class ConfidenceHead(nn.Module):
@@ -97,13 +100,9 @@ class DSparkDraft(DFlashDraft):
         self.confidence_head = (ConfidenceHead(cfg.confidence_input_size, cfg.confidence_head_with_markov)
                                 if cfg.enable_confidence_head else None)
 
-    def markov_embed(self, tokens):
-        return self.markov_head.embed(tokens)
-
     def markov_logits(self, base_logits, previous_tokens):
         """(base logits + the transition bias of the tokens before each slot, their Markov embeddings)."""
-        embeds = self.markov_embed(previous_tokens)
-        return base_logits + self.markov_head.bias(embeds).to(base_logits.dtype), embeds
+        return self.markov_head.corrector()(base_logits, previous_tokens)
 
     def confidence_logits(self, states, markov_embeds):
         """[...] acceptance logits of slots with final-normed states [..., H]; None without the head."""
@@ -117,8 +116,9 @@ def draft_left_to_right(draft, base_logits, anchor_tokens, pick):
     pick(i, logits [B, V]) -> (tokens [B], q [B, V] or None) draws slot i from its Markov-corrected
     logits. Returns (drafts [B, k], q [B, k, V] or None, Markov embeddings [B, k, r])."""
     previous, tokens, probs, embeds = anchor_tokens, [], [], []
-    for i in range(base_logits.shape[1]):
-        logits, embed = draft.markov_logits(base_logits[:, i], previous)
+    correct = draft.markov_head.corrector()
+    for i, base in enumerate(base_logits.unbind(1)):
+        logits, embed = correct(base, previous)
         previous, q = pick(i, logits)
         tokens.append(previous)
         probs.append(q)
