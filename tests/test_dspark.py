@@ -31,7 +31,7 @@ from rollout.embedded.proposers.dspark import DSparkProposer
 from rollout.embedded.spec_policy import (COST_KEEP_PER_GENERATE, DRAFT_MARGIN, PAIR_KEEP_PER_GENERATE,
                                           PAIR_MIN_STEPS, PAIR_RUN_STEPS, PAIR_STALE, RATE_KEEP_GENERATES,
                                           RATE_KEEP_MAX_GENERATES, RATE_STEPS, AdaptiveK, ConfidenceSizedK, FixedK,
-                                          StepRecord)
+                                          ScheduleK, StepRecord)
 from rollout.sampling_params import SamplingParams
 from rollout.spec_config import check_against_checkpoint, parse_spec_config
 from spec_fixtures import check_sampled_drafts_keep_the_target_distribution, one_thread  # noqa: F401
@@ -113,16 +113,15 @@ def tolerance(cfg, draft_cfg, x):
         float(x.detach().abs().max())
 
 
-def test_blocks_drafts_and_confidences_equal_an_independent_reference_of_vllms_dspark(prompts, reference):
-    """Every block the engine drafted (context written step by step and caught up after steps without
-    drafts, ragged batches, moved slots) has the states, the greedy Markov drafts and the confidences of
-    vLLM's DSpark computation redone from scratch on transformers' states."""
+def recording_engine(max_batch_size):
     proposer = RecordingProposer(parse_spec_config(spec()))
     proposer.records, proposer.deferred_rows, proposer.moved_deferred, proposer.deferred_positions = [], 0, 0, 0
-    engine = Engine.from_checkpoint(TARGET, EngineConfig(max_batch_size=6), proposer)
-    engine.k_policy = Alternating(K)
-    engine.generate(samples_for_prompts(prompts[:10]), GREEDY)
-    assert len(proposer.records) >= 2 * 10  # several blocks per request, across steps and slots
+    return Engine.from_checkpoint(TARGET, EngineConfig(max_batch_size=max_batch_size), proposer), proposer
+
+
+def assert_blocks_equal_the_reference(proposer, engine, reference):
+    """Every block the proposer recorded has the reference's states, its drafts where the reference's argmax is
+    clear of the tolerance, and its confidences."""
     for known, states, drafts, confidence in proposer.records:
         want_states, want_drafts, want_logits, want_confidence = reference_block(reference, known)
         assert (states - want_states).abs().max() <= tolerance(engine.cfg, proposer.draft_model.cfg, want_states)
@@ -131,6 +130,35 @@ def test_blocks_drafts_and_confidences_equal_an_independent_reference_of_vllms_d
         assert all(d == w for d, w, c in zip(drafts, want_drafts, clear.tolist()) if c), (known, drafts, want_drafts)
         assert (confidence - want_confidence).abs().max() <= tolerance(engine.cfg, proposer.draft_model.cfg,
                                                                        want_states)
+
+
+def test_a_generate_that_drafts_at_no_step_keeps_no_states_and_the_next_drafts_as_the_reference(prompts, reference):
+    """A schedule of k = 0 at every batch size keeps no target states for a catch-up (none can come in that
+    generate); the next generate, drafting at every step, drafts the blocks of vLLM's DSpark computation redone
+    from scratch. Control: a schedule that drafts at one batch size keeps the states of its steps without drafts."""
+    engine, proposer = recording_engine(4)
+    engine.k_policy = ScheduleK([[1, 4, 0]], K, 4)
+    engine.generate(samples_for_prompts(prompts[:4]), GREEDY)
+    assert proposer.kept is None and not proposer.records
+    engine.k_policy = FixedK(K)
+    engine.generate(samples_for_prompts(prompts[4:8]), GREEDY)
+    assert len(proposer.records) >= 4
+    assert_blocks_equal_the_reference(proposer, engine, reference)
+    control, control_proposer = recording_engine(4)
+    control.k_policy = ScheduleK([[1, 1, K], [2, 4, 0]], K, 4)
+    control.generate(samples_for_prompts(prompts[:4]), GREEDY)
+    assert control_proposer.kept is not None
+
+
+def test_blocks_drafts_and_confidences_equal_an_independent_reference_of_vllms_dspark(prompts, reference):
+    """Every block the engine drafted (context written step by step and caught up after steps without
+    drafts, ragged batches, moved slots) has the states, the greedy Markov drafts and the confidences of
+    vLLM's DSpark computation redone from scratch on transformers' states."""
+    engine, proposer = recording_engine(6)
+    engine.k_policy = Alternating(K)
+    engine.generate(samples_for_prompts(prompts[:10]), GREEDY)
+    assert len(proposer.records) >= 2 * 10  # several blocks per request, across steps and slots
+    assert_blocks_equal_the_reference(proposer, engine, reference)
     assert proposer.deferred_rows > 0  # some steps drafted nothing and their context was caught up later
     assert proposer.moved_deferred > 0  # some rows moved slots with context still to catch up
     # what the k policy is told a switch to drafting caught up (no policy here took it): every deferred position
@@ -480,6 +508,26 @@ def test_a_bucket_compares_the_block_and_plain_decoding_inside_one_generate_and_
             break
         assert since < stale_after + 2
     assert since == stale_after + 1  # the stale evidence's generate counted, the comparing one after it
+
+
+def test_a_generate_may_draft_where_its_schedule_or_a_comparison_drafts_and_only_there():
+    """What the engine asks as a generate starts (drafts_this_generate; a DSpark proposer keeps no states for a
+    catch-up where the answer is no): with the block slower than plain decoding at 2 rows, some generate has a
+    schedule of plain decoding at every batch size and compares there, and may draft (and does); some generate
+    has that schedule and compares nowhere, and may not; no generate told no drafts."""
+    policy = ConfidenceSizedK(3)
+    policy.set_costs([1, 2], {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
+    policy.verification_size(2, torch.ones(2, 3))  # a sized step: the sized schedule from here on
+    policy.begin()
+    block, plain = sized_step(2, 3, 3, 3.0, 0.1, 8), sized_step(2, 0, 0, 0.5, 0.0, 2)
+    seen = set()
+    for _ in range(8):
+        may, plain_everywhere, compares = policy.drafts_this_generate(), not any(policy.lookup), bool(policy.comparing)
+        ks = run_sized_generate(policy, PAIR_MIN_STEPS, block, plain)
+        assert may or 3 not in ks
+        if plain_everywhere:
+            seen.add((compares, may, 3 in ks))
+    assert seen == {(True, True, True), (False, False, False)}
 
 
 def test_a_comparisons_ratio_counts_over_the_acceptance_its_own_drafts_measured():

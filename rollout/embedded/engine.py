@@ -155,6 +155,7 @@ class Engine:
         self.released_weights = {}  # name -> shape of the weights `release_memory` gave back
         self.last_stats = {}
         self.step_k = 0  # drafts the proposer makes this iteration (verified at the next)
+        self.may_draft = True  # whether a step of this generate may draft (the k policy says at each generate)
         self.set_proposer(proposer or Proposer())
 
     @classmethod
@@ -209,6 +210,7 @@ class Engine:
             s.spec.__init__()
         self.k_policy.prepare(self)
         self.k_policy.begin(self.weight_version)
+        self.may_draft = self.k_policy.drafts_this_generate()
         start = time.perf_counter()
         self._run(requests, sampling)
         elapsed = time.perf_counter() - start

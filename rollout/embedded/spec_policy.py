@@ -142,6 +142,10 @@ class FixedK:
     def begin(self, weight_version=None):
         """A generate starts, with the engine's weights at `weight_version`."""
 
+    def drafts_this_generate(self):
+        """Whether any step of the generate begun may draft (asked once a generate, after `begin`)."""
+        return self.k > 0
+
     def summary(self):
         return {}
 
@@ -155,6 +159,9 @@ class ScheduleK(FixedK):
 
     def choose(self, batch_size):
         return self.lookup[min(max(batch_size, 1), len(self.lookup) - 1)]
+
+    def drafts_this_generate(self):
+        return any(self.lookup[1:])
 
 
 def dense_schedule(schedule, k_max, max_batch_size):
@@ -642,6 +649,9 @@ class ConfidenceSizedK(AdaptiveK):
         self.fold_pairs()
         super().begin(weight_version)
         self.pick_comparisons()
+
+    def drafts_this_generate(self):
+        return bool(self.comparing) or super().drafts_this_generate()
 
     def scheduled_k(self, batch_size):
         """The schedule's k, except at a bucket compared this generate: its first PAIR_RUN_STEPS steps draft

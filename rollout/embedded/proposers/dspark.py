@@ -79,7 +79,8 @@ class DSparkProposer(DFlashProposer):
         starts, n_valid = out.host_lengths()
         k = min(self.num_speculative_tokens, self.engine.step_k)
         if k == 0:
-            self.keep_states(slots, out.hidden, starts)
+            if self.engine.may_draft:  # a generate that drafts at no step never catches up: nothing to keep
+                self.keep_states(slots, out.hidden, starts)
             return Proposer.propose(self, out)
         self.catch_up(slots, out.hidden, starts, n_valid)
         anchor_tokens = [r.all_ids[-1] for r in reqs]
