@@ -20,7 +20,8 @@ acceptance sizes the steps (vLLM's acceptance estimator, here `AdaptiveK`).
 Unlike DFlash, a step with no drafts (the k policy's k = 0) costs nothing here beyond keeping the
 new positions' target states: the context write is deferred to the next drafting step, which
 writes every position since the last one in its one context forward, so a schedule that stops
-drafting falls back to plain decoding's cost.
+drafting falls back to plain decoding's cost. A generate whose k policy drafts at none of its steps
+(`drafts_this_generate`) keeps no states either: no catch-up can come in it.
 """
 import time
 
