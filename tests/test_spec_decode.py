@@ -19,6 +19,7 @@ from rollout.task import make_prompts
 from rollout.tokenizer import TextCodec
 from fp32_bounds import close, greedy_logprob_bound, max_logprob_diff, reduction_rtol
 from rollout.embedded.proposers.draft_model import DraftModelProposer
+from rollout.embedded.spec_policy import FixedK
 from spec_fixtures import SMALL, markov_model, save_checkpoint, one_thread  # noqa: F401
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=20)
@@ -227,30 +228,17 @@ def test_accepted_drafts_cut_off_by_a_stop_token_still_count(markov_ckpt, prompt
     assert sum(accepted) > sum(kept) > 0
 
 
-class CyclingK:
+class CyclingK(FixedK):
     """A k policy that walks 0, 1, ..., K, 0, ... across steps: every k, and every switch
     between them (deferred MTP catch-up included), gets exercised."""
 
-    observes = False
-
     def __init__(self, k_max):
-        self.k_max, self.step = k_max, -1
-
-    def prepare(self, engine):
-        pass
-
-    def begin(self, weight_version=None):
-        pass
-
-    def summary(self):
-        return {}
-
-    def observe(self, step):
-        pass
+        super().__init__(k_max)
+        self.step = -1
 
     def choose(self, batch_size):
         self.step += 1
-        return self.step % (self.k_max + 1)
+        return self.step % (self.k + 1)
 
 
 @pytest.mark.parametrize("method", ["mtp", "ngram"])
