@@ -195,6 +195,16 @@ def test_the_verification_size_verifies_while_one_more_draft_raises_the_expected
     assert len(seen) >= 3
 
 
+def flat_sized_policy(draft_s=0.1):
+    """A sized schedule at 1 and 2 rows on a flat profile (a verify 1.0 s at 1 row and 1.1 s at 2, whatever it
+    verifies; a drafting draft_s), after one sized step and the first generate's begin."""
+    policy = ConfidenceSizedK(3)
+    policy.set_costs([1, 2], {q: [1.0, 1.1] for q in range(4)}, {k: [draft_s * (k > 0)] * 2 for k in range(4)})
+    policy.verification_size(2, torch.ones(2, 3))  # a sized step: the sized schedule from here on
+    policy.begin()
+    return policy
+
+
 def sized_step(b, q, k, verify_s, draft_s, emitted=None):
     """A StepRecord of b rows verifying q of k drafts, emitting `emitted` tokens (default one a row;
     acceptance counts beside the point here)."""
@@ -307,11 +317,8 @@ def test_where_only_one_option_was_measured_the_other_runs_to_compare(draft_s):
     """Where only steps of the option the price chooses were rated (from the second generate on), the next
     generate runs the other option there; once both are rated, the measured rates decide (the direct
     formula; here the block, measured faster, in both cases)."""
-    grid, n = [1, 2], int(RATE_STEPS)
-    policy = ConfidenceSizedK(3)
-    policy.set_costs(grid, {q: [1.0, 1.1] for q in range(4)}, {k: [draft_s * (k > 0)] * 2 for k in range(4)})
-    policy.verification_size(2, torch.ones(2, 3))
-    policy.begin()
+    n = int(RATE_STEPS)
+    policy = flat_sized_policy(draft_s)
     priced = policy.lookup[2]
     assert priced == (3 if draft_s < 1 else 0)
     block, plain = sized_step(2, 3, 3, 0.2, 0.1, 8), sized_step(2, 0, 0, 0.2, 0.0, 2)
@@ -334,10 +341,7 @@ def test_an_option_that_ran_without_a_rated_step_where_the_other_is_measured_is_
     would be verified at the next bucket), the measured option decides from then on. The control: the generate
     that would try the block never stepped at that bucket, and the block is tried at the next."""
     n = int(RATE_STEPS)
-    policy = ConfidenceSizedK(3)
-    policy.set_costs([1, 2], {q: [1.0, 1.1] for q in range(4)}, {k: [4.0 * (k > 0)] * 2 for k in range(4)})
-    policy.verification_size(2, torch.ones(2, 3))
-    policy.begin()
+    policy = flat_sized_policy(4.0)
     policy.begin()  # the first generate's steps are not rated
     assert policy.lookup[2] == 0  # the price: plain decoding
     for _ in range(n):
@@ -440,10 +444,7 @@ def test_a_retry_that_rules_the_block_out_again_doubles_the_wait_before_the_next
     RATE_KEEP_GENERATES generates old; each retry that rules it out again doubles that wait, up to
     RATE_KEEP_MAX_GENERATES (a drafting generate follows the last one after a wait + 1). The control: a retry the
     block wins resets the wait, and the next time it is ruled out it is retried after RATE_KEEP_GENERATES + 1."""
-    policy = ConfidenceSizedK(3)
-    policy.set_costs([1, 2], {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
-    policy.verification_size(2, torch.ones(2, 3))
-    policy.begin()
+    policy = flat_sized_policy()
     slow, fast = sized_step(2, 3, 3, 1.0, 0.5, 4), sized_step(2, 3, 3, 0.1, 0.1, 8)  # 2.7 and 40 tokens/s
     plain = sized_step(2, 0, 0, 0.4, 0.0, 2)  # 5 tokens/s
     wins_at = 6  # the block's drafting generate (counted from 0) that runs fast
@@ -484,11 +485,7 @@ def test_a_bucket_compares_the_block_and_plain_decoding_inside_one_generate_and_
     rates measured in different generates (measured_choice) chooses plain decoding. The comparison
     repeats once the evidence decays below PAIR_STALE: after ceil(log PAIR_STALE / log
     PAIR_KEEP_PER_GENERATE) generates."""
-    grid = [1, 2]
-    policy = ConfidenceSizedK(3)
-    policy.set_costs(grid, {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
-    policy.verification_size(2, torch.ones(2, 3))  # a sized step: the sized schedule from here on
-    policy.begin()
+    policy = flat_sized_policy()
     block, plain = sized_step(2, 3, 3, block_s, 0.1, 8), sized_step(2, 0, 0, 0.5, 0.0, 2)
     assert run_sized_generate(policy, PAIR_MIN_STEPS, block, plain) == [3] * PAIR_MIN_STEPS  # the price drafts
     ks = run_sized_generate(policy, 2 * PAIR_MIN_STEPS, block, plain)
@@ -515,10 +512,7 @@ def test_a_generate_may_draft_where_its_schedule_or_a_comparison_drafts_and_only
     catch-up where the answer is no): with the block slower than plain decoding at 2 rows, some generate has a
     schedule of plain decoding at every batch size and compares there, and may draft (and does); some generate
     has that schedule and compares nowhere, and may not; no generate told no drafts."""
-    policy = ConfidenceSizedK(3)
-    policy.set_costs([1, 2], {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
-    policy.verification_size(2, torch.ones(2, 3))  # a sized step: the sized schedule from here on
-    policy.begin()
+    policy = flat_sized_policy()
     block, plain = sized_step(2, 3, 3, 3.0, 0.1, 8), sized_step(2, 0, 0, 0.5, 0.0, 2)
     seen = set()
     for _ in range(8):
@@ -535,10 +529,7 @@ def test_a_comparisons_ratio_counts_over_the_acceptance_its_own_drafts_measured(
     over a verify's and a drafting's mean seconds, each option), though the acceptance estimate fell during
     that generate, from every draft accepted to one row in two accepting the first draft and none the second:
     a ratio counts over the block's expected tokens after its generate's drafts, not before them."""
-    policy = ConfidenceSizedK(3)
-    policy.set_costs([1, 2], {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
-    policy.verification_size(2, torch.ones(2, 3))  # a sized step: the sized schedule from here on
-    policy.begin()
+    policy = flat_sized_policy()
     steps, plain = 2 * PAIR_MIN_STEPS, sized_step(2, 0, 0, 0.5, 0.0, 2)
     every_draft = StepRecord(2, 3, 0.2, 3, 0.1, 8, [2, 2, 2], [2, 2, 2])
     half_the_first = StepRecord(2, 3, 0.2, 3, 0.1, 3, [2, 1, 0], [1, 0, 0])
@@ -560,10 +551,7 @@ def test_a_comparison_whose_verdict_differs_from_the_last_is_repeated_until_two_
     (the direct formula: the weighted mean of the two logs, ln 0.67 kept 0.9, each ratio over the block's
     expected tokens after its generate, times those now). The control, every
     comparison agreeing with the schedule, compares once and not at the next generate."""
-    policy = ConfidenceSizedK(3)
-    policy.set_costs([1, 2], {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
-    policy.verification_size(2, torch.ones(2, 3))  # a sized step: the sized schedule from here on
-    policy.begin()
+    policy = flat_sized_policy()
     block, plain = sized_step(2, 3, 3, 0.2, 0.1, 8), sized_step(2, 0, 0, 0.5, 0.0, 2)
     slow = sized_step(2, 3, 3, 2.0, 1.0, 8)  # the block's steps on a machine 10x slower: (8 / 3) / 4 = 0.67x plain
     steps, compared = 2 * PAIR_MIN_STEPS, [0] * PAIR_RUN_STEPS + [3] * (2 * PAIR_MIN_STEPS - PAIR_RUN_STEPS)
@@ -834,10 +822,7 @@ def test_a_bucket_is_compared_by_the_tokens_a_row_it_emitted_not_its_steps(token
     """A bucket where the block drafts runs fewer steps than plain decoding would for its tokens; what makes it due
     for a comparison is PAIR_MIN_STEPS tokens a row in the ending generate: here fewer steps than that, at 4 tokens
     a row each, qualify; the control, the same steps at 1 token a row, does not."""
-    policy = ConfidenceSizedK(3)
-    policy.set_costs([1, 2], {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
-    policy.verification_size(2, torch.ones(2, 3))
-    policy.begin()
+    policy = flat_sized_policy()
     steps = PAIR_MIN_STEPS // 2
     block = sized_step(2, 3, 3, 0.2, 0.1, tokens_a_step)
     assert run_sized_generate(policy, steps, block, block) == [3] * steps
@@ -854,11 +839,7 @@ def test_a_drained_buckets_choice_and_switch_price_read_its_rates_from_one_step_
     seconds), for the saving a switch is priced against and for the choice there: plain decoding, measured
     faster. The control ran RATE_STEPS steps there, fewer of each: the measured choice waits for RATE_STEPS of
     each."""
-    grid = [1, 2]
-    policy = ConfidenceSizedK(3)
-    policy.set_costs(grid, {q: [1.0, 1.1] for q in range(4)}, {k: [0.1 * (k > 0)] * 2 for k in range(4)})
-    policy.verification_size(2, torch.ones(2, 3))
-    policy.begin()
+    policy = flat_sized_policy()
     policy.begin()  # the first generate's steps are not rated
     for _ in range(pairs):
         policy.observe(sized_step(2, 3, 3, 1.2, 0.3, 6))
