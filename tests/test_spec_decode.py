@@ -19,7 +19,7 @@ from rollout.task import make_prompts
 from rollout.tokenizer import TextCodec
 from fp32_bounds import close, greedy_logprob_bound, max_logprob_diff, reduction_rtol
 from rollout.embedded.proposers.draft_model import DraftModelProposer
-from rollout.embedded.spec_policy import FixedK
+from rollout.embedded.spec_policy import FixedK, ScheduleK
 from spec_fixtures import SMALL, markov_model, save_checkpoint, one_thread  # noqa: F401
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=20)
@@ -158,6 +158,32 @@ def test_cached_mtp_drafting_equals_drafting_recomputed_without_cache(tmp_path, 
     assert proposer.mismatches == 0
     stats = aggregate_spec_stats(samples)
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]  # both branches were exercised
+
+
+def test_a_generate_that_drafts_at_no_step_defers_nothing_and_the_next_drafts_as_recomputed():
+    """A schedule of k = 0 at every batch size keeps no hidden states for a catch-up (none can come in that
+    generate); the next generate, drafting at every step, drafts what drafting recomputed without a cache does.
+    Control: a schedule that drafts at one batch size keeps the states of its steps without drafts."""
+    def most_deferred(schedule):
+        proposer = _Checked(build_proposer(parse_spec_config({"method": "mtp", "num_speculative_tokens": 2})))
+        engine = Engine(markov_model(noise=0.2, mtp_noise=0.3), EngineConfig(max_batch_size=4), proposer=proposer)
+        engine.k_policy = ScheduleK(schedule, 2, 4)
+        most, inner = [0], proposer.inner.defer
+
+        def defer(out):
+            inner(out)
+            most[0] = max(most[0], len(proposer.inner.deferred))
+        proposer.inner.defer = defer
+        prompts = [[1, 5 + i, 7][: 1 + i % 3] for i in range(4)]
+        engine.generate(samples_for_prompts(prompts), SamplingParams(temperature=0, max_new_tokens=12))
+        return most[0], engine, proposer, prompts
+
+    most, engine, proposer, prompts = most_deferred([[1, 4, 0]])
+    assert most == 0
+    engine.k_policy = FixedK(2)
+    engine.generate(samples_for_prompts(prompts), SamplingParams(temperature=0, max_new_tokens=12))
+    assert proposer.checked > 4 * 4 and proposer.mismatches == 0
+    assert most_deferred([[1, 1, 2], [2, 4, 0]])[0] > 0
 
 
 def test_sampled_mtp_drafts_carry_their_draft_distribution(tmp_path):

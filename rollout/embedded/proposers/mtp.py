@@ -26,7 +26,8 @@ writing, so they are overwritten before being read as context.
 A step where the engine's k policy asks for no drafts (engine.step_k == 0) costs nothing
 here: its hidden states are kept (one record per step) and the next drafting step catches up
 over all of them in its one catch-up forward (the carry is then the output at the position just
-before them), so the invariant holds whenever drafts are made.
+before them), so the invariant holds whenever drafts are made. A generate whose k policy drafts at
+none of its steps (`drafts_this_generate`) keeps nothing.
 """
 from dataclasses import dataclass
 
@@ -136,13 +137,17 @@ class MTPProposer(Proposer):
     def defer(self, out):
         """Keep this step's hidden states for the next drafting step: one record per step, not
         per row (this runs at every k = 0 step, so on a large batch its cost is plain decoding's
-        overhead). A copy: the target step's output buffer is rewritten by its next step."""
+        overhead). A copy: the target step's output buffer is rewritten by its next step. Nothing
+        is kept in a generate that drafts at no step (`engine.may_draft`): no catch-up can come in it."""
+        for r in out.requests:
+            r.drafts, r.draft_probs = [], None
+        if not self.engine.may_draft:
+            return
         starts, n_valid = out.host_lengths()
         kept = TargetForward(out.requests, out.hidden.clone(), out.starts, out.n_valid, starts, n_valid)
         self.deferred.append((kept, starts))
         for r, start in zip(out.requests, starts):
             self.pending.setdefault(r.slot, start)
-            r.drafts, r.draft_probs = [], None
 
     def profile_draft(self, batch_size, k, new_tokens=2):
         """One drafting of k tokens for batch_size rows (catch-up over `new_tokens` verified
