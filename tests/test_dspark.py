@@ -30,7 +30,7 @@ from rollout.embedded.engine_builder import build_engine
 from rollout.embedded.proposers.dspark import DSparkProposer
 from rollout.embedded.spec_policy import (COST_KEEP_PER_GENERATE, DRAFT_MARGIN, PAIR_KEEP_PER_GENERATE,
                                           PAIR_MIN_STEPS, PAIR_RUN_STEPS, PAIR_STALE, RATE_KEEP_GENERATES,
-                                          RATE_KEEP_MAX_GENERATES, RATE_STEPS, AdaptiveK, ConfidenceSizedK, FixedK,
+                                          RATE_KEEP_MAX_GENERATES, RATE_STEPS, RETRY_SHARE, AdaptiveK, ConfidenceSizedK, FixedK,
                                           ScheduleK, StepRecord)
 from rollout.sampling_params import SamplingParams
 from rollout.spec_config import check_against_checkpoint, parse_spec_config
@@ -338,8 +338,9 @@ def test_where_only_one_option_was_measured_the_other_runs_to_compare(draft_s):
 def test_an_option_that_ran_without_a_rated_step_where_the_other_is_measured_is_not_tried_again(stepped):
     """Where only plain decoding is measured at a bucket, the next generate tries the block there; if that
     generate stepped there and no block step was rated (here its one step verified nothing: the drafts it made
-    would be verified at the next bucket), the measured option decides from then on. The control: the generate
-    that would try the block never stepped at that bucket, and the block is tried at the next."""
+    would be verified at the next bucket), the measured option decides for the block's retry wait there
+    (RATE_KEEP_GENERATES generates), and the block is tried again after it. The control: the generate that would
+    try the block never stepped at that bucket, and the block is tried at the next."""
     n = int(RATE_STEPS)
     policy = flat_sized_policy(4.0)
     policy.begin()  # the first generate's steps are not rated
@@ -353,6 +354,14 @@ def test_an_option_that_ran_without_a_rated_step_where_the_other_is_measured_is_
     policy.begin()
     assert policy.rates["block"].rate(policy.bucket_of[2], 1.0) is None
     assert policy.lookup[2] == (0 if stepped else 3)
+    if stepped:  # not at every other generate either: plain decoding for the wait, then the block again
+        ks = []
+        for _ in range(RATE_KEEP_GENERATES):
+            for _ in range(n):
+                policy.observe(sized_step(2, 0, 0, 0.4, 0.0, 2))
+            policy.begin()
+            ks.append(policy.lookup[2])
+        assert ks == [0] * (RATE_KEEP_GENERATES - 1) + [3]
 
 
 def test_the_proposers_work_after_a_prefill_counts_in_the_drafting_seconds_of_the_option_chosen_then():
@@ -430,26 +439,34 @@ def test_an_option_no_longer_run_keeps_its_last_measured_rate_the_blocks_scaled_
             assert policy.lookup[2] == (3 if scaled >= (1 + DRAFT_MARGIN) * plain_rate else 0), a
         assert choices == [0, 3]  # 0.9 tips it, 0.6 does not
         # back where it was: plain, until the block's last rate is RATE_KEEP_GENERATES generates old; the block
-        # tried again after (generates since its rate was last measured: the 3 above and the 2 of the acceptance)
+        # tried again after (generates since its rate was last measured: the 3 above, the 2 of the acceptance and
+        # this one; the generate the 0.9 wrote ran no step, so it tried nothing)
         policy.accepted = [1e9 * start] * 3
-        for since in range(6, RATE_KEEP_GENERATES + 1):
+        policy.begin()
+        assert policy.lookup[2] == 0
+        for since in range(7, RATE_KEEP_GENERATES + 1):
             for _ in range(n):  # a bucket that runs RATE_STEPS steps a generate: drained ones are tested apart
                 policy.observe(sized_step(2, 0, 0, plain_s, 0.0, 2))
             policy.begin()
             assert policy.lookup[2] == (0 if since < RATE_KEEP_GENERATES else 3), since
 
 
-def test_a_retry_that_rules_the_block_out_again_doubles_the_wait_before_the_next():
+@pytest.mark.parametrize("slow_verify_s", [0.6, 0.764, 1.3], ids=["level", "loses-a-fifth", "loses-most"])
+def test_a_retry_that_rules_the_block_out_again_waits_double_or_its_losss_share_whichever_is_longer(slow_verify_s):
     """Where the block's measured rate loses to plain decoding's, the block is retried once its last rate is
-    RATE_KEEP_GENERATES generates old; each retry that rules it out again doubles that wait, up to
-    RATE_KEEP_MAX_GENERATES (a drafting generate follows the last one after a wait + 1). The control: a retry the
-    block wins resets the wait, and the next time it is ruled out it is retried after RATE_KEEP_GENERATES + 1."""
+    RATE_KEEP_GENERATES generates old; each retry that rules it out again waits twice as long, or as long as makes
+    its loss (plain decoding's rate over the block's, less 1) RETRY_SHARE of the generates waited, whichever is
+    longer, up to RATE_KEEP_MAX_GENERATES (a drafting generate follows the last one after a wait + 1); the waits
+    against that direct formula, for a block level with plain decoding (not the margin faster), one losing a fifth
+    and one losing most. The control: a retry the block wins resets the wait, and the next time it is ruled out it
+    is retried after RATE_KEEP_GENERATES + 1."""
     policy = flat_sized_policy()
-    slow, fast = sized_step(2, 3, 3, 1.0, 0.5, 4), sized_step(2, 3, 3, 0.1, 0.1, 8)  # 2.7 and 40 tokens/s
+    slow, fast = sized_step(2, 3, 3, slow_verify_s, 0.2, 4), sized_step(2, 3, 3, 0.1, 0.1, 8)  # fast: 40 tokens/s
     plain = sized_step(2, 0, 0, 0.4, 0.0, 2)  # 5 tokens/s
+    loss = (2 / 0.4) / (4 / (slow_verify_s + 0.2)) - 1
     wins_at = 6  # the block's drafting generate (counted from 0) that runs fast
     drafted = []
-    for generate in range(170):
+    for generate in range(230):
         if policy.lookup[2]:
             step = fast if len(drafted) == wins_at else slow
             drafted.append(generate)
@@ -459,9 +476,17 @@ def test_a_retry_that_rules_the_block_out_again_doubles_the_wait_before_the_next
             policy.observe(step)
         policy.begin()
     waits = [b - a - 1 for a, b in zip(drafted, drafted[1:])]
-    k, most = RATE_KEEP_GENERATES, RATE_KEEP_MAX_GENERATES
+
+    def retry_waits(n):  # the first ruling-out waits RATE_KEEP_GENERATES, each retry after it the longer rule
+        out = [RATE_KEEP_GENERATES]
+        while len(out) < n:
+            out.append(min(max(2 * out[-1], math.ceil(loss / RETRY_SHARE)), RATE_KEEP_MAX_GENERATES))
+        return out
     # the first generate's steps are not rated, so the block runs again at the second
-    assert waits == [0, k, 2 * k, min(4 * k, most), most, most, 0, k, 2 * k]
+    assert waits[:7] == [0] + retry_waits(5) + [0]
+    # the fast steps count in the block's rate a few generates more, then the first ruling-out waits as at first
+    assert [w for w in waits[7:] if w][:2] == retry_waits(2)
+    assert len(set(waits)) == 4 if slow_verify_s < 1 else 3  # the three cases take different ways
 
 
 def run_sized_generate(policy, steps, block_step, plain_step):

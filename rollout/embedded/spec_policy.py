@@ -38,10 +38,11 @@ drafts are verified, so every policy keeps the output exact.
               chose each at some generate), by their measured tokens per second (OptionRates; at a
               bucket a batch drains through, a step or two a generate, from one step of each), an
               option no longer run there keeping its last rate (the block's scaled by its expected
-              tokens now over then) for RATE_KEEP_GENERATES generates after its last step there (doubled
-              at each retry that rules it out again, up to RATE_KEEP_MAX_GENERATES), the first generate not
-              measured (first calls); where only one option was measured, the other is tried (unless the
-              last generate ran it there without a step of it measured); else
+              tokens now over then) for RATE_KEEP_GENERATES generates after its last step there (at each
+              retry that rules it out again doubled, or longer where its loss asks, up to
+              RATE_KEEP_MAX_GENERATES), the first generate not measured (first calls); where only one option
+              was measured, the other is tried (unless a generate within that wait ran it there without a
+              step of it measured); else
               by their prices, the block priced as its steps will be sized (best_k);
               DRAFT_MARGIN in plain decoding's favour either way. (Mixing the two at every generate
               was dearer than it told: a drafting step after plain ones catches up their context,
@@ -93,9 +94,11 @@ RATE_STEPS = 4.0
 THIN_RATE_STEPS = 1.0
 # generates an option's last measured rate at a batch bucket stands once the option no longer runs there
 # (its steps' rate expired): the ruled-out option is then tried again about once in this many generates;
-# each retry that rules it out again doubles that, up to RATE_KEEP_MAX_GENERATES
+# each retry that rules it out again doubles that, or waits long enough that its loss there comes to RETRY_SHARE of
+# the generates it waits, whichever is longer, up to RATE_KEEP_MAX_GENERATES
 RATE_KEEP_GENERATES = 8
 RATE_KEEP_MAX_GENERATES = 32
+RETRY_SHARE = 0.01
 # paired comparison (ConfidenceSizedK): at a batch bucket where the last generate emitted PAIR_MIN_STEPS tokens a
 # row and the paired evidence is worth less than PAIR_STALE generates, the next generate runs PAIR_RUN_STEPS steps
 # of plain decoding there, then the block (and so does the generate after a comparison whose verdict differs
@@ -450,16 +453,18 @@ class OptionRates:
         rate, then = self.last[i]
         return rate if tokens is None or not then else rate * tokens / then
 
-    def chosen(self, i, won):
-        """The measured choice at bucket i kept the option (`won`) or ruled it out. Ruled out again by what it
-        measured at the ending generate (a retry), its last rate stands twice as long (up to
-        RATE_KEEP_MAX_GENERATES); kept, RATE_KEEP_GENERATES again. Why: each retry costs a generate's worth of
-        the option's loss there, and at 64 rows of short answers the block measured 0.55-0.75x plain decoding at
-        every retry of both buckets the rows drain through."""
+    def chosen(self, i, won, loss=0.0):
+        """The measured choice at bucket i kept the option (`won`) or ruled it out, `loss` being the share of time
+        it would lose there (the other's rate over its own, less 1). Ruled out again by what it measured at the
+        ending generate (a retry), its last rate stands twice as long, or loss / RETRY_SHARE generates where that
+        is longer (up to RATE_KEEP_MAX_GENERATES); kept, RATE_KEEP_GENERATES again. Why: each retry costs a
+        generate's worth of the option's loss there, and at 64 rows of short answers the block measured
+        0.55-0.75x plain decoding at every retry of both buckets the rows drain through. Why only from a retry
+        on: the first verdict may be one burst of load's."""
         if won:
             self.keep[i] = RATE_KEEP_GENERATES
         elif self.lost[i] and self.since[i] == 0:
-            self.keep[i] = min(2 * self.keep[i], RATE_KEEP_MAX_GENERATES)
+            self.keep[i] = min(max(2 * self.keep[i], math.ceil(loss / RETRY_SHARE)), RATE_KEEP_MAX_GENERATES)
         self.lost[i] = not won
 
     def age(self, keep):
@@ -525,7 +530,8 @@ class ConfidenceSizedK(AdaptiveK):
         self.rates = {option: OptionRates(grid) for option in ("plain", "block")}
         self.grid, self.paired = grid, PairedEvidence(grid)
         self.measured = [(None, None)] * len(grid)  # per bucket, the rates the measured choice reads (write_schedule)
-        self.tried = [None] * (grid[-1] + 1)  # per batch size, the k the ending generate ran there (write_schedule)
+        # per batch size, {k: the generate that last ran k there with steps at its bucket} (write_schedule)
+        self.ran_at = [{} for _ in range(grid[-1] + 1)]
         self.catch_up_s = self.catch_up_positions = 0.0  # decayed sums over the catch-ups of switches to drafting
         self.start_generate_pairs()
         self.bucket_of = [None] + [nearest_bucket(grid, b) for b in sizes]
@@ -674,10 +680,10 @@ class ConfidenceSizedK(AdaptiveK):
         `estimate`: the block's last rate scaled by its expected tokens now over then), the block where it
         ran DRAFT_MARGIN faster; where only one of them was measured, the other (to compare: where the
         price drafts, plain decoding ran at no generate otherwise, though 1.04x the block at 128 rows; where
-        it does not, the block ran at none, though 1.25x plain decoding at 2 rows), unless the ending generate
-        ran that other one there without a step of it rated (it never will be: at 64 rows of short answers the
-        block, drafted at a bucket's last step for the next bucket, was tried at every generate); None where
-        neither was.
+        it does not, the block ran at none, though 1.25x plain decoding at 2 rows), unless a generate within
+        that option's retry wait there (OptionRates `keep`) ran it there without a step of it rated (it may never
+        be: at 64 rows of short answers the block, drafted at a bucket's last step for the next bucket, was tried
+        at every generate, and then, when only the next one was spared, at every other); None where neither was.
         At a bucket the ending generate ran fewer than RATE_STEPS steps at, a rate counts from THIN_RATE_STEPS:
         waiting for RATE_STEPS there left the measured option's rate against nothing, and the block, never
         rated at the two steps a generate of 64 rows draining gave it, was tried at every generate, at
@@ -689,9 +695,11 @@ class ConfidenceSizedK(AdaptiveK):
             return None
         if plain is None or block is None:
             untried, measured = (self.k, 0) if block is None else (0, self.k)
-            # the option without a rate had its chance: the ending generate ran it here and stepped here, and no
-            # step of it could be rated (drafts made at a bucket's last step are verified at the next bucket)
-            return measured if self.tried[b] == untried else untried
+            # the option without a rate had its chance: a generate within its wait ran it here and stepped here,
+            # and no step of it could be rated (drafts made at a bucket's last step are verified at the next bucket)
+            ran = self.ran_at[b].get(untried)
+            wait = self.rates["block" if untried else "plain"].keep[self.bucket_of[b]]
+            return measured if ran is not None and self.generates - ran < wait else untried
         return self.k if pays(block / plain) else 0
 
     def measured_rates(self, steps):
@@ -709,8 +717,8 @@ class ConfidenceSizedK(AdaptiveK):
         for i, (plain, block) in enumerate(self.measured):
             if plain is not None and block is not None:
                 drafts = pays(block / plain)
-                self.rates["block"].chosen(i, drafts)
-                self.rates["plain"].chosen(i, not drafts)
+                self.rates["block"].chosen(i, drafts, plain / block - 1)
+                self.rates["plain"].chosen(i, not drafts, block / plain - 1)
 
     def write_schedule(self):
         """Every batch size's offsets for this generate (its steps are sized with them), then its k."""
@@ -722,9 +730,9 @@ class ConfidenceSizedK(AdaptiveK):
         # each bucket's measured rates, read once (every batch size's choice reads its bucket's)
         self.measured = self.measured_rates(steps) if self.corrects_costs else self.measured
         rated = self.generates > 1  # the ending generate's steps were rated (record_cost); its schedule was written
-        # per batch size, the k the ending generate ran where it stepped at its bucket with rated steps (None elsewhere)
-        self.tried = [self.lookup[b] if rated and b and steps[self.bucket_of[b]] else None
-                      for b in range(len(self.costs))]
+        for b in range(1, len(self.costs)) if rated else ():  # where the ending generate stepped with rated steps
+            if steps[self.bucket_of[b]]:
+                self.ran_at[b][self.lookup[b]] = self.generates
         if self.sized and self.corrects_costs:
             self.note_choices()
         self.lookup = [0] + [self.best_k(b) for b in range(1, len(self.costs))]
