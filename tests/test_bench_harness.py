@@ -65,6 +65,65 @@ def test_the_runs_order_rotates_at_each_repeat():
     assert order == list("abc") + list("bca") + list("cab")
 
 
+class SlicedRun:
+    """A run in `n` slices, each a sample of `tokens` tokens that logs (name, slice) and sleeps `seconds`."""
+
+    def __init__(self, name, n, tokens, seconds, log):
+        def part(j):
+            return lambda: log.append((name, j)) or time.sleep(seconds) or [Sample(prompt_ids=[1],
+                                                                                   response_ids=[5] * tokens)]
+        self.slices = [part(j) for j in range(n)]
+
+    def __call__(self):
+        raise AssertionError("a sliced run is timed slice by slice")
+
+
+def test_sliced_runs_are_interleaved_at_every_slice_and_rated_over_all_their_slices():
+    """Runs in slices take turns slice by slice, the order rotated at each slice and each repeat (repeat r,
+    slice j: starting at run (r + j) mod n); a repeat's rate is its slices' tokens over their summed seconds
+    (the direct formula, within the sleep's jitter) and its samples are every slice's, in order."""
+    log, rates = [], {}
+    runs = {"a": SlicedRun("a", 3, 4, RUN_S, log), "b": SlicedRun("b", 3, 2, 2 * RUN_S, log)}
+    got = time_interleaved(runs, repeats=2, rates=rates)
+    want = []
+    for r in range(2):
+        for j in range(3):
+            names = "ab"[(r + j) % 2:] + "ab"[:(r + j) % 2]
+            want += [(n, j) for n in names]
+    assert log == want
+    assert len(got["a"][1]) == 3 and all(len(s.response_ids) == 4 for s in got["a"][1])
+    # each rate is all its slices' tokens over at least all their sleeps (12 tokens in >= 3 RUN_S, 6 in >= 6 RUN_S):
+    # one slice's tokens or seconds alone would break the bound 3x
+    assert len(rates["a"]) == len(rates["b"]) == 2
+    assert all(x <= 12 / (3 * RUN_S) for x in rates["a"]) and all(x <= 6 / (6 * RUN_S) for x in rates["b"])
+
+
+@pytest.mark.parametrize("slices", ["0", "5"])
+def test_spec_decode_refuses_slices_smaller_than_a_batch_in_one_line(slices, capsys):
+    """--slices 5 of 8 prompts at 2 rows would leave slices of one prompt: a smaller batch than asked."""
+    with pytest.raises(SystemExit) as stop:
+        main(["spec-decode", "--hf-checkpoint", "checkpoints/tiny-qwen2", "--methods", "none", "--num-prompts", "8",
+              "--batch-sizes", "1,2", "--slices", slices])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "--slices" in err
+
+
+def test_a_sliced_proposer_run_generates_each_slice_of_consecutive_prompts_as_the_whole_run_does():
+    """proposer_run in 3 slices of 7 prompts: generates of 2, 2 and 3 consecutive prompts (their indices kept, so
+    each request keeps its random stream), whose greedy responses are the unsliced run's, token for token."""
+    from rollout.embedded.engine import EngineConfig
+    from rollout.embedded.engine_builder import build_engine
+    from rollout.sampling_params import SamplingParams
+    from scripts.bench.throughput import proposer_run, task_prompts
+
+    prompts = task_prompts("checkpoints/tiny-qwen2", "add", 7)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=False, seed=1)
+    engine = build_engine("checkpoints/tiny-qwen2", None, EngineConfig(max_batch_size=2))
+    sliced, whole = proposer_run(engine, None, prompts, sampling, slices=3), proposer_run(engine, None, prompts, sampling)
+    assert [len(part()) for part in sliced.slices] == [2, 2, 3] and len(whole.slices) == 1
+    assert [s.response_ids for s in sliced()] == [s.response_ids for s in whole()]
+
+
 def test_spec_decode_refuses_negative_min_seconds_in_one_line(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["spec-decode", "--min-seconds", "-1"])

@@ -89,21 +89,30 @@ def time_interleaved(runs, repeats, clock="wall", min_seconds=0.0, rates=None):
     same work timed third, and ran level with it when their places swapped); at least `repeats`
     repeats, more (up to MAX_REPEATS) until every run has been timed for `min_seconds` in all (a
     short run's best of a few is as noisy as the machine). A run's `prepare` (if it has one) is called first, off the clock.
+    A run with `slices` (callables, each returning its part of the samples) is timed slice by slice, the runs
+    interleaved at every slice and their order rotated at each: a repeat's rate is its slices' tokens over
+    their seconds, and runs seconds apart share more of the machine's speed than runs a whole run apart.
     `rates` (a dict), if given, gets every run's tokens/s of each repeat, in order (for `paired_median`)."""
     best, last, spent = {}, {}, dict.fromkeys(runs, 0.0)
     now = CLOCKS[clock]
     names, done = list(runs), 0
+    slices = {name: getattr(run, "slices", [run]) for name, run in runs.items()}
+    rounds = max(len(s) for s in slices.values())
     while done < repeats or (min(spent.values()) < min_seconds and done < MAX_REPEATS):
-        shift = done % len(names)
-        for name in names[shift:] + names[:shift]:
-            run = runs[name]
-            getattr(run, "prepare", lambda: None)()
-            start = now()
-            samples = run()
-            seconds = now() - start
-            spent[name] += seconds
-            rate = sum(len(s.response_ids) for s in samples) / seconds
-            best[name], last[name] = max(best.get(name, 0.0), rate), samples
+        seconds, samples = dict.fromkeys(names, 0.0), {name: [] for name in names}
+        for name in names:
+            getattr(runs[name], "prepare", lambda: None)()
+        for j in range(rounds):
+            shift = (done + j) % len(names)
+            for name in names[shift:] + names[:shift]:
+                if j < len(slices[name]):
+                    start = now()
+                    samples[name] += slices[name][j]()
+                    seconds[name] += now() - start
+        for name in names:
+            spent[name] += seconds[name]
+            rate = sum(len(s.response_ids) for s in samples[name]) / seconds[name]
+            best[name], last[name] = max(best.get(name, 0.0), rate), samples[name]
             if rates is not None:
                 rates.setdefault(name, []).append(rate)
         done += 1
@@ -286,20 +295,30 @@ def task_prompts(checkpoint, variant, n):
     return [[1] + TextCodec(checkpoint).encode(r["prompt"]) for r in TASK_VARIANTS[variant].prompts(n, seed=1234)]
 
 
-def proposer_run(engine, spec, prompts, sampling, indices=None):
+def proposer_run(engine, spec, prompts, sampling, indices=None, slices=1):
     """A run of `prompts` on the engine's proposer, kept across repeats as an engine keeps it across
     generates (a draft's buffers are allocated and touched once); one that remembers earlier outputs gets a
     fresh one at each `prepare`, off the clock (suffix decoding would replay the previous repeat). The k
-    policy is kept: an adaptive engine keeps its profile and acceptance."""
+    policy is kept: an adaptive engine keeps its profile and acceptance. With `slices` > 1 the run is that
+    many generates, each of consecutive prompts (`time_interleaved` times them slice by slice)."""
+    indices = list(indices or range(len(prompts)))
+    bounds = [len(prompts) * j // slices for j in range(slices + 1)]
+
+    def part(lo, hi):
+        def generate():
+            samples = engine.generate(indexed_samples(prompts[lo:hi], indices[lo:hi]), sampling)
+            run.k_means.append(engine.stats().get("spec_k_mean"))
+            return samples
+        return generate
+
     def run():
-        samples = engine.generate(indexed_samples(prompts, indices), sampling)
-        run.k_means.append(engine.stats().get("spec_k_mean"))
-        return samples
+        return [s for generate in run.slices for s in generate()]
 
     def prepare():
         if engine.proposer.remembers_outputs:
             engine.set_proposer(build_proposer(parse_spec_config(spec) if spec is not None else None), engine.k_policy)
-    run.prepare, run.k_means = prepare, []  # k_means: each run's row-weighted mean k (a k policy that reports it)
+    run.prepare, run.k_means = prepare, []  # k_means: each generate's row-weighted mean k (a k policy that reports it)
+    run.slices = [part(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
     return run
 
 
@@ -344,22 +363,27 @@ def spec_decode(args):
     wanted = args.methods.split(",") if args.methods else list(table)
     require(all(name in table for name in wanted), f"--methods {args.methods!r}: choose from {', '.join(table)}")
     pairs = versus_pairs(args.versus, wanted)
+    sizes = batch_sizes(args.batch_sizes)
+    require(args.slices >= 1 and args.num_prompts >= args.slices * max(sizes),
+            f"--slices {args.slices}: give 1 or more, and no more than --num-prompts over the largest batch size "
+            f"({args.num_prompts // max(sizes)}): a slice with fewer prompts than rows would time a smaller batch")
     print(f"checkpoint {args.hf_checkpoint} on {args.device}, temperature {args.temperature}, "
           f"{args.num_prompts} prompts, "
           f"{'up to ' if args.stop_at_eos else ''}{args.max_new_tokens} new tokens"
           f"{', stop at EOS' if args.stop_at_eos else ''}"
           f"{f', plain responses >= {args.min_response_len} tokens' if args.min_response_len else ''}, "
           f"best of {args.repeats}{f' (or more, {args.min_seconds:g} s a method)' if args.min_seconds else ''} "
-          f"(methods interleaved, their order rotated), {args.clock} clock")
+          f"(methods interleaved{f' in {args.slices} slices of the prompts' if args.slices > 1 else ''}, their order "
+          f"rotated), {args.clock} clock")
     print("| batch | method | tokens/s | speedup | tokens/verify | accept rate | per position | paired speedup |")
     print("|---|---|---|---|---|---|---|---|")
-    for batch in batch_sizes(args.batch_sizes):
+    for batch in sizes:
         engines = {name: build_engine(args.hf_checkpoint, table[name],
                                       EngineConfig(max_batch_size=batch, device=args.device),
                                       adaptive=name in adaptive) for name in wanted}
         for engine in engines.values():
             engine.generate(samples_for_prompts(prompts[:batch]), sampling)  # warm-up (and the adaptive profile)
-        rates, runs = {}, {name: proposer_run(engines[name], table[name], prompts, sampling, indices)
+        rates, runs = {}, {name: proposer_run(engines[name], table[name], prompts, sampling, indices, args.slices)
                            for name in wanted}
         got = time_interleaved(runs, args.repeats, args.clock, args.min_seconds, rates)
         paired = paired_median(rates, wanted[0])
@@ -376,7 +400,7 @@ def spec_decode(args):
         for name in [n for n in wanted if n in adaptive or n.endswith(" sized")]:
             ks = [k for k in runs[name].k_means if k is not None]
             print(f"batch {batch}: {name} drafted k = {statistics.mean(ks) if ks else float('nan'):.2f} on average over "
-                  f"{len(ks)} runs, {min(ks, default=float('nan')):.2f}-{max(ks, default=float('nan')):.2f} per run",
+                  f"{len(ks)} generates, {min(ks, default=float('nan')):.2f}-{max(ks, default=float('nan')):.2f} per generate",
                   flush=True)
         for first, second in pairs:
             ratio, wins, n, p = head_to_head(rates, first, second)
@@ -668,6 +692,10 @@ def add_spec_decode_arguments(p):
                         "speedup over SECOND and a sign test of which was faster, repeat by repeat")
     p.add_argument("--task-variant", default=DEFAULT_TASK_VARIANT, choices=list(TASK_VARIANTS),
                    help="the prompts' task (longtail: the long-tail model's)")
+    p.add_argument("--slices", type=int, default=1,
+                   help="time each repeat in this many generates of consecutive prompts, the methods interleaved "
+                        "at every slice (at 1 row, --slices = --num-prompts puts the methods' runs of each prompt "
+                        "next to each other): for comparisons closer than the machine's drift between whole runs")
 
 
 def add_spec_scale_arguments(p):
