@@ -65,10 +65,18 @@ def test_greedy_confidence_sized_verification_equals_plain_decoding(prompts, pla
     assert min(sizes) < K and max(sizes) > 0  # sized, not all or nothing
 
 
+class FixedKAskingConfidences(FixedK):
+    """Fixed k that asks for the drafts' confidences (and verifies every draft): the reference tests compare them."""
+
+    sizes_verification = True
+
+
 class Alternating(FixedK):
-    """Draft at two steps of every three: the third defers the context write."""
+    """Draft at two steps of every three: the third defers the context write. It asks for the confidences (and
+    verifies every draft), so the recording test sees them."""
 
     calls = 0
+    sizes_verification = True
 
     def choose(self, batch_size):
         self.calls += 1
@@ -83,8 +91,10 @@ class RecordingProposer(DSparkProposer):
         self.step = {}
         super().propose(out)
         if self.step:
+            self.drafting_steps += 1
+            confidence = self.step["confidence"]
             self.records += list(zip(self.known, self.step["states"], [r.drafts for r in out.requests],
-                                     self.step["confidence"]))
+                                     [None] * len(self.known) if confidence is None else confidence))
 
     def catch_up(self, slots, hidden, starts, n_valid):
         self.deferred_rows += sum(self.written[s] < start for s, start in zip(slots, starts))  # context left to write
@@ -116,6 +126,7 @@ def tolerance(cfg, draft_cfg, x):
 def recording_engine(max_batch_size):
     proposer = RecordingProposer(parse_spec_config(spec()))
     proposer.records, proposer.deferred_rows, proposer.moved_deferred, proposer.deferred_positions = [], 0, 0, 0
+    proposer.drafting_steps = 0
     return Engine.from_checkpoint(TARGET, EngineConfig(max_batch_size=max_batch_size), proposer), proposer
 
 
@@ -140,7 +151,7 @@ def test_a_generate_that_drafts_at_no_step_keeps_no_states_and_the_next_drafts_a
     engine.k_policy = ScheduleK([[1, 4, 0]], K, 4)
     engine.generate(samples_for_prompts(prompts[:4]), GREEDY)
     assert proposer.kept is None and not proposer.records
-    engine.k_policy = FixedK(K)
+    engine.k_policy = FixedKAskingConfidences(K)
     engine.generate(samples_for_prompts(prompts[4:8]), GREEDY)
     assert len(proposer.records) >= 4
     assert_blocks_equal_the_reference(proposer, engine, reference)
@@ -148,6 +159,21 @@ def test_a_generate_that_drafts_at_no_step_keeps_no_states_and_the_next_drafts_a
     control.k_policy = ScheduleK([[1, 1, K], [2, 4, 0]], K, 4)
     control.generate(samples_for_prompts(prompts[:4]), GREEDY)
     assert control_proposer.kept is not None
+
+
+@pytest.mark.parametrize("sizes", [False, True], ids=["policy-without-sizing", "control-sizing-policy"])
+def test_the_confidence_head_runs_only_for_a_k_policy_that_sizes_steps_by_it(prompts, sizes):
+    """A k policy that verifies every draft (fixed k) never runs the confidence head, and its greedy output is
+    plain decoding's; the control, the same policy asking for the confidences, runs it at every drafting step."""
+    engine, proposer = recording_engine(4)
+    engine.k_policy = FixedKAskingConfidences(K) if sizes else FixedK(K)
+    heads = []
+    proposer.draft_model.confidence_head.register_forward_hook(lambda module, args, out: heads.append(out.shape))
+    got = engine.generate(samples_for_prompts(prompts[:4]), GREEDY)
+    plain = build_engine(TARGET, None, EngineConfig(max_batch_size=4)).generate(samples_for_prompts(prompts[:4]), GREEDY)
+    assert [s.response_ids for s in got] == [s.response_ids for s in plain]
+    assert len(proposer.records) > 0 and len(heads) == (proposer.drafting_steps if sizes else 0)
+    assert all((c is None) != sizes for *_, c in proposer.records)
 
 
 def test_blocks_drafts_and_confidences_equal_an_independent_reference_of_vllms_dspark(prompts, reference):
@@ -707,6 +733,8 @@ class RowsStopWhereSurvivalFalls(FixedK):
     """Each row verifies its drafts while their survival stays >= 1/2: whether draft j is verified
     depends on the confidences up to j, which the drafts before j decide (ConfidenceSizedK's rule, per row)."""
 
+    sizes_verification = True
+
     def verification_size(self, batch_size, survival):
         return (survival >= 0.5).sum(1)
 
@@ -715,6 +743,8 @@ class RowsPeekAtTheNextSurvival(FixedK):
     """The negative control: a row verifies both drafts when the survival of slot 1 is >= 0.04, else none;
     that survival depends on the token drawn at slot 0, so slot 0's draft is verified according to its
     own value."""
+
+    sizes_verification = True
 
     def verification_size(self, batch_size, survival):
         return torch.where(survival[:, 1] >= 0.04, 2, 0)

@@ -118,6 +118,9 @@ class FixedK:
     """Always draft `k` (the proposer's num_speculative_tokens)."""
 
     observes = False  # the engine builds StepRecords only for policies that learn from them
+    # whether verification_size may verify fewer drafts than drafted: a proposer computes the confidences that
+    # size a step only for a policy that reads them
+    sizes_verification = False
 
     def __init__(self, k):
         self.k = k
@@ -507,6 +510,7 @@ class ConfidenceSizedK(AdaptiveK):
     sized by the drafts' confidence (vLLM's enable_adaptive_verification; see module doc)."""
 
     accept_prior = 1.0  # every draft passes until drafted blocks say otherwise (module doc)
+    sizes_verification = True
     generates = 0  # generates begun with a profile
     sized = False  # True once a step was sized by confidences (a draft without the head never is)
     comparing = frozenset()  # the batch buckets this generate compares the block with plain decoding at

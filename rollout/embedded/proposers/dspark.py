@@ -15,7 +15,8 @@ engine's k policy (`spec_policy.ConfidenceSizedK`) picks how many drafts the ste
 count maximising expected tokens over the step's price, and every row verifies at most that many.
 The engine's verify forward pads each row to the longest, so a row cut shorter than the step would
 save nothing there: the saving is in the step's size. Without a confidence head the measured
-acceptance sizes the steps (vLLM's acceptance estimator, here `AdaptiveK`).
+acceptance sizes the steps (vLLM's acceptance estimator, here `AdaptiveK`). Under a k policy that does not
+size steps (`sizes_verification` false: a fixed k, a schedule, AdaptiveK) the confidence head is not run.
 
 Unlike DFlash, a step with no drafts (the k policy's k = 0) costs nothing here beyond keeping the
 new positions' target states: the context write is deferred to the next drafting step, which
@@ -92,11 +93,18 @@ class DSparkProposer(DFlashProposer):
         tokens, q, embeds = draft_left_to_right(
             draft, base, device_tensor(anchor_tokens, base.device),
             lambda i, x: pick_drafts(x, reqs[0].sampling, None if uniforms is None else uniforms[:, i]))
-        sizes = self.verification_size(len(reqs), acceptance_confidence(draft, states, embeds), k)
+        sizes = self.verification_size(len(reqs), self.confidence(states, embeds), k)
         assign_drafts(reqs, tokens, q)
         for r, size in zip(reqs, sizes):
             r.drafts = r.drafts[:size]
             r.draft_probs = None if r.draft_probs is None else r.draft_probs[:size]
+
+    def confidence(self, states, embeds):
+        """[B, k] the drafts' predicted acceptance, where the k policy sizes steps by it (else None: a head
+        nothing reads is not run; at one row it was a tenth of DSpark's drafting beyond DFlash's)."""
+        if not self.engine.k_policy.sizes_verification:
+            return None
+        return acceptance_confidence(self.draft_model, states, embeds)
 
     def verification_size(self, batch_size, confidence, k):
         """[B] drafts each row verifies this step: the k policy's choice from the drafts' survival (the
@@ -148,11 +156,11 @@ class DSparkProposer(DFlashProposer):
 
     def profile_draft(self, batch_size, k, new_tokens=2):
         """One drafting for batch_size rows (context for `new_tokens` verified positions, the block
-        forward, k Markov steps and the confidence) on dummy inputs in slots 0..batch_size-1."""
+        forward, k Markov steps and the confidence where it is read) on dummy inputs in slots 0..batch_size-1."""
         with torch.inference_mode():
             slots, anchors = self.profile_context(batch_size, new_tokens)
             logits, states = self.block_forward(slots, [0] * batch_size, anchors, with_states=True)
             tokens = torch.zeros(batch_size, dtype=torch.long, device=logits.device)
             _, _, embeds = draft_left_to_right(self.draft_model, logits[:, :k], tokens,
                                                lambda i, x: pick_drafts(x, None))
-            acceptance_confidence(self.draft_model, states[:, :k], embeds)
+            self.confidence(states[:, :k], embeds)
