@@ -512,7 +512,7 @@ def test_a_retry_that_rules_the_block_out_again_waits_double_or_its_losss_share_
     assert waits[:7] == [0] + retry_waits(5) + [0]
     # the fast steps count in the block's rate a few generates more, then the first ruling-out waits as at first
     assert [w for w in waits[7:] if w][:2] == retry_waits(2)
-    assert len(set(waits)) == 4 if slow_verify_s < 1 else 3  # the three cases take different ways
+    assert len(set(waits)) == (4 if slow_verify_s < 1 else 3)  # the three cases take different ways
 
 
 def run_sized_generate(policy, steps, block_step, plain_step):
