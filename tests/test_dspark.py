@@ -71,12 +71,11 @@ class FixedKAskingConfidences(FixedK):
     sizes_verification = True
 
 
-class Alternating(FixedK):
+class Alternating(FixedKAskingConfidences):
     """Draft at two steps of every three: the third defers the context write. It asks for the confidences (and
     verifies every draft), so the recording test sees them."""
 
     calls = 0
-    sizes_verification = True
 
     def choose(self, batch_size):
         self.calls += 1
@@ -729,22 +728,18 @@ def proposer(draft, method, sample_drafts):
     return DSparkProposer(sc, draft=draft, sample_drafts=sample_drafts)
 
 
-class RowsStopWhereSurvivalFalls(FixedK):
+class RowsStopWhereSurvivalFalls(FixedKAskingConfidences):
     """Each row verifies its drafts while their survival stays >= 1/2: whether draft j is verified
     depends on the confidences up to j, which the drafts before j decide (ConfidenceSizedK's rule, per row)."""
-
-    sizes_verification = True
 
     def verification_size(self, batch_size, survival):
         return (survival >= 0.5).sum(1)
 
 
-class RowsPeekAtTheNextSurvival(FixedK):
+class RowsPeekAtTheNextSurvival(FixedKAskingConfidences):
     """The negative control: a row verifies both drafts when the survival of slot 1 is >= 0.04, else none;
     that survival depends on the token drawn at slot 0, so slot 0's draft is verified according to its
     own value."""
-
-    sizes_verification = True
 
     def verification_size(self, batch_size, survival):
         return torch.where(survival[:, 1] >= 0.04, 2, 0)
