@@ -17,6 +17,20 @@ def run_cli(*args):
                           text=True, env=env, cwd=REPO, timeout=120)
 
 
+def run_in_process(capsys, *args):
+    """`rollout.generate.main` called in this process, as the CLI's process would run it (its exit code and
+    output as a CompletedProcess): the refusals are made before any model is built, so a process of their own
+    would mostly time Python's imports. The tests of a missing checkpoint run the real process."""
+    from rollout import generate
+
+    try:
+        code = generate.main(list(map(str, args)))
+    except SystemExit as stop:
+        code = stop.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
 def write(path, lines):
     path.write_text("".join(line + "\n" for line in lines))
     return path
@@ -55,7 +69,7 @@ def test_missing_checkpoint_directory_is_a_one_line_error(tmp_path, prompts):
                                   tmp_path / "o"), "--hf-checkpoint", "no such directory")
 
 
-def test_incomplete_checkpoint_is_a_one_line_error(tmp_path, small_ckpt, prompts):
+def test_incomplete_checkpoint_is_a_one_line_error(tmp_path, small_ckpt, prompts, capsys):
     broken = tmp_path / "broken"
     broken.mkdir()
     for name in os.listdir(small_ckpt):
@@ -66,8 +80,8 @@ def test_incomplete_checkpoint_is_a_one_line_error(tmp_path, small_ckpt, prompts
     state = load_file(os.path.join(small_ckpt, "model.safetensors"))
     state.pop("model.layers.1.mlp.up_proj.weight")
     save_file(state, str(broken / "model.safetensors"))
-    assert_one_line_error(run_cli("--hf-checkpoint", broken, "--prompts", prompts, "--output", tmp_path / "o"),
-                          "missing", "incomplete")
+    assert_one_line_error(run_in_process(capsys, "--hf-checkpoint", broken, "--prompts", prompts, "--output",
+                                         tmp_path / "o"), "missing", "incomplete")
 
 
 @pytest.mark.parametrize("small_ckpt", ["mimo"], indirect=True)  # the prompt file's checks know no family
@@ -77,23 +91,24 @@ def test_incomplete_checkpoint_is_a_one_line_error(tmp_path, small_ckpt, prompts
     (['{"text": "1+2="}'], "line 1 has neither 'prompt' nor 'prompt_ids'"),
     (['{"prompt_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]}'], "the context is"),
 ])
-def test_bad_prompt_files_name_the_line(tmp_path, small_ckpt, lines, needle):
+def test_bad_prompt_files_name_the_line(tmp_path, small_ckpt, lines, needle, capsys):
     bad = write(tmp_path / "bad.jsonl", lines)
-    extra = ["--max-new-tokens", 4]
-    proc = run_cli("--hf-checkpoint", small_ckpt, "--prompts", bad, "--output", tmp_path / "o", *extra)
+    ckpt = small_ckpt
     if "context" in needle:
         # the small fixture's context is 256; a long prompt needs a model with a short one
         from rollout.tiny_model import make_random_checkpoint
         from tests.conftest import SMALL
 
-        short = str(tmp_path / "short")
-        make_random_checkpoint(short, max_position_embeddings=12, **SMALL)
-        proc = run_cli("--hf-checkpoint", short, "--prompts", bad, "--output", tmp_path / "o", *extra)
+        ckpt = str(tmp_path / "short")
+        make_random_checkpoint(ckpt, max_position_embeddings=12, **SMALL)
+    proc = run_in_process(capsys, "--hf-checkpoint", ckpt, "--prompts", bad, "--output", tmp_path / "o",
+                          "--max-new-tokens", 4)
     assert_one_line_error(proc, needle)
 
 
 @pytest.mark.parametrize("flag, value", [("--max-new-tokens", 0), ("--temperature", -0.5), ("--top-p", 0),
                                          ("--top-p", 1.5)])
-def test_bad_sampling_flags_are_one_line_errors(tmp_path, small_ckpt, prompts, flag, value):
-    proc = run_cli("--hf-checkpoint", small_ckpt, "--prompts", prompts, "--output", tmp_path / "o", flag, value)
+def test_bad_sampling_flags_are_one_line_errors(tmp_path, small_ckpt, prompts, flag, value, capsys):
+    proc = run_in_process(capsys, "--hf-checkpoint", small_ckpt, "--prompts", prompts, "--output", tmp_path / "o",
+                          flag, value)
     assert_one_line_error(proc, flag)

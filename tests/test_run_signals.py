@@ -16,7 +16,8 @@ import time
 import psutil
 import pytest
 
-from tests.test_train_rl import REPO, TIMING_KEYS, base_args, ckpt, metrics, run_train  # noqa: F401 (fixture)
+from tests.test_train_rl import (REPO, TIMING_KEYS, base_args, ckpt, initial_draft_checksum, metrics,  # noqa: F401 (fixture)
+                                 run_train)
 
 RAY_CRASH_LINES = ("*** SIGTERM", "PC: @", "Traceback", "*** SIGUSR1")
 KEPT_BY_DESIGN = {f"torchinductor_{getpass.getuser()}"}  # torch names its compile cache so
@@ -32,10 +33,11 @@ def start_run(ckpt, out, steps, *extra, own_group=False, **env_vars):
                             start_new_session=own_group)
 
 
-def wait_for_first_step(proc, out, timeout=300):
+def wait_for_first_step(proc, out, timeout=300, steps=1):
+    """Until the run logged `steps` steps (or `timeout` seconds passed)."""
     log = os.path.join(out, "metrics.jsonl")
     deadline = time.time() + timeout
-    while time.time() < deadline and not (os.path.exists(log) and open(log).read().strip()):
+    while time.time() < deadline and not (os.path.exists(log) and len(open(log).read().split()) >= steps):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.3)
 
@@ -93,9 +95,12 @@ def sigterm_the_group(proc, out, save, first_step_s, end_s, before=None):
     return stdout, stderr, m
 
 
+@pytest.mark.e2e  # a whole run (1-2 min on 2 cores): CI's end-to-end command runs it
 def test_a_default_run_refuses_a_client_without_the_token_and_sigusr1_saves_and_says_where(ckpt, tmp_path):
     """Also: the run starts its own Ray although Ray's temp dir names another cluster (what a `ray start`
-    leaves there, and keeps after it has ended), and holds its --output-dir and --save against others."""
+    leaves there, and keeps after it has ended), and holds its --output-dir and --save against others; and
+    its draft, not trained (no --enable-mtp-training), stays bitwise the checkpoint's in the rollout while
+    the trunk trains (the weight guard compares the rollout's with the trainer's after every sync)."""
     from vime.errors import UserError
     from vime.run_lock import DirLock
 
@@ -106,9 +111,9 @@ def test_a_default_run_refuses_a_client_without_the_token_and_sigusr1_saves_and_
     os.makedirs(os.path.join(system_tmp, "ray"))
     with open(os.path.join(system_tmp, "ray", "ray_current_cluster"), "w") as f:
         f.write("127.0.0.1:1")  # no Ray there: joining it would fail the run
-    proc = start_run(ckpt, out, 100000, "--save", save, TMPDIR=system_tmp)
+    proc = start_run(ckpt, out, 100000, "--save", save, "--check-weight-update-equal", TMPDIR=system_tmp)
     try:
-        wait_for_first_step(proc, out)
+        wait_for_first_step(proc, out, steps=2)  # two syncs: the trunk moved between them
         for flag, directory in (("--output-dir", out), ("--save", save)):  # what a second run on them meets
             with pytest.raises(UserError, match=rf"is in use by another run \(pid {proc.pid} on host "):
                 DirLock(str(directory), flag)
@@ -132,7 +137,11 @@ def test_a_default_run_refuses_a_client_without_the_token_and_sigusr1_saves_and_
     assert m and m.group(1) == m.group(2), line
     assert not any(x in stdout + stderr for x in RAY_CRASH_LINES), stderr[-3000:]
     steps_done = int(m.group(1))
-    assert len(metrics(out)) == steps_done  # --save-interval 0: saved anyway, at the signal's step
+    rows = metrics(out)
+    assert len(rows) == steps_done >= 2  # --save-interval 0: saved anyway, at the signal's step
+    assert {r["weight_sync/worker_draft_checksum"] for r in rows} == {initial_draft_checksum(ckpt)}
+    assert len({r["weight_sync/target_checksum"] for r in rows}) == steps_done  # the trunk trained every step
+    assert all("train/mtp_loss" not in r for r in rows)
     assert json.load(open(save / "latest_checkpointed_iteration.txt")) == {"step": steps_done}
     # nothing left in the system temp dir but Ray's own session directory and torch's per-user compile
     # cache (both kept by design for the next run); wandb's and the actors' temp files are removed

@@ -57,6 +57,7 @@ def vllm_run(ckpt, tmp_path_factory):
     return str(out), str(save)
 
 
+@pytest.mark.e2e  # a whole run (2-3 min on 2 cores): CI's end-to-end command runs it beside the embedded one
 def test_vllm_rollouts_train_and_after_every_sync_vllm_holds_the_trainers_weights(vllm_run):
     rows = metrics(vllm_run[0])
     assert len(rows) == 3
