@@ -29,7 +29,7 @@ from rollout.embedded.engine import Engine, EngineConfig
 from rollout.embedded.engine_builder import build_engine
 from rollout.embedded.proposers.dspark import DSparkProposer
 from rollout.embedded.spec_policy import (COST_KEEP_PER_GENERATE, DRAFT_MARGIN, PAIR_KEEP_PER_GENERATE,
-                                          PAIR_MIN_STEPS, PAIR_RUN_STEPS, PAIR_STALE, RATE_KEEP_GENERATES,
+                                          PAIR_FORGET, PAIR_LOSING_EXTRA_MAX, PAIR_MIN_STEPS, PAIR_RUN_STEPS, PAIR_STALE, RATE_KEEP_GENERATES,
                                           RATE_KEEP_MAX_GENERATES, RATE_STEPS, RETRY_SHARE, AdaptiveK, ConfidenceSizedK, FixedK,
                                           ScheduleK, StepRecord)
 from rollout.sampling_params import SamplingParams
@@ -525,36 +525,58 @@ def run_sized_generate(policy, steps, block_step, plain_step):
     return ks
 
 
-@pytest.mark.parametrize("block_s", [0.2, 1.0], ids=["block-faster", "plain-faster"])
+@pytest.mark.parametrize("block_s", [0.2, 2.0, 2.5, 5.0],
+                         ids=["block-faster", "plain-faster-by-a-twentieth", "plain-faster-by-a-third", "block-loses-most"])
 def test_a_bucket_compares_the_block_and_plain_decoding_inside_one_generate_and_their_ratio_decides(block_s):
     """Where a generate ran PAIR_MIN_STEPS steps at a batch bucket and no paired evidence is there, the next
     generate runs PAIR_RUN_STEPS steps of plain decoding there, then the block to the bucket's end; the ratio of
     their rates in that generate (the direct formula: tokens over a verify's and a drafting's mean seconds,
     each) decides from then on, the block where it is DRAFT_MARGIN faster, also against the rates of other
     generates: the control is a generate drafting the block on a machine 10x slower, where the ratio of
-    rates measured in different generates (measured_choice) chooses plain decoding. The comparison
-    repeats once the evidence decays below PAIR_STALE: after ceil(log PAIR_STALE / log
-    PAIR_KEEP_PER_GENERATE) generates."""
+    rates measured in different generates (measured_choice) chooses plain decoding. The comparison repeats at
+    the first generate where its evidence (1 a comparison, times PAIR_KEEP_PER_GENERATE a generate since) is
+    worth less than PAIR_STALE, or where the block loses a share L of plain decoding's time, less than PAIR_STALE
+    times PAIR_KEEP_PER_GENERATE to the generates that make L a RETRY_SHARE of the generates between comparisons
+    beyond PAIR_STALE's 10 (at most 10 more: the evidence still decides when the comparison runs)."""
     policy = flat_sized_policy()
     block, plain = sized_step(2, 3, 3, block_s, 0.1, 8), sized_step(2, 0, 0, 0.5, 0.0, 2)
-    assert run_sized_generate(policy, PAIR_MIN_STEPS, block, plain) == [3] * PAIR_MIN_STEPS  # the price drafts
-    ks = run_sized_generate(policy, 2 * PAIR_MIN_STEPS, block, plain)
-    assert ks == [0] * PAIR_RUN_STEPS + [3] * (2 * PAIR_MIN_STEPS - PAIR_RUN_STEPS)  # plain first, then the block
-    want = 3 if (8 / (block_s + 0.1)) >= (1 + DRAFT_MARGIN) * 2 / 0.5 else 0
+    compared = [0] * PAIR_RUN_STEPS + [3] * (2 * PAIR_MIN_STEPS - PAIR_RUN_STEPS)  # plain first, then the block
+    comparisons, generate = [], 0  # the generates that compared
+
+    def run(steps, step=block):
+        nonlocal generate
+        generate += 1
+        ks = run_sized_generate(policy, steps, step, plain)
+        if len(set(ks)) > 1:
+            assert ks == compared[:steps]
+            comparisons.append(generate)
+        return ks
+
+    assert run(PAIR_MIN_STEPS) == [3] * PAIR_MIN_STEPS  # the price drafts
+    scheduled = policy.lookup[2]  # what the comparing generate's schedule drafts (from the price, its offsets)
+    run(2 * PAIR_MIN_STEPS)
+    assert comparisons == [2]
+    ratio = (8 / (block_s + 0.1)) / (2 / 0.5)
+    want = 3 if ratio >= 1 + DRAFT_MARGIN else 0
     assert policy.lookup[2] == want
     if want:  # the control: the block's steps on a slower machine, against plain decoding's last rate
         slow = sized_step(2, 3, 3, 10 * block_s, 1.0, 8)
-        assert run_sized_generate(policy, PAIR_MIN_STEPS, slow, plain) == [3] * PAIR_MIN_STEPS
+        assert run(PAIR_MIN_STEPS, slow) == [3] * PAIR_MIN_STEPS
         assert policy.measured_choice(2) == 0 and policy.lookup[2] == 3
+    elif scheduled:  # the verdict differs from the schedule that drafted: compared again at once, which agrees
+        run(2 * PAIR_MIN_STEPS)
+        assert comparisons == [2, 3] and policy.lookup[2] == 0
     stale_after = math.ceil(math.log(PAIR_STALE) / math.log(PAIR_KEEP_PER_GENERATE))
-    since = 1 + bool(want)  # generates run since the comparison
-    while True:
-        ks = run_sized_generate(policy, PAIR_MIN_STEPS, block, plain)
-        since += 1
-        if len(set(ks)) > 1:
-            break
-        assert since < stale_after + 2
-    assert since == stale_after + 1  # the stale evidence's generate counted, the comparing one after it
+    losing_waits = math.ceil((1 / ratio - 1) / RETRY_SHARE) if ratio < 1 else 0
+    stale = PAIR_STALE * PAIR_KEEP_PER_GENERATE ** min(max(losing_waits - stale_after, 0), PAIR_LOSING_EXTRA_MAX)
+    settled = list(comparisons)
+    while len(comparisons) == len(settled):
+        run(PAIR_MIN_STEPS)
+        assert generate < settled[-1] + 40
+    worth = [sum(PAIR_KEEP_PER_GENERATE ** (g - c) for c in settled) for g in range(settled[-1] + 1, generate + 1)]
+    assert all(w >= stale for w in worth[:-1]) and worth[-1] < stale  # the first generate under it compares
+    assert worth[-1] >= PAIR_FORGET  # the evidence still decides at the generate that compares
+    assert policy.lookup[2] == want
 
 
 def test_a_generate_may_draft_where_its_schedule_or_a_comparison_drafts_and_only_there():

@@ -112,6 +112,11 @@ PAIR_RATE_STEPS = 2.0
 PAIR_KEEP_PER_GENERATE = 0.9
 PAIR_STALE = 0.35  # one comparison's weight falls below this after 10 generates: compared again then
 PAIR_FORGET = 0.1
+PAIR_STALE_AFTER = math.ceil(math.log(PAIR_STALE) / math.log(PAIR_KEEP_PER_GENERATE))  # generates: 10
+# where the paired evidence has the block losing, a comparison waits until its loss there comes to RETRY_SHARE of
+# the generates since the last (as a retry does), up to this many generates beyond PAIR_STALE_AFTER: then the
+# evidence is still worth PAIR_FORGET at the generate that compares (PAIR_STALE * 0.9 ** 10 = 0.12 > 0.1 / 0.9)
+PAIR_LOSING_EXTRA_MAX = 10
 
 
 class FixedK:
@@ -615,14 +620,27 @@ class ConfidenceSizedK(AdaptiveK):
     def pick_comparisons(self):
         """The buckets the new generate compares at: where the last one emitted PAIR_MIN_STEPS tokens a row (the
         steps plain decoding takes for them) and the paired evidence, aged a generate, is worth less than
-        PAIR_STALE. Why tokens and not steps: a bucket where the block drafts runs a third of the steps, and
+        PAIR_STALE (less where it has the block losing: `pair_stale`). Why tokens and not steps: a bucket where the block drafts runs a third of the steps, and
         counted in steps it dropped below the threshold and was never compared again."""
         self.paired.age(PAIR_KEEP_PER_GENERATE)
         ended = self.generate_buckets
         self.comparing = {i for i in range(len(self.grid))
                           if self.sized and ended.rows[i] and ended.tokens[i] >= PAIR_MIN_STEPS * ended.rows[i]
-                          and (self.paired.weight[i] < PAIR_STALE or i in self.contested)}
+                          and (self.paired.weight[i] < self.pair_stale(i) or i in self.contested)}
         self.start_generate_pairs()
+
+    def pair_stale(self, i):
+        """The paired evidence's weight at bucket i below which the next generate compares there: PAIR_STALE, or
+        where the evidence has the block losing a share L of plain decoding's time, lower by as many generates
+        beyond PAIR_STALE's 10 as make L a RETRY_SHARE of the generates between comparisons (up to
+        PAIR_LOSING_EXTRA_MAX). Why: a comparison runs the block for most of the bucket, and at 128 rows, where
+        it ran at 0.85x plain decoding, one generate in ten paid that."""
+        ratio = self.paired.ratio(i, self.tokens[self.k])
+        if ratio is None or ratio >= 1:
+            return PAIR_STALE
+        waits = math.ceil((1 / ratio - 1) / RETRY_SHARE)
+        extra = min(max(waits - PAIR_STALE_AFTER, 0), PAIR_LOSING_EXTRA_MAX)
+        return PAIR_STALE * PAIR_KEEP_PER_GENERATE ** extra
 
     def fold_pairs(self):
         """The generate that ends: at every bucket it compared where both options' rates were measured, their
