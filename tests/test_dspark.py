@@ -28,10 +28,10 @@ from mtp.dspark import DSparkDraft, dspark_loss
 from rollout.embedded.engine import Engine, EngineConfig
 from rollout.embedded.engine_builder import build_engine
 from rollout.embedded.proposers.dspark import DSparkProposer
-from rollout.embedded.spec_policy import (COST_KEEP_PER_GENERATE, DRAFT_MARGIN, PAIR_KEEP_PER_GENERATE,
-                                          PAIR_FORGET, PAIR_LOSING_EXTRA_MAX, PAIR_MIN_STEPS, PAIR_RUN_STEPS, PAIR_STALE, RATE_KEEP_GENERATES,
-                                          RATE_KEEP_MAX_GENERATES, RATE_STEPS, RETRY_SHARE, AdaptiveK, ConfidenceSizedK, FixedK,
-                                          ScheduleK, StepRecord)
+from rollout.embedded.spec_policy import (COST_KEEP_PER_GENERATE, DRAFT_MARGIN, PAIR_FORGET, PAIR_KEEP_PER_GENERATE,
+                                          PAIR_LOSING_EXTRA_MAX, PAIR_MIN_STEPS, PAIR_RUN_STEPS, PAIR_STALE,
+                                          RATE_KEEP_GENERATES, RATE_KEEP_MAX_GENERATES, RATE_STEPS, RETRY_SHARE,
+                                          AdaptiveK, ConfidenceSizedK, FixedK, ScheduleK, StepRecord)
 from rollout.sampling_params import SamplingParams
 from rollout.spec_config import check_against_checkpoint, parse_spec_config
 from spec_fixtures import check_sampled_drafts_keep_the_target_distribution, one_thread  # noqa: F401
@@ -525,8 +525,8 @@ def run_sized_generate(policy, steps, block_step, plain_step):
     return ks
 
 
-@pytest.mark.parametrize("block_s", [0.2, 2.0, 2.5, 5.0],
-                         ids=["block-faster", "plain-faster-by-a-twentieth", "plain-faster-by-a-third", "block-loses-most"])
+@pytest.mark.parametrize("block_s", [0.2, 2.0, 2.5, 5.0], ids=["block-faster", "plain-faster-by-a-twentieth",
+                                                                "plain-faster-by-a-third", "block-loses-most"])
 def test_a_bucket_compares_the_block_and_plain_decoding_inside_one_generate_and_their_ratio_decides(block_s):
     """Where a generate ran PAIR_MIN_STEPS steps at a batch bucket and no paired evidence is there, the next
     generate runs PAIR_RUN_STEPS steps of plain decoding there, then the block to the bucket's end; the ratio of

@@ -16,8 +16,8 @@ import time
 import psutil
 import pytest
 
-from tests.test_train_rl import (REPO, TIMING_KEYS, base_args, ckpt, initial_draft_checksum, metrics,  # noqa: F401 (fixture)
-                                 run_train)
+from tests.test_train_rl import ckpt  # noqa: F401 (fixture)
+from tests.test_train_rl import REPO, TIMING_KEYS, base_args, initial_draft_checksum, metrics, run_train
 
 RAY_CRASH_LINES = ("*** SIGTERM", "PC: @", "Traceback", "*** SIGUSR1")
 KEPT_BY_DESIGN = {f"torchinductor_{getpass.getuser()}"}  # torch names its compile cache so

@@ -620,8 +620,9 @@ class ConfidenceSizedK(AdaptiveK):
     def pick_comparisons(self):
         """The buckets the new generate compares at: where the last one emitted PAIR_MIN_STEPS tokens a row (the
         steps plain decoding takes for them) and the paired evidence, aged a generate, is worth less than
-        PAIR_STALE (less where it has the block losing: `pair_stale`). Why tokens and not steps: a bucket where the block drafts runs a third of the steps, and
-        counted in steps it dropped below the threshold and was never compared again."""
+        PAIR_STALE (less where it has the block losing: `pair_stale`). Why tokens and not steps: a bucket where
+        the block drafts runs a third of the steps, and counted in steps it dropped below the threshold and was
+        never compared again."""
         self.paired.age(PAIR_KEEP_PER_GENERATE)
         ended = self.generate_buckets
         self.comparing = {i for i in range(len(self.grid))
