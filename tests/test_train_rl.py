@@ -76,6 +76,7 @@ def initial_draft_checksum(ckpt):
     return checksum([(k, v) for k, v in state.items() if is_mtp_name(k, cfg.num_hidden_layers)])[0]
 
 
+@pytest.mark.e2e  # on the whole run `online_run` (about a minute on 2 cores)
 def test_online_run_logs_metrics_and_the_draft_follows_the_trainer_every_step(online_run, ckpt):
     out, _ = online_run
     rows = metrics(out)
@@ -110,6 +111,7 @@ def test_spec_adaptive_run_on_the_longtail_task_logs_k_and_predicted_vs_measured
         assert r["rollout/plain_same_responses"] >= 1 - 2 / r["rollout/num_samples"]
 
 
+@pytest.mark.e2e  # on the whole run `online_run` (about a minute on 2 cores)
 def test_a_training_save_directory_converts_to_the_hf_weights_the_rollout_was_synced_to(online_run, ckpt, tmp_path):
     from checkpoint_convert import torch_dist_to_hf
     from vime.models.families import is_mtp_name
@@ -124,6 +126,7 @@ def test_a_training_save_directory_converts_to_the_hf_weights_the_rollout_was_sy
     assert mtp == metrics(out)[2]["weight_sync/draft_checksum"]
 
 
+@pytest.mark.e2e  # on the whole run `online_run` (about a minute on 2 cores)
 def test_killing_the_process_during_a_save_leaves_the_previous_checkpoint_loadable(online_run, ckpt, tmp_path):
     import shutil
 
@@ -159,7 +162,7 @@ def test_killing_the_process_during_a_save_leaves_the_previous_checkpoint_loadab
     assert sum(p.numel() for p in trainer.model.parameters()) > 0
 
 
-@pytest.mark.slow  # a run of its own beside a second one (40-80 s on 2 cores); the default run checks each part
+@pytest.mark.slow  # a run of its own beside a second one (40-80 s on 2 cores); the default and e2e runs check each part
 def test_a_resumed_run_beside_a_stale_ray_skips_a_damaged_checkpoint_and_holds_its_output_dir(online_run, ckpt,
                                                                                               tmp_path):
     """One real run, three guarantees: it starts its own Ray although Ray's temp dir names another
