@@ -8,6 +8,8 @@ import pytest
 
 from safetensors.torch import load_file, save_file
 
+from tests.test_bad_inputs_tools import refusal
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -17,18 +19,14 @@ def run_cli(*args):
                           text=True, env=env, cwd=REPO, timeout=120)
 
 
-def run_in_process(capsys, *args):
-    """`rollout.generate.main` called in this process, as the CLI's process would run it (its exit code and
-    output as a CompletedProcess): the refusals are made before any model is built, so a process of their own
-    would mostly time Python's imports. The tests of a missing checkpoint run the real process."""
+def refused_in_process(capsys, args, *needles):
+    """`rollout.generate.main` refuses `args` in this process with one line holding every needle (exit 2): the
+    refusals come before any model is built, so a process of their own would mostly time Python's imports.
+    The tests of a missing checkpoint or weights file run the real process."""
     from rollout import generate
 
-    try:
-        code = generate.main(list(map(str, args)))
-    except SystemExit as stop:
-        code = stop.code
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out.out, out.err)
+    line = refusal(capsys, generate.main, list(map(str, args)))
+    assert all(n in line for n in needles), line
 
 
 def write(path, lines):
@@ -80,8 +78,8 @@ def test_incomplete_checkpoint_is_a_one_line_error(tmp_path, small_ckpt, prompts
     state = load_file(os.path.join(small_ckpt, "model.safetensors"))
     state.pop("model.layers.1.mlp.up_proj.weight")
     save_file(state, str(broken / "model.safetensors"))
-    assert_one_line_error(run_in_process(capsys, "--hf-checkpoint", broken, "--prompts", prompts, "--output",
-                                         tmp_path / "o"), "missing", "incomplete")
+    refused_in_process(capsys, ["--hf-checkpoint", broken, "--prompts", prompts, "--output", tmp_path / "o"],
+                       "missing", "incomplete")
 
 
 @pytest.mark.parametrize("small_ckpt", ["mimo"], indirect=True)  # the prompt file's checks know no family
@@ -101,14 +99,12 @@ def test_bad_prompt_files_name_the_line(tmp_path, small_ckpt, lines, needle, cap
 
         ckpt = str(tmp_path / "short")
         make_random_checkpoint(ckpt, max_position_embeddings=12, **SMALL)
-    proc = run_in_process(capsys, "--hf-checkpoint", ckpt, "--prompts", bad, "--output", tmp_path / "o",
-                          "--max-new-tokens", 4)
-    assert_one_line_error(proc, needle)
+    refused_in_process(capsys, ["--hf-checkpoint", ckpt, "--prompts", bad, "--output", tmp_path / "o",
+                                "--max-new-tokens", 4], needle)
 
 
 @pytest.mark.parametrize("flag, value", [("--max-new-tokens", 0), ("--temperature", -0.5), ("--top-p", 0),
                                          ("--top-p", 1.5)])
 def test_bad_sampling_flags_are_one_line_errors(tmp_path, small_ckpt, prompts, flag, value, capsys):
-    proc = run_in_process(capsys, "--hf-checkpoint", small_ckpt, "--prompts", prompts, "--output", tmp_path / "o",
-                          flag, value)
-    assert_one_line_error(proc, flag)
+    refused_in_process(capsys, ["--hf-checkpoint", small_ckpt, "--prompts", prompts, "--output", tmp_path / "o",
+                                flag, value], flag)

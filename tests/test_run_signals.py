@@ -33,7 +33,7 @@ def start_run(ckpt, out, steps, *extra, own_group=False, **env_vars):
                             start_new_session=own_group)
 
 
-def wait_for_first_step(proc, out, timeout=300, steps=1):
+def wait_for_steps(proc, out, timeout=300, steps=1):
     """Until the run logged `steps` steps (or `timeout` seconds passed)."""
     log = os.path.join(out, "metrics.jsonl")
     deadline = time.time() + timeout
@@ -81,7 +81,7 @@ def sigterm_the_group(proc, out, save, first_step_s, end_s, before=None):
     system sends it (the driver, Ray's processes, vLLM's engine processes); waits for the end and
     checks the exit code. Returns stdout, stderr and the match of the one line naming the saved step."""
     try:
-        wait_for_first_step(proc, out, timeout=first_step_s)
+        wait_for_steps(proc, out, timeout=first_step_s)
         if before is not None:
             before()
         os.killpg(proc.pid, signal.SIGTERM)
@@ -113,7 +113,7 @@ def test_a_default_run_refuses_a_client_without_the_token_and_sigusr1_saves_and_
         f.write("127.0.0.1:1")  # no Ray there: joining it would fail the run
     proc = start_run(ckpt, out, 100000, "--save", save, "--check-weight-update-equal", TMPDIR=system_tmp)
     try:
-        wait_for_first_step(proc, out, steps=2)  # two syncs: the trunk moved between them
+        wait_for_steps(proc, out, steps=2)  # two syncs: the trunk moved between them
         for flag, directory in (("--output-dir", out), ("--save", save)):  # what a second run on them meets
             with pytest.raises(UserError, match=rf"is in use by another run \(pid {proc.pid} on host "):
                 DirLock(str(directory), flag)

@@ -162,7 +162,8 @@ def test_killing_the_process_during_a_save_leaves_the_previous_checkpoint_loadab
     assert sum(p.numel() for p in trainer.model.parameters()) > 0
 
 
-@pytest.mark.slow  # a run of its own beside a second one (40-80 s on 2 cores); the default and e2e runs check each part
+# a run of its own beside a second one (40-80 s on 2 cores); the default and e2e runs check each part
+@pytest.mark.slow
 def test_a_resumed_run_beside_a_stale_ray_skips_a_damaged_checkpoint_and_holds_its_output_dir(online_run, ckpt,
                                                                                               tmp_path):
     """One real run, three guarantees: it starts its own Ray although Ray's temp dir names another
