@@ -534,10 +534,10 @@ def test_a_bucket_compares_the_block_and_plain_decoding_inside_one_generate_and_
     each) decides from then on, the block where it is DRAFT_MARGIN faster, also against the rates of other
     generates: the control is a generate drafting the block on a machine 10x slower, where the ratio of
     rates measured in different generates (measured_choice) chooses plain decoding. The comparison repeats at
-    the first generate where its evidence (1 a comparison, times PAIR_KEEP_PER_GENERATE a generate since) is
-    worth less than PAIR_STALE, or where the block loses a share L of plain decoding's time, less than PAIR_STALE
-    times PAIR_KEEP_PER_GENERATE to the generates that make L a RETRY_SHARE of the generates between comparisons
-    beyond PAIR_STALE's 10 (at most 10 more: the evidence still decides when the comparison runs)."""
+    the first generate where its evidence (1 per comparison, times PAIR_KEEP_PER_GENERATE per generate since)
+    falls under a threshold: PAIR_STALE; where the block loses a share L of plain decoding's time, PAIR_STALE
+    times PAIR_KEEP_PER_GENERATE ** e, e the generates beyond PAIR_STALE's 10 that make L a RETRY_SHARE of the
+    generates between comparisons (at most 10, so that the evidence still decides when the comparison runs)."""
     policy = flat_sized_policy()
     block, plain = sized_step(2, 3, 3, block_s, 0.1, 8), sized_step(2, 0, 0, 0.5, 0.0, 2)
     compared = [0] * PAIR_RUN_STEPS + [3] * (2 * PAIR_MIN_STEPS - PAIR_RUN_STEPS)  # plain first, then the block
