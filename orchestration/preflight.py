@@ -16,11 +16,13 @@ def check_config(cfg):
     from rollout.group_batching import check_dynamic_sampling
     from rollout.task import check_task_variant
     from trainer.losses import check_kl_estimator
+    from trainer.optimizer import check_device_options
     from vime.config import check_knob_switches, validate
     from vime.precision import check_bf16
 
     validate(cfg)
     check_bf16(cfg.model.bf16)  # --bf16 on a device that cannot run a bf16 matmul
+    check_device_options(cfg.train)  # an optimizer option this machine's megatron-core cannot run
     check_dynamic_sampling(cfg.rollout)
     check_task_variant(cfg.rollout.task_variant)
     check_placement_flags(cfg)
@@ -37,6 +39,8 @@ def check_inputs(cfg):
     checkpoint's ModelConfig (for `check_prompts`). --load is checked once run_setup has chosen the
     checkpoint (`check_resume`)."""
     from rollout.backend import check_backend
+    from trainer.model import check_recompute
+    from vime.models.activations import RecomputePlan
     from trainer.routing_replay import check_routing_replay
     from vime.models.config_checks import check_finite_weights, check_mtp_layers
     from vime.models.hf_format import inspect_hf_checkpoint
@@ -46,6 +50,7 @@ def check_inputs(cfg):
     hf = inspect_hf_checkpoint(cfg.model.hf_checkpoint)
     check_mtp_layers(cfg.mtp.num_layers, hf, cfg.model.hf_checkpoint)
     cfg.train.layout.check_model(hf)
+    check_recompute(cfg.train.layout, hf, RecomputePlan.of(cfg.train))
     check_trainable(hf)
     check_routing_replay(cfg, hf)
     check_backend(cfg, hf)
