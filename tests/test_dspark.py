@@ -33,7 +33,7 @@ from rollout.embedded.spec_policy import (COST_KEEP_PER_GENERATE, DRAFT_MARGIN, 
                                           RATE_KEEP_GENERATES, RATE_KEEP_MAX_GENERATES, RATE_STEPS, RETRY_SHARE,
                                           AdaptiveK, ConfidenceSizedK, FixedK, ScheduleK, StepRecord)
 from rollout.sampling_params import SamplingParams
-from rollout.spec_config import check_against_checkpoint, parse_spec_config
+from vime.spec_config import check_against_checkpoint, parse_spec_config
 from spec_fixtures import check_sampled_drafts_keep_the_target_distribution, one_thread  # noqa: F401
 from test_external_draft_engine import plain, prompts  # noqa: F401  (the shipped target's prompts, plain decoded)
 from vime.errors import UserError

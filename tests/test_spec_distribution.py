@@ -18,7 +18,7 @@ from vime.sample import samples_for_prompts
 from rollout.sampling_params import SamplingParams
 from rollout.embedded.proposers.mtp import MTPProposer
 from rollout.embedded.steps import StepRunner
-from rollout.spec_config import parse_spec_config
+from vime.spec_config import parse_spec_config
 from spec_fixtures import (alternating_k, chi_square_p_value, exact_joint, one_thread, resample_from_p,  # noqa: F401
                            tiny_vocab_model)
 

@@ -50,7 +50,7 @@ from rollout.weight_receiver import BucketReceiver, HandOverReceiver
 from vime.errors import UserError, require
 from vime.models.draft_kinds import external_kind
 from vime.models.families import vllm_aux_hidden_state_families
-from vime.spec_config import FLAG, as_spec_config
+from vime.spec_config import FLAG, as_spec_config, check_external_draft
 from vime.precision import dtype_name
 
 VLLM_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of a GPU's memory, for an engine alone on it
@@ -121,7 +121,6 @@ def check_config(cfg, hf):
     embedded engine's switches refused, an external draft against the target, what vLLM would run
     otherwise than the model (`check_model_on_vllm`), and last vLLM's own validation of the engine
     config, all in the driver before any actor starts."""
-    from rollout.spec_config import check_external_draft
     from vime.precision import compute_dtype
 
     r = cfg.rollout

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from rollout.embedded.engine import EngineConfig  # noqa: E402
 from rollout.embedded.engine_builder import build_engine, build_proposer  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
-from rollout.spec_config import parse_spec_config  # noqa: E402
+from vime.spec_config import parse_spec_config  # noqa: E402
 from rollout.spec_stats import aggregate_spec_stats, spec_rates  # noqa: E402
 from rollout.task import DEFAULT_TASK_VARIANT, TASK_VARIANTS, make_prompts  # noqa: E402
 from rollout.tiny_model import make_random_checkpoint  # noqa: E402
