@@ -290,7 +290,7 @@ ADAPTIVE = {"mtp adaptive"}  # methods run with --spec-adaptive (and every "... 
 FIXED_K = ("none", "mtp k=1", "mtp k=2", "mtp k=3")  # what adaptive k is compared with
 
 
-def task_prompts(checkpoint, variant, n):
+def variant_prompts(checkpoint, variant, n):
     """n prompts of the task variant (the same seed everywhere), as token ids after BOS."""
     return [[1] + TextCodec(checkpoint).encode(r["prompt"]) for r in TASK_VARIANTS[variant].prompts(n, seed=1234)]
 
@@ -347,7 +347,7 @@ def spec_decode(args):
     require(args.min_seconds >= 0, f"--min-seconds {args.min_seconds}: give 0 (just --repeats) or more")
     require_device(args.device)
     pool = args.num_prompts * (POOL_PER_PROMPT if args.min_response_len else 1)
-    prompts = task_prompts(args.hf_checkpoint, args.task_variant, pool)
+    prompts = variant_prompts(args.hf_checkpoint, args.task_variant, pool)
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               ignore_eos=not args.stop_at_eos, seed=1234)  # the same draws on every side
     indices = None
@@ -627,7 +627,7 @@ def repeatability(args):
     their best runs, however many ratios a table prints."""
     for flag in ("num_prompts", "batch_size", "max_new_tokens", "repeats"):  # a count of 0 has no spread
         require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} {getattr(args, flag)}: give at least 1")
-    prompts = task_prompts(args.hf_checkpoint, DEFAULT_TASK_VARIANT, args.num_prompts)
+    prompts = variant_prompts(args.hf_checkpoint, DEFAULT_TASK_VARIANT, args.num_prompts)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=1234)
     engine = build_engine(args.hf_checkpoint, None, EngineConfig(max_batch_size=args.batch_size))
     engine.generate(indexed_samples(prompts[:args.batch_size]), sampling)  # warm-up
