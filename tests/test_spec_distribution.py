@@ -73,7 +73,8 @@ def test_speculative_sampling_matches_the_target_joint_distribution(model, metho
 def test_sampling_with_k_chosen_per_step_matches_the_target_joint_distribution(model, policy):
     """k changes only how much is drafted: a per-step k (the adaptive policy, or one that
     alternates 0 and 2 so deferred MTP catch-up is exercised) keeps the distribution."""
-    from rollout.embedded.spec_policy import AdaptiveK, batch_grid
+    from rollout.embedded.spec_policy import AdaptiveK
+    from rollout.embedded.step_costs import batch_grid
 
     class EagerAdaptive(AdaptiveK):
         """The adaptive policy with a constructed profile (a drafted token costs 0.1 of a step on

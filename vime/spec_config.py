@@ -86,7 +86,8 @@ class SpecConfig:
     synthetic_acceptance_length: float = None
     # vLLM's dynamic schedule: ((range_start, range_end, k), ...), inclusive, sorted
     num_speculative_tokens_per_batch_size: tuple = None
-    # vLLM's: verify per step only as many drafts as the draft's confidence makes worth it (DSpark)
+    # vLLM's: verify per step only as many drafts as the draft's confidence makes worth it (DSpark); with
+    # num_speculative_tokens_per_batch_size that schedule says where the block is drafted
     enable_adaptive_verification: bool = False
     given: tuple = dataclasses.field(default=(), repr=False)
 
@@ -309,14 +310,12 @@ def _rejection(raw):
 
 
 def _adaptive_verification(raw):
-    """vLLM's enable_adaptive_verification sizes verification by a draft's confidence (DSpark's head)."""
+    """vLLM's enable_adaptive_verification sizes verification by a draft's confidence (DSpark's head); a batch-size
+    schedule beside it says where the block is drafted, as vLLM takes the two together."""
     require(not raw.get("enable_adaptive_verification") or raw["method"] in CONFIDENCE_METHODS,
             f"{FLAG}: enable_adaptive_verification sizes verification by the draft's confidence head, which "
             f"method {raw['method']!r} has not (use it with {', '.join(CONFIDENCE_METHODS)}, or --spec-adaptive "
             "to choose k per batch size from measured acceptance)")
-    require(not (raw.get("enable_adaptive_verification") and raw.get("num_speculative_tokens_per_batch_size")),
-            f"{FLAG}: enable_adaptive_verification and num_speculative_tokens_per_batch_size both choose how many "
-            "drafts a step verifies; give one of them")
 
 
 def _batch_schedule(raw):

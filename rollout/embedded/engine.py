@@ -292,7 +292,7 @@ class Engine:
             running += admitted
             self.step_k = self.k_policy.choose(len(running))
             if admitted:
-                self._prefill(admitted, sampling, len(running))
+                self._prefill(admitted, sampling)
             if decoding:
                 self._verify_step(decoding, sampling)
             finished = [r for r in running if r.finished]
@@ -327,10 +327,9 @@ class Engine:
             running.sort(key=lambda r: r.slot)
         return list(range(n, self.config.max_batch_size))[::-1]
 
-    def _prefill(self, reqs, sampling, batch_size):
+    def _prefill(self, reqs, sampling):
         """One ragged forward over the admitted prompts; a prompt shared by several requests (a
-        GRPO group) is computed once and its KV entries copied into the other requests' slots. The
-        proposer's work after it is told to the k policy (batch_size: the rows running with them)."""
+        GRPO group) is computed once and its KV entries copied into the other requests' slots."""
         leaders, source = self._prompt_leaders(reqs)
         hidden, mtp_hidden = self._prompt_forward(leaders)
         lengths = device_tensor([len(r.sample.prompt_ids) for r in leaders], self.config.device)
@@ -344,10 +343,7 @@ class Engine:
         n_new = [len(r.sample.prompt_ids) for r in reqs]
         for r in reqs:
             r.num_cached = len(r.sample.prompt_ids)
-        start = time.perf_counter()
         self._propose(reqs, mtp_hidden, [0] * len(reqs), n_new)
-        if self.k_policy.observes:
-            self.k_policy.observe_prefill(batch_size, self.step_k, time.perf_counter() - start)
 
     def _prompt_leaders(self, reqs):
         """(the requests whose prompts get computed, for each request its leader's index there or
@@ -396,16 +392,14 @@ class Engine:
         verified = time.perf_counter()
         drafted = self._propose(reqs, mtp_hidden, starts, [1 + a for a in n_acc])
         if self.k_policy.observes:
-            self._observe_step(reqs, drafts.shape[1], counts, n_acc, drafted, start, verified, generated_before,
-                               sum(starts))
+            self._observe_step(reqs, drafts.shape[1], counts, n_acc, drafted, start, verified, generated_before)
 
-    def _observe_step(self, reqs, k_verified, counts, n_acc, drafted, start, verified, generated_before, context):
-        """Tell the k policy what this step cost and what got accepted (context: the rows' cached positions
-        before it)."""
+    def _observe_step(self, reqs, k_verified, counts, n_acc, drafted, start, verified, generated_before):
+        """Tell the k policy what this step cost and what got accepted."""
         self.k_policy.observe(StepRecord(
             len(reqs), k_verified, verified - start, self.step_k if drafted else None,
             time.perf_counter() - verified, sum(r.num_generated for r in reqs) - generated_before,
-            *_per_position(counts, n_acc), context=context, caught_up=self.proposer.take_catch_up()))
+            *_per_position(counts, n_acc)))
 
     def _accept(self, reqs, logprobs, drafts, counts, sampling, draft_probs):
         """Verify drafts, append the emitted tokens (cut at stop / budget), update stats."""
