@@ -12,6 +12,7 @@ with speculation, timed by one harness.
     python scripts/bench/throughput.py repeatability                       # how steady this machine times the same work
     python scripts/bench/throughput.py step-limit [--device cuda --dtype bfloat16 --layers 24 --hidden 2048 --intermediate 5632]
                                                                            # a decode step vs the bandwidth limit
+    python scripts/bench/throughput.py gemm-rows [--out 8192 --in 4096]   # one weight's GEMM against its rows
 
 The harness times every side on the same prompts, sides interleaved within each repeat (load from
 other jobs hits all alike), best of --repeats, after a warm-up; a ratio is printed only after
@@ -642,6 +643,48 @@ def repeatability(args):
     print(f"max / min {ordered[-1] / ordered[0]:.2f}, median / min {ordered[len(ordered) // 2] / ordered[0]:.2f}")
 
 
+# ------------------------------------------------------------------ gemm-rows
+def median_ms(fn, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def gemm_rows(args):
+    """GEMM cost against the rows it multiplies: plain `x @ W.t()` against rollout/embedded/linear.py's packed
+    backend (oneDNN's kernel itself at every row count; linear.py sends one row, and few rows of a weight under
+    PACKED_MIN_BYTES, to the plain matmul). A verify of 1 + k tokens multiplies every weight by 1 + k rows per
+    request, which on a memory-bound step should cost about one row. Prints milliseconds (median of --repeats),
+    each backend's cost over its own first row count, and packed over plain per row count (one run)."""
+    import dataclasses
+
+    from rollout.embedded.linear import linear, pack, pick_backend
+
+    torch.set_num_threads(args.threads)
+    weight = torch.randn(args.out, args.in_features)
+    packed_backend = pick_backend("cpu", torch.float32)
+    packed = dataclasses.replace(pack(weight, packed_backend), min_packed_rows=2)
+    backends = {"plain": pack(weight, "dense"), "packed": packed}
+    rows = batch_sizes(args.rows)
+    print(f"weight {args.out}x{args.in_features} fp32 ({weight.numel() * 4 / 2**20:.2f} MiB), "
+          f"{args.threads} threads, packed backend = {packed_backend}")
+    ms = {name: {} for name in backends}
+    for m in rows:
+        x = torch.randn(m, args.in_features)
+        for name, w in backends.items():  # interleaved per row count: a busy machine slows both alike
+            ms[name][m] = median_ms(lambda: linear(x, w), args.repeats)
+    print("| rows | plain ms | packed ms | plain / first | packed / first | packed / plain |")
+    print("|---|---|---|---|---|---|")
+    for m in rows:
+        p, q = ms["plain"][m], ms["packed"][m]
+        print(f"| {m} | {p:.2f} | {q:.2f} | {p / ms['plain'][rows[0]]:.2f} | {q / ms['packed'][rows[0]]:.2f} | "
+              f"{q / p:.2f} |")
+
+
 # ------------------------------------------------------------------ command line
 def add_compare_arguments(p):
     p.add_argument("--hf-checkpoint", default=None, help="default: a random-weight tiny MiMo")
@@ -739,10 +782,18 @@ def add_repeatability_arguments(p):
     p.add_argument("--clock", default="cpu", choices=list(CLOCKS))
 
 
+def add_gemm_rows_arguments(p):
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--out", type=int, default=8192, help="the weight's output features (8192 x 4096 fp32: 128 MiB)")
+    p.add_argument("--in", dest="in_features", type=int, default=4096)
+    p.add_argument("--rows", default="1,2,4,16")
+
+
 MODES = {"vs-hf": (vs_hf, add_compare_arguments), "vs-vllm": (vs_vllm, add_vllm_arguments),
          "spec-decode": (spec_decode, add_spec_decode_arguments), "spec-scale": (spec_scale, add_spec_scale_arguments),
          "step-limit": (step_limit, add_step_limit_arguments), "compaction": (compaction, add_compaction_arguments),
-         "repeatability": (repeatability, add_repeatability_arguments)}
+         "repeatability": (repeatability, add_repeatability_arguments),
+         "gemm-rows": (gemm_rows, add_gemm_rows_arguments)}
 
 
 @exit_on_user_error
