@@ -7,30 +7,24 @@ a draft is verified, so every policy keeps the output exact.
   FixedK      k = num_speculative_tokens (vLLM's default).
   ScheduleK   vLLM's `num_speculative_tokens_per_batch_size`: inclusive batch-size ranges
               [(start, end, k), ...]; gaps and the tail carry the previous k; capped at num_speculative_tokens.
-  AdaptiveK   vime's --spec-adaptive: at every generate, k(B) = argmax_k E(k) / cost(B, k) for each batch
-              size B. E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j (`expected_tokens`), a_j the acceptance at draft
-              position j: rows accepted over rows that reached it, shrunk toward the previous position's rate
-              by ACCEPT_PRIOR_ROWS pseudo-rows; the counts shrink at each generate on new weights, so a draft
-              no longer drafted drifts back to the prior. cost(B, k) = verify(B, 1+k) + draft(B, k), profiled
-              once on the engine's own passes (a power-of-two grid of B, linear in between, `monotone_envelope`),
-              each k's price scaled by what real k-draft steps took over their profiled price (`cost_correction`,
-              decayed at each generate and dropped once thin, so one slow generate does not price a k out).
-  ConfidenceSizedK  vLLM's `enable_adaptive_verification` (a draft with a confidence head: DSpark). A step
-              drafts the whole block or nothing: as `num_speculative_tokens_per_batch_size` says where it is
-              given, else where the start-up profile prices the block's sized steps DRAFT_MARGIN faster than
-              plain decoding at the acceptance measured so far (every draft passes until drafted blocks say
-              otherwise, so a block is drafted and its confidences seen). A drafting step verifies `sized_q`.
+  AdaptiveK   vime's --spec-adaptive: at every generate, k(B) = argmax_k E(k) / cost(B, k) per batch size B.
+              E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j, a_j the acceptance at draft position j (rows accepted over
+              rows that reached it, shrunk toward the previous position's; the counts shrink on new weights).
+              cost(B, k) = verify(B, 1+k) + draft(B, k), profiled once at start-up (step_costs.py), each k's
+              price scaled by what real k-draft steps took over it (`cost_correction`, decayed, dropped once thin).
+  ConfidenceSizedK  vLLM's `enable_adaptive_verification` (DSpark's confidence head): the whole block or
+              nothing per batch size, as `num_speculative_tokens_per_batch_size` says, else where the profile
+              prices the block's sized steps DRAFT_MARGIN faster than plain decoding; a drafting step verifies
+              `sized_q` of its drafts.
 
-Verification sized by confidence, beside vLLM's. vLLM (v1/worker/gpu/spec_decode/adaptive_verification.py)
-profiles a drafting cost per request count and a verify cost per token count once at start-up, scores
-each (request, draft) slot by its survival s (the running product of the draft's confidences along its
-request) and admits the count of slots that maximises (requests + sum of the admitted survivals) /
-(drafting cost + verify cost), the highest survivals first: its verify costs per token, so each slot is
-priced alone. This engine's verify pads every row to the longest, so a step's price depends on the most
-drafts any row verifies, and a row cut shorter saves nothing: `sized_q` gives every row the same q, grown
-one draft at a time while (B + sum_rows sum_{j<q} s_j) / cost(q) rises. Growing rather than taking the
-argmax keeps sampled drafts exact: whether draft j is verified depends on the survivals up to j, which
-the drafts before j decide (the confidence of slot j reads the token drafted at j - 1), never on draft j.
+Verification sized by confidence, beside vLLM's (v1/worker/gpu/spec_decode/adaptive_verification.py; the two
+side by side in docs/drafts.md): both score draft j of a row by its survival s_j, the running product of the
+row's confidences, and price steps from a cost profile taken once at start-up. vLLM's verify costs per token,
+so it admits single (row, draft) slots, the highest survivals first; this engine's verify pads every row to
+the longest, so `sized_q` gives every row the same q, grown one draft at a time while
+(B + sum_rows sum_{j<q} s_j) / cost(q) rises. Growing rather than taking the argmax keeps sampled drafts exact:
+whether draft j is verified depends on the survivals up to j, which the drafts before j decide (the
+confidence of slot j reads the token drafted at j - 1), never on draft j itself.
 """
 import torch
 
@@ -41,9 +35,8 @@ ACCEPT_PRIOR_ROWS = 8  # pseudo-rows of prior (the previous position's rate) in 
 ACCEPT_KEEP_PER_LOAD = 0.5  # share of the row counts kept when a generate runs on new weights
 COST_KEEP_PER_GENERATE = 0.5  # share of the measured/profiled step seconds kept at each generate
 COST_FORGET_STEPS = 1.0  # a k's measured/profiled evidence below this many 1-row steps is dropped
-# ConfidenceSizedK drafts the block only where the profile prices it this much faster than plain decoding:
-# the profile's probes leave out the host work around a real step (drawing, accepting, recording), which a
-# drafting step has more of, and the rows' lengths drifting apart under drafting (every row pads to the longest)
+# how much faster than plain decoding the profile must price the block: its probes leave out a real step's host
+# work (drawing, accepting, recording), which a drafting step has more of, and the rows' lengths drifting apart
 DRAFT_MARGIN = 0.08
 
 
@@ -166,8 +159,7 @@ class AdaptiveK(ScheduleK):
         self.tokens = [expected_tokens(self.acceptance(), k) for k in range(k_max + 1)]
         self.trace = new_trace()
 
-    def prepare(self, engine):
-        """Profile verify(B, 1+k) and draft(B, k) once, on the engine's own forward passes."""
+    def prepare(self, engine):  # the profile, once
         if self.costs is None:
             self.set_costs(*profile_steps(engine, self.k))
 
@@ -199,11 +191,6 @@ class AdaptiveK(ScheduleK):
         fallback = max(known) if known else 1.0
         return [m / p if p > 0 else fallback for m, p in zip(self.measured_s, self.profiled_s)]
 
-    def best_k(self, b, correction):
-        """argmax_k E(k) / cost(b, k), the smaller k on a tie (B cancels)."""
-        costs = self.costs[b]
-        return max(range(self.k + 1), key=lambda k: (self.tokens[k] / max(costs[k] * correction[k], 1e-12), -k))
-
     def begin(self, weight_version=None):
         """Shrink the acceptance evidence if the weights changed, then write this generate's schedule."""
         if weight_version != self.weight_version:  # the draft may have changed: its evidence counts less
@@ -217,9 +204,10 @@ class AdaptiveK(ScheduleK):
         self.trace = new_trace()
 
     def write_schedule(self):
-        """This generate's k for every batch size."""
-        correction = self.cost_correction()
-        self.lookup = [0] + [self.best_k(b, correction) for b in range(1, len(self.costs))]
+        """This generate's k for every batch size: argmax_k E(k) / cost(b, k), the smaller k on a tie."""
+        c = self.cost_correction()
+        self.lookup = [0] + [max(range(self.k + 1), key=lambda k: (self.tokens[k] / max(costs[k] * c[k], 1e-12), -k))
+                             for costs in self.costs[1:]]
 
     def age_cost_evidence(self):
         """The correction follows the machine's load: older steps count less at each generate, and a k's
@@ -253,8 +241,7 @@ class AdaptiveK(ScheduleK):
         t["pred_s"] += priced
         t["emitted"] += step.emitted
 
-    def priced(self, b, step):
-        """What the profile prices `step` at (b rows): a step verifying and drafting k."""
+    def priced(self, b, step):  # what the profile prices `step` at (b rows)
         return self.costs[b][step.k_verified]
 
     def summary(self):
@@ -276,6 +263,8 @@ class ConfidenceSizedK(AdaptiveK):
     corrects_costs = False  # the start-up profile is the whole price
     sizes_verification = True
     sized = False  # True once a step was sized by confidences (a draft without the head never is)
+    # drafting steps' tokens beyond one a row: emitted, and expected by the acceptance (`realized`)
+    extra_emitted = extra_expected = 0.0
 
     def __init__(self, k_max, schedule=None, max_batch_size=None):
         super().__init__(k_max)
@@ -300,10 +289,29 @@ class ConfidenceSizedK(AdaptiveK):
 
     def block_pays(self, b):
         """Whether the block's steps, each verifying what `sized_q` gives at the acceptance measured so far (all
-        k until a step was sized), are priced DRAFT_MARGIN more tokens per second than plain steps at b rows."""
+        k until a step was sized) and emitting the `realized` share of the extra tokens that acceptance expects,
+        are priced DRAFT_MARGIN more tokens per second than plain steps at b rows."""
         table = self.cost_table(b, self.k)
         q = int(sized_q(torch.tensor([self.acceptance()]), table, self.k)[0]) if self.sized else self.k
-        return self.tokens[q] / table[q] >= (1 + DRAFT_MARGIN) / self.cost_table(b, 0)[0]
+        tokens = 1 + (self.tokens[q] - 1) * self.realized()
+        return tokens / table[q] >= (1 + DRAFT_MARGIN) / self.cost_table(b, 0)[0]
+
+    def realized(self):
+        """The share of the extra tokens the acceptance expects that drafting steps emitted, ACCEPT_PRIOR_ROWS
+        tokens at 1: a row that ends inside a block (at EOS or its budget) emits fewer than its drafts passed."""
+        return (self.extra_emitted + ACCEPT_PRIOR_ROWS) / (self.extra_expected + ACCEPT_PRIOR_ROWS)
+
+    def observe(self, step):
+        if step.k_verified:
+            self.extra_emitted += step.emitted - step.batch_size
+            self.extra_expected += step.batch_size * (self.tokens[step.k_verified] - 1)
+        super().observe(step)
+
+    def begin(self, weight_version=None):
+        if weight_version != self.weight_version:  # answers' lengths move with the policy: this evidence shrinks too
+            self.extra_emitted *= ACCEPT_KEEP_PER_LOAD
+            self.extra_expected *= ACCEPT_KEEP_PER_LOAD
+        super().begin(weight_version)
 
     def verification_size(self, batch_size, confidences):
         """`sized_q` at batch_size rows; the drafts left unverified count in the acceptance estimate as
@@ -319,8 +327,7 @@ class ConfidenceSizedK(AdaptiveK):
             self.accepted[j] += passed[j]
         return sizes
 
-    def priced(self, b, step):
-        """The verify of k_verified drafts plus the drafting of k_drafted (a step drafts after it verifies)."""
+    def priced(self, b, step):  # the verify of k_verified drafts plus the drafting of k_drafted after it
         return self.verify_s[b][step.k_verified] + (self.draft_s[b][step.k_drafted] if step.k_drafted else 0.0)
 
 
