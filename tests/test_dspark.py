@@ -277,29 +277,27 @@ def test_a_batch_size_schedule_says_where_the_block_is_drafted_whatever_the_prof
         assert policy.lookup == want and [policy.choose(b) for b in range(1, 5)] == want[1:]
 
 
-@pytest.mark.parametrize("extra_share", [1.0, 0.6, 0.2], ids=["rows-run-on", "some-end-inside", "most-end-inside"])
-def test_the_block_is_priced_at_the_share_of_its_expected_tokens_its_steps_emitted(extra_share):
-    """Rows that end inside a block (at EOS or their budget) emit fewer tokens than the acceptance expects: the
-    block is priced at 1 + (E(q) - 1) x the share of the expected extra tokens drafting steps emitted (with
-    ACCEPT_PRIOR_ROWS tokens at 1), against plain decoding, DRAFT_MARGIN in plain's favour (the direct formula)."""
+@pytest.mark.parametrize("emitted_share", [1.0, 0.6, 0.2], ids=["rows-run-on", "some-end-inside", "most-end-inside"])
+def test_the_block_is_priced_at_the_share_of_its_accepted_drafts_its_steps_emitted(emitted_share):
+    """Rows that end inside a block (a stop token before an accepted draft) emit fewer tokens than their drafts
+    passed: the block is priced at 1 + (E(q) - 1) x the share of accepted drafts that drafting steps emitted
+    (ACCEPT_PRIOR_ROWS drafts at 1), against plain decoding, DRAFT_MARGIN in plain's favour (the direct formula)."""
     grid = [1, 2, 4]
     verify = {q: [1.0 + 0.3 * q, 1.1 + 0.35 * q, 1.2 + 0.4 * q] for q in range(4)}
     draft = {k: [0.2 * (k > 0)] * 3 for k in range(4)}
     policy = ConfidenceSizedK(3)
     policy.set_costs(grid, verify, draft)
     policy.drafted, policy.accepted = [1e9] * 3, [0.9e9, 0.8e9, 0.7e9]  # acceptance given the drafts before
-    policy.begin()
-    tokens = policy.tokens[3]
-    for _ in range(10):  # drafting steps at 4 rows, each verifying all 3 drafts
-        policy.observe(StepRecord(4, 3, 1.0, 3, 0.1, 4 + 4 * (tokens - 1) * extra_share, [4, 4, 4], [4, 4, 4]))
-    share = (40 * (tokens - 1) * extra_share + ACCEPT_PRIOR_ROWS) / (40 * (tokens - 1) + ACCEPT_PRIOR_ROWS)
+    for _ in range(10):  # drafting steps at 4 rows verifying 3 drafts: 9 accepted, emitted as the case says
+        policy.observe(StepRecord(4, 3, 1.0, 3, 0.1, 4 + 9 * emitted_share, [4, 4, 3], [4, 3, 2]))
+    share = (90 * emitted_share + ACCEPT_PRIOR_ROWS) / (90 + ACCEPT_PRIOR_ROWS)
     assert policy.realized() == pytest.approx(share)
     policy.begin()
     for b in (1, 2, 4):
         at = grid.index(b)
         block = (1 + (policy.tokens[3] - 1) * share) / (verify[3][at] + draft[3][at])
         assert policy.lookup[b] == (3 if block >= (1 + DRAFT_MARGIN) / verify[0][at] else 0)
-    assert policy.lookup[1] == (3 if extra_share > 0.5 else 0)  # the cases sit either side of the line at 1 row
+    assert policy.lookup[1] == (3 if emitted_share > 0.5 else 0)  # the cases sit either side of the line at 1 row
 
 
 def test_the_sized_schedule_prices_each_k_at_the_verification_its_steps_would_size_to():

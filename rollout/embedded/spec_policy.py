@@ -131,13 +131,16 @@ def sized_q(confidences, cost_table, k_max):
     row r is still accepted); cost_table[q]: seconds of the step verifying q drafts, q = 0..k_max."""
     rows, k = confidences.shape[0], min(k_max, confidences.shape[1])
     passed = confidences[:, :k].double().cumprod(1).sum(0).tolist()
-    expected = [float(rows)]
-    for p in passed:
-        expected.append(expected[-1] + p)
-    q = 0
-    while q < k and expected[q + 1] / cost_table[q + 1] > expected[q] / cost_table[q]:
+    return torch.full((rows,), grown_q(rows, passed, cost_table), dtype=torch.long)
+
+
+def grown_q(rows, passed, cost_table):
+    """The q where verifying one more draft stops raising (rows + sum_{j<q} passed[j]) / cost_table[q]."""
+    q, expected = 0, float(rows)
+    while q < len(passed) and (expected + passed[q]) / cost_table[q + 1] > expected / cost_table[q]:
+        expected += passed[q]
         q += 1
-    return torch.full((rows,), q, dtype=torch.long)
+    return q
 
 
 class AdaptiveK(ScheduleK):
@@ -147,6 +150,8 @@ class AdaptiveK(ScheduleK):
     observes = True
     corrects_costs = True  # False: the profile is the whole price
     accept_prior = ACCEPT_PRIOR
+    # drafting steps' tokens beyond one a row, and the drafts their verifies accepted (ConfidenceSizedK's `realized`)
+    extra_emitted = extra_accepted = 0.0
 
     def __init__(self, k_max):
         FixedK.__init__(self, k_max)
@@ -197,6 +202,8 @@ class AdaptiveK(ScheduleK):
             self.weight_version = weight_version
             self.drafted = [n * ACCEPT_KEEP_PER_LOAD for n in self.drafted]
             self.accepted = [n * ACCEPT_KEEP_PER_LOAD for n in self.accepted]
+            self.extra_emitted *= ACCEPT_KEEP_PER_LOAD
+            self.extra_accepted *= ACCEPT_KEEP_PER_LOAD
         self.tokens = [expected_tokens(self.acceptance(), k) for k in range(self.k + 1)]
         if self.costs is not None:
             self.write_schedule()
@@ -263,8 +270,6 @@ class ConfidenceSizedK(AdaptiveK):
     corrects_costs = False  # the start-up profile is the whole price
     sizes_verification = True
     sized = False  # True once a step was sized by confidences (a draft without the head never is)
-    # drafting steps' tokens beyond one a row: emitted, and expected by the acceptance (`realized`)
-    extra_emitted = extra_expected = 0.0
 
     def __init__(self, k_max, schedule=None, max_batch_size=None):
         super().__init__(k_max)
@@ -282,36 +287,30 @@ class ConfidenceSizedK(AdaptiveK):
         return [self.verify_s[b][q] + self.draft_s[b][k] for q in range(k + 1)]
 
     def write_schedule(self):
+        """The schedule's k, else the block where its steps, each verifying what `sized_q` gives at the acceptance
+        measured so far (all k until a step was sized) and emitting the `realized` share of the drafts that
+        acceptance passes, are priced DRAFT_MARGIN more tokens per second than plain steps."""
         if self.schedule is not None:
             self.lookup = self.schedule
             return
-        self.lookup = [0] + [self.k if self.block_pays(b) else 0 for b in range(1, len(self.costs))]
-
-    def block_pays(self, b):
-        """Whether the block's steps, each verifying what `sized_q` gives at the acceptance measured so far (all
-        k until a step was sized) and emitting the `realized` share of the extra tokens that acceptance expects,
-        are priced DRAFT_MARGIN more tokens per second than plain steps at b rows."""
-        table = self.cost_table(b, self.k)
-        q = int(sized_q(torch.tensor([self.acceptance()]), table, self.k)[0]) if self.sized else self.k
-        tokens = 1 + (self.tokens[q] - 1) * self.realized()
-        return tokens / table[q] >= (1 + DRAFT_MARGIN) / self.cost_table(b, 0)[0]
+        survival = [b - a for a, b in zip(self.tokens, self.tokens[1:])]  # each draft's chance to be accepted
+        realized, self.lookup = self.realized(), [0]
+        for b in range(1, len(self.costs)):
+            table = self.cost_table(b, self.k)
+            q = grown_q(1, survival, table) if self.sized else self.k
+            pays = (1 + (self.tokens[q] - 1) * realized) / table[q] >= (1 + DRAFT_MARGIN) / self.cost_table(b, 0)[0]
+            self.lookup.append(self.k if pays else 0)
 
     def realized(self):
-        """The share of the extra tokens the acceptance expects that drafting steps emitted, ACCEPT_PRIOR_ROWS
-        tokens at 1: a row that ends inside a block (at EOS or its budget) emits fewer than its drafts passed."""
-        return (self.extra_emitted + ACCEPT_PRIOR_ROWS) / (self.extra_expected + ACCEPT_PRIOR_ROWS)
+        """The share of accepted drafts that drafting steps emitted, ACCEPT_PRIOR_ROWS drafts at 1: a row that
+        ends inside a block (a stop token before an accepted draft) emits fewer than its drafts passed."""
+        return (self.extra_emitted + ACCEPT_PRIOR_ROWS) / (self.extra_accepted + ACCEPT_PRIOR_ROWS)
 
     def observe(self, step):
         if step.k_verified:
             self.extra_emitted += step.emitted - step.batch_size
-            self.extra_expected += step.batch_size * (self.tokens[step.k_verified] - 1)
+            self.extra_accepted += sum(step.accepted_per_pos)
         super().observe(step)
-
-    def begin(self, weight_version=None):
-        if weight_version != self.weight_version:  # answers' lengths move with the policy: this evidence shrinks too
-            self.extra_emitted *= ACCEPT_KEEP_PER_LOAD
-            self.extra_expected *= ACCEPT_KEEP_PER_LOAD
-        super().begin(weight_version)
 
     def verification_size(self, batch_size, confidences):
         """`sized_q` at batch_size rows; the drafts left unverified count in the acceptance estimate as
