@@ -122,10 +122,9 @@ def time_interleaved(runs, repeats, clock="wall", min_seconds=0.0, rates=None):
 
 def paired_median(rates, base):
     """{name: the median over repeats of its tokens/s over `base`'s in the same repeat}. Why beside the
-    best of each: this CPU's speed moves by a fifth between runs half a second apart, so the best of one
-    method and the best of another can come from different moments (a DSpark engine drafting nothing,
-    against plain decoding at 128 rows, gave best-of ratios of 0.93x and 1.04x in two runs of 40 repeats);
-    a repeat's runs are adjacent in time, and the median drops the repeats a burst of load hit."""
+    best of each: a shared CPU's speed moves between runs half a second apart, so the best of one method
+    and the best of another can come from different moments; a repeat's runs are adjacent in time, and the
+    median drops the repeats a burst of load hit."""
     return {name: statistics.median(r / b for r, b in zip(rs, rates[base])) for name, rs in rates.items()}
 
 
