@@ -1,7 +1,7 @@
 """The checks a run makes before any actor starts, in the order they run: each part checks its own
 (a config section its fields, a registry its names, a backend its engine's needs, the trainer its
-draft), so this module only says what runs when, and each check runs once. Nothing here changes the config or the disk:
-those steps are orchestration/run_setup.py's, and train_rl.py `prepare` interleaves the two.
+draft), so this module only says what runs when, and each check runs once. Nothing here changes the
+config or the disk: those steps are orchestration/run_setup.py's, and train_rl.py `prepare` interleaves the two.
 A failed check is one `UserError` line (train_rl.py prints `error: ...` and exits 2)."""
 import os
 

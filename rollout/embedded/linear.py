@@ -5,8 +5,9 @@ verify forward of 1 + k tokens cost (1 + k) plain steps even where decoding stre
 weights from memory — exactly the regime where speculation should be nearly free. oneDNN
 with the weight reordered once into its blocked layout reads each weight once for all rows
 (`scripts/bench/throughput.py gemm-rows` prints the curve). For a single row the plain GEMV is
-faster than oneDNN's packed kernel, so "mkldnn" sends one-row inputs there; rows then differ from the packed ones only by reduction order (the fp32 bound of
-tests/fp32_bounds.py), as plain and batched matmuls always did. A weight that stays in a
+faster than oneDNN's packed kernel, so "mkldnn" sends one-row inputs there; rows then differ from
+the packed ones only by reduction order (the fp32 bound of tests/fp32_bounds.py), as plain and
+batched matmuls always did. A weight that stays in a
 core's caches (below PACKED_MIN_BYTES) gains nothing from the reorder until the input has
 many rows, and each oneDNN call costs more than the plain matmul (on a small model, whose forward
 is many small linears, that call overhead would make a verify of a few tokens dearer than it need be):
