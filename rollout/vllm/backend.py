@@ -295,7 +295,9 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False,
-                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", enforce_eager=False, sharing=None):
+                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", enforce_eager=False, sharing=None,
+                 context_len=None):
+        del context_len  # vLLM sizes its KV cache by its own budget (VLLM_CPU_KVCACHE_SPACE, gpu_memory_utilization)
         require_not_adaptive(adaptive)
         _set_env(device)
         from vllm import LLM
