@@ -27,7 +27,7 @@ setup(
         "math-verify>=0.9",  # --rm-type math: Hugging Face's answer verifier
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "scipy"],
+        "test": ["pytest", "pytest-timeout", "scipy", "ruff"],
         # --rollout-backend vllm. CPU: vLLM 0.32's CPU build (it pins torch 2.13.0+cpu, vime's torch);
         # it also pulls PyPI's CUDA torchvision/torchaudio/torchcodec, which break `import vllm` on
         # CPU torch: uninstall them after (see .ci/run). GPU: the CUDA build of the same release.

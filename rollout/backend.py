@@ -195,11 +195,7 @@ BACKEND_CHECKS = {
 
 
 def check_backend(cfg, hf):
-    """The rollout side of a training run before any actor starts: its samples must follow the policy
-    (no synthetic acceptance), then the chosen backend's own checks against the checkpoint `hf`."""
-    from rollout.spec_config import require_lossless
-
-    require_lossless(cfg.rollout.vllm_speculative_config, where="train_rl.py")
+    """The chosen backend's own checks of a training run against the checkpoint `hf`, before any actor starts."""
     BACKEND_CHECKS[cfg.rollout.backend](cfg, hf)
 
 

@@ -396,7 +396,7 @@ def _external_titles():
 class DraftSection:
     """The draft trained online beside the policy, whatever its kind (`cfg.draft`): the policy's MTP layers
     (--enable-mtp-training) or an external draft named by --vllm-speculative-config (--enable-draft-training,
-    EAGLE-3, DFlash). The knobs apply to whichever trains; those left at none take the kind's own default
+    EAGLE-3, DFlash, DSpark). The knobs apply to whichever trains; those left at none take the kind's own default
     (the table of kinds, vime/models/draft_kinds.py)."""
 
     NEEDS = {"*": "draft_training", "enable_training": "trainers"}  # every knob sets how the draft trains

