@@ -128,6 +128,7 @@ def check_config(cfg, hf):
     require(not r.time_plain_baseline, "--rollout-time-plain-baseline times the embedded engine without drafts; "
             "vLLM cannot switch speculation off in place: drop the flag or use --rollout-backend embedded")
     check_drafter_target(r.vllm_speculative_config, hf)
+    check_mtp_drafter(r.vllm_speculative_config, hf)
     check_external_draft(r.vllm_speculative_config, hf)
     require_vllm()
     check_drafts_on_this_build(r.vllm_speculative_config)
@@ -150,6 +151,17 @@ def check_drafter_target(spec, hf):
             f"states; vLLM 0.32's {fam.architectures[0]} ({fam.name}) does not (vLLM serves external drafts for "
             f"{vllm_aux_hidden_state_families()}): draft it with --rollout-backend embedded, which runs every "
             "family, or with method 'mtp' if the model has MTP layers")
+
+
+def check_mtp_drafter(spec, hf):
+    """vLLM drafts `method: mtp` with its own MTP class of the target's architecture; for a family without one
+    (`vllm_mtp_drafter`: Llama, whose MTP layers vime adds fresh) vLLM would refuse deep in its start-up."""
+    fam = hf.model_family
+    require(spec is None or spec.method != "mtp" or fam.vllm_mtp_drafter,
+            f"{FLAG}: method 'mtp' on vLLM needs vLLM's MTP drafter for the target's architecture, and vLLM 0.32 has "
+            f"none for {fam.architectures[0]} ({fam.name}): draft its MTP layers with --rollout-backend embedded, or "
+            "on vLLM use method 'eagle3' or 'dflash' with a draft made by scripts/make_eagle3_draft.py / "
+            "make_dflash_draft.py")
 
 
 def check_sleep_mode(r):

@@ -79,6 +79,9 @@ class ModelFamily:
     vllm_aux_hidden_states: bool = True
     # its checkpoints may carry MTP layers (the MTP tests and recipes run over these families)
     has_mtp: bool = True
+    # vLLM 0.32 has an MTP drafter for the architecture (its `method: mtp` picks one by `architectures`); it
+    # has none for Llama, so a Llama's fresh MTP layers draft on the embedded engine only
+    vllm_mtp_drafter: bool = True
     attention: str = "gqa"  # "gqa": grouped-query attention; "mla": multi-head latent attention (DeepSeek-V3)
     moe: bool = False  # decoder layers from first_k_dense_replace on are mixture-of-experts
     # q/k/v bias and q/k norm are read from the config (`attention_bias`, `use_qk_norm`: GLM-4.5)
@@ -143,7 +146,8 @@ FAMILIES = {
     "llama": ModelFamily(
         name="llama", architectures=("LlamaForCausalLM",), model_type="llama",
         hf_trunk_class="LlamaForCausalLM", qkv_bias=False, qk_norm=False, mtp_layout=GLM_LAYOUT,
-        has_mtp=False, rope_types=("default", "llama3"), unsupported_true_keys=("attention_bias", "mlp_bias"),
+        has_mtp=False, vllm_mtp_drafter=False, rope_types=("default", "llama3"),
+        unsupported_true_keys=("attention_bias", "mlp_bias"),
     ),
 }
 # the dense families with MTP layers (tests build them in any dense shape: head counts, widths)
