@@ -7,7 +7,7 @@ tied), plus the tiny task's character tokenizer so that text prompts work.
 """
 import torch
 
-from fp32_bounds import forward_depth, longest_reduction, reduction_rtol
+from fp32_bounds import forward_depth, longest_reduction, max_abs_logit, model_logprob_bound, reduction_rtol
 from rollout.task import BOS, EOS, PAD
 from rollout.tokenizer import build_tokenizer, save_tokenizer
 
@@ -81,3 +81,20 @@ def assert_greedy_equal_up_to_a_near_tie(model, cfg, prompt, got, want):
     t, gap, scale = found
     bound = near_tie_gap_bound(cfg, len(prompt) + t + 1, scale)
     assert gap <= bound, f"greedy tokens differ at step {t}: the reference's top-two gap {gap:.3g} > {bound:.3g}"
+
+
+def assert_trainer_agrees_with_rollout(checkpoint, samples):
+    """The trainer's (megatron-core, one forward at temperature 1) log-probs of the sampled responses equal the
+    rollout's within the fp32 bound of two forwards that differ in reduction order only."""
+    from trainer.batch import build_batch
+    from trainer.config import TrainerConfig
+    from trainer.trainer import Trainer
+    from vime.models.hf_format import read_config
+
+    for s in samples:
+        s.advantage = 1.0
+    batch = build_batch(samples)
+    got = Trainer(TrainerConfig(temperature=1.0), checkpoint).compute_logprobs(batch)
+    response = batch.loss_mask.bool()
+    bound = model_logprob_bound(read_config(checkpoint), batch.tokens.shape[1], max_abs_logit(checkpoint, samples))
+    assert (got[response] - batch.rollout_logprobs[response]).abs().max().item() <= bound

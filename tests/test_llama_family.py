@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoint_convert import hf_to_torch_dist, torch_dist_to_hf
-from fp32_bounds import max_abs_logit, model_logprob_bound
-from llama_fixtures import LLAMA3_ROPE, assert_greedy_equal_up_to_a_near_tie, hf_greedy, make_llama
+from fp32_bounds import model_logprob_bound
+from llama_fixtures import (LLAMA3_ROPE, assert_greedy_equal_up_to_a_near_tie, assert_trainer_agrees_with_rollout,
+                            hf_greedy, make_llama)
 from mtp.sampling import token_logprobs
 from rollout.embedded.engine import EngineConfig
 from rollout.embedded.engine_builder import build_engine
@@ -100,18 +101,10 @@ def test_trainer_logprobs_equal_transformers(llama):
 
 def test_trainer_and_embedded_rollout_logprobs_agree_within_the_fp32_bound(llama):
     """Log-probs of sampled responses: the embedded engine's (cached, batched) and the trainer's (one forward)."""
-    from trainer.batch import build_batch
-
     path, _ = llama
     samples = build_engine(path, None, EngineConfig(max_batch_size=8)).generate(
         samples_for_prompts(prompts(4, seed=1), n=2), SamplingParams(temperature=1.0, max_new_tokens=12, seed=3))
-    for s in samples:
-        s.advantage = 1.0
-    batch = build_batch(samples)
-    got = Trainer(TrainerConfig(temperature=1.0), path).compute_logprobs(batch)
-    response = batch.loss_mask.bool()
-    bound = model_logprob_bound(read_config(path), batch.tokens.shape[1], max_abs_logit(path, samples))
-    assert (got[response] - batch.rollout_logprobs[response]).abs().max().item() <= bound
+    assert_trainer_agrees_with_rollout(path, samples)
 
 
 def test_hf_to_torch_dist_to_hf_is_bit_identical_with_tied_embeddings_still_tied(llama, tmp_path):

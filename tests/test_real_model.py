@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fp32_bounds import max_abs_logit, max_logprob_diff, model_logprob_bound
-from llama_fixtures import assert_greedy_equal_up_to_a_near_tie, hf_greedy
+from llama_fixtures import assert_greedy_equal_up_to_a_near_tie, assert_trainer_agrees_with_rollout, hf_greedy
 
 pytestmark = pytest.mark.e2e
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,18 +98,8 @@ def test_trainer_and_rollout_logprobs_agree_within_the_fp32_bound(checkpoint, ch
     from rollout.embedded.engine import EngineConfig
     from rollout.embedded.engine_builder import build_engine
     from rollout.sampling_params import SamplingParams
-    from trainer.batch import build_batch
-    from trainer.config import TrainerConfig
-    from trainer.trainer import Trainer
-    from vime.models.hf_format import read_config
     from vime.sample import samples_for_prompts
 
     samples = build_engine(checkpoint, None, EngineConfig(max_batch_size=6, max_len=128)).generate(
         samples_for_prompts(chat_prompts, n=2), SamplingParams(temperature=1.0, max_new_tokens=16, seed=1))
-    for s in samples:
-        s.advantage = 1.0
-    batch = build_batch(samples)
-    got = Trainer(TrainerConfig(temperature=1.0), checkpoint).compute_logprobs(batch)
-    response = batch.loss_mask.bool()
-    bound = model_logprob_bound(read_config(checkpoint), batch.tokens.shape[1], max_abs_logit(checkpoint, samples))
-    assert (got[response] - batch.rollout_logprobs[response]).abs().max().item() <= bound
+    assert_trainer_agrees_with_rollout(checkpoint, samples)
