@@ -54,8 +54,8 @@ VS_VLLM = (r"plain\s+1\s+[\d.]+\s+[\d.]+\s+[\d.]+x", r"mtp k=2\s+1\s+[\d.]+\s+[\
 SPEC_TABLE = (r"\| batch \| method \| tokens/s \| speedup", r"paired speedup")
 DRIFT = (r"arm \(end = last 1 steps\)", r"accept_len start", r"wrote .*drift\.csv")
 TINY = {
-    "python scripts/bench/throughput.py vs-vllm --hf-checkpoint checkpoints/tiny-mimo-mtp": Tiny(
-        VS_VLLM + (r"mtp k=1\s+1 ",), ("--batch-sizes", "1", "--max-new-tokens", "4")
+    "python scripts/bench/throughput.py vs-vllm --hf-checkpoint checkpoints/tiny-mimo-mtp --repeats 3": Tiny(
+        VS_VLLM + (r"mtp k=1\s+1 ",), ("--batch-sizes", "1", "--max-new-tokens", "4", "--repeats", "1")
     ),
     'python scripts/bench/throughput.py vs-vllm --hf-checkpoint checkpoints/tiny-glm4-moe-mtp --arms "plain,mtp k=2" '
     "--repeats 3": Tiny(VS_VLLM, ("--batch-sizes", "1", "--max-new-tokens", "4", "--repeats", "1")),

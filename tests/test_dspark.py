@@ -300,6 +300,22 @@ def test_the_block_is_priced_at_the_share_of_its_accepted_drafts_its_steps_emitt
     assert policy.lookup[1] == (3 if emitted_share > 0.5 else 0)  # the cases sit either side of the line at 1 row
 
 
+def test_a_generate_that_starts_where_the_block_does_not_pay_decodes_plainly_to_its_end():
+    """The profile prices the block faster than plain decoding at 1-2 rows only: a generate of 4 requests (starting
+    at 4 rows) drafts at none of its steps, so its rows never catch up a draft context; one of 2 requests drafts
+    where the profile says. Control: with a batch-size schedule the schedule decides, whatever the generate."""
+    grid = [1, 2, 4]
+    verify = {q: [1.0 + 0.1 * q, 1.1 + 0.2 * q, 1.2 + 2.0 * q] for q in range(4)}
+    draft = {k: [0.1 * (k > 0)] * 3 for k in range(4)}
+    for schedule, rows, want in ((None, 4, [0] * 5), (None, 2, [0, 3, 3, 0, 0]),
+                                 ([[1, 4, 3]], 4, [0, 3, 3, 3, 3])):
+        policy = ConfidenceSizedK(3, schedule, 4)
+        policy.set_costs(grid, verify, draft)
+        policy.begin()
+        assert policy.drafts_this_generate(rows) == any(want)
+        assert [policy.choose(b) for b in range(1, 5)] == want[1:]
+
+
 def test_the_sized_schedule_prices_each_k_at_the_verification_its_steps_would_size_to():
     """Once steps are sized, the schedule's k at each batch size against the direct formula: the block
     (k = 3) where E(q) / (verify(B, 1+q) + draft(B, 3)) is at least (1 + DRAFT_MARGIN) a plain step's 1 / verify(B, 1), q

@@ -210,7 +210,7 @@ class Engine:
             s.spec.__init__()
         self.k_policy.prepare(self)
         self.k_policy.begin(self.weight_version)
-        self.may_draft = self.k_policy.drafts_this_generate()
+        self.may_draft = self.k_policy.drafts_this_generate(len(requests))
         start = time.perf_counter()
         self._run(requests, sampling)
         elapsed = time.perf_counter() - start

@@ -26,6 +26,8 @@ the longest, so `sized_q` gives every row the same q, grown one draft at a time 
 whether draft j is verified depends on the survivals up to j, which the drafts before j decide (the
 confidence of slot j reads the token drafted at j - 1), never on draft j itself.
 """
+from collections import namedtuple
+
 import torch
 
 from rollout.embedded.step_costs import interpolate, profile_steps
@@ -44,18 +46,15 @@ class FixedK:
     """Always draft `k` (the proposer's num_speculative_tokens)."""
 
     observes = False  # the engine builds StepRecords only for policies that learn from them
-    # whether verification_size may verify fewer drafts than drafted: a proposer computes the confidences that
-    # size a step only for a policy that reads them
-    sizes_verification = False
+    sizes_verification = False  # whether verification_size reads confidences (a proposer computes them only then)
 
     def __init__(self, k):
         self.k = k
 
-    def choose(self, batch_size):
-        """k for a step of batch_size rows."""
+    def choose(self, batch_size):  # k for a step of batch_size rows
         return self.k
 
-    def observe(self, step):
+    def observe(self, step):  # what a step did (a StepRecord), for a policy that `observes`
         pass
 
     def verification_size(self, batch_size, confidences):
@@ -63,14 +62,14 @@ class FixedK:
         Whether draft j is verified may depend on confidences up to j only, or sampled drafts stop being exact."""
         return None
 
-    def prepare(self, engine):
+    def prepare(self, engine):  # once, before the first generate (a profile of the engine's passes)
         pass
 
-    def begin(self, weight_version=None):
-        """A generate starts, with the engine's weights at `weight_version`."""
+    def begin(self, weight_version=None):  # a generate starts, on weights `weight_version`
+        pass
 
-    def drafts_this_generate(self):
-        """Whether any step of the generate begun may draft (asked once a generate, after `begin`)."""
+    def drafts_this_generate(self, rows=None):
+        """Whether any step of the generate begun, of `rows` requests, may draft (asked after `begin`)."""
         return self.k > 0
 
     def summary(self):
@@ -87,7 +86,7 @@ class ScheduleK(FixedK):
     def choose(self, batch_size):
         return self.lookup[min(max(batch_size, 1), len(self.lookup) - 1)]
 
-    def drafts_this_generate(self):
+    def drafts_this_generate(self, rows=None):
         return any(self.lookup[1:])
 
 
@@ -105,15 +104,10 @@ def dense_schedule(schedule, k_max, max_batch_size):
     return table
 
 
-class StepRecord:
-    """What one engine step did: batch size, k verified / drafted, times, and per draft position the
-    rows that reached it and the rows that accepted it."""
-
-    def __init__(self, batch_size, k_verified, verify_s, k_drafted, draft_s, emitted, drafted_per_pos,
-                 accepted_per_pos):
-        self.batch_size, self.k_verified, self.verify_s = batch_size, k_verified, verify_s
-        self.k_drafted, self.draft_s, self.emitted = k_drafted, draft_s, emitted
-        self.drafted_per_pos, self.accepted_per_pos = drafted_per_pos, accepted_per_pos
+StepRecord = namedtuple("StepRecord", "batch_size k_verified verify_s k_drafted draft_s emitted drafted_per_pos "
+                        "accepted_per_pos")
+StepRecord.__doc__ = """What one engine step did: batch size, k verified / drafted, times, tokens emitted, and per
+draft position the rows that reached it and the rows that accepted it."""
 
 
 def expected_tokens(acceptance, k):
@@ -150,8 +144,7 @@ class AdaptiveK(ScheduleK):
     observes = True
     corrects_costs = True  # False: the profile is the whole price
     accept_prior = ACCEPT_PRIOR
-    # drafting steps' tokens beyond one a row, and the drafts their verifies accepted (ConfidenceSizedK's `realized`)
-    extra_emitted = extra_accepted = 0.0
+    extra_emitted = extra_accepted = 0.0  # drafting steps' tokens beyond one a row, their accepted drafts (`realized`)
 
     def __init__(self, k_max):
         FixedK.__init__(self, k_max)
@@ -300,6 +293,14 @@ class ConfidenceSizedK(AdaptiveK):
             q = grown_q(1, survival, table) if self.sized else self.k
             pays = (1 + (self.tokens[q] - 1) * realized) / table[q] >= (1 + DRAFT_MARGIN) / self.cost_table(b, 0)[0]
             self.lookup.append(self.k if pays else 0)
+
+    def drafts_this_generate(self, rows=None):
+        """Without a schedule, a generate that starts where the block does not pay decodes plainly to its end:
+        its rows, drained to where it pays, would first write their draft context for every position since
+        admission, a cost the profile does not price."""
+        if self.schedule is None and rows and not self.lookup[min(rows, len(self.lookup) - 1)]:
+            self.lookup = [0] * len(self.lookup)
+        return super().drafts_this_generate()
 
     def realized(self):
         """The share of accepted drafts that drafting steps emitted, ACCEPT_PRIOR_ROWS drafts at 1: a row that
