@@ -3,6 +3,7 @@ them one by one between the checks (orchestration/preflight.py), which change no
 
 - `resolve_paths`: the config's paths made absolute, the default prompt file filled in;
 - `make_tiny_model_if_missing`: pretrains the shipped tiny model when its directory was deleted;
+- `load_from_save_by_default`: --load set to --save when that holds a checkpoint (a requeued job resumes);
 - `choose_checkpoint`: --load narrowed to the verified checkpoint it resumes from;
 - `lock_run_dirs`: --output-dir and --save locked for this run (vime/run_lock.py);
 - `write_variant_prompts`: a --task-variant's prompts written into the run's directory;
@@ -48,13 +49,27 @@ def make_tiny_model_if_missing(model_cfg):
     subprocess.run([sys.executable, os.path.join(REPO_ROOT, "scripts", "make_tiny_model.py"), "--out", path], check=True)
 
 
-def choose_checkpoint(run_cfg):
+def load_from_save_by_default(run_cfg):
+    """Without --load, --load is --save when that directory holds a checkpoint (a requeued job's same
+    command resumes where it stopped); one line says so. A new --save starts afresh."""
+    from vime.checkpointing import checkpoint_steps, latest
+
+    if run_cfg.load or not run_cfg.save or not (checkpoint_steps(run_cfg.save) or latest(run_cfg.save)):
+        return False
+    print(f"[vime] --save {run_cfg.save} holds checkpoints: resuming from it (--load defaults to --save; give "
+          "another --save to start afresh)", flush=True)
+    run_cfg.load = run_cfg.save
+    return True
+
+
+def choose_checkpoint(run_cfg, by_default=False):
     """--load (and --ckpt-step) narrowed to the one checkpoint the run resumes from, every file of it
     verified against its manifest (vime/checkpointing.py `resolve_load`); one line says which newer ones
     were passed over and why. From here on --load names that iteration directory."""
     from vime.checkpointing import resolve_load
 
-    step, iteration, skipped = resolve_load(run_cfg.load, run_cfg.ckpt_step)
+    otherwise = "give another --save to start afresh" if by_default else None
+    step, iteration, skipped = resolve_load(run_cfg.load, run_cfg.ckpt_step, otherwise=otherwise)
     if skipped:
         print(f"[vime] --load {run_cfg.load}: resuming from step {step} ({os.path.basename(iteration)}), passed over: "
               f"{'; '.join(skipped)}", flush=True)

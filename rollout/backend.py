@@ -20,6 +20,10 @@ worker knows which one runs:
                                             with `weights`, the weights too (the next push brings them back)
     stats() -> {"seconds", "generated_tokens", "spec": counters}   of the last generate call
                                             (counters as in rollout/spec_stats.py)
+    progress() -> int                       engine steps taken so far (read from another thread while a
+                                            call runs: the hang watch's sign of life, rollout/health.py)
+    alive() -> bool                         False once an engine process the backend started has died
+                                            (the worker must then be replaced)
     close()                                 release processes the backend started
 
 `BACKEND_CHECKS` maps the same names to each backend's own pre-start check of a run's config
@@ -78,6 +82,10 @@ class RolloutBackend(typing.Protocol):
     def release_memory(self, weights: bool = False) -> None: ...
 
     def stats(self) -> dict: ...
+
+    def progress(self) -> int: ...
+
+    def alive(self) -> bool: ...
 
     def close(self) -> None: ...
 
@@ -176,6 +184,13 @@ class EmbeddedBackend:
         st = self.engine.stats()  # also --spec-adaptive's spec_k_mean and speedups
         return dict(st, seconds=st.get("seconds", 0.0), generated_tokens=st.get("generated_tokens", 0),
                     spec=self.last_spec)
+
+    def progress(self):
+        return self.engine.steps_taken
+
+    def alive(self):
+        """The engine lives in this process: alive while the process is."""
+        return True
 
     def close(self):
         """Nothing to release: the engine lives in this process."""

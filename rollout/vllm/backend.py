@@ -325,6 +325,8 @@ class VLLMBackend:
                                            weight_transfer, record_routes=self.records_routes,
                                            enforce_eager=enforce_eager, sharing=sharing))
         self.asleep = None  # vLLM's sleep level while the trainer steps (release_memory), else None
+        self.steps_taken = 0
+        self._count_engine_steps()
         if self.records_routes:
             self.llm.collective_rpc(vllm_worker.record_routes, args=(cfg.moe.num_experts_per_tok,
                                                                      cfg.moe.n_routed_experts, self.max_len))
@@ -460,6 +462,27 @@ class VLLMBackend:
 
     def stats(self):
         return dict(self.last, readback_fraction=self.weights.readback_fraction())
+
+    def _count_engine_steps(self):
+        """Count the engine's steps as `LLM.generate` takes them (each one answered by the EngineCore
+        process): the worker's sign of life, which a stopped or hung EngineCore no longer gives."""
+        engine = self.llm.llm_engine
+        step = engine.step
+
+        def counted_step():
+            outputs = step()
+            self.steps_taken += 1
+            return outputs
+
+        engine.step = counted_step
+
+    def progress(self):
+        return self.steps_taken
+
+    def alive(self):
+        """False once vLLM's client has seen its EngineCore process die (its monitor thread marks it)."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        return self.llm is not None and not getattr(getattr(core, "resources", None), "engine_dead", False)
 
     def close(self):
         """Stop vLLM's engine processes, then remove the shared-memory rings they leave when stopped
