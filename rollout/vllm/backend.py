@@ -128,6 +128,7 @@ def check_config(cfg, hf):
     require(not r.time_plain_baseline, "--rollout-time-plain-baseline times the embedded engine without drafts; "
             "vLLM cannot switch speculation off in place: drop the flag or use --rollout-backend embedded")
     check_drafter_target(r.vllm_speculative_config, hf)
+    check_mtp_drafter(r.vllm_speculative_config, hf)
     check_external_draft(r.vllm_speculative_config, hf)
     require_vllm()
     check_drafts_on_this_build(r.vllm_speculative_config)
@@ -150,6 +151,17 @@ def check_drafter_target(spec, hf):
             f"states; vLLM 0.32's {fam.architectures[0]} ({fam.name}) does not (vLLM serves external drafts for "
             f"{vllm_aux_hidden_state_families()}): draft it with --rollout-backend embedded, which runs every "
             "family, or with method 'mtp' if the model has MTP layers")
+
+
+def check_mtp_drafter(spec, hf):
+    """vLLM drafts `method: mtp` with its own MTP class of the target's architecture; for a family without one
+    (`vllm_mtp_drafter`: Llama, whose MTP layers vime adds fresh) vLLM would refuse deep in its start-up."""
+    fam = hf.model_family
+    require(spec is None or spec.method != "mtp" or fam.vllm_mtp_drafter,
+            f"{FLAG}: method 'mtp' on vLLM needs vLLM's MTP drafter for the target's architecture, and vLLM 0.32 has "
+            f"none for {fam.architectures[0]} ({fam.name}): draft its MTP layers with --rollout-backend embedded, or "
+            "on vLLM use method 'eagle3' or 'dflash' with a draft made by scripts/make_eagle3_draft.py / "
+            "make_dflash_draft.py")
 
 
 def check_sleep_mode(r):
@@ -294,7 +306,9 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False,
-                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", enforce_eager=False, sharing=None):
+                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", enforce_eager=False, sharing=None,
+                 context_len=None):
+        del context_len  # vLLM sizes its KV cache by its own budget (VLLM_CPU_KVCACHE_SPACE, gpu_memory_utilization)
         require_not_adaptive(adaptive)
         _set_env(device)
         from vllm import LLM
@@ -311,6 +325,8 @@ class VLLMBackend:
                                            weight_transfer, record_routes=self.records_routes,
                                            enforce_eager=enforce_eager, sharing=sharing))
         self.asleep = None  # vLLM's sleep level while the trainer steps (release_memory), else None
+        self.steps_taken = 0
+        self._count_engine_steps()
         if self.records_routes:
             self.llm.collective_rpc(vllm_worker.record_routes, args=(cfg.moe.num_experts_per_tok,
                                                                      cfg.moe.n_routed_experts, self.max_len))
@@ -446,6 +462,27 @@ class VLLMBackend:
 
     def stats(self):
         return dict(self.last, readback_fraction=self.weights.readback_fraction())
+
+    def _count_engine_steps(self):
+        """Count the engine's steps as `LLM.generate` takes them (each one answered by the EngineCore
+        process): the worker's sign of life, which a stopped or hung EngineCore no longer gives."""
+        engine = self.llm.llm_engine
+        step = engine.step
+
+        def counted_step():
+            outputs = step()
+            self.steps_taken += 1
+            return outputs
+
+        engine.step = counted_step
+
+    def progress(self):
+        return self.steps_taken
+
+    def alive(self):
+        """False once vLLM's client has seen its EngineCore process die (its monitor thread marks it)."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        return self.llm is not None and not getattr(getattr(core, "resources", None), "engine_dead", False)
 
     def close(self):
         """Stop vLLM's engine processes, then remove the shared-memory rings they leave when stopped
