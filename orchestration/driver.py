@@ -8,6 +8,7 @@ import os
 import ray
 
 from orchestration.stop_signals import stop_signals_blocked_in_children
+from vime import weight_sync
 from vime.errors import require
 
 
@@ -43,10 +44,64 @@ class TrainerGroup:
         shards = [samples[d::self.dp] for d in range(self.dp)]
         futures = [a.train.remote(shards[self.layout.dp_rank(rank)], self.steps_per_rollout)
                    for rank, a in enumerate(self.actors)]
-        return ray.get(futures)[0]
+        return get_all(futures)[0]
 
     def save(self, path):
-        ray.get([a.save.remote(path) for a in self.actors])
+        get_all([a.save.remote(path) for a in self.actors])
+
+    def dead_ranks(self, wait_s=10.0):
+        """The ranks whose actor is dead. A live rank may be busy (in a collective with a dead one, which
+        holds it until gloo's timeout): only an answer that it died counts."""
+        from ray.exceptions import RayActorError
+
+        refs = [a.__ray_ready__.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        dead = []
+        for rank, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except RayActorError:
+                    dead.append(rank)
+        return dead
+
+
+def get_all(refs):
+    """ray.get of every ref, raising the first error as soon as it comes (ray.get of a list would wait
+    for a rank that is stuck in a collective with a dead one)."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done[0])  # raises a failed one's error now
+    return ray.get(list(refs))
+
+
+@ray.remote(num_cpus=0)
+class PushAborts:
+    """Which weight pushes the driver gave up (an engine of the push group was lost): the trainer and the
+    engines ask while a broadcast waits, and stop waiting then (vime/weight_sync.py)."""
+
+    def __init__(self):
+        self.aborted = set()
+
+    def abort(self, push_id):
+        self.aborted.add(push_id)
+
+    def is_aborted(self, push_id):
+        return push_id in self.aborted
+
+
+class PushAbort:
+    """One push's `aborted()` as the trainer and the engines call it (picklable: Ray carries it to them)."""
+
+    def __init__(self, aborts, push_id):
+        self.aborts, self.push_id = aborts, push_id
+
+    def __call__(self):
+        return ray.get(self.aborts.is_aborted.remote(self.push_id))
+
+    def abort(self):
+        self.aborts.abort.remote(self.push_id)
 
 
 def check_transport_fits(transport):
@@ -68,10 +123,11 @@ class WeightSync:
     GPU Ray gave both) take the in-place hand-over, whatever --vllm-weight-transfer says (NCCL cannot
     join two processes on one GPU); the others take the run's transport."""
 
-    def __init__(self, trainers, workers, run_cfg, sync_draft=True, transport="reload"):
+    def __init__(self, trainers, workers, run_cfg, sync_draft=True, transport="reload", watch=None, aborts=None):
         from orchestration.placement import WeightRoutes
 
         self.trainers, self.workers = trainers, workers
+        self.watch, self.aborts = watch, aborts  # the engines' hang watch (rollout/health.py), PushAborts
         self.check_all = run_cfg.check_weight_update_equal
         self.sync_draft = sync_draft  # False: target-only sync, a stale draft is reported, not fatal
         self.warned_stale = False
@@ -96,16 +152,24 @@ class WeightSync:
     def push(self, version):
         """Send all weights, then prove every worker holds the trainer's (stop if not). Engines of a group
         receive while rank 0 broadcasts; engines handed over in place take the buckets once rank 0 has
-        built them (the note of its send maps them), then rank 0 lets them go."""
-        sent = [a.send_weights.remote() for a in self.trainers.actors]
-        pending = {i: self.workers[i].receive_weights.remote(self.headers[t], version)
-                   for t, engines in self.routes.engines.items() if not self.routes.in_place(t) for i in engines}
-        trainer = ray.get(sent)[0]
-        for t, engines in self.routes.engines.items():
-            if self.routes.in_place(t):
-                pending.update({i: self.workers[i].receive_weights.remote(self.headers[t], version, trainer["notes"][t])
-                                for i in engines})
-        received = ray.get([pending[i] for i in range(len(self.workers))])
+        built them (the note of its send maps them), then rank 0 lets them go. The engines are watched
+        (rollout/health.py): one lost mid-push aborts the others' broadcast and ends the push with
+        EnginesLost (the group is then unusable: the driver builds a new WeightSync)."""
+        import uuid
+
+        aborted = PushAbort(self.aborts, uuid.uuid4().hex) if self.aborts is not None else None
+        calls = {("trainer", rank): (None, a.send_weights.remote(aborted))
+                 for rank, a in enumerate(self.trainers.actors)}
+        calls.update({i: (self.workers[i],
+                          self.workers[i].receive_weights.remote(self.headers[t], version, None, aborted))
+                      for t, engines in self.routes.engines.items() if not self.routes.in_place(t) for i in engines})
+        outcomes = self._wait(calls, aborted, version)
+        trainer = outcomes[("trainer", 0)]
+        in_place = {i: (self.workers[i], self.workers[i].receive_weights.remote(self.headers[t], version,
+                                                                              trainer["notes"][t], aborted))
+                    for t, engines in self.routes.engines.items() if self.routes.in_place(t) for i in engines}
+        outcomes.update(self._wait(in_place, aborted, version))
+        received = [outcomes[i] for i in range(len(self.workers))]
         if self.routes.IN_PLACE in self.routes.engines:
             ray.get(self.trainers.actors[0].weights_taken.remote())
         stale = self._check_fingerprints(version, trainer, received)
@@ -119,6 +183,30 @@ class WeightSync:
                 "weight_sync/worker_draft_checksum": (received[0]["draft_checksum"] or [float("nan")])[0],
                 "weight_sync/in_place_engines": len(self.routes.engines.get(self.routes.IN_PLACE, [])),
                 "rollout/weight_version_synced": version, "weight_sync/draft_stale": int(stale)}
+
+    def _wait(self, calls, aborted, version):
+        """The outcomes of a push's calls; the first failure aborts the push for everyone still in it. A
+        trainer's error is raised as it is (a dead rank: the driver restarts the trainers), then EnginesLost
+        for lost engines, then any other error."""
+        from rollout.health import EnginesLost, lost_reason
+
+        if not calls:
+            return {}
+        if self.watch is None:
+            return dict(zip(calls, ray.get([ref for _, ref in calls.values()])))
+        outcomes = self.watch.wait(calls, on_failure=lambda *_: aborted.abort() if aborted else None)
+        failed = {key: e for key, e in outcomes.items() if isinstance(e, BaseException)}
+        broken = {key: e for key, e in failed.items() if isinstance(getattr(e, "cause", None), weight_sync.PushBroken)}
+        for key, e in failed.items():  # a rank that died, or failed otherwise than by the push breaking
+            if isinstance(key, tuple) and key not in broken:
+                raise e
+        lost = [(key, self.workers[key]._actor_id.hex(), lost_reason(e)) for key, e in sorted(
+            (k, e) for k, e in failed.items() if not isinstance(k, tuple)) if lost_reason(e)]
+        if lost:
+            raise EnginesLost(version - 1, lost)
+        if failed:
+            raise next(iter(failed.values()))
+        return outcomes
 
     def _check_fingerprints(self, version, trainer, received):
         """Stop on any difference, except a stale draft under target-only sync (returns True then)."""

@@ -256,6 +256,20 @@ class Placement:
                             f"({_who(self.demand)}) was not placed in time; the cluster's free resources: "
                             f"{_fmt(ray.available_resources())}")
 
+    def release(self, wait_s=60.0):
+        """Give the placement group back (its actors gone) and wait until the cluster holds its resources
+        free again: the trainer restart places the run anew at once."""
+        import time
+
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        total = self.demand.total()
+        remove_placement_group(self.pg)
+        deadline = time.time() + wait_s
+        while time.time() < deadline and missing_resources(self.demand, ray.available_resources(), [total]):
+            time.sleep(0.2)
+
     def _options(self, kind, index, resources):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -7,19 +7,24 @@ import time
 from vime.errors import UserError
 
 class RLRun:
-    """The actors of one run and the per-step stages."""
+    """The actors of one run and the per-step stages. A stage that loses rollout engines replaces them
+    and goes on (`heal`, orchestration/healing.py); `teardown` ends every actor of the run, for a
+    trainer restart (train_rl.py)."""
 
     def __init__(self, cfg):
+        from rollout.health import EngineWatch
         from rollout.ray_workers import RolloutManager
         from vime import checkpointing
-        from orchestration.driver import TrainerGroup, WeightSync, check_transport_fits
+        from orchestration.driver import PushAborts, TrainerGroup, check_transport_fits
+        from orchestration.healing import RestartBudget
         from orchestration.placement import Placement
 
         self.cfg = cfg
-        self.start_step, state, model_load = 0, None, None
+        self.start_step, self.loop_state, model_load = 0, {}, None
         if cfg.run.load:  # the iteration train_rl.prepare chose and verified
-            state, model_load = checkpointing.load_loop_state(cfg.run.load), os.path.join(cfg.run.load, "model")
-            self.start_step = state["step"]
+            self.loop_state = checkpointing.load_loop_state(cfg.run.load)
+            model_load = os.path.join(cfg.run.load, "model")
+            self.start_step = self.loop_state["step"]
         check_transport_fits(cfg.rollout.vllm_weight_transfer)
         self.placement = Placement(cfg)  # checked against the cluster first: one line if it cannot fit
         engines = [self.placement.engine_options(i) for i in range(self.placement.demand.engines)]
@@ -29,44 +34,62 @@ class RLRun:
             worker_gpu_shares=self.placement.engine_gpu_shares())
         self.trainers = None if cfg.run.debug_rollout_only else TrainerGroup(cfg, load=model_load,
                                                                              placement=self.placement)
-        self.sync = None
-        workers = ray_get(self.rollout.get_workers.remote()) if self.rollout else []
-        self.actor_names = _actor_names(self.rollout, workers, self.trainers)
-        self._name_nodes(workers)
-        ray_get([w.weight_version.remote() for w in workers])  # started: step 0 times no actor start-up
+        self.sync, self.aborts = None, None
+        self.workers = ray_get(self.rollout.get_workers.remote()) if self.rollout else []
+        self.actor_names = _actor_names(self.rollout, self.workers, self.trainers)
+        self.actor_node_ids = {}
+        self._name_nodes([(w, "engine", i) for i, w in enumerate(self.workers)] +
+                         [(a, "rank", r) for r, a in enumerate(self.trainers.actors if self.trainers else [])])
+        if self.rollout:  # started: step 0 times no actor start-up
+            ray_get(self.rollout.started.remote())
+        self.watch = EngineWatch(cfg.rollout.rollout_health_timeout)
+        self.engine_restarts = RestartBudget(cfg.rollout.max_engine_restarts, cfg.rollout.engine_restart_window)
+        self.step_restarts = 0  # engine restarts during the step in flight (its fault/engine_restarts)
         if self.rollout and self.trainers:
-            self.sync = WeightSync(self.trainers, workers, cfg.run, sync_draft=cfg.rollout.sync_draft_weights,
-                                   transport=cfg.rollout.vllm_weight_transfer)
-        if state and self.rollout:
-            ray_get(self.rollout.set_data_cursor.remote(state["data_cursor"]))
+            self.aborts = PushAborts.remote()
+            self._connect_weight_sync()
+        if self.loop_state and self.rollout:
+            ray_get(self.rollout.set_data_cursor.remote(self.loop_state["data_cursor"]))
         self.weights_version = self.start_step  # the version the workers hold (after the first push)
         self.ahead = None  # --async-rollout: (step, its rollout in flight, weight version it runs on, data cursor before it)
+
+    def _connect_weight_sync(self):
+        from orchestration.driver import WeightSync
+
+        r = self.cfg.rollout
+        self.sync = WeightSync(self.trainers, self.workers, self.cfg.run, sync_draft=r.sync_draft_weights,
+                               transport=r.vllm_weight_transfer, watch=self.watch, aborts=self.aborts)
 
     def generate(self, step):
         if self.rollout is None:
             with open(os.path.join(self.cfg.run.load_debug_rollout_data, f"step_{step:07d}.pkl"), "rb") as f:
                 return pickle.load(f), {}
-        if self.ahead and self.ahead[0] == step:  # started during the previous step's training
-            _, pending, expected, _ = self.ahead
-            samples, metrics = ray_get(pending)
-            self.ahead = None
-        else:
-            samples, metrics = ray_get(self.rollout.generate.remote(step))
-            expected = self.weights_version
+        samples, metrics, expected = self._healing(lambda: self._rollout(step), step)
         if self.sync:  # workers held the weights pushed after step - 1 (step - 2 when run ahead)
             check_weight_versions(samples, expected=expected)
             metrics.update(staleness_metrics(samples, step))
         if self.trainers and not self.cfg.run.async_rollout:  # the trainer's turn: engines let go of memory
-            metrics.update(ray_get(self.rollout.release_memory.remote()))
+            metrics.update(self._healing(lambda: ray_get(self.rollout.release_memory.remote()), step))
         if self.cfg.run.save_debug_rollout_data:
             os.makedirs(self.cfg.run.save_debug_rollout_data, exist_ok=True)
             with open(os.path.join(self.cfg.run.save_debug_rollout_data, f"step_{step:07d}.pkl"), "wb") as f:
                 pickle.dump(samples, f)
         return samples, metrics
 
+    def _rollout(self, step):
+        """(samples, metrics, the weight version they were generated with) of `step`: the rollout started
+        ahead (--async-rollout) when there is one, else one started now."""
+        if self.ahead and self.ahead[0] == step:  # started during the previous step's training
+            _, pending, expected, _ = self.ahead
+            self.ahead = None
+            samples, metrics = ray_get(pending)
+            return samples, metrics, expected
+        samples, metrics = ray_get(self.rollout.generate.remote(step, self.weights_version))
+        return samples, metrics, self.weights_version
+
     def evaluate(self, step):
         """eval/* metrics of the held-out prompts at this step's weights ({} when none are due)."""
-        return ray_get(self.rollout.evaluate.remote(step)) if self.rollout else {}
+        return self._healing(lambda: ray_get(self.rollout.evaluate.remote(step)), step) if self.rollout else {}
 
     def train(self, samples):
         return self.trainers.train(samples) if self.trainers else {}
@@ -77,21 +100,106 @@ class RLRun:
         if not (self.cfg.run.async_rollout and self.rollout and step < self.cfg.run.num_rollout):
             return
         cursor = ray_get(self.rollout.data_cursor.remote())  # a checkpoint of this step resumes before it
-        self.ahead = (step, self.rollout.generate.remote(step), self.weights_version, cursor)
+        self.ahead = (step, self.rollout.generate.remote(step, self.weights_version), self.weights_version, cursor)
 
-    def push_weights(self, version):
+    def push_weights(self, version, step=None):
+        """Push the trainer's weights as `version` after `step` (the first push: before step `version`)."""
         if self.ahead:  # the workers load the new weights only after the rollout running ahead is done
             import ray
 
             ray.wait([self.ahead[1]])
         self.weights_version = version
-        return self.sync.push(version) if self.sync else {}
+        if not self.sync:
+            return {}
+        return self._healing(lambda: self.sync.push(version), version if step is None else step, pushes=True)
 
-    def _name_nodes(self, workers):
-        """Add each actor's node (from its placement bundle) to its name, for the one-line fault messages."""
-        placed = [(w, "engine", i) for i, w in enumerate(workers)]
-        placed += [(a, "rank", r) for r, a in enumerate(self.trainers.actors if self.trainers else [])]
-        self.actor_node_ids = {}
+    def fault_metrics(self):
+        """This step's fault/* counts (and a fresh count for the next step)."""
+        restarts, self.step_restarts = self.step_restarts, 0
+        return {"fault/engine_restarts": restarts} if self.rollout else {}
+
+    def _healing(self, stage, step, pushes=False):
+        """stage(), run again after the rollout engines it lost were replaced (`heal`); a stage that
+        `pushes` the weights is done once the heal pushed them."""
+        from orchestration.healing import engines_lost
+
+        while True:
+            try:
+                return stage()
+            except Exception as e:
+                lost = engines_lost(e)
+                if lost is None:
+                    raise
+                pushed = self.heal(lost, step)
+                if pushes:
+                    return pushed
+
+    def heal(self, lost, step):
+        """Replace the lost engines on their placements (each restart within the budget, else one line:
+        ActorLost), then join every engine to a new push group and push the current weights, checked
+        by the guard; returns that push's metrics ({} without trainers)."""
+        from orchestration.healing import engine_budget_spent_line, engine_restart_line, engines_lost
+
+        while True:
+            current = {w._actor_id.hex() for w in self.workers}
+            fresh = [(i, why) for i, actor_id, why in lost.lost if actor_id in current]  # not replaced already
+            for i, why in fresh:
+                name = self.actor_names[self.workers[i]._actor_id.hex()]
+                if not self.engine_restarts.take():
+                    raise ActorLost(engine_budget_spent_line(name, why, step, self.engine_restarts,
+                                                             resume_hint(self.cfg.run)))
+                self.step_restarts += 1
+                print(engine_restart_line(name, why, step, self.engine_restarts), flush=True)
+            try:
+                if fresh:
+                    self._replace_workers([i for i, _ in fresh])
+                if not self.trainers:
+                    return {}
+                self._connect_weight_sync()
+                return self.sync.push(self.weights_version)
+            except Exception as e:
+                lost = engines_lost(e)
+                if lost is None:
+                    raise
+
+    def _replace_workers(self, indices):
+        self.workers = ray_get(self.rollout.replace_workers.remote(indices))
+        for i in indices:
+            self.actor_names[self.workers[i]._actor_id.hex()] = f"rollout worker {i}"
+        self._name_nodes([(self.workers[i], "engine", i) for i in indices])
+
+    def trainer_lost(self, error):
+        """The names of the trainer ranks that died when `error` ended a stage, else []: a dead rank's
+        own error, or a collective broken by it (then the ranks are asked)."""
+        from ray.exceptions import RayError
+
+        if not self.trainers or not isinstance(error, RayError):
+            return []
+        ranks = {a._actor_id.hex(): r for r, a in enumerate(self.trainers.actors)}
+        died = dead_actor(error)
+        if died is not None and died.actor_id in ranks:
+            dead = [ranks[died.actor_id]]
+        else:
+            dead = self.trainers.dead_ranks()
+        return [self.actor_names[self.trainers.actors[r]._actor_id.hex()].split(" on ")[0] for r in dead]
+
+    def teardown(self):
+        """End every actor of the run and give its placement back (a trainer restart starts them anew);
+        vLLM's engine processes are closed first where their workers still live."""
+        import ray
+
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (the actors are killed below either way)
+            pass
+        for actor in [self.rollout, self.aborts, *self.workers, *(self.trainers.actors if self.trainers else [])]:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        self.placement.release()
+
+    def _name_nodes(self, placed):
+        """Add each actor's node (from its placement bundle) to its name, for the one-line fault messages;
+        `placed`: [(actor, "engine" or "rank", index)]."""
         for actor, kind, index in placed:
             key = actor._actor_id.hex()
             self.actor_node_ids[key] = self.placement.node_id_of(kind, index)
@@ -108,6 +216,8 @@ class RLRun:
 
         if not isinstance(error, RayError) or isinstance(getattr(error, "cause", None), UserError):
             return None
+        if set(self.actor_node_ids.values()) <= {ray.get_runtime_context().get_node_id()}:
+            return None  # every actor of the run is on the driver's own node, which is here
         text = str(error)
         broken_peer = any(word in text for word in ("onnection", "peer", "loo"))  # gloo: "Connection closed by peer"
         detect_s = node_death_detection_s()
@@ -137,9 +247,17 @@ class RLRun:
             if dead_actor(e) is None:
                 raise
 
-    def save(self, step, stopping=False):
+    def close_after_error(self):
+        """`close` when the run already ends on an error: that error is the one reported."""
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def save(self, step, stopping=False, wandb_run_id=None):
         """Save after `step` when --save is set and the interval is due, the step is the run's last,
-        or the run is `stopping` (a signal): the last step done is never lost. Returns the saved step or None."""
+        or the run is `stopping` (a signal): the last step done is never lost. The loop state holds the
+        data cursor and the wandb run's id (a resumed run continues that run). Returns the saved step or None."""
         from vime import checkpointing
 
         run = self.cfg.run
@@ -148,8 +266,13 @@ class RLRun:
             return None
         # with --async-rollout the next step's prompts are already drawn: save the cursor from before them
         cursor = self.ahead[3] if self.ahead else ray_get(self.rollout.data_cursor.remote()) if self.rollout else 0
-        checkpointing.save(run.save, step + 1, self.trainers.save, {"step": step + 1, "data_cursor": cursor},
-                           keep=run.save_keep)
+        state = {"step": step + 1, "data_cursor": cursor, **({"wandb_run_id": wandb_run_id} if wandb_run_id else {})}
+        try:
+            checkpointing.save(run.save, step + 1, self.trainers.save, state, keep=run.save_keep)
+        except checkpointing.CheckpointSaveError as e:
+            if self.trainer_lost(e.original):  # a rank died while it wrote: the run restarts, the disk is fine
+                raise e.original from None
+            raise
         return step + 1
 
 
@@ -212,6 +335,17 @@ def lost_actor_message(died, names, run_cfg, step):
         who = "a rollout worker"
     return f"the {who} died at step {step} (its process exited or was killed, e.g. out of memory); " + \
         resume_hint(run_cfg)
+
+
+def trainer_lost_message(names, run_cfg, step, restarts):
+    """One line: which trainer ranks died, why the run cannot restart them itself, and how to resume."""
+    if not run_cfg.save:
+        why = "the run restarts its trainers by itself only from a checkpoint in --save"
+    else:
+        why = (f"the trainers were restarted {restarts} times already "
+               f"(--max-trainer-restarts {run_cfg.max_trainer_restarts})")
+    return (f"the {' and '.join(names)} died at step {step} (its process exited or was killed, e.g. out of memory), "
+            f"and {why}; " + resume_hint(run_cfg))
 
 
 def resume_hint(run_cfg):

@@ -3,9 +3,11 @@ them one by one between the checks (orchestration/preflight.py), which change no
 
 - `resolve_paths`: the config's paths made absolute, the default prompt file filled in;
 - `make_tiny_model_if_missing`: pretrains the shipped tiny model when its directory was deleted;
+- `load_from_save_by_default`: --load set to --save when that holds a checkpoint (a requeued job resumes);
 - `choose_checkpoint`: --load narrowed to the verified checkpoint it resumes from;
 - `lock_run_dirs`: --output-dir and --save locked for this run (vime/run_lock.py);
-- `write_variant_prompts`: a --task-variant's prompts written into the run's directory.
+- `write_variant_prompts`: a --task-variant's prompts written into the run's directory;
+- `add_fresh_mtp_layers`: MTP layers added to a checkpoint that has none, warmed up, in the run's directory.
 """
 import os
 import subprocess
@@ -47,13 +49,27 @@ def make_tiny_model_if_missing(model_cfg):
     subprocess.run([sys.executable, os.path.join(REPO_ROOT, "scripts", "make_tiny_model.py"), "--out", path], check=True)
 
 
-def choose_checkpoint(run_cfg):
+def load_from_save_by_default(run_cfg):
+    """Without --load, --load is --save when that directory holds a checkpoint (a requeued job's same
+    command resumes where it stopped); one line says so. A new --save starts afresh."""
+    from vime.checkpointing import checkpoint_steps, latest
+
+    if run_cfg.load or not run_cfg.save or not (checkpoint_steps(run_cfg.save) or latest(run_cfg.save)):
+        return False
+    print(f"[vime] --save {run_cfg.save} holds checkpoints: resuming from it (--load defaults to --save; give "
+          "another --save to start afresh)", flush=True)
+    run_cfg.load = run_cfg.save
+    return True
+
+
+def choose_checkpoint(run_cfg, by_default=False):
     """--load (and --ckpt-step) narrowed to the one checkpoint the run resumes from, every file of it
     verified against its manifest (vime/checkpointing.py `resolve_load`); one line says which newer ones
     were passed over and why. From here on --load names that iteration directory."""
     from vime.checkpointing import resolve_load
 
-    step, iteration, skipped = resolve_load(run_cfg.load, run_cfg.ckpt_step)
+    otherwise = "give another --save to start afresh" if by_default else None
+    step, iteration, skipped = resolve_load(run_cfg.load, run_cfg.ckpt_step, otherwise=otherwise)
     if skipped:
         print(f"[vime] --load {run_cfg.load}: resuming from step {step} ({os.path.basename(iteration)}), passed over: "
               f"{'; '.join(skipped)}", flush=True)
@@ -80,3 +96,31 @@ def write_variant_prompts(cfg):
     path = os.path.join(cfg.run.output_dir, f"prompts_{r.task_variant}.jsonl")
     write_jsonl(TASK_VARIANTS[r.task_variant].prompts(r.task_variant_prompts, r.rollout_seed), path)
     r.prompt_data = path
+
+
+def add_fresh_mtp_layers(cfg):
+    """--enable-mtp-training --mtp-num-layers N on a checkpoint without MTP layers: N
+    fresh ones, initialised as megatron-core initialises them and warmed up for --mtp-warmup-steps on the
+    model's own responses to the run's prompts (scripts/make_mtp_draft.py), in the run's directory, which
+    becomes --hf-checkpoint. Said in one line; the maker's own refusal is the run's one line."""
+    from vime.errors import UserError
+    from vime.models.config_checks import fresh_mtp_layers
+    from vime.models.hf_format import read_config
+
+    count, m, r = fresh_mtp_layers(cfg.mtp, read_config(cfg.model.hf_checkpoint)), cfg.mtp, cfg.rollout
+    if not count:
+        return
+    out = os.path.join(cfg.run.output_dir, "fresh_mtp_checkpoint")
+    print(f"[vime] {cfg.model.hf_checkpoint} has no MTP layers: adding {count} fresh one(s), initialised as "
+          f"megatron-core initialises them, warmed up for {m.warmup_steps} steps on its own responses to "
+          f"{r.prompt_data} -> {out}", flush=True)
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "scripts", "make_mtp_draft.py"), "--target", cfg.model.hf_checkpoint,
+           "--out", out, "--mtp-num-layers", str(count), "--warmup-steps", str(m.warmup_steps),
+           "--prompt-data", r.prompt_data, "--input-key", r.input_key, "--label-key", r.label_key,
+           "--max-new-tokens", str(r.rollout_max_response_len), "--seed", str(r.rollout_seed)]
+    proc = subprocess.run(cmd + (["--apply-chat-template"] if r.apply_chat_template else []), stderr=subprocess.PIPE,
+                          text=True)
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")] or proc.stderr.splitlines()
+        raise UserError(f"adding fresh MTP layers: {(lines or ['the maker failed'])[-1].removeprefix('error: ')}")
+    cfg.model.hf_checkpoint = out

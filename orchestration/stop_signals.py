@@ -1,6 +1,7 @@
 """Stop requests as a cluster sends them: SIGTERM (Slurm's preemption and time limit, Kubernetes'
 pod stop) and SIGUSR1 (Slurm's `--signal`, ahead of the limit) stop the run at the next safe
-point (the end of a step), where it saves when --save is set and says which checkpoint to --load.
+point (the end of a step), where it saves when --save is set and exits with code 75 and a line saying
+that the same command, requeued, resumes there (--load defaults to --save).
 The scheduler's SIGKILL follows after a grace period, so the handler only notes the request: the
 step in flight finishes, and nothing is interrupted half-written."""
 import contextlib
@@ -54,12 +55,18 @@ def stop_signals_blocked_in_children():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-class StoppedBySignal(Exception):
-    """The run stopped at a safe point on a stop signal; the message says where and how to resume."""
+# sysexits.h EX_TEMPFAIL, "a temporary failure; the user is invited to retry": the run saved where it
+# stopped and the same command resumes there (a batch script requeues the job on this code)
+EXIT_REQUEUE = 75
 
-    def __init__(self, message, signum):
+
+class StoppedBySignal(Exception):
+    """The run stopped at a safe point on a stop signal; the message says where and how to resume.
+    Exit code 75 (`EXIT_REQUEUE`) when it saved, so that the job can be requeued; else 128 + the signal."""
+
+    def __init__(self, message, signum, requeue=False):
         super().__init__(message)
-        self.exit_code = 128 + signum  # the shell's convention for "ended by this signal"
+        self.exit_code = EXIT_REQUEUE if requeue else 128 + signum  # the shell's convention for "ended by it"
 
 
 def stop_message(how, next_step, save_dir, saved_step=None):
@@ -68,7 +75,8 @@ def stop_message(how, next_step, save_dir, saved_step=None):
     from vime.checkpointing import latest
 
     if saved_step is not None:
-        return f"{how} at step {next_step}: saved the step-{saved_step} checkpoint; resume with --load {save_dir}"
+        return (f"{how} at step {next_step}: saved the step-{saved_step} checkpoint; the run can be requeued: the same "
+                f"command resumes from it (--load defaults to --save {save_dir})")
     found = latest(save_dir) if save_dir and os.path.isdir(save_dir) else None
     if found:
         return f"{how} at step {next_step}; resume with --load {save_dir} (last checkpoint: step {found[0]})"

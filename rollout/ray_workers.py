@@ -10,6 +10,7 @@ import torch
 
 from rollout.advantages import assign_advantages
 from rollout.data import PromptDataset, read_prompt_file
+from rollout.health import EngineDead, EnginesLost, EngineWatch, first_line, lost_reason
 from rollout.group_batching import DynamicBatch, groups_of, renumber, spread_groups, zero_signal_share
 from rollout.rewards import make_scorer
 from rollout.sampling_params import SamplingParams
@@ -18,17 +19,39 @@ from vime.devices import phase_memory, reset_peak_memory
 from vime.sample import Sample
 
 
+def engine_call(method):
+    """A worker method that calls into the backend: when its engine died under it (vLLM's EngineCore
+    process), the worker closes what is left of the engine and says so with `EngineDead` (it must be
+    replaced), instead of the engine's own error (vLLM's EngineDeadError)."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as e:
+            if self.backend.alive():
+                raise
+            self.backend.close()
+            raise EngineDead(f"its {self.backend.name} engine process died ({type(e).__name__})") from None
+    return call
+
+
 class RolloutWorkerImpl:
     """One rollout backend (rollout/backend.py: embedded or vLLM) plus its end of the weight push
-    (the backend's receiver for the run's transport, rollout/weight_receiver.py)."""
+    (the backend's receiver for the run's transport, rollout/weight_receiver.py). `heartbeat` answers on
+    a thread of its own, beside a running call (rollout/health.py); a replacement for a lost worker first
+    removes what its predecessor's engine left behind (`reap`)."""
 
     def __init__(self, hf_checkpoint, spec_config, max_batch_size, threads=1, backend="embedded", sync_draft=True,
                  spec_adaptive=False, time_plain_baseline=False, bf16=False, cpu_slot=0, weight_transfer="reload",
-                 enforce_eager=False, gpu_share=None, release_kv_cache=None, release_weights=False):
+                 enforce_eager=False, gpu_share=None, release_kv_cache=None, release_weights=False, context_len=None,
+                 reap=None):
         from rollout.backend import build_backend
+        from rollout.health import reap as reap_leftovers
         from vime.cpu_cores import cores_for_slot
         from vime.precision import compute_dtype
 
+        reap_leftovers(reap)  # before this engine starts: the lost one's processes hold memory
+        self.backend, self.buckets_received = None, 0
         device = "cuda" if torch.cuda.is_available() else "cpu"  # this process's own finding
         cores = cores_for_slot(os.sched_getaffinity(0), cpu_slot, threads) if device == "cpu" else None
         torch.set_num_threads(len(cores) if cores else threads)
@@ -39,12 +62,25 @@ class RolloutWorkerImpl:
         sharing = {"gpu_share": gpu_share, "release_memory": self.release_kv or release_weights} if shares else None
         self.backend = build_backend(backend, hf_checkpoint, spec_config, max_batch_size, device, adaptive=spec_adaptive,
                                      dtype=compute_dtype(bf16), cpu_cores=cores, weight_transfer=weight_transfer,
-                                     enforce_eager=enforce_eager, sharing=sharing)
+                                     enforce_eager=enforce_eager, sharing=sharing, context_len=context_len)
         self.sync_draft = sync_draft
         self.time_plain_baseline, self.calls = time_plain_baseline, 0
         self.receiver = None
         self.draft_version = 0  # the checkpoint's draft until a push loads one
 
+    @ray.method(concurrency_group="health")
+    def heartbeat(self):
+        """Answered on its own thread while another call runs: the progress count (engine steps taken and
+        weight buckets received so far), which a hung or stopped engine no longer moves."""
+        return (self.backend.progress() if self.backend else 0) + self.buckets_received
+
+    def leftovers(self):
+        """What this worker's engine started that a SIGKILL of the worker would leave (rollout/health.py)."""
+        from rollout.health import engine_leftovers
+
+        return engine_leftovers()
+
+    @engine_call
     def generate(self, samples, sampling):
         """(samples, the backend's stats of this call: seconds, generated tokens, spec counters, spec_k_mean,
         the call's memory (vime/devices.py `phase_memory`), ...); each sample is stamped with the version
@@ -60,6 +96,7 @@ class RolloutWorkerImpl:
             s.weight_version, s.draft_version = self.backend.weight_version, self.draft_version
         return samples, dict(self.backend.stats(), memory=phase_memory("rollout"), **baseline)
 
+    @engine_call
     def release_memory(self):
         """Memory by turns, once the rollout is done and the trainer steps: the backend gives back its KV
         cache (and with --rollout-release-weights its weights) when this engine takes turns; returns
@@ -78,6 +115,10 @@ class RolloutWorkerImpl:
         """Take the backend's receiver for `transport`; returns what the trainer's sender must know of
         this engine. With sync_draft False (the target-only benchmark arm) the receiver leaves the
         drafter's weights as they are, and the guard reports the draft stale."""
+        from vime.weight_sync import abandon
+
+        if self.receiver is not None:  # a new push group after an engine was lost: the old one had it
+            abandon(getattr(self.receiver, "group", None))
         self.receiver = self.backend.weight_receiver(transport, keep_draft=self.sync_draft)
         return self.receiver.plan()
 
@@ -86,19 +127,28 @@ class RolloutWorkerImpl:
         self.receiver.join(rendezvous, rank)
         return rank
 
-    def receive_weights(self, header, version, note=None):
+    @engine_call
+    def receive_weights(self, header, version, note=None, aborted=None):
         """pause -> receive the push into the backend -> resume; returns the backend's fingerprint
         (target and draft checksums) and the seconds it took. `note`: what the sender said with this
-        push (the in-place hand-over's handles)."""
+        push (the in-place hand-over's handles); `aborted()`: whether the driver gave the push up (a
+        member of its group was lost; the receive then ends with PushBroken and the worker joins anew)."""
         start = time.perf_counter()
+        self.receiver.aborted, self.receiver.progressed = aborted, self._bucket_received
         self.backend.pause()
-        self.receiver.receive(header, version, note)
+        try:
+            self.receiver.receive(header, version, note)
+        finally:  # a broken push leaves the weights part-loaded: the next push, checked, replaces them
+            self.backend.resume()
         if self.sync_draft:
             self.draft_version = version
-        self.backend.resume()
         fp = self.backend.fingerprint()
         return {"draft_checksum": fp["draft"], "target_checksum": fp["target"], "seconds": time.perf_counter() - start}
 
+    def _bucket_received(self):
+        self.buckets_received += 1
+
+    @engine_call
     def digests(self):
         return self.backend.digests()
 
@@ -109,7 +159,8 @@ class RolloutWorkerImpl:
         self.backend.close()
 
 
-RolloutWorker = ray.remote(RolloutWorkerImpl)
+# "health": the heartbeat's own thread, so that it answers while generate or a push runs
+RolloutWorker = ray.remote(concurrency_groups={"health": 1})(RolloutWorkerImpl)
 
 
 def sampling_for(rollout_cfg, step, draw=0):
@@ -143,26 +194,99 @@ class RolloutManagerImpl:
                                   rollout_cfg.reward_num_workers)
         self.reward_counts = {}  # the scorer's counts (timeouts, unparsable labels) over one step's draws
         self.warned_bound = False  # dynamic sampling's bound is said once, counted every step
+        context_len = self._context_len(rows + self.eval_rows)
         n = rollout_cfg.rollout_num_workers
-        opts = worker_options or [worker_resources()] * n  # placed, or anywhere
-        cpus = worker_cpus or [{"threads": 1, "cpu_slot": i} for i in range(n)]  # {threads, cpu_slot} per engine
-        shares = worker_gpu_shares or [None] * n  # an engine's GPU share where it shares a GPU with a trainer rank
-        self.workers = [RolloutWorker.options(**opts[i]).remote(
-            hf_checkpoint, rollout_cfg.vllm_speculative_config, rollout_cfg.rollout_max_batch_size,
-            backend=rollout_cfg.backend, sync_draft=rollout_cfg.sync_draft_weights,
-            spec_adaptive=rollout_cfg.spec_adaptive, time_plain_baseline=rollout_cfg.time_plain_baseline,
-            bf16=bf16, weight_transfer=rollout_cfg.vllm_weight_transfer, enforce_eager=rollout_cfg.enforce_eager,
-            gpu_share=shares[i], release_kv_cache=rollout_cfg.release_kv_cache,
-            release_weights=rollout_cfg.release_weights, **cpus[i])
-            for i in range(n)]
+        self.hf_checkpoint, self.bf16 = hf_checkpoint, bf16
+        self.context_len = context_len
+        self.worker_options = worker_options or [worker_resources()] * n  # placed, or anywhere
+        self.worker_cpus = worker_cpus or [{"threads": 1, "cpu_slot": i} for i in range(n)]  # {threads, cpu_slot}
+        self.worker_gpu_shares = worker_gpu_shares or [None] * n  # its GPU share where it shares one with a rank
+        self.workers = [self._start_worker(i) for i in range(n)]
+        self.leftovers = {}  # worker index -> what its engine started (rollout/health.py), once it answered
+        self.watch = EngineWatch(rollout_cfg.rollout_health_timeout)
+        self.step_start = None  # (step, data cursor before it) of the step being generated
+        self.kept = {}  # (draw, prompt index) -> (weight version, its group's samples) generated this step
+        self.issued = set()  # (draw, prompt index) of the groups sent to an engine this step
+        self.reissued = 0  # groups (prompts) sent again this step because their engine was lost
+
+    def _start_worker(self, i, reap=None):
+        """Worker `i` on its placement (its bundle, cores and GPU share); `reap`: what a lost predecessor
+        on that placement left behind, removed before the engine starts."""
+        r = self.cfg
+        return RolloutWorker.options(**self.worker_options[i]).remote(
+            self.hf_checkpoint, r.vllm_speculative_config, r.rollout_max_batch_size,
+            backend=r.backend, sync_draft=r.sync_draft_weights, spec_adaptive=r.spec_adaptive,
+            time_plain_baseline=r.time_plain_baseline, bf16=self.bf16, weight_transfer=r.vllm_weight_transfer,
+            enforce_eager=r.enforce_eager, gpu_share=self.worker_gpu_shares[i], release_kv_cache=r.release_kv_cache,
+            release_weights=r.release_weights, context_len=self.context_len, reap=reap, **self.worker_cpus[i])
+
+    def _context_len(self, rows):
+        """The positions a request of this run can reach: its longest prompt (training and evaluation) plus
+        --rollout-max-response-len (the pre-start checks keep that within the model's context)."""
+        chat = self.cfg.apply_chat_template
+        return max(len(self.codec.prompt_ids(p, self.bos, chat)) for p, _ in rows) + self.cfg.rollout_max_response_len
 
     def get_workers(self):
         return self.workers
 
+    def started(self):
+        """Wait until every worker's engine runs; record what each started (for `replace_workers`)."""
+        for i, found in enumerate(ray.get([w.leftovers.remote() for w in self.workers])):
+            self.leftovers[i] = found
+        return len(self.workers)
+
+    def replace_workers(self, indices):
+        """A new worker in place of each lost one (killed first if it still runs), on the same placement,
+        after its predecessor's engine processes and rings are removed; waits until each runs (at most
+        --rollout-health-timeout, or it counts as lost again). Returns the workers, all of them."""
+        fresh = {}
+        for i in indices:
+            ray.kill(self.workers[i], no_restart=True)
+            fresh[i] = self._start_worker(i, reap=self.leftovers.pop(i, None))
+        outcomes = self.watch.wait_started({i: w.leftovers.remote() for i, w in fresh.items()})
+        failed = []
+        for i, w in fresh.items():
+            self.workers[i] = w
+            if isinstance(outcomes[i], BaseException):
+                ray.kill(w, no_restart=True)
+                failed.append((i, w._actor_id.hex(), f"did not start again: {first_line(outcomes[i])}"))
+            else:
+                self.leftovers[i] = outcomes[i]
+        if failed:
+            raise EnginesLost(None, failed)
+        return self.workers
+
+    @engine_call
     def release_memory(self):
         """Memory by turns: every engine lets go of what it may while the trainer steps; the largest
         memory an engine then holds (memory/engine_while_training_*)."""
-        return _largest(ray.get([w.release_memory.remote() for w in self.workers]))
+        return _largest(list(self._on_every_worker(lambda w: w.release_memory.remote(), None).values()))
+
+    def _on_every_worker(self, call, step):
+        """{worker index: value} of `call(worker)` on every worker, watched (rollout/health.py); EnginesLost
+        when a worker was lost, after the others finished."""
+        return self._watched({i: (w, call(w)) for i, w in enumerate(self.workers)}, step)
+
+    def _watched(self, calls, step):
+        """{index: value} of calls {index: (worker, ref)} to workers; EnginesLost naming the lost ones."""
+        outcomes, lost = self._watch(calls, step)
+        if lost:
+            raise lost
+        return outcomes
+
+    def _watch(self, calls, step):
+        """({index: value} of the calls that succeeded, EnginesLost naming the lost workers or None); any
+        other error of a call is raised as it is."""
+        outcomes = self.watch.wait(calls)
+        lost = []
+        for i, outcome in sorted(outcomes.items()):
+            if isinstance(outcome, BaseException):
+                why = lost_reason(outcome)
+                if why is None:
+                    raise outcome
+                lost.append((i, calls[i][0]._actor_id.hex(), why))
+        values = {i: v for i, v in outcomes.items() if not isinstance(v, BaseException)}
+        return values, EnginesLost(step, lost) if lost else None
 
     def data_cursor(self):
         return self.data.cursor
@@ -177,10 +301,20 @@ class RolloutManagerImpl:
                        prompt=self.codec.render_chat(p) if chat else p, label=label, weight_version=version)
                 for i, (p, label) in enumerate(prompts) for j in range(n)]
 
-    def generate(self, step):
+    def generate(self, step, version=None):
         """One step's samples with rewards and advantages, and the rollout/* + perf/* metrics.
-        With --dynamic-sampling, draws until the batch holds only groups with signal (bounded)."""
+        With --dynamic-sampling, draws until the batch holds only groups with signal (bounded).
+
+        A step that lost engines (EnginesLost) is generated again once they are replaced: the same
+        prompts (the data cursor goes back to the step's start), and only the groups not generated
+        yet, unless the ones kept were generated with other weights than `version` (the weights the
+        workers hold now): then those groups are generated again too."""
         start = time.perf_counter()
+        if self.step_start is not None and self.step_start[0] == step:
+            self.data.cursor = self.step_start[1]
+            self.kept = {key: held for key, held in self.kept.items() if version is None or held[0] == version}
+        else:
+            self.step_start, self.kept, self.issued, self.reissued = (step, self.data.cursor), {}, set(), 0
         self.reward_counts = {}
         samples, done, engine_time = self._draw(self.data.next_prompts(self._prompts_per_draw()), step, draw=0)
         drawn, extra = samples, {}
@@ -190,6 +324,8 @@ class RolloutManagerImpl:
         counters = functools.reduce(add_counters, [stats["spec"] for stats in done], empty_counters())
         extra["rollout/zero_signal_share"] = zero_signal_share(groups_of(samples))
         assign_advantages(samples, self.advantage_estimator)
+        self.step_start, self.kept = None, {}
+        extra["fault/prompts_reissued"] = self.reissued
         return samples, dict(self._metrics(drawn, elapsed, counters), **{"perf/rollout_engine_time": engine_time},
                              **_adaptive_metrics(done), **_plain_baseline_metrics(done, engine_time), **extra,
                              **_largest([stats["memory"] for stats in done]),
@@ -201,18 +337,31 @@ class RolloutManagerImpl:
 
     def _draw(self, prompts, step, draw):
         """Generate n samples of each prompt on the workers (whole groups, spread by load) and score
-        them: (samples in prompt order with rewards, each worker's stats of the call)."""
-        samples = self._samples(prompts, version=step)
-        shards = spread_groups(groups_of(samples), len(self.workers), self.cfg.rollout_max_response_len)
+        them: (samples in prompt order with rewards, each worker's stats of the call). Groups already
+        generated in an attempt of this step that lost engines are kept (`generate`)."""
+        groups = groups_of(self._samples(prompts, version=step))
+        todo = [g for g in groups if (draw, g[0].index) not in self.kept]
+        self.reissued += sum((draw, g[0].index) in self.issued for g in todo)
+        self.issued |= {(draw, g[0].index) for g in todo}
+        shards = spread_groups(todo, len(self.workers), self.cfg.rollout_max_response_len)
         sampling = sampling_for(self.cfg, step, draw)
-        done = ray.get([w.generate.remote(shard, sampling) for w, shard in zip(self.workers, shards) if shard])
-        samples = sorted([s for shard, _ in done for s in shard], key=lambda s: (s.index, s.sample_index))
+        calls = {i: (w, w.generate.remote(shard, sampling)) for i, (w, shard) in enumerate(zip(self.workers, shards))
+                 if shard}
+        outcomes, lost = self._watch(calls, step)
+        done = [outcomes[i] for i in sorted(outcomes)]
+        for shard, _ in done:  # kept before a loss is reported: the next attempt generates only the others
+            for group in groups_of(shard):
+                self.kept[(draw, group[0].index)] = (group[0].weight_version, group)
+        if lost:
+            raise lost
+        samples = sorted([s for g in groups for s in self.kept[(draw, g[0].index)][1]],
+                         key=lambda s: (s.index, s.sample_index))
         scores, counts = self.scorer.score([(s.response, s.label) for s in samples])
         for s, score in zip(samples, scores):
             s.reward = score
         for name, value in counts.items():
             self.reward_counts[name] = self.reward_counts.get(name, 0) + value
-        return samples, [stats for _, stats in done], max(stats["seconds"] for _, stats in done)
+        return samples, [stats for _, stats in done], max([stats["seconds"] for _, stats in done], default=0.0)
 
     def _dynamic_batch(self, first, done, engine_time, step):
         """DAPO: keep the groups with signal, draw --over-sampling-batch-size more prompts until
@@ -251,7 +400,8 @@ class RolloutManagerImpl:
         shards = [samples[i::len(self.workers)] for i in range(len(self.workers))]
         sampling = dataclasses.replace(sampling_for(self.cfg, step), temperature=self.cfg.eval_temperature,
                                        seed=self.cfg.rollout_seed * 1000003 + 7919 + step)
-        done = ray.get([w.generate.remote(shard, sampling) for w, shard in zip(self.workers, shards)])
+        done = list(self._watched({i: (w, w.generate.remote(shard, sampling))
+                                   for i, (w, shard) in enumerate(zip(self.workers, shards))}, step).values())
         counters = functools.reduce(add_counters, [stats["spec"] for _, stats in done], empty_counters())
         samples = [s for shard, _ in done for s in shard]
         scores, reward_counts = self.scorer.score([(s.response, s.label) for s in samples])
@@ -260,8 +410,17 @@ class RolloutManagerImpl:
         return dict(eval_metrics(samples, k, counters), **{f"eval/{n}": v for n, v in reward_counts.items()})
 
     def close_workers(self):
-        """Stop what the backends started (vLLM's engine processes) before the actors go."""
-        ray.get([w.close.remote() for w in self.workers])
+        """Stop what the backends started (vLLM's engine processes) before the actors go; what a dead
+        worker's engine left on this node is removed here (a replacement removes it on its own node)."""
+        from rollout.health import reap
+
+        here = ray.get_runtime_context().get_node_id()
+        for i, w in enumerate(self.workers):
+            try:
+                ray.get(w.close.remote())
+            except ray.exceptions.RayActorError:
+                if self.leftovers.get(i, {}).get("node_id") == here:
+                    reap(self.leftovers.pop(i))
         self.scorer.close()
 
     def _metrics(self, samples, elapsed, counters):

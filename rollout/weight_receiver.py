@@ -42,6 +42,8 @@ class BucketReceiver:
     def __init__(self, load_weights, num_hidden_layers, keep_draft=True):
         self.load_weights, self.num_hidden_layers, self.keep_draft = load_weights, num_hidden_layers, keep_draft
         self.group, self.device = None, None
+        # set by the rollout worker before a push: whether the driver aborted it, and its sign of life per bucket
+        self.aborted, self.progressed = None, None
 
     def plan(self):
         return {}
@@ -50,7 +52,12 @@ class BucketReceiver:
         self.group, self.device = weight_sync.join_group(rendezvous, rank)
 
     def receive(self, header, version, note=None):
-        self._load(weight_sync.receive(self.group, header, self.device), version)
+        try:
+            self._load(weight_sync.receive(self.group, header, self.device, self.aborted, self.progressed), version)
+        except weight_sync.PushBroken:
+            weight_sync.abandon(self.group)  # a new group replaces it (the worker joins again)
+            self.group = None
+            raise
 
     def _load(self, named, version):
         if not self.keep_draft:

@@ -16,6 +16,7 @@ import time
 import psutil
 import pytest
 
+from orchestration.stop_signals import EXIT_REQUEUE
 from tests.test_train_rl import ckpt  # noqa: F401 (fixture)
 from tests.test_train_rl import REPO, TIMING_KEYS, base_args, initial_draft_checksum, metrics, run_train
 
@@ -89,9 +90,10 @@ def sigterm_the_group(proc, out, save, first_step_s, end_s, before=None):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    m = re.fullmatch(rf"error: stopped by SIGTERM at step (\d+): saved the step-\1 checkpoint; "
-                     rf"resume with --load {re.escape(str(save))}", stop_line(stderr))
+    assert proc.returncode == EXIT_REQUEUE, stderr[-3000:]
+    m = re.fullmatch(rf"error: stopped by SIGTERM at step (\d+): saved the step-\1 checkpoint; the run can be "
+                     rf"requeued: the same command resumes from it \(--load defaults to --save "
+                     rf"{re.escape(str(save))}\)", stop_line(stderr))
     return stdout, stderr, m
 
 
@@ -130,10 +132,11 @@ def test_a_default_run_refuses_a_client_without_the_token_and_sigusr1_saves_and_
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 128 + signal.SIGUSR1, stderr[-3000:]
+    assert proc.returncode == EXIT_REQUEUE, stderr[-3000:]
     line = stop_line(stderr)
-    m = re.fullmatch(rf"error: stopped by SIGUSR1 at step (\d+): saved the step-(\d+) checkpoint; "
-                     rf"resume with --load {re.escape(str(save))}", line)
+    m = re.fullmatch(rf"error: stopped by SIGUSR1 at step (\d+): saved the step-(\d+) checkpoint; the run can be "
+                     rf"requeued: the same command resumes from it \(--load defaults to --save "
+                     rf"{re.escape(str(save))}\)", line)
     assert m and m.group(1) == m.group(2), line
     assert not any(x in stdout + stderr for x in RAY_CRASH_LINES), stderr[-3000:]
     steps_done = int(m.group(1))
@@ -162,7 +165,8 @@ def test_sigterm_to_the_whole_process_group_saves_the_step_and_the_resume_reprod
     k = int(m.group(1))
     assert k < 50  # stopped at the next safe point, not at the end
 
-    proc = run_train(*base_args(ckpt, out, k + 2, "--use-wandb", "false", "--load", save))
+    # requeued: the same command (only --num-rollout raised, to end soon) resumes from --save by itself
+    proc = run_train(*base_args(ckpt, out, k + 2, "--use-wandb", "false", "--save", save, "--save-interval", 1000))
     assert proc.returncode == 0, proc.stderr[-3000:]
     reference_out, reference_save = tmp_path / "ref", tmp_path / "ref_save"
     proc = run_train(*base_args(ckpt, reference_out, k + 2, "--use-wandb", "false", "--save", reference_save,

@@ -99,3 +99,62 @@ def test_every_transport_has_a_sender_and_a_vllm_receiver_and_the_embedded_engin
     assert set(SENDERS) == set(RECEIVERS) == set(EMBEDDED_RECEIVERS) | {"nccl"}
     with pytest.raises(ValueError, match="nccl"):
         EmbeddedBackend(ckpt, SPEC, 4).weight_receiver("nccl")
+
+
+def _join_and_wait(rendezvous, ready):
+    """A group member in a process of its own: it joins, says so, and then takes nothing (the test stops it)."""
+    weight_sync.join_group(rendezvous, 2)
+    ready.set()
+    threading.Event().wait()
+
+
+def test_an_aborted_push_ends_for_every_member_long_before_glooes_timeout_and_a_new_group_pushes(ckpt):
+    """A member that is stopped (SIGSTOP) holds the trainer's broadcast, and through it the other
+    engine's receive, until gloo's timeout (5 minutes); once the push is aborted both end within a poll
+    with PushBroken, and the trainer and the live engine push again in a new group."""
+    import multiprocessing
+    import os
+    import signal
+    import time
+
+    big = [(f"t{i}", torch.full((8 << 20,), float(i))) for i in range(3)]  # 32 MB buckets: past socket buffers
+    layout = weight_sync.bucket_layout(big, 32 << 20)
+    rendezvous = {"master_addr": "127.0.0.1", "master_port": free_port(), "world_size": 3, "device": "cpu"}
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    member = context.Process(target=_join_and_wait, args=(rendezvous, ready), daemon=True)
+    member.start()
+    abort, ended = threading.Event(), {}
+
+    def trainer_rank0():
+        group, _ = weight_sync.join_group(rendezvous, 0)
+        try:
+            weight_sync.send(group, layout, big, abort.is_set)
+        except weight_sync.PushBroken:
+            ended["trainer"] = time.monotonic()
+            weight_sync.abandon(group)  # as the sender does: destroying it would wait out gloo's timeout
+
+    trainer = threading.Thread(target=trainer_rank0, daemon=True)
+    trainer.start()
+    try:
+        group, _ = weight_sync.join_group(rendezvous, 1)
+        assert ready.wait(120)
+        os.kill(member.pid, signal.SIGSTOP)
+        aborted_at = []
+        threading.Timer(3, lambda: (aborted_at.append(time.monotonic()), abort.set())).start()
+        with pytest.raises(weight_sync.PushBroken):
+            list(weight_sync.receive(group, layout, aborted=abort.is_set))
+        ended["engine"] = time.monotonic()
+        weight_sync.abandon(group)
+        trainer.join(timeout=60)
+    finally:
+        os.kill(member.pid, signal.SIGKILL)
+    assert set(ended) == {"trainer", "engine"}
+    # both ended about a poll after the abort (margin for a loaded machine), far from gloo's timeout
+    assert max(ended.values()) - aborted_at[0] < weight_sync.ABORT_POLL_S + 20 < weight_sync.TIMEOUT.total_seconds()
+
+    cfg, named = new_weights(ckpt)  # what the driver does next: a new group, without the lost member
+    backend = EmbeddedBackend(ckpt, SPEC, 4)
+    push(backend.weight_receiver("reload"), named)
+    target, draft = parts(named, cfg.num_hidden_layers)
+    assert backend.fingerprint() == {"target": weight_sync.checksum(target), "draft": weight_sync.checksum(draft)}

@@ -5,6 +5,7 @@ Trainer rank 0 also holds the run's weight senders (trainer/weight_senders.py), 
 0 of the group that pushes weights to the rollout workers, and the in-place hand-over to engines on
 its own device.
 """
+import os
 import time
 
 import ray
@@ -24,10 +25,35 @@ def node_rendezvous():
     return ray.util.get_node_ip_address(), free_port("")
 
 
+def _die_with_parent(main_thread):
+    """In a process just forked from a trainer rank's thread `main_thread` (its actor calls run there):
+    be killed when the rank dies (Linux's parent-death signal, which follows the forking thread, so only
+    children of that long-lived thread ask for it). Why: megatron's checkpoint writers are forked and
+    inherit the rank's connection to Ray's raylet; one left behind by a rank killed mid-save keeps that
+    connection open, and Ray then never learns that the rank died (the driver would wait on it for good)."""
+    import ctypes
+    import signal
+    import threading
+
+    if threading.get_ident() != main_thread:
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: nothing to ask for
+        return
+    if os.getppid() != parent:  # the rank died before the request took hold
+        os._exit(1)
+
+
 class TrainerActorImpl:
     """Created first, then `start`ed on every rank with rank 0's `rendezvous()` address."""
 
     def __init__(self, rank, world_size, trainer_cfg, hf_checkpoint, load=None, threads=1):
+        import functools
+        import threading
+
+        os.register_at_fork(after_in_child=functools.partial(_die_with_parent, threading.get_ident()))
         torch.set_num_threads(threads)
         self.rank, self.world_size = rank, world_size
         self.cfg, self.hf_checkpoint, self.load = trainer_cfg, hf_checkpoint, load
@@ -121,19 +147,24 @@ class TrainerActorImpl:
         named = self._named_weights()
         if self.rank != 0:
             return None
+        replaced = self.senders.get(transport)  # after an engine was lost: its group had a dead member
+        if replaced is not None:
+            weight_sync.abandon(getattr(replaced, "group", None))
         self.senders[transport] = SENDERS[transport](plan, rendezvous, buffer_size)
         return self.senders[transport].header(named)
 
-    def send_weights(self):
+    def send_weights(self, aborted=None):
         """Collective (TP gather); rank 0 pushes the weights from where they live (a GPU's never
         visit the host) through each of its senders and reports bytes, seconds, each transport's
-        note for its engines and the checksums the engines must match."""
+        note for its engines and the checksums the engines must match. `aborted()`: whether the driver
+        gave this push up (an engine was lost): a broadcast waiting on it ends then (PushBroken)."""
         named = self._named_weights()
         if self.rank != 0:
             return None
         start = time.perf_counter()
         sent, notes = 0, {}
         for transport, sender in self.senders.items():
+            sender.aborted = aborted
             size, notes[transport] = sender.send(named)
             sent += size
         return {"bytes": sent, "seconds": time.perf_counter() - start, "notes": notes,

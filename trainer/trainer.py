@@ -3,7 +3,7 @@
 Call `trainer.distributed.init_distributed(...)` first in multi-process setups; a lone
 Trainer starts a one-process group itself. Per step: the policy loss (PPO-clip on the rollout
 log-probs) plus the loss of the draft the run trains, whatever its kind (trainer/drafts: the MTP
-layers or an external EAGLE-3 or DFlash draft), which reads detached policy states and has its own
+layers or an external EAGLE-3, DFlash or DSpark draft), which reads detached policy states and has its own
 optimizer part and grad-norm clip (trainer/optimizer.py: megatron's DDP and optimizer); then the draft's own
 steps on the updated policy (trainer/drafts/base.py).
 
@@ -70,7 +70,7 @@ class Trainer:
         # the policy's DDP and optimizer, built while the MTP layers are frozen (trainer/optimizer.py)
         self.policy = PolicyPart(self.model, self.model.config, OptimizerOptions.of(cfg), cfg.lr, cfg.weight_decay,
                                  cfg.adam_eps, cfg.clip_grad)
-        # the draft trained beside the policy (trainer/drafts: MTP layers, EAGLE-3, DFlash), or None
+        # the draft trained beside the policy (trainer/drafts: MTP layers, EAGLE-3, DFlash, DSpark), or None
         self.draft = build_draft(cfg, self.model, self.model_cfg)
         # the pipeline schedule holds back every part's gradient reduce until a step's last micro-batch
         self.policy.config.no_sync_func = lambda: no_sync(self.parts)

@@ -17,6 +17,7 @@ building it blocks until every engine has joined; None for a transport without a
 The tensors may come from any gathering of the trainer's shards: a sender sees only the pairs.
 """
 from vime import weight_sync
+from vime.errors import require
 
 
 class BucketBroadcast:
@@ -30,13 +31,19 @@ class BucketBroadcast:
         del plan  # every backend takes the buckets as they are
         self.buffer_size, self.layout = buffer_size, None
         self.group, _ = weight_sync.join_group(rendezvous, 0)
+        self.aborted = None  # set by the trainer actor before a push: whether the driver aborted it
 
     def header(self, named):
         self.layout = weight_sync.bucket_layout(named, self.buffer_size)
         return self.layout
 
     def send(self, named):
-        return weight_sync.send(self.group, self.layout, named), None
+        try:
+            return weight_sync.send(self.group, self.layout, named, self.aborted), None
+        except weight_sync.PushBroken:
+            weight_sync.abandon(self.group)  # the driver opens a new sender (a new group) after this
+            self.group = None
+            raise
 
     def release(self):
         """Nothing is kept: the broadcast is over when send returns."""
@@ -98,3 +105,14 @@ class InPlaceHandOver:
 
 IN_PLACE = "in_place"
 SENDERS = {"reload": BucketBroadcast, "nccl": EngineChannel, IN_PLACE: InPlaceHandOver}  # by transport
+
+
+def check_weight_transfer(rollout_cfg):
+    """--vllm-weight-transfer: a transport one may choose (not the in-place hand-over, which the driver
+    chooses by where the engines are), and nccl only into vLLM (it is vLLM's engine)."""
+    t = rollout_cfg.vllm_weight_transfer
+    chosen = [name for name, sender in SENDERS.items() if not sender.automatic]
+    require(t in chosen, f"--vllm-weight-transfer {t!r}: choose one of {', '.join(chosen)}" +
+            (" (in_place is chosen by itself for an engine on the trainer's own device)" if t in SENDERS else ""))
+    require(t == "reload" or rollout_cfg.backend == "vllm",
+            f"--vllm-weight-transfer {t} is vLLM's weight transfer engine: use it with --rollout-backend vllm")

@@ -27,7 +27,12 @@ ITERATION = re.compile(r"iter_(\d{7})$")
 
 
 class CheckpointSaveError(RuntimeError):
-    """Writing a checkpoint failed (disk full, read-only, ...); the partial .tmp was removed."""
+    """Writing a checkpoint failed (disk full, read-only, a writer that died, ...); the partial .tmp was
+    removed. `original`: the error the writing raised (the driver tells a dead trainer rank from a disk)."""
+
+    def __init__(self, message, original=None):
+        super().__init__(message)
+        self.original = original
 
 
 def iteration_dir(root, step):
@@ -52,7 +57,7 @@ def save(root, step, write_model, loop_state, keep=None):
         write_manifest(tmp)  # last: a checkpoint without one was never finished
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointSaveError(_save_failure(root, step, e)) from None
+        raise CheckpointSaveError(_save_failure(root, step, e), original=e) from None
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     _write_latest(root, step)

@@ -54,7 +54,8 @@ class RolloutSection:
              "dynamic_sampling", "dynamic_sampling_max_draws": "dynamic_sampling", "eval_prompt_data": "rollout",
              "eval_interval": "eval", "n_samples_per_eval_prompt": "eval", "eval_temperature": "eval",
              "sync_draft_weights": "sync", "vllm_weight_transfer": "sync", "release_kv_cache": "sync",
-             "release_weights": "sync"}  # see SWITCHES
+             "release_weights": "sync", "max_engine_restarts": "rollout", "engine_restart_window": "rollout",
+             "rollout_health_timeout": "rollout"}  # see SWITCHES
 
     prompt_data: Optional[str] = field(default=None, metadata=flag(
         "--prompt-data", "JSONL prompts (default: the tiny model's train.jsonl)"))
@@ -134,6 +135,14 @@ class RolloutSection:
         "--n-samples-per-eval-prompt", "responses sampled per eval prompt (the k of eval/pass@k)"))
     eval_temperature: float = field(default=1.0, metadata=flag(
         "--eval-temperature", "sampling temperature of the evaluation (0: greedy)"))
+    max_engine_restarts: int = field(default=3, metadata=flag(
+        "--max-engine-restarts", "rollout engines replaced on their placement when one dies or hangs, at most N within "
+        "--engine-restart-window (0: a lost engine stops the run)"))
+    engine_restart_window: float = field(default=3600.0, metadata=flag(
+        "--engine-restart-window", "seconds over which --max-engine-restarts counts restarts"))
+    rollout_health_timeout: float = field(default=600.0, metadata=flag(
+        "--rollout-health-timeout", "seconds a rollout engine may work on a call without progress (engine steps, "
+        "weight buckets received) before it is killed and replaced; also the most a replacement may take to start"))
 
 
 def _validate_rollout(r):
@@ -351,6 +360,9 @@ class MTPSection:
         "num_speculative_tokens or --mtp-num-layers, whichever is larger (the depths the rollout drafts); depths "
         "past the last layer reuse it on its own output, as the drafter does for k > layers (see "
         "--mtp-reuse-attention)"))
+    warmup_steps: int = field(default=0, metadata=flag(
+        "--mtp-warmup-steps", "on a checkpoint without MTP layers (where --mtp-num-layers adds fresh ones): offline "
+        "training steps of the new layers on the model's own responses to the prompts, before step 0"))
     reuse_attention: str = field(default="drafter", metadata=flag(
         "--mtp-reuse-attention", "how --mtp-train-depths past the last layer attend: drafter (exactly as the "
         "drafter runs the reused layer: one position further, over the layer's entries before it) or "
@@ -372,7 +384,8 @@ class RunSection:
 
     NEEDS = {"save": "trainers", "save_interval": "save", "save_keep": "save", "load": "trainers", "ckpt_step": "load",
              "ray_connect_timeout": "ray_address", "check_weight_update_equal": "sync", "async_rollout": "sync",
-             "save_debug_rollout_data": "rollout", "load_debug_rollout_data": "train_only"}  # see SWITCHES
+             "save_debug_rollout_data": "rollout", "load_debug_rollout_data": "train_only",
+             "max_trainer_restarts": "save"}  # see SWITCHES
 
     num_rollout: int = field(default=40, metadata=flag("--num-rollout", "RL steps"))
     output_dir: str = field(default="runs/latest", metadata=flag("--output-dir", "metrics.jsonl, plots, wandb"))
@@ -415,6 +428,9 @@ class RunSection:
         "(on the weights and draft synced after step t-1); see --use-tis"))
     verbose: bool = field(default=False, metadata=flag(
         "--verbose", "vLLM's INFO log lines too (default: its warnings and errors only)"))
+    max_trainer_restarts: int = field(default=2, metadata=flag(
+        "--max-trainer-restarts", "times the trainers and engines restart in-process from the newest valid checkpoint "
+        "in --save when a trainer rank dies (0: it stops the run)"))
 
 
 def _validate_run(run):
@@ -490,7 +506,7 @@ def _external_titles():
 class DraftSection:
     """The draft trained online beside the policy, whatever its kind (`cfg.draft`): the policy's MTP layers
     (--enable-mtp-training) or an external draft named by --vllm-speculative-config (--enable-draft-training,
-    EAGLE-3, DFlash). The knobs apply to whichever trains; those left at none take the kind's own default
+    EAGLE-3, DFlash, DSpark). The knobs apply to whichever trains; those left at none take the kind's own default
     (the table of kinds, vime/models/draft_kinds.py)."""
 
     NEEDS = {"*": "draft_training", "enable_training": "trainers"}  # every knob sets how the draft trains
@@ -708,7 +724,7 @@ A_PROCESS_CPU = Range(1, why="every trainer rank and rollout engine is a process
 # starts; tests/test_bad_inputs.py checks that every numeric field of the tree has an entry here.
 RANGES = {
     "--task-variant-prompts": AT_LEAST_1, "--rollout-batch-size": AT_LEAST_1, "--n-samples-per-prompt": AT_LEAST_1,
-    "--rollout-max-response-len": AT_LEAST_1,
+    "--rollout-max-response-len": AT_LEAST_1, "--mtp-warmup-steps": AT_LEAST_0,
     "--rollout-temperature": Range(0, low_open=True, why="RL needs sampling; at 0 every sample of a prompt is the "
                                    "same greedy answer, so the group advantage and the gradient are zero"),
     "--rollout-top-p": Range(0, 1, low_open=True), "--rollout-top-k": AT_LEAST_0,
@@ -737,6 +753,8 @@ RANGES = {
     "--optimizer-offload-fraction": Range(0, 1, why="a share of the parameters"),
     "--reward-timeout": POSITIVE, "--reward-num-workers": AT_LEAST_1, "--eval-interval": AT_LEAST_1,
     "--n-samples-per-eval-prompt": AT_LEAST_1, "--eval-temperature": AT_LEAST_0,
+    "--max-engine-restarts": AT_LEAST_0, "--engine-restart-window": POSITIVE, "--rollout-health-timeout": POSITIVE,
+    "--max-trainer-restarts": AT_LEAST_0,
 }
 
 

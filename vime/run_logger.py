@@ -24,43 +24,63 @@ def wandb_mode(run_cfg):
 
 
 class RunLogger:
-    """Writes each step's metrics to metrics.jsonl and wandb, and the summary plot and table at the end."""
+    """Writes each step's metrics to metrics.jsonl and wandb, and the summary plot and table at the end.
 
-    def __init__(self, run_cfg, config_dict, resume_step=0):
+    A resumed run (`resume_step`, or `rewind` after a trainer restart in-process) logs each step once:
+    metrics.jsonl is rewritten from that step on, and wandb, whose rows cannot be taken back, continues
+    the run of `resume_id` (the checkpoint's) and is sent only the steps it has not had yet."""
+
+    def __init__(self, run_cfg, config_dict, resume_step=0, resume_id=None):
         self.cfg = run_cfg
         self.dir = run_cfg.output_dir
         os.makedirs(self.dir, exist_ok=True)
         self.jsonl_path = os.path.join(self.dir, "metrics.jsonl")
-        self._keep_rows_before(resume_step)
+        logged = self._keep_rows_before(resume_step)
         self.next_step = resume_step
         self.history = []
-        self.wandb = self._init_wandb(config_dict) if run_cfg.use_wandb else None
+        self.wandb = self._init_wandb(config_dict, resume_id) if run_cfg.use_wandb else None
+        # the steps the wandb run already holds: those of this output dir's log, when it continues that run
+        self.wandb_through = logged if resume_id else -1
+
+    @property
+    def run_id(self):
+        """The wandb run's id (saved with each checkpoint), or None without wandb."""
+        return self.wandb.id if self.wandb else None
+
+    def rewind(self, step):
+        """Go back to `step` (a trainer restart from its checkpoint): its rows and later ones are dropped
+        from metrics.jsonl and from the history; wandb keeps its rows and gets only steps after them."""
+        self.wandb_through = max(self.wandb_through, self._keep_rows_before(step))
+        self.history = [row for row in self.history if row["rollout/step"] < step]
+        self.next_step = step
 
     def _keep_rows_before(self, step):
-        """A resumed run rewrites metrics.jsonl from the checkpoint's step (no duplicated steps)."""
+        """Rewrite metrics.jsonl keeping the rows of steps before `step` (no duplicated steps); returns
+        the last step it held before (-1: none)."""
         if not os.path.exists(self.jsonl_path):
-            return
-        kept = []
-        if step > 0:
-            with open(self.jsonl_path) as f:
-                for line in f:
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue  # a line cut by a crash
-                    if row.get("rollout/step", step) < step:
-                        kept.append(line if line.endswith("\n") else line + "\n")
+            return -1
+        kept, last = [], -1
+        with open(self.jsonl_path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by a crash
+                last = max(last, row.get("rollout/step", -1))
+                if row.get("rollout/step", step) < step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
         tmp = self.jsonl_path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(kept)
         os.replace(tmp, self.jsonl_path)
+        return last
 
-    def _init_wandb(self, config_dict):
+    def _init_wandb(self, config_dict, resume_id=None):
         import wandb
 
         mode = wandb_mode(self.cfg)
         options = dict(project=self.cfg.wandb_project, group=self.cfg.wandb_group, dir=self.dir, config=config_dict,
-                       reinit="finish_previous")
+                       reinit="finish_previous", **({"id": resume_id, "resume": "allow"} if resume_id else {}))
         try:
             run = wandb.init(mode=mode, **options)
         except Exception as e:  # wandb's errors (CommError, AuthenticationError, timeouts) have no common base
@@ -81,7 +101,7 @@ class RunLogger:
         self.next_step = step + 1
         with open(self.jsonl_path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.wandb:
+        if self.wandb and step > self.wandb_through:
             self.wandb.log(row)
 
     def finish(self):

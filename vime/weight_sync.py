@@ -11,17 +11,31 @@ same machine's memory on CPU) maps the same flat buckets instead (`fill_buckets`
 CUDA IPC handles on a GPU, shared-memory files on CPU, both torch.multiprocessing's reductions
 pickled into bytes that Ray carries.
 Checksums let the loop prove that a worker's weights equal the trainer's after a sync.
+
+A broadcast whose peer died or stopped does not end by itself until gloo's timeout (minutes; the
+other members wait as long): `send` and `receive` take an `aborted()` callable, asked about once a
+second while a bucket is in flight, and give up with `PushBroken` when it says so (the driver
+decides, having seen the peer go). The group is then unusable: its sockets and threads are left to
+gloo's timeout (`abandon`) and the members meet in a new group.
 """
 import datetime
 import hashlib
 import math
 import pickle
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 TIMEOUT = datetime.timedelta(minutes=5)
+ABORT_POLL_S = 1.0  # how often a waiting broadcast asks whether the push was aborted
+_ABANDONED = []  # groups given up on: their threads end at gloo's timeout, and deleting one would wait for it
+
+
+class PushBroken(RuntimeError):
+    """A weight push ended early: a member of its group died, stopped, or the push was aborted; the
+    group cannot be used again."""
 
 
 @dataclass(frozen=True)
@@ -74,11 +88,31 @@ def make_group(master_addr, master_port, rank, world_size, backend="gloo"):
     return dist.ProcessGroupGloo(prefix, rank, world_size, TIMEOUT)
 
 
-def broadcast(group, tensor):
+def broadcast(group, tensor, aborted=None):
+    """Broadcast from rank 0; with `aborted`, wait by polling and raise PushBroken once it says so."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    group.broadcast([tensor], opts).wait()
+    work = group.broadcast([tensor], opts)
+    if aborted is not None:
+        asked = time.monotonic()
+        while not work.is_completed():
+            time.sleep(0.001)
+            if time.monotonic() - asked > ABORT_POLL_S:
+                if aborted():
+                    raise PushBroken("the weight push was aborted (a member of its group was lost)")
+                asked = time.monotonic()
+    try:
+        work.wait()
+    except RuntimeError as e:  # gloo: "Connection closed by peer", a timeout
+        raise PushBroken(f"the weight push broke: {str(e).splitlines()[0][:200]}") from None
     return tensor
+
+
+def abandon(group):
+    """Give up on a group whose broadcast broke: kept referenced until the process ends (its threads
+    end at gloo's timeout; destroying it now would wait for them)."""
+    if group is not None:
+        _ABANDONED.append(group)
 
 
 def device_for(backend):
@@ -99,7 +133,7 @@ def join_group(rendezvous, rank):
     return group, device_for(backend)
 
 
-def send(group, layout, named_tensors):
+def send(group, layout, named_tensors, aborted=None):
     """Trainer rank 0: broadcast every bucket, each flattened on the device its tensors live on
     (CUDA tensors for NCCL, CPU ones for gloo: the group's backend was chosen for that device).
     Returns bytes sent."""
@@ -107,16 +141,19 @@ def send(group, layout, named_tensors):
     sent = 0
     for bucket in layout:
         flat = flatten_bucket(bucket, by_name)
-        broadcast(group, flat)
+        broadcast(group, flat, aborted)
         sent += flat.numel() * flat.element_size()
     return sent
 
 
-def receive(group, layout, device="cpu"):
-    """Rollout worker: yield (name, tensor) for every bucket as it arrives (on `device`)."""
+def receive(group, layout, device="cpu", aborted=None, progressed=None):
+    """Rollout worker: yield (name, tensor) for every bucket as it arrives (on `device`);
+    `progressed()` after each (the worker's sign of life)."""
     for bucket in layout:
         flat = torch.empty(sum(s.numel for s in bucket), dtype=bucket[0].dtype, device=device)
-        broadcast(group, flat)
+        broadcast(group, flat, aborted)
+        if progressed is not None:
+            progressed()
         yield from unflatten_bucket(bucket, flat)
 
 

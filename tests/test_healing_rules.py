@@ -1,0 +1,73 @@
+"""The rules behind a run that heals, each on its own (the whole runs are tests/test_run_heals.py): the
+restart bound and its window, metrics logged once per step across a restart, and --load defaulting to
+--save for a requeued job."""
+import json
+import os
+
+from orchestration.healing import RestartBudget, engines_lost
+from rollout.health import EnginesLost
+from vime.config import RunSection
+
+
+class Clock:
+    """Seconds that a test moves by hand (the budget's window is about time passing)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_restart_budget_allows_at_most_its_limit_within_any_window():
+    clock = Clock()
+    budget = RestartBudget(2, window_s=100, clock=clock)
+    assert budget.take() and budget.take()
+    assert not budget.take() and budget.used() == 2  # a refusal counts nothing
+    clock.now = 100.5  # both fell out of the window
+    assert budget.take() and budget.used() == 1
+    clock.now = 150
+    assert budget.take() and not budget.take()
+    assert RestartBudget(0, window_s=100, clock=clock).take() is False  # 0: the first loss stops the run
+
+
+def test_engines_lost_is_found_inside_the_error_ray_wraps_it_in():
+    import ray.exceptions
+
+    lost = EnginesLost(3, [(1, "ab", "died")])
+    wrapped = ray.exceptions.RayTaskError("generate", "traceback", lost).as_instanceof_cause()  # as Ray raises it
+    assert engines_lost(lost) is lost and engines_lost(wrapped).lost == [(1, "ab", "died")]
+    assert engines_lost(RuntimeError("other")) is None
+    assert str(lost) == "rollout worker 1 died at step 3"
+
+
+def test_a_rewound_logger_logs_each_step_once(tmp_path):
+    from vime.run_logger import RunLogger
+
+    run_cfg = RunSection(output_dir=str(tmp_path), use_wandb=False)
+    logger = RunLogger(run_cfg, {})
+    for step in range(4):
+        logger.log(step, {"x": step})
+    logger.rewind(2)  # a trainer restart from the step-2 checkpoint
+    for step in range(2, 5):
+        logger.log(step, {"x": 10 * step})
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["rollout/step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r["x"] for r in rows] == [0, 1, 20, 30, 40]  # the steps done again replace the lost ones
+    assert [r["rollout/step"] for r in logger.history] == [0, 1, 2, 3, 4]
+    # a resumed process that continues the same wandb run knows which steps that run already holds
+    assert logger._keep_rows_before(3) == 4
+
+
+def test_load_defaults_to_save_when_it_holds_a_checkpoint(tmp_path, capsys):
+    from orchestration.run_setup import load_from_save_by_default
+
+    save = tmp_path / "save"
+    fresh = RunSection(save=str(save))
+    assert not load_from_save_by_default(fresh) and fresh.load is None  # no directory yet
+    os.makedirs(save / "iter_0000002")
+    given = RunSection(save=str(save), load=str(tmp_path / "other"))
+    assert not load_from_save_by_default(given) and given.load == str(tmp_path / "other")  # --load wins
+    requeued = RunSection(save=str(save))
+    assert load_from_save_by_default(requeued) and requeued.load == str(save)
+    assert "--load defaults to --save" in capsys.readouterr().out
