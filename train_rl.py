@@ -128,8 +128,9 @@ def prepare(cfg):
     (orchestration/run_setup.py). A bad input stops it with one UserError line. Returns the locks
     of the run's directories, held until their `release()`."""
     from orchestration.preflight import check_config, check_inputs, check_prompts, check_resume
-    from orchestration.run_setup import (choose_checkpoint, load_from_save_by_default, lock_run_dirs,
-                                         make_tiny_model_if_missing, resolve_paths, write_variant_prompts)
+    from orchestration.run_setup import (add_fresh_mtp_layers, choose_checkpoint, load_from_save_by_default,
+                                         lock_run_dirs, make_tiny_model_if_missing, resolve_paths,
+                                         write_variant_prompts)
 
     check_config(cfg)  # reads no file: a typo stops the run before a 25-minute pretraining
     resolve_paths(cfg)
@@ -143,6 +144,7 @@ def prepare(cfg):
     try:
         write_variant_prompts(cfg)  # into --output-dir, checked writable and locked just above
         check_prompts(cfg, hf)
+        add_fresh_mtp_layers(cfg)  # on a checkpoint without MTP layers: the run's own, made there
     except BaseException:
         locks.release()
         raise

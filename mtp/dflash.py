@@ -25,7 +25,6 @@ responses, the anchor token clean and the rest masked, the context being the tar
 before the anchor, cross-entropy of each masked slot against the true token, weighted by
 exp(-(i-1)/gamma) for slot i so that the early slots, which decide acceptance, weigh most.
 """
-import math
 from dataclasses import dataclass
 
 import torch

@@ -1,6 +1,6 @@
 """Offline warm-up of an external draft on its target's own sequences (pure torch).
 
-Every external draft kind (EAGLE-3, DFlash) starts from a short offline fit before RL: batches of
+Every external draft kind (EAGLE-3, DFlash, DSpark) starts from a short offline fit before RL: batches of
 the target's samples, the target's hidden states recomputed without gradients, the kind's own loss.
 The loop is the same for every kind; the kind brings only its loss.
 """

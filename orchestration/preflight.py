@@ -1,7 +1,7 @@
-"""The checks a run makes before any actor starts, as a list: each subsystem checks its own part
-(a config section its fields, a registry its names, a backend its speculative config, the trainer
-its draft), so this module only says what runs when. Nothing here changes the config or the disk:
-those steps are orchestration/run_setup.py's, and train_rl.py `prepare` interleaves the two.
+"""The checks a run makes before any actor starts, in the order they run: each part checks its own
+(a config section its fields, a registry its names, a backend its engine's needs, the trainer its
+draft), so this module only says what runs when, and each check runs once. Nothing here changes the
+config or the disk: those steps are orchestration/run_setup.py's, and train_rl.py `prepare` interleaves the two.
 A failed check is one `UserError` line (train_rl.py prints `error: ...` and exits 2)."""
 import os
 
@@ -9,26 +9,32 @@ from vime.errors import UserError, require
 
 
 def check_config(cfg):
-    """The checks that read no file: the tree's own rules, the registries' names, the placement, the device."""
+    """The checks that read no file, once each, from the config down to each part: the tree's own ranges and
+    combinations, the speculative config with vime's speculation flags, the device, the rollout's, the
+    trainer's and the placement's names and knobs; last, whether each knob set is used by this run."""
     from orchestration.placement import check_placement_flags
     from orchestration.ray_connect import check_ray_address_env
     from rollout.advantages import check_estimator
     from rollout.group_batching import check_dynamic_sampling
     from rollout.task import check_task_variant
+    from trainer.drafts import check_draft_training
     from trainer.losses import check_kl_estimator
+    from trainer.weight_senders import check_weight_transfer
     from vime.config import check_knob_switches, validate
     from vime.precision import check_bf16
+    from vime.spec_config import check_run_rules
 
     validate(cfg)
+    check_run_rules(cfg.rollout)
     check_bf16(cfg.model.bf16)  # --bf16 on a device that cannot run a bf16 matmul
     check_dynamic_sampling(cfg.rollout)
     check_task_variant(cfg.rollout.task_variant)
-    check_placement_flags(cfg)
-    check_ray_address_env(cfg.run.ray_address)
-    check_kl_estimator(cfg.train.kl_loss_type)
     check_estimator(cfg.train.advantage_estimator)
+    check_kl_estimator(cfg.train.kl_loss_type)
     check_weight_transfer(cfg.rollout)
     check_draft_training(cfg)
+    check_placement_flags(cfg)
+    check_ray_address_env(cfg.run.ray_address)
     check_knob_switches(cfg)  # last: a knob's own value is judged before whether this run would use it
 
 
@@ -38,13 +44,14 @@ def check_inputs(cfg):
     checkpoint (`check_resume`)."""
     from rollout.backend import check_backend
     from trainer.routing_replay import check_routing_replay
-    from vime.models.config_checks import check_finite_weights, check_mtp_layers
+    from vime.models.config_checks import check_finite_weights, check_mtp_layers, run_model_config
     from vime.models.hf_format import inspect_hf_checkpoint
     from vime.models.trainable import check_trainable
     from vime.paths import require_writable_dir
 
     hf = inspect_hf_checkpoint(cfg.model.hf_checkpoint)
-    check_mtp_layers(cfg.mtp.num_layers, hf, cfg.model.hf_checkpoint)
+    check_mtp_layers(cfg.mtp.num_layers, hf, cfg.model.hf_checkpoint, training=cfg.mtp.enable_training)
+    hf = run_model_config(cfg.mtp, hf)  # with the fresh MTP layers run_setup adds, where it adds them
     cfg.train.layout.check_model(hf)
     check_trainable(hf)
     check_routing_replay(cfg, hf)
@@ -102,24 +109,3 @@ def check_resume(cfg, hf):
     problem = torch_dist_tensor_problem(meta, hf, n)
     require(problem is None, f"--load {iteration}: its tensors disagree with --hf-checkpoint {cfg.model.hf_checkpoint}'s "
             f"config.json: {problem}; resume with the --hf-checkpoint the run started from")
-
-
-def check_weight_transfer(rollout_cfg):
-    """--vllm-weight-transfer: a transport one may choose (not the in-place hand-over, which the driver
-    chooses by where the engines are), and nccl only into vLLM (it is vLLM's engine)."""
-    from trainer.weight_senders import SENDERS
-
-    t = rollout_cfg.vllm_weight_transfer
-    chosen = [name for name, sender in SENDERS.items() if not sender.automatic]
-    require(t in chosen, f"--vllm-weight-transfer {t!r}: choose one of {', '.join(chosen)}" +
-            (" (in_place is chosen by itself for an engine on the trainer's own device)" if t in SENDERS else ""))
-    require(t == "reload" or rollout_cfg.backend == "vllm",
-            f"--vllm-weight-transfer {t} is vLLM's weight transfer engine: use it with --rollout-backend vllm")
-
-
-def check_draft_training(cfg):
-    """The draft the run trains (its kind from the flags and the speculative config) and its knobs."""
-    from trainer.config import TrainerConfig
-    from trainer.drafts import check_draft_config
-
-    check_draft_config(TrainerConfig.from_tree(cfg))

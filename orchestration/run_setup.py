@@ -6,7 +6,8 @@ them one by one between the checks (orchestration/preflight.py), which change no
 - `load_from_save_by_default`: --load set to --save when that holds a checkpoint (a requeued job resumes);
 - `choose_checkpoint`: --load narrowed to the verified checkpoint it resumes from;
 - `lock_run_dirs`: --output-dir and --save locked for this run (vime/run_lock.py);
-- `write_variant_prompts`: a --task-variant's prompts written into the run's directory.
+- `write_variant_prompts`: a --task-variant's prompts written into the run's directory;
+- `add_fresh_mtp_layers`: MTP layers added to a checkpoint that has none, warmed up, in the run's directory.
 """
 import os
 import subprocess
@@ -95,3 +96,31 @@ def write_variant_prompts(cfg):
     path = os.path.join(cfg.run.output_dir, f"prompts_{r.task_variant}.jsonl")
     write_jsonl(TASK_VARIANTS[r.task_variant].prompts(r.task_variant_prompts, r.rollout_seed), path)
     r.prompt_data = path
+
+
+def add_fresh_mtp_layers(cfg):
+    """--enable-mtp-training --mtp-num-layers N on a checkpoint without MTP layers: N
+    fresh ones, initialised as megatron-core initialises them and warmed up for --mtp-warmup-steps on the
+    model's own responses to the run's prompts (scripts/make_mtp_draft.py), in the run's directory, which
+    becomes --hf-checkpoint. Said in one line; the maker's own refusal is the run's one line."""
+    from vime.errors import UserError
+    from vime.models.config_checks import fresh_mtp_layers
+    from vime.models.hf_format import read_config
+
+    count, m, r = fresh_mtp_layers(cfg.mtp, read_config(cfg.model.hf_checkpoint)), cfg.mtp, cfg.rollout
+    if not count:
+        return
+    out = os.path.join(cfg.run.output_dir, "fresh_mtp_checkpoint")
+    print(f"[vime] {cfg.model.hf_checkpoint} has no MTP layers: adding {count} fresh one(s), initialised as "
+          f"megatron-core initialises them, warmed up for {m.warmup_steps} steps on its own responses to "
+          f"{r.prompt_data} -> {out}", flush=True)
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "scripts", "make_mtp_draft.py"), "--target", cfg.model.hf_checkpoint,
+           "--out", out, "--mtp-num-layers", str(count), "--warmup-steps", str(m.warmup_steps),
+           "--prompt-data", r.prompt_data, "--input-key", r.input_key, "--label-key", r.label_key,
+           "--max-new-tokens", str(r.rollout_max_response_len), "--seed", str(r.rollout_seed)]
+    proc = subprocess.run(cmd + (["--apply-chat-template"] if r.apply_chat_template else []), stderr=subprocess.PIPE,
+                          text=True)
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")] or proc.stderr.splitlines()
+        raise UserError(f"adding fresh MTP layers: {(lines or ['the maker failed'])[-1].removeprefix('error: ')}")
+    cfg.model.hf_checkpoint = out

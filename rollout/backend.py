@@ -30,7 +30,7 @@ worker knows which one runs:
 (`check_backend` runs the chosen one, before any actor starts). `BACKENDS` maps `--rollout-backend`
 names to constructors taking
 (hf_checkpoint, speculative_config, max_batch_size, device, adaptive, dtype, cpu_cores, weight_transfer,
-enforce_eager, sharing);
+enforce_eager, sharing, context_len);
 `adaptive` is the
 embedded engine's --spec-adaptive (vLLM has its own per-batch-size k in the speculative config);
 `dtype` the model's (torch.bfloat16 under --bf16): weights are loaded and synced in it, and the
@@ -39,7 +39,10 @@ computes on (vime/cpu_cores.py; None: torch's and vLLM's own choice); `weight_tr
 --vllm-weight-transfer, for a backend that must prepare for its transport when it starts; `enforce_eager`
 --rollout-enforce-eager (no CUDA graphs); `sharing` how the engine shares its device with a trainer rank
 ({"gpu_share": its fraction of the GPU, "release_memory": whether release_memory will be asked of it};
-None: it has the device to itself), for a backend that sizes its memory or its allocator when it starts.
+None: it has the device to itself), for a backend that sizes its memory or its allocator when it starts;
+`context_len` the positions a request of the run can reach (its longest prompt plus --rollout-max-response-len;
+None: the model's max_position_embeddings), which the embedded engine sizes its KV cache by (a real model's
+context, 8192 positions and more, would otherwise claim gigabytes per slot); vLLM sizes its KV cache itself.
 
 The embedded backend can also time plain decoding of the same batch right beside the real,
 speculative call (`generate_with_plain_baseline`, --rollout-time-plain-baseline): a benchmark's
@@ -93,13 +96,15 @@ class EmbeddedBackend:
     name = "embedded"
 
     def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False,
-                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", enforce_eager=False, sharing=None):
+                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", enforce_eager=False, sharing=None,
+                 context_len=None):
         from rollout.embedded.engine import EngineConfig
         from rollout.embedded.engine_builder import build_engine, build_proposer
 
         # computes on this process's torch threads (RolloutWorker sets them); allocates as it goes
         del cpu_cores, weight_transfer, sharing
-        config = EngineConfig(max_batch_size=max_batch_size, device=device, dtype=dtype, enforce_eager=enforce_eager)
+        config = EngineConfig(max_batch_size=max_batch_size, device=device, dtype=dtype, enforce_eager=enforce_eager,
+                              max_len=context_len)
         self.engine = build_engine(hf_checkpoint, speculative_config, config, adaptive=adaptive)
         self.plain_proposer = build_proposer(None)
         self.last_spec = spec_counters([])
@@ -205,16 +210,12 @@ BACKEND_CHECKS = {
 
 
 def check_backend(cfg, hf):
-    """The rollout side of a training run before any actor starts: its samples must follow the policy
-    (no synthetic acceptance), then the chosen backend's own checks against the checkpoint `hf`."""
-    from rollout.spec_config import require_lossless
-
-    require_lossless(cfg.rollout.vllm_speculative_config, where="train_rl.py")
+    """The chosen backend's own checks of a training run against the checkpoint `hf`, before any actor starts."""
     BACKEND_CHECKS[cfg.rollout.backend](cfg, hf)
 
 
 def build_backend(name, hf_checkpoint, speculative_config, max_batch_size, device="cpu",
                   adaptive=False, dtype=torch.float32, cpu_cores=None, weight_transfer="reload",
-                  enforce_eager=False, sharing=None) -> RolloutBackend:
+                  enforce_eager=False, sharing=None, context_len=None) -> RolloutBackend:
     return BACKENDS[name](hf_checkpoint, speculative_config, max_batch_size, device, adaptive, dtype, cpu_cores,
-                          weight_transfer, enforce_eager, sharing)
+                          weight_transfer, enforce_eager, sharing, context_len)

@@ -1,6 +1,8 @@
 """`python -m rollout.generate`: batch generation from a JSONL prompt file with the embedded engine.
 
-Input lines hold "prompt" (text; BOS is prepended when the model has one) or "prompt_ids".
+Input lines hold "prompt" (text; BOS is prepended when the model has one), "prompt_ids", or with
+--apply-chat-template "messages" (chat messages rendered by the tokenizer's own template). The engine's
+KV cache holds the longest prompt plus --max-new-tokens, not the model's whole context.
 Output: one line per sample with prompt_index, sample_index, response_ids, response,
 logprobs, finish_reason. Prints a summary with tokens/s.
 """
@@ -15,6 +17,8 @@ from rollout.data import read_jsonl_rows
 from rollout.embedded.engine import EngineConfig
 from rollout.sampling_params import SamplingParams
 from rollout.embedded.engine_builder import build_engine
+from rollout.tokenizer import codec_or_none
+from vime.models.hf_format import read_config
 from vime.spec_config import parse_spec_config
 from rollout.spec_stats import aggregate_spec_stats, format_spec_stats
 from vime.config import AT_LEAST_0, AT_LEAST_1, SEED, Range, check_flag_ranges
@@ -42,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--vllm-speculative-config", default=None,
                    help='speculative decoding, vLLM JSON schema, e.g. \'{"method":"mtp","num_speculative_tokens":3}\'')
+    p.add_argument("--apply-chat-template", action="store_true",
+                   help="prompt lines hold 'messages' (chat messages), rendered with the tokenizer's chat template")
     p.add_argument("--spec-adaptive", action="store_true",
                    help="k in 0..num_speculative_tokens per batch size from a start-up cost profile and measured acceptance")
     args = p.parse_args(argv)
@@ -49,7 +55,13 @@ def parse_args(argv=None):
     return args
 
 
-def prompt_ids_of(row, lineno, path, codec, bos_token_id):
+def prompt_ids_of(row, lineno, path, codec, bos_token_id, chat=False):
+    if chat:
+        from rollout.tokenizer import check_messages
+
+        require("messages" in row, f"--prompts {path}: line {lineno} has no 'messages' (--apply-chat-template)")
+        check_messages(row["messages"], f"--prompts {path}: line {lineno}")
+        return codec.chat_prompt_ids(row["messages"])
     if "prompt_ids" in row:
         ids = row["prompt_ids"]
         require(isinstance(ids, list) and all(isinstance(t, int) for t in ids),
@@ -65,19 +77,25 @@ def prompt_ids_of(row, lineno, path, codec, bos_token_id):
     return ids
 
 
-def build_samples(rows, path, engine, n, max_new_tokens):
-    samples = []
-    for index, (lineno, row) in enumerate(rows):
-        ids = prompt_ids_of(row, lineno, path, engine.codec, engine.cfg.bos_token_id)
-        require(len(ids) < engine.max_len, f"--prompts {path}: line {lineno}: the prompt has {len(ids)} tokens; "
-                f"the context is {engine.max_len}")
-        require(len(ids) + max_new_tokens <= engine.max_len,
+def tokenized_prompts(rows, path, codec, cfg, max_new_tokens, chat=False):
+    """[(row, prompt ids)] of the prompt file's rows, each within the model's context (`cfg`, a ModelConfig)
+    with --max-new-tokens after it."""
+    out, context = [], cfg.max_position_embeddings
+    for lineno, row in rows:
+        ids = prompt_ids_of(row, lineno, path, codec, cfg.bos_token_id, chat)
+        require(len(ids) < context, f"--prompts {path}: line {lineno}: the prompt has {len(ids)} tokens; "
+                f"the context is {context}")
+        require(len(ids) + max_new_tokens <= context,
                 f"--max-new-tokens {max_new_tokens}: with line {lineno}'s {len(ids)}-token prompt that is "
-                f"{len(ids) + max_new_tokens} positions, beyond the model's context of {engine.max_len}; use "
-                f"--max-new-tokens {engine.max_len - len(ids)} or less")
-        samples += [Sample(prompt_ids=ids, index=index, sample_index=j, prompt=row.get("prompt", ""))
-                    for j in range(n)]
-    return samples
+                f"{len(ids) + max_new_tokens} positions, beyond the model's context of {context}; use "
+                f"--max-new-tokens {context - len(ids)} or less")
+        out.append((row, ids))
+    return out
+
+
+def build_samples(prompts, n):
+    return [Sample(prompt_ids=ids, index=index, sample_index=j, prompt=row.get("prompt", ""))
+            for index, (row, ids) in enumerate(prompts) for j in range(n)]
 
 
 def write_outputs(samples, path):
@@ -123,9 +141,16 @@ def main(argv=None):
     sampling = make_sampling(args)
     rows = read_jsonl_rows(args.prompts, "--prompts")
     spec = parse_spec_config(args.vllm_speculative_config)
-    engine = build_engine(args.hf_checkpoint, spec, EngineConfig(max_batch_size=args.max_batch_size,
-                                                                 device=args.device), adaptive=args.spec_adaptive)
-    samples = build_samples(rows, args.prompts, engine, args.n, args.max_new_tokens)
+    cfg = read_config(args.hf_checkpoint)
+    codec = codec_or_none(args.hf_checkpoint)
+    require(not args.apply_chat_template or (codec is not None and codec.has_chat_template),
+            f"--apply-chat-template: the tokenizer of {args.hf_checkpoint} has no chat template; drop the flag and "
+            "give 'prompt' text, or use a chat model")
+    prompts = tokenized_prompts(rows, args.prompts, codec, cfg, args.max_new_tokens, args.apply_chat_template)
+    context = max(len(ids) for _, ids in prompts) + args.max_new_tokens
+    engine = build_engine(args.hf_checkpoint, spec, EngineConfig(max_batch_size=args.max_batch_size, device=args.device,
+                                                                 max_len=context), adaptive=args.spec_adaptive)
+    samples = build_samples(prompts, args.n)
     engine.generate(samples, sampling)
     write_outputs(samples, args.output)
     st = engine.stats()

@@ -43,7 +43,8 @@ class RolloutWorkerImpl:
 
     def __init__(self, hf_checkpoint, spec_config, max_batch_size, threads=1, backend="embedded", sync_draft=True,
                  spec_adaptive=False, time_plain_baseline=False, bf16=False, cpu_slot=0, weight_transfer="reload",
-                 enforce_eager=False, gpu_share=None, release_kv_cache=None, release_weights=False, reap=None):
+                 enforce_eager=False, gpu_share=None, release_kv_cache=None, release_weights=False, context_len=None,
+                 reap=None):
         from rollout.backend import build_backend
         from rollout.health import reap as reap_leftovers
         from vime.cpu_cores import cores_for_slot
@@ -61,7 +62,7 @@ class RolloutWorkerImpl:
         sharing = {"gpu_share": gpu_share, "release_memory": self.release_kv or release_weights} if shares else None
         self.backend = build_backend(backend, hf_checkpoint, spec_config, max_batch_size, device, adaptive=spec_adaptive,
                                      dtype=compute_dtype(bf16), cpu_cores=cores, weight_transfer=weight_transfer,
-                                     enforce_eager=enforce_eager, sharing=sharing)
+                                     enforce_eager=enforce_eager, sharing=sharing, context_len=context_len)
         self.sync_draft = sync_draft
         self.time_plain_baseline, self.calls = time_plain_baseline, 0
         self.receiver = None
@@ -193,8 +194,9 @@ class RolloutManagerImpl:
                                   rollout_cfg.reward_num_workers)
         self.reward_counts = {}  # the scorer's counts (timeouts, unparsable labels) over one step's draws
         self.warned_bound = False  # dynamic sampling's bound is said once, counted every step
+        context_len = self._context_len(rows + self.eval_rows)
         n = rollout_cfg.rollout_num_workers
-        self.hf_checkpoint, self.bf16 = hf_checkpoint, bf16
+        self.hf_checkpoint, self.bf16, self.context_len = hf_checkpoint, bf16, context_len
         self.worker_options = worker_options or [worker_resources()] * n  # placed, or anywhere
         self.worker_cpus = worker_cpus or [{"threads": 1, "cpu_slot": i} for i in range(n)]  # {threads, cpu_slot}
         self.worker_gpu_shares = worker_gpu_shares or [None] * n  # its GPU share where it shares one with a rank
@@ -215,7 +217,13 @@ class RolloutManagerImpl:
             backend=r.backend, sync_draft=r.sync_draft_weights, spec_adaptive=r.spec_adaptive,
             time_plain_baseline=r.time_plain_baseline, bf16=self.bf16, weight_transfer=r.vllm_weight_transfer,
             enforce_eager=r.enforce_eager, gpu_share=self.worker_gpu_shares[i], release_kv_cache=r.release_kv_cache,
-            release_weights=r.release_weights, reap=reap, **self.worker_cpus[i])
+            release_weights=r.release_weights, context_len=self.context_len, reap=reap, **self.worker_cpus[i])
+
+    def _context_len(self, rows):
+        """The positions a request of this run can reach: its longest prompt (training and evaluation) plus
+        --rollout-max-response-len (the pre-start checks keep that within the model's context)."""
+        chat = self.cfg.apply_chat_template
+        return max(len(self.codec.prompt_ids(p, self.bos, chat)) for p, _ in rows) + self.cfg.rollout_max_response_len
 
     def get_workers(self):
         return self.workers

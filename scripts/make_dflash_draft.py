@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from make_eagle3_draft import target_samples  # noqa: E402
+from make_eagle3_draft import add_sample_args, target_samples  # noqa: E402
 from mtp.dflash import block_loss  # noqa: E402
 from mtp.draft_warmup import warm_up_draft  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
@@ -59,6 +59,7 @@ def block_draft_parser(doc, block_help):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    add_sample_args(p)
     return p
 
 
@@ -113,7 +114,7 @@ def make(args, kind, init, warm):
     target_cfg, target_state, _ = load_hf_checkpoint(args.target, "--target")
     draft = init(target_cfg, target_state, args)
     if args.warmup_steps:
-        sequences, target = target_samples(args.target, args.warmup_samples, args.max_new_tokens, args.seed)
+        sequences, _, target = target_samples(args.target, args.warmup_samples, args.max_new_tokens, args.seed, args)
         warm(draft, target, sequences, args)
     kind.save(args.out, draft.cfg, draft.state_dict())
     print(f"saved {args.out} (target layers {list(draft.cfg.target_layer_ids)} of {target_cfg.num_hidden_layers}, "

@@ -8,13 +8,12 @@ heads and vocabulary, fc over three aux layers of the target (`--aux-layer-ids`;
 choice, or on a target of fewer than 7 layers the embedding output, the middle and the last layer's
 output). Any family the embedded engine runs is a target; vLLM drafts for Qwen2 and Qwen3. Its head and final
 norm start as the target's; the rest is a small random init. `--warmup-steps N` then trains it
-offline for N steps on the target's own samples (prompts from the target directory's train.jsonl,
-temperature 1) with EAGLE-3's training-time test over `--ttt-steps` drafting steps: a draft that
+offline for N steps on the target's own samples (temperature 1) on the task's prompts (`--prompt-data`,
+chat messages with `--apply-chat-template`; default: the target directory's train.jsonl) with EAGLE-3's training-time test over `--ttt-steps` drafting steps: a draft that
 knows the target as it is before RL moves it. The result loads, unchanged, with
 `vllm.LLM(model=TARGET, speculative_config={"method": "eagle3", "model": DIR, ...})`.
 """
 import argparse
-import json
 import os
 import random
 import sys
@@ -30,7 +29,7 @@ from rollout.embedded.engine import Engine, EngineConfig  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
 from vime.models.eagle3 import EAGLE3, draft_config_for_target  # noqa: E402
-from vime.models.hf_format import load_hf_checkpoint  # noqa: E402
+from vime.models.hf_format import load_hf_checkpoint, read_config  # noqa: E402
 from vime.sample import samples_for_prompts  # noqa: E402
 
 
@@ -48,6 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    add_sample_args(p)
     return p.parse_args(argv)
 
 
@@ -66,18 +66,39 @@ def init_draft(target_cfg, target_state, seed, intermediate_size=None, aux_layer
     return draft
 
 
-def target_samples(target_path, n, max_new_tokens, seed):
-    """[token ids] of n target samples (temperature 1) on the target's train.jsonl prompts."""
-    engine = Engine.from_checkpoint(target_path, EngineConfig(max_batch_size=128))
-    with open(os.path.join(target_path, "train.jsonl")) as f:
-        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+def add_sample_args(p):
+    """The options of the prompts a draft maker's warm-up samples the target on (the RL task's prompts)."""
+    p.add_argument("--prompt-data", default=None,
+                   help="JSONL prompts the target answers for the warm-up (default: the target's train.jsonl)")
+    p.add_argument("--input-key", default="prompt", help="the prompt column of --prompt-data")
+    p.add_argument("--label-key", default="label", help="the label column of --prompt-data")
+    p.add_argument("--apply-chat-template", action="store_true",
+                   help="--input-key holds chat messages, rendered with the target tokenizer's chat template")
+
+
+def target_samples(target_path, n, max_new_tokens, seed, args=None):
+    """([token ids], [prompt length] of n target samples (temperature 1) on the prompts `args` names (a draft
+    maker's --prompt-data, --input-key, --label-key, --apply-chat-template; default: the target's train.jsonl),
+    the target's model): the target's own responses, the self-distillation data of every draft kind."""
+    from rollout.data import read_prompt_file
+    from rollout.tokenizer import TextCodec
+
+    path = getattr(args, "prompt_data", None) or os.path.join(target_path, "train.jsonl")
+    chat = bool(getattr(args, "apply_chat_template", False))
+    codec = TextCodec(target_path)
+    require(not chat or codec.has_chat_template, f"--apply-chat-template: the tokenizer of {target_path} has no chat "
+            "template; drop the flag and give plain-text prompts, or use a chat model")
+    rows = read_prompt_file(path, getattr(args, "input_key", "prompt"), getattr(args, "label_key", "label"),
+                            codec=codec, apply_chat_template=chat)
     rng = random.Random(seed)
-    codec = engine.codec
-    bos = engine.cfg.bos_token_id
-    chosen = [([bos] if bos is not None else []) + codec.encode(rng.choice(prompts)) for _ in range(n)]
+    bos = read_config(target_path).bos_token_id
+    chosen = [codec.prompt_ids(rng.choice(rows)[0], bos, chat) for _ in range(n)]
+    # the KV cache for this warm-up's context, not the model's (a real model's runs to thousands of positions)
+    engine = Engine.from_checkpoint(target_path, EngineConfig(max_batch_size=min(n, 128),
+                                                              max_len=max(map(len, chosen)) + max_new_tokens))
     out = engine.generate(samples_for_prompts(chosen), SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens,
                                                                        seed=seed))
-    return [s.tokens for s in out], engine.model
+    return [s.tokens for s in out], [len(s.prompt_ids) for s in out], engine.model
 
 
 def warm_up(draft, target, sequences, steps, batch_size, lr, ttt_steps, seed, log=print):
@@ -100,7 +121,7 @@ def main(argv=None):
     draft = init_draft(target_cfg, target_state, args.seed, args.intermediate_size, args.aux_layer_ids)
     EAGLE3.check_fits(args.out, draft.cfg, target_cfg, tensors={n: t.shape for n, t in draft.state_dict().items()})
     if args.warmup_steps:
-        sequences, target = target_samples(args.target, args.warmup_samples, args.max_new_tokens, args.seed)
+        sequences, _, target = target_samples(args.target, args.warmup_samples, args.max_new_tokens, args.seed, args)
         warm_up(draft, target, sequences, args.warmup_steps, args.batch_size, args.lr, args.ttt_steps, args.seed)
     EAGLE3.save(args.out, draft.cfg, draft.state_dict())
     print(f"saved {args.out} (aux layers {list(draft.cfg.aux_layer_ids)} of {target_cfg.num_hidden_layers})")

@@ -44,7 +44,7 @@ def online_and_frozen_acceptance(spec, steps=4):
     arms draft for the same target) and the engine receives the trainer's weights each step."""
     from rollout.backend import EmbeddedBackend
     from rollout.sampling_params import SamplingParams
-    from rollout.spec_config import parse_spec_config
+    from vime.spec_config import parse_spec_config
     from trainer.batch import build_batch
     from trainer.config import TrainerConfig
     from trainer.trainer import Trainer

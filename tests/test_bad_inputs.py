@@ -218,6 +218,7 @@ def test_mtp_layers_asked_of_a_checkpoint_without_any_are_refused_saying_what_to
     make_random_checkpoint(no_mtp, seed=5, num_nextn_predict_layers=0, **SMALL)
     write_jsonl(make_prompts(8, seed=1), os.path.join(no_mtp, "train.jsonl"))
     message = refused(args_for(no_mtp, tmp_path, "--mtp-num-layers", 1), "--mtp-num-layers 1: ",
-                      "has no MTP layers to load or train; drop --mtp-num-layers")
+                      "has no MTP layers to load; add fresh ones with --enable-mtp-training",
+                      "or drop --mtp-num-layers")
     other = re.search(r"--vllm-speculative-config '([^']+)'", message).group(1)
     prepare(load_config(args_for(no_mtp, tmp_path, "--vllm-speculative-config", other))).release()  # as advised

@@ -4,7 +4,6 @@ disagree with config.json. One line naming the flag or file, exit code 2, before
 for the tools, any model) starts.
 
 Each parametrized case is one distinct bad input; `BAD_INPUT_CASES` counts them."""
-import dataclasses
 import json
 import math
 import os
@@ -15,7 +14,7 @@ import typing
 import pytest
 from safetensors.torch import load_file, save_file
 
-from checkpoint_convert import hf_to_torch_dist, torch_dist_to_hf
+from checkpoint_convert import hf_to_torch_dist
 from train_rl import prepare
 from rollout import generate
 from rollout.task import make_prompts, write_jsonl

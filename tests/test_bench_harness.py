@@ -114,9 +114,9 @@ def test_a_sliced_proposer_run_generates_each_slice_of_consecutive_prompts_as_th
     from rollout.embedded.engine import EngineConfig
     from rollout.embedded.engine_builder import build_engine
     from rollout.sampling_params import SamplingParams
-    from scripts.bench.throughput import proposer_run, task_prompts
+    from scripts.bench.throughput import proposer_run, variant_prompts
 
-    prompts = task_prompts("checkpoints/tiny-qwen2", "add", 7)
+    prompts = variant_prompts("checkpoints/tiny-qwen2", "add", 7)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=False, seed=1)
     engine = build_engine("checkpoints/tiny-qwen2", None, EngineConfig(max_batch_size=2))
     sliced, whole = proposer_run(engine, None, prompts, sampling, slices=3), proposer_run(engine, None, prompts, sampling)

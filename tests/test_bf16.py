@@ -241,7 +241,7 @@ def test_the_online_eagle3_draft_trains_in_bf16_on_fp32_masters_and_syncs_bit_fo
     from draft_kind_fixtures import random_draft
     from rollout.backend import EmbeddedBackend
     from vime.models.eagle3 import EAGLE3
-    from rollout.spec_config import parse_spec_config
+    from vime.spec_config import parse_spec_config
 
     target = str(tmp_path / "target")
     make_tiny(target, seed=1, std=0.3, family="qwen2", num_nextn_predict_layers=0)

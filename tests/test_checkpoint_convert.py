@@ -109,8 +109,8 @@ def edited_copy(src, dst, **config_changes):
 
 
 @pytest.mark.parametrize("changes, needles", [
-    (dict(architectures=["LlamaForCausalLM"], model_type="llama"),
-     ("LlamaForCausalLM", "not a supported model family", "mimo (MiMoForCausalLM)", "qwen3 (Qwen3ForCausalLM)")),
+    (dict(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox"),
+     ("GPTNeoXForCausalLM", "not a supported model family", "mimo (MiMoForCausalLM)", "qwen3 (Qwen3ForCausalLM)")),
     (dict(num_nextn_predict_layers=None), ("holds 1 MTP layers", "set num_nextn_predict_layers to 1")),
     (dict(num_nextn_predict_layers=0), ("holds 1 MTP layers", "set num_nextn_predict_layers to 1")),
     (dict(num_nextn_predict_layers=2), ("declares num_nextn_predict_layers=2", "holds 1 MTP layers", "incomplete")),

@@ -19,7 +19,7 @@ from rollout.embedded.engine import Engine, EngineConfig
 from rollout.embedded.engine_builder import build_engine
 from rollout.embedded.proposers.dflash import DFlashProposer
 from rollout.sampling_params import SamplingParams
-from rollout.spec_config import check_against_checkpoint, parse_spec_config
+from vime.spec_config import check_against_checkpoint, parse_spec_config
 from rollout.task import make_prompts
 from rollout.tokenizer import TextCodec
 from spec_fixtures import one_thread  # noqa: F401

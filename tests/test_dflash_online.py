@@ -5,7 +5,6 @@ megatron-core, each rollout backend): after every sync the rollout's draft equal
 guard compares them), the block size and per-slot acceptance are logged, and `scripts/export_draft.py`
 writes exactly the checkpoint's draft as a directory the engines load. Bad training inputs are one line.
 """
-import json
 import subprocess
 import sys
 
@@ -13,7 +12,6 @@ import pytest
 import torch
 
 from online_draft_fixtures import REPO, TARGET, assert_online_beats_frozen, trained_and_exported
-from tests.bad_input_helpers import refused
 
 K = 3
 

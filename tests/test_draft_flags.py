@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from trainer.config import TrainerConfig
-from trainer.drafts import DRAFT_TRAINERS, check_draft_config
+from trainer.drafts import check_draft_config
 from vime.cli_config import REMOVED_FLAGS, REMOVED_KEYS, help_text, load_config
 from vime.config import flag_table
 from vime.errors import UserError

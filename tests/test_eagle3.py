@@ -17,7 +17,7 @@ from rollout.embedded.engine import Engine, EngineConfig
 from rollout.embedded.engine_builder import build_engine
 from rollout.embedded.proposers.eagle3 import Eagle3Proposer
 from rollout.sampling_params import SamplingParams
-from rollout.spec_config import check_against_checkpoint, parse_spec_config
+from vime.spec_config import check_against_checkpoint, parse_spec_config
 from spec_fixtures import alternating_k, chi_square_p_value, exact_joint, one_thread  # noqa: F401
 from vime.errors import UserError
 from vime.models.eagle3 import EAGLE3, draft_config_for_target, vllm_default_aux_layer_ids

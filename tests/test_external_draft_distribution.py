@@ -7,7 +7,7 @@ import pytest
 
 from draft_kind_fixtures import vocab_pair
 from rollout.embedded.proposers import PROPOSERS
-from rollout.spec_config import parse_spec_config
+from vime.spec_config import parse_spec_config
 from spec_fixtures import check_sampled_drafts_keep_the_target_distribution, check_the_test_rejects_resampling_from_p, \
     one_thread  # noqa: F401
 from vime.models.draft_kinds import EXTERNAL_KINDS

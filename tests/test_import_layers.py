@@ -25,7 +25,7 @@ LAYERS = (
     ("the run's config (pure): the dataclass tree + CLI, the speculative config (it names the draft kinds),"
      " and the memory plan's CLI that reads the tree",
      {"config": ("vime.config", "vime.cli_config", "vime.spec_config", "vime.models.memory_plan")}),
-    ("the two sides' own basics: rollout's spec config, stats, task, tokenizer, data; the trainer",
+    ("the two sides' own basics: rollout's stats, task, tokenizer, data; the trainer",
      {"rollout": ("rollout",), "trainer": ("trainer",)}),
     ("the two rollout engines, side by side", {"embedded": ("rollout.embedded",), "vllm": ("rollout.vllm",)}),
     ("the rollout front: the backend seam, Ray rollout workers, the generate CLI, the tiny model recipe",
@@ -237,6 +237,11 @@ def test_the_rollout_worker_and_the_trainer_actor_name_no_engines_transport(grap
         defined = {node.name for node in ast.walk(tree)
                    if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))}
         assert [n for n in sorted(defined) if "vllm" in n.lower() or "nccl" in n.lower()] == [], module
+
+
+def test_the_speculative_config_is_parsed_and_checked_in_one_module():
+    """vime/spec_config.py parses it and holds its checks; an engine keeps only its own checks, beside it."""
+    assert [m for m in sorted(module_files()) if m.rsplit(".", 1)[-1] == "spec_config"] == ["vime.spec_config"]
 
 
 # negative controls: the checks above can fail

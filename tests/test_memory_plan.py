@@ -138,15 +138,15 @@ def test_each_refusal_is_one_line_naming_what_to_change(capsys, argv, needle):
 
 
 def test_a_config_of_an_unsupported_family_is_refused_in_one_line(tmp_path, capsys):
-    llama = tmp_path / "config.json"
-    llama.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000,
+    neox = tmp_path / "config.json"
+    neox.write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": 32000,
                                  "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
                                  "num_attention_heads": 32}))
     with pytest.raises(SystemExit) as exit_:
-        main(["--hf-config", str(llama), "--gpus", "8", "--gpu-memory-gb", "80"])
+        main(["--hf-config", str(neox), "--gpus", "8", "--gpu-memory-gb", "80"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1
-    assert "LlamaForCausalLM" in err and "not a supported model family" in err
+    assert "GPTNeoXForCausalLM" in err and "not a supported model family" in err
 
 
 def test_the_command_lists_the_layouts_that_fit_and_says_what_it_does_not_count():

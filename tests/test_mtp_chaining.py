@@ -15,7 +15,7 @@ from vime.sample import samples_for_prompts
 from rollout.embedded.proposers.mtp import MTPProposer
 from tests.mtp_oracles import mtp_input_hidden
 from rollout.sampling_params import SamplingParams
-from rollout.spec_config import parse_spec_config
+from vime.spec_config import parse_spec_config
 from trainer.config import TrainerConfig
 from trainer.model import forward
 from trainer.trainer import Trainer

@@ -7,15 +7,13 @@ import glob
 import os
 import pickle
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from rollout.group_batching import DynamicBatch, groups_of, has_signal, renumber, spread_groups
 from tests.test_bad_inputs import args_for, ckpt, refused  # noqa: F401  (module fixture reused)
-from tests.test_train_rl import REPO, base_args, metrics, run_train
+from tests.test_train_rl import base_args, metrics, run_train
 from trainer.config import TrainerConfig
 from trainer.losses import policy_loss, ppo_clip, token_mean
 from vime.sample import Sample

@@ -6,9 +6,9 @@ import json
 import pytest
 
 from rollout.embedded.engine import EngineConfig
-from rollout.embedded.engine_builder import build_proposer
-from rollout.spec_config import (SpecConfig, check_against_checkpoint, engine_config_for,
-                                 require_lossless, parse_spec_config, synthetic_position_rates)
+from rollout.embedded.engine_builder import build_proposer, engine_config_for
+from vime.spec_config import (SpecConfig, check_against_checkpoint, require_lossless, parse_spec_config,
+                              synthetic_position_rates)
 from rollout.embedded.spec_policy import dense_schedule
 from rollout.tiny_model import TINY_CONFIG
 from vime.errors import UserError

@@ -13,7 +13,7 @@ from rollout.embedded.proposers.mtp import MTPProposer
 from tests.mtp_oracles import reference_mtp_drafts
 from rollout.sampling_params import SamplingParams
 from rollout.embedded.engine_builder import build_engine, build_proposer
-from rollout.spec_config import parse_spec_config
+from vime.spec_config import parse_spec_config
 from rollout.spec_stats import aggregate_spec_stats
 from rollout.task import make_prompts
 from rollout.tokenizer import TextCodec

@@ -18,7 +18,7 @@ from vime.sample import samples_for_prompts
 from rollout.sampling_params import SamplingParams
 from rollout.embedded.proposers.mtp import MTPProposer
 from rollout.embedded.steps import StepRunner
-from rollout.spec_config import parse_spec_config
+from vime.spec_config import parse_spec_config
 from spec_fixtures import (alternating_k, chi_square_p_value, exact_joint, one_thread, resample_from_p,  # noqa: F401
                            tiny_vocab_model)
 
@@ -73,7 +73,8 @@ def test_speculative_sampling_matches_the_target_joint_distribution(model, metho
 def test_sampling_with_k_chosen_per_step_matches_the_target_joint_distribution(model, policy):
     """k changes only how much is drafted: a per-step k (the adaptive policy, or one that
     alternates 0 and 2 so deferred MTP catch-up is exercised) keeps the distribution."""
-    from rollout.embedded.spec_policy import AdaptiveK, batch_grid
+    from rollout.embedded.spec_policy import AdaptiveK
+    from rollout.embedded.step_costs import batch_grid
 
     class EagerAdaptive(AdaptiveK):
         """The adaptive policy with a constructed profile (a drafted token costs 0.1 of a step on

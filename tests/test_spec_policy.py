@@ -13,7 +13,8 @@ import pytest
 from rollout.embedded.engine import EngineConfig
 from rollout.embedded.engine_builder import build_engine
 from rollout.embedded.spec_policy import ACCEPT_KEEP_PER_LOAD, ACCEPT_PRIOR, ACCEPT_PRIOR_ROWS, COST_FORGET_STEPS, \
-    COST_KEEP_PER_GENERATE, AdaptiveK, StepRecord, batch_grid, monotone_envelope
+    COST_KEEP_PER_GENERATE, AdaptiveK, StepRecord
+from rollout.embedded.step_costs import batch_grid, monotone_envelope
 from rollout.sampling_params import SamplingParams
 from spec_fixtures import markov_model, one_thread, save_checkpoint  # noqa: F401
 from vime.sample import samples_for_prompts

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from draft_kind_fixtures import random_draft
 from mtp.eagle3 import training_time_test_loss
 from rollout.embedded.model import CausalLMWithMTP
-from rollout.spec_config import parse_spec_config
+from vime.spec_config import parse_spec_config
 from trainer.config import TrainerConfig
 from trainer.trainer import Trainer
 from trainer_fixtures import make_batch, make_tiny

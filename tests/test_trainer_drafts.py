@@ -15,7 +15,7 @@ from eagle3_fixtures import reference_ttt_losses
 from fp32_bounds import reduction_rtol
 from mtp_oracles import reference_mtp_hidden
 from rollout.embedded.model import CausalLMWithMTP
-from rollout.spec_config import parse_spec_config
+from vime.spec_config import parse_spec_config
 from trainer.config import TrainerConfig
 from trainer.drafts import DRAFT_TRAINERS
 from trainer.trainer import Trainer

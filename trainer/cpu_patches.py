@@ -105,7 +105,7 @@ def _patch_embedding_copy_to_cuda():
 
 def _disable_dynamo():
     # megatron.core.jit.jit_fuser is torch.compile, bound when `import megatron.core` imports the
-    # MoE router and experts: on CPU their first step would spend ~13 s compiling C++ kernels.
+    # MoE router and experts: on CPU their first step would spend seconds compiling C++ kernels.
     import torch._dynamo as dynamo
 
     dynamo.config.disable = True

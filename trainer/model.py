@@ -342,6 +342,8 @@ def build_model(model_cfg, mtp_num_layers, layout=ONE_RANK, seed=1234, params_dt
         rotary_percent=model_cfg.partial_rotary_factor,
         share_embeddings_and_output_weights=model_cfg.tie_word_embeddings, family=model_cfg.model_family,
     )
+    if model_cfg.rope_llama3 is not None:
+        _scale_rope_as_llama3(model, model_cfg.rope_llama3)
     # megatron creates most parameters in params_dtype; the norms' weights come from torch
     # modules in fp32, so the whole module is cast, exactly as Float16Module does (module.bfloat16())
     model = model.to(params_dtype)
@@ -351,6 +353,16 @@ def build_model(model_cfg, mtp_num_layers, layout=ONE_RANK, seed=1234, params_dt
     if torch.cuda.is_available():
         model = model.cuda()
     return model
+
+
+def _scale_rope_as_llama3(model, scaling):
+    """Llama 3's frequency scaling with the config's own factors: megatron's `rope_scaling` flag fixes
+    low/high_freq_factor 1/4 and an original context of 8192, but its `_apply_scaling` takes them all,
+    so the inverse frequencies built unscaled are rescaled by it once, before any forward."""
+    import dataclasses
+
+    rope = model.rotary_pos_emb
+    rope.inv_freq = rope._apply_scaling(rope.inv_freq, **dataclasses.asdict(scaling))
 
 
 def routers(model):

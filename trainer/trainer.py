@@ -3,7 +3,7 @@
 Call `trainer.distributed.init_distributed(...)` first in multi-process setups; a lone
 Trainer starts a one-process group itself. Per step: the policy loss (PPO-clip on the rollout
 log-probs) plus the loss of the draft the run trains, whatever its kind (trainer/drafts: the MTP
-layers or an external EAGLE-3 or DFlash draft), which reads detached policy states and has its own grad-norm
+layers or an external EAGLE-3, DFlash or DSpark draft), which reads detached policy states and has its own grad-norm
 clip; then the draft's own steps on the updated policy (trainer/drafts/base.py).
 
 A rank holds its TP shard of its pipeline stage's layers; the micro-batches go through megatron-core's
@@ -64,7 +64,7 @@ class Trainer:
         # and count where they differ (trainer/routing_replay.py)
         self.routing = (RoutingReplay(self.model, cfg.use_rollout_routing_replay, self.model_cfg)
                         if self.model_cfg.moe is not None else None)
-        # the draft trained beside the policy (trainer/drafts: MTP layers, EAGLE-3, DFlash), or None
+        # the draft trained beside the policy (trainer/drafts: MTP layers, EAGLE-3, DFlash, DSpark), or None
         self.draft = build_draft(cfg, self.model, self.model_cfg)
         self.optimizer = self._build_optimizer()
         self.offloaded = False  # the optimizer state waits on the host (--offload-optimizer-state)

@@ -17,6 +17,7 @@ building it blocks until every engine has joined; None for a transport without a
 The tensors may come from any gathering of the trainer's shards: a sender sees only the pairs.
 """
 from vime import weight_sync
+from vime.errors import require
 
 
 class BucketBroadcast:
@@ -104,3 +105,14 @@ class InPlaceHandOver:
 
 IN_PLACE = "in_place"
 SENDERS = {"reload": BucketBroadcast, "nccl": EngineChannel, IN_PLACE: InPlaceHandOver}  # by transport
+
+
+def check_weight_transfer(rollout_cfg):
+    """--vllm-weight-transfer: a transport one may choose (not the in-place hand-over, which the driver
+    chooses by where the engines are), and nccl only into vLLM (it is vLLM's engine)."""
+    t = rollout_cfg.vllm_weight_transfer
+    chosen = [name for name, sender in SENDERS.items() if not sender.automatic]
+    require(t in chosen, f"--vllm-weight-transfer {t!r}: choose one of {', '.join(chosen)}" +
+            (" (in_place is chosen by itself for an engine on the trainer's own device)" if t in SENDERS else ""))
+    require(t == "reload" or rollout_cfg.backend == "vllm",
+            f"--vllm-weight-transfer {t} is vLLM's weight transfer engine: use it with --rollout-backend vllm")

@@ -12,7 +12,7 @@ two steps, one per kind of split:
 - `gather_stages`: the stages' HF-named tensors (and the draft's, which lives on the last stage) sent
   point to point to the first stage of trainer rank 0's pipeline, which then holds the whole model and
   pushes it. (Each stage could instead push its own layers to the engines, as slime does: one hop less
-  for those layers; scripts/bench/weight_gather.py measures both, docs/at_scale.md says why vime
+  for those layers; `scripts/bench/weight_sync.py stages` measures both, docs/at_scale.md says why vime
   gathers.)
 
 Sharding follows megatron's parameter attributes (`tensor_model_parallel`, `partition_dim`);

@@ -266,6 +266,9 @@ class MTPSection:
         "num_speculative_tokens or --mtp-num-layers, whichever is larger (the depths the rollout drafts); depths "
         "past the last layer reuse it on its own output, as the drafter does for k > layers (see "
         "--mtp-reuse-attention)"))
+    warmup_steps: int = field(default=0, metadata=flag(
+        "--mtp-warmup-steps", "on a checkpoint without MTP layers (where --mtp-num-layers adds fresh ones): offline "
+        "training steps of the new layers on the model's own responses to the prompts, before step 0"))
     reuse_attention: str = field(default="drafter", metadata=flag(
         "--mtp-reuse-attention", "how --mtp-train-depths past the last layer attend: drafter (exactly as the "
         "drafter runs the reused layer: one position further, over the layer's entries before it) or "
@@ -409,7 +412,7 @@ def _external_titles():
 class DraftSection:
     """The draft trained online beside the policy, whatever its kind (`cfg.draft`): the policy's MTP layers
     (--enable-mtp-training) or an external draft named by --vllm-speculative-config (--enable-draft-training,
-    EAGLE-3, DFlash). The knobs apply to whichever trains; those left at none take the kind's own default
+    EAGLE-3, DFlash, DSpark). The knobs apply to whichever trains; those left at none take the kind's own default
     (the table of kinds, vime/models/draft_kinds.py)."""
 
     NEEDS = {"*": "draft_training", "enable_training": "trainers"}  # every knob sets how the draft trains
@@ -618,7 +621,7 @@ A_PROCESS_CPU = Range(1, why="every trainer rank and rollout engine is a process
 # starts; tests/test_bad_inputs.py checks that every numeric field of the tree has an entry here.
 RANGES = {
     "--task-variant-prompts": AT_LEAST_1, "--rollout-batch-size": AT_LEAST_1, "--n-samples-per-prompt": AT_LEAST_1,
-    "--rollout-max-response-len": AT_LEAST_1,
+    "--rollout-max-response-len": AT_LEAST_1, "--mtp-warmup-steps": AT_LEAST_0,
     "--rollout-temperature": Range(0, low_open=True, why="RL needs sampling; at 0 every sample of a prompt is the "
                                    "same greedy answer, so the group advantage and the gradient are zero"),
     "--rollout-top-p": Range(0, 1, low_open=True), "--rollout-top-k": AT_LEAST_0,

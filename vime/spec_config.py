@@ -14,8 +14,12 @@ engine that runs them, so each rollout backend has its reader (`SPEC_READERS`):
 On both, a key given twice is refused (JSON itself would keep the last one without a word).
 
 Either way `to_vllm()` gives the config exactly as written, the draft path made absolute, which is
-what vLLM is handed. Checks that need the target checkpoint live on the engine side
-(rollout/spec_config.py).
+what vLLM is handed.
+
+The checks of a parsed config live here too: the run's rules (`check_run_rules`: no synthetic
+acceptance in training, at most one way to choose k, `RUN_RULES`), and those against the target
+checkpoint that hold on every engine (`check_against_checkpoint`, `check_external_draft`). What only one
+engine needs is checked beside that engine (rollout/embedded/engine_builder.py, rollout/vllm/backend.py).
 """
 import copy
 import dataclasses
@@ -25,9 +29,10 @@ from dataclasses import dataclass
 
 from mtp.rejection import REJECTION_METHODS
 from vime.errors import UserError, require
-from vime.models.draft_kinds import DRAFT_KINDS, METHOD_ALIASES
+from vime.models.draft_kinds import DRAFT_KINDS, METHOD_ALIASES, external_kind
 
 FLAG = "--vllm-speculative-config"
+ADAPTIVE_FLAG = "--spec-adaptive"
 EXAMPLE = '\'{"method":"mtp","num_speculative_tokens":3}\''
 
 # the embedded engine's methods under every name vLLM gives them: METHOD_ALIASES (the table of kinds)
@@ -81,7 +86,8 @@ class SpecConfig:
     synthetic_acceptance_length: float = None
     # vLLM's dynamic schedule: ((range_start, range_end, k), ...), inclusive, sorted
     num_speculative_tokens_per_batch_size: tuple = None
-    # vLLM's: verify per step only as many drafts as the draft's confidence makes worth it (DSpark)
+    # vLLM's: verify per step only as many drafts as the draft's confidence makes worth it (DSpark); with
+    # num_speculative_tokens_per_batch_size that schedule says where the block is drafted
     enable_adaptive_verification: bool = False
     given: tuple = dataclasses.field(default=(), repr=False)
 
@@ -304,14 +310,12 @@ def _rejection(raw):
 
 
 def _adaptive_verification(raw):
-    """vLLM's enable_adaptive_verification sizes verification by a draft's confidence (DSpark's head)."""
+    """vLLM's enable_adaptive_verification sizes verification by a draft's confidence (DSpark's head); a batch-size
+    schedule beside it says where the block is drafted, as vLLM takes the two together."""
     require(not raw.get("enable_adaptive_verification") or raw["method"] in CONFIDENCE_METHODS,
             f"{FLAG}: enable_adaptive_verification sizes verification by the draft's confidence head, which "
             f"method {raw['method']!r} has not (use it with {', '.join(CONFIDENCE_METHODS)}, or --spec-adaptive "
             "to choose k per batch size from measured acceptance)")
-    require(not (raw.get("enable_adaptive_verification") and raw.get("num_speculative_tokens_per_batch_size")),
-            f"{FLAG}: enable_adaptive_verification and num_speculative_tokens_per_batch_size both choose how many "
-            "drafts a step verifies; give one of them")
 
 
 def _batch_schedule(raw):
@@ -336,3 +340,113 @@ def _batch_schedule(raw):
     require(entries[0][0] == 1, f"{key}: the first range must start at 1 so every batch size has a k "
             f"(got {entries[0][0]})")
     raw["num_speculative_tokens_per_batch_size"] = tuple(entries)
+
+
+def synthetic_position_rates(spec):
+    """Conditional acceptance per draft position for synthetic verification (None otherwise):
+    the per-draft rate repeated, or vLLM's unconditional rates / mean length converted."""
+    if spec is None or not spec.is_lossy:
+        return None
+    n = spec.num_speculative_tokens
+    if spec.synthetic_acceptance_rate is not None:
+        return (float(spec.synthetic_acceptance_rate),) * n
+    if spec.synthetic_acceptance_rates is not None:
+        unconditional = spec.synthetic_acceptance_rates
+    else:  # a mean length: the lowest-variance schedule, all-or-nothing but one fractional position
+        extra = spec.synthetic_acceptance_length - 1
+        unconditional = tuple(min(1.0, max(0.0, extra - i)) for i in range(n))
+    conditional, before = [], 1.0
+    for u in unconditional:
+        conditional.append(u / before if before > 0 else 0.0)
+        before = u
+    return tuple(conditional)
+
+
+# ------------------------------------------------------------------ the run's rules (read no file)
+@dataclass(frozen=True)
+class RunRule:
+    """A rule between the speculative config and vime's own flags: `broken(spec, r)` is true when the run
+    breaks it (r: `cfg.rollout`, or `SpecFlags`), `says` the one line then (after the flag names)."""
+
+    names: str
+    broken: object
+    says: str
+
+
+# Every rule of this kind in one table, judged in order by `check_run_rules`: a new mechanism that chooses
+# k, or a knob that a mode ignores, adds its row here.
+RUN_RULES = (
+    RunRule(f"{ADAPTIVE_FLAG}", lambda spec, r: r.spec_adaptive and spec is None,
+            f"chooses how many tokens to draft, so it needs {FLAG} (e.g. {EXAMPLE})"),
+    RunRule(f"{ADAPTIVE_FLAG} and num_speculative_tokens_per_batch_size in {FLAG}",
+            lambda spec, r: r.spec_adaptive and spec.num_speculative_tokens_per_batch_size is not None,
+            "both choose k per step; give one of them"),
+)
+
+
+def check_spec_adaptive(spec, adaptive):
+    """vime's --spec-adaptive: a boolean, judged with the speculative config by `RUN_RULES`."""
+    require(isinstance(adaptive, bool), f"{ADAPTIVE_FLAG} must be true or false (got {adaptive!r})")
+    check_rules(spec, SpecFlags(adaptive))
+
+
+@dataclass(frozen=True)
+class SpecFlags:
+    """vime's own speculation flags under their `cfg.rollout` names, for callers without the config tree."""
+
+    spec_adaptive: bool = False
+
+
+def check_rules(spec, rollout_cfg):
+    """One line for the first rule of `RUN_RULES` the run breaks."""
+    for rule in RUN_RULES:
+        require(not rule.broken(spec, rollout_cfg), f"{rule.names} {rule.says}")
+
+
+def require_lossless(spec, where="training"):
+    """Refuse synthetic acceptance where samples must follow the policy (RL training)."""
+    require(spec is None or not spec.is_lossy,
+            f"{FLAG}: rejection_sample_method 'synthetic' is benchmark-only (its outputs do not follow the "
+            f"policy), so {where} refuses it; verify with a lossless rejection_sample_method")
+
+
+def check_run_rules(rollout_cfg):
+    """A training run's speculative config and vime's own speculation flags (`cfg.rollout`), before any file is
+    read: samples that follow the policy, and the rules between the config and the flags."""
+    require_lossless(rollout_cfg.vllm_speculative_config, where="train_rl.py")
+    check_spec_adaptive(rollout_cfg.vllm_speculative_config, rollout_cfg.spec_adaptive)
+
+
+# ------------------------------------------------------------------ against the target checkpoint
+def check_draft_vocab(draft_path, draft_vocab, target_vocab):
+    """The draft must share the target's vocabulary (one-line error otherwise)."""
+    require(draft_vocab == target_vocab,
+            f"{FLAG}: draft model {draft_path} has vocab_size {draft_vocab} but the target has "
+            f"{target_vocab}; the draft must share the target's tokenizer")
+
+
+def check_against_checkpoint(spec, target_cfg):
+    """Checks that need the target's ModelConfig: MTP layers, draft vocabulary, an external draft's fit."""
+    if spec is None:
+        return
+    if spec.method == "mtp":
+        require(target_cfg.num_nextn_predict_layers > 0,
+                f"{FLAG}: method 'mtp' needs a checkpoint with MTP layers, but this one has "
+                "num_nextn_predict_layers=0; use ngram/suffix/draft_model or a checkpoint with MTP weights")
+    if spec.method == "draft_model":
+        from vime.models.hf_format import read_config
+
+        draft_cfg = read_config(spec.model, f"{FLAG} model")
+        check_draft_vocab(spec.model, draft_cfg.vocab_size, target_cfg.vocab_size)
+    check_external_draft(spec, target_cfg)
+
+
+def check_external_draft(spec, target_cfg):
+    """An external draft is a draft directory of its kind that fits the target and the drafts asked
+    for, its tensors those its config implies (one line each, nothing loaded). Run for both backends:
+    vLLM's own validation accepts a misfit draft and fails later inside its engine process. Any
+    family is a target (the embedded engine computes the aux hidden states of every family; what
+    vLLM's models return is the vLLM backend's own check)."""
+    kind = external_kind(spec.method) if spec is not None else None
+    if kind is not None:
+        kind.check_directory(spec.model, target_cfg, spec.num_speculative_tokens)

@@ -5,8 +5,8 @@ admitted requests into free slots (one ragged forward), then runs one verify for
 the running ones: the last token plus that request's drafts (none for plain decoding, so
 plain and speculative decoding share this path and differ only in the proposer). A prompt
 that several admitted requests share (a GRPO group) is prefilled once and its KV entries
-copied into the other slots, as vLLM's prefix caching does: with 8 samples per prompt the
-prefill was ~40 % of a rollout batch's engine time on the tiny task.
+copied into the other slots, as vLLM's prefix caching does (a GRPO batch prefills each prompt once,
+not once per sample).
 Accepted tokens are appended, rejected KV entries are dropped by resetting the slot
 length. How many tokens get drafted for the next step is the k policy's choice
 (rollout/embedded/spec_policy.py: fixed, vLLM's batch-size schedule, or adaptive); the engine times
@@ -211,7 +211,7 @@ class Engine:
             s.spec.__init__()
         self.k_policy.prepare(self)
         self.k_policy.begin(self.weight_version)
-        self.may_draft = self.k_policy.drafts_this_generate()
+        self.may_draft = self.k_policy.drafts_this_generate(len(requests))
         start = time.perf_counter()
         self._run(requests, sampling)
         elapsed = time.perf_counter() - start
@@ -294,7 +294,7 @@ class Engine:
             running += admitted
             self.step_k = self.k_policy.choose(len(running))
             if admitted:
-                self._prefill(admitted, sampling, len(running))
+                self._prefill(admitted, sampling)
             if decoding:
                 self._verify_step(decoding, sampling)
             finished = [r for r in running if r.finished]
@@ -310,8 +310,8 @@ class Engine:
         """Move the requests in slots >= n into the holes below n (n = len(running)), order `running`
         by slot and return the free slots (lowest popped first), so every batch sits in consecutive
         slots. Why: rows in scattered slots make attention gather every live row's keys and values
-        at every layer of every step, which cost 1.2-1.3x a whole step on the tiny model (up to
-        2.9x at 63 rows, 80 positions); a move copies one request's entries once."""
+        at every layer of every step, where a move copies one request's entries once (BENCHMARKS.md
+        measures the two)."""
         n = len(running)
         taken = {r.slot for r in running}
         holes = [s for s in range(n) if s not in taken]
@@ -329,10 +329,9 @@ class Engine:
             running.sort(key=lambda r: r.slot)
         return list(range(n, self.config.max_batch_size))[::-1]
 
-    def _prefill(self, reqs, sampling, batch_size):
+    def _prefill(self, reqs, sampling):
         """One ragged forward over the admitted prompts; a prompt shared by several requests (a
-        GRPO group) is computed once and its KV entries copied into the other requests' slots. The
-        proposer's work after it is told to the k policy (batch_size: the rows running with them)."""
+        GRPO group) is computed once and its KV entries copied into the other requests' slots."""
         leaders, source = self._prompt_leaders(reqs)
         hidden, mtp_hidden = self._prompt_forward(leaders)
         lengths = device_tensor([len(r.sample.prompt_ids) for r in leaders], self.config.device)
@@ -346,10 +345,7 @@ class Engine:
         n_new = [len(r.sample.prompt_ids) for r in reqs]
         for r in reqs:
             r.num_cached = len(r.sample.prompt_ids)
-        start = time.perf_counter()
         self._propose(reqs, mtp_hidden, [0] * len(reqs), n_new)
-        if self.k_policy.observes:
-            self.k_policy.observe_prefill(batch_size, self.step_k, time.perf_counter() - start)
 
     def _prompt_leaders(self, reqs):
         """(the requests whose prompts get computed, for each request its leader's index there or
@@ -398,16 +394,14 @@ class Engine:
         verified = time.perf_counter()
         drafted = self._propose(reqs, mtp_hidden, starts, [1 + a for a in n_acc])
         if self.k_policy.observes:
-            self._observe_step(reqs, drafts.shape[1], counts, n_acc, drafted, start, verified, generated_before,
-                               sum(starts))
+            self._observe_step(reqs, drafts.shape[1], counts, n_acc, drafted, start, verified, generated_before)
 
-    def _observe_step(self, reqs, k_verified, counts, n_acc, drafted, start, verified, generated_before, context):
-        """Tell the k policy what this step cost and what got accepted (context: the rows' cached positions
-        before it)."""
+    def _observe_step(self, reqs, k_verified, counts, n_acc, drafted, start, verified, generated_before):
+        """Tell the k policy what this step cost and what got accepted."""
         self.k_policy.observe(StepRecord(
             len(reqs), k_verified, verified - start, self.step_k if drafted else None,
             time.perf_counter() - verified, sum(r.num_generated for r in reqs) - generated_before,
-            *_per_position(counts, n_acc), context=context, caught_up=self.proposer.take_catch_up()))
+            *_per_position(counts, n_acc)))
 
     def _accept(self, reqs, logprobs, drafts, counts, sampling, draft_probs):
         """Verify drafts, append the emitted tokens (cut at stop / budget), update stats."""

@@ -3,13 +3,15 @@
 This sits above both the engine and the proposers (a proposer reads the spec config; the
 engine runs any proposer), so neither of them imports the other's configuration.
 """
-from vime.models.hf_format import read_config
+import dataclasses
+
 from rollout.embedded.engine import Engine, EngineConfig
 from rollout.embedded.proposers import PROPOSERS
-from rollout.spec_config import check_against_checkpoint, check_spec_adaptive, engine_config_for
-from vime.errors import require
-from vime.spec_config import FLAG, as_spec_config
 from rollout.embedded.spec_policy import build_k_policy
+from vime.errors import require
+from vime.models.hf_format import read_config
+from vime.spec_config import FLAG, as_spec_config, check_against_checkpoint, check_spec_adaptive, \
+    synthetic_position_rates
 
 
 def build_proposer(spec):
@@ -30,13 +32,20 @@ def build_engine(checkpoint, spec=None, engine_config=None, adaptive=False):
     return engine
 
 
+def engine_config_for(spec, engine_config):
+    """The engine's slice of the spec config: how drafts are verified."""
+    if spec is None:
+        return engine_config
+    return dataclasses.replace(engine_config, rejection_sample_method=spec.rejection_sample_method,
+                               synthetic_acceptance_rates=synthetic_position_rates(spec))
+
+
 def check_config(cfg, hf):
     """The embedded engine's own pre-start checks of a run's config (rollout/backend.py BACKEND_CHECKS):
-    --spec-adaptive, the speculative config against the target checkpoint `hf`, and drafts per
-    verify step within its context."""
+    the speculative config against the target checkpoint `hf`, and drafts per verify step within its
+    context."""
     r = cfg.rollout
     spec = r.vllm_speculative_config
-    check_spec_adaptive(spec, r.spec_adaptive)
     check_against_checkpoint(spec, hf)
     if spec is not None:
         room = hf.max_position_embeddings - 2

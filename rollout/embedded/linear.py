@@ -4,14 +4,14 @@ Why: torch's default fp32 GEMM on CPU costs about M times a GEMV for M = 2-4 row
 verify forward of 1 + k tokens cost (1 + k) plain steps even where decoding streams its
 weights from memory — exactly the regime where speculation should be nearly free. oneDNN
 with the weight reordered once into its blocked layout reads each weight once for all rows
-(scripts/bench/gemm_rows.py prints the curve). For a single row the plain GEMV is still
-10-40 % faster than oneDNN's packed kernel on this CPU, so "mkldnn" sends one-row inputs
-there; rows then differ from the packed ones only by reduction order (the fp32 bound of
-tests/fp32_bounds.py), as plain and batched matmuls always did. A weight that stays in a
+(`scripts/bench/throughput.py gemm-rows` prints the curve). For a single row the plain GEMV is
+faster than oneDNN's packed kernel, so "mkldnn" sends one-row inputs there; rows then differ from
+the packed ones only by reduction order (the fp32 bound of tests/fp32_bounds.py), as plain and
+batched matmuls always did. A weight that stays in a
 core's caches (below PACKED_MIN_BYTES) gains nothing from the reorder until the input has
-many rows, and each oneDNN call costs ~10-15 us more than the plain matmul (on the tiny
-model, 29 linears per forward, that made a 2-token verify 1.5x a plain step at one row):
-such weights use the plain matmul below PACKED_SMALL_MIN_ROWS rows (scripts/bench/gemm_rows.py
+many rows, and each oneDNN call costs more than the plain matmul (on a small model, whose forward
+is many small linears, that call overhead would make a verify of a few tokens dearer than it need be):
+such weights use the plain matmul below PACKED_SMALL_MIN_ROWS rows (`throughput.py gemm-rows`
 shows both crossovers).
 
 Backends are a registry keyed by name; `pick_backend` chooses "mkldnn" for fp32 on a CPU with
@@ -23,11 +23,10 @@ from dataclasses import dataclass
 import torch
 
 
-# Where oneDNN's packed kernel pays (measured on a 2-core AMD EPYC VM with 2 MiB L2 per core, one
-# thread; scripts/bench/gemm_rows.py re-measures it on another CPU): from ~0.5-1 MiB a weight
-# streams from beyond the core's L2 and reading it once for all rows wins at any row count >= 2; a
-# smaller weight is compute-bound and the packed kernel only overtakes the plain one (by ~8 %) from
-# a few hundred rows, below which its call overhead dominates. Both paths are exact to the fp32
+# Where oneDNN's packed kernel pays (`scripts/bench/throughput.py gemm-rows` measures it on a CPU): a weight
+# larger than a core's L2 streams from memory, and reading it once for all rows wins at any row count >= 2;
+# a smaller weight is compute-bound and the packed kernel only overtakes the plain one from a few hundred
+# rows, below which its call overhead dominates. Both paths are exact to the fp32
 # bound, so a CPU whose crossover lies elsewhere only loses speed, never correctness.
 PACKED_MIN_BYTES = 1 << 20
 PACKED_SMALL_MIN_ROWS = 256

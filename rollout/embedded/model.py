@@ -1,8 +1,8 @@
 """The decoder-only transformer with MTP layers of every family, written for inference
 (and reused to pretrain).
 
-The family (vime/models/families.py) and the config set the trunk flavour — q/k/v bias (Qwen2,
-MiMo, GLM-4.5), per-head q/k norm (Qwen3, GLM-4.5 with use_qk_norm), partial rotary (GLM-4.5),
+The family (vime/models/families.py) and the config set the trunk flavour — plain GQA (Llama),
+q/k/v bias (Qwen2, MiMo, GLM-4.5), per-head q/k norm (Qwen3, GLM-4.5 with use_qk_norm), partial rotary (GLM-4.5),
 multi-head latent attention with YaRN (DeepSeek-V3, mla.py), mixture-of-experts layers after
 the first dense ones (GLM-4.5, DeepSeek-V3, moe.py) — and which hidden state the first MTP layer reads.
 Module names equal vime's canonical HF names, so an HF state dict loads with
@@ -120,7 +120,7 @@ class CausalLMWithMTP(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings + 64, cfg.rope_yarn,
-                             interleaved=bool(cfg.mla and cfg.mla.rope_interleave))
+                             interleaved=bool(cfg.mla and cfg.mla.rope_interleave), llama3=cfg.rope_llama3)
 
     @property
     def num_mtp_layers(self):

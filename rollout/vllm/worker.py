@@ -96,8 +96,7 @@ def _repack_kept_cpu_weights(model):
 
     On the CPU build such a layer computes through a kernel prepared from its weight at load
     time; vLLM 0.32's in-place reload copies the new values into the parameter but keeps that
-    kernel, so a tied LM head would go on producing the old logits (measured: log-probs off by
-    ~1 after an embedding change). Linear layers whose weight was emptied are rebuilt by the
+    kernel, so a tied LM head would go on producing the old logits after an embedding change. Linear layers whose weight was emptied are rebuilt by the
     reload itself."""
     import torch
     from vllm.platforms import current_platform

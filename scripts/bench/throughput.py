@@ -12,6 +12,7 @@ with speculation, timed by one harness.
     python scripts/bench/throughput.py repeatability                       # how steady this machine times the same work
     python scripts/bench/throughput.py step-limit [--device cuda --dtype bfloat16 --layers 24 --hidden 2048 --intermediate 5632]
                                                                            # a decode step vs the bandwidth limit
+    python scripts/bench/throughput.py gemm-rows [--out 8192 --in 4096]   # one weight's GEMM against its rows
 
 The harness times every side on the same prompts, sides interleaved within each repeat (load from
 other jobs hits all alike), best of --repeats, after a warm-up; a ratio is printed only after
@@ -34,7 +35,7 @@ import torch  # noqa: E402
 from rollout.embedded.engine import EngineConfig  # noqa: E402
 from rollout.embedded.engine_builder import build_engine, build_proposer  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
-from rollout.spec_config import parse_spec_config  # noqa: E402
+from vime.spec_config import parse_spec_config  # noqa: E402
 from rollout.spec_stats import aggregate_spec_stats, spec_rates  # noqa: E402
 from rollout.task import DEFAULT_TASK_VARIANT, TASK_VARIANTS, make_prompts  # noqa: E402
 from rollout.tiny_model import make_random_checkpoint  # noqa: E402
@@ -121,10 +122,9 @@ def time_interleaved(runs, repeats, clock="wall", min_seconds=0.0, rates=None):
 
 def paired_median(rates, base):
     """{name: the median over repeats of its tokens/s over `base`'s in the same repeat}. Why beside the
-    best of each: this CPU's speed moves by a fifth between runs half a second apart, so the best of one
-    method and the best of another can come from different moments (a DSpark engine drafting nothing,
-    against plain decoding at 128 rows, gave best-of ratios of 0.93x and 1.04x in two runs of 40 repeats);
-    a repeat's runs are adjacent in time, and the median drops the repeats a burst of load hit."""
+    best of each: a shared CPU's speed moves between runs half a second apart, so the best of one method
+    and the best of another can come from different moments; a repeat's runs are adjacent in time, and the
+    median drops the repeats a burst of load hit."""
     return {name: statistics.median(r / b for r, b in zip(rs, rates[base])) for name, rs in rates.items()}
 
 
@@ -290,7 +290,7 @@ ADAPTIVE = {"mtp adaptive"}  # methods run with --spec-adaptive (and every "... 
 FIXED_K = ("none", "mtp k=1", "mtp k=2", "mtp k=3")  # what adaptive k is compared with
 
 
-def task_prompts(checkpoint, variant, n):
+def variant_prompts(checkpoint, variant, n):
     """n prompts of the task variant (the same seed everywhere), as token ids after BOS."""
     return [[1] + TextCodec(checkpoint).encode(r["prompt"]) for r in TASK_VARIANTS[variant].prompts(n, seed=1234)]
 
@@ -347,7 +347,7 @@ def spec_decode(args):
     require(args.min_seconds >= 0, f"--min-seconds {args.min_seconds}: give 0 (just --repeats) or more")
     require_device(args.device)
     pool = args.num_prompts * (POOL_PER_PROMPT if args.min_response_len else 1)
-    prompts = task_prompts(args.hf_checkpoint, args.task_variant, pool)
+    prompts = variant_prompts(args.hf_checkpoint, args.task_variant, pool)
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               ignore_eos=not args.stop_at_eos, seed=1234)  # the same draws on every side
     indices = None
@@ -627,7 +627,7 @@ def repeatability(args):
     their best runs, however many ratios a table prints."""
     for flag in ("num_prompts", "batch_size", "max_new_tokens", "repeats"):  # a count of 0 has no spread
         require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} {getattr(args, flag)}: give at least 1")
-    prompts = task_prompts(args.hf_checkpoint, DEFAULT_TASK_VARIANT, args.num_prompts)
+    prompts = variant_prompts(args.hf_checkpoint, DEFAULT_TASK_VARIANT, args.num_prompts)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=1234)
     engine = build_engine(args.hf_checkpoint, None, EngineConfig(max_batch_size=args.batch_size))
     engine.generate(indexed_samples(prompts[:args.batch_size]), sampling)  # warm-up
@@ -640,6 +640,48 @@ def repeatability(args):
     print(f"{args.hf_checkpoint}: {args.num_prompts} prompts at {args.batch_size} rows, {args.repeats} runs, "
           f"{args.clock} clock: seconds {' '.join(f'{x:.3f}' for x in ordered)}")
     print(f"max / min {ordered[-1] / ordered[0]:.2f}, median / min {ordered[len(ordered) // 2] / ordered[0]:.2f}")
+
+
+# ------------------------------------------------------------------ gemm-rows
+def median_ms(fn, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def gemm_rows(args):
+    """GEMM cost against the rows it multiplies: plain `x @ W.t()` against rollout/embedded/linear.py's packed
+    backend (oneDNN's kernel itself at every row count; linear.py sends one row, and few rows of a weight under
+    PACKED_MIN_BYTES, to the plain matmul). A verify of 1 + k tokens multiplies every weight by 1 + k rows per
+    request, which on a memory-bound step should cost about one row. Prints milliseconds (median of --repeats),
+    each backend's cost over its own first row count, and packed over plain per row count (one run)."""
+    import dataclasses
+
+    from rollout.embedded.linear import linear, pack, pick_backend
+
+    torch.set_num_threads(args.threads)
+    weight = torch.randn(args.out, args.in_features)
+    packed_backend = pick_backend("cpu", torch.float32)
+    packed = dataclasses.replace(pack(weight, packed_backend), min_packed_rows=2)
+    backends = {"plain": pack(weight, "dense"), "packed": packed}
+    rows = batch_sizes(args.rows)
+    print(f"weight {args.out}x{args.in_features} fp32 ({weight.numel() * 4 / 2**20:.2f} MiB), "
+          f"{args.threads} threads, packed backend = {packed_backend}")
+    ms = {name: {} for name in backends}
+    for m in rows:
+        x = torch.randn(m, args.in_features)
+        for name, w in backends.items():  # interleaved per row count: a busy machine slows both alike
+            ms[name][m] = median_ms(lambda: linear(x, w), args.repeats)
+    print("| rows | plain ms | packed ms | plain / first | packed / first | packed / plain |")
+    print("|---|---|---|---|---|---|")
+    for m in rows:
+        p, q = ms["plain"][m], ms["packed"][m]
+        print(f"| {m} | {p:.2f} | {q:.2f} | {p / ms['plain'][rows[0]]:.2f} | {q / ms['packed'][rows[0]]:.2f} | "
+              f"{q / p:.2f} |")
 
 
 # ------------------------------------------------------------------ command line
@@ -739,10 +781,18 @@ def add_repeatability_arguments(p):
     p.add_argument("--clock", default="cpu", choices=list(CLOCKS))
 
 
+def add_gemm_rows_arguments(p):
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--out", type=int, default=8192, help="the weight's output features (8192 x 4096 fp32: 128 MiB)")
+    p.add_argument("--in", dest="in_features", type=int, default=4096)
+    p.add_argument("--rows", default="1,2,4,16")
+
+
 MODES = {"vs-hf": (vs_hf, add_compare_arguments), "vs-vllm": (vs_vllm, add_vllm_arguments),
          "spec-decode": (spec_decode, add_spec_decode_arguments), "spec-scale": (spec_scale, add_spec_scale_arguments),
          "step-limit": (step_limit, add_step_limit_arguments), "compaction": (compaction, add_compaction_arguments),
-         "repeatability": (repeatability, add_repeatability_arguments)}
+         "repeatability": (repeatability, add_repeatability_arguments),
+         "gemm-rows": (gemm_rows, add_gemm_rows_arguments)}
 
 
 @exit_on_user_error

@@ -8,7 +8,7 @@ Two ways to read the same step times, both printed:
   share of the step   (T_mtp - T_plain) / T_mtp  vs  MTP FLOPs / (trunk + MTP FLOPs)
   overhead            T_mtp / T_plain - 1        vs  MTP FLOPs / trunk FLOPs
 A perfectly efficient MTP block meets both with equality. (The overhead is *not* to be
-compared with the share: an MTP block that is 23 % of the step's FLOPs adds 30 % to a step
+compared with the share: a block that is a fraction f of the step's FLOPs adds f / (1 - f) to a step
 without it.) One markdown row per run.
 """
 import argparse

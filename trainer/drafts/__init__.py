@@ -49,6 +49,14 @@ def check_draft_config(cfg):
         DRAFT_TRAINERS[kind].check_bounds(cfg, DRAFT_TRAINERS[kind].checked_knobs(cfg))
 
 
+def check_draft_training(tree):
+    """The draft a run trains (its kind from the flags and the speculative config) and its knobs, from the
+    run's config tree."""
+    from trainer.config import TrainerConfig
+
+    check_draft_config(TrainerConfig.from_tree(tree))
+
+
 def build_draft(cfg, model, model_cfg):
     """The draft the run trains beside the policy `model` (of ModelConfig `model_cfg`), or None."""
     kind = draft_kind(cfg)

@@ -77,15 +77,17 @@ def check_finite_weights(weights_file):
                         "re-create or re-download it") from None
 
 
-def check_mtp_layers(num_layers, model_cfg, hf_checkpoint):
+def check_mtp_layers(num_layers, model_cfg, hf_checkpoint, training=False):
     """--mtp-num-layers against the checkpoint: the rollout drafts with every MTP layer it has, so training
-    fewer would leave the rest stale in the draft, and the sync guard could never match the trainer's."""
+    fewer would leave the rest stale in the draft, and the sync guard could never match the trainer's. On a
+    checkpoint without MTP layers, training them (`training`: --enable-mtp-training) adds fresh ones
+    (orchestration/run_setup.py `add_fresh_mtp_layers`)."""
     have = model_cfg.num_nextn_predict_layers
-    if num_layers is None:
+    if num_layers is None or (have == 0 and training):
         return
     require(have > 0 or num_layers == 0,
-            f"--mtp-num-layers {num_layers}: {hf_checkpoint} has no MTP layers to load or train; drop --mtp-num-layers "
-            f"(and --enable-mtp-training) and draft with another method, e.g. --vllm-speculative-config {NGRAM_EXAMPLE}, "
+            f"--mtp-num-layers {num_layers}: {hf_checkpoint} has no MTP layers to load; add fresh ones with "
+            f"--enable-mtp-training (and --mtp-warmup-steps), or drop --mtp-num-layers and draft with another method, e.g. --vllm-speculative-config {NGRAM_EXAMPLE}, "
             "or give a checkpoint with MTP layers")
     require(num_layers <= have, f"--mtp-num-layers {num_layers}: {hf_checkpoint} has only {have} MTP layers; "
             f"pass --mtp-num-layers {have}")
@@ -93,3 +95,19 @@ def check_mtp_layers(num_layers, model_cfg, hf_checkpoint):
             f"--mtp-num-layers {num_layers}: {hf_checkpoint} has {have} MTP layers and the rollout drafts with all of "
             f"them; pass --mtp-num-layers {have}, or keep the first {num_layers} with "
             f"checkpoint_convert.hf_to_torch_dist --mtp-num-layers {num_layers} and torch_dist_to_hf")
+
+
+def fresh_mtp_layers(mtp_cfg, model_cfg):
+    """How many fresh MTP layers the run adds (0: none): --mtp-num-layers of them when --enable-mtp-training
+    trains MTP layers on a checkpoint (`model_cfg`) that has none (scripts/make_mtp_draft.py makes them)."""
+    if mtp_cfg.enable_training and mtp_cfg.num_layers and model_cfg.num_nextn_predict_layers == 0:
+        return mtp_cfg.num_layers
+    return 0
+
+
+def run_model_config(mtp_cfg, model_cfg):
+    """The ModelConfig the run trains and serves: the checkpoint's, with its fresh MTP layers counted."""
+    import dataclasses
+
+    fresh = fresh_mtp_layers(mtp_cfg, model_cfg)
+    return dataclasses.replace(model_cfg, num_nextn_predict_layers=fresh) if fresh else model_cfg

@@ -15,7 +15,7 @@ a GPU build: vLLM 0.32 drafts DSpark only in its GPU model runner.
 from mtp.dspark import RECIPE_WEIGHTS, DSparkConfig, DSparkDraft
 from vime.errors import require
 from vime.models import dflash
-from vime.models.draft_format import FLAG, ExternalFormat, shape_for_target
+from vime.models.draft_format import FLAG, ExternalFormat
 from vime.models.draft_kind import DraftKind
 
 MAKE = "scripts/make_dspark_draft.py"

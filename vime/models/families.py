@@ -79,11 +79,19 @@ class ModelFamily:
     vllm_aux_hidden_states: bool = True
     # its checkpoints may carry MTP layers (the MTP tests and recipes run over these families)
     has_mtp: bool = True
+    # vLLM 0.32 has an MTP drafter for the architecture (its `method: mtp` picks one by `architectures`); it
+    # has none for Llama, so a Llama's fresh MTP layers draft on the embedded engine only
+    vllm_mtp_drafter: bool = True
     attention: str = "gqa"  # "gqa": grouped-query attention; "mla": multi-head latent attention (DeepSeek-V3)
     moe: bool = False  # decoder layers from first_k_dense_replace on are mixture-of-experts
     # q/k/v bias and q/k norm are read from the config (`attention_bias`, `use_qk_norm`: GLM-4.5)
     # instead of being fixed for the family
     qkv_from_config: bool = False
+    # the config's RoPE types vime implements for the family (rope.py); others are refused in one line
+    rope_types: tuple = ("default",)
+    # config keys that must be false or absent: parts of the family's architecture vime does not build
+    # (Llama's `attention_bias` also biases o_proj, `mlp_bias` the MLP)
+    unsupported_true_keys: tuple = ()
 
     @property
     def layer_tensors(self):
@@ -123,13 +131,23 @@ FAMILIES = {
     "glm4_moe": ModelFamily(
         name="glm4_moe", architectures=("Glm4MoeForCausalLM",), model_type="glm4_moe",
         hf_trunk_class="Glm4MoeForCausalLM", qkv_bias=True, qk_norm=False, mtp_layout=GLM_LAYOUT,
-        moe=True, qkv_from_config=True, vllm_aux_hidden_states=False,
+        moe=True, qkv_from_config=True, vllm_aux_hidden_states=False, rope_types=("default", "yarn"),
     ),
     # DeepSeek-V3/R1/V3.1: multi-head latent attention with YaRN, the same MoE as GLM-4.5
     "deepseek_v3": ModelFamily(
         name="deepseek_v3", architectures=("DeepseekV3ForCausalLM",), model_type="deepseek_v3",
         hf_trunk_class="DeepseekV3ForCausalLM", qkv_bias=False, qk_norm=False, mtp_layout=GLM_LAYOUT,
-        attention="mla", moe=True, vllm_aux_hidden_states=False,
+        attention="mla", moe=True, vllm_aux_hidden_states=False, rope_types=("default", "yarn"),
+    ),
+    # Llama 2/3.x, SmolLM2, TinyLlama and their fine-tunes: GQA without q/k/v bias or q/k norm, a free
+    # head_dim, tied or untied embeddings, Llama 3.1's frequency scaling. Published checkpoints carry no
+    # MTP layers; `--enable-mtp-training --mtp-num-layers N` adds fresh ones (docs/drafts.md), stored
+    # as the canonical `model.layers.{L+k}`.
+    "llama": ModelFamily(
+        name="llama", architectures=("LlamaForCausalLM",), model_type="llama",
+        hf_trunk_class="LlamaForCausalLM", qkv_bias=False, qk_norm=False, mtp_layout=GLM_LAYOUT,
+        has_mtp=False, vllm_mtp_drafter=False, rope_types=("default", "llama3"),
+        unsupported_true_keys=("attention_bias", "mlp_bias"),
     ),
 }
 # the dense families with MTP layers (tests build them in any dense shape: head counts, widths)

@@ -19,12 +19,13 @@ from vime.models.config_checks import check_finite_state, check_raw_config
 from vime.models.families import (DEFAULT_FAMILY, FAMILIES, family_of_hf_config, from_canonical, layout_name,
                                   mtp_layer_indices, to_canonical)
 from vime.models.moe_mla_config import (MLAConfig, MoEConfig, check_unsupported, parse_glm_attention, parse_mla,
-                                        parse_moe, parse_partial_rotary, parse_yarn)
-from vime.models.rope import YarnScaling
+                                        parse_moe, parse_partial_rotary, parse_rope_scaling)
+from vime.models.rope import Llama3Scaling, YarnScaling
 from vime.models.tensor_check import Expected, safetensors_shapes, tensor_mismatch
 from vime.errors import UserError, require
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# transformers 5 writes a chat template beside tokenizer_config.json, in chat_template.jinja
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ class ModelConfig:
     use_qk_norm: bool = None  # per-head q/k RMSNorm; None: the family's
     moe: MoEConfig = None  # None: every layer has a dense MLP
     mla: MLAConfig = None  # None: grouped-query attention
-    rope_yarn: YarnScaling = None  # None: plain RoPE
+    rope_yarn: YarnScaling = None  # None: no YaRN
+    rope_llama3: Llama3Scaling = None  # None: no Llama 3 frequency scaling
 
     @property
     def model_family(self):
@@ -117,21 +119,25 @@ class ModelConfig:
 
 
 # ModelConfig fields that only some families' configs carry (family_keys / family_hf_keys)
-FAMILY_KEY_FIELDS = ("partial_rotary_factor", "attention_bias", "use_qk_norm", "moe", "mla", "rope_yarn")
+FAMILY_KEY_FIELDS = ("partial_rotary_factor", "attention_bias", "use_qk_norm", "moe", "mla", "rope_yarn",
+                     "rope_llama3")
 
 
 def family_keys(d, family, source):
-    """The ModelConfig fields of the MoE / MLA / GLM attention / RoPE keys `family` reads from config dict `d`."""
-    out = {}
-    if not (family.moe or family.attention == "mla" or family.qkv_from_config):
-        return out
+    """The ModelConfig fields of the RoPE scaling / MoE / MLA / GLM attention keys `family` reads from config
+    dict `d`; keys whose value changes the forward pass in a way vime does not build are refused."""
     arch = family.architectures[0]
     check_unsupported(d, source, arch)
+    for key in family.unsupported_true_keys:
+        require(not d.get(key), f"{source}: {key} true is not supported for {arch} (vime builds it without those "
+                "biases); only checkpoints with it false convert")
+    out = parse_rope_scaling(d, source, family)
+    if not (family.moe or family.attention == "mla" or family.qkv_from_config):
+        return out
     if family.moe:
         out["moe"] = parse_moe(d, source)
     if family.qkv_from_config:
         out["attention_bias"], out["use_qk_norm"] = parse_glm_attention(d, source)
-    out["rope_yarn"] = parse_yarn(d, source)
     if family.attention == "mla":
         mla = out["mla"] = parse_mla(d, source)
         # MLA has one latent per token, not KV heads: every head reads it
@@ -154,6 +160,8 @@ def family_hf_keys(cfg):
     if cfg.rope_yarn is not None:
         out["rope_parameters"] = {"rope_type": "yarn", "rope_theta": cfg.rope_theta,
                                   **{k: v for k, v in asdict(cfg.rope_yarn).items() if v is not None}}
+    if cfg.rope_llama3 is not None:
+        out["rope_parameters"] = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, **asdict(cfg.rope_llama3)}
     if cfg.moe is not None:
         out.update(asdict(cfg.moe), scoring_func="sigmoid", topk_method="noaux_tc")
     if cfg.mla is not None:

@@ -1,8 +1,8 @@
-"""The mixture-of-experts, multi-head latent attention and YaRN keys of an HF config (pure).
+"""The mixture-of-experts, multi-head latent attention and RoPE-scaling keys of an HF config (pure).
 
 GLM-4.5/4.6/4.7 (`Glm4MoeForCausalLM`) and DeepSeek-V3/R1/V3.1 (`DeepseekV3ForCausalLM`)
 configs carry these keys; each is either honoured (parsed into `MoEConfig`, `MLAConfig`,
-`YarnScaling` or a ModelConfig field) or refused with one line naming the file, the key and
+`YarnScaling`, `Llama3Scaling` or a ModelConfig field) or refused with one line naming the file, the key and
 what vime supports. Nothing is silently ignored that changes the forward pass; keys that only
 concern training schedules or parallel layouts (`aux_loss_alpha`, `seq_aux`, `ep_size`,
 `initializer_range`, ...) do not.
@@ -10,7 +10,7 @@ concern training schedules or parallel layouts (`aux_loss_alpha`, `seq_aux`, `ep
 from dataclasses import dataclass
 
 from vime.errors import require
-from vime.models.rope import YarnScaling
+from vime.models.rope import Llama3Scaling, YarnScaling
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,6 @@ class MLAConfig:
 
 SCORING_FUNCS = ("sigmoid",)
 TOPK_METHODS = (None, "noaux_tc")  # sigmoid scores + e_score_correction_bias, group-limited
-ROPE_TYPES = ("default", "yarn")
 ACTIVATIONS = ("silu",)
 
 
@@ -156,22 +155,51 @@ def rope_block(raw):
     return block
 
 
-def parse_yarn(raw, source):
-    """YarnScaling of the config's RoPE block, None for plain RoPE; other scalings are refused."""
+def parse_rope_scaling(raw, source, family):
+    """{"rope_yarn": YarnScaling} or {"rope_llama3": Llama3Scaling} of the config's RoPE block ({} for plain
+    RoPE); a rope type the family's `rope_types` does not list is refused in one line."""
     block = rope_block(raw)
     rope_type = block.get("rope_type", "default")
-    require(rope_type in ROPE_TYPES, f"{source}: rope type {rope_type!r} is not supported; vime implements "
-            f"{', '.join(ROPE_TYPES)} (DeepSeek-V3 uses yarn)")
-    if rope_type == "default":
-        return None
+    require(rope_type in family.rope_types,
+            f"{source}: rope type {rope_type!r} is not supported for {family.architectures[0]}; vime implements "
+            f"{', '.join(family.rope_types)} for it")
+    return {} if rope_type == "default" else {ROPE_SCALINGS[rope_type][0]: ROPE_SCALINGS[rope_type][1](raw, source)}
+
+
+def _original_context(raw, block, source):
     original = block.get("original_max_position_embeddings", raw.get("max_position_embeddings"))
+    return _int({"original_max_position_embeddings": original}, "original_max_position_embeddings", source)
+
+
+def parse_llama3(raw, source):
+    """Llama3Scaling of a Llama 3.1+ config's `rope_type: llama3` block (every key required, as transformers
+    requires them)."""
+    block = rope_block(raw)
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if block.get(k) is None]
+    require(not missing, f"{source}: rope type 'llama3' needs {', '.join(missing)} in rope_scaling; fix config.json")
+    scaling = Llama3Scaling(
+        factor=_positive(block, "factor", source, None), low_freq_factor=_positive(block, "low_freq_factor", source, None),
+        high_freq_factor=_positive(block, "high_freq_factor", source, None),
+        original_max_position_embeddings=_original_context(raw, block, source))
+    require(scaling.high_freq_factor > scaling.low_freq_factor,
+            f"{source}: rope_scaling high_freq_factor {scaling.high_freq_factor} must exceed low_freq_factor "
+            f"{scaling.low_freq_factor}; fix config.json")
+    return scaling
+
+
+def parse_yarn(raw, source):
+    """YarnScaling of a config whose RoPE block has `rope_type: yarn`."""
+    block = rope_block(raw)
     return YarnScaling(
         factor=_positive(block, "factor", source, None),
-        original_max_position_embeddings=_int({"original_max_position_embeddings": original},
-                                              "original_max_position_embeddings", source),
+        original_max_position_embeddings=_original_context(raw, block, source),
         beta_fast=_positive(block, "beta_fast", source, 32.0), beta_slow=_positive(block, "beta_slow", source, 1.0),
         mscale=float(block.get("mscale") or 0.0), mscale_all_dim=float(block.get("mscale_all_dim") or 0.0),
         attention_factor=block.get("attention_factor"), truncate=_bool(block, "truncate", source, True))
+
+
+# rope type -> (the ModelConfig field it fills, its parser)
+ROPE_SCALINGS = {"yarn": ("rope_yarn", parse_yarn), "llama3": ("rope_llama3", parse_llama3)}
 
 
 def parse_partial_rotary(raw, source, head_dim):

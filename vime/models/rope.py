@@ -1,10 +1,12 @@
-"""Rotary position tables: plain RoPE and DeepSeek-V3's YaRN (pure torch).
+"""Rotary position tables: plain RoPE, DeepSeek-V3's YaRN and Llama 3's frequency scaling (pure torch).
 
-`rotary_inv_freq(dim, theta, yarn)` gives the inverse frequencies of `dim` rotated channels and
-the factor cos/sin are multiplied by; `yarn_softmax_scale` the attention's softmax scale, which
+`rotary_inv_freq(dim, theta, yarn, llama3)` gives the inverse frequencies of `dim` rotated channels
+and the factor cos/sin are multiplied by; `yarn_softmax_scale` the attention's softmax scale, which
 YaRN multiplies by mscale(factor, mscale_all_dim)^2 (DeepSeek-V3's config: factor 40,
 mscale = mscale_all_dim = 1, so cos/sin stay unscaled and only the softmax scale grows).
-The formulas are YaRN's (Peng et al. 2023) as DeepSeek-V3 and transformers apply them.
+The formulas are YaRN's (Peng et al. 2023) as DeepSeek-V3 and transformers apply them. Llama 3.1+
+(`rope_type: llama3`) keeps the high frequencies, divides the low ones by `factor` and blends the band
+between (transformers' `_compute_llama3_parameters`, megatron-core's `RotaryEmbedding._apply_scaling`).
 """
 import math
 from dataclasses import dataclass
@@ -26,6 +28,31 @@ class YarnScaling:
     truncate: bool = True  # round the ramp's ends to whole channels (YaRN's default)
 
 
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """The `rope_type: llama3` block of a Llama 3.1+ config."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+def llama3_inv_freq(inv_freq, scaling):
+    """Llama 3's scaled inverse frequencies: wavelengths shorter than original / high_freq_factor kept,
+    longer than original / low_freq_factor divided by `factor`, the band between blended linearly in
+    original / wavelength (the same float32 operations as transformers)."""
+    old_context = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context / scaling.low_freq_factor
+    high_freq_wavelen = old_context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
 def yarn_mscale(scale, mscale=1.0):
     """YaRN's attention temperature correction 0.1 * mscale * ln(scale) + 1 (1 when not stretched)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -41,9 +68,11 @@ def _correction_range(yarn, dim, theta):
     return max(low, 0), min(high, dim - 1)
 
 
-def rotary_inv_freq(dim, theta, yarn=None):
+def rotary_inv_freq(dim, theta, yarn=None, llama3=None):
     """(inverse frequencies [dim // 2], cos/sin factor) for `dim` rotated channels."""
     base = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    if llama3 is not None:
+        return llama3_inv_freq(1.0 / base, llama3), 1.0
     if yarn is None:
         return 1.0 / base, 1.0
     low, high = _correction_range(yarn, dim, theta)

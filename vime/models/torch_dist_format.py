@@ -16,11 +16,11 @@ import os
 from vime.errors import UserError
 from vime.models.hf_format import ModelConfig, expected_hf_tensors, extra_tensor_key
 from vime.models.moe_mla_config import MLAConfig, MoEConfig
-from vime.models.rope import YarnScaling
+from vime.models.rope import Llama3Scaling, YarnScaling
 from vime.models.tensor_check import tensor_mismatch
 
 META_FILE = "vime_meta.json"
-NESTED = {"moe": MoEConfig, "mla": MLAConfig, "rope_yarn": YarnScaling}  # ModelConfig fields holding dataclasses
+NESTED = {"moe": MoEConfig, "mla": MLAConfig, "rope_yarn": YarnScaling, "rope_llama3": Llama3Scaling}  # ModelConfig fields holding dataclasses
 
 
 def read_saved_meta(model_dir, flag="--load"):

@@ -74,12 +74,6 @@ class Proposer:
     def draft_synced(self):
         """A weight sync wrote the external draft."""
 
-    def take_catch_up(self):
-        """(draft context positions written since the last call for steps without drafts before them, seconds
-        of that write), and start counting again: what a switch from plain decoding to drafting caught up (a
-        proposer that defers its context over steps without drafts: DSpark's)."""
-        return 0, 0.0
-
     def move_slots(self, requests, old_slots):
         """The engine moved each of `requests` from its old slot to `request.slot` (a free one):
         move what this proposer keeps per slot."""

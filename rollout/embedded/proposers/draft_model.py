@@ -15,7 +15,7 @@ from rollout.embedded.moe import MoE
 from rollout.embedded.proposers import Proposer
 from rollout.embedded.steps import device_tensor
 from rollout.embedded.proposers.drafting import DraftSteps, assign_drafts, draft_cache, pick_drafts, uniforms_if_sampling
-from rollout.spec_config import check_draft_vocab
+from vime.spec_config import check_draft_vocab
 
 
 def load_draft_model(path, dtype, device):

@@ -8,10 +8,8 @@ processed exactly like the target's (temperature, top-k, top-p), in which case q
 returned so probabilistic verification can use min(1, p/q).
 
 Default: argmax drafts with q = None, as vLLM's MTP/EAGLE proposers do. Sampled drafts
-are accepted with probability sum_x min(p, q) = 1 - TV(p, q), argmax drafts with p(argmax q);
-on the tiny model at temperature 1 the MTP head is flatter than the target and argmax wins
-(0.33 vs 0.25 acceptance, see BENCHMARKS.md). `sample_drafts=True` switches to sampled
-drafts; it only applies with `probabilistic` verification (strict ignores q).
+are accepted with probability sum_x min(p, q) = 1 - TV(p, q), argmax drafts with p(argmax q).
+`sample_drafts=True` switches to sampled drafts; it only applies with `probabilistic` verification (strict ignores q).
 """
 import dataclasses
 import itertools

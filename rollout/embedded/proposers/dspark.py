@@ -10,13 +10,9 @@ from q_i = the processed distribution of those logits, which is the draft's cond
 drafts before it: exactly what the rejection sampler needs, so verification stays exact.
 
 Confidence-sized verification (vLLM's `enable_adaptive_verification`): the confidence head's
-per-slot acceptance probabilities multiply along a row into the chance each draft survives; the
-engine's k policy (`spec_policy.ConfidenceSizedK`) picks how many drafts the step verifies, the
-count maximising expected tokens over the step's price, and every row verifies at most that many.
-The engine's verify forward pads each row to the longest, so a row cut shorter than the step would
-save nothing there: the saving is in the step's size. Without a confidence head the measured
-acceptance sizes the steps (vLLM's acceptance estimator, here `AdaptiveK`). Under a k policy that does not
-size steps (`sizes_verification` false: a fixed k, a schedule, AdaptiveK) the confidence head is not run.
+per-slot acceptance probabilities go to the engine's k policy (`spec_policy.ConfidenceSizedK`), whose
+`sized_q` says how many drafts each row verifies. Under a k policy that does not size steps
+(`sizes_verification` false: a fixed k, a schedule, AdaptiveK) the confidence head is not run.
 
 Unlike DFlash, a step with no drafts (the k policy's k = 0) costs nothing here beyond keeping the
 new positions' target states: the context write is deferred to the next drafting step, which
@@ -24,8 +20,6 @@ writes every position since the last one in its one context forward, so a schedu
 drafting falls back to plain decoding's cost. A generate whose k policy drafts at none of its steps
 (`drafts_this_generate`) keeps no states either: no catch-up can come in it.
 """
-import time
-
 import torch
 
 from mtp.dspark import acceptance_confidence, draft_left_to_right
@@ -49,11 +43,6 @@ class DSparkProposer(DFlashProposer):
         self.kept = None  # [rows, positions, aux width]: target states of positions not yet in the context
         # slot -> its row of `kept` (a permutation): a slot move swaps two entries and copies no state
         self.kept_rows = list(range(engine.config.max_batch_size))
-        self.caught_up = (0, 0.0)  # deferred positions written and their share of the write's seconds (take_catch_up)
-
-    def take_catch_up(self):
-        caught_up, self.caught_up = self.caught_up, (0, 0.0)
-        return caught_up
 
     def release(self, request):
         self.written[request.slot] = 0
@@ -61,8 +50,8 @@ class DSparkProposer(DFlashProposer):
     def move_slots(self, requests, old_slots):
         """Move what each slot holds: the draft cache's context, only below the positions written into it
         (nothing in a generate that never drafted); the kept states by swapping rows. Why: the engine
-        compacts slots as rows finish, and copying whole kept rows and caches there made a generate at 128
-        rows that drafted nothing 1 % slower than plain decoding."""
+        compacts slots as rows finish, and copying whole kept rows and caches at every move would make a
+        generate that drafts nothing dearer than plain decoding."""
         new = [r.slot for r in requests]
         written = [self.written[s] for s in old_slots]
         if max(written):
@@ -107,10 +96,9 @@ class DSparkProposer(DFlashProposer):
         return acceptance_confidence(self.draft_model, states, embeds)
 
     def verification_size(self, batch_size, confidence, k):
-        """[B] drafts each row verifies this step: the k policy's choice from the drafts' survival (the
-        running product of the confidences), all k without a head or a sizing policy."""
-        size = None if confidence is None else \
-            self.engine.k_policy.verification_size(batch_size, confidence.float().cumprod(1))
+        """[B] drafts each row verifies this step: the k policy's choice from the drafts' confidences, all k
+        without a head or a sizing policy."""
+        size = None if confidence is None else self.engine.k_policy.verification_size(batch_size, confidence)
         size = k if size is None else size
         return [size] * batch_size if isinstance(size, int) else [int(x) for x in size]
 
@@ -135,22 +123,17 @@ class DSparkProposer(DFlashProposer):
 
     def catch_up(self, slots, hidden, starts, n_valid):
         """Write the context of every position since each row's last drafting step: this forward's
-        states, and the kept states of the steps between, in one context forward. The deferred positions'
-        share of its seconds is counted for the k policy (`take_catch_up`): a switch to drafting pays it."""
+        states, and the kept states of the steps between, in one context forward."""
         first = [self.written[s] for s in slots]
         end = [s + v for s, v in zip(starts, n_valid)]
         if first == list(starts):  # nothing deferred: this forward's states are the whole catch-up
             self.write_context(slots, hidden, starts, n_valid)
         else:
-            begun = time.perf_counter()
             self.keep_states(slots, hidden, starts)
             dev, width = self.kept.device, max(e - f for e, f in zip(end, first))
             at = device_tensor(first, dev)[:, None] + torch.arange(width, device=dev)[None, :]
             self.write_context(slots, self.kept[self.rows_of(slots)[:, None], at.clamp(max=self.kept.shape[1] - 1)],
                                first, [e - f for e, f in zip(end, first)])
-            deferred, written = sum(s - f for s, f in zip(starts, first)), sum(e - f for e, f in zip(end, first))
-            positions, seconds = self.caught_up
-            self.caught_up = (positions + deferred, seconds + (time.perf_counter() - begun) * deferred / written)
         for slot, e in zip(slots, end):
             self.written[slot] = e
 

@@ -1,0 +1,112 @@
+"""Fresh MTP layers for a model that has none, initialised as megatron-core initialises them, and their offline
+warm-up on the model's own sequences (pure torch).
+
+megatron-core 0.16.1 (`TransformerConfig.__post_init__`, `MultiTokenPredictionLayer`) draws every linear of an MTP
+layer from normal(0, init_method_std = 0.02) (`init_method`: eh_proj, the fused q/k/v, the MLP's gate/up), except
+the two that write into the residual stream, the attention's output projection and the MLP's down projection,
+drawn from normal(0, 0.02 / sqrt(2 * num_layers)) with num_layers the trunk's (`output_layer_init_method`,
+`scaled_init_method_normal`); every RMSNorm weight starts at 1. `fresh_mtp_state` draws the same distributions
+under vime's canonical names. The warm-up trains only those layers (the trunk, embedding and head frozen) with
+the MTP loss of mtp/loss.py on sequences the model generated itself, so that RL starts from a draft the policy
+already accepts.
+"""
+import dataclasses
+import math
+import random
+import time
+
+import torch
+
+from mtp.loss import mtp_loss
+
+INIT_METHOD_STD = 0.02  # megatron-core's TransformerConfig.init_method_std default
+# canonical suffixes megatron initialises with output_layer_init_method (they write into the residual stream)
+OUTPUT_LAYER_SUFFIXES = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def init_std(suffix, num_hidden_layers, std=INIT_METHOD_STD):
+    """The normal std megatron-core draws an MTP layer's matrix `suffix` from (None: a norm weight, set to 1)."""
+    if suffix.endswith("norm.weight"):
+        return None
+    if suffix in OUTPUT_LAYER_SUFFIXES:
+        return std / math.sqrt(2.0 * num_hidden_layers)
+    return std
+
+
+def fresh_mtp_state(cfg, num_mtp_layers, expected, seed=0):
+    """{canonical name: tensor} of `num_mtp_layers` new MTP layers of `cfg` (a ModelConfig without MTP layers).
+    `expected`: {canonical name: shape} of every tensor of the model with those layers (hf_format's
+    `expected_hf_tensors`), whose MTP entries this fills."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    first = f"model.layers.{cfg.num_hidden_layers}."
+    for name, shape in sorted(expected.items()):
+        index = name.split(".")[2] if name.startswith("model.layers.") else None
+        if index is None or int(index) < cfg.num_hidden_layers:
+            continue
+        suffix = name.split(".", 3)[3]
+        std = init_std(suffix, cfg.num_hidden_layers)
+        out[name] = torch.ones(shape) if std is None else torch.randn(shape, generator=g) * std
+    assert any(n.startswith(first) for n in out) or num_mtp_layers == 0
+    return out
+
+
+def with_mtp_layers(cfg, num_mtp_layers):
+    """`cfg` (a ModelConfig) declaring `num_mtp_layers` MTP layers."""
+    return dataclasses.replace(cfg, num_nextn_predict_layers=num_mtp_layers)
+
+
+def mtp_parameters(model):
+    """The MTP layers' parameters of a CausalLMWithMTP (the only ones the warm-up trains)."""
+    return [p for k in range(model.num_mtp_layers) for p in model.mtp_layer(k).parameters()]
+
+
+def warm_up_mtp_layers(model, sequences, masks, steps, batch_size, lr, seed, log=print):
+    """`steps` AdamW steps of the MTP layers of `model` (a CausalLMWithMTP) on random batches of `sequences`
+    (token lists); `masks[i]` marks the tokens of sequence i the loss may read and predict (its response).
+    Each depth k reads the previous depth's output, as the engine drafts; the loss is the token mean of
+    every depth's cross-entropy. The trunk runs without gradients."""
+    model.requires_grad_(False)
+    params = mtp_parameters(model)
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    rng, start = random.Random(seed), time.time()
+    indexed = list(range(len(sequences)))
+    for step in range(steps):
+        tokens, mask = _batch(sequences, masks, [rng.choice(indexed) for _ in range(batch_size)])
+        losses = mtp_depth_losses(model, tokens, mask)
+        loss = sum(losses) / len(losses)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % 50 == 0 or step == steps - 1:
+            log(f"MTP warm-up step {step:4d}  loss by depth " + " ".join(f"{x.item():.3f}" for x in losses)
+                + f"  {time.time() - start:.0f}s")
+    model.requires_grad_(False)
+
+
+def _batch(sequences, masks, rows):
+    """(tokens [B, T] zero-padded, loss mask [B, T]) of the chosen rows."""
+    width = max(len(sequences[i]) for i in rows)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width)
+    for r, i in enumerate(rows):
+        tokens[r, :len(sequences[i])] = torch.tensor(sequences[i])
+        mask[r, :len(masks[i])] = torch.tensor(masks[i], dtype=torch.float32)
+    return tokens, mask
+
+
+def mtp_depth_losses(model, tokens, mask):
+    """[depth-k cross-entropy] of every MTP layer of `model` on `tokens` (mask: which tokens count)."""
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        _, hidden = model.forward_states(tokens, positions)
+    losses = []
+    for k in range(model.num_mtp_layers):
+        depth = k + 1
+        width = tokens.shape[1] - depth
+        hidden = model.mtp_forward(k, tokens[:, depth:], hidden[:, :width], positions[:, :width])
+        losses.append(mtp_loss(model.logits(hidden), tokens, mask, depth=depth))
+    return losses
