@@ -196,7 +196,8 @@ class RolloutManagerImpl:
         self.warned_bound = False  # dynamic sampling's bound is said once, counted every step
         context_len = self._context_len(rows + self.eval_rows)
         n = rollout_cfg.rollout_num_workers
-        self.hf_checkpoint, self.bf16, self.context_len = hf_checkpoint, bf16, context_len
+        self.hf_checkpoint, self.bf16 = hf_checkpoint, bf16
+        self.context_len = context_len
         self.worker_options = worker_options or [worker_resources()] * n  # placed, or anywhere
         self.worker_cpus = worker_cpus or [{"threads": 1, "cpu_slot": i} for i in range(n)]  # {threads, cpu_slot}
         self.worker_gpu_shares = worker_gpu_shares or [None] * n  # its GPU share where it shares one with a rank
