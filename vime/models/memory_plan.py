@@ -36,6 +36,7 @@ from vime.models.hf_format import config_from_raw, read_json
 from vime.models.rank_params import BUFFER_SUFFIXES, Held, RankParams
 from vime.models.trainable import check_trainable
 from vime.parallel_layout import FLAGS, ParallelLayout
+from vime.paths import require_given
 from vime.precision import compute_dtype, dtype_name, held_dtype
 
 GB = 10**9
@@ -264,6 +265,7 @@ def read_model_config(path):
     """(ModelConfig, a note or None) of config.json `path` (or a directory holding one). A quantised
     checkpoint's config (DeepSeek-V3 ships fp8) is read without its quantization_config: vime trains
     dequantised weights, so the plan counts them in vime's precision."""
+    require_given(path, "--hf-config")
     cfg_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     require(os.path.isfile(cfg_file), f"--hf-config {path}: no such file; give the model's HF config.json "
             "(or the directory holding it)")
