@@ -23,7 +23,7 @@ from tests.test_train_rl import ckpt  # noqa: F401 (fixture)
 from tests.trainer_fixtures import make_tiny
 from vime import manifest
 from vime.checkpointing import LATEST, LOOP_STATE
-from vime.models import memory_plan
+from vime import memory_plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
