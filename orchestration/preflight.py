@@ -19,6 +19,7 @@ def check_config(cfg):
     from rollout.task import check_task_variant
     from trainer.drafts import check_draft_training
     from trainer.losses import check_kl_estimator
+    from trainer.optimizer import check_device_options
     from trainer.weight_senders import check_weight_transfer
     from vime.config import check_knob_switches, validate
     from vime.precision import check_bf16
@@ -27,6 +28,7 @@ def check_config(cfg):
     validate(cfg)
     check_run_rules(cfg.rollout)
     check_bf16(cfg.model.bf16)  # --bf16 on a device that cannot run a bf16 matmul
+    check_device_options(cfg.train)  # an optimizer option this machine's megatron-core cannot run
     check_dynamic_sampling(cfg.rollout)
     check_task_variant(cfg.rollout.task_variant)
     check_estimator(cfg.train.advantage_estimator)
@@ -43,6 +45,8 @@ def check_inputs(cfg):
     checkpoint's ModelConfig (for `check_prompts`). --load is checked once run_setup has chosen the
     checkpoint (`check_resume`)."""
     from rollout.backend import check_backend
+    from trainer.model import check_recompute
+    from vime.models.activations import RecomputePlan
     from trainer.routing_replay import check_routing_replay
     from vime.models.config_checks import check_finite_weights, check_mtp_layers, run_model_config
     from vime.models.hf_format import inspect_hf_checkpoint
@@ -53,6 +57,7 @@ def check_inputs(cfg):
     check_mtp_layers(cfg.mtp.num_layers, hf, cfg.model.hf_checkpoint, training=cfg.mtp.enable_training)
     hf = run_model_config(cfg.mtp, hf)  # with the fresh MTP layers run_setup adds, where it adds them
     cfg.train.layout.check_model(hf)
+    check_recompute(cfg.train.layout, hf, RecomputePlan.of(cfg.train))
     check_trainable(hf)
     check_routing_replay(cfg, hf)
     check_backend(cfg, hf)

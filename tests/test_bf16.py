@@ -16,7 +16,6 @@ from rollout.spec_stats import aggregate_spec_stats
 from spec_fixtures import markov_model, save_checkpoint, one_thread  # noqa: F401
 from trainer.batch import build_batch
 from trainer.config import TrainerConfig
-from trainer.mixed_precision import MainParamsAdamW
 from trainer.model import forward
 from trainer.trainer import Trainer
 from trainer_fixtures import make_batch, make_tiny
@@ -62,13 +61,24 @@ def _micro_batch_losses(model, xs):
     return [model(x.bfloat16()).float().square().mean() for x in xs]
 
 
-def test_main_params_step_exactly_as_adamw_on_fp32_and_keep_updates_bf16_would_lose():
+def test_megatrons_bf16_optimizer_steps_fp32_masters_as_adamw_and_keeps_updates_bf16_would_lose():
+    """The trainer's optimizer part under --bf16 (trainer/optimizer.py: megatron's DDP and
+    Float16OptimizerWithFloat16Params) against torch's AdamW on fp32 copies given the same bf16 gradients
+    summed in fp32: the same masters bit for bit, and bf16 weights that are the masters rounded."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from trainer.distributed import ensure_distributed
+    from trainer.optimizer import OptimizerOptions, TrainedPart
+
+    ensure_distributed()
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 8, bias=False).to(torch.bfloat16)
     ref = torch.nn.Parameter(model.weight.detach().float().clone())
     initial = model.weight.detach().clone()
     lr = 1e-4  # an AdamW step moves each weight by ~lr, far below half a bf16 ulp of weights ~0.1
-    opt = MainParamsAdamW([{"params": [model.weight]}], lr=lr, weight_decay=0.0)
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1, use_cpu_initialization=True,
+                               bf16=True, params_dtype=torch.bfloat16)
+    part = TrainedPart(model, config, OptimizerOptions(bf16=True), lr, weight_decay=0.0, adam_eps=1e-8, clip_grad=0)
     ref_opt = torch.optim.AdamW([ref], lr=lr, weight_decay=0.0)
     plain = torch.nn.Linear(16, 8, bias=False).to(torch.bfloat16)
     plain.weight.data.copy_(initial)
@@ -77,21 +87,23 @@ def test_main_params_step_exactly_as_adamw_on_fp32_and_keep_updates_bf16_would_l
         xs = torch.randn(2, 4, 16).unbind(0)  # two micro-batches accumulate into one step
         # the reference: the same bf16 gradients, summed in fp32, stepped by torch's own AdamW
         ref.grad = sum(torch.autograd.grad(l, model.weight)[0].float() for l in _micro_batch_losses(model, xs))
-        opt.zero_grad()
+        part.zero_grad()
         for loss in _micro_batch_losses(model, xs):
             loss.backward()
-        assert model.weight.grad is None  # moved into the fp32 main gradient as it was accumulated
-        opt.step()
+        assert model.weight.grad is None and model.weight.main_grad.dtype == torch.float32  # added to the fp32 one
+        part.finish_gradients()
+        part.step()
         ref_opt.step()
         plain_opt.zero_grad()
         sum(_micro_batch_losses(plain, xs)).backward()
         plain_opt.step()
-    assert torch.equal(opt.main_param(model.weight), ref)
-    assert opt.main_param(model.weight).dtype == torch.float32 and model.weight.dtype == torch.bfloat16
+    master = model.weight.main_param
+    assert torch.equal(master, ref)
+    assert master.dtype == torch.float32 and model.weight.dtype == torch.bfloat16
     assert torch.equal(model.weight, ref.detach().to(torch.bfloat16))  # the masters, rounded
     # the negative control: AdamW on the bf16 parameters themselves rounds most updates away
     lost = (plain.weight == initial).float().mean().item()
-    kept = (opt.main_param(model.weight).detach() != initial.float()).float().mean().item()
+    kept = (master.detach() != initial.float()).float().mean().item()
     assert lost > 0.5 and kept > 0.99, (lost, kept)
 
 
@@ -105,8 +117,8 @@ def test_bf16_trainer_holds_bf16_params_and_fp32_masters_and_trains(hf_dir):
     assert metrics["train/grad_norm"] > 0
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
     assert len(changed) > len(before) // 2
-    for p in trainer.policy_params():  # every bf16 weight is its master rounded
-        assert torch.equal(p, trainer.optimizer.main_param(p).detach().to(torch.bfloat16))
+    for p in trainer.policy_params():  # every bf16 weight is its master rounded (megatron's `main_param`)
+        assert torch.equal(p, p.main_param.detach().to(torch.bfloat16))
 
 
 def batch_and_logprob_bound(trainer, cfg, samples, temperature):
@@ -146,7 +158,8 @@ def test_bf16_checkpoint_holds_the_fp32_masters_and_resumes_with_or_without_bf16
     trainer = Trainer(TrainerConfig(bf16=True, lr=1e-3), hf_dir)
     for seed in range(2):
         trainer.train_step(make_batch(seed=seed))
-    masters = {n: trainer.optimizer.main_param(p).detach().clone() for n, p in trainer.model.named_parameters()}
+    # megatron's fp32 `main_param` of each trained weight (a frozen MTP weight has none: it is its own)
+    masters = {n: getattr(p, "main_param", p).detach().clone() for n, p in trainer.model.named_parameters()}
     bf16_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.save(str(tmp_path / "ckpt"))
     assert all(torch.equal(p, bf16_before[n]) for n, p in trainer.model.named_parameters())  # put back
@@ -155,7 +168,7 @@ def test_bf16_checkpoint_holds_the_fp32_masters_and_resumes_with_or_without_bf16
         assert p.dtype == torch.float32 and torch.equal(p, masters[n].float()), n
     again = Trainer(TrainerConfig(bf16=True, lr=1e-3), hf_dir, load=str(tmp_path / "ckpt"))
     for n, p in again.model.named_parameters():
-        assert torch.equal(again.optimizer.main_param(p).float(), masters[n].float()), n
+        assert torch.equal(getattr(p, "main_param", p), masters[n]), n
         assert torch.equal(p, bf16_before[n]), n
     # the resumed bf16 trainer takes the same next step as the one that saved
     batch = make_batch(seed=7)
@@ -257,10 +270,12 @@ def test_the_online_eagle3_draft_trains_in_bf16_on_fp32_masters_and_syncs_bit_fo
     metrics = trainer.train_step(make_batch())
     assert metrics["train/draft_grad_norm"] > 0 and metrics["train/draft_1_loss"] > 0
     for n, p in d.module.named_parameters():
-        main = d.optimizer.main_param(p)
+        main = p.main_param
         assert main.dtype == torch.float32 and torch.equal(p, main.detach().to(torch.bfloat16)), n
     assert any(not torch.equal(p, before[n]) for n, p in d.module.named_parameters())
-    assert {v.dtype for v in d.state()["draft"].values()} == {torch.float32}  # checkpoints keep the masters
+    masters = d.state()["optimizer"]["fp32_from_fp16_params"]  # checkpoints keep the masters (megatron's state)
+    assert {t.dtype for group in masters for t in group} == {torch.float32}
+    assert {id(t) for group in masters for t in group} == {id(p.main_param) for p in d.part.parameters()}
     sent = [(k, v.detach().cpu()) for k, v in trainer.named_hf_weights()]
     backend = EmbeddedBackend(target, spec, 4, dtype=torch.bfloat16)
     backend.load_weights(sent, version=1)

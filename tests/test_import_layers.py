@@ -23,8 +23,8 @@ LAYERS = (
     ("model families and draft kinds (pure): registries, HF checkpoint and draft formats, megatron-core and vLLM "
      "name maps", {"models": ("vime.models",)}),
     ("the run's config (pure): the dataclass tree + CLI, the speculative config (it names the draft kinds),"
-     " and the memory plan's CLI that reads the tree",
-     {"config": ("vime.config", "vime.cli_config", "vime.spec_config", "vime.models.memory_plan")}),
+     " and the memory plan's CLI, which takes the tree's flags (its counting is the models layer's)",
+     {"config": ("vime.config", "vime.cli_config", "vime.spec_config", "vime.memory_plan")}),
     ("the two sides' own basics: rollout's stats, task, tokenizer, data; the trainer",
      {"rollout": ("rollout",), "trainer": ("trainer",)}),
     ("the two rollout engines, side by side", {"embedded": ("rollout.embedded",), "vllm": ("rollout.vllm",)}),

@@ -34,12 +34,16 @@ SWITCH_SETTINGS = {
     "save": ({}, {"run.save": "/save"}),
     "load": ({}, {"run.load": "/save"}),
     "ray_address": ({}, {"run.ray_address": "127.0.0.1:6379"}),
+    "cpu_offload": ({}, {"train.optimizer_cpu_offload": True}),
+    "precision_aware": ({}, {"train.use_precision_aware_optimizer": True}),
+    "full_recompute": ({}, {"train.recompute_granularity": "full"}),
 }
 # a value other than the default for the knobs whose type alone does not give one
 CHOSEN = {"--kl-loss-type": "k1", "--draft-loss-type": "tv", "--mtp-reuse-attention": "megatron",
           "--vllm-weight-transfer": "nccl", "--task-variant": "longtail", "--eval-prompt-data": "/eval.jsonl",
           "--save": "/save", "--load": "/save", "--save-debug-rollout-data": "/rollouts",
-          "--load-debug-rollout-data": "/rollouts"}
+          "--load-debug-rollout-data": "/rollouts", "--main-grads-dtype": "bf16", "--exp-avg-dtype": "bf16",
+          "--exp-avg-sq-dtype": "bf16", "--recompute-method": "block"}
 
 
 def other_value(name, f):

@@ -1,4 +1,4 @@
-"""The memory plan (vime/models/memory_plan.py): its parameter counts against the published model sizes and
+"""The memory plan (vime/models/memory_plan.py, its command line vime/memory_plan.py): its parameter counts against the published model sizes and
 against what the trainer's megatron ranks really hold, its bytes against the trainer's own optimizer, and
 its one-line refusals."""
 import dataclasses
@@ -16,7 +16,8 @@ from rollout.tiny_model import tiny_config
 from vime.models.families import to_canonical
 from vime.errors import UserError
 from vime.models.hf_format import expected_hf_tensors, read_config
-from vime.models.memory_plan import MemoryPlanner, PlanOptions, main, pipeline_splits, read_model_config, stage_bytes
+from vime.memory_plan import PRESETS, main, read_model_config
+from vime.models.memory_plan import HOST_STATE, MemoryPlanner, PlanOptions, pipeline_splits, stage_bytes
 from vime.models.rank_params import RankParams
 from vime.models.tensor_check import safetensors_shapes, tensor_mismatch
 from vime.net import free_port
@@ -92,14 +93,14 @@ def glm_moe_layer_params(raw, ep):
 
 
 def test_a_layout_that_does_not_fit_is_refused_in_one_line_with_its_numbers(capsys):
-    """GLM-4.7 at PP 8 (12 | 6 x 12 | 8 layers) and EP 8 on 64 GPUs, --bf16: a middle stage holds 12 MoE layers,
+    """GLM-4.7 at TP 1, PP 8 (12 | 6 x 12 | 8 layers) and EP 8 on 64 GPUs, --bf16: a middle stage holds 12 MoE layers,
     each parameter 2 (bf16) + 4 (fp32 main) + 4 (fp32 gradient) + 8 (Adam) bytes, each correction bias 4."""
     raw = json.load(open(GLM))
     params = 12 * glm_moe_layer_params(raw, ep=8)
     total = params * (2 + 4 + 4 + 8) + 12 * raw["n_routed_experts"] * 4
     with pytest.raises(SystemExit) as exit_:
         main(["--hf-config", GLM, "--gpus", "64", "--gpu-memory-gb", "80", "--bf16", "--enable-mtp-training",
-              "--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "8",
+              "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "8",
               "--decoder-first-pipeline-num-layers", "12", "--decoder-last-pipeline-num-layers", "8"])
     out = capsys.readouterr()
     assert exit_.value.code == 2 and out.out == ""
@@ -151,13 +152,15 @@ def test_a_config_of_an_unsupported_family_is_refused_in_one_line(tmp_path, caps
 
 def test_the_command_lists_the_layouts_that_fit_and_says_what_it_does_not_count():
     """`python -m vime.models.memory_plan` as docs/at_scale.md runs it: GLM-4.7 on 128 GPUs of 80 GB."""
-    run = subprocess.run([sys.executable, "-m", "vime.models.memory_plan", "--hf-config", GLM, "--gpus", "128",
+    run = subprocess.run([sys.executable, "-m", "vime.memory_plan", "--hf-config", GLM, "--gpus", "128",
                           "--gpu-memory-gb", "80", "--bf16", "--enable-mtp-training"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    rows = [line.split() for line in run.stdout.splitlines() if re.match(r"\s*1\s+\d+\s+\d+\s+1\s+\d+\s", line)]
-    assert rows and all(float(r[-1]) >= 0 and int(r[0]) * int(r[1]) * int(r[4]) == 128 for r in rows)
-    assert "not counted: activations" in run.stdout
+    # TP SP PP CP EP ETP DP ... free GB tokens
+    rows = [line.split() for line in run.stdout.splitlines() if re.match(r"\s*\d+\s+(yes|no)\s+\d+\s+1\s", line)]
+    assert rows and all(float(r[-2]) >= 0 and int(r[0]) * int(r[2]) * int(r[6]) == 128 for r in rows)
+    assert all((r[1] == "yes") == (int(r[0]) > 1) for r in rows)  # a MoE layer splits over TP with SP only
+    assert "not counted: the rollout engines" in run.stdout
 
 
 def test_pipeline_stages_hold_every_parameter_once_plus_megatrons_copies():
@@ -236,29 +239,45 @@ def test_each_expert_parallel_rank_holds_what_the_plan_counts(tmp_path):
         assert_plan_counts(counts, MOE, layout)
 
 
-@pytest.mark.parametrize("bf16, train_mtp", [(True, True), (False, False)])
-def test_the_plans_gradients_and_optimizer_state_are_what_the_trainer_allocates(bf16, train_mtp):
-    """One train step of the trainer on the shipped GLM-4.5 MoE model; then its gradients (fp32: on the
-    parameters; --bf16: on the fp32 main parameters) and its AdamW state (the two moments, and under --bf16 the
-    main parameters) take the bytes the plan counts. A frozen MTP layer has neither."""
+OPTIONS = {  # the trainer's settings -> the plan's options: every option that changes what a rank holds
+    "fp32": ({}, PlanOptions()),
+    "bf16-mtp": ({"bf16": True, "enable_mtp_training": True}, PlanOptions(bf16=True, train_mtp=True)),
+    "distributed": ({"bf16": True, "use_distributed_optimizer": True},
+                    PlanOptions(bf16=True, distributed_optimizer=True)),
+    "cpu-offload-half": ({"bf16": True, "use_distributed_optimizer": True, "optimizer_cpu_offload": True,
+                          "optimizer_offload_fraction": 0.5},
+                         PlanOptions(bf16=True, distributed_optimizer=True, cpu_offload=True, offload_fraction=0.5)),
+    "precision-aware-offload": ({"bf16": True, "use_distributed_optimizer": True, "optimizer_cpu_offload": True,
+                                 "use_precision_aware_optimizer": True, "main_grads_dtype": "bf16"},
+                                PlanOptions(bf16=True, distributed_optimizer=True, cpu_offload=True, precision_aware=True,
+                                            main_grads_dtype="bf16")),
+}
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_the_plans_gradients_and_optimizer_state_are_what_the_trainer_allocates(name):
+    """One train step of the trainer on the shipped GLM-4.5 MoE model with each option; then its gradient buffers,
+    its device optimizer state and its host optimizer state take the bytes the plan counts. A frozen MTP layer has
+    none of them. megatron's HybridDeviceOptimizer offloads whole parameters until it has its fraction of the
+    elements, so the host may hold up to one parameter more than the exact fraction (and the device one less)."""
     from trainer.config import TrainerConfig
+    from trainer.optimizer import held_bytes
     from trainer.trainer import Trainer
     from trainer_fixtures import make_batch
 
+    settings, options = OPTIONS[name]
     path = "checkpoints/tiny-glm4-moe-mtp"
-    trainer = Trainer(TrainerConfig(bf16=bf16, enable_mtp_training=train_mtp, micro_batch_size=4), path)
+    trainer = Trainer(TrainerConfig(micro_batch_size=4, **settings), path)
     trainer.train_step(make_batch(n=8, seed=0))
-    optimizer = trainer.optimizer
-    holders = [optimizer.main_param(p) if bf16 else p for p in trainer.model.parameters()]
-    grads = sum(h.grad.numel() * h.grad.element_size() for h in holders if h.grad is not None)
-    moments = sum(t.numel() * t.element_size() for s in optimizer.state.values() for k, t in s.items()
-                  if k in ("exp_avg", "exp_avg_sq"))
-    mains = sum(m.numel() * m.element_size() for m in holders if bf16 and m.dtype == torch.float32 and m.requires_grad)
+    held = held_bytes(trainer.model, trainer.parts)
+    grads, device, host = held["gradients"], held["optimizer"], held["optimizer_host"]
 
-    cfg = read_config(path)
-    planner = MemoryPlanner(cfg, PlanOptions(bf16=bf16, train_mtp=train_mtp), spec=counts_spec())
-    plan = planner.plan(ParallelLayout())
-    assert (grads, moments + mains) == (plan.bytes[0].gradients, plan.bytes[0].optimizer)
+    plan = MemoryPlanner(read_config(path), options, spec=counts_spec()).plan(ParallelLayout()).bytes[0]
+    largest = max(p.numel() for p in trainer.model.parameters())
+    slack = largest * HOST_STATE if options.cpu_offload else 0
+    assert (held["weights"], grads) == (plan.weights, plan.gradients)
+    assert abs(host - plan.host) <= slack and abs(device - plan.optimizer) <= slack
+    assert (host > 0) == options.cpu_offload
 
 
 def counts_spec():
@@ -274,3 +293,109 @@ def test_a_layout_the_plan_lists_is_one_the_trainer_runs():
     layout = ParallelLayout(pp=2, dp=2, ep=2, last_stage_layers=2)
     layout.check_split(cfg)
     layout.check_model(cfg)
+
+
+# ---- the published layouts (presets), --layout, and the options that change activations -----------------
+
+
+def plan_output(capsys, *argv):
+    main(list(argv))
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("preset", ["slime-glm-4.7", "slime-deepseek-r1"])
+def test_slimes_layouts_fit_their_gpus_with_cpu_adam_and_say_what_the_host_holds(capsys, preset):
+    """slime runs GLM-4.7 on 64 and DeepSeek-R1 on 128 H100s of 80 GB at TP 8 (SP) x PP 4 x CP x EP with CPU Adam: the
+    plan says they fit, at slime's 16384 tokens per micro-batch too, and prints CPU Adam's host memory per node (16 B
+    per parameter of a rank's shard, 8 ranks a node); without CPU Adam the same layout does not fit."""
+    out = plan_output(capsys, "--preset", preset)
+    assert "\nfits: " in out and "at 16384 tokens per micro-batch" in out and "GB: fits" in out
+    host = re.search(r"host: CPU Adam keeps ([0-9.]+) GB per rank, ([0-9.]+) GB per node of 8 GPUs", out)
+    # each printed to 0.1 GB: the node's is 8 times the rank's within their roundings
+    assert host and float(host.group(2)) == pytest.approx(8 * float(host.group(1)), abs=8 * 0.05 + 0.05)
+    without = re.search(r"without CPU Adam the fullest stage \(\w+\) would need ([0-9.]+) GB", out)
+    assert without and float(without.group(1)) > 80
+    with pytest.raises(SystemExit) as exit_:  # the negative control: the optimizer's state on the GPUs
+        main([a for a in PRESETS[preset].argv if a != "--optimizer-cpu-offload"])
+    assert exit_.value.code == 2 and "more than --gpu-memory-gb 80" in capsys.readouterr().err
+
+
+def test_verl_and_nemo_rls_deepseek_v3_layout_fits_256_gpus_without_cpu_adam(capsys):
+    out = plan_output(capsys, "--preset", "verl-deepseek-v3")
+    assert "TP 1 x PP 16 x DP 16 (EP 16, ETP 1)" in out and "\nfits: " in out and "GB: fits" in out
+    assert "host: no CPU Adam" in out and "GB per node of 8 GPUs" in out
+
+
+def test_megatron_bridges_deepseek_v3_recipe_fits_with_bf16_moments_and_gradients(capsys):
+    out = plan_output(capsys, "--preset", "megatron-bridge-deepseek-v3")
+    assert "gradient 2 B + Adam moments 4 B" in out and "\nfits: " in out and "GB: fits" in out
+
+
+@pytest.mark.parametrize("layout, needle", [
+    ("tp=8,xx=2", "'xx' is not a layout size"),
+    ("tp=8,pp=two", "pp needs a whole number >= 1"),
+    ("tp=1,sp", "--sequence-parallel splits the sequence over the tensor-parallel ranks"),
+    ("tp=8,pp=4,cp=2,ep=16,etp=1", "only with sequence parallelism: add --sequence-parallel"),
+    ("tp=8,sp,pp=3", "--gpus 64 is not a multiple"),
+])
+def test_a_layout_string_is_refused_in_one_line_naming_what_to_change(capsys, layout, needle):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--hf-config", GLM, "--gpus", "64", "--gpu-memory-gb", "80", "--layout", layout])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and needle in err, err
+
+
+def test_a_preset_takes_overrides_and_the_options_follow_the_trainers_rules(capsys):
+    out = plan_output(capsys, "--preset", "slime-glm-4.7", "--gpu-memory-gb", "141")
+    assert "64 GPUs of 141 GB" in out
+    with pytest.raises(SystemExit):
+        main(["--hf-config", GLM, "--gpus", "64", "--gpu-memory-gb", "80", "--optimizer-cpu-offload", "--bf16"])
+    assert "--optimizer-cpu-offload steps the distributed optimizer's shards on the host" in capsys.readouterr().err
+
+
+def test_the_activations_full_recompute_keeps_are_the_layer_inputs_the_trainer_keeps():
+    """--recompute-granularity full --recompute-method uniform --recompute-num-layers N: the trainer's decoder keeps
+    for its backward pass only each chunk's input (megatron's checkpoint), one hidden state per token and chunk; the
+    plan counts that. Read off autograd's saved tensors per token (one more row of 64 tokens), outside the weights."""
+    from trainer.config import TrainerConfig
+    from trainer.model import forward
+    from trainer.trainer import Trainer
+    from vime.models.activations import RecomputePlan, Split, stage_activations
+
+    path = "checkpoints/tiny-qwen2"
+    cfg = read_config(path)
+    for n in (1, 7):
+        trainer = Trainer(TrainerConfig(recompute_granularity="full", recompute_method="uniform",
+                                        recompute_num_layers=n), path)
+        trainer.model.train()
+        per_row = {}
+        for rows in (1, 2):
+            tokens = torch.randint(0, cfg.vocab_size, (rows, 64), generator=torch.Generator().manual_seed(0))
+            per_row[rows] = saved_activation_bytes(trainer.model.decoder, lambda: forward(trainer.model, tokens),
+                                                   outside=trainer.model.decoder.final_layernorm)
+        kept = stage_activations(cfg, range(cfg.num_hidden_layers), Split(), "local", 64, 4,
+                                 RecomputePlan("full", "uniform", n)).kept
+        assert (per_row[2] - per_row[1]) / 64 == kept
+
+
+def saved_activation_bytes(module, run, outside):
+    """Bytes of the distinct storages autograd saves for the backward pass while `module` runs inside `run()`,
+    its parameters and what its submodule `outside` saves left out."""
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    inside, saved = [False], {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if inside[0] and storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    hooks = [module.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, True)),
+             module.register_forward_hook(lambda m, a, o: inside.__setitem__(0, False)),
+             outside.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, False)),
+             outside.register_forward_hook(lambda m, a, o: inside.__setitem__(0, True))]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    for hook in hooks:
+        hook.remove()
+    return sum(saved.values())

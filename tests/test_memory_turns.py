@@ -3,9 +3,9 @@
 - The embedded engine gives back its KV caches (its own and its proposer's) and, asked to, its weights;
   greedy output afterwards equals a fresh engine's (its reference), and released weights come back
   only through a push (a push that misses one is refused, as is decoding before any push).
-- The trainer frees its gradients and keeps its optimizer state on the host between steps; its updates
-  equal a trainer's that never offloads (on CPU the state is on the host already: the GPU test,
-  tests/gpu/test_gpu_share.py, checks the move and the memory).
+- The trainer frees its gradients and keeps its optimizer state (--offload-train: its weights too) on the host
+  between steps; its updates equal a trainer's that never offloads (on CPU the device is the host: the
+  storages are copied and freed all the same, and the GPU test, tests/gpu/test_gpu_share.py, checks the memory).
 - The flags refused in one line where turns cannot be taken, and the vLLM backend's on vLLM's CPU build,
   which has no sleep mode."""
 import pytest
@@ -74,20 +74,30 @@ def test_released_weights_come_back_with_the_next_push_and_only_with_it(engine_c
     assert greedy(engine, prompts) == reference
 
 
-def trainer_updates(hf_dir, offload):
+def trainer_updates(hf_dir, offload, weights=False, **settings):
+    """The trainer's weights before and after two steps, offloading between them (`offload`; `weights`:
+    --offload-train) with `settings` (TrainerConfig fields)."""
     from trainer.config import TrainerConfig
+    from trainer.offload import inner_optimizers
     from trainer.trainer import Trainer
 
-    trainer = Trainer(TrainerConfig(lr=1e-2, micro_batch_size=4), hf_dir)
+    trainer = Trainer(TrainerConfig(lr=1e-2, micro_batch_size=4, **settings), hf_dir)
     before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
     for seed in (1, 2):
-        if offload:
-            trainer.onload()
+        trainer.onload()
         trainer.train_step(_batch(seed))
         if offload:
-            trainer.offload()
-            assert all(p.grad is None for p in trainer.model.parameters())
-            assert all(v.device.type == "cpu" for s in trainer.optimizer.state.values() for v in s.values())
+            trainer.offload(weights)
+            # what left the device is freed there: gradient buffers, the optimizers' state, with --offload-train
+            # every weight (on CPU the copies went to other host memory)
+            state = [t for inner in inner_optimizers(trainer.optimizer) for s in inner.state.values()
+                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+            freed = [*(p.main_grad for p in trainer.policy.parameters()), *state]
+            freed += list(trainer.model.parameters()) if weights else []
+            assert state and all(t.untyped_storage().nbytes() == 0 for t in freed)
+            kept = [] if weights else list(trainer.model.parameters())
+            assert all(t.untyped_storage().nbytes() > 0 for t in kept)  # the weights the engines receive
+    trainer.onload()
     return before, {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
 
 
@@ -97,9 +107,14 @@ def _batch(seed):
     return build_batch(random_scored_samples(n=4, seed=seed))
 
 
-def test_an_offloading_trainer_updates_its_weights_as_one_that_keeps_its_state(tmp_path):
+@pytest.mark.parametrize("weights, settings", [(False, {}), (True, {}), (True, {"use_distributed_optimizer": True}),
+                                               (True, {"bf16": True})],
+                         ids=["optimizer-state", "offload-train", "offload-train-distributed", "offload-train-bf16"])
+def test_an_offloading_trainer_updates_its_weights_as_one_that_keeps_its_state(tmp_path, weights, settings):
+    """Bit for bit: the bytes that went to the host come back unchanged; megatron's views into its buffers (a
+    parameter in the distributed optimizer's buffer, the optimizer's shard of it) see them again."""
     make_tiny(tmp_path, seed=6)
-    (initial, kept), (_, offloaded) = trainer_updates(str(tmp_path), False), trainer_updates(str(tmp_path), True)
+    (initial, kept), (_, offloaded) = (trainer_updates(str(tmp_path), on, weights, **settings) for on in (False, True))
     assert any(not torch.equal(v, initial[k]) for k, v in kept.items())  # the steps moved the weights
     assert all(torch.equal(v, kept[k]) for k, v in offloaded.items())
 

@@ -70,7 +70,7 @@ def layout_error(layout, model=None, ranks=None):
     (ParallelLayout(pp=2, first_stage_layers=5), ["--decoder-first-pipeline-num-layers 5", "leave 0",
                                                   "at least 1"]),
     (ParallelLayout(pp=3, first_stage_layers=2), ["leave 3", "other 2 pipeline stages", "equal number"]),
-    (ParallelLayout(tp=2), ["--tensor-model-parallel-size 2", "mixture-of-experts", "--data-parallel-size"]),
+    (ParallelLayout(tp=2), ["--tensor-model-parallel-size 2", "mixture-of-experts", "add --sequence-parallel"]),
 ])
 def test_a_layout_the_model_cannot_be_split_into_is_one_line(layout, needles):
     message = layout_error(layout, read_config(GLM))

@@ -43,11 +43,11 @@ def test_draft_training_leaves_the_policy_loss_and_gradients_bit_identical(pair)
     for enable in (False, True):
         trainer = Trainer(config(draft, enable), target)
         metrics = trainer.backward(batch)
-        runs[enable] = (metrics, {n: p.grad.clone() for n, p in trainer.model.named_parameters()}, trainer)
+        runs[enable] = (metrics, {n: g.clone() for n, g in trainer.named_gradients().items()}, trainer)
     (m_off, g_off, _), (m_on, g_on, on) = runs[False], runs[True]
     assert m_on["train/policy_loss"] == m_off["train/policy_loss"]
     assert g_on.keys() == g_off.keys() and all(torch.equal(g_on[n], g_off[n]) for n in g_on)
-    assert all(p.grad is not None and p.grad.abs().max() > 0 for p in on.draft.module.parameters())
+    assert all(p.main_grad.abs().max() > 0 for p in on.draft.module.parameters())
     assert m_on["train/draft_1_loss"] > 0 and "train/draft_3_loss" in m_on
 
 
@@ -162,7 +162,7 @@ def test_save_and_load_keep_the_draft_and_its_optimizer_state(pair, tmp_path):
     resumed = Trainer(config(draft_dir, True, draft_replay_batches=0), target, load=str(tmp_path / "ckpt"))
     for (n, a), (_, b) in zip(trainer.draft.module.state_dict().items(), resumed.draft.module.state_dict().items()):
         assert torch.equal(a, b), n
-    a, b = trainer.draft.optimizer.state_dict(), resumed.draft.optimizer.state_dict()
+    a, b = trainer.draft.part.optimizer.state_dict(), resumed.draft.part.optimizer.state_dict()
     assert a["state"].keys() == b["state"].keys()
     assert all(torch.equal(a["state"][k]["exp_avg"], b["state"][k]["exp_avg"]) for k in a["state"])
     # the next step is the same on both

@@ -189,7 +189,7 @@ DP3 = ("--data-parallel-size", "3", "--rollout-batch-size", "6", "--global-batch
 
 @pytest.mark.parametrize("extra, config_changes, needles", [
     (("--tensor-model-parallel-size", "2"), {}, ("--tensor-model-parallel-size 2", "mixture-of-experts",
-                                                 "--data-parallel-size", "--expert-model-parallel-size")),
+                                                 "only with sequence parallelism", "add --sequence-parallel")),
     ((), {"norm_topk_prob": False}, ("cannot train", "norm_topk_prob true")),
     (("--expert-model-parallel-size", "2"), {}, ("--expert-model-parallel-size 2 x --expert-tensor-parallel-size 1",
                                                  "does not divide the 1 trainer ranks of a pipeline stage")),

@@ -30,7 +30,9 @@ def expected_mtp_hf_names(model_cfg):
 
 
 def grads(trainer):
-    return {n: (p.grad.clone() if p.grad is not None else None) for n, p in trainer.model.named_parameters()}
+    """{name: its gradient, None for a frozen parameter} of every parameter of the trainer's model."""
+    got = trainer.named_gradients()
+    return {n: (got[n].clone() if n in got else None) for n, _ in trainer.model.named_parameters()}
 
 
 def nonzero(g):
@@ -114,7 +116,7 @@ def test_detached_mtp_training_leaves_policy_gradients_identical(hf_dir):
     g_on = grads_after(hf_dir, batch, enable_mtp_training=True)
     g_off = grads_after(hf_dir, batch, enable_mtp_training=False)
     policy = [n for n in g_on if not n.startswith("mtp.")]
-    assert all(g_on[n] is g_off[n] is None or torch.equal(g_on[n], g_off[n]) for n in policy)
+    assert all(torch.equal(g_on[n], g_off[n]) for n in policy)
     assert all(nonzero(g_on[n]) for n in policy if not may_lack_gradient(n))
 
 
@@ -296,7 +298,7 @@ def test_draft_steps_per_rollout_train_the_mtp_layers_further_and_leave_the_poli
     one, m1, loss1 = after_step(1)
     four, m4, loss4 = after_step(4)
     policy = [n for n in one if not n.startswith("mtp.")]
-    assert policy and all(torch.equal(one[n], four[n]) for n in policy)  # bit for bit: AdamW skipped them
+    assert policy and all(torch.equal(one[n], four[n]) for n in policy)  # bit for bit: only the draft's part steps
     assert all(not torch.equal(one[n], four[n]) for n in one
                if n.startswith("mtp.") and one[n].dim() > 1 and not may_lack_gradient(n))
     assert "train/draft_final_loss" in m4 and "train/draft_final_loss" not in m1
@@ -307,8 +309,6 @@ def test_draft_steps_per_rollout_train_the_mtp_layers_further_and_leave_the_poli
 def test_mtp_only_steps_on_the_cached_trunk_equal_steps_that_rerun_the_trunk(hf_dir, loss_type):
     """The trunk is frozen between MTP-only steps, so its one cached forward must give exactly the
     steps a fresh trunk forward per step gives (reference: the loop written out here)."""
-    from trainer import grads
-
     def trainer_after_joint_step():
         torch.manual_seed(0)
         cfg = TrainerConfig(lr=1e-3, enable_mtp_training=True, mtp_train_depths=2, draft_loss_type=loss_type,
@@ -323,15 +323,15 @@ def test_mtp_only_steps_on_the_cached_trunk_equal_steps_that_rerun_the_trunk(hf_
     rerun = trainer_after_joint_step()
     batch = make_batch()
     counts = rerun.draft.normaliser(batch, None)
+    part = rerun.draft.part  # the MTP layers' DDP and optimizer (trainer/optimizer.py)
     for _ in range(3):
-        rerun.optimizer.zero_grad(set_to_none=True)
+        part.zero_grad()
         for mb in batch.micro_batches(rerun.cfg.micro_batch_size):
             with torch.no_grad():
                 out = forward(rerun.model, mb.tokens, mb.token_mask)
             rerun.draft.loss(rerun.draft.inputs(out, mb, counts))[0].backward()
-        grads.clip_by_norm([p for n, p in rerun.model.named_parameters() if n.startswith("mtp.")],
-                           rerun.cfg.effective_draft_clip_grad)
-        rerun.optimizer.step()
+        part.finish_gradients()
+        part.step()  # megatron's clip by the part's own grad norm, then Adam
         update_expert_biases(rerun.model, rerun.cfg.moe_router_bias_update_rate)  # MoE: after every step
 
     got, want = dict(cached.model.named_parameters()), dict(rerun.model.named_parameters())

@@ -1,48 +1,28 @@
-"""torch_dist checkpoints (megatron `dist_checkpointing`): model, optimizer state, step.
+"""torch_dist checkpoints (megatron `dist_checkpointing`): the model's weights and its optimizers' state.
 
-The layout is TP-independent: a checkpoint saved at any TP size loads at any other
-(megatron reshards). The AdamW moments are saved as sharded tensors that follow their
-parameter's sharding (megatron's `optim_state_to_sharding_state`), so they reshard too.
-`vime_meta.json` records the model config and MTP layer count for validation.
+The format is layout-independent: megatron reshards every tensor on load, so a checkpoint saved at any
+TP / PP / EP / DP loads at any other. The optimizers' state is megatron's own sharded state dict
+(`MegatronOptimizer.sharded_state_dict`, the distributed optimizer's in its model-space format): every
+Adam moment is saved under its parameter's key (`optimizer.state.exp_avg.<key>` ...), sharded as the
+parameter is, so it reshards too, with or without --use-distributed-optimizer on either side. A resumed
+optimizer takes the saved tensors and the step count (`vime_meta.json`); its settings (learning rate,
+weight decay, its own layout of the state) are the resumed run's. Under --bf16
+the weights are saved in bf16 and their fp32 masters beside the moments (`optimizer.state.fp32_param.<key>`):
+loading weights takes the masters wherever the checkpoint has them (a --bf16 checkpoint resumes in fp32 or
+converts to HF without rounding), and an optimizer that keeps masters takes an fp32 checkpoint's weights as
+its masters. `vime_meta.json` records the model config and the MTP layer count for validation.
 """
 import json
 import os
 
-import torch
 import torch.distributed as dist
 
 from vime.models.torch_dist_format import META_FILE, read_saved_meta
 
-
-def _optimizer_params(optimizer):
-    return [p for g in optimizer.param_groups for p in g["params"]]
-
-
-def _init_adam_state(optimizer):
-    for p in _optimizer_params(optimizer):
-        state = optimizer.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
-def _model_params_in_state_order(optimizer):
-    """The model parameters in the order of the optimizer's state: its own parameters, or those a
-    mixed-precision optimizer keeps fp32 copies of (`model_params`, trainer/mixed_precision.py)."""
-    return getattr(optimizer, "model_params", None) or _optimizer_params(optimizer)
-
-
-def _sharded_optimizer_state(optimizer, model_sharded):
-    from megatron.core.dist_checkpointing.optimizer import (
-        get_param_id_to_sharded_param_map, optim_state_to_sharding_state)
-
-    state = optimizer.state_dict()
-    id_map = get_param_id_to_sharded_param_map(model_sharded, _model_params_in_state_order(optimizer))
-    optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
-    for param_state in state["state"].values():
-        param_state.pop("step", None)  # saved once as the common step (all params share it)
-    return state
+MASTERS = "optimizer.state.fp32_param."  # megatron's key prefix of the fp32 main weights in an optimizer's state
+# megatron's metadata of the optimizer's sharded state: the distributed optimizer's parameter-by-parameter
+# format (keys as the non-distributed optimizer's), and no per-optimizer key prefix (keys name parameters)
+OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_sharded_model_space", "chained_optim_avoid_prefix": True}
 
 
 def write_meta(path, meta):
@@ -74,8 +54,58 @@ def _model_sharded_state(model):
     return model.sharded_state_dict(metadata={})
 
 
-def save(path, model, optimizer=None, meta=None):
-    """Save model (+ optimizer state and meta) to `path` on every rank of the group."""
+def _optimizer_state(optimizers, model_sharded, is_loading=False):
+    return {name: optimizer.sharded_state_dict(model_sharded, is_loading=is_loading, metadata=OPTIMIZER_FORMAT)
+            for name, optimizer in optimizers.items()}
+
+
+def optimizer_step(optimizer):
+    """The steps a megatron optimizer has taken: its inner torch optimizers' step count (0 before the first)."""
+    from trainer.offload import inner_optimizers
+
+    steps = [float(state["step"]) for inner in inner_optimizers(optimizer) for state in inner.state.values()
+             if "step" in state]
+    return int(max(steps, default=0))
+
+
+def _set_step(optimizer, step):
+    """Every parameter state of a megatron optimizer's inner torch optimizers at step `step` (Adam's bias
+    correction reads it)."""
+    import torch
+
+    from trainer.offload import inner_optimizers
+
+    for inner in inner_optimizers(optimizer):
+        for state in inner.state.values():
+            state["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
+def _init_state(optimizer):
+    """Adam's zero moments at step 0 for every parameter of a megatron optimizer that has not stepped yet, as the
+    first step would make them, so that a checkpoint saved before it holds the tensors of any other (torch's Adam
+    in megatron's optimizers and in its HybridDeviceOptimizer; Transformer Engine's by megatron's init_state_fn)."""
+    import torch
+
+    for megatron_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = megatron_optimizer.optimizer
+        if inner is None:
+            continue
+        for torch_optimizer in getattr(inner, "sub_optimizers", [inner]):
+            if not isinstance(torch_optimizer, torch.optim.Adam):  # AdamW is one
+                megatron_optimizer.init_state_fn(torch_optimizer, megatron_optimizer.config)
+                continue
+            for group in torch_optimizer.param_groups:
+                for p in group["params"]:
+                    if not torch_optimizer.state[p]:
+                        torch_optimizer.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
+                                                        step=torch.zeros((), dtype=torch.float32))
+        if hasattr(inner, "sub_optimizers"):  # the HybridDeviceOptimizer's own view of its sub-optimizers' state
+            inner._sync_sub_optimizers_state_to_hdo()
+
+
+def save(path, model, optimizers=None, meta=None):
+    """Save `model` and the state of `optimizers` ({name: megatron optimizer}, or None) to `path`, with `meta`
+    (collective: every rank of the group calls it)."""
     from megatron.core import dist_checkpointing
 
     _in_process_results_queue()
@@ -84,32 +114,117 @@ def save(path, model, optimizer=None, meta=None):
     dist.barrier()
     model_sharded = _model_sharded_state(model)
     state = {"model": model_sharded}
-    step = 0
-    if optimizer is not None:
-        _init_adam_state(optimizer)
-        step = int(next(iter(optimizer.state.values()))["step"].item()) if optimizer.state else 0
-        state["optimizer"] = _sharded_optimizer_state(optimizer, model_sharded)
+    if optimizers:
+        for optimizer in optimizers.values():
+            _init_state(optimizer)
+        state["optimizer"] = _optimizer_state(optimizers, model_sharded)
     dist_checkpointing.save(state, path)
-    write_meta(path, dict(meta or {}, optimizer_step=step, has_optimizer=optimizer is not None))
+    steps = {name: optimizer_step(optimizer) for name, optimizer in (optimizers or {}).items()}
+    write_meta(path, dict(meta or {}, has_optimizer=bool(optimizers), optimizer_steps=steps))
     dist.barrier()
 
 
-def load(path, model, optimizer=None):
-    """Load weights (and optimizer state if the checkpoint has it) into model / optimizer."""
+def _saved_keys(path):
+    from megatron.core import dist_checkpointing
+
+    return set(dist_checkpointing.load_tensors_metadata(path))
+
+
+def _each_sharded_tensor(state):
+    """Every sharded tensor of `state`, megatron's factories of several (the split halves of a SwiGLU
+    weight) included: each has the key the checkpoint names it by."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    stack = [state]
+    while stack:
+        node = stack.pop()
+        values = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        for value in values:
+            if isinstance(value, (ShardedTensor, ShardedTensorFactory)):
+                yield value
+            elif isinstance(value, (dict, list)):
+                stack.append(value)
+
+
+def _with_loaded_tensors(fresh, loaded):
+    """`fresh` (an optimizer's sharded state dict built now) with each of its sharded entries replaced by what
+    the load put at the same place in `loaded`; every other value stays the running optimizer's (megatron's
+    nonpersistent ones unwrapped, as its load unwraps them)."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
+
+    if isinstance(fresh, ShardedBase):
+        return loaded
+    if isinstance(fresh, LocalNonpersistentObject):
+        return fresh.unwrap()
+    if isinstance(fresh, dict):
+        return {k: _with_loaded_tensors(v, loaded[k] if _holds_sharded(v) else None) for k, v in fresh.items()}
+    if isinstance(fresh, list):
+        return [_with_loaded_tensors(v, loaded[i] if _holds_sharded(v) else None) for i, v in enumerate(fresh)]
+    return fresh
+
+
+def _with_step(state, step):
+    """`state` with the step count in every parameter's state (torch's Adam takes none without it)."""
+    import torch
+
+    if isinstance(state, dict):
+        state = {k: _with_step(v, step) for k, v in state.items()}
+        if "exp_avg" in state:
+            state["step"] = torch.tensor(float(step), dtype=torch.float32)
+    elif isinstance(state, list):
+        state = [_with_step(v, step) for v in state]
+    return state
+
+
+def _holds_sharded(node):
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    if isinstance(node, ShardedBase):
+        return True
+    values = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+    return any(_holds_sharded(v) for v in values)
+
+
+def _weights_of_masters(key):
+    return key[len(MASTERS):] if key.startswith(MASTERS) else None
+
+
+def _in(key, saved):
+    """Whether the checkpoint (its keys `saved`) holds the tensor saved under `key` (a factory's under its
+    parts' keys: megatron's SwiGLU weight as `<key>_w` and `<key>_v` when TP splits it)."""
+    return key in saved or f"{key}_w" in saved
+
+
+def load(path, model, optimizers=None):
+    """Load the weights of `path` into `model` and, when it holds optimizer state, the state of `optimizers`
+    ({name: megatron optimizer}, the names `save` was given); their main weights follow the loaded weights
+    when they take no state. Returns the checkpoint's meta."""
     from megatron.core import dist_checkpointing
 
     meta = read_meta(path)
+    saved = _saved_keys(path)
     model_sharded = _model_sharded_state(model)
     state = {"model": model_sharded}
-    with_optimizer = optimizer is not None and meta.get("has_optimizer")
+    with_optimizer = bool(optimizers) and meta.get("has_optimizer")
     if with_optimizer:
-        _init_adam_state(optimizer)
-        state["optimizer"] = _sharded_optimizer_state(optimizer, model_sharded)
+        state["optimizer"] = _optimizer_state(optimizers, model_sharded, is_loading=True)
+        # masters this optimizer keeps that the checkpoint lacks: an fp32 run's weights are its masters
+        for tensor in _each_sharded_tensor(state["optimizer"]):
+            weights = _weights_of_masters(tensor.key)
+            if weights is not None and not _in(tensor.key, saved) and _in(weights, saved):
+                tensor.key = weights
+    requested = {t.key for t in _each_sharded_tensor(state.get("optimizer", {}))}
+    for tensor in _each_sharded_tensor(model_sharded):  # the fp32 masters where no optimizer takes them
+        if _in(MASTERS + tensor.key, saved) and MASTERS + tensor.key not in requested:
+            tensor.key = MASTERS + tensor.key
     loaded = dist_checkpointing.load(state, path)
     model.load_state_dict(loaded["model"])
-    if with_optimizer:
-        opt_state = loaded["optimizer"]
-        for param_state in opt_state["state"].values():
-            param_state["step"] = torch.tensor(float(meta["optimizer_step"]))
-        optimizer.load_state_dict(opt_state)
+    for name, optimizer in (optimizers or {}).items():
+        if with_optimizer:
+            step = meta.get("optimizer_steps", {}).get(name, meta.get("optimizer_step", 0))
+            fresh = optimizer.sharded_state_dict(_model_sharded_state(model), is_loading=True, metadata=OPTIMIZER_FORMAT)
+            optimizer.load_state_dict(_with_step(_with_loaded_tensors(fresh, loaded["optimizer"][name]), step))
+            _set_step(optimizer, step)
+        else:
+            optimizer.reload_model_params()
     return meta

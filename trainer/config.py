@@ -73,8 +73,25 @@ class TrainerConfig:
     draft_confidence_weight: Optional[float] = tree_field("draft.confidence_weight")
     # the rollout's speculative config (vime.spec_config.SpecConfig, or None): an external draft is its `model`
     speculative_config: Any = tree_field("rollout.vllm_speculative_config")
-    bf16: bool = tree_field("model.bf16")  # bf16 compute, fp32 master weights (trainer/mixed_precision.py)
+    bf16: bool = tree_field("model.bf16")  # bf16 compute, fp32 master weights (megatron's optimizer)
     offload_optimizer_state: bool = tree_field("train.offload_optimizer_state")  # trainer/offload.py, between steps
+    offload_train: bool = tree_field("train.offload_train")  # the weights too
+    # megatron's DDP and optimizer (trainer/optimizer.py)
+    use_distributed_optimizer: bool = tree_field("train.use_distributed_optimizer")
+    overlap_grad_reduce: bool = tree_field("train.overlap_grad_reduce")
+    optimizer_cpu_offload: bool = tree_field("train.optimizer_cpu_offload")
+    optimizer_offload_fraction: float = tree_field("train.optimizer_offload_fraction")
+    overlap_cpu_optimizer_d2h_h2d: bool = tree_field("train.overlap_cpu_optimizer_d2h_h2d")
+    use_precision_aware_optimizer: bool = tree_field("train.use_precision_aware_optimizer")
+    main_grads_dtype: str = tree_field("train.main_grads_dtype")
+    exp_avg_dtype: str = tree_field("train.exp_avg_dtype")
+    exp_avg_sq_dtype: str = tree_field("train.exp_avg_sq_dtype")
+    # megatron's activation recompute and the parallel dimensions that split a sequence (trainer/model.py)
+    recompute_granularity: Optional[str] = tree_field("train.recompute_granularity")
+    recompute_method: Optional[str] = tree_field("train.recompute_method")
+    recompute_num_layers: Optional[int] = tree_field("train.recompute_num_layers")
+    sequence_parallel: bool = tree_field("train.sequence_parallel")
+    context_parallel_size: int = tree_field("train.context_parallel_size")
 
     @classmethod
     def from_tree(cls, cfg):

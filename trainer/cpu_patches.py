@@ -6,6 +6,8 @@ where megatron-core's model code differs from the checkpoints' reference (DeepSe
 or fails without Transformer Engine. `latent_core_attention()` is the core attention the local
 (non-Transformer-Engine) multi-latent-attention layer needs.
 """
+import contextlib
+import functools
 import warnings
 
 import torch
@@ -63,6 +65,10 @@ def _patch_rng():
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
 
+def _on_cpu(device):
+    return "cpu" if device == "cuda" else device
+
+
 class _TorchOnCpu:
     """The torch module as one megatron module sees it, with tensors it asks to create on "cuda" made on
     the CPU (everything else is torch's own)."""
@@ -72,7 +78,11 @@ class _TorchOnCpu:
 
     @staticmethod
     def zeros(*size, device=None, **kwargs):
-        return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)
+        return torch.zeros(*size, device=_on_cpu(device), **kwargs)
+
+    @staticmethod
+    def tensor(data, device=None, **kwargs):
+        return torch.tensor(data, device=_on_cpu(device), **kwargs)
 
 
 def _patch_schedule_token_count():
@@ -82,6 +92,152 @@ def _patch_schedule_token_count():
     from megatron.core.pipeline_parallel import schedules
 
     schedules.torch = _TorchOnCpu()
+
+
+def _patch_optimizer_tensors_on_cuda():
+    # optimizer.MixedPrecisionOptimizer.__init__ / FP32Optimizer.__init__ (found_inf, the dummy overflow buffer,
+    # the unit loss scale) and clip_grads.get_grad_norm_fp32 / clip_grad_by_total_norm_fp32 / count_zeros_fp32
+    # (the norm's accumulators), and utils.local_multi_tensor_l2_norm (the grad norm without Apex) make their
+    # scalars with device='cuda'.
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    optimizer.torch = clip_grads.torch = utils.torch = _TorchOnCpu()
+
+
+@contextlib.contextmanager
+def _tensors_named_as_cuda():
+    """Within: a tensor's `type()` names its CUDA type (torch.cuda.FloatTensor ...) on the CPU too."""
+    cpu_type = torch.Tensor.type
+
+    def type_as_cuda(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is not None:
+            return cpu_type(self, dtype, non_blocking, **kwargs)
+        name = cpu_type(self)
+        return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_as_cuda
+    try:
+        yield
+    finally:
+        torch.Tensor.type = cpu_type
+
+
+def _named_as_cuda(function):
+    @functools.wraps(function)
+    def wrapped(*args, **kwargs):
+        with _tensors_named_as_cuda():
+            return function(*args, **kwargs)
+    return wrapped
+
+
+def _patch_optimizer_type_checks():
+    # megatron's optimizers sort parameters by their type string and accept only CUDA ones:
+    # Float16OptimizerWithFloat16Params.__init__ and DistributedOptimizer.__init__ (with its
+    # _build_model_and_main_param_groups) by `param.type() in ['torch.cuda.HalfTensor', ...]`, and
+    # clip_grads.clip_grad_by_total_norm_fp32 asserts `grad.type() == 'torch.cuda.FloatTensor'`
+    # (called from optimizer.MegatronOptimizer.clip_grad_norm and ChainedOptimizer.step).
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    for cls in (optimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
+        cls.__init__ = _named_as_cuda(cls.__init__)
+    clip = _named_as_cuda(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = clip
+
+
+class _HostStream:
+    """A CUDA stream's and event's interface, doing nothing: on the CPU every copy is done when it returns."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def record_event(self, *args):
+        return self
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+
+class _CudaStreamsOnHost:
+    """torch.cuda as hybrid_optimizer sees it on the CPU: streams that do nothing, the rest torch's."""
+
+    Stream = _HostStream
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_stream(*args):
+        return _HostStream()
+
+    @staticmethod
+    def stream(stream):
+        return contextlib.nullcontext()
+
+
+class _TorchWithHostStreams:
+    cuda = _CudaStreamsOnHost()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _host_hybrid_optimizer():
+    """megatron's HybridDeviceOptimizer on a machine whose device is the host (see `_patch_hybrid_optimizer`)."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    class HostHybridDeviceOptimizer(HybridDeviceOptimizer):
+        """HybridDeviceOptimizer splitting the trainer's parameters as it splits a GPU's: the first
+        `offload_fraction` of their elements stepped by host optimizers on copies (gradients copied to the
+        copies before, the updated copies copied back after), the rest by the device optimizer in place, fp32
+        main copies of bf16 parameters either way. Its own split asks `param.is_cuda`, false for every
+        parameter of a CPU trainer; here the device is the host and a parameter is on it when it is a trainer
+        parameter (not one of the optimizer's own copies)."""
+
+        def _get_sub_optimizer_param_groups(self, offload_fraction):
+            params = [p for group in self.param_groups for p in group["params"]]
+            offload_threshold = sum(p.numel() for p in params) * offload_fraction
+            offloaded, cpu_groups, device_groups = 0, [], []
+            to_copy, copy_of, fp32_of = {}, {}, {}
+            for group in self.param_groups:
+                device_group, cpu_group = dict(group, params=[]), dict(group, params=[])
+                for param in group["params"]:
+                    inner, on_host = param, offloaded < offload_threshold
+                    if on_host:  # the host optimizer's own copy, as megatron's pinned .cpu() copy
+                        inner = param.detach().clone()
+                        offloaded += param.numel()
+                    if self.param_update_in_fp32 and inner.dtype != torch.float32:
+                        inner = inner.detach().clone().float()
+                        fp32_of[param] = inner
+                    if on_host:
+                        to_copy[param], copy_of[inner] = inner, param
+                    (cpu_group if on_host else device_group)["params"].append(inner)
+                for kept, groups in ((device_group, device_groups), (cpu_group, cpu_groups)):
+                    if kept["params"]:
+                        groups.append(kept)
+            return cpu_groups, device_groups, to_copy, copy_of, fp32_of
+
+    return HostHybridDeviceOptimizer
+
+
+def _patch_hybrid_optimizer():
+    # optimizer_cpu_offload: HybridDeviceOptimizer (cpu_offloading/hybrid_optimizer.py) overlaps its copies on
+    # torch.cuda streams and events (_init_sub_optimizers, step, the copy-back hook) and splits the parameters by
+    # param.is_cuda (_get_sub_optimizer_param_groups); get_megatron_optimizer (optimizer/__init__.py) and
+    # DistributedOptimizer.__init__ (distrib_optimizer.py) build it by name. On the CPU the streams do nothing
+    # and the split is the host stand-in's, the same split of the same parameters.
+    from megatron.core import optimizer
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+
+    hybrid_optimizer.torch = _TorchWithHostStreams()
+    optimizer.HybridDeviceOptimizer = distrib_optimizer.HybridDeviceOptimizer = _host_hybrid_optimizer()
 
 
 def _patch_embedding_copy_to_cuda():
@@ -171,6 +327,45 @@ def _patch_expert_load_count():
     TopKRouter._apply_expert_bias = _count_expert_load
 
 
+def _patch_te_version_without_te():
+    # optimizer_config.OptimizerConfig.__post_init__ asks is_te_min_version("2.1.0") for the precision-aware
+    # optimizer (whether TE's FusedAdam can store parameter remainders), and megatron's utils.get_te_version
+    # is None without Transformer Engine, so the comparison raises: without TE, no version is new enough.
+    import importlib.util
+
+    from megatron.core.optimizer import optimizer_config
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        optimizer_config.is_te_min_version = lambda *args, **kwargs: False
+
+
+def _sequence_parallel_norm(config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+                            normalization="LayerNorm"):
+    """torch's norm of `config.normalization` on a sequence-parallel rank's part of the sequence, its weight
+    marked `sequence_parallel` as Transformer Engine's and Apex's norms mark theirs (megatron's
+    finalize_model_grads then sums its gradient, a partial sum over this rank's positions, over TP)."""
+    norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+    norm = norms[config.normalization](hidden_size, eps=eps)
+    for param in norm.parameters():
+        param.sequence_parallel = True
+    return norm
+
+
+def _patch_torch_norm_sequence_parallel():
+    # transformer/torch_norm.py WrappedTorchNorm.__new__ (the norm of the local spec, gpt_layer_specs' LNImpl
+    # without Apex) asserts `not config.sequence_parallel`: torch's norms do not mark their weights for the
+    # sum over TP that sequence parallelism needs. Under sequence parallelism the stand-in marks them.
+    from megatron.core.transformer import torch_norm
+
+    wrapped = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, *args, **kwargs):
+        return (_sequence_parallel_norm(config, *args, **kwargs) if config.sequence_parallel
+                else wrapped(cls, config, *args, **kwargs))
+
+    torch_norm.WrappedTorchNorm.__new__ = new
+
+
 PATCHES = {
     "torch.cuda.current_device -> 'cpu'": _patch_current_device,
     "torch.cuda.synchronize -> no-op": _patch_synchronize,
@@ -178,12 +373,17 @@ PATCHES = {
     "torch._dynamo disabled (megatron's jit_fuser would compile MoE kernels)": _disable_dynamo,
     "pipeline schedules count tokens on the CPU": _patch_schedule_token_count,
     "the last stage's word-embedding copy stays on the CPU": _patch_embedding_copy_to_cuda,
+    "the optimizers' scalars on the CPU": _patch_optimizer_tensors_on_cuda,
+    "the optimizers take CPU parameters (their type checks)": _patch_optimizer_type_checks,
+    "HybridDeviceOptimizer on the host: no-op streams, the host split": _patch_hybrid_optimizer,
 }
 MODEL_PATCHES = {
     "moe_utils.te_general_gemm = None without Transformer Engine": _patch_te_general_gemm,
     "group-limited routing ranks a group by its top-2 scores": _patch_group_limited_topk,
     "multi_latent_attention.HAVE_TE = False without Transformer Engine": _patch_mla_without_te,
     "expert-bias load counts skip padding (counted_tokens)": _patch_expert_load_count,
+    "torch's norms under sequence parallelism (their weights summed over TP)": _patch_torch_norm_sequence_parallel,
+    "optimizer_config.is_te_min_version is False without Transformer Engine": _patch_te_version_without_te,
 }
 
 

@@ -33,7 +33,8 @@ def init_distributed(rank, world_size, master_addr, master_port, layout=ONE_RANK
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-                                 expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
+                                 context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
+                                 expert_tensor_parallel_size=layout.etp)
 
 
 def init_single_process():
@@ -112,6 +113,20 @@ def dp_sum(value):
     return t
 
 
+def routed_tokens_sum(value, sequence_parallel):
+    """`value` summed over the ranks whose routers see different tokens: the data-parallel ranks, and under
+    sequence parallelism the tensor-parallel ones too (each routes its part of the sequence)."""
+    if not sequence_parallel:
+        return dp_sum(value)
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_and_data_parallel_group()
+    t = torch.as_tensor(value, dtype=torch.float64).detach().clone().to(collective_device())
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return t
+
+
 def pp_group():
     from megatron.core import parallel_state as ps
 
@@ -154,14 +169,6 @@ def tensor_from_last_stage(tensor):
     if pp_size() > 1:
         dist.broadcast(tensor, src=last_stage_rank(), group=pp_group())
     return tensor
-
-
-def embedding_group():
-    """The group of the first and last pipeline stage of this rank's pipeline (both hold the word
-    embedding when the last needs it), or None for a stage between them."""
-    from megatron.core import parallel_state as ps
-
-    return ps.get_embedding_group() if ps.is_rank_in_embedding_group() else None
 
 
 def writes_for_last_stage():

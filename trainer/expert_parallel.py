@@ -10,8 +10,8 @@ megatron's all-gather dispatcher brings each token to the ranks holding its expe
 ETP x EP, combined by reduce-scatter). Everything that enters or leaves the trainer names experts by
 their global id: the HF tensors loaded at start and pushed to the engines, the torch_dist checkpoint
 (megatron's sharded state dict maps local to global ids, so it reshards), the routes routing replay
-takes. Gradients of expert shards are summed over the expert-data-parallel ranks (the ranks holding
-the same shard), and their grad norm over the ranks holding the other shards (trainer/grads.py).
+takes. megatron's DDP reduces an expert shard's gradients over the expert-data-parallel ranks (the ranks
+holding the same shard) and its optimizer's grad norm counts each shard once (trainer/optimizer.py).
 """
 import itertools
 
@@ -27,24 +27,9 @@ def _ps():
     return ps
 
 
-EXPERT_MARK = "routed_expert"  # set on a routed expert's parameters (and copied onto their fp32 main parameters)
-
-
 def is_expert_param(name):
     """True for a routed expert's parameter, by name (a rank's share under EP / ETP)."""
     return expert_index(name) is not None
-
-
-def mark_expert_params(model):
-    """Mark the routed experts' parameters of `model`, so that gradient code holding only tensors
-    (the grad norm, fp32 main parameters under --bf16) knows them."""
-    for name, p in model.named_parameters():
-        if is_expert_param(name):
-            setattr(p, EXPERT_MARK, True)
-
-
-def is_routed_expert(param):
-    return bool(getattr(param, EXPERT_MARK, False))
 
 
 def ep_rank_and_size():
@@ -59,11 +44,6 @@ def etp_rank_and_size():
 
 def etp_group():
     return _ps().get_expert_tensor_parallel_group()
-
-
-def expert_dp_group():
-    """The ranks holding the same expert shards (their gradients are summed over it)."""
-    return _ps().get_expert_data_parallel_group()
 
 
 def expert_shards_group():

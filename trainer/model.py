@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from mtp.reuse import reuse_attention_mask, reuse_positions
-from trainer.expert_parallel import mark_expert_params
+from vime.models.activations import RecomputePlan, recompute_problem
 from vime.models.megatron_names import MTP_INNER_LAYER
 from vime.models.trainable import check_trainable
 from vime.parallel_layout import ONE_RANK
@@ -30,6 +30,18 @@ class ForwardOutput:
     hidden: torch.Tensor  # [s, b, H] trunk output as the first MTP layer reads it (family-dependent)
     mtp_inputs: dict
     token_mask: torch.Tensor = None  # [b, s] bool, False on padding: the positions MoE routers count
+
+
+NO_RECOMPUTE = RecomputePlan()  # megatron's activation recompute (vime/models/activations.py): none
+
+
+def check_recompute(layout, model_cfg, recompute):
+    """One line for a recompute megatron-core cannot run over `layout`'s stages of `model_cfg`'s layers."""
+    from vime.errors import require
+
+    counts = layout.stage_layer_counts(model_cfg.num_hidden_layers)
+    problem = recompute_problem(counts, recompute)
+    require(problem is None, problem)
 
 
 def _use_transformer_engine():
@@ -73,10 +85,11 @@ def spec_name():
     return "te" if _use_transformer_engine() else "local"
 
 
-def transformer_config(model_cfg, mtp_num_layers, layout=ONE_RANK, params_dtype=torch.float32):
+def transformer_config(model_cfg, mtp_num_layers, layout=ONE_RANK, params_dtype=torch.float32, recompute=NO_RECOMPUTE):
     """megatron TransformerConfig of `model_cfg` (RMSNorm, RoPE, SwiGLU; GQA with the config's q/k/v
     bias and q/k norm, or MLA; dense MLPs, or MoE from `first_k_dense_replace` on), split as `layout` says
-    (a MoE model's routed experts over its EP ranks, each expert over its ETP ranks)."""
+    (a MoE model's routed experts over its EP ranks, each expert over its ETP ranks; activations along the
+    sequence over TP under sequence parallelism), recomputing activations as `recompute` says."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     check_trainable(model_cfg)
@@ -89,11 +102,12 @@ def transformer_config(model_cfg, mtp_num_layers, layout=ONE_RANK, params_dtype=
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
         apply_query_key_layer_scaling=False, tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp, mtp_num_layers=mtp_num_layers or None,
+        pipeline_model_parallel_size=layout.pp, context_parallel_size=layout.cp, sequence_parallel=layout.sp,
+        mtp_num_layers=mtp_num_layers or None,
         mtp_loss_scaling_factor=0.0, use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         add_qkv_bias=model_cfg.qkv_bias, qk_layernorm=model_cfg.qk_norm,
-        **pipeline_options(layout, params_dtype),
+        **pipeline_options(layout, params_dtype), **recompute.transformer_config(),
     )
     if model_cfg.moe is not None:
         options.update(moe_options(model_cfg), expert_model_parallel_size=layout.ep,
@@ -231,7 +245,7 @@ def _vime_gpt_model_class():
             def embed(input_ids, position_ids, zero_first=True):
                 emb = self.embedding(input_ids=input_ids, position_ids=position_ids)
                 emb = emb.detach() if detach_trunk else emb
-                if zero_first and self.family.mtp_zero_embedding_at_position_0:
+                if zero_first and self.family.mtp_zero_embedding_at_position_0 and holds_first_position(self.config):
                     # [s, b, h], rows start at position 0 (no packing): sequence index 0 is the
                     # pair (hidden at position 0, next token) that MiMo's drafter sees without a token
                     emb = torch.cat([torch.zeros_like(emb[:1]), emb[1:]])
@@ -317,18 +331,20 @@ def _latent_rope_at(mtp_layer, positions):
         del rope.forward  # the class's own again
 
 
-def build_model(model_cfg, mtp_num_layers, layout=ONE_RANK, seed=1234, params_dtype=torch.float32):
+def build_model(model_cfg, mtp_num_layers, layout=ONE_RANK, seed=1234, params_dtype=torch.float32,
+                recompute=NO_RECOMPUTE):
     """A VimeGPTModel for `model_cfg` (a ModelConfig) on this rank's shard of `layout`, its parameters in
     `params_dtype` (bf16: cast as megatron's Float16Module casts its module; the fp32 master weights
-    live in the optimizer, trainer/mixed_precision.py)."""
+    live in megatron's optimizer, trainer/optimizer.py)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     layout.check_model(model_cfg)
+    check_recompute(layout, model_cfg, recompute)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    config = transformer_config(model_cfg, mtp_num_layers, layout, params_dtype)
+    config = transformer_config(model_cfg, mtp_num_layers, layout, params_dtype, recompute)
     name = spec_name()
     layer_spec = LAYER_SPECS[name](config)
     # this stage's layers (megatron builds the MTP block on the last stage only, and None elsewhere)
@@ -349,7 +365,6 @@ def build_model(model_cfg, mtp_num_layers, layout=ONE_RANK, seed=1234, params_dt
     model = model.to(params_dtype)
     for router in routers(model):  # megatron keeps the expert bias fp32, but only from the first forward
         router._maintain_float32_expert_bias()  # on: before it the sync's bucket layout would take it bf16
-    mark_expert_params(model)
     if torch.cuda.is_available():
         model = model.cuda()
     return model
@@ -374,15 +389,16 @@ def routers(model):
 def update_expert_biases(model, rate):
     """Auxiliary-loss-free balancing after an optimiser step: each router's expert bias moves by `rate`
     towards balance over the tokens it routed in training forwards since the last update (megatron
-    counts them in `local_tokens_per_expert`), summed over data-parallel ranks; the counts restart.
+    counts them in `local_tokens_per_expert`), summed over the ranks that route different tokens (data-parallel,
+    and under sequence parallelism the TP ranks); the counts restart.
     Returns [(router's module name, tokens per expert)] as counted."""
-    from trainer.distributed import dp_sum
+    from trainer.distributed import routed_tokens_sum
     from vime.models.moe_routing import update_expert_bias
 
     names = {m: n for n, m in model.named_modules()}
     counted = []
     for router in routers(model):
-        load = dp_sum(router.local_tokens_per_expert)
+        load = routed_tokens_sum(router.local_tokens_per_expert, model.config.sequence_parallel)
         if rate:
             update_expert_bias(router.expert_bias, load, rate)
         router.local_tokens_per_expert.zero_()
@@ -459,8 +475,8 @@ def embedding_copy_names(model):
     """{name: the weight it copies} of this stage's copies of the first stage's word embedding: a later
     stage keeps one for the MTP block, or as a tied output layer (megatron's
     `setup_embeddings_and_output_layer`; with both, that stage's own output layer is unused and copies it
-    too). megatron marks the copies and the first stage's embedding `shared_embedding`, and
-    trainer/grads.py sums their gradients, so that every copy takes the same steps."""
+    too). megatron's finalize_model_grads sums the gradients of the copies and of the first stage's embedding
+    (trainer/optimizer.py), so that every copy takes the same steps."""
     if model.pre_process:
         return {}
     copies = {}
@@ -480,16 +496,35 @@ def shifted_token_mask(token_mask, shift):
     return torch.cat([token_mask[:, shift:], past_end], dim=1)
 
 
+def local_positions(config, t):
+    """The part of `t` ([s, ...], positions first) this rank's layers see: under sequence parallelism megatron
+    splits the sequence evenly over the TP ranks (outside attention), else all of it."""
+    if not config.sequence_parallel:
+        return t
+    from trainer.distributed import tp_rank_and_size
+
+    rank, size = tp_rank_and_size()
+    return t.chunk(size)[rank]
+
+
+def holds_first_position(config):
+    """Whether this rank's part of the sequence (`local_positions`) starts at position 0."""
+    from trainer.distributed import tp_rank_and_size
+
+    return not config.sequence_parallel or tp_rank_and_size()[0] == 0
+
+
 @contextlib.contextmanager
 def counting_tokens(router_modules, block_masks):
     """While the routers run over the sequence-concatenated blocks of `block_masks` (each [b, s]),
     their expert-bias load counts only the positions True there (trainer/cpu_patches.py applies
     it). A None mask counts every position, as megatron does."""
-    if any(m is None for m in block_masks):
+    if any(m is None for m in block_masks) or not router_modules:
         yield
         return
-    # megatron's routers see [s, b] flattened: position-major, then the row
-    counted = torch.cat([m.transpose(0, 1) for m in block_masks]).reshape(-1)
+    # megatron's routers see [s, b] flattened: position-major, then the row (this rank's positions)
+    config = router_modules[0].config
+    counted = torch.cat([local_positions(config, m.transpose(0, 1)) for m in block_masks]).reshape(-1)
     for router in router_modules:
         router.counted_tokens = counted
     try:

@@ -17,9 +17,10 @@ import torch
 from trainer.model import is_last_stage
 
 
-def run_micro_batches(model, micro_batches, forward, loss, forward_only=False):
-    """Forward (and unless `forward_only`, backward) every micro-batch of the list through the stages.
-    Returns [result of `loss` per micro-batch] on the last stage, [] on the others."""
+def run_micro_batches(ddp, model, micro_batches, forward, loss, forward_only=False):
+    """Forward (and unless `forward_only`, backward) every micro-batch of the list through the stages of
+    `model`; `ddp` is megatron's DDP around it (trainer/optimizer.py), whose config holds the gradient reduce's
+    hooks the schedule calls. Returns [result of `loss` per micro-batch] on the last stage, [] on the others."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     results = []
@@ -36,7 +37,7 @@ def run_micro_batches(model, micro_batches, forward, loss, forward_only=False):
         return forward(mb), (lambda out: loss_of(mb, out))
 
     get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iter(micro_batches), model=model,
+        forward_step_func=step, data_iterator=iter(micro_batches), model=ddp,
         num_microbatches=len(micro_batches), seq_length=micro_batches[0].tokens.shape[1],
         micro_batch_size=micro_batches[0].size, forward_only=forward_only)
     return results if is_last_stage(model) else []

@@ -108,13 +108,13 @@ class TrainerActorImpl:
     def train(self, samples, num_steps):
         """`num_steps` optimizer steps over this rank's `samples`; metrics averaged over them, and the
         memory of the phase (vime/devices.py: its peak, and what the rank holds while the engines generate,
-        with --offload-optimizer-state after the optimizer state went to the host)."""
+        with --offload-optimizer-state after the optimizer state went to the host, with --offload-train after
+        the weights went too)."""
         from vime.devices import phase_memory, reset_peak_memory
 
         start = time.perf_counter()
         reset_peak_memory()
-        if self.cfg.offload_optimizer_state:
-            self.trainer.onload()
+        self.trainer.onload()  # what waited on the host while the engines generated (nothing without offload)
         per_step = len(samples) // num_steps
         batches = [build_batch(samples[i * per_step:(i + 1) * per_step]) for i in range(num_steps)]
         if self.cfg.use_tis and num_steps > 1:  # pi_old for the updates after the first (which is its own pi_old)
@@ -127,8 +127,8 @@ class TrainerActorImpl:
             for k, v in self.trainer.train_step(batch).items():
                 totals[k] = totals.get(k, 0.0) + v / num_steps
         totals.update(phase_memory("train"))
-        if self.cfg.offload_optimizer_state:
-            self.trainer.offload()
+        if self.cfg.offload_optimizer_state or self.cfg.offload_train:
+            self.trainer.offload(weights=self.cfg.offload_train)
         totals.update(phase_memory("trainer_while_rolling_out", peak=False))
         totals["perf/train_time"] = time.perf_counter() - start
         return totals

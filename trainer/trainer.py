@@ -3,8 +3,9 @@
 Call `trainer.distributed.init_distributed(...)` first in multi-process setups; a lone
 Trainer starts a one-process group itself. Per step: the policy loss (PPO-clip on the rollout
 log-probs) plus the loss of the draft the run trains, whatever its kind (trainer/drafts: the MTP
-layers or an external EAGLE-3, DFlash or DSpark draft), which reads detached policy states and has its own grad-norm
-clip; then the draft's own steps on the updated policy (trainer/drafts/base.py).
+layers or an external EAGLE-3, DFlash or DSpark draft), which reads detached policy states and has its own
+optimizer part and grad-norm clip (trainer/optimizer.py: megatron's DDP and optimizer); then the draft's own
+steps on the updated policy (trainer/drafts/base.py).
 
 A rank holds its TP shard of its pipeline stage's layers; the micro-batches go through megatron-core's
 schedule (trainer/pipeline.py), the losses on the last stage, and what a step reports is the same on
@@ -20,17 +21,18 @@ import torch
 from vime.models.hf_format import load_hf_checkpoint, read_config
 from vime.models.torch_dist_format import torch_dist_tensor_problem
 from mtp.sampling import effective_temperature, token_logprobs
-from trainer import checkpoint, grads, offload as optimizer_offload
-from trainer.mixed_precision import build_optimizer, fp32_params_for_checkpoint, grad_params, named_grad_params
+from trainer import checkpoint, offload
 from trainer.distributed import dp_sum, ensure_distributed, from_last_stage, pp_sum, tensor_from_last_stage
 from trainer.expert_parallel import padded_to_common_width
 from trainer.drafts import build_draft, load_draft_state, save_draft_state
 from trainer.losses import entropy_from_logits, policy_loss, token_mean
 from trainer.routing_replay import RoutingReplay
 from trainer.model import build_model, forward, is_mtp_param, update_expert_biases
+from trainer.optimizer import OptimizerOptions, PolicyPart, no_sync
 from trainer.pipeline import run_micro_batches
 from trainer.weights import gather_stages, load_hf_state, stage_hf_weights
 from vime.errors import require
+from vime.models.activations import RecomputePlan
 from vime.precision import compute_dtype
 
 
@@ -53,7 +55,8 @@ class Trainer:
         hf_cfg = read_config(hf_checkpoint)
         self.mtp_num_layers = resolve_mtp_layers(cfg.mtp_num_layers, hf_cfg.num_nextn_predict_layers)
         self.model_cfg = dataclasses.replace(hf_cfg, num_nextn_predict_layers=self.mtp_num_layers)
-        self.model = build_model(self.model_cfg, self.mtp_num_layers, cfg.layout, cfg.seed, compute_dtype(cfg.bf16))
+        self.model = build_model(self.model_cfg, self.mtp_num_layers, cfg.layout, cfg.seed, compute_dtype(cfg.bf16),
+                                 RecomputePlan.of(cfg))
         if load is None:
             _, hf_state, _ = load_hf_checkpoint(hf_checkpoint)
             load_hf_state(self.model, hf_state, self.model_cfg)
@@ -64,12 +67,14 @@ class Trainer:
         # and count where they differ (trainer/routing_replay.py)
         self.routing = (RoutingReplay(self.model, cfg.use_rollout_routing_replay, self.model_cfg)
                         if self.model_cfg.moe is not None else None)
+        # the policy's DDP and optimizer, built while the MTP layers are frozen (trainer/optimizer.py)
+        self.policy = PolicyPart(self.model, self.model.config, OptimizerOptions.of(cfg), cfg.lr, cfg.weight_decay,
+                                 cfg.adam_eps, cfg.clip_grad)
         # the draft trained beside the policy (trainer/drafts: MTP layers, EAGLE-3, DFlash, DSpark), or None
         self.draft = build_draft(cfg, self.model, self.model_cfg)
-        self.optimizer = self._build_optimizer()
-        self.offloaded = False  # the optimizer state waits on the host (--offload-optimizer-state)
-        if self.draft is not None:
-            self.draft.attach(self.optimizer)
+        # the pipeline schedule holds back every part's gradient reduce until a step's last micro-batch
+        self.policy.config.no_sync_func = lambda: no_sync(self.parts)
+        self.offloaded = None  # what waits on the host while the engines generate (trainer/offload.py)
         # earlier rollout batches the draft-only steps also train on (--draft-replay-batches; CPU
         # tensors, newest first; not checkpointed: after --load it refills over R steps)
         self._draft_replay = collections.deque(maxlen=self.draft.knobs.replay_batches if self.draft else 0)
@@ -83,15 +88,20 @@ class Trainer:
     def policy_params(self):
         return [p for _, p in self.named_policy_params()]
 
-    def _build_optimizer(self):
-        groups = [{"params": self.policy_params()}, *(self.draft.param_groups() if self.draft else [])]
-        return build_optimizer(groups, self.cfg.bf16, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
-                               eps=self.cfg.adam_eps)
+    @property
+    def parts(self):
+        """The trained parts (trainer/optimizer.py): the policy's, and the draft's."""
+        return [self.policy] + ([self.draft.part] if self.draft is not None else [])
 
-    def _optimizers(self):
-        """The trainer's optimizer, and the draft's when it has one of its own."""
-        own = self.draft is not None and self.draft.optimizer is not self.optimizer
-        return [self.optimizer, self.draft.optimizer] if own else [self.optimizer]
+    @property
+    def optimizer(self):
+        """The policy's megatron optimizer."""
+        return self.policy.optimizer
+
+    def named_gradients(self):
+        """{parameter name: its gradient of the last backward, reduced over the ranks} of every trained parameter
+        of the model (megatron's DDP keeps them in `main_grad`); a frozen parameter is not listed."""
+        return {n: p.main_grad for n, p in self.model.named_parameters() if getattr(p, "main_grad", None) is not None}
 
     # ---- forward pieces ---------------------------------------------------------------
     def _token_logprobs(self, out, tokens):
@@ -104,9 +114,12 @@ class Trainer:
         return next(self.model.parameters()).device
 
     def _on_device(self, batch):
-        """`batch` on the model's device, as wide as its expert-parallel peers' (trainer/expert_parallel.py)."""
+        """`batch` on the model's device, as wide as its expert-parallel peers' (trainer/expert_parallel.py) and,
+        under sequence parallelism, a multiple of TP wide (megatron splits the positions evenly over TP)."""
         batch = batch.to(self.device)
-        return padded_to_common_width(batch) if self.model_cfg.moe is not None else batch
+        batch = padded_to_common_width(batch) if self.model_cfg.moe is not None else batch
+        tp = self.cfg.tensor_model_parallel_size
+        return batch.padded_to(-(-batch.width // tp) * tp) if self.cfg.sequence_parallel else batch
 
     @torch.no_grad()
     def compute_logprobs(self, batch):
@@ -140,7 +153,7 @@ class Trainer:
         micro_batches = list(micro_batches)
         if self.cfg.pipeline_model_parallel_size > 1:
             micro_batches = [mb.with_rows(micro_batches[0].size) for mb in micro_batches]
-        return run_micro_batches(self.model, micro_batches, forward_one, loss, forward_only)
+        return run_micro_batches(self.policy.ddp, self.model, micro_batches, forward_one, loss, forward_only)
 
     def _rollout_routes(self, mb):
         """Around a forward of micro-batch `mb`: its rollout routes for the MoE routers (replayed under
@@ -183,8 +196,8 @@ class Trainer:
         parameters, reduced over ranks. Returns metrics."""
         batch = self._on_device(batch)
         self.model.train()
-        for optimizer in self._optimizers():
-            optimizer.zero_grad(set_to_none=True)
+        for part in self.parts:
+            part.zero_grad()
         num_tokens = dp_sum(batch.num_response_tokens()).float()
         micro_batches = list(batch.micro_batches(self.cfg.micro_batch_size))
         normaliser = self.draft.normaliser(batch, len(micro_batches)) if self.draft else None
@@ -207,16 +220,29 @@ class Trainer:
         results = self._run(micro_batches, loss_of, training=True)
         if self.draft is not None and not self.draft.loss_in_pipeline:
             # its own graph: the same gradients as inside the policy's backward
-            for inputs, m in zip(self.draft.complete([i for i, _ in later]), [m for _, m in later]):
-                self._draft_loss(inputs, m)[0].backward()
+            inputs = self.draft.complete([i for i, _ in later])
+            self._draft_backward(inputs, [m for _, m in later])
         totals = {}
         for m in results:
             for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + v
-        grads.reduce_gradients(named_grad_params(self.optimizer, self.named_policy_params()))
-        if self.draft is not None:
-            self.draft.reduce_gradients()
+        if self.draft is not None:  # an external draft's weights have no TP parts; the policy's walk sums the MTP's
+            self.draft.part.finish_gradients(tensor_parallel_sums=False)
+        self.policy.finish_gradients()
         return dict(self._metrics(totals), **self._route_metrics())
+
+    def _draft_backward(self, inputs, metrics=None):
+        """The draft's loss of each micro-batch's `inputs` backward, outside the pipeline (its gradient reduce
+        held back to the last, as the schedule holds the policy's; a jointly trained MTP layer's gradients to the
+        policy wait for the policy's next backward, which zeroes them); returns the losses' reported shares."""
+        total = 0.0
+        for i, micro in enumerate(inputs):
+            last = i == len(inputs) - 1
+            with no_sync([self.policy] + ([] if last else [self.draft.part])):
+                loss, reported = self._draft_loss(micro, metrics[i] if metrics else None)
+                loss.backward()
+            total += reported
+        return total
 
     def _route_metrics(self):
         """train/route_disagreement: the share of (position, MoE layer) routes of this step where the
@@ -242,19 +268,12 @@ class Trainer:
 
     def _draft_only_step(self, inputs):
         """One optimiser step of the draft alone on one batch's `inputs` (the last pipeline stage's; the
-        others have none): the policy's parameters keep no grad, so the optimizer skips them (a jointly
-        trained MTP layer's grad to the word embedding is reduced like the policy's). Returns this rank's
-        share of the step's loss."""
-        self.draft.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for micro in inputs:
-            loss, reported = self._draft_loss(micro)
-            loss.backward()
-            total += reported
-        grads.reduce_gradients(named_grad_params(self.optimizer, self.named_policy_params()))
-        self.draft.reduce_gradients()
-        self.draft.clip_gradients()
-        self.draft.optimizer.step()
+        others have none): the draft's part steps, the policy's does not. Returns this rank's share of the
+        step's loss."""
+        self.draft.part.zero_grad()
+        total = self._draft_backward(inputs)
+        self.draft.part.finish_gradients(tensor_parallel_sums=self.draft.in_model)
+        self.draft.part.step()
         self._balance_experts()
         return total
 
@@ -288,12 +307,10 @@ class Trainer:
         """One optimiser step on `batch` (this DP rank's share), then --draft-steps-per-rollout - 1
         steps of the draft alone on the updated policy. Returns the train/* metrics."""
         metrics = self.backward(batch)
-        metrics["train/grad_norm"] = grads.clip_by_norm(grad_params(self.optimizer, self.policy_params()),
-                                                        self.cfg.clip_grad)
+        # each part clips by its own grad norm (the draft's never clips the policy's update)
+        metrics["train/grad_norm"] = self.policy.step()
         if self.draft is not None:
-            metrics[f"train/{self.draft.metric_prefix}_grad_norm"] = self.draft.clip_gradients()
-        for optimizer in self._optimizers():
-            optimizer.step()
+            metrics[f"train/{self.draft.metric_prefix}_grad_norm"] = self.draft.part.step()
         self._balance_experts()
         steps = self.draft.knobs.steps_per_rollout - 1 if self.draft else 0
         if steps > 0:
@@ -307,27 +324,28 @@ class Trainer:
         update_expert_biases(self.model, self.cfg.moe_router_bias_update_rate)
 
     # ---- memory by turns --------------------------------------------------------------
-    def offload(self):
-        """While the engines generate: gradients freed, optimizer state on the host (trainer/offload.py)."""
-        optimizer_offload.offload(self._optimizers())
-        self.offloaded = True
+    def offload(self, weights=False):
+        """While the engines generate: gradients freed and the optimizers' state on the host; with `weights`
+        (--offload-train) the weights too (trainer/offload.py)."""
+        if self.offloaded is None:
+            self.offloaded = offload.offload(self.parts, weights)
 
     def onload(self):
-        """Before a step: the optimizer state back on the model's device."""
-        if self.offloaded:
-            optimizer_offload.onload(self._optimizers(), self.device)
-            self.offloaded = False
+        """Before a step: what `offload` moved back on the model's device."""
+        if self.offloaded is not None:
+            self.offloaded.onload()
+            self.offloaded = None
 
     @contextlib.contextmanager
     def _state_on_device(self):
-        """Around a save or load: the optimizer state where the model is, then as it was."""
+        """Around a save or load: everything where the model computes, then as it was."""
         was = self.offloaded
         self.onload()
         try:
             yield
         finally:
-            if was:
-                self.offload()
+            if was is not None:
+                self.offload(was.weights)
 
     # ---- weights and checkpoints ------------------------------------------------------
     def named_hf_weights(self):
@@ -343,11 +361,18 @@ class Trainer:
         return {"model_config": dataclasses.asdict(self.model_cfg), "mtp_num_layers": self.mtp_num_layers,
                 "mtp_trained": bool(self.cfg.enable_mtp_training)}
 
+    def _checkpointed_optimizers(self):
+        """{name: megatron optimizer} whose state the torch_dist checkpoint holds: the policy's, and the MTP
+        layers' (an external draft keeps its own, trainer/drafts/base.py)."""
+        own = {"policy": self.optimizer}
+        if self.draft is not None and self.draft.in_model:
+            own[self.draft.kind.name] = self.draft.part.optimizer
+        return own
+
     def save(self, path):
         """torch_dist checkpoint of weights + optimizer state (collective: every rank calls it)."""
-        with self._state_on_device(), fp32_params_for_checkpoint(self.model, self.optimizer):
-            # under --bf16 the fp32 masters: a plain fp32 checkpoint
-            checkpoint.save(path, self.model, self.optimizer, self._meta())
+        with self._state_on_device():
+            checkpoint.save(path, self.model, self._checkpointed_optimizers(), self._meta())
         if self.draft is not None:
             save_draft_state(path, self.draft)
 
@@ -359,8 +384,7 @@ class Trainer:
                 f"fewer than --mtp-num-layers {self.mtp_num_layers}")
         problem = torch_dist_tensor_problem(meta, self.model_cfg, self.mtp_num_layers)
         require(problem is None, f"--load {path}: its tensors disagree with the model's config: {problem}")
-        with self._state_on_device(), fp32_params_for_checkpoint(self.model, self.optimizer):
-            # under --bf16 into the fp32 masters, then rounded
-            checkpoint.load(path, self.model, self.optimizer)
+        with self._state_on_device():
+            checkpoint.load(path, self.model, self._checkpointed_optimizers())
         if self.draft is not None:
             load_draft_state(path, self.draft)

@@ -169,7 +169,11 @@ class TrainSection:
 
     NEEDS = {"use_kl_loss": "trainers", "kl_loss_coef": "kl_loss", "kl_loss_type": "kl_loss", "use_tis": "trainers",
              "tis_clip": "tis", "use_rollout_routing_replay": "trainers",
-             "offload_optimizer_state": "sync"}  # see SWITCHES
+             "offload_optimizer_state": "sync", "offload_train": "sync",
+             "optimizer_offload_fraction": "cpu_offload", "overlap_cpu_optimizer_d2h_h2d": "cpu_offload",
+             "main_grads_dtype": "precision_aware", "exp_avg_dtype": "precision_aware",
+             "exp_avg_sq_dtype": "precision_aware", "recompute_method": "full_recompute",
+             "recompute_num_layers": "full_recompute"}  # see SWITCHES
 
     lr: float = field(default=2e-4, metadata=flag("--lr", "learning rate of the policy (Adam)"))
     weight_decay: float = field(default=0.0, metadata=flag("--weight-decay", "Adam weight decay"))
@@ -219,9 +223,55 @@ class TrainSection:
         "--offload-optimizer-state", "memory by turns: while the engines generate, the trainer keeps its optimizer "
         "state (Adam's moments; under --bf16 the fp32 main weights) on the host and its gradients freed, back on its "
         "device for the next step (a trainer rank sharing its GPU with an engine leaves it the room)"))
+    offload_train: bool = field(default=False, metadata=flag(
+        "--offload-train", "memory by turns, the whole trainer: while the engines generate, its weights, gradients "
+        "and optimizer state wait on the host (slime's name; includes --offload-optimizer-state)"))
     moe_router_bias_update_rate: float = field(default=1e-3, metadata=flag(
         "--moe-router-bias-update-rate", "MoE models: after each step every router's expert bias moves by this "
         "much towards balance (DeepSeek-V3's auxiliary-loss-free balancing; 0: fixed bias)"))
+    # megatron-core's optimizer and DDP (trainer/optimizer.py), under megatron's flag names
+    use_distributed_optimizer: bool = field(default=False, metadata=flag(
+        "--use-distributed-optimizer", "megatron's distributed optimizer: the fp32 main weights and Adam's moments "
+        "split over the data-parallel ranks (the routed experts' over the expert-data-parallel ones), gradients "
+        "reduce-scattered rather than all-reduced"))
+    overlap_grad_reduce: bool = field(default=False, metadata=flag(
+        "--overlap-grad-reduce", "megatron's DDP starts each gradient bucket's reduce during the backward pass of a "
+        "step's last micro-batch"))
+    optimizer_cpu_offload: bool = field(default=False, metadata=flag(
+        "--optimizer-cpu-offload", "megatron's HybridDeviceOptimizer: Adam steps --optimizer-offload-fraction of the "
+        "parameters on the host, their fp32 main weights and moments in host memory (needs "
+        "--use-distributed-optimizer)"))
+    optimizer_offload_fraction: float = field(default=1.0, metadata=flag(
+        "--optimizer-offload-fraction", "share of the parameters (by elements) whose optimizer steps on the host"))
+    overlap_cpu_optimizer_d2h_h2d: bool = field(default=False, metadata=flag(
+        "--overlap-cpu-optimizer-d2h-h2d", "the host optimizer's gradient and weight copies run on CUDA streams of "
+        "their own, overlapped with the host steps (one host optimizer per parameter)"))
+    use_precision_aware_optimizer: bool = field(default=False, metadata=flag(
+        "--use-precision-aware-optimizer", "the optimizer keeps the fp32 main weights and its moments and main "
+        "gradients in --exp-avg-dtype / --exp-avg-sq-dtype / --main-grads-dtype (Transformer Engine's FusedAdam, or "
+        "with --optimizer-cpu-offload the host optimizer; needs --use-distributed-optimizer and --bf16)"))
+    main_grads_dtype: str = field(default="fp32", metadata=flag(
+        "--main-grads-dtype", "fp32 | bf16: the gradients megatron's DDP accumulates and reduces"))
+    exp_avg_dtype: str = field(default="fp32", metadata=flag("--exp-avg-dtype", "fp32 | bf16: Adam's first moment"))
+    exp_avg_sq_dtype: str = field(default="fp32", metadata=flag(
+        "--exp-avg-sq-dtype", "fp32 | bf16: Adam's second moment"))
+    recompute_granularity: Optional[str] = field(default=None, metadata=flag(
+        "--recompute-granularity", "activation recompute (megatron's): full (a recomputed layer keeps only its "
+        "input and runs again in the backward pass) | selective (only attention's core: its softmax scores); none: "
+        "keep every activation"))
+    recompute_method: Optional[str] = field(default=None, metadata=flag(
+        "--recompute-method", "with full recompute: uniform (the layers in chunks of --recompute-num-layers, each "
+        "chunk's input kept) | block (the first --recompute-num-layers layers of each pipeline stage recomputed)"))
+    recompute_num_layers: Optional[int] = field(default=None, metadata=flag(
+        "--recompute-num-layers", "with full recompute: the chunk size (uniform) or the recomputed layers per stage "
+        "(block)"))
+    sequence_parallel: bool = field(default=False, metadata=flag(
+        "--sequence-parallel", "megatron's sequence parallelism: outside attention and the MLPs, activations split "
+        "along the sequence over the tensor-parallel ranks (needs --tensor-model-parallel-size 2 or more; what "
+        "megatron needs to split MoE layers over TP)"))
+    context_parallel_size: int = field(default=1, metadata=flag(
+        "--context-parallel-size", "context parallelism (CP): each sequence split over CP ranks (Transformer "
+        "Engine's attention, CUDA only); trainer actors = TP x PP x CP x DP"))
 
     @property
     def layout(self):
@@ -230,8 +280,12 @@ class TrainSection:
 
     @property
     def world_size(self):
-        """Trainer ranks: TP x PP x DP."""
+        """Trainer ranks: TP x PP x CP x DP."""
         return self.layout.world_size
+
+
+PRECISIONS = ("fp32", "bf16")  # what --main-grads-dtype, --exp-avg-dtype and --exp-avg-sq-dtype take
+RECOMPUTE = {"--recompute-granularity": ("full", "selective"), "--recompute-method": ("uniform", "block")}
 
 
 def _validate_train(t):
@@ -242,6 +296,46 @@ def _validate_train(t):
     require(t.global_batch_size % t.data_parallel_size == 0 and local % t.micro_batch_size == 0,
             f"--micro-batch-size {t.micro_batch_size} x --data-parallel-size {t.data_parallel_size} must divide "
             f"--global-batch-size {t.global_batch_size}")
+
+
+def validate_train_options(t, bf16):
+    """megatron's optimizer and recompute options (train section `t`, the run's --bf16 `bf16`) as megatron takes
+    them; the memory plan checks a plan's options with it too."""
+    _validate_optimizer(t)
+    _validate_recompute(t)
+    require(not t.use_precision_aware_optimizer or bf16,
+            "--use-precision-aware-optimizer keeps fp32 main weights of bf16 ones: add --bf16")
+    # megatron's HybridDeviceOptimizer re-registers the distributed optimizer's shards, which are fp32 copies of
+    # bf16 weights, but views of the weights themselves in an fp32 model (torch refuses to step a view)
+    require(not t.optimizer_cpu_offload or bf16,
+            "--optimizer-cpu-offload steps the fp32 main copies of bf16 weights: add --bf16")
+
+
+def _validate_optimizer(t):
+    """megatron's rules for its optimizer options, in one line each."""
+    for name in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        value = getattr(t, name)
+        require(value in PRECISIONS, f"--{name.replace('_', '-')} {value}: choose one of {', '.join(PRECISIONS)}")
+    require(0 <= t.optimizer_offload_fraction <= 1,
+            f"--optimizer-offload-fraction {t.optimizer_offload_fraction}: must be in [0, 1]")
+    # megatron's HybridDeviceOptimizer steps the distributed optimizer's fp32 shards; the non-distributed
+    # optimizers replace the parameters it split with their own fp32 copies
+    require(not t.optimizer_cpu_offload or t.use_distributed_optimizer,
+            "--optimizer-cpu-offload steps the distributed optimizer's shards on the host: add "
+            "--use-distributed-optimizer")
+    require(not t.use_precision_aware_optimizer or t.use_distributed_optimizer,
+            "--use-precision-aware-optimizer is megatron's distributed optimizer's: add --use-distributed-optimizer")
+
+
+def _validate_recompute(t):
+    """--recompute-granularity and its method and layer count, as megatron's TransformerConfig takes them."""
+    for flag, choices in RECOMPUTE.items():
+        value = getattr(t, flag[2:].replace("-", "_"))
+        require(value is None or value in choices, f"{flag} {value}: choose one of {', '.join(choices)}")
+    if t.recompute_granularity == "full":
+        require(t.recompute_method is not None and t.recompute_num_layers is not None,
+                "--recompute-granularity full recomputes layers chosen by --recompute-method uniform|block and "
+                "--recompute-num-layers N: give both")
 
 
 @dataclass
@@ -527,6 +621,14 @@ SWITCHES = {
                              "or --enable-draft-training (an external draft)"),
     "mtp_training": Switch(lambda c: c.mtp.enable_training,
                            "sets how the MTP layers train: use it with --enable-mtp-training"),
+    "cpu_offload": Switch(lambda c: c.train.optimizer_cpu_offload,
+                          "sets how the optimizer steps on the host: use it with --optimizer-cpu-offload"),
+    "precision_aware": Switch(lambda c: c.train.use_precision_aware_optimizer,
+                              "sets the precision-aware optimizer's dtypes: use it with "
+                              "--use-precision-aware-optimizer"),
+    "full_recompute": Switch(lambda c: c.train.recompute_granularity == "full",
+                             "chooses the layers full recompute recomputes: use it with --recompute-granularity "
+                             "full"),
     "kl_loss": Switch(lambda c: c.train.use_kl_loss, "sets the KL penalty: use it with --use-kl-loss"),
     "tis": Switch(lambda c: c.train.use_tis, "caps the truncated importance weight: use it with --use-tis"),
     "dynamic_sampling": Switch(lambda c: c.rollout.dynamic_sampling,
@@ -582,6 +684,7 @@ def validate(cfg):
             f"--global-batch-size {t.global_batch_size} must divide --rollout-batch-size x --n-samples-per-prompt "
             f"= {per_step} samples per step")
     _validate_train(t)
+    validate_train_options(t, cfg.model.bf16)
     _validate_run(cfg.run)
     _validate_memory_turns(cfg)
     _validate_drafts(cfg.draft, cfg.mtp)
@@ -646,6 +749,8 @@ RANGES = {
     "--draft-distill-topk": AT_LEAST_0, "--draft-ttt-steps": AT_LEAST_1, "--draft-clip-grad": AT_LEAST_0,
     "--draft-ce-weight": AT_LEAST_0, "--draft-l1-weight": AT_LEAST_0, "--draft-confidence-weight": AT_LEAST_0,
     "--expert-model-parallel-size": AT_LEAST_1, "--expert-tensor-parallel-size": AT_LEAST_1,
+    "--context-parallel-size": AT_LEAST_1, "--recompute-num-layers": AT_LEAST_1,
+    "--optimizer-offload-fraction": Range(0, 1, why="a share of the parameters"),
     "--reward-timeout": POSITIVE, "--reward-num-workers": AT_LEAST_1, "--eval-interval": AT_LEAST_1,
     "--n-samples-per-eval-prompt": AT_LEAST_1, "--eval-temperature": AT_LEAST_0,
     "--max-engine-restarts": AT_LEAST_0, "--engine-restart-window": POSITIVE, "--rollout-health-timeout": POSITIVE,

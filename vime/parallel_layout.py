@@ -11,13 +11,18 @@ users know:
     --decoder-last-pipeline-num-layers   not split evenly (megatron-core's
                                          num_layers_in_first/last_pipeline_stage); the stages between
                                          share the rest evenly
-    --data-parallel-size DP              replicas of that TP x PP grid, each on its share of the batch
+    --sequence-parallel                  outside attention and the MLPs, activations split along the
+                                         sequence over the TP ranks (megatron-core's; needs TP > 1, and
+                                         megatron-core splits MoE layers over TP only with it)
+    --context-parallel-size CP           each sequence split over CP ranks (attention exchanges keys and
+                                         values between them)
+    --data-parallel-size DP              replicas of that TP x PP x CP grid, each on its share of the batch
     --expert-model-parallel-size EP      MoE models: the routed experts split over EP ranks of each
-                                         pipeline stage's TP x DP ranks (megatron-core's expert groups)
+                                         pipeline stage's TP x CP x DP ranks (megatron-core's expert groups)
     --expert-tensor-parallel-size ETP    each routed expert's matrices split over ETP ranks (default: TP)
 
-The trainer has TP x PP x DP ranks, numbered as megatron-core numbers them (TP fastest, then DP,
-then PP). `ParallelLayout` holds the sizes and answers where things are (stages' layers, a rank's
+The trainer has TP x PP x CP x DP ranks, numbered as megatron-core numbers them (TP fastest, then CP,
+then DP, then PP). `ParallelLayout` holds the sizes and answers where things are (stages' layers, a rank's
 data-parallel index); the checks below refuse, in one line each, the layouts that cannot run, before
 anything starts: `check()` reads the flags alone, `check_world(ranks)` the ranks a launcher gives,
 `check_model(model_cfg)` the model (a `vime.models.hf_format.ModelConfig`). Each parallel
@@ -39,6 +44,8 @@ FLAGS = {
     "etp": "--expert-tensor-parallel-size",
     "first_stage_layers": "--decoder-first-pipeline-num-layers",
     "last_stage_layers": "--decoder-last-pipeline-num-layers",
+    "sp": "--sequence-parallel",
+    "cp": "--context-parallel-size",
 }
 # the config fields (TrainSection, trainer.config.TrainerConfig) each layout field is read from
 FIELDS = {
@@ -49,13 +56,15 @@ FIELDS = {
     "etp": "expert_tensor_parallel_size",
     "first_stage_layers": "decoder_first_pipeline_num_layers",
     "last_stage_layers": "decoder_last_pipeline_num_layers",
+    "sp": "sequence_parallel",
+    "cp": "context_parallel_size",
 }
 
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """TP x PP x DP trainer ranks, how the decoder layers split over the pipeline stages, and the routed
-    experts over EP x ETP ranks of each stage."""
+    """TP x PP x CP x DP trainer ranks, how the decoder layers split over the pipeline stages, the routed
+    experts over EP x ETP ranks of each stage, and whether activations split along the sequence over TP."""
 
     tp: int = 1
     pp: int = 1
@@ -64,6 +73,8 @@ class ParallelLayout:
     etp: Optional[int] = None  # None: TP, as megatron-core
     first_stage_layers: Optional[int] = None  # None: the even share
     last_stage_layers: Optional[int] = None
+    sp: bool = False
+    cp: int = 1
 
     @classmethod
     def of(cls, section):
@@ -80,8 +91,13 @@ class ParallelLayout:
 
     @property
     def world_size(self):
-        """Trainer ranks: TP x PP x DP."""
-        return self.tp * self.pp * self.dp
+        """Trainer ranks: TP x PP x CP x DP."""
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def stage_ranks(self):
+        """Ranks of one pipeline stage: TP x CP x DP."""
+        return self.tp * self.cp * self.dp
 
     @property
     def expert_tp(self):
@@ -91,20 +107,22 @@ class ParallelLayout:
     @property
     def expert_dp(self):
         """Ranks of a pipeline stage that hold the same routed experts (megatron-core's expert data parallelism)."""
-        return self.tp * self.dp // (self.ep * self.expert_tp)
+        return self.stage_ranks // (self.ep * self.expert_tp)
 
     def describe(self):
-        """'--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 2 x --data-parallel-size 1'."""
-        return " x ".join(f"{FLAGS[k]} {getattr(self, k)}" for k in ("tp", "pp", "dp"))
+        """'--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 2 x --data-parallel-size 1' (and CP)."""
+        dims = ("tp", "pp", "cp", "dp") if self.cp > 1 else ("tp", "pp", "dp")
+        return " x ".join(f"{FLAGS[k]} {getattr(self, k)}" for k in dims)
 
     # ---- where things are ------------------------------------------------------------
     def dp_rank(self, rank):
-        """The data-parallel index of trainer `rank` (megatron-core's order: TP fastest, then DP, then PP)."""
-        return (rank // self.tp) % self.dp
+        """The data-parallel index of trainer `rank` (megatron-core's order: TP fastest, then CP, then DP,
+        then PP)."""
+        return (rank // (self.tp * self.cp)) % self.dp
 
     def pp_rank(self, rank):
         """The pipeline stage of trainer `rank`."""
-        return rank // (self.tp * self.dp)
+        return rank // self.stage_ranks
 
     def stage_layer_counts(self, num_layers):
         """[decoder layers of each stage], as megatron-core splits them (`check_model` passed)."""
@@ -141,7 +159,7 @@ class ParallelLayout:
         """One line when `source` gives `ranks` trainer processes and the layout needs another number."""
         require(ranks == self.world_size,
                 f"{source} gives {ranks} trainer ranks, but {self.describe()} needs {self.world_size}: "
-                "the ranks must be TP x PP x DP")
+                "the ranks must be TP x PP x CP x DP")
 
     def check_model(self, model_cfg):
         """One line for a layout this model cannot be split into, or the trainer does not run yet
@@ -164,15 +182,22 @@ def _architecture(model_cfg):
     return model_cfg.model_family.architectures[0]
 
 
-# ---- tensor parallelism ---------------------------------------------------------------------
+# ---- tensor and sequence parallelism ---------------------------------------------------------
+def _check_sequence_parallel(layout):
+    """Sequence parallelism splits over the TP ranks: there must be more than one."""
+    require(not layout.sp or layout.tp > 1, f"{FLAGS['sp']} splits the sequence over the tensor-parallel ranks: use "
+            f"it with {FLAGS['tp']} 2 or more, or drop it")
+
+
 def _check_tensor_parallel(layout, model_cfg):
-    """TP must divide the heads, the key/value heads and the vocabulary; MoE trains at TP 1."""
+    """TP must divide the heads, the key/value heads and the vocabulary; MoE layers split over TP with
+    sequence parallelism only."""
     tp = layout.tp
-    # megatron shards MoE layers over TP only with sequence parallelism, which its local
-    # (non-Transformer-Engine) norm does not implement
-    require(tp == 1 or model_cfg.moe is None, f"{FLAGS['tp']} {tp}: mixture-of-experts models "
-            f"({_architecture(model_cfg)}) train at {FLAGS['tp']} 1 (megatron splits their layers over TP only with "
-            f"sequence parallelism); scale out with {FLAGS['dp']}, {FLAGS['ep']} and {FLAGS['etp']}")
+    # megatron-core's MoE layer refuses TP > 1 without sequence parallelism (its token dispatcher
+    # expects each TP rank to route its own part of the sequence)
+    require(tp == 1 or model_cfg.moe is None or layout.sp, f"{FLAGS['tp']} {tp}: megatron-core splits the layers of "
+            f"mixture-of-experts models ({_architecture(model_cfg)}) over TP only with sequence parallelism: add "
+            f"{FLAGS['sp']}")
     for what, n in (("attention heads", model_cfg.num_attention_heads),
                     ("key/value heads", model_cfg.num_key_value_heads),
                     ("vocabulary size", model_cfg.vocab_size),
@@ -183,13 +208,14 @@ def _check_tensor_parallel(layout, model_cfg):
 
 # ---- expert parallelism -----------------------------------------------------------------------
 def _check_expert_flags(layout):
-    """EP x ETP must divide a pipeline stage's TP x DP ranks: megatron-core lays the expert groups out inside them
-    (each size >= 1 is the flags' range, checked by every command line before a layout is built)."""
-    stage = layout.tp * layout.dp
+    """EP x ETP must divide a pipeline stage's TP x CP x DP ranks: megatron-core lays the expert groups out inside
+    them (each size >= 1 is the flags' range, checked by every command line before a layout is built)."""
+    stage = layout.stage_ranks
+    cp = f" x {FLAGS['cp']} {layout.cp}" if layout.cp > 1 else ""
     require(stage % (layout.ep * layout.expert_tp) == 0,
             f"{FLAGS['ep']} {layout.ep} x {FLAGS['etp']} {layout.expert_tp} does not divide the {stage} trainer ranks "
-            f"of a pipeline stage ({FLAGS['tp']} {layout.tp} x {FLAGS['dp']} {layout.dp}); choose EP x ETP dividing "
-            "TP x DP")
+            f"of a pipeline stage ({FLAGS['tp']} {layout.tp}{cp} x {FLAGS['dp']} {layout.dp}); choose EP x ETP "
+            f"dividing TP x {'CP x ' if cp else ''}DP")
 
 
 def _check_expert_parallel(layout, model_cfg):
@@ -256,6 +282,14 @@ def _check_pipeline_stages(layout, model_cfg):
             f"stage{'s' if middle > 1 else ''}, which must hold an equal number of at least 1 each")
 
 
-FLAG_CHECKS = [_check_stage_flags, _check_expert_flags]
+FLAG_CHECKS = [_check_stage_flags, _check_expert_flags, _check_sequence_parallel]
 MODEL_CHECKS = [_check_tensor_parallel, _check_pipeline_stages, _check_expert_parallel]
-NOT_RUN_YET = []  # every split megatron-core can make of a model, the trainer runs
+def _context_parallel_not_run(layout, model_cfg):
+    """Context parallelism: planned (the memory plan models it), not run by the trainer."""
+    require(layout.cp == 1, f"{FLAGS['cp']} {layout.cp}: megatron-core splits attention over context-parallel ranks "
+            "only in Transformer Engine's attention (CUDA), not in the local attention of the CPU build, and the "
+            "trainer does not split its sequences for it; the memory plan models it (python -m vime.memory_plan "
+            f"--layout ...,cp={layout.cp})")
+
+
+NOT_RUN_YET = [_context_parallel_not_run]  # splits megatron-core can make of a model that the trainer does not run

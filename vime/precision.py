@@ -1,8 +1,8 @@
 """The run's compute dtype (--bf16) and the check that this machine can compute in it.
 
 fp32 is the default everywhere. With --bf16 the trainer's model, the rollout engine (embedded or
-vLLM) and the synced weights are bf16; the optimizer keeps fp32 master weights
-(trainer/mixed_precision.py) and every probability the samplers and losses compute stays fp32.
+vLLM) and the synced weights are bf16; megatron-core's optimizer keeps fp32 master weights
+(trainer/optimizer.py) and every probability the samplers and losses compute stays fp32.
 """
 import torch
 

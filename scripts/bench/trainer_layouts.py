@@ -1,14 +1,19 @@
 #!/usr/bin/env python
-"""What each trainer layout costs on CPU: step time and per-rank parameter bytes at 1, 2 and 4 ranks.
+"""What each trainer layout and each optimizer option costs on CPU: step time and bytes per rank.
 
 Every layout trains the same global batch of the same MoE checkpoint (with its MTP layer trained) for
 the same steps; each layout's ranks are processes joined over gloo, one thread each, the batch split
-over the data-parallel ranks (the routed experts over EP, each expert over ETP, the layers over PP).
-Layouts the trainer refuses for the model (e.g. TP on a MoE model) are listed as refused with the
-reason. Prints one markdown row per layout: median step time (the slowest rank's), parameter bytes
-held per rank (the largest rank's: parameters and the buffers synced with them), each as a ratio to
-one rank's measured in the same run. On a machine with fewer cores than ranks the ranks share cores:
-the figures say what a layout costs here, not how it scales.
+over the data-parallel ranks (the routed experts over EP, each expert over ETP, the layers over PP, the
+sequence over TP under sequence parallelism). Layouts the trainer refuses for the model are listed as
+refused with the reason. The first table: one markdown row per layout, median step time (the slowest
+rank's) and parameter bytes held per rank (the largest rank's: parameters and the buffers synced with
+them), each as a ratio to one rank's measured in the same run. The second (`--options`): megatron-core's
+optimizer options (trainer/optimizer.py) and recompute at DP2, each against the plain optimizer at DP2 in
+the same precision measured in the same run: step time, the bytes a rank holds (weights, gradients and
+optimizer state on the device; the optimizer state CPU offload moves to the host), and the share of the
+step the gradient reduce takes (megatron's finish_grad_sync and the sums after it; with
+--overlap-grad-reduce what is left of it after the backward pass). On a machine with fewer cores than
+ranks the ranks share cores: the figures say what a layout costs here, not how it scales.
 """
 import argparse
 import os
@@ -40,6 +45,23 @@ LAYOUTS = {
     "EP2 x ETP2": (4, {"ep": 2, "etp": 2}),
     "PP2 x EP2 x DP2": (4, {"pp": 2, "ep": 2, "last_stage_layers": 2}),
     "TP2 x EP2": (4, {"tp": 2, "ep": 2}),
+    "TP2 + SP x EP2": (2, {"tp": 2, "sp": True, "ep": 2, "etp": 1}),
+    "TP2 + SP x PP2 x EP2": (4, {"tp": 2, "sp": True, "pp": 2, "ep": 2, "etp": 1, "last_stage_layers": 2}),
+}
+BF16_OFFLOAD = {"bf16": True, "use_distributed_optimizer": True, "optimizer_cpu_offload": True}
+# option -> (the plain run it is measured against, TrainerConfig settings), all at DP2
+OPTIONS = {
+    "plain (fp32)": (None, {}),
+    "--overlap-grad-reduce": ("plain (fp32)", {"overlap_grad_reduce": True}),
+    "--use-distributed-optimizer": ("plain (fp32)", {"use_distributed_optimizer": True}),
+    "recompute full (uniform 1)": ("plain (fp32)", {"recompute_granularity": "full", "recompute_method": "uniform",
+                                                    "recompute_num_layers": 1}),
+    "recompute selective": ("plain (fp32)", {"recompute_granularity": "selective"}),
+    "plain (--bf16)": (None, {"bf16": True}),
+    "distributed + CPU offload 1.0": ("plain (--bf16)", BF16_OFFLOAD),
+    "distributed + CPU offload 0.5": ("plain (--bf16)", {**BF16_OFFLOAD, "optimizer_offload_fraction": 0.5}),
+    "+ precision-aware (bf16 main grads)": ("plain (--bf16)", {**BF16_OFFLOAD, "use_precision_aware_optimizer": True,
+                                                               "main_grads_dtype": "bf16"}),
 }
 
 
@@ -62,7 +84,18 @@ def refusal(ckpt, layout):
     return None
 
 
-def rank_main(rank, port, ckpt, layout, n_samples, steps, warmup, out):
+def timed(part, spent):
+    """`part`'s finish_gradients, adding the seconds it takes to `spent` (a one-item list)."""
+    finish = part.finish_gradients
+
+    def finish_timed(*args, **kwargs):
+        start = time.perf_counter()
+        finish(*args, **kwargs)
+        spent[0] += time.perf_counter() - start
+    part.finish_gradients = finish_timed
+
+
+def rank_main(rank, port, ckpt, layout, n_samples, steps, warmup, out, settings=None):
     """One rank: warm-up steps, then `steps` timed ones (barrier to barrier, so the slowest rank's)."""
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
@@ -70,28 +103,35 @@ def rank_main(rank, port, ckpt, layout, n_samples, steps, warmup, out):
     from trainer.batch import build_batch
     from trainer.config import TrainerConfig
     from trainer.distributed import init_distributed, teardown
+    from trainer.optimizer import held_bytes
     from trainer.trainer import Trainer
-    from trainer.model import named_weights
     from vime.parallel_layout import FIELDS
 
     torch.set_num_threads(1)
     init_distributed(rank, layout.world_size, "127.0.0.1", port, layout)
     sizes = {attr: getattr(layout, k) for k, attr in FIELDS.items()}
-    trainer = Trainer(TrainerConfig(lr=1e-4, enable_mtp_training=True, micro_batch_size=4, **sizes), ckpt)
+    trainer = Trainer(TrainerConfig(lr=1e-4, enable_mtp_training=True, micro_batch_size=4, **sizes,
+                                    **(settings or {})), ckpt)
     batch = build_batch(synthetic_samples(n_samples)[layout.dp_rank(rank)::layout.dp])
-    times = []
+    times, reduce = [], [0.0]
+    for part in trainer.parts:
+        timed(part, reduce)
     for i in range(warmup + steps):
         dist.barrier()
-        start = time.perf_counter()
+        start, reduce[0] = time.perf_counter(), 0.0
         trainer.train_step(batch)
         dist.barrier()
         if i >= warmup:
-            times.append(time.perf_counter() - start)
-    held = sum(t.numel() * t.element_size() for _, t in named_weights(trainer.model, copies=True))
+            times.append((time.perf_counter() - start, reduce[0]))
+    held = held_bytes(trainer.model, trainer.parts)
     per_rank = [None] * layout.world_size
     dist.all_gather_object(per_rank, held)
     if rank == 0:
-        torch.save({"step_s": statistics.median(times), "bytes": max(per_rank)}, out)
+        step, spent = min(times, key=lambda t: abs(t[0] - statistics.median(s for s, _ in times)))
+        largest = max(per_rank, key=lambda h: h["weights"] + h["gradients"] + h["optimizer"])
+        torch.save({"step_s": step, "reduce_share": spent / step, "bytes": max(h["weights"] for h in per_rank),
+                    "device": largest["weights"] + largest["gradients"] + largest["optimizer"],
+                    "host": max(h["optimizer_host"] for h in per_rank)}, out)
     teardown()
 
 
@@ -105,13 +145,26 @@ def synthetic_samples(n, prompt_len=8, response_len=24, vocab=32, seed=0):
                    rollout_logprobs=[-3.0] * response_len, advantage=float(i % 3) - 1.0) for i in range(n)]
 
 
-def measure(ckpt, layout, args):
+def measure(ckpt, layout, args, settings=None):
     from vime.net import free_port
 
     out = os.path.join(args.tmp, "layout.pt")
-    mp.spawn(rank_main, args=(free_port(), ckpt, layout, args.samples, args.steps, args.warmup, out),
+    mp.spawn(rank_main, args=(free_port(), ckpt, layout, args.samples, args.steps, args.warmup, out, settings),
              nprocs=layout.world_size, join=True)
     return torch.load(out)
+
+
+def option_rows(args):
+    """The second table: each option at DP2 against the plain optimizer at DP2, measured here."""
+    layout, got = layout_of(2, {}), {}
+    print("| option (DP2) | step | vs plain | reduce share | bytes per rank (device) | vs plain | host |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (plain, settings) in OPTIONS.items():
+        got[name] = measure(args.hf_checkpoint, layout, args, settings)
+        base = got[plain or name]
+        print(f"| {name} | {got[name]['step_s'] * 1e3:.0f} ms | {got[name]['step_s'] / base['step_s']:.2f}x "
+              f"| {got[name]['reduce_share'] * 100:.0f} % | {got[name]['device'] / 2**20:.2f} MiB "
+              f"| {got[name]['device'] / base['device']:.2f}x | {got[name]['host'] / 2**20:.2f} MiB |", flush=True)
 
 
 def main():
@@ -122,7 +175,13 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--tmp", default="/tmp")
+    ap.add_argument("--options", action="store_true", help="the optimizer options' table instead of the layouts'")
     args = ap.parse_args()
+    if args.options:
+        print(f"{os.path.basename(args.hf_checkpoint.rstrip('/'))}: global batch {args.samples} x 32 tokens, "
+              f"the median of {args.steps} steps")
+        option_rows(args)
+        return
     names = args.layouts.split(",")
     base = measure(args.hf_checkpoint, layout_of(1, {}), args)
     print(f"{os.path.basename(args.hf_checkpoint.rstrip('/'))}: global batch {args.samples} x 32 tokens, "

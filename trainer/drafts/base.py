@@ -4,10 +4,9 @@ The Trainer (trainer/trainer.py) runs one loop for every kind:
 
 1. Beside the policy's step: per micro-batch, the policy's forward; the draft's `inputs` read what it
    needs from that forward (detached, so the policy's loss and gradients are those without a draft),
-   `loss` gives the draft's loss, added to the policy's before the one backward. Then
-   `reduce_gradients` (over ranks), `clip_gradients` (apart from the policy's clip) and the step of
-   the optimizer that holds the draft's parameters (`optimizer`: the trainer's, the draft's
-   parameters in a group of their own, or the draft's own).
+   `loss` gives the draft's loss, added to the policy's before the one backward. Then the draft's
+   `part` (trainer/optimizer.py: megatron's DDP and optimizer over the draft's parameters) reduces its
+   gradients over the ranks and steps, clipped by its own grad norm, apart from the policy's.
 2. `--draft-steps-per-rollout N`: N-1 steps of the draft alone, on the states of the *updated*
    policy (the one the next rollout drafts for), cycling over this batch and the
    `--draft-replay-batches` previous ones, recomputed with one no-grad forward each.
@@ -63,10 +62,15 @@ class DraftTrainer(abc.ABC):
     kind = None  # its DraftKind (vime/models/draft_kinds.py): name, defaults of the shared knobs
     metric_prefix = "draft"  # train/<prefix>_<i>_loss, train/<prefix>_loss, train/<prefix>_grad_norm
 
+    # whether the draft's parameters are the megatron model's (the MTP layers): its weights and optimizer state
+    # are in the policy's torch_dist checkpoint rather than a file of its own (`state`), and the policy's
+    # gradient finalisation makes their TP sums in a joint step (trainer/optimizer.py PolicyPart)
+    in_model = False
+
     def __init__(self, cfg):
         self.cfg = cfg
         self.knobs = self.checked_knobs(cfg)
-        self.optimizer = None  # the optimizer that steps the draft's parameters (see `param_groups`)
+        self.part = None  # the TrainedPart (trainer/optimizer.py) that reduces and steps the draft's parameters
 
     @classmethod
     def checked_knobs(cls, cfg):
@@ -92,24 +96,6 @@ class DraftTrainer(abc.ABC):
     def reads_policy_logits(self):
         """Whether the loss distils the policy's distribution (then its logits are kept)."""
         return self.cfg.draft_loss_type in DISTILLATION_LOSSES
-
-    # ---- parameters and optimizer ----------------------------------------------------
-    def param_groups(self):
-        """Parameter groups the trainer's optimizer takes for the draft (none: the draft has its own)."""
-        return []
-
-    def attach(self, trainer_optimizer):
-        """Called once the trainer's optimizer exists: a draft without one of its own steps with it."""
-        if self.optimizer is None:
-            self.optimizer = trainer_optimizer
-
-    @abc.abstractmethod
-    def reduce_gradients(self):
-        """Reduce the draft's gradients over the ranks (each kind its own convention)."""
-
-    @abc.abstractmethod
-    def clip_gradients(self):
-        """Clip the draft's gradients to --draft-clip-grad apart from the policy's; returns the pre-clip norm."""
 
     # ---- the loss ----------------------------------------------------------------------
     @abc.abstractmethod

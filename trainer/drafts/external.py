@@ -2,8 +2,9 @@
 
 An external draft is a module of its own beside the policy: it reads the policy's residual
 stream at a few layers (`AuxHiddenStates`, kept detached by forward hooks on every policy
-forward, so the policy's loss and gradients are exactly those without it), steps with its own
-AdamW (--draft-lr), averages its gradients over data-parallel ranks, goes to the rollout under
+forward, so the policy's loss and gradients are exactly those without it), steps with its own part
+(trainer/optimizer.py: megatron's DDP and optimizer, --draft-lr), averages its gradients over data-parallel
+ranks, goes to the rollout under
 its wire prefix (`<kind>.<checkpoint name>`) and keeps its weights and optimizer state in a
 checkpoint. The draft's module is its kind's (vime/models/draft_kinds.py), loaded from the speculative
 config's `model` once the directory is checked against the policy; each kind's trainer (<kind>.py)
@@ -24,11 +25,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from trainer import grads
 from trainer.distributed import collective_device, dp_group, pp_group, pp_size
 from trainer.drafts.base import DraftTrainer
-from trainer.mixed_precision import build_optimizer, fp32_params_for_checkpoint, grad_params
 from trainer.model import global_layer_index, is_last_stage
+from trainer.optimizer import OptimizerOptions, TrainedPart
 from trainer.weights import gather, word_embedding_on_last_stage
 from vime.errors import require
 
@@ -40,6 +40,7 @@ class AuxHiddenStates:
 
     def __init__(self, model, aux_layer_ids):
         self.kept = {}
+        self.sequence_parallel = model.config.sequence_parallel
         if model.pre_process:  # a later stage's embedding copy embeds the MTP block's tokens, not the trunk's
             model.embedding.register_forward_hook(lambda m, i, out: self._keep(0, out))
         for layer in model.decoder.layers:
@@ -48,8 +49,12 @@ class AuxHiddenStates:
                 layer.register_forward_hook(lambda m, i_, out, key=i + 1: self._keep(key, out))
 
     def _keep(self, key, out):
-        hidden = out[0] if isinstance(out, tuple) else out
-        self.kept[key] = hidden.detach().transpose(0, 1)  # megatron's [s, b, H] -> [b, s, H]
+        hidden = (out[0] if isinstance(out, tuple) else out).detach()
+        if self.sequence_parallel:  # this rank's part of the positions: the whole sequence from every TP rank
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden)
+        self.kept[key] = hidden.transpose(0, 1)  # megatron's [s, b, H] -> [b, s, H]
 
     def take(self):
         """{aux id: [b, s, H]} of the last forward (emptied: each forward's states are read once)."""
@@ -96,8 +101,9 @@ class ExternalDraftTrainer(DraftTrainer):
         module = self.kind.load_for_target(spec.model, model_cfg, spec.num_speculative_tokens)
         policy = next(model.parameters())
         self.module = module.to(policy.device, policy.dtype)  # --bf16: bf16 like the policy, fp32 masters in the optimizer
-        self.optimizer = build_optimizer([{"params": list(self.module.parameters())}], cfg.bf16, lr=self.knobs.lr,
-                                         weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+        # each rank's loss is the mean over its micro-batches: the ranks' gradients are averaged
+        self.part = TrainedPart(self.module, model.config, OptimizerOptions.of(cfg).replicated(), self.knobs.lr,
+                                cfg.weight_decay, cfg.adam_eps, cfg.effective_draft_clip_grad, sum_over_ranks=False)
         self.aux = AuxHiddenStates(model, module.cfg.aux_layer_ids)
         self.model, self.vocab_size = model, model_cfg.vocab_size
         self.hidden_size, self.state_dtype = model_cfg.hidden_size, policy.dtype
@@ -186,21 +192,6 @@ class ExternalDraftTrainer(DraftTrainer):
         reported = share / dist.get_world_size(dp_group())
         return self.cfg.draft_loss_scaling_factor * share * total, [float(x.detach()) * reported for x in parts]
 
-    # ---- gradients -----------------------------------------------------------------------
-    def _grads(self):
-        return [p for p in grad_params(self.optimizer, self.module.parameters()) if p.grad is not None]
-
-    def reduce_gradients(self):
-        """The mean over data-parallel ranks (each rank's loss is its own micro-batches' mean)."""
-        size = dist.get_world_size(dp_group())
-        if size > 1:
-            for p in self._grads():
-                dist.all_reduce(p.grad, group=dp_group())
-                p.grad.div_(size)
-
-    def clip_gradients(self):
-        return grads.clip_by_norm(self._grads(), self.cfg.effective_draft_clip_grad)
-
     # ---- sync and checkpoints ----------------------------------------------------------------
     def named_weights(self):
         """(wire name, tensor) of the draft: `<wire_prefix><checkpoint name>` (the last pipeline stage's,
@@ -211,12 +202,10 @@ class ExternalDraftTrainer(DraftTrainer):
             yield self.kind.wire_prefix + name, p.detach()
 
     def state(self):
-        """The draft's weights (under --bf16 its fp32 masters), optimizer state and config."""
-        with fp32_params_for_checkpoint(self.module, self.optimizer):
-            weights = {k: v.clone() for k, v in self.module.state_dict().items()}
-        return {"draft": weights, "optimizer": self.optimizer.state_dict(), "config": self.module.cfg}
+        """The draft's weights, its optimizer's state (under --bf16 with the fp32 masters) and config."""
+        weights = {k: v.clone() for k, v in self.module.state_dict().items()}
+        return {"draft": weights, "optimizer": self.part.optimizer.state_dict(), "config": self.module.cfg}
 
     def load_state(self, state):
-        with fp32_params_for_checkpoint(self.module, self.optimizer):
-            self.module.load_state_dict(state["draft"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.module.load_state_dict(state["draft"])
+        self.part.optimizer.load_state_dict(state["optimizer"])

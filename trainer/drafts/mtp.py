@@ -1,21 +1,21 @@
 """The policy's MTP layers trained as the draft (--enable-mtp-training).
 
-The layers live in the megatron model (`mtp.*`) and are stepped by the trainer's optimizer in a
-parameter group of their own (--draft-lr). Their loss (mtp/loss.py: token-mean loss of depth d on
+The layers live in the megatron model (`mtp.*`) and are stepped by a part of their own (trainer/optimizer.py:
+megatron's DDP over the MTP block and megatron's optimizer, --draft-lr). Their loss (mtp/loss.py: token-mean loss of depth d on
 token t+d+1, masked by m(t+d)·m(t+d+1), times --mtp-loss-scaling-factor / depths) reads the trunk's
 outputs detached by default (--mtp-detach-trunk), so the policy's loss and gradients are those
-without it; its gradients are clipped apart from the policy's (--draft-clip-grad), so they never
+without it; its gradients are clipped by their own part's grad norm (--draft-clip-grad), so they never
 trigger clipping of the policy update. Their weights reach the rollout and the checkpoints with the
-policy's, so this kind pushes and saves nothing of its own.
+policy's (their optimizer state beside the policy's in the torch_dist checkpoint), so this kind pushes and
+saves nothing of its own.
 """
 import dataclasses
 
 from mtp.loss import mtp_loss, mtp_loss_mask, scaled_mtp_loss
-from trainer import grads
 from trainer.distributed import dp_sum
 from trainer.drafts.base import DraftTrainer
-from trainer.mixed_precision import grad_params, named_grad_params
 from trainer.model import is_mtp_param, spec_name
+from trainer.optimizer import OptimizerOptions, TrainedPart, empty_module
 from vime.errors import require
 from vime.models.draft_kinds import MTP
 
@@ -32,6 +32,7 @@ class MTPDraftTrainer(DraftTrainer):
     """The MTP layers of the policy's model as the trained draft (see module docstring)."""
 
     kind = MTP
+    in_model = True
     metric_prefix = "mtp"  # train/mtp_loss, train/mtp_<d>_loss, train/mtp_grad_norm (the names users know)
 
     @classmethod
@@ -60,12 +61,17 @@ class MTPDraftTrainer(DraftTrainer):
         require(self.depths <= num_layers or cfg.mtp_reuse_attention != "drafter" or spec_name() != "te",
                 "--mtp-reuse-attention drafter runs the reused depths with an arbitrary attention mask, which "
                 "the Transformer Engine layers used on this GPU do not take; use --mtp-reuse-attention megatron")
+        require(self.depths <= num_layers or cfg.mtp_reuse_attention != "drafter" or not cfg.sequence_parallel,
+                "--mtp-reuse-attention drafter runs the reused depths over blocks of whole sequences, and under "
+                "--sequence-parallel a rank holds part of each; use --mtp-reuse-attention megatron")
         self.named_params = [(n, p) for n, p in model.named_parameters() if is_mtp_param(n)]
         for _, p in self.named_params:
             p.requires_grad_(True)
-
-    def param_groups(self):
-        return [{"params": [p for _, p in self.named_params], "lr": self.knobs.lr}]
+        # every pipeline stage builds the part (its grad norm is a collective over them); a stage without the
+        # MTP block steps nothing
+        block = model.mtp if model.mtp_process else empty_module(model.config)
+        self.part = TrainedPart(block, model.config, OptimizerOptions.of(cfg), self.knobs.lr, cfg.weight_decay,
+                                cfg.adam_eps, cfg.effective_draft_clip_grad)
 
     # ---- the loss ----------------------------------------------------------------------
     def normaliser(self, batch, num_micro_batches):
@@ -91,12 +97,3 @@ class MTPDraftTrainer(DraftTrainer):
                             c.draft_distill_topk)
             per_depth.append(loss * local / counts[d - 1].clamp(min=1))
         return scaled_mtp_loss(per_depth, c.mtp_loss_scaling_factor), [float(x.detach()) for x in per_depth]
-
-    # ---- gradients -----------------------------------------------------------------------
-    def reduce_gradients(self):
-        """Summed over ranks as the policy's (the loss is normalised by the global token count)."""
-        grads.reduce_gradients(named_grad_params(self.optimizer, self.named_params))
-
-    def clip_gradients(self):
-        return grads.clip_by_norm(grad_params(self.optimizer, [p for _, p in self.named_params]),
-                                  self.cfg.effective_draft_clip_grad)
