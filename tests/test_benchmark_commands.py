@@ -149,6 +149,12 @@ TINY = {
         spec_decode("--min-seconds", "0"),
         (("OUT", "dspark_arms"),),
     ),
+    "python scripts/bench/throughput.py spec-decode --clock cpu --hf-checkpoint checkpoints/tiny-qwen2 --dspark-drafts "
+    'checkpoints/tiny-qwen2-dspark --methods "none,dspark k=3 sized,dspark k=3" --num-prompts 64 --batch-sizes 1,64 '
+    "--max-new-tokens 64 --repeats 30 --stop-at-eos --temperature 0 "
+    '--versus "dspark k=3 sized/none,dspark k=3/none"': Tiny(
+        SPEC_TABLE + (r"dspark k=3 sized / none paired [\d.]+x",), spec_decode()
+    ),
     "python scripts/bench/throughput.py spec-scale --device cuda --dtype bfloat16 --repeats 3": Tiny(
         (r"online",), ("--repeats", "1", "--batch-sizes", "1", "--max-new-tokens", "4", "--layers", "2"), cuda=True
     ),
