@@ -47,6 +47,7 @@ def check_inputs(cfg):
     from rollout.backend import check_backend
     from trainer.model import check_recompute
     from vime.models.activations import RecomputePlan
+    from trainer.drafts import check_draft_files
     from trainer.routing_replay import check_routing_replay
     from vime.models.config_checks import check_finite_weights, check_mtp_layers, run_model_config
     from vime.models.hf_format import inspect_hf_checkpoint
@@ -61,6 +62,7 @@ def check_inputs(cfg):
     check_trainable(hf)
     check_routing_replay(cfg, hf)
     check_backend(cfg, hf)
+    check_draft_files(cfg)  # after the backend found the draft's directory a draft of its kind
     check_finite_weights(os.path.join(cfg.model.hf_checkpoint, "model.safetensors"))
     for flag, path in (("--save", cfg.run.save), ("--output-dir", cfg.run.output_dir)):
         if path:  # before anything is written there (the task variant's prompts, the run's files)

@@ -201,9 +201,29 @@ def convert(gguf_path, out, dtype, record):
           f"{params / 1e6:.1f} M parameters, {dtype}, from {name} in {time.time() - start:.0f} s")
 
 
+def check_out(args):
+    """--out is replaced whole (the older checkpoint removed first), so it must be new, empty or one this
+    script wrote (its PROVENANCE.json), and must not hold --gguf or --pip-target; no path flag is empty."""
+    from vime.paths import require_given
+
+    for flag, path in (("--out", args.out), ("--gguf", args.gguf), ("--pip-target", args.pip_target)):
+        require_given(path, flag)
+    out = os.path.realpath(args.out)
+    for flag, path in (("--gguf", args.gguf), ("--pip-target", args.pip_target)):
+        inside = path is not None and (os.path.realpath(path) + os.sep).startswith(out + os.sep)
+        require(not inside, f"--out {args.out} holds {flag} {path}: replacing --out would delete the input; "
+                "choose another --out")
+    if os.path.exists(out):
+        require(os.path.isdir(out), f"--out {args.out}: a file, not a directory")
+        require(not os.listdir(out) or os.path.isfile(os.path.join(out, "PROVENANCE.json")),
+                f"--out {args.out}: the directory holds files this script did not write (no PROVENANCE.json), and "
+                "--out is replaced whole; choose a new or empty directory")
+
+
 @exit_on_user_error
 def main(argv=None):
     args = parse_args(argv)
+    check_out(args)
     require_loader_packages()
     gguf_path = source_gguf(args)
     check_gguf(gguf_path)

@@ -25,7 +25,7 @@ from make_dflash_draft import block_draft_parser, initialised, make  # noqa: E40
 from mtp.draft_warmup import warm_up_draft  # noqa: E402
 from mtp.dspark import RECIPE_WEIGHTS, dspark_loss  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
-from vime.models.dspark import DSPARK, draft_config_for_target  # noqa: E402
+from vime.models.dspark import DSPARK, check_loss_weights, draft_config_for_target  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -36,8 +36,15 @@ def parse_args(argv=None):
     p.add_argument("--confidence-head-with-markov", action="store_true",
                    help="the confidence head reads the Markov embedding beside the slot's state")
     for term, weight in RECIPE_WEIGHTS.items():
-        p.add_argument(f"--{term}-weight", type=float, default=weight, help=f"weight of the {term} term")
+        p.add_argument(f"--{term}-weight", type=float, default=None,
+                       help=f"weight of the {term} term (default {weight:g})")
     return p.parse_args(argv)
+
+
+def given_weights(args):
+    """{term: weight} of the loss weights given on the command line (the others: the recipe's)."""
+    return {term: getattr(args, f"{term}_weight") for term in RECIPE_WEIGHTS
+            if getattr(args, f"{term}_weight") is not None}
 
 
 def init_draft(target_cfg, target_state, args, std=0.02):
@@ -57,7 +64,7 @@ def warm_up(draft, target, sequences, args, log=print):
     recomputed, detached)."""
     generator = torch.Generator().manual_seed(args.seed)
     embed, head = target.model.embed_tokens.weight.detach(), target.head_weight().detach()
-    weights = {term: getattr(args, f"{term}_weight") for term in RECIPE_WEIGHTS}
+    weights = dict(RECIPE_WEIGHTS, **given_weights(args))
 
     def loss_of(tokens, mask, aux):
         with torch.no_grad():
@@ -75,8 +82,10 @@ def main(argv=None):
     args = parse_args(argv)
     require(args.block_size >= 1, f"--block-size must be >= 1: the block's drafts (got {args.block_size})")
     require(args.markov_rank >= 1, f"--markov-rank must be >= 1 (got {args.markov_rank})")
-    for term in RECIPE_WEIGHTS:
-        require(getattr(args, f"{term}_weight") >= 0, f"--{term}-weight must be >= 0")
+    for term, weight in given_weights(args).items():
+        require(weight >= 0, f"--{term}-weight must be >= 0 (got {weight:g})")
+    check_loss_weights(given_weights(args), args.confidence_head, lambda term: f"--{term}-weight",
+                       "the draft (--no-confidence-head)" if not args.confidence_head else "the draft")
     make(args, DSPARK, init_draft, warm_up)
 
 

@@ -78,9 +78,11 @@ def add_sample_args(p):
 
 def check_out(args):
     """A draft maker's --out is none of its inputs: it writes config.json and the weights there, which
-    would overwrite the target's own (or the prompt file)."""
-    from vime.paths import require_not_an_input
+    would overwrite the target's own (or the prompt file). An empty --prompt-data names no file (it would
+    fall back to the target's prompts without a word)."""
+    from vime.paths import require_given, require_not_an_input
 
+    require_given(args.prompt_data, "--prompt-data")
     require_not_an_input(args.out, "--out", [(args.target, "--target"), (args.prompt_data, "--prompt-data")])
 
 

@@ -3,7 +3,8 @@ process): exit code 2, one line that says what is true, and no input file change
 
 Kinds: checkpoint metadata read as typed data; a manifest written over a dangling symbolic link; a
 binary file where a JSON config is expected; an empty string where a path is expected; an output
-that is an input; and messages that must name what is there (a file is not "no such directory", a
+that is an input (or a directory replaced whole that holds one); a knob the run's draft or engine
+settings leave idle; and messages that must name what is there (a file is not "no such directory", a
 string is not "an integer", a stage split never "leaves -1 layers")."""
 import hashlib
 import json
@@ -156,6 +157,20 @@ def test_an_empty_path_is_refused_by_the_tools(converted, tmp_path, capsys):
     assert contents(hf, dist) == before and not os.path.exists(tmp_path / "o")
 
 
+@pytest.mark.parametrize("script, flags, flag", [
+    ("make_eagle3_draft.py", ["--target", QWEN2_TARGET, "--out", "OUT", "--prompt-data", ""], "--prompt-data"),
+    ("make_tiny_model.py", ["--out", "OUT", "--init-from", ""], "--init-from"),
+    ("make_tiny_model.py", ["--out", "OUT", "--warm-start-from", ""], "--warm-start-from"),
+    ("strip_mtp.py", ["--source", QWEN2_TARGET, "--out", ""], "--out"),
+    ("export_draft.py", ["--load", "", "--out", "OUT"], "--load"),
+])
+def test_an_empty_path_is_refused_by_the_scripts(tmp_path, script, flags, flag):
+    out = tmp_path / "out"
+    line = script_one_line(script, *[out if x == "OUT" else x for x in flags])
+    assert line == f"error: {flag} '': an empty path names no file; give a path"
+    assert not os.path.exists(out)
+
+
 def test_a_draft_maker_never_writes_its_draft_over_its_target(tmp_path):
     target = tmp_path / "target"
     shutil.copytree(QWEN2_TARGET, target)
@@ -208,3 +223,107 @@ def test_a_stage_split_taking_more_layers_than_the_model_has_says_so(ckpt, tmp_p
                                             "--pipeline-model-parallel-size", "2",
                                             "--decoder-first-pipeline-num-layers", "3"])
     assert "-1" not in line and "take 3 decoder layers, more than the model's 2" in line, line
+
+
+DSPARK_DRAFT = os.path.join(REPO, "checkpoints", "tiny-qwen2-dspark")
+
+
+@pytest.fixture(scope="module")
+def headless_dspark(tmp_path_factory):
+    """A DSpark draft for the shipped Qwen2 target made without its confidence head (blocks of 3)."""
+    out = str(tmp_path_factory.mktemp("headless") / "draft")
+    subprocess.run([sys.executable, "scripts/make_dspark_draft.py", "--target", QWEN2_TARGET, "--out", out,
+                    "--block-size", "3", "--markov-rank", "8", "--no-confidence-head"], cwd=REPO, check=True,
+                   capture_output=True, timeout=600)
+    return out
+
+
+def dspark_spec(draft, **extra):
+    return json.dumps({"method": "dspark", "num_speculative_tokens": 3, "model": draft, **extra})
+
+
+# knobs the run's configuration cannot use: (flags after the target's, what the line says)
+IDLE_KNOBS = [
+    (lambda headless: ["--vllm-speculative-config", dspark_spec(headless), "--enable-draft-training",
+                       "--draft-confidence-weight", "1"],
+     "--draft-confidence-weight weighs the confidence head's term, but the draft {headless} has no confidence head"),
+    (lambda headless: ["--vllm-speculative-config", dspark_spec(DSPARK_DRAFT), "--enable-draft-training",
+                       "--draft-ce-weight", "0", "--draft-l1-weight", "0", "--draft-confidence-weight", "0"],
+     "--draft-ce-weight 0, --draft-l1-weight 0, --draft-confidence-weight 0: every term of the loss of the draft"),
+    (lambda headless: ["--vllm-speculative-config", dspark_spec(DSPARK_DRAFT, enable_adaptive_verification=True),
+                       "--spec-adaptive"],
+     "--spec-adaptive and enable_adaptive_verification in --vllm-speculative-config both choose how many drafts"),
+    (lambda headless: ["--vllm-speculative-config", dspark_spec(DSPARK_DRAFT), "--rollout-release-kv-cache", "false",
+                       "--rollout-release-weights"],
+     "--rollout-release-kv-cache false keeps the KV cache, but --rollout-release-weights gives it back"),
+]
+
+
+@pytest.mark.parametrize("flags, says", IDLE_KNOBS)
+def test_a_knob_the_runs_configuration_cannot_use_is_one_line(headless_dspark, tmp_path, capsys, flags, says):
+    before = contents(DSPARK_DRAFT, headless_dspark, QWEN2_TARGET)
+    line = one_line(capsys, train_rl.main, ["--hf-checkpoint", QWEN2_TARGET, "--num-rollout", "2", "--output-dir",
+                                            str(tmp_path / "out"), *flags(headless_dspark)])
+    assert says.format(headless=headless_dspark) in line, line
+    assert contents(DSPARK_DRAFT, headless_dspark, QWEN2_TARGET) == before and not os.path.exists(tmp_path / "out")
+
+
+def test_the_dspark_draft_maker_refuses_loss_weights_it_cannot_use(tmp_path):
+    out = tmp_path / "draft"
+    line = script_one_line("make_dspark_draft.py", "--target", QWEN2_TARGET, "--out", out, "--no-confidence-head",
+                           "--confidence-weight", "1")
+    assert line == ("error: --confidence-weight weighs the confidence head's term, but the draft "
+                    "(--no-confidence-head) has no confidence head (enable_confidence_head false): drop the flag")
+    line = script_one_line("make_dspark_draft.py", "--target", QWEN2_TARGET, "--out", out, "--ce-weight", "0",
+                           "--l1-weight", "0", "--confidence-weight", "0", "--warmup-steps", "2")
+    assert line.startswith("error: --ce-weight 0, --l1-weight 0, --confidence-weight 0: every term of the loss"), line
+    assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("tool, flags", [
+    (hf_to_torch_dist.main, lambda hf, dist, tmp: ["--hf-checkpoint", hf, "--save", os.path.join(hf, "dist")]),
+    (torch_dist_to_hf.main, lambda hf, dist, tmp: ["--input-dir", dist, "--output-dir", dist, "--origin-hf-dir", hf]),
+    (torch_dist_to_hf.main, lambda hf, dist, tmp: ["--input-dir", dist, "--output-dir", hf, "--origin-hf-dir", hf]),
+])
+def test_a_converter_never_writes_over_its_source(converted, tmp_path, capsys, tool, flags):
+    hf, dist = converted
+    before = contents(hf, dist)
+    line = one_line(capsys, tool, flags(hf, dist, tmp_path))
+    assert "writing there would overwrite the input" in line, line
+    assert contents(hf, dist) == before
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("make_tiny_model.py", lambda target: ["--init-from", target, "--out", target]),
+    ("strip_mtp.py", lambda target: ["--source", target, "--out", target]),
+    ("export_draft.py", lambda target: ["--load", target, "--out", os.path.join(target, "draft")]),
+    ("make_mtp_draft.py", lambda target: ["--target", target, "--out", target]),
+    ("make_dflash_draft.py", lambda target: ["--target", target, "--out", target]),
+    ("make_dspark_draft.py", lambda target: ["--target", target, "--out", target]),
+])
+def test_no_tool_writes_its_output_over_its_input(tmp_path, script, flags):
+    target = tmp_path / "target"
+    shutil.copytree(QWEN2_TARGET, target)
+    before = contents(target)
+    line = script_one_line(script, *flags(str(target)))
+    assert "writing there would overwrite the input" in line, line
+    assert contents(target) == before
+
+
+def test_the_checkpoint_getter_never_replaces_a_directory_it_did_not_write_or_one_holding_its_input(tmp_path):
+    """get_smollm2 replaces --out whole: a directory of other files, or one holding the GGUF file it reads,
+    is refused before anything is read or written."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("kept")
+    gguf = mine / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    before = contents(mine)
+    line = script_one_line("get_smollm2.py", "--gguf", gguf, "--out", mine)
+    assert line == (f"error: --out {mine} holds --gguf {gguf}: replacing --out would delete the input; "
+                    "choose another --out")
+    line = script_one_line("get_smollm2.py", "--gguf", tmp_path / "elsewhere.gguf", "--out", mine)
+    assert line == (f"error: --out {mine}: the directory holds files this script did not write (no "
+                    "PROVENANCE.json), and --out is replaced whole; choose a new or empty directory")
+    assert script_one_line("get_smollm2.py", "--out", "") == "error: --out '': an empty path names no file; give a path"
+    assert contents(mine) == before

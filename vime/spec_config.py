@@ -381,6 +381,10 @@ RUN_RULES = (
     RunRule(f"{ADAPTIVE_FLAG} and num_speculative_tokens_per_batch_size in {FLAG}",
             lambda spec, r: r.spec_adaptive and spec.num_speculative_tokens_per_batch_size is not None,
             "both choose k per step; give one of them"),
+    RunRule(f"{ADAPTIVE_FLAG} and enable_adaptive_verification in {FLAG}",
+            lambda spec, r: r.spec_adaptive and spec.enable_adaptive_verification,
+            "both choose how many drafts a step verifies (the draft's confidence would decide, and "
+            f"{ADAPTIVE_FLAG} be ignored); give one of them"),
 )
 
 

@@ -17,7 +17,7 @@ DRAFT_TRAINERS = {kind.name: getattr(importlib.import_module(f"trainer.drafts.{k
 EXTERNAL_TRAINED = tuple(name for name in DRAFT_TRAINERS if name != MTP.name)  # external kinds trained online
 EXTERNAL_EXAMPLE = f'\'{{"method":"{EXTERNAL_TRAINED[0]}","model":DRAFT_DIR,"num_speculative_tokens":3}}\''
 
-__all__ = ["DRAFT_STATE_FILE", "DRAFT_TRAINERS", "DraftTrainer", "build_draft", "check_draft_config", "draft_kind",
+__all__ = ["DRAFT_STATE_FILE", "DRAFT_TRAINERS", "DraftTrainer", "build_draft", "check_draft_config", "check_draft_files", "draft_kind",
            "load_draft_state", "read_draft_state", "save_draft_state", "saved_draft_state_file"]
 
 
@@ -55,6 +55,17 @@ def check_draft_training(tree):
     from trainer.config import TrainerConfig
 
     check_draft_config(TrainerConfig.from_tree(tree))
+
+
+def check_draft_files(tree):
+    """The trained draft's knobs against its own files (a loss weight for a head it has not), from the run's
+    config tree; after the draft's directory was checked against the target."""
+    from trainer.config import TrainerConfig
+
+    cfg = TrainerConfig.from_tree(tree)
+    kind = draft_kind(cfg)
+    if kind is not None:
+        DRAFT_TRAINERS[kind].check_draft_files(cfg)
 
 
 def build_draft(cfg, model, model_cfg):

@@ -87,6 +87,11 @@ class DraftTrainer(abc.ABC):
         """Refuse (one line) a TrainerConfig setting this kind cannot honour; run before any trainer starts."""
 
     @classmethod
+    def check_draft_files(cls, cfg):
+        """Refuse (one line) a knob that the draft's own files make idle (a head it has not); run with the
+        checks that read the run's inputs, once the draft's directory was found a draft of its kind."""
+
+    @classmethod
     def check_bounds(cls, cfg, knobs):
         """Refuse (one line) a knob past the point where it only costs memory and time, given what the run's
         rollout drafts; a run's pre-start check (a Trainer built on its own takes any value it can run)."""

@@ -12,7 +12,8 @@ by --draft-ce-weight / --draft-l1-weight / --draft-confidence-weight (their defa
 from mtp.dspark import dspark_loss
 from trainer.drafts.dflash import DFlashDraftTrainer
 from vime.errors import require
-from vime.models.dspark import DSPARK
+from vime.models.draft_format import read_config
+from vime.models.dspark import DSPARK, check_loss_weights
 
 
 class DSparkDraftTrainer(DFlashDraftTrainer):
@@ -26,6 +27,12 @@ class DSparkDraftTrainer(DFlashDraftTrainer):
         require(cfg.draft_loss_type == "ce",
                 f"--draft-loss-type {cfg.draft_loss_type} picks one loss; the {cls.kind.title} draft trains with its "
                 "recipe's terms: weigh them with " + ", ".join(f"--draft-{term}-weight" for term, _ in cls.kind.loss_weights))
+
+    @classmethod
+    def check_draft_files(cls, cfg):
+        model = cfg.speculative_config.model
+        check_loss_weights(cfg.draft_loss_weights, read_config(cls.kind, model).enable_confidence_head,
+                           lambda term: f"--draft-{term}-weight", f"the draft {model}")
 
     @property
     def reads_policy_logits(self):

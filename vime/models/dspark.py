@@ -69,6 +69,21 @@ def _fits(path, cfg, target_cfg, num_speculative_tokens):
             f"that many (make another with `python {MAKE} --target CKPT --out DIR --block-size N`)")
 
 
+def check_loss_weights(given, confidence_head, flag_of, draft):
+    """The loss weights set by hand (`given`: {term: weight}) against a DSpark draft (named `draft` in the
+    line) with or without its confidence head: a weight for a term the draft has not (the head's) would
+    weigh nothing, and the terms it has all at 0 would train nothing. `flag_of(term)`: the flag that sets
+    a term's weight."""
+    terms = [term for term in RECIPE_WEIGHTS if term != "confidence" or confidence_head]
+    absent = [term for term in given if term not in terms]
+    require(not absent, f"{flag_of(absent[0]) if absent else ''} weighs the confidence head's term, but {draft} has "
+            "no confidence head (enable_confidence_head false): drop the flag")
+    weights = dict(RECIPE_WEIGHTS, **given)
+    require(any(weights[term] > 0 for term in terms),
+            f"{', '.join(f'{flag_of(term)} {weights[term]:g}' for term in terms)}: every term of the loss of {draft} "
+            "weighs 0, so it would learn nothing; give one of them a weight > 0")
+
+
 DSPARK = DraftKind(
     name="dspark", title="DSpark", proposer="DSparkProposer", trainer="DSparkDraftTrainer", block=True,
     anchor_drafts=True, confidence=True, loss_weights=tuple(RECIPE_WEIGHTS.items()), vllm_gpu_runner_only=True,
