@@ -3,7 +3,8 @@
 - `EngineWatch.wait(calls)` waits on calls to rollout workers the way `ray.get` would, and meanwhile
   asks each busy worker for a heartbeat (answered on its own thread, beside the call). A worker is
   *lost* when its process died (Ray says so), when its engine died under it (vLLM's EngineCore
-  process: the worker says so, `EngineDead`), or when it made no progress for the health timeout
+  process: the worker's call or its heartbeat says so, `EngineDead`, and a worker whose heartbeat
+  said so is killed, its call waiting on the dead engine), or when it made no progress for the health timeout
   (its progress count, engine steps taken and weight buckets received, did not move, or it did not
   answer at all: a stopped or hung process, its own or its engine's); a hung worker is killed. The caller decides what a
   loss means (the rollout manager re-issues the step's unfinished groups, the driver replaces it).
@@ -102,13 +103,17 @@ class EngineWatch:
                 for key, ref in refs.items()}
 
     def _check(self, key, worker, seen, beats):
-        """Read `worker`'s heartbeat if it answered (and ask again); an EngineHung once it was killed."""
+        """Read `worker`'s heartbeat if it answered (and ask again); an EngineHung once it was killed for
+        making no progress, the heartbeat's error once it said its engine died (the worker killed too)."""
         beat = beats.get(key)
         if beat is not None:
             ready, _ = ray.wait([beat], timeout=0)
             if ready:
                 del beats[key]
                 answer = _outcome(beat)
+                if isinstance(getattr(answer, "cause", None), EngineDead):  # its call may never return
+                    ray.kill(worker, no_restart=True)
+                    return answer
                 if isinstance(answer, BaseException):  # dead: its call's own error says so
                     return None
                 if answer != seen[key][0]:

@@ -71,7 +71,11 @@ class RolloutWorkerImpl:
     @ray.method(concurrency_group="health")
     def heartbeat(self):
         """Answered on its own thread while another call runs: the progress count (engine steps taken and
-        weight buckets received so far), which a hung or stopped engine no longer moves."""
+        weight buckets received so far), which a hung or stopped engine no longer moves. An engine that died
+        under this worker is `EngineDead` at once: the running call may wait on it for ever (vLLM's client
+        waits on the dead EngineCore's output queue)."""
+        if self.backend is not None and not self.backend.alive():
+            raise EngineDead(f"its {self.backend.name} engine process died")
         return (self.backend.progress() if self.backend else 0) + self.buckets_received
 
     def leftovers(self):

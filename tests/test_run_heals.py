@@ -111,17 +111,25 @@ class WatchedRun:
     def stderr(self):
         return "\n".join(x for _, x in self.err)
 
-    def left_behind(self):
-        """The run's processes still alive and the /dev/shm files its processes mapped that remain."""
-        time.sleep(2)
-        alive = []
+    def left_behind(self, grace_s=30):
+        """The run's processes still alive `grace_s` after it ended (those ending then are given the time,
+        on a loaded machine) as 'pid command line', and the /dev/shm files its processes mapped that remain."""
+        procs = []
         for pid, started in self.seen.items():
             try:
-                if abs(psutil.Process(pid).create_time() - started) < 1e-3:
-                    alive.append(pid)
+                proc = psutil.Process(pid)
+                if abs(proc.create_time() - started) < 1e-3:
+                    procs.append(proc)
             except psutil.Error:
                 pass
-        return alive, sorted(p for p in self.shm if os.path.exists(p))
+        _, alive = psutil.wait_procs(procs, timeout=grace_s)
+        left = []
+        for proc in alive:
+            try:
+                left.append(f"{proc.pid} {' '.join(proc.cmdline())[:200]}")
+            except psutil.Error:
+                pass
+        return left, sorted(p for p in self.shm if os.path.exists(p))
 
 
 def step_prompts(out):
@@ -253,11 +261,14 @@ def test_a_killed_vllm_engine_core_is_replaced_and_the_run_goes_on_with_the_same
     run = WatchedRun(args(out))
     run.wait_for_rows(out, 2, timeout=1500)
     run.process("VLLM::EngineCore").kill()
+    killed = time.monotonic()
     assert run.finish() == 0, run.stderr()[-3000:]
     rows = metrics(out)
     assert [r["rollout/step"] for r in rows] == list(range(STEPS))
-    restarts = [m for m in map(RESTART_LINE.search, run.stdout().splitlines()) if m]
-    assert len(restarts) == 1 and "engine" in restarts[0].group(3), run.stdout()[-3000:]
+    restarts = [(t, RESTART_LINE.search(x)) for t, x in run.lines if RESTART_LINE.search(x)]
+    assert len(restarts) == 1 and "engine" in restarts[0][1].group(3), run.stdout()[-3000:]
+    # found by its death, not by the health timeout (600 s by default) its waiting worker would reach
+    assert restarts[0][0] - killed < 600
     assert sum(r["fault/engine_restarts"] for r in rows) == 1
     assert all(r["weight_sync/worker_draft_checksum"] == r["weight_sync/draft_checksum"] for r in rows)
     assert step_prompts(out) == step_prompts(reference)
