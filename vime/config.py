@@ -166,7 +166,8 @@ def _validate_rollout(r):
     require(not r.release_weights or r.sync_draft_weights,
             "--rollout-release-weights: the engines give their weights back while the trainer steps and the push "
             "brings them back, but --no-sync-draft-weights pushes no draft, so the draft would be lost; drop one")
-    # an engine gives its weights back with its KV cache (which reads them): keeping the cache is not an option then
+    # an engine that gives its weights back gives its KV cache back too (vLLM's sleep level 2, the embedded engine's
+    # release_memory alike): a cache kept is not an option then
     require(not (r.release_weights and r.release_kv_cache is False),
             "--rollout-release-kv-cache false keeps the KV cache, but --rollout-release-weights gives it back with "
             "the weights; drop one of them")
