@@ -202,6 +202,9 @@ class WeightSync:
                 raise e
         lost = [(key, self.workers[key]._actor_id.hex(), lost_reason(e)) for key, e in sorted(
             (k, e) for k, e in failed.items() if not isinstance(k, tuple)) if lost_reason(e)]
+        if failed and not lost and len(broken) == len(failed):  # broken, no call saying why: ask the engines
+            found = self.watch.probe({key: worker for key, (worker, _) in calls.items() if worker is not None})
+            lost = [(key, self.workers[key]._actor_id.hex(), why) for key, why in sorted(found.items())]
         if lost:
             raise EnginesLost(version - 1, lost)
         if failed:

@@ -94,6 +94,23 @@ class EngineWatch:
                     on_failure(next(k for k, e in outcomes.items() if e is first), first)
         return outcomes
 
+    def probe(self, workers):
+        """{key: why lost} of `workers` ({key: worker}) found lost when asked now: dead, or saying that their
+        engine died (those are killed). For a push that broke without a call saying why: the peer whose
+        process died mid-broadcast (an engine's own process, or the worker's) is found by its heartbeat."""
+        beats = {key: worker.heartbeat.remote() for key, worker in workers.items()}
+        ready, _ = ray.wait(list(beats.values()), num_returns=len(beats), timeout=self.timeout_s)
+        lost = {}
+        for key, beat in beats.items():
+            answer = _outcome(beat) if beat in ready else EngineHung(
+                f"did not answer its heartbeat within {self.timeout_s:g} s (--rollout-health-timeout); killed it")
+            if isinstance(getattr(answer, "cause", None), EngineDead) or isinstance(answer, EngineHung):
+                ray.kill(workers[key], no_restart=True)
+            why = lost_reason(answer) if isinstance(answer, BaseException) else None
+            if why:
+                lost[key] = why
+        return lost
+
     def wait_started(self, refs):
         """{key: value or exception} of the first calls to workers just created, {key: ObjectRef}: their
         engines must start within the health timeout (an EngineHung otherwise; the caller kills them)."""

@@ -71,3 +71,38 @@ def test_load_defaults_to_save_when_it_holds_a_checkpoint(tmp_path, capsys):
     requeued = RunSection(save=str(save))
     assert load_from_save_by_default(requeued) and requeued.load == str(save)
     assert "--load defaults to --save" in capsys.readouterr().out
+
+
+def test_a_broken_push_finds_its_lost_engines_by_their_heartbeats():
+    """After a weight push broke without any call saying why, `EngineWatch.probe` asks every engine: one whose
+    engine process died says so (and is killed, its calls may never return), a dead worker is lost, a live one is
+    not. Real Ray actors answering `heartbeat` as rollout workers do."""
+    import ray
+    import ray.exceptions
+
+    from rollout.health import EngineDead, EngineWatch
+
+    @ray.remote(num_cpus=0)
+    class Peer:
+        def __init__(self, engine_alive):
+            self.engine_alive = engine_alive
+
+        def heartbeat(self):
+            if not self.engine_alive:
+                raise EngineDead("its vllm engine process died")
+            return 7
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
+    try:
+        live, no_engine, dead = Peer.remote(True), Peer.remote(False), Peer.remote(True)
+        ray.get(dead.heartbeat.remote())
+        ray.kill(dead, no_restart=True)
+        lost = EngineWatch(timeout_s=60).probe({0: live, 1: no_engine, 2: dead})
+        assert set(lost) == {1, 2} and "engine process died" in lost[1] and lost[2].startswith("died")
+        try:
+            ray.get(no_engine.heartbeat.remote(), timeout=60)
+            raise AssertionError("the worker whose engine died was not killed")
+        except ray.exceptions.RayActorError:
+            pass
+    finally:
+        ray.shutdown()
