@@ -65,17 +65,20 @@ def warm_up_mtp_layers(model, sequences, masks, steps, batch_size, lr, seed, log
     """`steps` AdamW steps of the MTP layers of `model` (a CausalLMWithMTP) on random batches of `sequences`
     (token lists); `masks[i]` marks the tokens of sequence i the loss may read and predict (its response).
     Each depth k reads the previous depth's output, as the engine drafts; the loss is the token mean of
-    every depth's cross-entropy. The trunk runs without gradients."""
+    every depth's cross-entropy. The trunk is frozen, so its hidden states are computed once per sequence
+    (causal attention: a sequence's states do not depend on the batch it runs in) and each step trains on them."""
     model.requires_grad_(False)
     params = mtp_parameters(model)
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     rng, start = random.Random(seed), time.time()
+    states = trunk_states(model, sequences, batch_size)
     indexed = list(range(len(sequences)))
     for step in range(steps):
-        tokens, mask = _batch(sequences, masks, [rng.choice(indexed) for _ in range(batch_size)])
-        losses = mtp_depth_losses(model, tokens, mask)
+        rows = [rng.choice(indexed) for _ in range(batch_size)]
+        tokens, mask = _batch(sequences, masks, rows)
+        losses = mtp_depth_losses(model, tokens, mask, hidden=_padded(states, rows, tokens.shape[1]))
         loss = sum(losses) / len(losses)
         opt.zero_grad()
         loss.backward()
@@ -85,6 +88,27 @@ def warm_up_mtp_layers(model, sequences, masks, steps, batch_size, lr, seed, log
             log(f"MTP warm-up step {step:4d}  loss by depth " + " ".join(f"{x.item():.3f}" for x in losses)
                 + f"  {time.time() - start:.0f}s")
     model.requires_grad_(False)
+
+
+def trunk_states(model, sequences, batch_size):
+    """[the trunk's last hidden states of sequence i, [len_i, H]], computed in batches of `batch_size`."""
+    states = []
+    for first in range(0, len(sequences), batch_size):
+        rows = list(range(first, min(first + batch_size, len(sequences))))
+        tokens, _ = _batch(sequences, [[0] * len(sequences[i]) for i in range(len(sequences))], rows)
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        with torch.no_grad():
+            _, hidden = model.forward_states(tokens, positions)
+        states += [hidden[r, :len(sequences[i])] for r, i in enumerate(rows)]
+    return states
+
+
+def _padded(states, rows, width):
+    """The chosen rows' trunk states zero-padded to [B, width, H]."""
+    out = torch.zeros(len(rows), width, states[0].shape[-1], dtype=states[0].dtype)
+    for r, i in enumerate(rows):
+        out[r, :len(states[i])] = states[i]
+    return out
 
 
 def _batch(sequences, masks, rows):
@@ -98,11 +122,10 @@ def _batch(sequences, masks, rows):
     return tokens, mask
 
 
-def mtp_depth_losses(model, tokens, mask):
-    """[depth-k cross-entropy] of every MTP layer of `model` on `tokens` (mask: which tokens count)."""
+def mtp_depth_losses(model, tokens, mask, hidden):
+    """[depth-k cross-entropy] of every MTP layer of `model` on `tokens` (mask: which tokens count), from the
+    trunk's last hidden states `hidden` of `tokens`."""
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    with torch.no_grad():
-        _, hidden = model.forward_states(tokens, positions)
     losses = []
     for k in range(model.num_mtp_layers):
         depth = k + 1

@@ -30,7 +30,7 @@ def check_config(cfg):
     check_bf16(cfg.model.bf16)  # --bf16 on a device that cannot run a bf16 matmul
     check_device_options(cfg.train)  # an optimizer option this machine's megatron-core cannot run
     check_dynamic_sampling(cfg.rollout)
-    check_task_variant(cfg.rollout.task_variant)
+    check_task_variant(cfg.rollout)
     check_estimator(cfg.train.advantage_estimator)
     check_kl_estimator(cfg.train.kl_loss_type)
     check_weight_transfer(cfg.rollout)

@@ -85,14 +85,14 @@ def lock_run_dirs(cfg):
 def write_variant_prompts(cfg):
     """--task-variant: that variant's prompt set (seeded by --rollout-seed) as JSONL in the run's directory,
     which becomes --prompt-data. The variant's name and flags are checked before (preflight.check_config)."""
-    from rollout.task import TASK_VARIANTS, write_jsonl
+    from rollout.task import prompt_tasks, write_jsonl
 
     r = cfg.rollout
     if r.task_variant is None:
         return
     os.makedirs(cfg.run.output_dir, exist_ok=True)
     path = os.path.join(cfg.run.output_dir, f"prompts_{r.task_variant}.jsonl")
-    write_jsonl(TASK_VARIANTS[r.task_variant].prompts(r.task_variant_prompts, r.rollout_seed), path)
+    write_jsonl(prompt_tasks()[r.task_variant].prompts(r.task_variant_prompts, r.rollout_seed), path)
     r.prompt_data = path
 
 

@@ -126,12 +126,28 @@ TASK_VARIANTS = {
 DEFAULT_TASK_VARIANT = "add"
 
 
-def check_task_variant(variant):
-    """--task-variant names a variant of `TASK_VARIANTS` (None: prompts from --prompt-data)."""
+def prompt_tasks():
+    """{name: task} of every prompt set --task-variant makes: the tiny task's variants and the chat tasks
+    (rollout/chat_arithmetic.py), each with `prompts(n, seed)`."""
+    from rollout.chat_arithmetic import CHAT_TASKS
+
+    return {**TASK_VARIANTS, **CHAT_TASKS}
+
+
+def check_task_variant(r):
+    """--task-variant names a prompt task (None: prompts from --prompt-data); a chat task's rows hold chat
+    messages under its input key, which the run reads only with --apply-chat-template and that --input-key.
+    `r`: the rollout section."""
+    from rollout.chat_arithmetic import CHAT_TASKS
     from vime.errors import require
 
-    require(variant is None or variant in TASK_VARIANTS,
-            f"--task-variant {variant!r}: choose one of {', '.join(sorted(TASK_VARIANTS))}")
+    variant = r.task_variant
+    require(variant is None or variant in prompt_tasks(),
+            f"--task-variant {variant!r}: choose one of {', '.join(sorted(prompt_tasks()))}")
+    chat = CHAT_TASKS.get(variant)
+    require(chat is None or (r.apply_chat_template and r.input_key == chat.input_key),
+            f"--task-variant {variant} makes chat messages under {chat and chat.input_key!r}: give "
+            f"--apply-chat-template --input-key {chat and chat.input_key}")
 
 
 def write_jsonl(rows, path):

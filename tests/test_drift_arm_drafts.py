@@ -25,7 +25,7 @@ def test_draft_layers_makes_that_arm_a_deeper_draft_in_its_own_directory(tmp_pat
     arms = "online:k=7,online:k=7:draft_layers=2"
     args = drift_args(tmp_path, arms)
     drift.check_args(args)
-    shallow, deep = (drift.draft_model_of("dflash", args, 7, drift.maker_flags(arm, args)) for arm in arms.split(","))
+    shallow, deep = (drift.arm_checkpoints("dflash", args, 7, drift.maker_flags(arm, args))[1] for arm in arms.split(","))
     assert shallow != deep and all(p.startswith(str(tmp_path)) for p in (shallow, deep))
     assert saved_config(shallow)["num_hidden_layers"] == 1  # make_dflash_draft.py's default
     assert saved_config(deep)["num_hidden_layers"] == 2

@@ -108,3 +108,11 @@ def test_bad_prompt_files_name_the_line(tmp_path, small_ckpt, lines, needle, cap
 def test_bad_sampling_flags_are_one_line_errors(tmp_path, small_ckpt, prompts, flag, value, capsys):
     refused_in_process(capsys, ["--hf-checkpoint", small_ckpt, "--prompts", prompts, "--output", tmp_path / "o",
                                 flag, value], flag)
+
+
+@pytest.mark.parametrize("small_ckpt", ["mimo"], indirect=True)  # a tokenizer without a chat template
+def test_apply_chat_template_on_a_tokenizer_without_one_is_a_one_line_error(tmp_path, small_ckpt, capsys):
+    chat = write(tmp_path / "chat.jsonl", [json.dumps({"messages": [{"role": "user", "content": "1+2="}]})])
+    refused_in_process(capsys, ["--hf-checkpoint", small_ckpt, "--prompts", chat, "--output", tmp_path / "o",
+                                "--apply-chat-template"], "--apply-chat-template", "no chat template")
+    assert not (tmp_path / "o").exists()

@@ -103,3 +103,24 @@ def test_trainer_and_rollout_logprobs_agree_within_the_fp32_bound(checkpoint, ch
     samples = build_engine(checkpoint, None, EngineConfig(max_batch_size=6, max_len=128)).generate(
         samples_for_prompts(chat_prompts, n=2), SamplingParams(temperature=1.0, max_new_tokens=16, seed=1))
     assert_trainer_agrees_with_rollout(checkpoint, samples)
+
+
+def test_two_rl_steps_of_the_recipe_add_fresh_mtp_layers_train_them_and_sync_them(checkpoint, tmp_path):
+    """The recipe (configs/experiment/smollm2_math.yaml), shrunk to two steps of 8 responses: SmolLM2 gets one
+    fresh MTP layer, warmed up on its own answers, which then drafts (some drafts accepted), trains online and
+    reaches the engine with the trunk after every step (the guard's checksums agree)."""
+    import json
+
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "train_rl.py", "experiment=smollm2_math", "--hf-checkpoint", checkpoint,
+                           "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+                           "--global-batch-size", "8", "--rollout-max-response-len", "16", "--mtp-warmup-steps", "20",
+                           "--output-dir", str(out), "--use-wandb", "false", "--progress", "false"],
+                          cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "has no MTP layers: adding 1 fresh one(s)" in proc.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/step"] for r in rows] == [0, 1]
+    assert all(r["rollout/num_samples"] == 8 and 0 <= r["rollout/reward"] <= 1 for r in rows)
+    assert sum(r["rollout/spec_accepted_tokens"] for r in rows) > 0
+    assert all(r["weight_sync/worker_draft_checksum"] == r["weight_sync/draft_checksum"] for r in rows)

@@ -65,7 +65,8 @@ class RolloutSection:
     prompt_data: Optional[str] = field(default=None, metadata=flag(
         "--prompt-data", "JSONL prompts (default: the tiny model's train.jsonl)"))
     task_variant: Optional[str] = field(default=None, metadata=flag(
-        "--task-variant", "generate the prompts of a tiny-task variant (rollout/task.py TASK_VARIANTS, e.g. longtail)"))
+        "--task-variant", "generate the prompts of a task: a tiny-task variant (rollout/task.py TASK_VARIANTS, e.g. "
+        "longtail) or a chat task (rollout/chat_arithmetic.py CHAT_TASKS: chat_arithmetic)"))
     task_variant_prompts: int = field(default=4096, metadata=flag(
         "--task-variant-prompts", "prompts --task-variant makes"))
     input_key: str = field(default="prompt", metadata=flag("--input-key", "JSONL key of the prompt text"))

@@ -37,7 +37,8 @@ from rollout.embedded.engine_builder import build_engine, build_proposer  # noqa
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from vime.spec_config import parse_spec_config  # noqa: E402
 from rollout.spec_stats import aggregate_spec_stats, spec_rates  # noqa: E402
-from rollout.task import DEFAULT_TASK_VARIANT, TASK_VARIANTS, make_prompts  # noqa: E402
+from rollout.chat_arithmetic import CHAT_TASKS  # noqa: E402
+from rollout.task import DEFAULT_TASK_VARIANT, TASK_VARIANTS, make_prompts, prompt_tasks  # noqa: E402
 from rollout.tiny_model import make_random_checkpoint  # noqa: E402
 from rollout.tokenizer import TextCodec  # noqa: E402
 from vime.models.draft_kinds import DRAFT_KINDS  # noqa: E402
@@ -158,9 +159,18 @@ def checkpoint_or_random(path):
     return path
 
 
-def task_prompts(path, n, seed=11):
+def task_prompts(path, n, variant=None):
+    """n prompts as token ids: the tiny addition task's (seed 11) without `variant`, else `variant_prompts`."""
+    if variant is not None:
+        return variant_prompts(path, variant, n)
     codec = TextCodec(path)
-    return [codec.encode_prompt(r["prompt"], 1) for r in make_prompts(n, seed=seed)]
+    return [codec.encode_prompt(r["prompt"], 1) for r in make_prompts(n, seed=11)]
+
+
+def context_for(prompts, max_new_tokens):
+    """An engine's KV-cache length for `prompts` and their responses (a real model's own context runs to
+    thousands of positions, which a cache of many rows could not hold)."""
+    return max(map(len, prompts)) + max_new_tokens + 8  # room for a verify's drafts past the last token
 
 
 def batch_sizes(text):
@@ -190,8 +200,9 @@ def vs_hf(args):
     path = checkpoint_or_random(args.hf_checkpoint)
     print(f"{'batch':>5} {'engine tok/s':>13} {'HF tok/s':>10} {'ratio':>7}")
     for bs in batch_sizes(args.batch_sizes):
-        prompts = task_prompts(path, bs)
-        engine = build_engine(path, None, EngineConfig(max_batch_size=bs))
+        prompts = task_prompts(path, bs, args.task_variant)
+        engine = build_engine(path, None, EngineConfig(max_batch_size=bs,
+                                                       max_len=context_for(prompts, args.max_new_tokens)))
         runs = {"engine": generator(engine, prompts, greedy(args.max_new_tokens)),
                 "hf": hf_generator(path, prompts, args.max_new_tokens)}
         for run in runs.values():
@@ -215,7 +226,8 @@ def backend_rates(names, path, spec, prompt_sets, args):
     backends = {}
     try:
         for name in names:
-            backends[name] = build_backend(name, path, spec, max(prompt_sets))
+            backends[name] = build_backend(name, path, spec, max(prompt_sets), context_len=context_for(
+                [p for prompts in prompt_sets.values() for p in prompts], args.max_new_tokens))
         out = {}
         for bs, prompts in prompt_sets.items():
             for backend in backends.values():
@@ -236,7 +248,7 @@ def vs_vllm(args):
     vLLM backend (rollout/backend.py, as train_rl.py runs them), the ratio, and each side's
     acceptance rate and length (one definition for both), the two interleaved. vLLM's start-up is not timed."""
     path = checkpoint_or_random(args.hf_checkpoint)
-    prompt_sets = {bs: task_prompts(path, bs) for bs in batch_sizes(args.batch_sizes)}
+    prompt_sets = {bs: task_prompts(path, bs, args.task_variant) for bs in batch_sizes(args.batch_sizes)}
     print(f"{'arm':>8} {'batch':>5} {'embedded tok/s':>15} {'vLLM tok/s':>11} {'ratio':>7} "
           f"{'accept emb':>11} {'accept vLLM':>12} {'length emb':>11} {'length vLLM':>12}", flush=True)
     for arm in args.arms.split(","):
@@ -291,8 +303,12 @@ FIXED_K = ("none", "mtp k=1", "mtp k=2", "mtp k=3")  # what adaptive k is compar
 
 
 def variant_prompts(checkpoint, variant, n):
-    """n prompts of the task variant (the same seed everywhere), as token ids after BOS."""
-    return [[1] + TextCodec(checkpoint).encode(r["prompt"]) for r in TASK_VARIANTS[variant].prompts(n, seed=1234)]
+    """n prompts of a task (the same seed everywhere) as token ids: a tiny-task variant's text after BOS, a chat
+    task's messages through the checkpoint's chat template."""
+    codec, rows = TextCodec(checkpoint), prompt_tasks()[variant].prompts(n, seed=1234)
+    if variant in CHAT_TASKS:
+        return [codec.chat_prompt_ids(r[CHAT_TASKS[variant].input_key]) for r in rows]
+    return [[1] + codec.encode(r["prompt"]) for r in rows]
 
 
 def proposer_run(engine, spec, prompts, sampling, indices=None, slices=1):
@@ -331,7 +347,8 @@ def indexed_samples(prompts, indices=None):
 def long_responses(checkpoint, prompts, sampling, n, min_len, device="cpu"):
     """(prompts, their indices) of the first n requests whose plain response under `sampling` (on `device`, as the
     timed runs decode) has at least min_len tokens: the rows still running at a rollout's drained end."""
-    plain = build_engine(checkpoint, None, EngineConfig(max_batch_size=len(prompts), device=device)).generate(
+    config = EngineConfig(max_batch_size=len(prompts), device=device, max_len=context_for(prompts, sampling.max_new_tokens))
+    plain = build_engine(checkpoint, None, config).generate(
         indexed_samples(prompts), sampling)
     kept = [(p, s.index) for p, s in zip(prompts, plain) if len(s.response_ids) >= min_len][:n]
     require(len(kept) == n, f"--min-response-len {min_len}: only {len(kept)} of {len(prompts)} requests give a "
@@ -379,7 +396,8 @@ def spec_decode(args):
     print("|---|---|---|---|---|---|---|---|")
     for batch in sizes:
         engines = {name: build_engine(args.hf_checkpoint, table[name],
-                                      EngineConfig(max_batch_size=batch, device=args.device),
+                                      EngineConfig(max_batch_size=batch, device=args.device,
+                                                   max_len=context_for(prompts, args.max_new_tokens)),
                                       adaptive=name in adaptive) for name in wanted}
         for engine in engines.values():
             engine.generate(samples_for_prompts(prompts[:batch]), sampling)  # warm-up (and the adaptive profile)
@@ -533,16 +551,21 @@ def step_limit(args):
     bandwidth / step time; and of the read bandwidth's), a verify of 2 / 3 / 4 tokens against a plain step, and the engine's own
     time per token decoding one row (host work, verification and sampling included) with its share of
     the limit; then eager / graphed. Every quantity is measured once per round, rounds interleave
-    them all (load from other jobs hits each alike), best of --repeats rounds."""
+    them all (load from other jobs hits each alike), best of --repeats rounds. The model: a random one of the
+    shape arguments, or --hf-checkpoint's (a real model's weights; the shape arguments then unused)."""
     dtype = getattr(torch, args.dtype)
     cuda = require_device(args.device)
     require(cuda or not args.compile, "--compile: the torch.compile + graphed arm needs --device cuda")
     arms = [a for a in STEP_ARMS if a == "eager" or (cuda and (a == "graphed" or args.compile))]
     prompt = [[1] + [3 + j % 20 for j in range(8)]]
+    context = context_for(prompt, max(args.max_new_tokens, 32 + 4))  # the verify probes read 32 positions
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = make_random_checkpoint(tmp, **spec_scale_shape(args))
-        engines = {arm: build_engine(tmp, None, EngineConfig(max_batch_size=1, device=args.device, dtype=dtype,
-                                                             **STEP_ARMS[arm])) for arm in arms}
+        path = args.hf_checkpoint or tmp
+        if not args.hf_checkpoint:
+            make_random_checkpoint(tmp, **spec_scale_shape(args))
+        engines = {arm: build_engine(path, None, EngineConfig(max_batch_size=1, device=args.device, dtype=dtype,
+                                                              max_len=context, **STEP_ARMS[arm])) for arm in arms}
+        cfg = engines["eager"].cfg
     probes = {name: (lambda fn=fn: timed_seconds(fn, args.device), nbytes)
               for name, (fn, nbytes) in bandwidth_probes(args.device, dtype, args.copy_mib << 20).items()}
     for arm, engine in engines.items():  # warm-up (and graph capture) outside the timing
@@ -558,7 +581,8 @@ def step_limit(args):
     per_unit = {name: best[name] / units for name, (_, units) in probes.items()}  # seconds per byte, step, token
     weights = decode_weight_bytes(engines["eager"].model)
     limit = weights * per_unit["copy"]
-    print(f"random {cfg.num_hidden_layers}-layer model, hidden {cfg.hidden_size}, {args.dtype} on {args.device}: "
+    print(f"{args.hf_checkpoint or 'random'} {cfg.num_hidden_layers}-layer model, hidden {cfg.hidden_size}, "
+          f"{args.dtype} on {args.device}: "
           f"{weights / 1e9:.3f} GB of weights a decode step reads; copy bandwidth {1e-9 / per_unit['copy']:.1f} GB/s "
           f"(read + write), the limit {1e3 * limit:.3f} ms a step; read bandwidth (a sum) "
           f"{1e-9 / per_unit['read']:.1f} GB/s, {1e3 * weights * per_unit['read']:.3f} ms a step")
@@ -687,6 +711,8 @@ def gemm_rows(args):
 # ------------------------------------------------------------------ command line
 def add_compare_arguments(p):
     p.add_argument("--hf-checkpoint", default=None, help="default: a random-weight tiny MiMo")
+    p.add_argument("--task-variant", default=None, choices=list(prompt_tasks()),
+                   help="the prompts' task (default: the tiny addition task's; chat tasks through the chat template)")
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1)
@@ -732,8 +758,8 @@ def add_spec_decode_arguments(p):
     p.add_argument("--versus", default=None,
                    help="comma-separated FIRST/SECOND pairs of --methods: each batch size also prints FIRST's paired "
                         "speedup over SECOND and a sign test of which was faster, repeat by repeat")
-    p.add_argument("--task-variant", default=DEFAULT_TASK_VARIANT, choices=list(TASK_VARIANTS),
-                   help="the prompts' task (longtail: the long-tail model's)")
+    p.add_argument("--task-variant", default=DEFAULT_TASK_VARIANT, choices=list(prompt_tasks()),
+                   help="the prompts' task (longtail: the long-tail model's; chat tasks through the chat template)")
     p.add_argument("--slices", type=int, default=1,
                    help="time each repeat in this many generates of consecutive prompts, the methods interleaved "
                         "at every slice (at 1 row, --slices = --num-prompts puts the methods' runs of each prompt "
@@ -759,6 +785,7 @@ def add_shape_arguments(p):
 
 def add_step_limit_arguments(p):
     add_shape_arguments(p)
+    p.add_argument("--hf-checkpoint", default=None, help="time this checkpoint (default: a random model of the shape)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=20, help="steps timed back to back per repeat")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens of the engine's own decoding run")

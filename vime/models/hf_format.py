@@ -306,7 +306,8 @@ def hf_tensor_problem(cfg, held):
 def read_config(path, flag="--hf-checkpoint"):
     """ModelConfig of an HF checkpoint directory, with one-line errors for a bad directory that name
     `flag`, the option the user gave the directory with."""
-    require_dir(path, flag, "; make one with `python scripts/make_tiny_model.py --out DIR`")
+    require_dir(path, flag, "; make one with `python scripts/make_tiny_model.py --out DIR` (a tiny model) or "
+                "`python scripts/get_smollm2.py` (SmolLM2-135M-Instruct)")
     cfg_file = os.path.join(path, "config.json")
     require(os.path.isfile(cfg_file), f"{flag} {path}: config.json is missing; not an HF checkpoint directory")
     return config_from_raw(read_json(cfg_file), cfg_file)

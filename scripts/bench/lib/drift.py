@@ -71,10 +71,13 @@ class DriftDraft:
     make_draft: tuple = ()  # an external draft's maker: (script under scripts/, its flags given k)
     built_for_k: bool = False  # the draft serves only the k it was made for (the shipped one: default_k)
     maker_options: tuple = ()  # (arm option, flag of its make_draft script): arm options that shape the draft
+    # a draft inside the target (draft_model None) that make_draft adds fresh to a target without one: with
+    # --draft-warmup-steps the made checkpoint is the arms' target (online and frozen from the same warm-up)
 
 
 DRIFT_DRAFTS = {
-    "mtp": DriftDraft("checkpoints/tiny-mimo-mtp", 2, _mtp_spec, ("--enable-mtp-training", "--mtp-num-layers", "1")),
+    "mtp": DriftDraft("checkpoints/tiny-mimo-mtp", 2, _mtp_spec, ("--enable-mtp-training", "--mtp-num-layers", "1"),
+                      make_draft=("make_mtp_draft.py", lambda k: ["--mtp-num-layers", "1"])),
     "eagle3": DriftDraft("checkpoints/tiny-qwen2", 3, _external_spec("eagle3"), ("--enable-draft-training",),
                         draft_model="checkpoints/tiny-qwen2-eagle3", make_draft=("make_eagle3_draft.py", lambda k: [])),
     # a block draft: k is its block size less the anchor (the shipped one drafts blocks of 4)
@@ -217,9 +220,11 @@ def check_args(args):
     drafts = [arm_draft(arm, args) for arm in arm_list(args)]
     for arm in arm_list(args):
         maker_flags(arm, args)
-    if (args.draft_model or args.draft_warmup_steps is not None) and not any(DRIFT_DRAFTS[n].draft_model for n, _ in drafts):
-        raise UserError(f"--draft-model / --draft-warmup-steps: the {args.draft} draft lives in the target checkpoint; "
-                        "these options are for an external draft (--draft eagle3, --draft dflash)")
+    if args.draft_model and not any(DRIFT_DRAFTS[n].draft_model for n, _ in drafts):
+        raise UserError(f"--draft-model: the {args.draft} draft lives in the target checkpoint; the option is for an "
+                        "external draft (--draft eagle3, --draft dflash)")
+    for name in dict(drafts):
+        check_draft_source(name, args)
     for name, k in drafts:
         kind = DRIFT_DRAFTS[name]
         if kind.built_for_k and k != kind.default_k and args.draft_warmup_steps is None and not args.draft_model:
@@ -227,9 +232,50 @@ def check_args(args):
                             f"--draft-warmup-steps N to make one for k = {k}")
 
 
+def check_draft_source(name, args):
+    """Where the kind's draft comes from, checked: a draft inside the target is the target's own MTP layers, or
+    fresh ones made by --draft-warmup-steps where it has none; an external kind's shipped draft serves only the
+    target it was made for."""
+    from vime.models.hf_format import read_config
+
+    kind, target = DRIFT_DRAFTS[name], target_of(DRIFT_DRAFTS[name], args)
+    if kind.draft_model is None:
+        layers = read_config(target).num_nextn_predict_layers
+        if layers and args.draft_warmup_steps is not None:
+            raise UserError(f"--draft-warmup-steps adds fresh {name} layers to a target without any, and {target} has "
+                            f"{layers}: drop --draft-warmup-steps (its own layers draft)")
+        if not layers and args.draft_warmup_steps is None:
+            raise UserError(f"{target} has no {name} layers: give --draft-warmup-steps N to add fresh ones, warmed up "
+                            "on its own responses, as every arm's draft")
+    elif args.draft_warmup_steps is None and not args.draft_model and target != os.path.normpath(
+            os.path.join(REPO, kind.target)):
+        raise UserError(f"the shipped {name} draft ({kind.draft_model}) is made for {kind.target}; give "
+                        f"--draft-warmup-steps N to make one for {args.hf_checkpoint}")
+
+
 def target_of(kind, args):
     """The target checkpoint directory: --hf-checkpoint, else the draft kind's shipped one."""
-    return os.path.join(REPO, args.hf_checkpoint or kind.target)
+    return os.path.normpath(os.path.join(REPO, args.hf_checkpoint or kind.target))
+
+
+def maker_sample_flags(args):
+    """The flags that make a draft maker's warm-up sample the prompts the arms train on (their flags after --):
+    a --task-variant's prompt set written into --out as the run writes it, or their --prompt-data; chat
+    messages through the template as the runs render them; responses as long as theirs where they set
+    --rollout-max-response-len (else the maker's own length)."""
+    from rollout.task import prompt_tasks, write_jsonl
+    from vime.cli_config import load_config
+    from vime.config import RolloutSection
+
+    r = load_config([str(f) for f in args.extra]).rollout
+    path = r.prompt_data
+    if r.task_variant is not None:
+        path = os.path.join(args.out, f"prompts_{r.task_variant}.jsonl")
+        write_jsonl(prompt_tasks()[r.task_variant].prompts(r.task_variant_prompts, r.rollout_seed), path)
+    flags = ["--input-key", r.input_key, "--label-key", r.label_key]
+    if r.rollout_max_response_len != RolloutSection.rollout_max_response_len:
+        flags += ["--max-new-tokens", str(r.rollout_max_response_len)]
+    return flags + (["--prompt-data", path] if path else []) + (["--apply-chat-template"] if r.apply_chat_template else [])
 
 
 def warmed_up_draft(name, args, k, extra=(), make=True):
@@ -242,15 +288,18 @@ def warmed_up_draft(name, args, k, extra=(), make=True):
     if make and not os.path.isfile(os.path.join(out, "config.json")):
         script, flags = kind.make_draft
         cmd = [sys.executable, os.path.join(REPO, "scripts", script), "--target", target_of(kind, args),
-               "--out", out, "--warmup-steps", str(args.draft_warmup_steps), *flags(k), *extra]
+               "--out", out, "--warmup-steps", str(args.draft_warmup_steps), *flags(k), *extra,
+               *maker_sample_flags(args)]
         print(f"[drift] draft: {' '.join(cmd[1:])}", flush=True)
         subprocess.run(cmd, cwd=REPO, check=True)
     return out
 
 
-def arm_flags(kind, base, args, k, draft_model):
-    """train_rl.py flags of one base arm (before its options and the shared extra flags)."""
-    flags = ["--hf-checkpoint", target_of(kind, args), "--num-rollout", args.steps]
+def arm_flags(kind, base, args, k, checkpoints):
+    """train_rl.py flags of one base arm (before its options and the shared extra flags); `checkpoints`: the
+    arm's (target, external draft directory or None)."""
+    target, draft_model = checkpoints
+    flags = ["--hf-checkpoint", target, "--num-rollout", args.steps]
     if base == "none":
         flags += ["--vllm-speculative-config", "none"]
     else:
@@ -289,15 +338,18 @@ def row(label, m):
             "spec_speedup_vs_plain": m.get("perf/spec_speedup_vs_plain", "")}
 
 
-def draft_model_of(name, args, k, extra=(), make=True):
-    """The arm's external draft directory (None for a draft inside the target); `extra`: its maker flags;
-    `make` False: a warmed-up draft's directory without making it."""
+def arm_checkpoints(name, args, k, extra=(), make=True):
+    """(target, external draft directory or None) of an arm's draft kind; `extra`: its maker flags; `make`
+    False: a warmed-up draft's directory without making it. A draft inside the target warmed up fresh
+    (--draft-warmup-steps) is made into a copy of the target, which becomes the arm's target."""
     kind = DRIFT_DRAFTS[name]
-    if kind.draft_model is None:
-        return None
+    target = target_of(kind, args)
     if args.draft_warmup_steps is not None:
-        return warmed_up_draft(name, args, k, extra, make)
-    return os.path.join(REPO, args.draft_model if args.draft_model and name == args.draft else kind.draft_model)
+        made = warmed_up_draft(name, args, k, extra, make)
+        return (target, made) if kind.draft_model else (made, None)
+    if kind.draft_model is None:
+        return target, None
+    return target, os.path.join(REPO, args.draft_model if args.draft_model and name == args.draft else kind.draft_model)
 
 
 def run(args):
@@ -326,7 +378,7 @@ def plan_arms(args, make_drafts=True):
             name, k = arm_draft(arm, args)
             kind = DRIFT_DRAFTS[name]
             label = arm_label(backend, arm)
-            flags = arm_flags(kind, base, args, k, draft_model_of(name, args, k, maker_flags(arm, args), make_drafts))
+            flags = arm_flags(kind, base, args, k, arm_checkpoints(name, args, k, maker_flags(arm, args), make_drafts))
             flags = [str(f).replace("{arm_dir}", arm_dir(label)) for f in flags] + ["--rollout-backend", backend]
             # an arm's own options win over the shared extra arguments
             planned.append((arm, label, flags + args.extra + options))
