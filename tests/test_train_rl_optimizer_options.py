@@ -44,12 +44,15 @@ OPTIONS = {
 
 
 def run_args(ckpt, out, *extra):
+    """A run's flags: the rollouts' shape, and `extra`."""
     return ["--hf-checkpoint", ckpt, "--num-rollout", STEPS, "--rollout-batch-size", 4, "--n-samples-per-prompt", 4,
-            "--global-batch-size", 16, "--micro-batch-size", 8, "--rollout-max-response-len", 12, "--lr", LR,
-            "--adam-eps", LR, "--draft-lr", LR, "--custom-rm-path", "tests.rewards_for_tests:parity_reward",
-            "--output-dir", out, "--progress", "false", "--use-wandb", "false",
-            "--vllm-speculative-config", '{"method":"mtp","num_speculative_tokens":2}', "--enable-mtp-training",
+            "--global-batch-size", 16, "--micro-batch-size", 8, "--rollout-max-response-len", 12,
+            "--custom-rm-path", "tests.rewards_for_tests:parity_reward", "--output-dir", out, "--progress", "false",
+            "--use-wandb", "false", "--vllm-speculative-config", '{"method":"mtp","num_speculative_tokens":2}',
             "--mtp-num-layers", 1, *extra]
+
+
+TRAINER = ("--lr", LR, "--adam-eps", LR, "--draft-lr", LR, "--enable-mtp-training")
 
 
 def layout_flags(ckpt, flags):
@@ -63,8 +66,8 @@ def layout_flags(ckpt, flags):
 def trained(ckpt, rollouts, out, *flags):
     """(metrics rows, {name: tensor} of the weights saved after the last step) of a --debug-train-only run."""
     save = os.path.join(out, "save")
-    proc = run_train(*run_args(ckpt, out, "--debug-train-only", "--load-debug-rollout-data", rollouts, "--save", save,
-                               *flags), timeout=900)
+    proc = run_train(*run_args(ckpt, out, *TRAINER, "--debug-train-only", "--load-debug-rollout-data", rollouts,
+                               "--save", save, *flags), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return metrics(out), saved_weights(save)
 
