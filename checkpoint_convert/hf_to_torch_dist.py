@@ -79,10 +79,10 @@ def convert(args):
 
 @exit_on_user_error
 def main(argv=None):
-    from vime.paths import require_new_or_empty_dir, same_dir
+    from vime.paths import require_new_or_empty_dir, require_not_an_input
 
     args = parse_args(argv)
-    require(not same_dir(args.save, args.hf_checkpoint), f"--save {args.save} is --hf-checkpoint; choose a new directory")
+    require_not_an_input(args.save, "--save", [(args.hf_checkpoint, "--hf-checkpoint")])
     require_new_or_empty_dir(args.save, "--save")
     n_mtp = convert(args)
     print(f"saved torch_dist checkpoint to {os.path.abspath(args.save)} ({n_mtp} MTP layers)")

@@ -17,6 +17,7 @@ from vime.checkpointing import LATEST, checkpoint_steps
 from vime.models.hf_format import has_mtp_head_copies, read_config, save_hf_checkpoint
 from vime.models.torch_dist_format import torch_dist_tensor_problem
 from vime.errors import UserError, exit_on_user_error, require
+from vime.paths import require_dir
 
 
 def parse_args(argv=None):
@@ -33,7 +34,7 @@ def model_dir(input_dir):
     from vime.checkpointing import iteration_problem, resolve_load
     from vime.manifest import manifest_problem
 
-    require(os.path.isdir(input_dir), f"--input-dir {input_dir}: no such directory")
+    require_dir(input_dir, "--input-dir")
     if os.path.isfile(os.path.join(input_dir, "vime_meta.json")):  # a converted checkpoint (hf_to_torch_dist)
         problem = manifest_problem(input_dir)
         require(problem is None, f"--input-dir {input_dir}: {problem}; convert it again with "
@@ -58,18 +59,17 @@ def model_dir(input_dir):
 def check_args(args):
     """Errors naming this tool's own flags, before any model is built."""
     from vime.models.hf_format import read_config as read_origin
-    from vime.paths import require_new_or_empty_dir, same_dir
+    from vime.paths import require_new_or_empty_dir, require_not_an_input
 
     args.input_dir = model_dir(args.input_dir)
-    require(os.path.isdir(args.origin_hf_dir), f"--origin-hf-dir {args.origin_hf_dir}: no such directory")
+    require_dir(args.origin_hf_dir, "--origin-hf-dir")
     try:
         read_origin(args.origin_hf_dir)
     except UserError as e:  # read_config words its errors for --hf-checkpoint
         raise UserError(f"--origin-hf-dir {args.origin_hf_dir}: " + str(e).replace(
             f"--hf-checkpoint {args.origin_hf_dir}: ", "")) from None
-    for other, flag in ((args.origin_hf_dir, "--origin-hf-dir"), (args.input_dir, "--input-dir")):
-        require(not same_dir(args.output_dir, other), f"--output-dir {args.output_dir} is {flag}: writing there "
-                "would overwrite it; choose a new directory")
+    require_not_an_input(args.output_dir, "--output-dir", [(args.origin_hf_dir, "--origin-hf-dir"),
+                                                           (args.input_dir, "--input-dir")])
     require_new_or_empty_dir(args.output_dir, "--output-dir")
 
 
@@ -79,8 +79,8 @@ def convert(args):
     from trainer.model import build_model
     from trainer.weights import stage_hf_weights
 
-    require(os.path.isdir(args.input_dir), f"--input-dir {args.input_dir}: no such directory")
-    meta = checkpoint.read_meta(args.input_dir)
+    require_dir(args.input_dir, "--input-dir")
+    meta = checkpoint.read_meta(args.input_dir, "--input-dir")
     origin = read_config(args.origin_hf_dir, "--origin-hf-dir")
     n_mtp = meta.get("mtp_num_layers", 0)
     saved_family = meta.get("family", origin.family)

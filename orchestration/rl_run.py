@@ -6,6 +6,7 @@ import time
 
 from vime.errors import UserError
 
+
 class RLRun:
     """The actors of one run and the per-step stages. A stage that loses rollout engines replaces them
     and goes on (`heal`, orchestration/healing.py); `teardown` ends every actor of the run, for a

@@ -13,12 +13,9 @@ import os
 import subprocess
 import sys
 
-from vime.config import DEFAULT_TINY_MODEL, REPO_ROOT
-from vime.errors import require
+from vime.config import DEFAULT_TINY_MODEL, PATH_FIELDS, REPO_ROOT
+from vime.paths import require_dir
 
-# (section, field) of every path an actor opens
-PATH_FIELDS = (("model", "hf_checkpoint"), ("rollout", "prompt_data"), ("rollout", "eval_prompt_data"),
-               ("run", "save"), ("run", "load"), ("run", "load_debug_rollout_data"), ("run", "save_debug_rollout_data"))
 
 
 def resolve_paths(cfg):
@@ -26,7 +23,7 @@ def resolve_paths(cfg):
     driver's directory, so a relative --save would land inside Ray's temp dir. An external draft's
     `model` in the speculative config too (the rollout workers and the trainers open it). With
     neither --prompt-data nor --task-variant, the prompts are the checkpoint's train.jsonl."""
-    for section, name in PATH_FIELDS:
+    for section, name in PATH_FIELDS:  # the driver's own --output-dir too: one rule for all
         value = getattr(getattr(cfg, section), name)
         if value:
             setattr(getattr(cfg, section), name, os.path.abspath(value))
@@ -43,7 +40,8 @@ def make_tiny_model_if_missing(model_cfg):
     path = model_cfg.hf_checkpoint
     if os.path.isdir(path) or not model_cfg.make_tiny_model_if_missing:
         return
-    require(os.path.abspath(path) == os.path.abspath(DEFAULT_TINY_MODEL), f"--hf-checkpoint {path}: no such directory")
+    if os.path.abspath(path) != os.path.abspath(DEFAULT_TINY_MODEL):
+        require_dir(path, "--hf-checkpoint")
     print(f"[vime] {path} is missing: pretraining the tiny model into it (once; about 25 minutes on 2 cores)",
           flush=True)
     subprocess.run([sys.executable, os.path.join(REPO_ROOT, "scripts", "make_tiny_model.py"), "--out", path], check=True)

@@ -1,14 +1,14 @@
 """The prompt dataset: JSONL rows -> (prompt, label), seeded shuffle per epoch, resumable cursor."""
 import json
-import os
 import random
 
 from vime.errors import UserError, require
+from vime.paths import require_file
 
 
 def read_jsonl_rows(path, flag):
     """[(line number, dict)] of a JSONL file; a bad line is a one-line error naming `flag`, file and line."""
-    require(path and os.path.isfile(path), f"{flag} {path}: no such file")
+    require_file(path, flag)
     rows = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):

@@ -118,10 +118,12 @@ def check_device(device):
             f"(torch {torch.__version__}); use --device cpu")
 
 
-def check_output(path):
-    """--output's directory exists and is writable, checked before any generation work."""
-    from vime.paths import require_writable_dir
+def check_output(path, inputs=()):
+    """--output is none of the `inputs` ([(path, flag)]), and its directory exists and is writable,
+    checked before any generation work."""
+    from vime.paths import require_not_an_input, require_writable_dir
 
+    require_not_an_input(path, "--output", inputs)
     parent = os.path.dirname(os.path.abspath(path))
     require(os.path.isdir(parent), f"--output {path}: the directory {parent} does not exist; create it first")
     require(not os.path.isdir(path), f"--output {path} is a directory; give a file path")
@@ -136,7 +138,7 @@ def make_sampling(args):
 @exit_on_user_error
 def main(argv=None):
     args = parse_args(argv)
-    check_output(args.output)
+    check_output(args.output, [(args.prompts, "--prompts"), (args.hf_checkpoint, "--hf-checkpoint")])
     check_device(args.device)
     sampling = make_sampling(args)
     rows = read_jsonl_rows(args.prompts, "--prompts")

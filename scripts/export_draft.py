@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainer.drafts import DRAFT_STATE_FILE, read_draft_state, saved_draft_state_file  # noqa: E402
 from vime.checkpointing import resolve_load  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
+from vime.paths import require_not_an_input  # noqa: E402
 from vime.models.draft_kinds import EXTERNAL_KINDS, external_kind  # noqa: E402
 
 
@@ -28,6 +29,7 @@ def main(argv=None):
     p.add_argument("--load", required=True, help="the run's --save directory")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    require_not_an_input(args.out, "--out", [(args.load, "--load")])
     step, iteration, _ = resolve_load(args.load, otherwise="export another run's --save directory")
     file = saved_draft_state_file(os.path.join(iteration, "model"))
     require(file is not None, f"--load {args.load}: step {step} holds no external draft ({DRAFT_STATE_FILE}); "

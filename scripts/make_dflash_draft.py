@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from make_eagle3_draft import add_sample_args, target_samples  # noqa: E402
+from make_eagle3_draft import add_sample_args, check_out, target_samples  # noqa: E402
 from mtp.dflash import block_loss  # noqa: E402
 from mtp.draft_warmup import warm_up_draft  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
@@ -107,6 +107,7 @@ def main(argv=None):
 
 def make(args, kind, init, warm):
     """Check the shared options, make the draft (`init`), warm it up (`warm`) and save it as `kind`'s."""
+    check_out(args)
     require(args.warmup_steps >= 0, f"--warmup-steps must be >= 0 (got {args.warmup_steps})")
     require(args.num_layers >= 1, f"--num-layers must be >= 1 (got {args.num_layers})")
     require(args.anchors >= 1, f"--anchors must be >= 1 (got {args.anchors})")

@@ -76,6 +76,14 @@ def add_sample_args(p):
                    help="--input-key holds chat messages, rendered with the target tokenizer's chat template")
 
 
+def check_out(args):
+    """A draft maker's --out is none of its inputs: it writes config.json and the weights there, which
+    would overwrite the target's own (or the prompt file)."""
+    from vime.paths import require_not_an_input
+
+    require_not_an_input(args.out, "--out", [(args.target, "--target"), (args.prompt_data, "--prompt-data")])
+
+
 def target_samples(target_path, n, max_new_tokens, seed, args=None):
     """([token ids], [prompt length] of n target samples (temperature 1) on the prompts `args` names (a draft
     maker's --prompt-data, --input-key, --label-key, --apply-chat-template; default: the target's train.jsonl),
@@ -114,6 +122,7 @@ def warm_up(draft, target, sequences, steps, batch_size, lr, ttt_steps, seed, lo
 @exit_on_user_error
 def main(argv=None):
     args = parse_args(argv)
+    check_out(args)
     require(args.warmup_steps >= 0, f"--warmup-steps must be >= 0 (got {args.warmup_steps})")
     require(args.ttt_steps >= 1, f"--ttt-steps must be >= 1 (got {args.ttt_steps})")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from make_eagle3_draft import add_sample_args, target_samples  # noqa: E402
+from make_eagle3_draft import add_sample_args, check_out, target_samples  # noqa: E402
 from mtp.fresh_layers import fresh_mtp_state, warm_up_mtp_layers, with_mtp_layers  # noqa: E402
 from rollout.embedded.model import CausalLMWithMTP  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
@@ -55,7 +55,7 @@ def make(args, log=print):
     """The checkpoint with fresh (and warmed-up) MTP layers, written to args.out."""
     require(args.mtp_num_layers >= 1, f"--mtp-num-layers must be >= 1 (got {args.mtp_num_layers})")
     require(args.warmup_steps >= 0, f"--warmup-steps must be >= 0 (got {args.warmup_steps})")
-    require(os.path.abspath(args.out) != os.path.abspath(args.target), "--out must differ from --target")
+    check_out(args)
     cfg, state, _ = load_hf_checkpoint(args.target, "--target")
     require(cfg.num_nextn_predict_layers == 0, f"--target {args.target} already has {cfg.num_nextn_predict_layers} "
             "MTP layers; train them with --enable-mtp-training instead of adding new ones")

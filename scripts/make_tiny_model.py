@@ -39,6 +39,7 @@ from rollout.task import DEFAULT_TASK_VARIANT, TASK_VARIANTS, write_jsonl  # noq
 from rollout.tiny_model import TINY_CONFIG, init_model, pretrain, tiny_config  # noqa: E402
 from rollout.tokenizer import build_tokenizer, save_tokenizer  # noqa: E402
 from vime.errors import UserError, exit_on_user_error, require  # noqa: E402
+from vime.paths import require_not_an_input  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -103,6 +104,7 @@ def load_same_shape(model, cfg, path):
 @exit_on_user_error
 def main(argv=None):
     args = parse_args(argv)
+    require_not_an_input(args.out, "--out", [(args.init_from, "--init-from"), (args.warm_start_from, "--warm-start-from")])
     require(args.steps >= 0, f"--steps must be >= 0 (got {args.steps})")
     torch.set_num_threads(args.threads)
     if args.chat:

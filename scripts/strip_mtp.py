@@ -17,6 +17,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vime.errors import exit_on_user_error, require  # noqa: E402
+from vime.paths import require_not_an_input  # noqa: E402
 from vime.models.families import FAMILIES  # noqa: E402
 from vime.models.hf_format import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from vime.models.families import is_mtp_name  # noqa: E402
@@ -31,6 +32,7 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--family", default="qwen2", choices=sorted(FAMILIES))
     args = p.parse_args(argv)
+    require_not_an_input(args.out, "--out", [(args.source, "--source")])
     cfg, state, _ = load_hf_checkpoint(args.source, "--source")
     new = FAMILIES[args.family]
     old = cfg.model_family

@@ -140,6 +140,21 @@ TINY = {
     "python scripts/export_draft.py --load OUT/embedded_online_draft-dflash/save --out OUT/dflash": Tiny(
         (r"saved .*dflash \(the dflash draft",), (), (("OUT", "dspark_arms"),)
     ),
+    "python scripts/bench/throughput.py spec-decode --clock cpu --hf-checkpoint OUT/policy --dspark-drafts OUT/dspark4 "
+    '--dflash-drafts OUT/dflash --methods "none,dspark k=4 sized,dspark k=4,dflash k=3" --num-prompts 128 '
+    "--batch-sizes 1,2,4,8,16,32,64,128 --max-new-tokens 64 --repeats 5 --min-seconds 20 --stop-at-eos --temperature 1 "
+    "--rejection-sample-method strict "
+    '--versus "dspark k=4 sized/none,dspark k=4/none,dspark k=4 sized/dspark k=4"': Tiny(
+        SPEC_TABLE + (r"dspark k=4 sized drafted k = ", r"dspark k=4 sized / dspark k=4 paired [\d.]+x"),
+        spec_decode("--min-seconds", "0"),
+        (("OUT", "dspark_arms"),),
+    ),
+    "python scripts/bench/throughput.py spec-decode --clock cpu --hf-checkpoint checkpoints/tiny-qwen2 --dspark-drafts "
+    'checkpoints/tiny-qwen2-dspark --methods "none,dspark k=3 sized,dspark k=3" --num-prompts 64 --batch-sizes 1,64 '
+    "--max-new-tokens 64 --repeats 30 --stop-at-eos --temperature 0 "
+    '--versus "dspark k=3 sized/none,dspark k=3/none"': Tiny(
+        SPEC_TABLE + (r"dspark k=3 sized / none paired [\d.]+x",), spec_decode()
+    ),
     "python scripts/bench/throughput.py spec-scale --device cuda --dtype bfloat16 --repeats 3": Tiny(
         (r"online",), ("--repeats", "1", "--batch-sizes", "1", "--max-new-tokens", "4", "--layers", "2"), cuda=True
     ),

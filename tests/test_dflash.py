@@ -186,7 +186,7 @@ def test_a_config_without_the_dflash_keys_is_refused(tmp_path):
 def test_a_draft_whose_target_layers_or_mask_token_the_target_lacks_is_refused(tmp_path):
     message = refusal(TARGET, copy_draft(tmp_path, dflash_config(target_layer_ids=[1, 3, 7])))
     assert "target_layer_ids [1, 3, 7]" in message and "7 layers" in message
-    assert "mask_token_id 32" in refusal(TARGET, copy_draft(tmp_path, dflash_config(mask_token_id=32)))
+    assert "mask_token_id is the integer 32" in refusal(TARGET, copy_draft(tmp_path, dflash_config(mask_token_id=32)))
 
 
 def test_a_block_size_the_draft_was_not_built_for_is_refused():

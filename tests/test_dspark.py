@@ -491,7 +491,7 @@ def refusal(target, draft_dir, k=K, **extra):
 
 def test_a_draft_whose_heads_or_block_do_not_fit_is_refused(tmp_path):
     assert "lacks 'markov_rank'" in refusal(TARGET, copy_draft(tmp_path, lambda raw: raw.pop("markov_rank")))
-    assert "dspark_noise_token_id 32" in refusal(TARGET, copy_draft(tmp_path, lambda raw: raw.update(
+    assert "dspark_noise_token_id is the integer 32" in refusal(TARGET, copy_draft(tmp_path, lambda raw: raw.update(
         dspark_noise_token_id=32)))
     assert "markov_rank" in refusal(TARGET, copy_draft(tmp_path, lambda raw: raw.update(markov_rank=5)))
     assert "confidence_head.proj" in refusal(TARGET, copy_draft(tmp_path, lambda raw: raw.update(

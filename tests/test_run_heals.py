@@ -23,7 +23,7 @@ import pytest
 from tests.test_train_rl import REPO, TIMING_KEYS, base_args, ckpt, metrics  # noqa: F401 (ckpt: fixture)
 
 STEPS = 6
-RESTART_LINE = re.compile(r"\[vime\] step (\d+): rollout worker (\d+)(?: on [^;]*)? (.*); replacing it on its "
+RESTART_LINE = re.compile(r"\[vime\] step (\d+): rollout worker (\d+)(?: on node \S+ \([^)]*\))? (.*); replacing it on its "
                           r"placement and pushing it the current weights, checked \(engine restart (\d+), ")
 
 
@@ -166,8 +166,9 @@ def test_a_killed_rollout_worker_is_replaced_and_the_run_goes_on_with_the_same_p
     assert len(restarts) == 1 and restarts[0].group(3).startswith("died"), run.stdout()[-3000:]
     assert sum(r["fault/engine_restarts"] for r in rows) == 1
     assert rows[int(restarts[0].group(1))]["fault/engine_restarts"] == 1
-    # its groups were issued again: half of the step's prompts at most (two engines)
-    assert 0 < sum(r["fault/prompts_reissued"] for r in rows) <= 2
+    # a loss found while the step generated issues the lost engine's groups again (two of the four, on two
+    # engines); one found later (releasing memory, the push) has none to issue: both are the step's rule
+    assert sum(r["fault/prompts_reissued"] for r in rows) in (0, 2)
     # the guard passed after the restart (the run stops otherwise) and at every step after it
     assert all(r["weight_sync/worker_draft_checksum"] == r["weight_sync/draft_checksum"] for r in rows)
     assert step_prompts(out) == step_prompts(unfaulted)
@@ -204,7 +205,7 @@ def test_engine_restarts_past_the_bound_stop_the_run_with_one_line(ckpt, tmp_pat
     assert run.finish() == 1, run.stderr()[-3000:]
     errors = [x for x in run.stderr().splitlines() if x.startswith("error:")]
     assert len(errors) == 1 and re.fullmatch(
-        r"error: the rollout worker \d( on .*)? died \(its process exited or was killed, e\.g\. out of memory\) at "
+        r"error: the rollout worker \d( on node \S+ \([^)]*\))? died \(its process exited or was killed, e\.g\. out of memory\) at "
         r"step 2, and the run's engines were restarted 0 times already \(at most 0 within 3600 s: "
         r"--max-engine-restarts\); stopping; resume with --load .* \(last checkpoint: step 2\)", errors[0]), errors
     assert run.stderr().strip().splitlines()[-1] == errors[0]

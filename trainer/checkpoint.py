@@ -31,8 +31,8 @@ def write_meta(path, meta):
             json.dump(meta, f, indent=2)
 
 
-def read_meta(path):
-    return read_saved_meta(path)
+def read_meta(path, flag="--load"):
+    return read_saved_meta(path, flag)
 
 
 def _in_process_results_queue():

@@ -20,6 +20,7 @@ import shutil
 
 from vime.errors import UserError, require
 from vime.manifest import manifest_problem, write_manifest
+from vime.paths import require_dir, require_given
 
 LATEST = "latest_checkpointed_iteration.txt"
 LOOP_STATE = "loop_state.json"
@@ -155,9 +156,26 @@ def iteration_problem(iteration):
     if problem is not None:
         return problem
     try:
-        require(isinstance(load_loop_state(iteration).get("step"), int), "")
-    except Exception:  # written so by hand, or by another tool: the manifest only vouches for the bytes
+        state = load_loop_state(iteration)
+    except (OSError, ValueError):  # written so by hand, or by another tool: the manifest only vouches for the bytes
+        return f"{LOOP_STATE} is not JSON"
+    return loop_state_problem(state)
+
+
+# the loop state's keys and their JSON types ("step" required; a checkpoint of an older vime lacks the others)
+LOOP_STATE_TYPES = {"step": (int, "an integer"), "data_cursor": (int, "an integer"),
+                    "wandb_run_id": (str, "a string")}
+
+
+def loop_state_problem(state):
+    """What in a parsed loop_state.json is not of its type (`LOOP_STATE_TYPES`), or None."""
+    if not isinstance(state, dict) or "step" not in state:
         return f"{LOOP_STATE} does not hold a JSON object with an integer \"step\""
+    for key, (kind, name) in LOOP_STATE_TYPES.items():
+        value = state.get(key)
+        if key in state and (not isinstance(value, kind) or isinstance(value, bool) or
+                             (kind is int and value < 0)):
+            return f"{LOOP_STATE}'s \"{key}\" is {json.dumps(value)[:40]}, not {name}{' >= 0' if kind is int else ''}"
     return None
 
 
@@ -165,12 +183,13 @@ def resolve_load(path, ckpt_step=None, flag="--load", otherwise=None):
     """(step, iteration dir, [skipped: "iter_N (why)"]) of what `flag path` (and --ckpt-step) resumes
     from, every file verified against its manifest (module docstring); one UserError line otherwise,
     ending, when no checkpoint there is valid, with `otherwise` (what the caller's user can do instead)."""
+    require_given(path, flag)
     path = os.path.normpath(path)
     if ITERATION.match(os.path.basename(path)):
         require(ckpt_step is None, f"--ckpt-step {ckpt_step} picks an iteration under {flag} ROOT, and {flag} {path} "
                 "names one already: drop one of them")
         return _one_iteration(path, f"{flag} {path}", f"{flag} {os.path.dirname(path)}")
-    require(os.path.isdir(path), f"{flag} {path}: no such directory")
+    require_dir(path, flag)
     if ckpt_step is not None:
         steps = checkpoint_steps(path)
         require(ckpt_step in steps, f"--ckpt-step {ckpt_step}: {flag} {path} holds no iter_{ckpt_step:07d} "

@@ -24,6 +24,11 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TINY_MODEL = os.path.join(REPO_ROOT, "checkpoints", "tiny-mimo-mtp")
 
 
+# (section, field) of every path of the tree: made absolute before the actors start (they run in Ray's copy
+# of the code, not in the driver's directory: orchestration/run_setup.py), and never an empty string
+PATH_FIELDS = (("model", "hf_checkpoint"), ("rollout", "prompt_data"), ("rollout", "eval_prompt_data"),
+               ("run", "output_dir"), ("run", "save"), ("run", "load"), ("run", "load_debug_rollout_data"),
+               ("run", "save_debug_rollout_data"))
 BENCH_DEBUG = "bench_debug"  # the group of --help that lists the benchmark and debugging switches of every section
 
 
@@ -678,6 +683,7 @@ def validate(cfg):
     starts: each section's own rules (beside its fields), then the rules between sections."""
     r, t = cfg.rollout, cfg.train
     check_ranges(cfg)
+    check_no_empty_text(cfg)
     _validate_mtp(cfg.mtp)
     per_step = r.rollout_batch_size * r.n_samples_per_prompt
     require(per_step % t.global_batch_size == 0,
@@ -756,6 +762,23 @@ RANGES = {
     "--max-engine-restarts": AT_LEAST_0, "--engine-restart-window": POSITIVE, "--rollout-health-timeout": POSITIVE,
     "--max-trainer-restarts": AT_LEAST_0,
 }
+
+
+def check_no_empty_text(cfg):
+    """One line for the first text flag given as an empty string: a path names no file then (the current
+    directory to some calls, none to others), and any other text names nothing either; a flag left out
+    is the way to say none."""
+    from vime.paths import require_given
+
+    paths = {f"{section}.{name}" for section, name in PATH_FIELDS}
+    for name, (path, _) in flag_table().items():
+        section, key = path.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if path in paths:
+            require_given(value, name)
+        else:
+            require(not isinstance(value, str) or value.strip() != "",
+                    f"{name} '': an empty value names nothing; give a value")
 
 
 def check_ranges(cfg):

@@ -17,7 +17,8 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from vime.errors import exit_on_user_error, require
+from vime.errors import UserError, exit_on_user_error, require
+from vime.paths import require_dir
 
 MANIFEST = "manifest.json"
 CHUNK = 1 << 20
@@ -49,9 +50,15 @@ def files_under(directory):
 
 
 def write_manifest(directory):
-    """Record the size and SHA-256 of every file under `directory` in its manifest.json (fsynced)."""
+    """Record the size and SHA-256 of every file under `directory` in its manifest.json (fsynced). A
+    symbolic link counts as the file it points to; one that points nowhere is one line (a manifest
+    cannot vouch for a file that is not there)."""
     rel = files_under(directory)
     paths = [os.path.join(directory, r) for r in rel]
+    dangling = next(((r, p) for r, p in zip(rel, paths) if not os.path.exists(p)), None)
+    if dangling is not None:
+        raise UserError(f"{directory}: {dangling[0]} is a symbolic link to {os.readlink(dangling[1])}, which does not "
+                        "exist; restore what it points to or remove it, then write the manifest")
     files = {r: {"bytes": os.path.getsize(p), "sha256": h} for r, p, h in zip(rel, paths, _hash_all(paths))}
     tmp = os.path.join(directory, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
@@ -103,9 +110,13 @@ def main(argv=None):
     p.add_argument("action", choices=("write", "check"))
     p.add_argument("directory")
     args = p.parse_args(argv)
-    require(os.path.isdir(args.directory), f"{args.directory}: no such directory")
+    require_dir(args.directory, None)
     if args.action == "write":
-        write_manifest(args.directory)
+        try:
+            write_manifest(args.directory)
+        except OSError as e:  # a file it may not read: one line naming it
+            raise UserError(f"{args.directory}: cannot read {e.filename} ({e.strerror}); a manifest needs every "
+                            "file's bytes") from None
         print(f"wrote {os.path.join(args.directory, MANIFEST)} ({len(files_under(args.directory))} files)")
         return
     problem = manifest_problem(args.directory)

@@ -23,6 +23,7 @@ from vime.models.activations import RecomputePlan
 from vime.models.hf_format import config_from_raw, read_json
 from vime.models.memory_plan import GB, MemoryPlanner, PlanOptions, pipeline_splits, with_split
 from vime.parallel_layout import FLAGS, ParallelLayout
+from vime.paths import require_given
 
 DEFAULTS = Config()  # the run's defaults (vime/config.py): the plan assumes what train_rl.py would run
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -197,6 +198,7 @@ def read_model_config(path):
     """(ModelConfig, a note or None) of config.json `path` (or a directory holding one). A quantised
     checkpoint's config (DeepSeek-V3 ships fp8) is read without its quantization_config: vime trains
     dequantised weights, so the plan counts them in vime's precision."""
+    require_given(path, "--hf-config")
     cfg_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     require(os.path.isfile(cfg_file), f"--hf-config {path}: no such file; give the model's HF config.json "
             "(or the directory holding it)")

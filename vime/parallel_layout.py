@@ -277,9 +277,12 @@ def _check_pipeline_stages(layout, model_cfg):
         require(rest == 0, f"{what} add up to {n - rest}, but the model has {n} decoder layers over "
                 f"{FLAGS['pp']} {pp} stages; make them add up to {n}")
         return
+    stages = f"the other {middle} pipeline stage{'s' if middle > 1 else ''}"
+    require(rest >= 0, f"{what} take {n - rest} decoder layers, more than the model's {n}, and {stages} need at least "
+            f"1 each; give them at most {n - middle} together")
     require(rest >= middle and rest % middle == 0,
-            f"{what} leave {rest} of the model's {n} decoder layers for the other {middle} pipeline "
-            f"stage{'s' if middle > 1 else ''}, which must hold an equal number of at least 1 each")
+            f"{what} leave {rest} of the model's {n} decoder layers for {stages}, which must hold an equal number of "
+            "at least 1 each")
 
 
 FLAG_CHECKS = [_check_stage_flags, _check_expert_flags, _check_sequence_parallel]

@@ -48,7 +48,7 @@ from rollout.spec_stats import empty_counters
 from rollout.tokenizer import codec_or_none
 from rollout.weight_receiver import BucketReceiver, HandOverReceiver
 from vime.errors import UserError, require
-from vime.models.draft_kinds import external_kind
+from vime.models.draft_kinds import EXTERNAL_KINDS, external_kind
 from vime.models.families import vllm_aux_hidden_state_families
 from vime.spec_config import FLAG, as_spec_config, check_external_draft
 from vime.precision import dtype_name
@@ -160,8 +160,13 @@ def check_mtp_drafter(spec, hf):
     require(spec is None or spec.method != "mtp" or fam.vllm_mtp_drafter,
             f"{FLAG}: method 'mtp' on vLLM needs vLLM's MTP drafter for the target's architecture, and vLLM 0.32 has "
             f"none for {fam.architectures[0]} ({fam.name}): draft its MTP layers with --rollout-backend embedded, or "
-            "on vLLM use method 'eagle3' or 'dflash' with a draft made by scripts/make_eagle3_draft.py / "
-            "make_dflash_draft.py")
+            f"on vLLM use an external draft ({_external_drafts_vllm_serves()})")
+
+
+def _external_drafts_vllm_serves():
+    """The external kinds vLLM's CPU build drafts, each with the script that makes its draft."""
+    return ", ".join(f"method '{k.name}' made by scripts/make_{k.name}_draft.py"
+                     for k in EXTERNAL_KINDS if not k.vllm_gpu_runner_only)
 
 
 def check_sleep_mode(r):

@@ -14,8 +14,11 @@ layer); vLLM adds one to get its aux-hidden-state ids (id i: the residual stream
 The block: `block_size` = 1 + the number of drafts; attention is not causal inside the block,
 so a draft only drafts the block it was trained for (num_speculative_tokens = block_size - 1).
 """
+import json
+
 from mtp.dflash import DFlashConfig, DFlashDraft
 from vime.errors import require
+from vime.models.hf_format import json_kind
 from vime.models.draft_format import FLAG, ExternalFormat, shape_for_target
 from vime.models.draft_kind import DraftKind, DraftKnobs
 
@@ -65,22 +68,27 @@ def check_backbone_fits(path, cfg, target_cfg, token_key="mask_token_id"):
     """A block draft's target layers and the token its block's slots after the anchor hold (`token_key`
     in its config.json) fit the target (one line each)."""
     ids, layers = list(cfg.target_layer_ids), target_cfg.num_hidden_layers
-    require(ids and all(isinstance(i, int) and 0 <= i < layers for i in ids) and ids == sorted(set(ids)),
-            f"{FLAG}: draft {path} reads target_layer_ids {ids} but the target has {layers} layers "
-            f"(give distinct increasing ids in [0, {layers - 1}])")
+    require(ids and all(_is_int(i) and 0 <= i < layers for i in ids) and ids == sorted(set(ids)),
+            f"{FLAG}: draft {path} reads target_layer_ids {json.dumps(ids)} but the target has {layers} layers "
+            f"(give distinct increasing integer ids in [0, {layers - 1}])")
     mask = cfg.mask_token_id
-    require(isinstance(mask, int) and 0 <= mask < target_cfg.vocab_size,
-            f"{FLAG}: draft {path} has {token_key} {mask}, not a token of the target's vocabulary "
+    require(_is_int(mask) and 0 <= mask < target_cfg.vocab_size,
+            f"{FLAG}: draft {path}: its {token_key} is {json_kind(mask)}, not a token of the target's vocabulary "
             f"[0, {target_cfg.vocab_size}); its block slots are embedded with the target's embedding")
+
+
+def _is_int(value):
+    """An integer as JSON means it (true and false are not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _fits(path, cfg, target_cfg, num_speculative_tokens):
     """The draft's target layers, mask token and block fit the target and the drafts asked for."""
     check_backbone_fits(path, cfg, target_cfg)
     size = cfg.block_size
-    require(isinstance(size, int) and size >= 2,
-            f"{FLAG}: draft {path} has block_size {size}; a DFlash draft's config.json gives an integer "
-            "block_size >= 2 (the anchor plus its drafts)")
+    require(_is_int(size) and size >= 2,
+            f"{FLAG}: draft {path}: its config.json's block_size is {json_kind(size)}; a DFlash draft's block_size "
+            "is an integer >= 2 (the anchor plus its drafts)")
     require(num_speculative_tokens is None or num_speculative_tokens == size - 1,
             f"{FLAG}: num_speculative_tokens {num_speculative_tokens} does not fit draft {path}, built for "
             f"blocks of {size} (num_speculative_tokens {size - 1}); its attention inside a block is not causal, "

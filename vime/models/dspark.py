@@ -14,6 +14,7 @@ a GPU build: vLLM 0.32 drafts DSpark only in its GPU model runner.
 """
 from mtp.dspark import RECIPE_WEIGHTS, DSparkConfig, DSparkDraft
 from vime.errors import require
+from vime.models.hf_format import json_kind
 from vime.models import dflash
 from vime.models.draft_format import FLAG, ExternalFormat
 from vime.models.draft_kind import DraftKind
@@ -55,12 +56,13 @@ def _fits(path, cfg, target_cfg, num_speculative_tokens):
     """The backbone's target layers and noise token fit the target, the Markov head has a rank, and the
     block is the drafts asked for."""
     dflash.check_backbone_fits(path, cfg, target_cfg, "dspark_noise_token_id")
-    require(isinstance(cfg.markov_rank, int) and cfg.markov_rank >= 1,
-            f"{FLAG}: draft {path} has markov_rank {cfg.markov_rank}; its Markov head needs an integer rank >= 1")
+    require(dflash._is_int(cfg.markov_rank) and cfg.markov_rank >= 1,
+            f"{FLAG}: draft {path}: its config.json's markov_rank is {json_kind(cfg.markov_rank)}; its Markov head "
+            "needs an integer rank >= 1")
     size = cfg.block_size
-    require(isinstance(size, int) and size >= 1,
-            f"{FLAG}: draft {path} has block_size {size}; config.json gives an integer block_size >= 1 (its drafts "
-            "per block)")
+    require(dflash._is_int(size) and size >= 1,
+            f"{FLAG}: draft {path}: its config.json's block_size is {json_kind(size)}; a DSpark draft's block_size "
+            "is an integer >= 1 (its drafts per block)")
     require(num_speculative_tokens is None or num_speculative_tokens == size,
             f"{FLAG}: num_speculative_tokens {num_speculative_tokens} does not fit draft {path}, built for blocks of "
             f"{size} (num_speculative_tokens {size}); its attention inside a block is not causal, so it drafts exactly "

@@ -23,6 +23,7 @@ from vime.models.moe_mla_config import (MLAConfig, MoEConfig, check_unsupported,
 from vime.models.rope import Llama3Scaling, YarnScaling
 from vime.models.tensor_check import Expected, safetensors_shapes, tensor_mismatch
 from vime.errors import UserError, require
+from vime.paths import require_dir
 
 # transformers 5 writes a chat template beside tokenizer_config.json, in chat_template.jinja
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -305,20 +306,31 @@ def hf_tensor_problem(cfg, held):
 def read_config(path, flag="--hf-checkpoint"):
     """ModelConfig of an HF checkpoint directory, with one-line errors for a bad directory that name
     `flag`, the option the user gave the directory with."""
-    require(os.path.isdir(path), f"{flag} {path}: no such directory; "
-            "make one with `python scripts/make_tiny_model.py --out DIR`")
+    require_dir(path, flag, "; make one with `python scripts/make_tiny_model.py --out DIR`")
     cfg_file = os.path.join(path, "config.json")
     require(os.path.isfile(cfg_file), f"{flag} {path}: config.json is missing; not an HF checkpoint directory")
     return config_from_raw(read_json(cfg_file), cfg_file)
 
 
 def read_json(path):
-    """The JSON value in file `path`, with a one-line error for malformed JSON."""
+    """The JSON value in file `path`, with a one-line error for malformed JSON or a file that is not text."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return json.load(f)
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: malformed JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not a JSON text file (its bytes are not UTF-8 text: a binary file?)") from None
+
+
+def json_kind(value):
+    """A JSON value described for a one-line message: its type, and its value when short ("the string "64"")."""
+    if isinstance(value, bool):
+        return f"the boolean {json.dumps(value)}"
+    for kind, name in ((int, "integer"), (float, "number"), (str, "string")):
+        if isinstance(value, kind):
+            return f"the {name} {json.dumps(value)[:40]}"
+    return {list: "a list", dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def config_from_raw(raw, source):
