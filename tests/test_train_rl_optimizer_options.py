@@ -11,7 +11,6 @@ precision-aware optimizer keeps fp32 masters of bf16 ones) compare with one bf16
 at the same layout, so that both compute the same bf16 forwards and differ only in the optimizer's fp32
 arithmetic. Each is a whole run (1-2 min on 2 cores): slow-marked.
 """
-import json
 import os
 
 import pytest
@@ -73,12 +72,16 @@ def trained(ckpt, rollouts, out, *flags):
 
 
 def saved_weights(save):
-    """The model weights of the run's last torch_dist checkpoint, whole (megatron stores global tensors)."""
+    """The model weights of the run's last torch_dist checkpoint, whole (megatron stores global tensors; its
+    reader needs a process group: one of this process)."""
     from megatron.core.dist_checkpointing import load_plain_tensors
 
-    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
-        step = json.load(f)["step"]
-    tensors = load_plain_tensors(os.path.join(save, f"iter_{step:07d}", "model"))
+    from trainer.distributed import owned_single_process
+    from vime.checkpointing import resolve_load
+
+    _, iteration, _ = resolve_load(save)
+    with owned_single_process():
+        tensors = load_plain_tensors(os.path.join(iteration, "model"))
     return {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
 
 
