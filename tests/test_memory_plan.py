@@ -228,6 +228,16 @@ def test_a_mixture_of_experts_rank_holds_what_the_plan_counts():
 
 
 @pytest.mark.slow  # two processes building both models (about 20 s on 2 cores)
+def test_each_sequence_parallel_rank_of_a_moe_model_holds_what_the_plan_counts(tmp_path):
+    """TP = 2 with sequence parallelism and EP = 2 (ETP 1) over two gloo processes: megatron-core splits the MoE
+    models' attention and shared experts over TP and their routed experts over EP, as the plan counts."""
+    layout = ParallelLayout(tp=2, sp=True, ep=2, etp=1)
+    mp.spawn(run_counts, args=(2, free_port(), layout, MOE, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        assert_plan_counts(torch.load(tmp_path / f"rank{rank}.pt"), MOE, layout)
+
+
+@pytest.mark.slow  # two processes building both models (about 20 s on 2 cores)
 def test_each_expert_parallel_rank_holds_what_the_plan_counts(tmp_path):
     """EP = 2 over two gloo processes: each rank builds its half of the routed experts (trunk and MTP layer)
     through trainer/model.py and holds what the plan counts for it."""

@@ -119,6 +119,23 @@ def test_an_offloading_trainer_updates_its_weights_as_one_that_keeps_its_state(t
     assert all(torch.equal(v, kept[k]) for k, v in offloaded.items())
 
 
+def test_an_offloaded_trainer_pushes_the_weights_it_holds_and_leaves_them_on_the_host(tmp_path):
+    """--offload-train: the push after a step (which comes after the offload) reads the weights back from the
+    host, sends what a trainer that keeps them sends, and frees them again."""
+    from trainer.config import TrainerConfig
+    from trainer.trainer import Trainer
+
+    make_tiny(tmp_path, seed=6)
+    trainer = Trainer(TrainerConfig(lr=1e-2, micro_batch_size=4), str(tmp_path))
+    trainer.train_step(_batch(1))
+    kept = dict(trainer.named_hf_weights())
+    trainer.offload(weights=True)
+    assert all(p.untyped_storage().nbytes() == 0 for p in trainer.model.parameters())
+    pushed = dict(trainer.named_hf_weights())
+    assert pushed.keys() == kept.keys() and all(torch.equal(pushed[k], v) for k, v in kept.items())
+    assert all(p.untyped_storage().nbytes() == 0 for p in trainer.model.parameters())
+
+
 @pytest.mark.parametrize("extra, needles", [
     (["--rollout-release-weights", "--no-sync-draft-weights"], ["--rollout-release-weights", "draft would be lost"]),
     (["--rollout-release-kv-cache", "true", "--async-rollout"], ["--rollout-release-kv-cache", "--async-rollout"]),

@@ -11,7 +11,6 @@ precision-aware optimizer keeps fp32 masters of bf16 ones) compare with one bf16
 at the same layout, so that both compute the same bf16 forwards and differ only in the optimizer's fp32
 arithmetic. Each is a whole run (1-2 min on 2 cores): slow-marked.
 """
-import json
 import os
 
 import pytest
@@ -44,12 +43,15 @@ OPTIONS = {
 
 
 def run_args(ckpt, out, *extra):
+    """A run's flags: the rollouts' shape, and `extra`."""
     return ["--hf-checkpoint", ckpt, "--num-rollout", STEPS, "--rollout-batch-size", 4, "--n-samples-per-prompt", 4,
-            "--global-batch-size", 16, "--micro-batch-size", 8, "--rollout-max-response-len", 12, "--lr", LR,
-            "--adam-eps", LR, "--draft-lr", LR, "--custom-rm-path", "tests.rewards_for_tests:parity_reward",
-            "--output-dir", out, "--progress", "false", "--use-wandb", "false",
-            "--vllm-speculative-config", '{"method":"mtp","num_speculative_tokens":2}', "--enable-mtp-training",
+            "--global-batch-size", 16, "--micro-batch-size", 8, "--rollout-max-response-len", 12,
+            "--custom-rm-path", "tests.rewards_for_tests:parity_reward", "--output-dir", out, "--progress", "false",
+            "--use-wandb", "false", "--vllm-speculative-config", '{"method":"mtp","num_speculative_tokens":2}',
             "--mtp-num-layers", 1, *extra]
+
+
+TRAINER = ("--lr", LR, "--adam-eps", LR, "--draft-lr", LR, "--enable-mtp-training")
 
 
 def layout_flags(ckpt, flags):
@@ -63,20 +65,24 @@ def layout_flags(ckpt, flags):
 def trained(ckpt, rollouts, out, *flags):
     """(metrics rows, {name: tensor} of the weights saved after the last step) of a --debug-train-only run."""
     save = os.path.join(out, "save")
-    proc = run_train(*run_args(ckpt, out, "--debug-train-only", "--load-debug-rollout-data", rollouts, "--save", save,
-                               *flags), timeout=900)
+    proc = run_train(*run_args(ckpt, out, *TRAINER, "--debug-train-only", "--load-debug-rollout-data", rollouts,
+                               "--save", save, *flags), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return metrics(out), saved_weights(save)
 
 
 def saved_weights(save):
-    """The model weights of the run's last torch_dist checkpoint, whole (megatron stores global tensors)."""
+    """The model weights of the run's last torch_dist checkpoint, whole (megatron stores global tensors; its
+    reader needs a process group: one of this process)."""
     from megatron.core.dist_checkpointing import load_plain_tensors
 
-    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
-        step = json.load(f)["step"]
-    tensors = load_plain_tensors(os.path.join(save, f"iter_{step:07d}", "model"))
-    return {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+    from trainer.distributed import owned_single_process
+    from vime.checkpointing import resolve_load
+
+    _, iteration, _ = resolve_load(save)
+    with owned_single_process():
+        tensors = load_plain_tensors(os.path.join(iteration, "model"))
+    return {k: v for k, v in tensors.items() if torch.is_tensor(v) and not k.startswith("optimizer.")}  # no extra state
 
 
 @pytest.fixture(scope="module")

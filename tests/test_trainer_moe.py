@@ -199,8 +199,21 @@ DP3 = ("--data-parallel-size", "3", "--rollout-batch-size", "6", "--global-batch
                                                        "choose a divisor of 8")),
     (("--expert-tensor-parallel-size", "3", *DP3), {}, ("--expert-tensor-parallel-size 3", "32 hidden units",
                                                         "moe_intermediate_size")),
+    (("--sequence-parallel",), {}, ("--sequence-parallel splits the sequence over the tensor-parallel ranks",
+                                    "--tensor-model-parallel-size 2 or more")),
+    (("--context-parallel-size", "2"), {},
+     ("--context-parallel-size 2", "only in Transformer Engine's attention", "python -m vime.memory_plan")),
+    (("--optimizer-cpu-offload", "--bf16"), {}, ("--optimizer-cpu-offload", "add --use-distributed-optimizer")),
+    (("--optimizer-cpu-offload", "--use-distributed-optimizer"), {}, ("--optimizer-cpu-offload", "add --bf16")),
+    (("--use-precision-aware-optimizer", "--use-distributed-optimizer", "--bf16"), {},
+     ("--use-precision-aware-optimizer", "Transformer Engine's FusedAdam", "add --optimizer-cpu-offload")),
+    (("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "3"), {},
+     ("--recompute-num-layers 3", "a stage of 2 layers does not split into them")),
+    (("--recompute-granularity", "full"), {}, ("--recompute-granularity full", "give both")),
 ], ids=["tensor-parallel-moe", "unnormalised-topk", "ep-over-too-few-ranks", "ep-x-etp-over-too-few-ranks",
-        "ep-not-dividing-the-experts", "etp-not-dividing-an-expert"])
+        "ep-not-dividing-the-experts", "etp-not-dividing-an-expert", "sp-without-tp", "context-parallel",
+        "cpu-offload-without-distributed", "cpu-offload-without-bf16", "precision-aware-without-te",
+        "uneven-uniform-recompute", "full-recompute-without-layers"])
 def test_what_megatron_cannot_train_is_refused_in_one_line_before_start(tmp_path, extra, config_changes, needles):
     ckpt = str(tmp_path / "hf")
     write_checkpoint(ckpt, "glm4_moe", seed=26)

@@ -2,12 +2,15 @@
 
 The format is layout-independent: megatron reshards every tensor on load, so a checkpoint saved at any
 TP / PP / EP / DP loads at any other. The optimizers' state is megatron's own sharded state dict
-(`MegatronOptimizer.sharded_state_dict`, the distributed optimizer's in its model-space format): every
+(`MegatronOptimizer.sharded_state_dict`, the distributed optimizer's gathered by parameter: megatron's
+`fully_reshardable`; its model-space format is unusable in megatron-core 0.16): every
 Adam moment is saved under its parameter's key (`optimizer.state.exp_avg.<key>` ...), sharded as the
-parameter is, so it reshards too, with or without --use-distributed-optimizer on either side. A resumed
+parameter is, so it reshards too; a --use-distributed-optimizer checkpoint resumes in any layout and optimizer
+(into a distributed optimizer, megatron-core 0.16.1's load of torch Adam's state fails on its step). A resumed
 optimizer takes the saved tensors and the step count (`vime_meta.json`); its settings (learning rate,
 weight decay, its own layout of the state) are the resumed run's. Under --bf16
-the weights are saved in bf16 and their fp32 masters beside the moments (`optimizer.state.fp32_param.<key>`):
+the weights are saved in bf16 and their fp32 masters beside the moments (`optimizer.state.fp32_param.<key>`, the
+distributed optimizer's `optimizer.state.param.<key>`, either read as the other):
 loading weights takes the masters wherever the checkpoint has them (a --bf16 checkpoint resumes in fp32 or
 converts to HF without rounding), and an optimizer that keeps masters takes an fp32 checkpoint's weights as
 its masters. `vime_meta.json` records the model config and the MTP layer count for validation.
@@ -19,10 +22,13 @@ import torch.distributed as dist
 
 from vime.models.torch_dist_format import META_FILE, read_saved_meta
 
-MASTERS = "optimizer.state.fp32_param."  # megatron's key prefix of the fp32 main weights in an optimizer's state
-# megatron's metadata of the optimizer's sharded state: the distributed optimizer's parameter-by-parameter
-# format (keys as the non-distributed optimizer's), and no per-optimizer key prefix (keys name parameters)
-OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_sharded_model_space", "chained_optim_avoid_prefix": True}
+# megatron's key prefixes of the fp32 main weights in an optimizer's state: the plain optimizers' and the
+# distributed optimizer's (its fully_reshardable format), the same tensors by either name
+MASTERS = ("optimizer.state.fp32_param.", "optimizer.state.param.")
+# megatron's metadata of the optimizer's sharded state: the distributed optimizer's gathered by parameter (keys
+# as the non-distributed optimizer's) over gloo (its other gather needs CUDA), and no per-optimizer key prefix
+OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable",
+                    "distrib_optim_fully_reshardable_mem_efficient": True, "chained_optim_avoid_prefix": True}
 
 
 def write_meta(path, meta):
@@ -186,7 +192,12 @@ def _holds_sharded(node):
 
 
 def _weights_of_masters(key):
-    return key[len(MASTERS):] if key.startswith(MASTERS) else None
+    return next((key[len(prefix):] for prefix in MASTERS if key.startswith(prefix)), None)
+
+
+def _saved_masters(weights, saved):
+    """The key the checkpoint (its keys `saved`) holds the fp32 masters of `weights` under, or None."""
+    return next((prefix + weights for prefix in MASTERS if _in(prefix + weights, saved)), None)
 
 
 def _in(key, saved):
@@ -207,17 +218,26 @@ def load(path, model, optimizers=None):
     state = {"model": model_sharded}
     with_optimizer = bool(optimizers) and meta.get("has_optimizer")
     if with_optimizer:
+        for optimizer in optimizers.values():  # the distributed optimizer's state dict needs a step to read
+            _init_state(optimizer)
         state["optimizer"] = _optimizer_state(optimizers, model_sharded, is_loading=True)
-        # masters this optimizer keeps that the checkpoint lacks: an fp32 run's weights are its masters
+        # masters this optimizer keeps under the other name, or not at all: an fp32 run's weights are its masters
         for tensor in _each_sharded_tensor(state["optimizer"]):
             weights = _weights_of_masters(tensor.key)
-            if weights is not None and not _in(tensor.key, saved) and _in(weights, saved):
-                tensor.key = weights
+            if weights is not None and not _in(tensor.key, saved):
+                tensor.key = _saved_masters(weights, saved) or (weights if _in(weights, saved) else tensor.key)
     requested = {t.key for t in _each_sharded_tensor(state.get("optimizer", {}))}
     for tensor in _each_sharded_tensor(model_sharded):  # the fp32 masters where no optimizer takes them
-        if _in(MASTERS + tensor.key, saved) and MASTERS + tensor.key not in requested:
-            tensor.key = MASTERS + tensor.key
-    loaded = dist_checkpointing.load(state, path)
+        masters = _saved_masters(tensor.key, saved)
+        if masters is not None and masters not in requested:
+            tensor.key = masters
+    if requested & {t.key for t in _each_sharded_tensor(model_sharded)}:
+        # the optimizer reads masters from the weights the model reads: one load each (torch's checkpoint reader
+        # refuses one key requested twice on a rank, overlapping itself)
+        loaded = {**dist_checkpointing.load({"model": model_sharded}, path),
+                  **dist_checkpointing.load({"optimizer": state["optimizer"]}, path)}
+    else:
+        loaded = dist_checkpointing.load(state, path)
     model.load_state_dict(loaded["model"])
     for name, optimizer in (optimizers or {}).items():
         if with_optimizer:

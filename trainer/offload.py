@@ -14,6 +14,8 @@ which is what megatron's buffers need: a parameter is a view into its DDP buffer
 tensors (a CPU-offloaded optimizer's) are left where they are; on a CPU-only machine the device is the host,
 so the copies change no placement but the mechanism runs (and is tested) as it does on a GPU.
 """
+import contextlib
+
 import torch
 
 
@@ -77,12 +79,20 @@ class OnHost:
     def nbytes(self):
         return sum(host.numel() for _, host in self.saved)
 
-    def onload(self):
+    def onload(self, keep_copies=False):
+        """Refill every storage from its host copy; `keep_copies`: keep those for `free` (the storages are only
+        read meanwhile, so the copies stay true)."""
         for storage, host in self.saved:
             storage.resize_(host.numel())
             _storage_bytes(storage).copy_(host, non_blocking=True)
         _synchronize()
-        self.saved = []
+        if not keep_copies:
+            self.saved = []
+
+    def free(self):
+        """Free the storages again, their host copies kept from before (`onload(keep_copies=True)`)."""
+        for storage, _ in self.saved:
+            storage.resize_(0)
 
 
 def _synchronize():
@@ -101,9 +111,9 @@ class Offloaded:
             part.optimizer.zero_grad(set_to_none=True)
             part.ddp.offload_grad_buffers(synchronize=torch.cuda.is_available(), empty_cache=False)
         state = [t for part in parts for t in optimizer_tensors(part.optimizer)]
-        # an optimizer's fp32 parameters are the model's own without --bf16: they are weights, not state
-        self.state = OnHost(state, device, keep=[] if weights else model_weights)
         self.weights_on_host = OnHost(model_weights, device) if weights else None
+        # an optimizer's fp32 parameters are the model's own without --bf16: they are weights, not state
+        self.state = OnHost(state, device, keep=model_weights)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # to the device, for the engines, not kept in torch's cache
 
@@ -113,6 +123,18 @@ class Offloaded:
         self.state.onload()
         for part in self.parts:
             part.ddp.restore_grad_buffers(synchronize=torch.cuda.is_available())
+
+    @contextlib.contextmanager
+    def weights_back(self):
+        """Within: the weights on the device, to be read (pushed to the engines); then freed there again."""
+        if self.weights_on_host is None:
+            yield
+            return
+        self.weights_on_host.onload(keep_copies=True)
+        try:
+            yield
+        finally:
+            self.weights_on_host.free()
 
 
 def offload(parts, weights=False):

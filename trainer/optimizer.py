@@ -31,8 +31,6 @@ import torch
 
 from vime.errors import require
 
-# megatron's ddp bucket size when overlapping (elements); None: one bucket per buffer (megatron's without overlap)
-OVERLAP_BUCKET_ELEMENTS = 40_000_000
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -57,8 +55,10 @@ class OptimizerOptions:
         return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
 
     def replicated(self):
-        """These options for a small replicated module (an external draft): not distributed, not offloaded."""
+        """These options for a small replicated module (an external draft): not distributed, not offloaded, its
+        reduce not overlapped (the stages before the last, which run no backward of it, would wait for buckets)."""
         return dataclasses.replace(self, use_distributed_optimizer=False, optimizer_cpu_offload=False,
+                                   overlap_grad_reduce=False,
                                    use_precision_aware_optimizer=False, main_grads_dtype="fp32",
                                    exp_avg_dtype="fp32", exp_avg_sq_dtype="fp32")
 
@@ -67,10 +67,10 @@ def ddp_config(options):
     """megatron's DistributedDataParallelConfig of `options`."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
+    # the bucket size is megatron's own (its default when overlapping, one bucket per buffer otherwise)
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=DTYPES[options.main_grads_dtype] == torch.float32,
-        overlap_grad_reduce=options.overlap_grad_reduce, use_distributed_optimizer=options.use_distributed_optimizer,
-        bucket_size=OVERLAP_BUCKET_ELEMENTS if options.overlap_grad_reduce else None)
+        overlap_grad_reduce=options.overlap_grad_reduce, use_distributed_optimizer=options.use_distributed_optimizer)
 
 
 def optimizer_config(options, lr, weight_decay, adam_eps, clip_grad):

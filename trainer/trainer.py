@@ -352,10 +352,11 @@ class Trainer:
         """[(canonical HF name, full tensor)] of every weight, trunk, MTP and an external draft's: the whole
         model on trainer rank 0 (the push's source), gathered over TP and the pipeline stages
         (trainer/weights.py); collective, every rank calls it."""
-        own = stage_hf_weights(self.model, self.model_cfg)
-        if self.draft is not None:
-            own += list(self.draft.named_weights())
-        return gather_stages(own)
+        with self.offloaded.weights_back() if self.offloaded is not None else contextlib.nullcontext():
+            own = stage_hf_weights(self.model, self.model_cfg)  # copies: they outlive the weights' return
+            if self.draft is not None:
+                own += [(name, t.clone()) for name, t in self.draft.named_weights()]
+            return gather_stages(own)
 
     def _meta(self):
         return {"model_config": dataclasses.asdict(self.model_cfg), "mtp_num_layers": self.mtp_num_layers,

@@ -251,7 +251,7 @@ class TrainSection:
     optimizer_cpu_offload: bool = field(default=False, metadata=flag(
         "--optimizer-cpu-offload", "megatron's HybridDeviceOptimizer: Adam steps --optimizer-offload-fraction of the "
         "parameters on the host, their fp32 main weights and moments in host memory (needs "
-        "--use-distributed-optimizer)"))
+        "--use-distributed-optimizer and --bf16)"))
     optimizer_offload_fraction: float = field(default=1.0, metadata=flag(
         "--optimizer-offload-fraction", "share of the parameters (by elements) whose optimizer steps on the host"))
     overlap_cpu_optimizer_d2h_h2d: bool = field(default=False, metadata=flag(

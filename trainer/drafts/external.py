@@ -202,8 +202,11 @@ class ExternalDraftTrainer(DraftTrainer):
             yield self.kind.wire_prefix + name, p.detach()
 
     def state(self):
-        """The draft's weights, its optimizer's state (under --bf16 with the fp32 masters) and config."""
+        """The draft's weights (under --bf16 its fp32 masters, megatron's `main_param`: a plain fp32 draft for
+        export), its optimizer's state and config."""
         weights = {k: v.clone() for k, v in self.module.state_dict().items()}
+        weights.update({n: p.main_param.detach().clone() for n, p in self.module.named_parameters()
+                        if getattr(p, "main_param", None) is not None})
         return {"draft": weights, "optimizer": self.part.optimizer.state_dict(), "config": self.module.cfg}
 
     def load_state(self, state):
