@@ -202,7 +202,7 @@ class WeightSync:
                 raise e
         lost = [(key, self.workers[key]._actor_id.hex(), lost_reason(e)) for key, e in sorted(
             (k, e) for k, e in failed.items() if not isinstance(k, tuple)) if lost_reason(e)]
-        if failed and not lost and len(broken) == len(failed):  # broken, no call saying why: ask the engines
+        if failed and not lost:  # no call says an engine was lost: ask the engines, a broken push may hide one
             found = self.watch.probe({key: worker for key, (worker, _) in calls.items() if worker is not None})
             lost = [(key, self.workers[key]._actor_id.hex(), why) for key, why in sorted(found.items())]
         if lost:

@@ -49,12 +49,14 @@ class EnginesLost(RuntimeError):
 def lost_reason(error):
     """Why `error` (an outcome of a call to a rollout worker) means the worker is lost, or None when
     it does not (any other error is a bug of the call, not a loss)."""
-    from ray.exceptions import RayActorError
+    from ray.exceptions import OutOfMemoryError, RayActorError
 
     if isinstance(error, EngineHung):
         return str(error)
     if isinstance(error, RayActorError):
         return "died (its process exited or was killed, e.g. out of memory)"
+    if isinstance(error, OutOfMemoryError):  # the call of a worker Ray's memory monitor killed
+        return "was killed by Ray's memory monitor (out of memory)"
     cause = getattr(error, "cause", None)
     if isinstance(cause, EngineDead):
         return f"lost its engine ({cause})"

@@ -20,8 +20,8 @@ from checkpoint_convert import hf_to_torch_dist, torch_dist_to_hf
 from dflash_fixtures import DRAFT as DFLASH_DRAFT
 from dflash_fixtures import TARGET as QWEN2_TARGET
 from rollout import generate
+from tests.test_bad_inputs_tools import converted  # noqa: F401 (fixture)
 from tests.test_train_rl import ckpt  # noqa: F401 (fixture)
-from tests.trainer_fixtures import make_tiny
 from vime import manifest
 from vime.checkpointing import LATEST, LOOP_STATE
 from vime import memory_plan
@@ -58,16 +58,6 @@ def script_one_line(script, *args):
     err = [x for x in proc.stderr.strip().splitlines() if x.strip()]
     assert proc.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), proc.stderr[-2000:]
     return err[0]
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """(HF dir with 1 MTP layer, its torch_dist conversion)."""
-    hf = str(tmp_path_factory.mktemp("kinds_hf"))
-    make_tiny(hf, seed=9)
-    dist = str(tmp_path_factory.mktemp("kinds_root") / "dist")
-    hf_to_torch_dist.main(["--hf-checkpoint", hf, "--save", dist, "--mtp-num-layers", "1"])
-    return hf, dist
 
 
 def edited_meta(dist, dst, edit):

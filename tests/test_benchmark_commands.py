@@ -53,7 +53,29 @@ def spec_decode(*extra):
 VS_VLLM = (r"plain\s+1\s+[\d.]+\s+[\d.]+\s+[\d.]+x", r"mtp k=2\s+1\s+[\d.]+\s+[\d.]+\s+[\d.]+x")
 SPEC_TABLE = (r"\| batch \| method \| tokens/s \| speedup", r"paired speedup")
 DRIFT = (r"arm \(end = last 1 steps\)", r"accept_len start", r"wrote .*drift\.csv")
+SMOLLM2_DRIFT = (
+    "python scripts/bench/rl_arms.py drift --draft mtp --hf-checkpoint checkpoints/smollm2-135m-instruct "
+    "--draft-warmup-steps 200 --arms online,frozen,none --steps 20 --out runs/smollm2_drift -- --task-variant "
+    "chat_arithmetic --apply-chat-template --input-key messages --rm-type math --rollout-batch-size 8 "
+    "--n-samples-per-prompt 4 --global-batch-size 32 --micro-batch-size 8 --rollout-max-response-len 48 --lr 1e-5 "
+    "--draft-lr 1e-3"
+)
+SMOLLM2 = (("checkpoints/smollm2-135m-instruct", "llama_chat"),)  # a random Llama with a chat template stands in
 TINY = {
+    SMOLLM2_DRIFT: Tiny(
+        DRIFT,
+        (*RL, "--draft-warmup-steps", "2", "--arms", "online,none"),
+        SMOLLM2,
+    ),
+    "python scripts/bench/throughput.py step-limit --hf-checkpoint checkpoints/smollm2-135m-instruct --repeats 5": Tiny(
+        (r"copy bandwidth", r"eager\s+[\d.]+\s+[\d.]+%"), ("--repeats", "1", "--steps", "2", "--max-new-tokens", "4"),
+        SMOLLM2,
+    ),
+    'python scripts/bench/throughput.py spec-decode --hf-checkpoint runs/smollm2_drift/mtp_draft_warmup200 '
+    '--task-variant chat_arithmetic --batch-sizes 1,2,4 --num-prompts 8 --max-new-tokens 32 --repeats 2 --temperature 1 '
+    '--rejection-sample-method strict --methods "none,mtp k=1,mtp k=2,mtp k=3,mtp adaptive" --clock cpu --threads 1': Tiny(
+        SPEC_TABLE + (r"mtp adaptive",), spec_decode(), (("runs/smollm2_drift/mtp_draft_warmup200", "llama_chat_mtp"),)
+    ),
     "python scripts/bench/throughput.py vs-vllm --hf-checkpoint checkpoints/tiny-mimo-mtp --repeats 3": Tiny(
         VS_VLLM + (r"mtp k=1\s+1 ",), ("--batch-sizes", "1", "--max-new-tokens", "4", "--repeats", "1")
     ),
@@ -273,9 +295,36 @@ def made_inputs(scratch, name):
 
             write_checkpoint(str(target), "deepseek_v3", seed=21, **DEEPSEEK_ON_CPU_KERNEL)
         return str(target)
+    if name in ("llama_chat", "llama_chat_mtp"):
+        return str(llama_chat(scratch, with_mtp=name.endswith("mtp")))
     if name == "dspark_arms":
         return str(scratch / "dspark_arms")
     return name  # a path of the repository itself, or a file name inside the scratch directory
+
+
+def llama_chat(scratch, with_mtp):
+    """A random chat Llama (standing in for SmolLM2-135M-Instruct), with one fresh MTP layer warmed up for two
+    steps when `with_mtp` (as the drift command's warm-up makes it)."""
+    from rollout.tiny_model import make_random_chat_checkpoint
+
+    target = scratch / "llama-chat"
+    if not target.exists():
+        make_random_chat_checkpoint(str(target), seed=3, std=0.3, family="llama", num_nextn_predict_layers=0)
+    if not with_mtp:
+        return target
+    drafted = scratch / "llama-chat-mtp"
+    if not drafted.exists():
+        sys.path.insert(0, str(REPO / "scripts"))
+        import make_mtp_draft
+        from rollout.task import prompt_tasks, write_jsonl
+
+        prompts = str(scratch / "chat_arithmetic.jsonl")
+        write_jsonl(prompt_tasks()["chat_arithmetic"].prompts(8, seed=1), prompts)
+        make_mtp_draft.make(make_mtp_draft.parse_args([
+            "--target", str(target), "--out", str(drafted), "--warmup-steps", "2", "--warmup-samples", "8",
+            "--max-new-tokens", "8", "--prompt-data", prompts, "--input-key", "messages", "--apply-chat-template"]),
+            log=lambda line: None)
+    return drafted
 
 
 def argv_of(command, tiny, scratch):

@@ -106,3 +106,15 @@ def test_a_broken_push_finds_its_lost_engines_by_their_heartbeats():
             pass
     finally:
         ray.shutdown()
+
+
+def test_a_worker_call_killed_by_rays_memory_monitor_is_a_lost_engine():
+    """Ray's memory monitor ends the calls of a worker it kills with OutOfMemoryError, not RayActorError: the
+    engine is lost all the same (replaced), while an error of the call itself is not a loss."""
+    import ray.exceptions
+
+    from rollout.health import lost_reason
+
+    assert "memory monitor" in lost_reason(ray.exceptions.OutOfMemoryError("Task was killed due to the node running "
+                                                                            "low on memory."))
+    assert lost_reason(RuntimeError("a bug in the call")) is None

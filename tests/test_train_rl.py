@@ -292,7 +292,7 @@ BAD_INPUTS = [
     (["--rollout-top-p", 1.5], "--rollout-top-p 1.5"),
     (["--kl-loss-type", "k9"], "--kl-loss-type 'k9'"),
     (["--spec-adaptive=maybe"], "--spec-adaptive takes true or false"),
-    (["--task-variant", "nope"], "--task-variant 'nope': choose one of add, longtail"),
+    (["--task-variant", "nope"], "--task-variant 'nope': choose one of add, chat_arithmetic, longtail"),
     (["--rollout-backend", "vllm", "--rollout-time-plain-baseline"], "--rollout-time-plain-baseline times the embedded"),
     (["--spec-adaptive", "--vllm-speculative-config", "null"], "--spec-adaptive chooses how many tokens to draft"),
     (["--spec-adaptive", "--vllm-speculative-config", '{"method": "mtp", "num_speculative_tokens": 2, '

@@ -3,8 +3,8 @@ prompts they share, the served `vllm.LLM`, one greedy request with vLLM's own sp
 and transformers' greedy tokens."""
 import os
 
-import torch
 
+from llama_fixtures import hf_greedy  # noqa: F401 (the tests of both read it here)
 from rollout.task import EOS, make_prompts
 from rollout.tokenizer import TextCodec
 
@@ -47,19 +47,6 @@ def vllm_greedy(llm, prompt, max_new, k):
                        use_tqdm=False)
     drafts_after, after = spec_counters(llm, k)
     return list(out[0].outputs[0].token_ids), drafts_after - drafts_before, [a - b for a, b in zip(after, before)]
-
-
-def hf_greedy(model, prompt, max_new):
-    """transformers' greedy tokens after `prompt`, up to EOS or max_new."""
-    ids, out = list(prompt), []
-    with torch.no_grad():
-        for _ in range(max_new):
-            tok = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-            out.append(tok)
-            ids.append(tok)
-            if tok == EOS:
-                break
-    return out
 
 
 def sample_first_tokens(backend, checkpoint, n, prompt="37+58="):
