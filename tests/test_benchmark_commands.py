@@ -55,16 +55,15 @@ SPEC_TABLE = (r"\| batch \| method \| tokens/s \| speedup", r"paired speedup")
 DRIFT = (r"arm \(end = last 1 steps\)", r"accept_len start", r"wrote .*drift\.csv")
 SMOLLM2_DRIFT = (
     "python scripts/bench/rl_arms.py drift --draft mtp --hf-checkpoint checkpoints/smollm2-135m-instruct "
-    "--draft-warmup-steps 200 --arms online,frozen,none --steps 20 --out runs/smollm2_drift -- --task-variant "
+    "--draft-warmup-steps 200 --arms online:lr=1e-3,frozen,none --steps 20 --out runs/smollm2_drift -- --task-variant "
     "chat_arithmetic --apply-chat-template --input-key messages --rm-type math --rollout-batch-size 8 "
-    "--n-samples-per-prompt 4 --global-batch-size 32 --micro-batch-size 8 --rollout-max-response-len 48 --lr 1e-5 "
-    "--draft-lr 1e-3"
+    "--n-samples-per-prompt 4 --global-batch-size 32 --micro-batch-size 8 --rollout-max-response-len 48 --lr 1e-5"
 )
 SMOLLM2 = (("checkpoints/smollm2-135m-instruct", "llama_chat"),)  # a random Llama with a chat template stands in
 TINY = {
     SMOLLM2_DRIFT: Tiny(
         DRIFT,
-        (*RL, "--draft-warmup-steps", "2", "--arms", "online,none"),
+        (*RL, "--draft-warmup-steps", "2", "--arms", "online:lr=1e-3,none"),
         SMOLLM2,
     ),
     "python scripts/bench/throughput.py step-limit --hf-checkpoint checkpoints/smollm2-135m-instruct --repeats 5": Tiny(
