@@ -95,7 +95,7 @@ def trunk_states(model, sequences, batch_size):
     states = []
     for first in range(0, len(sequences), batch_size):
         rows = list(range(first, min(first + batch_size, len(sequences))))
-        tokens, _ = _batch(sequences, [[0] * len(sequences[i]) for i in range(len(sequences))], rows)
+        tokens = _padded_tokens(sequences, rows)
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
         with torch.no_grad():
             _, hidden = model.forward_states(tokens, positions)
@@ -111,13 +111,19 @@ def _padded(states, rows, width):
     return out
 
 
-def _batch(sequences, masks, rows):
-    """(tokens [B, T] zero-padded, loss mask [B, T]) of the chosen rows."""
-    width = max(len(sequences[i]) for i in rows)
-    tokens = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width)
+def _padded_tokens(sequences, rows):
+    """The chosen rows' tokens zero-padded to [B, T]."""
+    tokens = torch.zeros(len(rows), max(len(sequences[i]) for i in rows), dtype=torch.long)
     for r, i in enumerate(rows):
         tokens[r, :len(sequences[i])] = torch.tensor(sequences[i])
+    return tokens
+
+
+def _batch(sequences, masks, rows):
+    """(tokens [B, T] zero-padded, loss mask [B, T]) of the chosen rows."""
+    tokens = _padded_tokens(sequences, rows)
+    mask = torch.zeros(tokens.shape)
+    for r, i in enumerate(rows):
         mask[r, :len(masks[i])] = torch.tensor(masks[i], dtype=torch.float32)
     return tokens, mask
 

@@ -1,10 +1,10 @@
 """Chat arithmetic: the verifiable task of the real-model recipe.
 
 One-digit addition, subtraction and multiplication asked as chat messages ("What is 7 * 5?"), the label the
-exact result, scored by `--rm-type math` (the response's last `\\boxed{}`, else its last number). A chat model of
-SmolLM2-135M-Instruct's size answers these greedily more often than not but rambles when sampled at T = 1, so
-a rollout starts at a reward of about a quarter and RL has room to sharpen it. Subtraction keeps the larger
-operand first: every label is a whole number from 0 to 81.
+exact result, scored by `--rm-type math` (the response's last `\\boxed{}`, else its last number). Sampled at
+T = 1, a chat model of SmolLM2-135M-Instruct's size is often wrong on these, so RL has room to sharpen it (its
+starting reward is in BENCHMARKS.md). Subtraction keeps the larger operand first: every label is a whole number
+from 0 to 81.
 
 `CHAT_TASKS` is the registry `--task-variant` reads beside the tiny task's variants (rollout/task.py); a chat
 task's rows hold chat messages under "messages", which the run renders with the tokenizer's chat template
