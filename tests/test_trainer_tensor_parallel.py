@@ -200,12 +200,22 @@ def test_a_distributed_optimizers_checkpoint_resumes_on_one_rank_with_the_plain_
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=Exception, reason="megatron-core 0.16.1's fully_reshardable load copies a "
-                   "'step' into torch Adam's state that the checkpoint's tensors lack (KeyError: 'step')")
 def test_a_one_rank_checkpoint_resumes_in_a_distributed_optimizer_at_dp2(tmp_path):
+    """The plain optimizer's checkpoint at one rank resumes in the distributed optimizer at DP2, each rank taking
+    its shard of Adam's moments and the step count."""
     hf = MOE_CHECKPOINTS["glm4_moe"]
     ckpt, uninterrupted, want = one_rank_resumed(tmp_path, hf)
     run = spawn_layout(tmp_path, hf, DISTRIBUTED, 2, (7,), load=ckpt)
+    assert_resumed_step_is_the_uninterrupted_one(hf, run["metrics"][0], run["weights"], uninterrupted, want)
+
+
+@pytest.mark.slow
+def test_a_distributed_optimizers_checkpoint_resumes_in_a_distributed_optimizer(tmp_path):
+    """What a healed --use-distributed-optimizer run does: DP2 saves, DP2 resumes, the step after as one rank's."""
+    hf = MOE_CHECKPOINTS["glm4_moe"]
+    _, uninterrupted, want = one_rank_resumed(tmp_path, hf)
+    spawn_layout(tmp_path, hf, DISTRIBUTED, 2, SEEDS[:1], ckpt=str(tmp_path / "distributed"))
+    run = spawn_layout(tmp_path, hf, DISTRIBUTED, 2, (7,), load=str(tmp_path / "distributed"))
     assert_resumed_step_is_the_uninterrupted_one(hf, run["metrics"][0], run["weights"], uninterrupted, want)
 
 

@@ -5,8 +5,7 @@ TP / PP / EP / DP loads at any other. The optimizers' state is megatron's own sh
 (`MegatronOptimizer.sharded_state_dict`, the distributed optimizer's gathered by parameter: megatron's
 `fully_reshardable`; its model-space format is unusable in megatron-core 0.16): every
 Adam moment is saved under its parameter's key (`optimizer.state.exp_avg.<key>` ...), sharded as the
-parameter is, so it reshards too; a --use-distributed-optimizer checkpoint resumes in any layout and optimizer
-(into a distributed optimizer, megatron-core 0.16.1's load of torch Adam's state fails on its step). A resumed
+parameter is, so it reshards too: a checkpoint resumes in any layout and either optimizer. A resumed
 optimizer takes the saved tensors and the step count (`vime_meta.json`); its settings (learning rate,
 weight decay, its own layout of the state) are the resumed run's. Under --bf16
 the weights are saved in bf16 and their fp32 masters beside the moments (`optimizer.state.fp32_param.<key>`, the

@@ -366,6 +366,26 @@ def _patch_torch_norm_sequence_parallel():
     torch_norm.WrappedTorchNorm.__new__ = new
 
 
+def _patch_reshardable_load_keeps_step():
+    # DistributedOptimizer.load_parameter_state_from_fully_reshardable (distrib_optimizer.py) leaves torch Adam's
+    # "step" out of each parameter's loaded tensors (load_state_dict has just set it from the param groups), then
+    # _set_main_param_and_optimizer_states copies every key of the parameter's state, "step" included: KeyError
+    # whenever the inner optimizer is torch's (no Transformer Engine or Apex). The step stays the one set.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states_keeping_step(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"]}
+        set_states(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states_keeping_step
+
+
 PATCHES = {
     "torch.cuda.current_device -> 'cpu'": _patch_current_device,
     "torch.cuda.synchronize -> no-op": _patch_synchronize,
@@ -384,6 +404,7 @@ MODEL_PATCHES = {
     "expert-bias load counts skip padding (counted_tokens)": _patch_expert_load_count,
     "torch's norms under sequence parallelism (their weights summed over TP)": _patch_torch_norm_sequence_parallel,
     "optimizer_config.is_te_min_version is False without Transformer Engine": _patch_te_version_without_te,
+    "the distributed optimizer's reshardable load keeps torch Adam's step": _patch_reshardable_load_keeps_step,
 }
 
 
