@@ -306,11 +306,13 @@ def _patch_group_limited_topk():
 
 
 def _count_expert_load(self, routing_map, padding_mask=None):
-    """TopKRouter._apply_expert_bias counting only the tokens in the router's `counted_tokens`
-    ([s * b] bool, set by trainer.model.counting_tokens; None counts all)."""
-    if not (self.enable_expert_bias and torch.is_grad_enabled()):
+    """TopKRouter._apply_expert_bias counting once per training forward, only the tokens in the router's
+    `counted_tokens` ([s * b] bool, or None for all), both set by trainer.model.counting_tokens."""
+    # megatron counts when grad is enabled, which under activation recompute is the recompute in the backward pass,
+    # outside the forward's token mask; vime counts in the forward itself (a recompute's first run is under no_grad)
+    if not (self.enable_expert_bias and self.counting):
         return
-    counted = getattr(self, "counted_tokens", None)
+    counted = self.counted_tokens
     with torch.no_grad():
         if counted is not None:
             assert counted.shape[0] == routing_map.shape[0], (counted.shape, routing_map.shape)
@@ -324,6 +326,7 @@ def _patch_expert_load_count():
     from megatron.core.transformer.moe.router import TopKRouter
 
     TopKRouter.counted_tokens = None
+    TopKRouter.counting = False
     TopKRouter._apply_expert_bias = _count_expert_load
 
 
@@ -386,6 +389,65 @@ def _patch_reshardable_load_keeps_step():
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states_keeping_step
 
 
+def _allow_hybrid_optimizer_classes_in_checkpoints():
+    # HybridDeviceOptimizer keeps its sub-optimizers' classes in its param groups (cpu_optimizer_cls,
+    # gpu_optimizer_cls), so a checkpoint of it pickles them into common.pt; megatron reads common.pt with torch's
+    # weights-only loader, whose allowed globals (megatron.core.safe_globals) do not name them.
+    torch.serialization.add_safe_globals([torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD])
+
+
+def _mark_latent_kv(rope_width, module, args, output):
+    output[0].vime_rope_key_width = rope_width  # the columns of it whose gradient gather_latent_kv sums
+
+
+def _patch_mla_rope_key_gradient():
+    # Without Transformer Engine MLASelfAttention's down projections are ColumnParallelLinear
+    # (get_query_key_value_tensors): it all-gathers [kv latent | rope key] over TP and splits the rope key off.
+    # That key is shared by every head, and each TP rank's heads give it a part of its gradient, which the
+    # gather's backward (a split) never sums; Transformer Engine's duplicated projection sums it in its
+    # sequence gather. Here the rope key's gradient is all-reduced over TP before the split.
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    gather = mla.gather_from_tensor_model_parallel_region
+
+    def gather_latent_kv(input_, *args, **kwargs):
+        output = gather(input_, *args, **kwargs)
+        rope_width = getattr(input_, "vime_rope_key_width", None)
+        if rope_width is None:
+            return output
+        latent, rope_key = output.split([output.shape[-1] - rope_width, rope_width], dim=-1)
+        return torch.cat([latent, _SumOverTensorParallel.apply(rope_key)], dim=-1)
+
+    init = mla.MLASelfAttention.__init__
+
+    def init_marking_latent_kv(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if isinstance(self.linear_kv_down_proj, ColumnParallelLinear):
+            self.linear_kv_down_proj.register_forward_hook(
+                functools.partial(_mark_latent_kv, self.config.qk_pos_emb_head_dim))
+
+    mla.gather_from_tensor_model_parallel_region = gather_latent_kv
+    mla.MLASelfAttention.__init__ = init_marking_latent_kv
+
+
+class _SumOverTensorParallel(torch.autograd.Function):
+    """Identity forward; the gradient all-reduced over TP (megatron's copy_to_tensor_model_parallel_region
+    all-reduces a contiguous copy of a strided gradient and returns the gradient unreduced)."""
+
+    @staticmethod
+    def forward(ctx, input_):
+        return input_.view_as(input_)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from megatron.core import parallel_state
+
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
+        return grad
+
+
 PATCHES = {
     "torch.cuda.current_device -> 'cpu'": _patch_current_device,
     "torch.cuda.synchronize -> no-op": _patch_synchronize,
@@ -405,6 +467,9 @@ MODEL_PATCHES = {
     "torch's norms under sequence parallelism (their weights summed over TP)": _patch_torch_norm_sequence_parallel,
     "optimizer_config.is_te_min_version is False without Transformer Engine": _patch_te_version_without_te,
     "the distributed optimizer's reshardable load keeps torch Adam's step": _patch_reshardable_load_keeps_step,
+    "MLA's rope key sums its gradient over TP (local ColumnParallelLinear projections)": _patch_mla_rope_key_gradient,
+    "checkpoints may name torch's optimizer classes (HybridDeviceOptimizer's param groups)":
+        _allow_hybrid_optimizer_classes_in_checkpoints,
 }
 
 

@@ -241,6 +241,10 @@ def _vime_gpt_model_class():
             previous output detached as an input; `megatron` chained as megatron chains layers
             (its own output at t and token t+d, its own attention context at position t)."""
             hidden = out.hidden.detach() if detach_trunk else out.hidden
+            if detach_trunk and self.config.recompute_granularity == "full":
+                # megatron recomputes an MTP layer through a reentrant checkpoint, whose output requires grad only
+                # if an input does: with every input detached, the layer's weights would get no gradient
+                hidden.requires_grad_()
 
             def embed(input_ids, position_ids, zero_first=True):
                 emb = self.embedding(input_ids=input_ids, position_ids=position_ids)
@@ -516,22 +520,26 @@ def holds_first_position(config):
 
 @contextlib.contextmanager
 def counting_tokens(router_modules, block_masks):
-    """While the routers run over the sequence-concatenated blocks of `block_masks` (each [b, s]),
-    their expert-bias load counts only the positions True there (trainer/cpu_patches.py applies
-    it). A None mask counts every position, as megatron does."""
-    if any(m is None for m in block_masks) or not router_modules:
+    """While the routers run over the sequence-concatenated blocks of `block_masks` (each [b, s]) in a forward
+    with grad enabled (a training step's), their expert-bias load counts only the positions True there
+    (trainer/cpu_patches.py applies it; a None mask counts every position, as megatron does). Outside it,
+    in an evaluation or in the backward pass's recompute of a layer, they count nothing."""
+    if not router_modules:
         yield
         return
-    # megatron's routers see [s, b] flattened: position-major, then the row (this rank's positions)
-    config = router_modules[0].config
-    counted = torch.cat([local_positions(config, m.transpose(0, 1)) for m in block_masks]).reshape(-1)
+    counted = None
+    if not any(m is None for m in block_masks):
+        # megatron's routers see [s, b] flattened: position-major, then the row (this rank's positions)
+        config = router_modules[0].config
+        counted = torch.cat([local_positions(config, m.transpose(0, 1)) for m in block_masks]).reshape(-1)
+    training = torch.is_grad_enabled()
     for router in router_modules:
-        router.counted_tokens = counted
+        router.counted_tokens, router.counting = counted, training
     try:
         yield
     finally:
         for router in router_modules:
-            router.counted_tokens = None
+            router.counted_tokens, router.counting = None, False
 
 
 def is_mtp_param(name):
