@@ -5,6 +5,8 @@ import argparse
 import json
 import os
 
+import pytest
+
 from scripts.bench.lib import drift
 
 
@@ -32,3 +34,15 @@ def test_draft_layers_makes_that_arm_a_deeper_draft_in_its_own_directory(tmp_pat
     # both drafts serve blocks of 8 (k = 7): the block size still follows k=
     assert {saved_config(p)["block_size"] for p in (shallow, deep)} == {8}
     assert drift.group_name(arms.split(",")[1], args) != drift.group_name(arms.split(",")[0], args)
+
+
+def test_a_run_of_none_arms_needs_no_draft_and_a_drafting_arm_on_the_same_target_is_refused(tmp_path):
+    """tiny-qwen2 has no MTP layers: the `none` arm (no speculation, either backend) runs on it as it is, an MTP
+    arm without --draft-warmup-steps gets the one line saying how to add fresh layers."""
+    p = argparse.ArgumentParser()
+    drift.add_arguments(p)
+    none = p.parse_args(["--draft", "mtp", "--hf-checkpoint", "checkpoints/tiny-qwen2", "--arms", "none"])
+    drift.check_args(none)
+    online = p.parse_args(["--draft", "mtp", "--hf-checkpoint", "checkpoints/tiny-qwen2", "--arms", "online,none"])
+    with pytest.raises(drift.UserError, match="has no mtp layers: give --draft-warmup-steps"):
+        drift.check_args(online)

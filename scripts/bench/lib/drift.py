@@ -217,7 +217,8 @@ def check_args(args):
         raise UserError(f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; give an HF checkpoint directory")
     if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:  # 0 is not "unset"
         raise UserError("--num-speculative-tokens must be >= 1")
-    drafts = [arm_draft(arm, args) for arm in arm_list(args)]
+    # a draft is checked where an arm drafts: a run of `none` arms only needs none
+    drafts = [arm_draft(arm, args) for arm in arm_list(args) if arm_options(arm)[0] != "none"]
     for arm in arm_list(args):
         maker_flags(arm, args)
     if args.draft_model and not any(DRIFT_DRAFTS[n].draft_model for n, _ in drafts):
