@@ -219,6 +219,9 @@ TINY = {
     "python scripts/bench/trainer_layouts.py --hf-checkpoint checkpoints/tiny-deepseek-v3-mtp": Tiny(
         (r"tiny-deepseek-v3-mtp: global batch", r"\| 1 rank \| 1 \| \d+ ms"), ("--layouts", "1 rank", "--steps", "1")
     ),
+    "python scripts/bench/trainer_layouts.py --options": Tiny(
+        (r"\| --use-distributed-optimizer \| \d+ ms \| [\d.]+x",), ("--steps", "1", "--warmup", "0", "--samples", "8")
+    ),
     "python scripts/bench/weight_sync.py engines --workers 1": Tiny(
         (r"hand-over / broadcast: [\d.]+x",), ("--hidden", "64")
     ),
