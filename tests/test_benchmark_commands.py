@@ -60,7 +60,27 @@ SMOLLM2_DRIFT = (
     "--n-samples-per-prompt 4 --global-batch-size 32 --micro-batch-size 8 --rollout-max-response-len 48 --lr 1e-5"
 )
 SMOLLM2 = (("checkpoints/smollm2-135m-instruct", "llama_chat"),)  # a random Llama with a chat template stands in
+SMOLLM2_MTP = (("runs/smollm2_drift/mtp_draft_warmup200", "llama_chat_mtp"),)
+SMOLLM2_VLLM = (
+    "python scripts/bench/rl_arms.py drift --draft mtp --hf-checkpoint checkpoints/smollm2-135m-instruct --arms none "
+    "--backends vllm --steps 20 --out runs/smollm2_vllm -- --task-variant chat_arithmetic --apply-chat-template "
+    "--input-key messages --rm-type math --rollout-batch-size 8 --n-samples-per-prompt 4 --global-batch-size 32 "
+    "--micro-batch-size 8 --rollout-max-response-len 48 --lr 1e-5"
+)
 TINY = {
+    SMOLLM2_VLLM: Tiny((r"arm \(end = last 1 steps\)", r"vllm/none"), RL, SMOLLM2),
+    "python scripts/bench/throughput.py vs-hf --hf-checkpoint checkpoints/smollm2-135m-instruct --task-variant "
+    "chat_arithmetic --batch-sizes 1,4,16,64 --max-new-tokens 32 --threads 1": Tiny(
+        (r"\n\s+1\s+[\d.]+\s+[\d.]+\s+[\d.]+x",), ("--batch-sizes", "1", "--max-new-tokens", "4"), SMOLLM2
+    ),
+    "python scripts/bench/throughput.py vs-vllm --hf-checkpoint checkpoints/smollm2-135m-instruct --task-variant "
+    "chat_arithmetic --arms plain --batch-sizes 1,4,16,64 --max-new-tokens 32 --repeats 2 --threads 1": Tiny(
+        VS_VLLM[:1], ("--batch-sizes", "1", "--max-new-tokens", "4", "--repeats", "1"), SMOLLM2
+    ),
+    'python scripts/bench/throughput.py spec-decode --hf-checkpoint runs/smollm2_drift/mtp_draft_warmup200 '
+    '--task-variant chat_arithmetic --batch-sizes 8,16,32,64 --num-prompts 64 --max-new-tokens 48 --repeats 1 '
+    '--temperature 1 --rejection-sample-method strict --stop-at-eos --methods "none,mtp k=1,mtp k=2,mtp adaptive" '
+    '--clock cpu --threads 1': Tiny(SPEC_TABLE + (r"mtp adaptive",), spec_decode(), SMOLLM2_MTP),
     SMOLLM2_DRIFT: Tiny(
         DRIFT,
         (*RL, "--draft-warmup-steps", "2", "--arms", "online:lr=1e-3,none"),
@@ -73,7 +93,7 @@ TINY = {
     'python scripts/bench/throughput.py spec-decode --hf-checkpoint runs/smollm2_drift/mtp_draft_warmup200 '
     '--task-variant chat_arithmetic --batch-sizes 1,2,4 --num-prompts 8 --max-new-tokens 32 --repeats 2 --temperature 1 '
     '--rejection-sample-method strict --methods "none,mtp k=1,mtp k=2,mtp k=3,mtp adaptive" --clock cpu --threads 1': Tiny(
-        SPEC_TABLE + (r"mtp adaptive",), spec_decode(), (("runs/smollm2_drift/mtp_draft_warmup200", "llama_chat_mtp"),)
+        SPEC_TABLE + (r"mtp adaptive",), spec_decode(), SMOLLM2_MTP
     ),
     "python scripts/bench/throughput.py vs-vllm --hf-checkpoint checkpoints/tiny-mimo-mtp --repeats 3": Tiny(
         VS_VLLM + (r"mtp k=1\s+1 ",), ("--batch-sizes", "1", "--max-new-tokens", "4", "--repeats", "1")
