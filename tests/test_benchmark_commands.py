@@ -78,8 +78,8 @@ TINY = {
         VS_VLLM[:1], ("--batch-sizes", "1", "--max-new-tokens", "4", "--repeats", "1"), SMOLLM2
     ),
     'python scripts/bench/throughput.py spec-decode --hf-checkpoint runs/smollm2_drift/mtp_draft_warmup200 '
-    '--task-variant chat_arithmetic --batch-sizes 8,16,32,64 --num-prompts 64 --max-new-tokens 48 --repeats 1 '
-    '--temperature 1 --rejection-sample-method strict --stop-at-eos --methods "none,mtp k=1,mtp k=2,mtp adaptive" '
+    '--task-variant chat_arithmetic --batch-sizes 8,16,32,64 --num-prompts 64 --max-new-tokens 48 --repeats 2 '
+    '--temperature 1 --rejection-sample-method strict --methods "none,mtp k=1,mtp adaptive" '
     '--clock cpu --threads 1': Tiny(SPEC_TABLE + (r"mtp adaptive",), spec_decode(), SMOLLM2_MTP),
     SMOLLM2_DRIFT: Tiny(
         DRIFT,
