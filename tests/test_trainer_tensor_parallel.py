@@ -1,7 +1,8 @@
 """Parallel layouts of the trainer over gloo processes compute what one rank computes: TP=2 gives the
 TP=1 losses and a TP=2 checkpoint loads at TP=1; on the MoE models expert parallelism (EP, ETP) gives
 one rank's losses, grad norms and full per-expert weights, replays routes as one rank does, and its
-checkpoints resume on one rank and back (the distributed optimizer's at DP=2 on one rank); pipeline stages (PP=2, uneven stages, TP=2 x PP=2, PP=2 x EP=2
+checkpoints resume on one rank and back (the distributed optimizer's at DP=2 on one rank, and one rank's and
+its own in it at DP=2); pipeline stages (PP=2, uneven stages, TP=2 x PP=2, PP=2 x EP=2
 x DP=2, an external draft reading layers of both stages) give one rank's log-probs, losses, grad norms
 and pushed weights, and their checkpoints move between one rank and the layout in both directions."""
 import functools
