@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from mtp.loss import mtp_loss
+from mtp.draft_warmup import padded_states, padded_tokens, states_per_sequence
+from mtp.loss import mtp_ce_at_trained_positions
 
 INIT_METHOD_STD = 0.02  # megatron-core's TransformerConfig.init_method_std default
 # canonical suffixes megatron initialises with output_layer_init_method (they write into the residual stream)
@@ -65,20 +66,22 @@ def warm_up_mtp_layers(model, sequences, masks, steps, batch_size, lr, seed, log
     """`steps` AdamW steps of the MTP layers of `model` (a CausalLMWithMTP) on random batches of `sequences`
     (token lists); `masks[i]` marks the tokens of sequence i the loss may read and predict (its response).
     Each depth k reads the previous depth's output, as the engine drafts; the loss is the token mean of
-    every depth's cross-entropy. The trunk is frozen, so its hidden states are computed once per sequence
-    (causal attention: a sequence's states do not depend on the batch it runs in) and each step trains on them."""
+    every depth's cross-entropy. The trunk is frozen: its hidden states are computed once per sequence."""
     model.requires_grad_(False)
     params = mtp_parameters(model)
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     rng, start = random.Random(seed), time.time()
-    states = trunk_states(model, sequences, batch_size)
-    indexed = list(range(len(sequences)))
+    states = states_per_sequence(sequences, batch_size, lambda tokens, positions: model.forward_states(
+        tokens, positions)[1])
+    mask_rows = [torch.tensor(m, dtype=torch.float32) for m in masks]
     for step in range(steps):
-        rows = [rng.choice(indexed) for _ in range(batch_size)]
-        tokens, mask = _batch(sequences, masks, rows)
-        losses = mtp_depth_losses(model, tokens, mask, hidden=_padded(states, rows, tokens.shape[1]))
+        rows = [rng.randrange(len(sequences)) for _ in range(batch_size)]
+        tokens = padded_tokens(sequences, rows)
+        width = tokens.shape[1]
+        losses = mtp_depth_losses(model, tokens, padded_states(mask_rows, rows, width),
+                                  hidden=padded_states(states, rows, width))
         loss = sum(losses) / len(losses)
         opt.zero_grad()
         loss.backward()
@@ -90,44 +93,6 @@ def warm_up_mtp_layers(model, sequences, masks, steps, batch_size, lr, seed, log
     model.requires_grad_(False)
 
 
-def trunk_states(model, sequences, batch_size):
-    """[the trunk's last hidden states of sequence i, [len_i, H]], computed in batches of `batch_size`."""
-    states = []
-    for first in range(0, len(sequences), batch_size):
-        rows = list(range(first, min(first + batch_size, len(sequences))))
-        tokens = _padded_tokens(sequences, rows)
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-        with torch.no_grad():
-            _, hidden = model.forward_states(tokens, positions)
-        states += [hidden[r, :len(sequences[i])] for r, i in enumerate(rows)]
-    return states
-
-
-def _padded(states, rows, width):
-    """The chosen rows' trunk states zero-padded to [B, width, H]."""
-    out = torch.zeros(len(rows), width, states[0].shape[-1], dtype=states[0].dtype)
-    for r, i in enumerate(rows):
-        out[r, :len(states[i])] = states[i]
-    return out
-
-
-def _padded_tokens(sequences, rows):
-    """The chosen rows' tokens zero-padded to [B, T]."""
-    tokens = torch.zeros(len(rows), max(len(sequences[i]) for i in rows), dtype=torch.long)
-    for r, i in enumerate(rows):
-        tokens[r, :len(sequences[i])] = torch.tensor(sequences[i])
-    return tokens
-
-
-def _batch(sequences, masks, rows):
-    """(tokens [B, T] zero-padded, loss mask [B, T]) of the chosen rows."""
-    tokens = _padded_tokens(sequences, rows)
-    mask = torch.zeros(tokens.shape)
-    for r, i in enumerate(rows):
-        mask[r, :len(masks[i])] = torch.tensor(masks[i], dtype=torch.float32)
-    return tokens, mask
-
-
 def mtp_depth_losses(model, tokens, mask, hidden):
     """[depth-k cross-entropy] of every MTP layer of `model` on `tokens` (mask: which tokens count), from the
     trunk's last hidden states `hidden` of `tokens`."""
@@ -137,5 +102,5 @@ def mtp_depth_losses(model, tokens, mask, hidden):
         depth = k + 1
         width = tokens.shape[1] - depth
         hidden = model.mtp_forward(k, tokens[:, depth:], hidden[:, :width], positions[:, :width])
-        losses.append(mtp_loss(model.logits(hidden), tokens, mask, depth=depth))
+        losses.append(mtp_ce_at_trained_positions(hidden, model.logits, tokens, mask, depth))
     return losses

@@ -76,6 +76,17 @@ def mtp_loss(logits, tokens, loss_mask, depth, loss_type="ce", policy_logits=Non
     return (per_position * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def mtp_ce_at_trained_positions(hidden, head, tokens, loss_mask, depth):
+    """mtp_loss(head(hidden), tokens, loss_mask, depth) with the hard label, the vocabulary projection `head`
+    applied only at the positions the mask counts. Same value; on a real vocabulary the projection is most of
+    a depth's cost, and a chat prompt's positions never count."""
+    labels = tokens[:, depth + 1:]
+    keep = mtp_loss_mask(loss_mask, depth) > 0
+    if not keep.any():
+        return hidden.sum() * 0.0  # mtp_loss's 0 / clamp(0, 1), still on the graph
+    return F.cross_entropy(head(hidden[:, :labels.shape[1]][keep]).float(), labels[keep])
+
+
 def scaled_mtp_loss(per_depth_losses, scaling_factor):
     """factor / num_layers * sum of the per-depth losses (Megatron's convention)."""
     if not per_depth_losses:

@@ -114,6 +114,7 @@ def add_fresh_mtp_layers(cfg):
           f"{r.prompt_data} -> {out}", flush=True)
     cmd = [sys.executable, os.path.join(REPO_ROOT, "scripts", "make_mtp_draft.py"), "--target", cfg.model.hf_checkpoint,
            "--out", out, "--mtp-num-layers", str(count), "--warmup-steps", str(m.warmup_steps),
+           "--warmup-samples", str(m.warmup_samples), "--batch-size", str(m.warmup_batch_size),
            "--prompt-data", r.prompt_data, "--input-key", r.input_key, "--label-key", r.label_key,
            "--max-new-tokens", str(r.rollout_max_response_len), "--seed", str(r.rollout_seed)]
     proc = subprocess.run(cmd + (["--apply-chat-template"] if r.apply_chat_template else []), stderr=subprocess.PIPE,

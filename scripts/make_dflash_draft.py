@@ -111,7 +111,7 @@ def make(args, kind, init, warm):
     require(args.warmup_steps >= 0, f"--warmup-steps must be >= 0 (got {args.warmup_steps})")
     require(args.num_layers >= 1, f"--num-layers must be >= 1 (got {args.num_layers})")
     require(args.anchors >= 1, f"--anchors must be >= 1 (got {args.anchors})")
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
     target_cfg, target_state, _ = load_hf_checkpoint(args.target, "--target")
     draft = init(target_cfg, target_state, args)
     if args.warmup_steps:

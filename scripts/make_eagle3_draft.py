@@ -127,7 +127,7 @@ def main(argv=None):
     check_out(args)
     require(args.warmup_steps >= 0, f"--warmup-steps must be >= 0 (got {args.warmup_steps})")
     require(args.ttt_steps >= 1, f"--ttt-steps must be >= 1 (got {args.ttt_steps})")
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
     target_cfg, target_state, _ = load_hf_checkpoint(args.target, "--target")
     draft = init_draft(target_cfg, target_state, args.seed, args.intermediate_size, args.aux_layer_ids)
     EAGLE3.check_fits(args.out, draft.cfg, target_cfg, tensors={n: t.shape for n, t in draft.state_dict().items()})

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from make_eagle3_draft import add_sample_args, check_out, target_samples  # noqa: E402
 from mtp.fresh_layers import fresh_mtp_state, warm_up_mtp_layers, with_mtp_layers  # noqa: E402
 from rollout.embedded.model import CausalLMWithMTP  # noqa: E402
+from vime.config import MTPSection  # noqa: E402
 from vime.errors import exit_on_user_error, require  # noqa: E402
 from vime.models.hf_format import expected_hf_tensors, load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 
@@ -37,8 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--mtp-num-layers", type=int, default=1, help="MTP layers to add")
     p.add_argument("--warmup-steps", type=int, default=0, help="offline training steps on the target's responses")
-    p.add_argument("--warmup-samples", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--warmup-samples", type=int, default=MTPSection.warmup_samples,
+                   help="the target's responses (temperature 1) the warm-up trains on")
+    p.add_argument("--batch-size", type=int, default=MTPSection.warmup_batch_size, help="responses per warm-up step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
@@ -55,6 +57,8 @@ def make(args, log=print):
     """The checkpoint with fresh (and warmed-up) MTP layers, written to args.out."""
     require(args.mtp_num_layers >= 1, f"--mtp-num-layers must be >= 1 (got {args.mtp_num_layers})")
     require(args.warmup_steps >= 0, f"--warmup-steps must be >= 0 (got {args.warmup_steps})")
+    require(args.warmup_samples >= 1, f"--warmup-samples must be >= 1 (got {args.warmup_samples})")
+    require(args.batch_size >= 1, f"--batch-size must be >= 1 (got {args.batch_size})")
     check_out(args)
     cfg, state, _ = load_hf_checkpoint(args.target, "--target")
     require(cfg.num_nextn_predict_layers == 0, f"--target {args.target} already has {cfg.num_nextn_predict_layers} "
@@ -79,7 +83,7 @@ def make(args, log=print):
 
 @exit_on_user_error
 def main(argv=None):
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
     make(parse_args(argv))
 
 

@@ -60,14 +60,41 @@ SMOLLM2_DRIFT = (
     "--n-samples-per-prompt 4 --global-batch-size 32 --micro-batch-size 8 --rollout-max-response-len 48 --lr 1e-5"
 )
 SMOLLM2 = (("checkpoints/smollm2-135m-instruct", "llama_chat"),)  # a random Llama with a chat template stands in
-SMOLLM2_MTP = (("runs/smollm2_drift/mtp_draft_warmup200", "llama_chat_mtp"),)
 SMOLLM2_VLLM = (
     "python scripts/bench/rl_arms.py drift --draft mtp --hf-checkpoint checkpoints/smollm2-135m-instruct --arms none "
     "--backends vllm --steps 20 --out runs/smollm2_vllm -- --task-variant chat_arithmetic --apply-chat-template "
     "--input-key messages --rm-type math --rollout-batch-size 8 --n-samples-per-prompt 4 --global-batch-size 32 "
     "--micro-batch-size 8 --rollout-max-response-len 48 --lr 1e-5"
 )
+SMOLLM2_RUN = "runs/smollm2/prompts_chat_arithmetic.jsonl --input-key messages --apply-chat-template --max-new-tokens 48"
+SMOLLM2_METHODS = '"none,mtp k=1,mtp adaptive,dflash k=3,dflash k=3 adaptive,dspark k=3,dspark k=3 sized"'
+SMOLLM2_ADAPTIVE = '"none,mtp k=1,mtp adaptive,dflash k=3 adaptive,dspark k=3 sized"'
+SMOLLM2_TABLE_INPUTS = "--hf-checkpoint runs/smollm2/policy --dflash-drafts runs/smollm2/dflash4 --dspark-drafts " \
+    "runs/smollm2/dspark3 --task-variant chat_arithmetic"
+TINY_MAKER = ("--warmup-steps", "2", "--warmup-samples", "4", "--max-new-tokens", "4")
 TINY = {
+    "python train_rl.py experiment=smollm2_math --save runs/smollm2/save": Tiny(
+        (r"has no MTP layers: adding 1 fresh one",),
+        ("--hf-checkpoint", "checkpoints/smollm2-135m-instruct", "--num-rollout", "1", "--rollout-batch-size", "2",
+         "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--micro-batch-size", "2",
+         "--rollout-max-response-len", "8", "--mtp-warmup-steps", "2", "--mtp-warmup-samples", "4",
+         "--use-wandb", "false", "--progress", "false"),
+        SMOLLM2,
+    ),
+    "python -m checkpoint_convert.torch_dist_to_hf --input-dir runs/smollm2/save --output-dir runs/smollm2/policy "
+    "--origin-hf-dir runs/smollm2/fresh_mtp_checkpoint": Tiny((r"saved HF checkpoint",)),
+    "python scripts/make_dflash_draft.py --target runs/smollm2/policy --out runs/smollm2/dflash4 --block-size 4 "
+    f"--warmup-steps 200 --warmup-samples 512 --prompt-data {SMOLLM2_RUN}": Tiny((r"saved .*dflash4",), TINY_MAKER),
+    "python scripts/make_dspark_draft.py --target runs/smollm2/policy --out runs/smollm2/dspark3 --block-size 3 "
+    f"--warmup-steps 100 --warmup-samples 256 --batch-size 16 --prompt-data {SMOLLM2_RUN}": Tiny(
+        (r"saved .*dspark3",), TINY_MAKER
+    ),
+    f"python scripts/bench/throughput.py spec-decode {SMOLLM2_TABLE_INPUTS} --batch-sizes 1,2,4 --num-prompts 8 "
+    f"--max-new-tokens 32 --repeats 2 --temperature 1 --rejection-sample-method strict --methods {SMOLLM2_METHODS} "
+    "--threads 2": Tiny(SPEC_TABLE + (r"dspark k=3 sized",), spec_decode()),
+    f"python scripts/bench/throughput.py spec-decode {SMOLLM2_TABLE_INPUTS} --batch-sizes 8,16,32,64 --num-prompts 64 "
+    f"--max-new-tokens 48 --repeats 2 --temperature 1 --rejection-sample-method strict --methods {SMOLLM2_ADAPTIVE} "
+    "--threads 2": Tiny(SPEC_TABLE + (r"dspark k=3 sized",), spec_decode()),
     SMOLLM2_VLLM: Tiny((r"arm \(end = last 1 steps\)", r"vllm/none"), RL, SMOLLM2),
     "python scripts/bench/throughput.py vs-hf --hf-checkpoint checkpoints/smollm2-135m-instruct --task-variant "
     "chat_arithmetic --batch-sizes 1,4,16,64 --max-new-tokens 32 --threads 1": Tiny(
@@ -77,10 +104,6 @@ TINY = {
     "chat_arithmetic --arms plain --batch-sizes 1,4,16,64 --max-new-tokens 32 --repeats 2 --threads 1": Tiny(
         VS_VLLM[:1], ("--batch-sizes", "1", "--max-new-tokens", "4", "--repeats", "1"), SMOLLM2
     ),
-    'python scripts/bench/throughput.py spec-decode --hf-checkpoint runs/smollm2_drift/mtp_draft_warmup200 '
-    '--task-variant chat_arithmetic --batch-sizes 8,16,32,64 --num-prompts 64 --max-new-tokens 48 --repeats 2 '
-    '--temperature 1 --rejection-sample-method strict --methods "none,mtp k=1,mtp adaptive" '
-    '--clock cpu --threads 1': Tiny(SPEC_TABLE + (r"mtp adaptive",), spec_decode(), SMOLLM2_MTP),
     SMOLLM2_DRIFT: Tiny(
         DRIFT,
         (*RL, "--draft-warmup-steps", "2", "--arms", "online:lr=1e-3,none"),
@@ -89,11 +112,6 @@ TINY = {
     "python scripts/bench/throughput.py step-limit --hf-checkpoint checkpoints/smollm2-135m-instruct --repeats 5": Tiny(
         (r"copy bandwidth", r"eager\s+[\d.]+\s+[\d.]+%"), ("--repeats", "1", "--steps", "2", "--max-new-tokens", "4"),
         SMOLLM2,
-    ),
-    'python scripts/bench/throughput.py spec-decode --hf-checkpoint runs/smollm2_drift/mtp_draft_warmup200 '
-    '--task-variant chat_arithmetic --batch-sizes 1,2,4 --num-prompts 8 --max-new-tokens 32 --repeats 2 --temperature 1 '
-    '--rejection-sample-method strict --methods "none,mtp k=1,mtp k=2,mtp k=3,mtp adaptive" --clock cpu --threads 1': Tiny(
-        SPEC_TABLE + (r"mtp adaptive",), spec_decode(), SMOLLM2_MTP
     ),
     "python scripts/bench/throughput.py vs-vllm --hf-checkpoint checkpoints/tiny-mimo-mtp --repeats 3": Tiny(
         VS_VLLM + (r"mtp k=1\s+1 ",), ("--batch-sizes", "1", "--max-new-tokens", "4", "--repeats", "1")
@@ -317,36 +335,21 @@ def made_inputs(scratch, name):
 
             write_checkpoint(str(target), "deepseek_v3", seed=21, **DEEPSEEK_ON_CPU_KERNEL)
         return str(target)
-    if name in ("llama_chat", "llama_chat_mtp"):
-        return str(llama_chat(scratch, with_mtp=name.endswith("mtp")))
+    if name == "llama_chat":
+        return str(llama_chat(scratch))
     if name == "dspark_arms":
         return str(scratch / "dspark_arms")
     return name  # a path of the repository itself, or a file name inside the scratch directory
 
 
-def llama_chat(scratch, with_mtp):
-    """A random chat Llama (standing in for SmolLM2-135M-Instruct), with one fresh MTP layer warmed up for two
-    steps when `with_mtp` (as the drift command's warm-up makes it)."""
+def llama_chat(scratch):
+    """A random chat Llama without MTP layers, standing in for SmolLM2-135M-Instruct."""
     from rollout.tiny_model import make_random_chat_checkpoint
 
     target = scratch / "llama-chat"
     if not target.exists():
         make_random_chat_checkpoint(str(target), seed=3, std=0.3, family="llama", num_nextn_predict_layers=0)
-    if not with_mtp:
-        return target
-    drafted = scratch / "llama-chat-mtp"
-    if not drafted.exists():
-        sys.path.insert(0, str(REPO / "scripts"))
-        import make_mtp_draft
-        from rollout.task import prompt_tasks, write_jsonl
-
-        prompts = str(scratch / "chat_arithmetic.jsonl")
-        write_jsonl(prompt_tasks()["chat_arithmetic"].prompts(8, seed=1), prompts)
-        make_mtp_draft.make(make_mtp_draft.parse_args([
-            "--target", str(target), "--out", str(drafted), "--warmup-steps", "2", "--warmup-samples", "8",
-            "--max-new-tokens", "8", "--prompt-data", prompts, "--input-key", "messages", "--apply-chat-template"]),
-            log=lambda line: None)
-    return drafted
+    return target
 
 
 def argv_of(command, tiny, scratch):

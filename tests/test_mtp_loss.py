@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from mtp.loss import MTP_LOSSES, distill_target, mtp_loss, mtp_loss_mask, shift_to_predicted
+from mtp.loss import (MTP_LOSSES, distill_target, mtp_ce_at_trained_positions, mtp_loss, mtp_loss_mask,
+                      shift_to_predicted)
 
 B, S, V = 2, 9, 7
 
@@ -125,3 +126,27 @@ def test_mask_is_shared_by_every_loss():
         a = mtp_loss(draft, tokens, loss_mask, 1, loss_type, policy)
         b = mtp_loss(edited, tokens, loss_mask, 1, loss_type, policy)
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_the_head_applied_at_trained_positions_only_gives_the_hard_label_formula(depth):
+    """The warm-up's loss projects only the counted positions; its value is the direct formula's on the full
+    logits, and its gradient reaches only the positions that count."""
+    tokens, loss_mask, _, _ = case(seed=depth)
+    hidden = torch.randn(B, S, 5, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    head = torch.randn(V, 5, generator=torch.Generator().manual_seed(8))
+    got = mtp_ce_at_trained_positions(hidden, lambda h: h @ head.t(), tokens, loss_mask, depth)
+    logits = (hidden @ head.t()).detach().double()
+    want = direct_loss("ce", logits, logits, tokens, loss_mask, depth, 1.0, 0)  # ce reads no policy
+    assert got.item() == pytest.approx(want, rel=1e-5 * V, abs=1e-6)
+    got.backward()
+    counted = torch.zeros(B, S, dtype=torch.bool)
+    counted[:, :S - depth - 1] = mtp_loss_mask(loss_mask, depth) > 0
+    assert hidden.grad[~counted].abs().max() == 0 and (hidden.grad[counted].abs().sum(-1) > 0).all()
+
+
+def test_no_counted_position_gives_a_zero_loss_as_mtp_loss_does():
+    tokens, _, draft, _ = case()
+    empty = torch.zeros(B, S)
+    got = mtp_ce_at_trained_positions(draft.requires_grad_(), lambda h: h, tokens, empty, 1)
+    assert got.item() == mtp_loss(draft, tokens, empty, 1).item() == 0.0

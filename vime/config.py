@@ -374,6 +374,11 @@ class MTPSection:
     warmup_steps: int = field(default=0, metadata=flag(
         "--mtp-warmup-steps", "on a checkpoint without MTP layers (where --mtp-num-layers adds fresh ones): offline "
         "training steps of the new layers on the model's own responses to the prompts, before step 0"))
+    warmup_samples: int = field(default=256, metadata=flag(
+        "--mtp-warmup-samples", "responses the model samples (temperature 1) from the run's prompts for the "
+        "--mtp-warmup-steps; each step trains on --mtp-warmup-batch-size of them"))
+    warmup_batch_size: int = field(default=16, metadata=flag(
+        "--mtp-warmup-batch-size", "responses per --mtp-warmup-steps step"))
     reuse_attention: str = field(default="drafter", metadata=flag(
         "--mtp-reuse-attention", "how --mtp-train-depths past the last layer attend: drafter (exactly as the "
         "drafter runs the reused layer: one position further, over the layer's entries before it) or "
@@ -737,6 +742,7 @@ A_PROCESS_CPU = Range(1, why="every trainer rank and rollout engine is a process
 RANGES = {
     "--task-variant-prompts": AT_LEAST_1, "--rollout-batch-size": AT_LEAST_1, "--n-samples-per-prompt": AT_LEAST_1,
     "--rollout-max-response-len": AT_LEAST_1, "--mtp-warmup-steps": AT_LEAST_0,
+    "--mtp-warmup-samples": AT_LEAST_1, "--mtp-warmup-batch-size": AT_LEAST_1,
     "--rollout-temperature": Range(0, low_open=True, why="RL needs sampling; at 0 every sample of a prompt is the "
                                    "same greedy answer, so the group advantage and the gradient are zero"),
     "--rollout-top-p": Range(0, 1, low_open=True), "--rollout-top-k": AT_LEAST_0,
