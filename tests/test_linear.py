@@ -1,7 +1,8 @@
 """rollout/embedded/linear.py: every backend computes x @ W.t() within the fp32 reduction bound of an
 fp64 reference, for 1..300 rows, batched 3-D inputs, and weights below and above the size
 where packing pays; the engine picks the packed backend only where it applies (fp32 on CPU),
-and a cache-resident weight multiplies few rows by the plain matmul."""
+a cache-resident weight multiplies few rows by the plain matmul, and one row of a streaming weight takes the
+plain GEMV on one thread and the packed kernel on several."""
 import pytest
 import torch
 
@@ -63,3 +64,19 @@ def test_packed_weights_follow_weight_loads(tmp_path):
     engine.load_weights([(name, param * 2)], version=1)
     after = linear(x, engine.fast.layers[0].down)
     assert torch.allclose(after, 2 * before, rtol=reduction_rtol(param.shape[1], 1) * 4, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads, kernel", [(1, "plain"), (2, "packed")])
+def test_one_row_of_a_streaming_weight_uses_the_packed_kernel_only_on_several_threads(threads, kernel):
+    needs_onednn("mkldnn")
+    g = torch.Generator().manual_seed(2)
+    w = pack(torch.randn(LARGE_OUT, 300, generator=g), "mkldnn")
+    x = torch.randn(1, 300, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        want = {"plain": lambda: x @ w.dense.t(),
+                "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, w.packed, None, "none", [], "")}[kernel]()
+        assert torch.equal(linear(x, w), want)  # the kernel itself, bit for bit
+    finally:
+        torch.set_num_threads(before)

@@ -377,6 +377,32 @@ def test_steps_dearer_than_their_profile_move_the_schedule_as_the_corrected_cost
     assert policy.lookup != brute_force_schedule(grid, step_s, conditional, max_b)  # the correction mattered
 
 
+def test_plain_decoding_not_run_yet_is_priced_at_its_probe_against_drafting_steps_dearer_than_theirs():
+    # the profile prices a 1-draft step 1.1x a plain one and the draft is accepted at 0.3, so drafting pays by
+    # the profile; real 1-draft steps take 1.3x their price and no plain step has run. The next schedule is the
+    # brute-force argmax with k = 0 at its probe (ratio 1) and the drafting ks at 1.3: no drafting anywhere.
+    # Negative control: plain decoding priced at the drafting steps' ratio would keep drafting everywhere.
+    k_max, max_b = 1, 8
+    grid = batch_grid(max_b)
+    step_s = {k: [1.0 + 0.01 * b + 0.1 * k for b in grid] for k in range(k_max + 1)}
+    policy = AdaptiveK(k_max)
+    for _ in range(50):  # acceptance 0.3 over 400 rows (before the profile: no cost evidence)
+        observe_rows(policy, 8, [8], [0.3 * 8])
+    policy.set_profile(grid, step_s)
+    policy.begin(0)
+    assert set(policy.lookup[1:]) == {1}  # drafting pays at the profiled prices
+    for b in (1, 4, 8):
+        policy.observe(StepRecord(b, 1, 1.3 * policy.costs[b][1], 1, 0.0, b, [b], [0.3 * b]))
+    conditional = policy.acceptance()
+    policy.begin(0)
+    assert policy.cost_correction() == pytest.approx([1.0, 1.3])
+    corrected = {0: step_s[0], 1: [1.3 * s for s in step_s[1]]}
+    assert policy.lookup == brute_force_schedule(grid, corrected, conditional, max_b)
+    assert set(policy.lookup[1:]) == {0}
+    both_dearer = {k: [1.3 * s for s in step_s[k]] for k in step_s}
+    assert set(brute_force_schedule(grid, both_dearer, conditional, max_b)[1:]) == {1}
+
+
 def test_a_cost_correction_not_measured_again_is_forgotten_so_the_k_is_tried_again():
     """One generate's k = 2 steps took 3x their profile (a cold start, a burst of load) and priced
     k = 2 out; k = 0 steps keep running at their profile. The k = 2 evidence halves at each

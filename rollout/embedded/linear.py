@@ -4,10 +4,11 @@ Why: torch's default fp32 GEMM on CPU costs about M times a GEMV for M = 2-4 row
 verify forward of 1 + k tokens cost (1 + k) plain steps even where decoding streams its
 weights from memory — exactly the regime where speculation should be nearly free. oneDNN
 with the weight reordered once into its blocked layout reads each weight once for all rows
-(`scripts/bench/throughput.py gemm-rows` prints the curve). For a single row the plain GEMV is
-faster than oneDNN's packed kernel, so "mkldnn" sends one-row inputs there; rows then differ from
-the packed ones only by reduction order (the fp32 bound of tests/fp32_bounds.py), as plain and
-batched matmuls always did. A weight that stays in a
+(`scripts/bench/throughput.py gemm-rows` prints the curve). A single row takes the plain GEMV
+on one thread, where it is the faster kernel, and oneDNN's packed kernel when torch computes on
+several: the GEMV streams its weight on one thread only, the packed kernel splits the weight's
+rows across all of them. Both are exact to the fp32 bound of tests/fp32_bounds.py (they differ
+only by reduction order, as plain and batched matmuls always did). A weight that stays in a
 core's caches (below PACKED_MIN_BYTES) gains nothing from the reorder until the input has
 many rows, and each oneDNN call costs more than the plain matmul (on a small model, whose forward
 is many small linears, that call overhead would make a verify of a few tokens dearer than it need be):
@@ -41,6 +42,7 @@ class PackedWeight:
     dense: torch.Tensor
     packed: torch.Tensor = None
     min_packed_rows: int = 2
+    one_row_packed: bool = False  # one row uses the packed kernel too when torch computes on several threads
 
 
 def _mkldnn_available():
@@ -58,11 +60,14 @@ def _apply_dense(x, w):
 def _pack_mkldnn(weight):
     cache_resident = weight.numel() * weight.element_size() < PACKED_MIN_BYTES
     return PackedWeight("mkldnn", weight, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()),
-                        min_packed_rows=PACKED_SMALL_MIN_ROWS if cache_resident else 2)
+                        min_packed_rows=PACKED_SMALL_MIN_ROWS if cache_resident else 2,
+                        one_row_packed=not cache_resident)
 
 
 def _apply_mkldnn(x, w):
-    if x.numel() < w.min_packed_rows * x.shape[-1]:  # one row (GEMV), or few rows of a cached weight
+    rows = x.numel() // x.shape[-1]
+    threaded_row = rows == 1 and w.one_row_packed and torch.get_num_threads() > 1
+    if rows < w.min_packed_rows and not threaded_row:  # one row on one thread (GEMV), or few rows of a cached weight
         return x @ w.dense.t()
     return torch.ops.mkldnn._linear_pointwise(x, w.packed, None, "none", [], "")
 

@@ -11,7 +11,8 @@ a draft is verified, so every policy keeps the output exact.
               E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j, a_j the acceptance at draft position j (rows accepted over
               rows that reached it, shrunk toward the previous position's; the counts shrink on new weights).
               cost(B, k) = verify(B, 1+k) + draft(B, k), profiled once at start-up (step_costs.py), each k's
-              price scaled by what real k-draft steps took over it (`cost_correction`, decayed, dropped once thin).
+              price scaled by what real k-draft steps took over it (`cost_correction`, decayed, dropped once thin;
+              a k not run yet priced against drafting).
   ConfidenceSizedK  vLLM's `enable_adaptive_verification` (DSpark's confidence head): the whole block or
               nothing per batch size, as `num_speculative_tokens_per_batch_size` says, else where the profile
               prices the block's sized steps DRAFT_MARGIN faster than plain decoding; a drafting step verifies
@@ -180,14 +181,15 @@ class AdaptiveK(ScheduleK):
         return out
 
     def cost_correction(self):
-        """Per k, measured over profiled seconds of the steps run with k drafts; a k not run yet takes the
-        largest of the others (1 before any step): the profile's probes (dummy tokens, no verification or
-        bookkeeping) price a drafting step below its real cost."""
+        """Per k, measured over profiled seconds of the steps run with k drafts. A k not run yet is priced
+        against drafting: a drafting k takes the largest of the others' ratios (the profile's probes, dummy
+        tokens without verification or bookkeeping, price a drafting step below its real cost), plain
+        decoding (k = 0) the smallest of them and 1 (its probe is a plain step less only the sampling)."""
         if not self.corrects_costs:
             return [1.0] * (self.k + 1)
         known = [m / p for m, p in zip(self.measured_s, self.profiled_s) if p > 0]
-        fallback = max(known) if known else 1.0
-        return [m / p if p > 0 else fallback for m, p in zip(self.measured_s, self.profiled_s)]
+        unmeasured = [min(known + [1.0])] + [max(known, default=1.0)] * self.k
+        return [m / p if p > 0 else fallback for m, p, fallback in zip(self.measured_s, self.profiled_s, unmeasured)]
 
     def begin(self, weight_version=None):
         """Shrink the acceptance evidence if the weights changed, then write this generate's schedule."""

@@ -679,8 +679,8 @@ def median_ms(fn, repeats):
 
 def gemm_rows(args):
     """GEMM cost against the rows it multiplies: plain `x @ W.t()` against rollout/embedded/linear.py's packed
-    backend (oneDNN's kernel itself at every row count; linear.py sends one row, and few rows of a weight under
-    PACKED_MIN_BYTES, to the plain matmul). A verify of 1 + k tokens multiplies every weight by 1 + k rows per
+    backend (oneDNN's kernel itself at every row count; linear.py sends one row on one thread, and few rows of a
+    weight under PACKED_MIN_BYTES, to the plain matmul). A verify of 1 + k tokens multiplies every weight by 1 + k rows per
     request, which on a memory-bound step should cost about one row. Prints milliseconds (median of --repeats),
     each backend's cost over its own first row count, and packed over plain per row count (one run)."""
     import dataclasses
@@ -690,7 +690,7 @@ def gemm_rows(args):
     torch.set_num_threads(args.threads)
     weight = torch.randn(args.out, args.in_features)
     packed_backend = pick_backend("cpu", torch.float32)
-    packed = dataclasses.replace(pack(weight, packed_backend), min_packed_rows=2)
+    packed = dataclasses.replace(pack(weight, packed_backend), min_packed_rows=1)
     backends = {"plain": pack(weight, "dense"), "packed": packed}
     rows = batch_sizes(args.rows)
     print(f"weight {args.out}x{args.in_features} fp32 ({weight.numel() * 4 / 2**20:.2f} MiB), "
