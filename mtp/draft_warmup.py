@@ -6,6 +6,7 @@ sequence and every step reads them back (causal attention: a sequence's states d
 or the padding after it). The loop is the same for every external kind (EAGLE-3, DFlash, DSpark); the kind
 brings only its loss. Fresh MTP layers (mtp/fresh_layers.py) share the batching and the states.
 """
+import math
 import random
 import time
 
@@ -41,26 +42,97 @@ def padded_states(states, rows, width):
     return out
 
 
-def warm_up_draft(draft, target, sequences, steps, batch_size, lr, seed, loss_of, per_what, log=print):
-    """`steps` AdamW steps of `draft` on random batches of `sequences`.
+HELD_OUT_EVERY = 8  # one sequence in this many is kept out of the warm-up's training, to read its held-out loss
+EVAL_EVERY = 25  # steps between two reads of the held-out loss
+PATIENCE = 2  # reads without a new lowest held-out loss after which the warm-up stops
+
+
+def split_held_out(n, held_out=True):
+    """(training rows, held-out rows) of n sequences: every HELD_OUT_EVERY-th is held out, none when
+    `held_out` is off or too few sequences leave both sides at least one."""
+    held = list(range(HELD_OUT_EVERY - 1, n, HELD_OUT_EVERY)) if held_out and n >= 2 * HELD_OUT_EVERY else []
+    kept_out = set(held)
+    return [i for i in range(n) if i not in kept_out], held
+
+
+class BestParameters:
+    """The parameters at the lowest held-out loss read so far, and how many reads since it fell."""
+
+    def __init__(self, params):
+        self.params, self.loss, self.step, self.stale, self.saved = params, math.inf, None, 0, None
+
+    def offer(self, loss, step):
+        if loss < self.loss:
+            self.loss, self.step, self.stale = loss, step, 0
+            self.saved = [p.detach().clone() for p in self.params]
+        else:
+            self.stale += 1
+
+    def restore(self):
+        if self.saved is not None:
+            with torch.no_grad():
+                for p, kept in zip(self.params, self.saved):
+                    p.copy_(kept)
+
+
+def held_out_loss(batch_loss, rows, batch_size):
+    """The mean over `rows`, in batches of `batch_size`, of batch_loss's loss, each batch weighted by its rows."""
+    total = 0.0
+    with torch.no_grad():
+        for first in range(0, len(rows), batch_size):
+            chunk = rows[first:first + batch_size]
+            total += batch_loss(chunk)[0].item() * len(chunk)
+    return total / len(rows)
+
+
+def fit_on_sequences(params, n_sequences, batch_loss, steps, batch_size, lr, seed, per_what, log=print,
+                     held_out=True, name="warm-up"):
+    """Up to `steps` AdamW steps of `params` on random batches of the training rows of n_sequences sequences.
+
+    batch_loss(rows): (loss, per-position losses) of the chosen sequences; `per_what` names those positions in
+    the log. With `held_out`, one sequence in HELD_OUT_EVERY is not trained on: every EVAL_EVERY steps the loss
+    on them is read, the parameters at its lowest are the ones kept, and the fit stops after PATIENCE reads
+    without a new lowest. A warm-up draws a few hundred samples and takes many batches of them, so past some
+    step the draft learns those samples rather than the target, and its loss on the target's other text
+    (what RL drafts) rises."""
+    train, held = split_held_out(n_sequences, held_out)
+    rng, start = random.Random(seed), time.time()
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    best = BestParameters(params)
+    for step in range(steps):
+        rows = [train[rng.randrange(len(train))] for _ in range(batch_size)]
+        loss, per_position = batch_loss(rows)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        last = step == steps - 1
+        if step % 50 == 0 or last:
+            log(f"{name} step {step:4d}  loss by {per_what} " + " ".join(f"{x.item():.3f}" for x in per_position)
+                + f"  {time.time() - start:.0f}s")
+        if held and ((step + 1) % EVAL_EVERY == 0 or last):
+            best.offer(held_out_loss(batch_loss, held, batch_size), step)
+            if best.stale >= PATIENCE:
+                log(f"{name} stops at step {step}: the held-out loss last fell at step {best.step}")
+                break
+    if held:
+        best.restore()
+        log(f"{name} keeps step {best.step} (held-out loss {best.loss:.3f} on {len(held)} sequences)")
+
+
+def warm_up_draft(draft, target, sequences, steps, batch_size, lr, seed, loss_of, per_what, log=print, held_out=True):
+    """Up to `steps` AdamW steps of `draft` on random batches of `sequences` (fit_on_sequences).
 
     loss_of(tokens, mask, aux): (loss, per-position losses) of the kind, where aux are the target's
-    detached hidden states at the draft's aux layers; `per_what` names those positions in the log."""
-    rng = random.Random(seed)
-    opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
-    start = time.time()
+    detached hidden states at the draft's aux layers."""
     aux_states = states_per_sequence(
         sequences, batch_size, lambda tokens, positions: target.aux_hidden_states(tokens, positions,
                                                                                   draft.cfg.aux_layer_ids))
-    for step in range(steps):
-        rows = [rng.randrange(len(sequences)) for _ in range(batch_size)]
+
+    def batch_loss(rows):
         tokens = padded_tokens(sequences, rows)
         mask = (torch.arange(tokens.shape[1]) < torch.tensor([len(sequences[i]) for i in rows])[:, None]).float()
-        loss, per_position = loss_of(tokens, mask, padded_states(aux_states, rows, tokens.shape[1]))
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        if step % 50 == 0 or step == steps - 1:
-            log(f"warm-up step {step:4d}  loss by {per_what} " + " ".join(f"{x.item():.3f}" for x in per_position)
-                + f"  {time.time() - start:.0f}s")
+        return loss_of(tokens, mask, padded_states(aux_states, rows, tokens.shape[1]))
+
+    fit_on_sequences(list(draft.parameters()), len(sequences), batch_loss, steps, batch_size, lr, seed, per_what,
+                     log, held_out)

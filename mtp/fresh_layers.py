@@ -12,12 +12,10 @@ already accepts.
 """
 import dataclasses
 import math
-import random
-import time
 
 import torch
 
-from mtp.draft_warmup import padded_states, padded_tokens, states_per_sequence
+from mtp.draft_warmup import fit_on_sequences, padded_states, padded_tokens, states_per_sequence
 from mtp.loss import mtp_ce_at_trained_positions
 
 INIT_METHOD_STD = 0.02  # megatron-core's TransformerConfig.init_method_std default
@@ -62,34 +60,29 @@ def mtp_parameters(model):
     return [p for k in range(model.num_mtp_layers) for p in model.mtp_layer(k).parameters()]
 
 
-def warm_up_mtp_layers(model, sequences, masks, steps, batch_size, lr, seed, log=print):
-    """`steps` AdamW steps of the MTP layers of `model` (a CausalLMWithMTP) on random batches of `sequences`
-    (token lists); `masks[i]` marks the tokens of sequence i the loss may read and predict (its response).
-    Each depth k reads the previous depth's output, as the engine drafts; the loss is the token mean of
-    every depth's cross-entropy. The trunk is frozen: its hidden states are computed once per sequence."""
+def warm_up_mtp_layers(model, sequences, masks, steps, batch_size, lr, seed, log=print, held_out=True):
+    """Up to `steps` AdamW steps of the MTP layers of `model` (a CausalLMWithMTP) on random batches of
+    `sequences` (token lists; mtp/draft_warmup.py's fit_on_sequences, held-out stop included); `masks[i]` marks
+    the tokens of sequence i the loss may read and predict (its response). Each depth k reads the previous
+    depth's output, as the engine drafts; the loss is the token mean of every depth's cross-entropy. The trunk
+    is frozen: its hidden states are computed once per sequence."""
     model.requires_grad_(False)
     params = mtp_parameters(model)
     for p in params:
         p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    rng, start = random.Random(seed), time.time()
     states = states_per_sequence(sequences, batch_size, lambda tokens, positions: model.forward_states(
         tokens, positions)[1])
     mask_rows = [torch.tensor(m, dtype=torch.float32) for m in masks]
-    for step in range(steps):
-        rows = [rng.randrange(len(sequences)) for _ in range(batch_size)]
+
+    def batch_loss(rows):
         tokens = padded_tokens(sequences, rows)
         width = tokens.shape[1]
         losses = mtp_depth_losses(model, tokens, padded_states(mask_rows, rows, width),
                                   hidden=padded_states(states, rows, width))
-        loss = sum(losses) / len(losses)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        if step % 50 == 0 or step == steps - 1:
-            log(f"MTP warm-up step {step:4d}  loss by depth " + " ".join(f"{x.item():.3f}" for x in losses)
-                + f"  {time.time() - start:.0f}s")
+        return sum(losses) / len(losses), losses
+
+    fit_on_sequences(params, len(sequences), batch_loss, steps, batch_size, lr, seed, "depth", log, held_out,
+                     name="MTP warm-up")
     model.requires_grad_(False)
 
 

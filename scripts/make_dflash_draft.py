@@ -10,7 +10,7 @@ size, heads and vocabulary, `fc` over the outputs of three target layers spread 
 block_size - 1), the target's pad token as the mask token. Any family the embedded engine runs is a
 target; vLLM drafts for Qwen2 and Qwen3. It reads the target's embedding and
 head (vLLM shares them with a draft that stores none); its final norm starts as the target's, the
-rest is a small random init. `--warmup-steps N` then trains it offline for N steps on the target's
+rest is a small random init. `--warmup-steps N` then trains it offline for up to N steps on the target's
 own samples (prompts from the target directory's train.jsonl, temperature 1) with DFlash's block
 objective (mtp/dflash.py `block_loss`). The result loads, unchanged, with
 `vllm.LLM(model=TARGET, speculative_config={"method": "dflash", "model": DIR, "num_speculative_tokens": K})`.
@@ -51,7 +51,8 @@ def block_draft_parser(doc, block_help):
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="the token of the block's slots after the anchor (default: the target's pad token)")
     p.add_argument("--intermediate-size", type=int, default=None, help="the draft's MLP width (default: the target's)")
-    p.add_argument("--warmup-steps", type=int, default=0, help="offline training steps on the target's samples")
+    p.add_argument("--warmup-steps", type=int, default=0, help="offline training steps on the target's samples, at most (the warm-up stops where its loss on held-out "
+                   "samples stops falling: mtp/draft_warmup.py)")
     p.add_argument("--warmup-samples", type=int, default=512)
     p.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step")
     p.add_argument("--gamma", type=float, default=None, help="loss decay over block slots (default: the paper's)")

@@ -8,7 +8,7 @@ layers, width, the target's pad token in the block's slots after the anchor) plu
 (mtp/dspark.py, format vime/models/dspark.py): a Markov head of rank `--markov-rank` and a
 confidence head (`--no-confidence-head` to leave it out, `--confidence-head-with-markov` to feed it
 the Markov embedding too). Blocks of `--block-size` slots, each drafting a token: serve it with
-num_speculative_tokens = block_size. `--warmup-steps N` trains it offline on the target's own
+num_speculative_tokens = block_size. `--warmup-steps N` trains it offline for up to N steps on the target's own
 samples (temperature 1) with DSpark's objective (`dspark_loss`: cross-entropy, L1 to the target's
 distribution, the confidence head's binary cross-entropy, weighted `--ce-weight`, `--l1-weight`,
 `--confidence-weight`, the recipes' defaults). The result loads, unchanged, with

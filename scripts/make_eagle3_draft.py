@@ -8,7 +8,7 @@ heads and vocabulary, fc over three aux layers of the target (`--aux-layer-ids`;
 choice, or on a target of fewer than 7 layers the embedding output, the middle and the last layer's
 output). Any family the embedded engine runs is a target; vLLM drafts for Qwen2 and Qwen3. Its head and final
 norm start as the target's; the rest is a small random init. `--warmup-steps N` then trains it
-offline for N steps on the target's own samples (temperature 1) on the task's prompts (`--prompt-data`,
+offline for up to N steps on the target's own samples (temperature 1) on the task's prompts (`--prompt-data`,
 chat messages with `--apply-chat-template`; default: the target directory's train.jsonl) with EAGLE-3's training-time test over `--ttt-steps` drafting steps: a draft that
 knows the target as it is before RL moves it. The result loads, unchanged, with
 `vllm.LLM(model=TARGET, speculative_config={"method": "eagle3", "model": DIR, ...})`.
@@ -40,7 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--aux-layer-ids", type=int, nargs=3, default=None,
                    help="the three aux layers the draft reads (id i: before target layer i; default: see above)")
     p.add_argument("--intermediate-size", type=int, default=None, help="the draft's MLP width (default: the target's)")
-    p.add_argument("--warmup-steps", type=int, default=0, help="offline training steps on the target's samples")
+    p.add_argument("--warmup-steps", type=int, default=0, help="offline training steps on the target's samples, at most (the warm-up stops where its loss on held-out "
+                   "samples stops falling: mtp/draft_warmup.py)")
     p.add_argument("--warmup-samples", type=int, default=512)
     p.add_argument("--ttt-steps", type=int, default=3, help="drafting steps the training-time test unrolls")
     p.add_argument("--batch-size", type=int, default=32)

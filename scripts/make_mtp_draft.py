@@ -5,7 +5,7 @@
         [--mtp-num-layers 1] [--warmup-steps 200] [--prompt-data TASK.jsonl --apply-chat-template]
 
 The new layers (mtp/fresh_layers.py) are initialised as megatron-core initialises an MTP layer; the trunk,
-embedding and head are the target's, unchanged. `--warmup-steps N` then trains only the MTP layers for N
+embedding and head are the target's, unchanged. `--warmup-steps N` then trains only the MTP layers for up to N
 AdamW steps on the target's own responses (temperature 1) to the task's prompts, the loss read on the
 response tokens: self-distillation, as the external draft kinds' makers do. DIR is an HF checkpoint with
 `num_nextn_predict_layers` MTP layers (the target's tokenizer, chat template and prompt files copied), which
@@ -37,7 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--target", required=True, help="an HF checkpoint without MTP layers (any family vime runs)")
     p.add_argument("--out", required=True)
     p.add_argument("--mtp-num-layers", type=int, default=1, help="MTP layers to add")
-    p.add_argument("--warmup-steps", type=int, default=0, help="offline training steps on the target's responses")
+    p.add_argument("--warmup-steps", type=int, default=0, help="offline training steps on the target's responses, at most (the warm-up stops where its loss on "
+                   "held-out responses stops falling: mtp/draft_warmup.py)")
     p.add_argument("--warmup-samples", type=int, default=MTPSection.warmup_samples,
                    help="the target's responses (temperature 1) the warm-up trains on")
     p.add_argument("--batch-size", type=int, default=MTPSection.warmup_batch_size, help="responses per warm-up step")

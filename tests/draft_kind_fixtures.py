@@ -141,7 +141,7 @@ def warmed_up_draft(kind, target, sequences, k, steps=25, seed=0):
 
     draft = random_draft(kind, target.cfg, seed, std=0.02, k=k).train().requires_grad_(True)
     warm_up_draft(draft, target, sequences, steps, len(sequences), 3e-3, seed, WARM_UP_LOSSES[kind.name](draft, target, k),
-                  "position", log=lambda line: None)
+                  "position", log=lambda line: None, held_out=False)
     return draft.eval().requires_grad_(False)
 
 

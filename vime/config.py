@@ -373,7 +373,8 @@ class MTPSection:
         "--mtp-reuse-attention)"))
     warmup_steps: int = field(default=0, metadata=flag(
         "--mtp-warmup-steps", "on a checkpoint without MTP layers (where --mtp-num-layers adds fresh ones): offline "
-        "training steps of the new layers on the model's own responses to the prompts, before step 0"))
+        "training steps (at most: the warm-up stops where its loss on held-out responses stops falling) of the new "
+        "layers on the model's own responses to the prompts, before step 0"))
     warmup_samples: int = field(default=256, metadata=flag(
         "--mtp-warmup-samples", "responses the model samples (temperature 1) from the run's prompts for the "
         "--mtp-warmup-steps; each step trains on --mtp-warmup-batch-size of them"))
