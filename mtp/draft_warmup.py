@@ -87,7 +87,8 @@ def held_out_loss(batch_loss, rows, batch_size):
 
 def fit_on_sequences(params, n_sequences, batch_loss, steps, batch_size, lr, seed, per_what, log=print,
                      held_out=True, name="warm-up"):
-    """Up to `steps` AdamW steps of `params` on random batches of the training rows of n_sequences sequences.
+    """Up to `steps` AdamW steps of `params` on random batches of the training rows of n_sequences sequences;
+    returns how many steps the kept parameters took.
 
     batch_loss(rows): (loss, per-position losses) of the chosen sequences; `per_what` names those positions in
     the log. With `held_out`, one sequence in HELD_OUT_EVERY is not trained on: every EVAL_EVERY steps the loss
@@ -115,13 +116,16 @@ def fit_on_sequences(params, n_sequences, batch_loss, steps, batch_size, lr, see
             if best.stale >= PATIENCE:
                 log(f"{name} stops at step {step}: the held-out loss last fell at step {best.step}")
                 break
-    if held:
-        best.restore()
-        log(f"{name} keeps step {best.step} (held-out loss {best.loss:.3f} on {len(held)} sequences)")
+    if not held:
+        return steps
+    best.restore()
+    log(f"{name} keeps step {best.step} (held-out loss {best.loss:.3f} on {len(held)} sequences)")
+    return best.step + 1
 
 
 def warm_up_draft(draft, target, sequences, steps, batch_size, lr, seed, loss_of, per_what, log=print, held_out=True):
-    """Up to `steps` AdamW steps of `draft` on random batches of `sequences` (fit_on_sequences).
+    """Up to `steps` AdamW steps of `draft` on random batches of `sequences` (fit_on_sequences: returns the steps
+    kept).
 
     loss_of(tokens, mask, aux): (loss, per-position losses) of the kind, where aux are the target's
     detached hidden states at the draft's aux layers."""
@@ -134,5 +138,5 @@ def warm_up_draft(draft, target, sequences, steps, batch_size, lr, seed, loss_of
         mask = (torch.arange(tokens.shape[1]) < torch.tensor([len(sequences[i]) for i in rows])[:, None]).float()
         return loss_of(tokens, mask, padded_states(aux_states, rows, tokens.shape[1]))
 
-    fit_on_sequences(list(draft.parameters()), len(sequences), batch_loss, steps, batch_size, lr, seed, per_what,
-                     log, held_out)
+    return fit_on_sequences(list(draft.parameters()), len(sequences), batch_loss, steps, batch_size, lr, seed,
+                            per_what, log, held_out)

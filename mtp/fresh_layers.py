@@ -65,7 +65,7 @@ def warm_up_mtp_layers(model, sequences, masks, steps, batch_size, lr, seed, log
     `sequences` (token lists; mtp/draft_warmup.py's fit_on_sequences, held-out stop included); `masks[i]` marks
     the tokens of sequence i the loss may read and predict (its response). Each depth k reads the previous
     depth's output, as the engine drafts; the loss is the token mean of every depth's cross-entropy. The trunk
-    is frozen: its hidden states are computed once per sequence."""
+    is frozen: its hidden states are computed once per sequence. Returns the steps the kept layers took."""
     model.requires_grad_(False)
     params = mtp_parameters(model)
     for p in params:
@@ -81,9 +81,10 @@ def warm_up_mtp_layers(model, sequences, masks, steps, batch_size, lr, seed, log
                                   hidden=padded_states(states, rows, width))
         return sum(losses) / len(losses), losses
 
-    fit_on_sequences(params, len(sequences), batch_loss, steps, batch_size, lr, seed, "depth", log, held_out,
-                     name="MTP warm-up")
+    kept = fit_on_sequences(params, len(sequences), batch_loss, steps, batch_size, lr, seed, "depth", log, held_out,
+                            name="MTP warm-up")
     model.requires_grad_(False)
+    return kept
 
 
 def mtp_depth_losses(model, tokens, mask, hidden):

@@ -110,7 +110,7 @@ def add_fresh_mtp_layers(cfg):
         return
     out = os.path.join(cfg.run.output_dir, "fresh_mtp_checkpoint")
     print(f"[vime] {cfg.model.hf_checkpoint} has no MTP layers: adding {count} fresh one(s), initialised as "
-          f"megatron-core initialises them, warmed up for {m.warmup_steps} steps on its own responses to "
+          f"megatron-core initialises them, warmed up for up to {m.warmup_steps} steps on its own responses to "
           f"{r.prompt_data} -> {out}", flush=True)
     cmd = [sys.executable, os.path.join(REPO_ROOT, "scripts", "make_mtp_draft.py"), "--target", cfg.model.hf_checkpoint,
            "--out", out, "--mtp-num-layers", str(count), "--warmup-steps", str(m.warmup_steps),

@@ -69,17 +69,18 @@ def make(args, log=print):
     state.update(fresh_mtp_state(cfg, args.mtp_num_layers, shapes, seed=args.seed))
     model = CausalLMWithMTP(new_cfg)
     model.load_state_dict(state, strict=True)
+    kept = 0
     if args.warmup_steps:
         sequences, prompt_lengths, _ = target_samples(args.target, args.warmup_samples, args.max_new_tokens,
                                                       args.seed, args)
-        warm_up_mtp_layers(model, sequences, response_masks(sequences, prompt_lengths), args.warmup_steps,
-                           args.batch_size, args.lr, args.seed, log=log)
+        kept = warm_up_mtp_layers(model, sequences, response_masks(sequences, prompt_lengths), args.warmup_steps,
+                                  args.batch_size, args.lr, args.seed, log=log)
     save_hf_checkpoint(args.out, new_cfg, model.state_dict(), tokenizer_dir=args.target)
     for name in PROMPT_FILES:
         if os.path.isfile(os.path.join(args.target, name)):
             shutil.copy(os.path.join(args.target, name), os.path.join(args.out, name))
     log(f"saved {args.out}: {args.target} with {args.mtp_num_layers} fresh MTP layer(s) (megatron-core's "
-        f"initialisation), warmed up for {args.warmup_steps} steps on its own responses")
+        f"initialisation), warmed up for {kept} of at most {args.warmup_steps} steps on its own responses")
 
 
 @exit_on_user_error

@@ -80,16 +80,16 @@ def direct_adamw(steps):
 def test_the_fit_keeps_the_lowest_held_out_loss_and_stops_after_it():
     n, lines = 4 * HELD_OUT_EVERY, []
     w, held, batch_loss, trained_rows = overfitting_problem(n)
-    fit_on_sequences([w], n, batch_loss, 400, 4, LR, 0, "w", log=lines.append)
+    kept = fit_on_sequences([w], n, batch_loss, 400, 4, LR, 0, "w", log=lines.append)
     assert held and not set(trained_rows) & set(held)
     # the reads fall on steps EVAL_EVERY - 1, 2 * EVAL_EVERY - 1, ...: the kept one is the read w closest to 1
     reads = [direct_adamw(s).item() for s in range(EVAL_EVERY, 401, EVAL_EVERY)]
     best = min(range(len(reads)), key=lambda i: abs(reads[i] - HELD_TARGET))
     kept_step, stop_step = (best + 1) * EVAL_EVERY - 1, (best + 1 + PATIENCE) * EVAL_EVERY - 1
     assert 0 < best < len(reads) - PATIENCE  # the problem brackets its optimum
-    assert torch.allclose(w.detach(), direct_adamw(kept_step + 1), rtol=0, atol=1e-6)
+    assert kept == kept_step + 1 and torch.allclose(w.detach(), direct_adamw(kept), rtol=0, atol=1e-6)
     assert f"stops at step {stop_step}" in "\n".join(lines) and f"keeps step {kept_step}" in lines[-1]
     # negative control: without a held-out set every step trains, towards the training rows' target
     w, _, batch_loss, trained_rows = overfitting_problem(n)
-    fit_on_sequences([w], n, batch_loss, 400, 4, LR, 0, "w", log=lambda line: None, held_out=False)
+    assert fit_on_sequences([w], n, batch_loss, 400, 4, LR, 0, "w", log=lambda line: None, held_out=False) == 400
     assert set(trained_rows) == set(range(n)) and abs(w.item() - HELD_TARGET) > abs(reads[best] - HELD_TARGET)
