@@ -4,7 +4,8 @@ Every draft kind starts from a short offline fit before RL: batches of the targe
 target's hidden states, the kind's own loss. The target does not train, so its states are computed once per
 sequence and every step reads them back (causal attention: a sequence's states do not depend on the batch
 or the padding after it). The loop is the same for every external kind (EAGLE-3, DFlash, DSpark); the kind
-brings only its loss. Fresh MTP layers (mtp/fresh_layers.py) share the batching and the states.
+brings only its loss. Fresh MTP layers (mtp/fresh_layers.py) share the batching, the states and the fit:
+AdamW on random batches, stopped where the loss on held-out samples of the target stops falling.
 """
 import math
 import random

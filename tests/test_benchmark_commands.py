@@ -96,6 +96,9 @@ TINY = {
     f"python scripts/bench/throughput.py spec-decode {SMOLLM2_TABLE_INPUTS} --batch-sizes 8,16,32,64 --num-prompts 64 "
     f"--max-new-tokens 48 --repeats 2 --temperature 1 --rejection-sample-method strict --methods {SMOLLM2_ADAPTIVE} "
     "--threads 2": Tiny(SPEC_TABLE + (r"dspark k=3 sized",), spec_decode()),
+    f"python scripts/bench/throughput.py spec-decode {SMOLLM2_TABLE_INPUTS} --batch-sizes 1 --num-prompts 8 "
+    '--max-new-tokens 32 --repeats 2 --temperature 0 --methods "none,mtp k=1,mtp k=2,dflash k=3,dspark k=3" '
+    "--threads 2": Tiny(SPEC_TABLE + (r"dspark k=3",), spec_decode()),
     SMOLLM2_VLLM: Tiny((r"arm \(end = last 1 steps\)", r"vllm/none"), RL, SMOLLM2),
     "python scripts/bench/throughput.py vs-hf --hf-checkpoint checkpoints/smollm2-135m-instruct --task-variant "
     "chat_arithmetic --batch-sizes 1,4,16,64 --max-new-tokens 32 --threads 1": Tiny(
