@@ -3,6 +3,7 @@ restart bound and its window, metrics logged once per step across a restart, and
 --save for a requeued job."""
 import json
 import os
+import time
 
 from orchestration.healing import RestartBudget, engines_lost
 from rollout.health import EnginesLost
@@ -73,6 +74,22 @@ def test_load_defaults_to_save_when_it_holds_a_checkpoint(tmp_path, capsys):
     assert "--load defaults to --save" in capsys.readouterr().out
 
 
+def wait_until_dead(actor, deadline_s=60):
+    """Return once calls to `actor` fail as a dead actor's do: ray.kill is asynchronous, and a call made at once
+    may still reach the actor before the kill does."""
+    import ray
+    import ray.exceptions
+
+    start = time.monotonic()
+    while time.monotonic() - start < deadline_s:
+        try:
+            ray.get(actor.heartbeat.remote(), timeout=deadline_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the actor still answers {deadline_s} s after ray.kill")
+
+
 def test_a_broken_push_finds_its_lost_engines_by_their_heartbeats():
     """After a weight push broke without any call saying why, `EngineWatch.probe` asks every engine: one whose
     engine process died says so (and is killed, its calls may never return), a dead worker is lost, a live one is
@@ -97,6 +114,7 @@ def test_a_broken_push_finds_its_lost_engines_by_their_heartbeats():
         live, no_engine, dead = Peer.remote(True), Peer.remote(False), Peer.remote(True)
         ray.get(dead.heartbeat.remote())
         ray.kill(dead, no_restart=True)
+        wait_until_dead(dead)
         lost = EngineWatch(timeout_s=60).probe({0: live, 1: no_engine, 2: dead})
         assert set(lost) == {1, 2} and "engine process died" in lost[1] and lost[2].startswith("died")
         try:
