@@ -54,6 +54,7 @@ def test_the_fixture_passes_preflight(ckpt, tmp_path):
     (["--rollout-top-k", 5], ["--rollout-top-k 5", "full softmax"]),
     (["--lr", -1], ["--lr -1", ">= 0"]),
     (["--draft-lr", -1], ["--draft-lr -1", ">= 0"]),
+    (["--draft-lr-warmup-iters", -1], ["--draft-lr-warmup-iters -1", ">= 0"]),
     (["--kl-loss-type", "k9"], ["--kl-loss-type 'k9'", "k1", "k3"]),
     (["--advantage-estimator", "ppo"], ["--advantage-estimator ppo", "critic", "grpo"]),
     (["--vllm-speculative-config", '{"method":"mtp","num_speculative_tokens":1000}'], ["num_speculative_tokens 1000"]),

@@ -62,6 +62,7 @@ def test_bad_flags_are_one_line_user_errors(argv, needle):
      "--draft-steps-per-rollout 0: must be >= 1"),
     (["--draft-steps-per-rollout", "4"], "--draft-steps-per-rollout 4 sets how the online draft trains"),
     (["--draft-lr", "1e-3"], "--draft-lr 0.001 sets how the online draft trains"),
+    (["--draft-lr-warmup-iters", "10"], "--draft-lr-warmup-iters 10 sets how the online draft trains"),
     (["--enable-mtp-training", "--mtp-num-layers", "1", "--draft-steps-per-rollout", "4", "--draft-replay-batches", "-1"],
      "--draft-replay-batches -1: must be >= 0"),
     (["--enable-mtp-training", "--mtp-num-layers", "1", "--enable-draft-training"],

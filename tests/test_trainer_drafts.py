@@ -302,10 +302,12 @@ def test_a_shared_knob_left_unset_takes_the_kinds_own_default(kind):
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark"], indirect=True)
 def test_an_external_drafts_checkpoint_resumes_the_same_next_step(kind, tmp_path):
-    """--save/--load keep an external draft's weights, optimizer state and whatever it draws from
-    (DFlash's anchors): the resumed trainer's next step moves the draft exactly as the original's."""
+    """--save/--load keep an external draft's weights, optimizer state, the point its learning rate's warm-up
+    reached and whatever it draws from (DFlash's anchors): the resumed trainer's next step moves the draft exactly
+    as the original's (2 of 4 warm-up steps taken: a warm-up restarted would step at a third of the rate)."""
     _, target, settings = kind
-    cfg = TrainerConfig(draft_replay_batches=0, draft_steps_per_rollout=2, **settings)  # replay is not checkpointed
+    cfg = TrainerConfig(draft_replay_batches=0, draft_steps_per_rollout=2, draft_lr_warmup_iters=4,
+                        **settings)  # replay is not checkpointed
     trainer = Trainer(cfg, target)
     trainer.train_step(make_batch(seed=0))
     trainer.save(str(tmp_path / "ckpt"))

@@ -60,6 +60,7 @@ class TrainerConfig:
     enable_draft_training: bool = tree_field("draft.enable_training")  # the external draft of speculative_config
     # how the trained draft (MTP layers or external) steps; None: the kind's own default (vime/models/draft_kinds.py)
     draft_lr: Optional[float] = tree_field("draft.lr")
+    draft_lr_warmup_iters: int = tree_field("draft.lr_warmup_iters")  # steps its lr rises from 0 over
     draft_steps_per_rollout: Optional[int] = tree_field("draft.steps_per_rollout")  # > 1: draft-only steps
     draft_replay_batches: Optional[int] = tree_field("draft.replay_batches")  # earlier batches they also cycle over
     draft_loss_type: str = tree_field("draft.loss_type")  # mtp/loss.py MTP_LOSSES

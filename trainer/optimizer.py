@@ -9,6 +9,9 @@ main weights (a --bf16 model's are copies), distributed over the DP ranks (--use
 stepped on the host (--optimizer-cpu-offload, --optimizer-offload-fraction), with its moments and main
 gradients in bf16 (--use-precision-aware-optimizer). The optimizer clips by megatron's grad norm, which
 counts every weight once over TP, PP, EP and DP (`--clip-grad 0`: no clip, the norm still reported).
+Megatron's OptimizerParamScheduler sets each step's learning rate and weight decay: constant, after an
+optional linear warm-up (--draft-lr-warmup-iters), with megatron's weight-decay groups (biases and other
+1-D weights undecayed).
 
 The trainer's parts (trainer/trainer.py, trainer/drafts):
 - the policy: the whole megatron model but its MTP layers;
@@ -112,7 +115,8 @@ class TrainedPart:
     normalised by the step's global token count) rather than averaged; `stage_local`: the module lives on
     this rank's pipeline stage alone (the MTP layers), so its grad norm sums over its own stage's ranks."""
 
-    def __init__(self, module, config, options, lr, weight_decay, adam_eps, clip_grad, sum_over_ranks=True):
+    def __init__(self, module, config, options, lr, weight_decay, adam_eps, clip_grad, sum_over_ranks=True,
+                 lr_warmup_steps=0):
         from megatron.core.distributed import DistributedDataParallel
         from megatron.core.optimizer import get_megatron_optimizer
 
@@ -127,6 +131,8 @@ class TrainedPart:
         self.ddp = DistributedDataParallel(self.config, ddp_config(options), module)
         self.optimizer = get_megatron_optimizer(optimizer_config(options, lr, weight_decay, adam_eps, clip_grad),
                                                 [self.ddp])
+        self.schedule = learning_rate_schedule(self.optimizer, lr, weight_decay, lr_warmup_steps)
+        self.resume_schedule(0)
 
     @property
     def module(self):
@@ -160,7 +166,30 @@ class TrainedPart:
         the grad norm before the clip."""
         ok, grad_norm, _ = self.optimizer.step()
         require(ok, "the optimizer step found an inf or nan gradient")  # bf16 without a loss scale never reports one
+        self.schedule.step(increment=1)
         return float(grad_norm)
+
+    def resume_schedule(self, steps_taken):
+        """The schedule after `steps_taken` steps: the next step takes the learning rate of step steps_taken + 1
+        (1-based), so that a warm-up's first step already moves the weights."""
+        self.schedule.num_steps = 0
+        self.schedule.step(increment=steps_taken + 1)
+
+    @property
+    def learning_rate(self):
+        """The learning rate of the next step."""
+        return self.schedule.get_lr({})
+
+
+def learning_rate_schedule(optimizer, lr, weight_decay, warmup_steps):
+    """megatron's OptimizerParamScheduler for a constant `lr` reached linearly from 0 over `warmup_steps` steps, and a
+    constant weight decay (times each group's wd_mult: megatron leaves biases and 1-D weights undecayed)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=lr, min_lr=lr, lr_warmup_steps=warmup_steps,
+                                   lr_decay_steps=warmup_steps + 1, lr_decay_style="constant",
+                                   start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=0,
+                                   wd_incr_style="constant")
 
 
 class PolicyPart(TrainedPart):

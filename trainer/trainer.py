@@ -389,3 +389,5 @@ class Trainer:
             checkpoint.load(path, self.model, self._checkpointed_optimizers())
         if self.draft is not None:
             load_draft_state(path, self.draft)
+            # its learning rate's warm-up goes on from the steps its loaded optimizer took (none: from the start)
+            self.draft.part.resume_schedule(checkpoint.optimizer_step(self.draft.part.optimizer))

@@ -535,6 +535,10 @@ class DraftSection:
     lr: Optional[float] = field(default=None, metadata=flag(
         "--draft-lr", "learning rate of the trained draft (default none: the kind's own, "
         f"{_kind_defaults('lr')}; Adam makes the loss factor nearly scale-free)"))
+    lr_warmup_iters: int = field(default=0, metadata=flag(
+        "--draft-lr-warmup-iters", "the draft's learning rate rises linearly from 0 to --draft-lr over its first N "
+        "optimiser steps (megatron's OptimizerParamScheduler): a draft that starts trained (a warmed-up or "
+        "shipped one) meets Adam with empty moments, whose first steps move every weight by about the full rate"))
     steps_per_rollout: Optional[int] = field(default=None, metadata=flag(
         "--draft-steps-per-rollout", "optimiser steps of the draft per RL step: the one beside the policy's, then "
         "N-1 of the draft alone on the states of the updated policy, the one the next rollout drafts for "
@@ -763,7 +767,7 @@ RANGES = {
     "--actor-num-nodes": AT_LEAST_1, "--actor-num-gpus-per-node": AT_LEAST_0,
     "--actor-num-cpus-per-node": A_PROCESS_CPU, "--rollout-num-gpus-per-engine": AT_LEAST_0,
     "--rollout-num-cpus-per-engine": A_PROCESS_CPU, "--placement-timeout": POSITIVE, "--ray-connect-timeout": POSITIVE,
-    "--draft-loss-scaling-factor": AT_LEAST_0, "--draft-lr": LEARNING_RATE,
+    "--draft-loss-scaling-factor": AT_LEAST_0, "--draft-lr": LEARNING_RATE, "--draft-lr-warmup-iters": AT_LEAST_0,
     "--draft-steps-per-rollout": AT_LEAST_1, "--draft-replay-batches": AT_LEAST_0,
     "--draft-distill-topk": AT_LEAST_0, "--draft-ttt-steps": AT_LEAST_1, "--draft-clip-grad": AT_LEAST_0,
     "--draft-ce-weight": AT_LEAST_0, "--draft-l1-weight": AT_LEAST_0, "--draft-confidence-weight": AT_LEAST_0,

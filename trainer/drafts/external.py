@@ -103,7 +103,8 @@ class ExternalDraftTrainer(DraftTrainer):
         self.module = module.to(policy.device, policy.dtype)  # --bf16: bf16 like the policy, fp32 masters in the optimizer
         # each rank's loss is the mean over its micro-batches: the ranks' gradients are averaged
         self.part = TrainedPart(self.module, model.config, OptimizerOptions.of(cfg).replicated(), self.knobs.lr,
-                                cfg.weight_decay, cfg.adam_eps, cfg.effective_draft_clip_grad, sum_over_ranks=False)
+                                cfg.weight_decay, cfg.adam_eps, cfg.effective_draft_clip_grad, sum_over_ranks=False,
+                                lr_warmup_steps=cfg.draft_lr_warmup_iters)
         self.aux = AuxHiddenStates(model, module.cfg.aux_layer_ids)
         self.model, self.vocab_size = model, model_cfg.vocab_size
         self.hidden_size, self.state_dtype = model_cfg.hidden_size, policy.dtype

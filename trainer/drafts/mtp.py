@@ -71,7 +71,8 @@ class MTPDraftTrainer(DraftTrainer):
         # MTP block steps nothing
         block = model.mtp if model.mtp_process else empty_module(model.config)
         self.part = TrainedPart(block, model.config, OptimizerOptions.of(cfg), self.knobs.lr, cfg.weight_decay,
-                                cfg.adam_eps, cfg.effective_draft_clip_grad)
+                                cfg.adam_eps, cfg.effective_draft_clip_grad,
+                                lr_warmup_steps=cfg.draft_lr_warmup_iters)
 
     # ---- the loss ----------------------------------------------------------------------
     def normaliser(self, batch, num_micro_batches):

@@ -11,8 +11,8 @@ RL moves the policy away from what a frozen draft was trained on; the online arm
 every step (--enable-mtp-training or --enable-draft-training) and syncs it with the target.
 Arms are `online`, `frozen` or `none`, each optionally followed by `:key=value` options that
 append train_rl.py flags: loss (--draft-loss-type), topk (--draft-distill-topk), lr (--draft-lr),
-steps (--draft-steps-per-rollout), replay (--draft-replay-batches), layers (--mtp-num-layers),
-depths (--mtp-train-depths), reuse (--mtp-reuse-attention), ckpt (--hf-checkpoint), sync_draft
+lr_warmup (--draft-lr-warmup-iters), steps (--draft-steps-per-rollout), replay (--draft-replay-batches),
+layers (--mtp-num-layers), depths (--mtp-train-depths), reuse (--mtp-reuse-attention), ckpt (--hf-checkpoint), sync_draft
 (--sync-draft-weights: false syncs only the target, the draft goes stale), ce_weight / l1_weight /
 confidence_weight (--draft-<term>-weight); e.g.
 `online:depths=3:steps=16:replay=8`. Two options change the arm's draft instead: draft=KIND (another
@@ -96,6 +96,7 @@ ARMS = ("online", "frozen", "none")
 BACKENDS = ("embedded", "vllm")
 # arm options: "online:loss=tv:steps=16" appends these flags last (later flags win in train_rl.py)
 ARM_OPTIONS = {"loss": "--draft-loss-type", "topk": "--draft-distill-topk", "lr": "--draft-lr",
+               "lr_warmup": "--draft-lr-warmup-iters",
                "steps": "--draft-steps-per-rollout", "replay": "--draft-replay-batches",
                "layers": "--mtp-num-layers", "depths": "--mtp-train-depths", "reuse": "--mtp-reuse-attention",
                "ckpt": "--hf-checkpoint", "sync_draft": "--sync-draft-weights",
