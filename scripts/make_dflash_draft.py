@@ -8,7 +8,8 @@ size, heads and vocabulary, `fc` over the outputs of three target layers spread 
 (`--target-layer-ids` to choose), `--num-layers` decoder layers of its own (one by default), blocks of
 `--block-size` (the anchor plus block_size - 1 drafts: serve it with num_speculative_tokens =
 block_size - 1), the target's pad token as the mask token. Any family the embedded engine runs is a
-target; vLLM drafts for Qwen2 and Qwen3. It reads the target's embedding and
+target; vLLM drafts for the families whose models hand it aux hidden states (Qwen2, Qwen3, Llama:
+vime/models/families.py). It reads the target's embedding and
 head (vLLM shares them with a draft that stores none); its final norm starts as the target's, the
 rest is a small random init. `--warmup-steps N` then trains it offline for up to N steps on the target's
 own samples (prompts from the target directory's train.jsonl, temperature 1) with DFlash's block

@@ -6,7 +6,8 @@
 The draft (mtp/eagle3.py, format vime/models/eagle3.py) is shaped for the target: its hidden size,
 heads and vocabulary, fc over three aux layers of the target (`--aux-layer-ids`; by default vLLM's
 choice, or on a target of fewer than 7 layers the embedding output, the middle and the last layer's
-output). Any family the embedded engine runs is a target; vLLM drafts for Qwen2 and Qwen3. Its head and final
+output). Any family the embedded engine runs is a target; vLLM drafts for the families whose models hand it
+aux hidden states (Qwen2, Qwen3, Llama: vime/models/families.py). Its head and final
 norm start as the target's; the rest is a small random init. `--warmup-steps N` then trains it
 offline for up to N steps on the target's own samples (temperature 1) on the task's prompts (`--prompt-data`,
 chat messages with `--apply-chat-template`; default: the target directory's train.jsonl) with EAGLE-3's training-time test over `--ttt-steps` drafting steps: a draft that
