@@ -55,10 +55,11 @@ SPEC_TABLE = (r"\| batch \| method \| tokens/s \| speedup", r"paired speedup")
 DRIFT = (r"arm \(end = last 1 steps\)", r"accept_len start", r"wrote .*drift\.csv")
 SMOLLM2_DRIFT = (
     "python scripts/bench/rl_arms.py drift --draft mtp --hf-checkpoint checkpoints/smollm2-135m-instruct "
-    "--draft-warmup-steps 200 --arms online:lr=1e-3,frozen,none --steps 30 --out runs/smollm2_drift --curves "
-    "runs/smollm2_drift/positions.png -- --task-variant chat_arithmetic --apply-chat-template --input-key messages "
-    "--rm-type math --rollout-batch-size 8 --n-samples-per-prompt 4 --global-batch-size 32 --micro-batch-size 8 "
-    "--rollout-max-response-len 48 --lr 1e-5 --actor-num-cpus-per-node 2 --rollout-num-cpus-per-engine 2"
+    "--draft-warmup-steps 200 --arms online:lr=1e-3,frozen,none,online:lr=1e-3:lr_warmup=10 --steps 30 "
+    "--out runs/smollm2_drift --curves runs/smollm2_drift/positions.png -- --task-variant chat_arithmetic "
+    "--apply-chat-template --input-key messages --rm-type math --rollout-batch-size 8 --n-samples-per-prompt 4 "
+    "--global-batch-size 32 --micro-batch-size 8 --rollout-max-response-len 48 --lr 1e-5 --actor-num-cpus-per-node 2 "
+    "--rollout-num-cpus-per-engine 2"
 )
 SMOLLM2 = (("checkpoints/smollm2-135m-instruct", "llama_chat"),)  # a random Llama with a chat template stands in
 SMOLLM2_VLLM = (

@@ -102,9 +102,8 @@ def test_a_checkpoint_resumes_the_mtp_warm_up_where_it_stood(hf_dir, tmp_path):
     lr = 1e-3
     cfg = TrainerConfig(enable_mtp_training=True, draft_lr=lr, draft_lr_warmup_iters=4)
     trainer = Trainer(cfg, hf_dir)
-    assert trainer.draft.part.learning_rate == pytest.approx(lr / 4, rel=1e-12)
-    for seed in (0, 1):
-        trainer.train_step(make_batch(seed=seed))
+    reported = [trainer.train_step(make_batch(seed=seed))["train/mtp_lr"] for seed in (0, 1)]
+    assert reported == pytest.approx([lr / 4, lr / 2], rel=1e-12)  # what wandb shows of each step
     trainer.save(str(tmp_path / "ckpt"))
     resumed = Trainer(cfg, hf_dir, load=str(tmp_path / "ckpt"))
     assert resumed.draft.part.learning_rate == trainer.draft.part.learning_rate == pytest.approx(3 * lr / 4,

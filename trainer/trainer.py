@@ -310,6 +310,8 @@ class Trainer:
         # each part clips by its own grad norm (the draft's never clips the policy's update)
         metrics["train/grad_norm"] = self.policy.step()
         if self.draft is not None:
+            # the rate of the draft's joint step (--draft-lr-warmup-iters raises it over the first steps)
+            metrics[f"train/{self.draft.metric_prefix}_lr"] = self.draft.part.learning_rate
             metrics[f"train/{self.draft.metric_prefix}_grad_norm"] = self.draft.part.step()
         self._balance_experts()
         steps = self.draft.knobs.steps_per_rollout - 1 if self.draft else 0

@@ -425,22 +425,26 @@ def write_csv(rows_by_arm, path):
 
 
 def plot(rows_by_arm, keys, titles, path):
-    """One panel per key over the RL steps, one line per arm (arms without the key left out)."""
+    """One panel per key over the RL steps, one line per arm (arms without the key left out), each arm in one
+    colour on every panel and named once in a legend under them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8))
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 4.2))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    lines = {}
     for ax, key, title in zip(axes, keys, titles):
-        for label, rows in rows_by_arm.items():
+        for i, (label, rows) in enumerate(rows_by_arm.items()):
             if rows and rows[0][key] != "":
-                ax.plot([r["step"] for r in rows], [r[key] for r in rows], label=label)
+                lines[label], = ax.plot([r["step"] for r in rows], [r[key] for r in rows],
+                                        color=colours[i % len(colours)], label=label)
         ax.set_title(title)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    fig.legend(list(lines.values()), list(lines), loc="lower center", ncol=min(len(lines), 4), fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=100)
 
 
