@@ -187,3 +187,27 @@ def test_help_lists_every_flag_once_under_its_sections_title_and_the_switches_un
     for (title, (_, names)), start, end in zip(groups.items(), starts, starts[1:] + [len(text)]):
         block = text[start:end]
         assert all(f"\n  {name} " in block or f"\n  {name}\n" in block for name in names), title
+
+
+def _documented_recipe_commands():
+    """The `python train_rl.py experiment=smollm2_math ...` commands docs/checkpoints.md gives (continuation lines
+    joined), as argument lists."""
+    import os
+    import shlex
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "checkpoints.md")
+    with open(path, encoding="utf-8") as f:
+        text = f.read().replace("\\\n", " ")
+    return [shlex.split(line, comments=True)[2:] for line in text.splitlines()
+            if line.strip().startswith("python train_rl.py experiment=smollm2_math")]
+
+
+def test_the_real_model_recipe_and_its_documented_variants_pass_the_config_checks():
+    """The recipe, and every variant of it the docs give (its vLLM run, which turns the MTP layer and its training
+    knobs off), are settings train_rl.py takes: a knob left behind is refused in one line."""
+    commands = _documented_recipe_commands()
+    assert any("vllm" in argv for argv in commands)
+    for argv in [["experiment=smollm2_math"], *commands]:
+        check_config(load_config(argv))
+    with pytest.raises(UserError, match="--draft-lr-warmup-iters 10 sets how the online draft trains"):
+        check_config(load_config([a for a in commands[-1] if a != "draft.lr_warmup_iters=0"]))
