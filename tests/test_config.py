@@ -195,7 +195,7 @@ def _documented_recipe_commands():
     import os
     import shlex
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "checkpoints.md")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs/checkpoints.md")
     with open(path, encoding="utf-8") as f:
         text = f.read().replace("\\\n", " ")
     return [shlex.split(line, comments=True)[2:] for line in text.splitlines()
