@@ -260,7 +260,6 @@ class RolloutManagerImpl:
             raise EnginesLost(None, failed)
         return self.workers
 
-    @engine_call
     def release_memory(self):
         """Memory by turns: every engine lets go of what it may while the trainer steps; the largest
         memory an engine then holds (memory/engine_while_training_*)."""

@@ -5,6 +5,8 @@ import json
 import os
 import time
 
+import pytest
+
 from orchestration.healing import RestartBudget, engines_lost
 from rollout.health import EnginesLost
 from vime.config import RunSection
@@ -136,3 +138,35 @@ def test_a_worker_call_killed_by_rays_memory_monitor_is_a_lost_engine():
     assert "memory monitor" in lost_reason(ray.exceptions.OutOfMemoryError("Task was killed due to the node running "
                                                                             "low on memory."))
     assert lost_reason(RuntimeError("a bug in the call")) is None
+
+
+def test_a_worker_lost_while_the_engines_release_memory_is_a_lost_engine_for_the_run_to_heal():
+    """The rollout manager's `release_memory` (every engine's, before the trainer's turn) with one worker dead: it
+    raises EnginesLost naming that worker, which the driver heals (orchestration/rl_run.py), not another error.
+    Real Ray actors answering `release_memory` as rollout workers do."""
+    import ray
+
+    from rollout.health import EngineWatch
+    from rollout.ray_workers import RolloutManagerImpl
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def heartbeat(self):
+            return 0
+
+        def release_memory(self):
+            return {}
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
+    try:
+        live, dead = Worker.remote(), Worker.remote()
+        ray.get(dead.heartbeat.remote())
+        ray.kill(dead, no_restart=True)
+        wait_until_dead(dead)
+        manager = object.__new__(RolloutManagerImpl)  # its workers and its watch: all release_memory reads
+        manager.workers, manager.watch = [live, dead], EngineWatch(timeout_s=60)
+        with pytest.raises(EnginesLost) as lost:
+            manager.release_memory()
+        assert [(i, why.split(" ")[0]) for i, _, why in lost.value.lost] == [(1, "died")]
+    finally:
+        ray.shutdown()
