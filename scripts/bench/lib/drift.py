@@ -12,8 +12,8 @@ every step (--enable-mtp-training or --enable-draft-training) and syncs it with 
 Arms are `online`, `frozen` or `none`, each optionally followed by `:key=value` options that
 append train_rl.py flags: loss (--draft-loss-type), topk (--draft-distill-topk), lr (--draft-lr),
 lr_warmup (--draft-lr-warmup-iters), steps (--draft-steps-per-rollout), replay (--draft-replay-batches),
-layers (--mtp-num-layers), depths (--mtp-train-depths), reuse (--mtp-reuse-attention), ckpt (--hf-checkpoint), sync_draft
-(--sync-draft-weights: false syncs only the target, the draft goes stale), ce_weight / l1_weight /
+layers (--mtp-num-layers), depths (--mtp-train-depths), reuse (--mtp-reuse-attention), ckpt (--hf-checkpoint),
+sync_draft (--sync-draft-weights: false syncs only the target, the draft goes stale), ce_weight / l1_weight /
 confidence_weight (--draft-<term>-weight); e.g.
 `online:depths=3:steps=16:replay=8`. Two options change the arm's draft instead: draft=KIND (another
 draft kind, for arms of several kinds in one run) and k=N (its speculative tokens; a DFlash draft is
