@@ -55,18 +55,18 @@ SPEC_TABLE = (r"\| batch \| method \| tokens/s \| speedup", r"paired speedup")
 DRIFT = (r"arm \(end = last 1 steps\)", r"accept_len start", r"wrote .*drift\.csv")
 SMOLLM2_DRIFT = (
     "python scripts/bench/rl_arms.py drift --draft mtp --hf-checkpoint checkpoints/smollm2-135m-instruct "
-    "--draft-warmup-steps 200 --arms online:lr=1e-3,frozen,none,online:lr=1e-3:lr_warmup=10 --steps 30 "
+    "--draft-warmup-steps 200 --arms online:lr=1e-3:lr_warmup=10,frozen,none --steps 25 "
     "--out runs/smollm2_drift --curves runs/smollm2_drift/positions.png -- --task-variant chat_arithmetic "
     "--apply-chat-template --input-key messages --rm-type math --rollout-batch-size 8 --n-samples-per-prompt 4 "
-    "--global-batch-size 32 --micro-batch-size 8 --rollout-max-response-len 48 --lr 1e-5 --actor-num-cpus-per-node 2 "
+    "--global-batch-size 32 --micro-batch-size 8 --rollout-max-response-len 32 --lr 2e-5 --actor-num-cpus-per-node 2 "
     "--rollout-num-cpus-per-engine 2"
 )
 SMOLLM2 = (("checkpoints/smollm2-135m-instruct", "llama_chat"),)  # a random Llama with a chat template stands in
 SMOLLM2_VLLM = (
     "python scripts/bench/rl_arms.py drift --draft mtp --hf-checkpoint checkpoints/smollm2-135m-instruct --arms none "
-    "--backends vllm --steps 20 --out runs/smollm2_vllm -- --task-variant chat_arithmetic --apply-chat-template "
+    "--backends vllm --steps 25 --out runs/smollm2_vllm -- --task-variant chat_arithmetic --apply-chat-template "
     "--input-key messages --rm-type math --rollout-batch-size 8 --n-samples-per-prompt 4 --global-batch-size 32 "
-    "--micro-batch-size 8 --rollout-max-response-len 48 --lr 1e-5"
+    "--micro-batch-size 8 --rollout-max-response-len 32 --lr 2e-5"
 )
 SMOLLM2_RUN = "runs/smollm2/prompts_chat_arithmetic.jsonl --input-key messages --apply-chat-template --max-new-tokens 48"
 SMOLLM2_METHODS = '"none,mtp k=1,mtp adaptive,dflash k=3,dflash k=3 adaptive,dspark k=3,dspark k=3 sized"'
