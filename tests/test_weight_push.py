@@ -5,6 +5,7 @@ real gloo group on loopback, and the engine then holds what was sent.
 References: vime's checksum and sha256 of the tensors the sender was given (computed on the sending
 side, before the wire), and the checkpoint's own draft tensors for the target-only push.
 """
+import os
 import threading
 
 import pytest
@@ -158,3 +159,24 @@ def test_an_aborted_push_ends_for_every_member_long_before_glooes_timeout_and_a_
     push(backend.weight_receiver("reload"), named)
     target, draft = parts(named, cfg.num_hidden_layers)
     assert backend.fingerprint() == {"target": weight_sync.checksum(target), "draft": weight_sync.checksum(draft)}
+
+
+def test_a_process_that_abandoned_a_push_exits_without_waiting_out_glooes_timeout():
+    """The sender gives up on a receiver that never takes the push and abandons the group; its process then ends
+    as soon as its work is done, not when gloo's timeout releases the group's threads."""
+    import subprocess
+    import sys
+    import time
+
+    worker, port = os.path.join(os.path.dirname(os.path.abspath(__file__)), "abandoned_push_worker.py"), free_port()
+    member = subprocess.Popen([sys.executable, worker, "member", str(port)])
+    try:
+        started = time.monotonic()
+        sender = subprocess.run([sys.executable, worker, "sender", str(port)], capture_output=True, text=True,
+                                timeout=weight_sync.TIMEOUT.total_seconds() / 2)
+        took = time.monotonic() - started
+    finally:
+        member.kill()
+    assert sender.returncode == 0 and "abandoned" in sender.stdout, sender.stderr[-2000:]
+    # start-up, the abort and the exit take seconds; the timeout the exit must not wait for is minutes
+    assert took < weight_sync.TIMEOUT.total_seconds() / 3

@@ -5,6 +5,7 @@ address from the group that spawned it); `init_single_process` serves tests and 
 Both are safe to call again in the same process (parallel_state is rebuilt).
 """
 import contextlib
+import gc
 from datetime import timedelta
 
 import torch
@@ -14,6 +15,41 @@ from trainer.cpu_patches import apply_cpu_patches
 from vime.errors import require
 from vime.net import free_port
 from vime.parallel_layout import ONE_RANK
+
+
+# The process groups megatron's last `initialize_model_parallel` built. megatron's
+# `destroy_model_parallel` forgets them without destroying them (its two gloo groups aside), and every
+# gloo group keeps its threads until destroyed: a process that rebuilds its layout many times (a test
+# session, a tool converting several checkpoints) would otherwise keep every layout's groups and threads.
+_MEGATRON_GROUPS = []
+
+
+def _live_groups():
+    """Every process group torch.distributed holds (megatron reads the same registry)."""
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def destroy_megatron_groups():
+    """Forget megatron's parallel state and destroy the process groups it built (not the default one)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if not _MEGATRON_GROUPS:
+        return
+    live = set(_live_groups())
+    for group in [_MEGATRON_GROUPS.pop() for _ in range(len(_MEGATRON_GROUPS))]:
+        if group in live:
+            dist.destroy_process_group(group)
+    live = group = None  # this frame's references go before the collector runs
+    release_destroyed_groups()
+
+
+def release_destroyed_groups():
+    """Free what still holds destroyed groups. A gloo group ends its threads only when the object is freed, and
+    megatron's modules and checkpoint strategies keep their groups in reference cycles that only the cycle
+    collector frees: a model dropped before its groups were destroyed would keep them (and their threads)."""
+    gc.collect()
 
 
 def init_distributed(rank, world_size, master_addr, master_port, layout=ONE_RANK):
@@ -30,11 +66,12 @@ def init_distributed(rank, world_size, master_addr, master_port, layout=ONE_RANK
                                 world_size=world_size, timeout=timedelta(minutes=10))
     from megatron.core import parallel_state as ps
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    destroy_megatron_groups()
+    groups_before = set(_live_groups())
     ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                  context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
                                  expert_tensor_parallel_size=layout.etp)
+    _MEGATRON_GROUPS.extend(group for group in _live_groups() if group not in groups_before)
 
 
 def init_single_process():
@@ -71,12 +108,10 @@ def owned_single_process():
 
 def teardown():
     """Destroy megatron's groups and the process group."""
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    destroy_megatron_groups()
     if dist.is_initialized():
         dist.destroy_process_group()
+        release_destroyed_groups()
 
 
 def collective_device():

@@ -18,6 +18,7 @@ second while a bucket is in flight, and give up with `PushBroken` when it says s
 decides, having seen the peer go). The group is then unusable: its sockets and threads are left to
 gloo's timeout (`abandon`) and the members meet in a new group.
 """
+import ctypes
 import datetime
 import hashlib
 import math
@@ -109,10 +110,13 @@ def broadcast(group, tensor, aborted=None):
 
 
 def abandon(group):
-    """Give up on a group whose broadcast broke: kept referenced until the process ends (its threads
-    end at gloo's timeout; destroying it now would wait for them)."""
+    """Give up on a group whose broadcast broke. Its destructor would wait for its threads, which end only at
+    gloo's timeout, so it never runs: the group is kept referenced, and made immortal so that not even the
+    interpreter's shutdown frees it (a process that healed from a lost member would otherwise wait out the
+    timeout as it exits); the operating system reclaims its threads and sockets with the process."""
     if group is not None:
         _ABANDONED.append(group)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def device_for(backend):
