@@ -5,13 +5,14 @@ import torch
 from vime.models.families import MOE_FAMILIES, MTP_FAMILIES, is_mtp_name
 from vime.models.hf_format import expected_tensor_names, load_hf_checkpoint
 from vime.models.megatron_names import attention_kind, hf_targets, is_synced_buffer
-from mtp.loss import mtp_loss_mask
+from mtp.loss import mtp_loss, mtp_loss_mask
 from mtp.sampling import token_logprobs
 from trainer.batch import build_batch
 from trainer.config import TrainerConfig
+from trainer.drafts.mtp import first_counted_position
 from trainer.model import forward, update_expert_biases
 from trainer.trainer import Trainer
-from fp32_bounds import reduction_rtol
+from fp32_bounds import close, forward_depth, longest_reduction, reduction_rtol
 from trainer_fixtures import engine_model, engine_mtp_logits, make_batch, make_tiny
 from vime.errors import UserError
 from vime.sample import Sample
@@ -368,3 +369,34 @@ def test_mtp_replay_batches_train_the_draft_on_earlier_batches_through_the_curre
     got, want, other = (dict(t.model.named_parameters()) for t in (replayed, reference, no_replay))
     assert all(torch.equal(got[n], want[n]) for n in want)
     assert any(not torch.equal(got[n], other[n]) for n in got if n.startswith("mtp."))
+
+
+@pytest.mark.parametrize("loss_type", ["ce", "tv"])
+def test_mtp_losses_and_gradients_projecting_only_counted_positions_equal_the_whole_sequences(hf_dir, loss_type):
+    """The trainer projects the MTP layers' outputs onto the vocabulary only from the first position a depth's loss
+    counts (prompts of 6 tokens, depths 1 and 2: from position 4 on, where depth 2 reads the first answer token).
+    References: mtp/loss.py's masked formula over every position of the model's whole-sequence MTP logits, and the
+    gradients of a trainer that projects every position."""
+    batch = make_batch(prompt_len=6, advantages=[0.0] * 4)
+    assert first_counted_position(batch.loss_mask, 2) == 4
+    cfg = TrainerConfig(enable_mtp_training=True, mtp_train_depths=2, draft_loss_type=loss_type)
+    windowed, whole = Trainer(cfg, hf_dir), Trainer(cfg, hf_dir)
+    whole.draft.projects_from_any_position = False
+    got = windowed.backward(batch)
+    with torch.no_grad():
+        out = forward(whole.model, batch.tokens)
+        logits = whole.model.mtp_logits(out, depths=2)
+    want = [mtp_loss(lg, batch.tokens, batch.loss_mask, d, loss_type, out.logits, cfg.temperature).item()
+            for d, lg in enumerate(logits, start=1)]
+    whole.backward(batch)
+    # what differs is the reduction order of the vocabulary projection, the softmax and the masked mean (forward),
+    # and of their backward and the MTP layer's gradient sums: chains of fp32 sums no longer than the model's longest
+    model_cfg, _, _ = load_hf_checkpoint(hf_dir)
+    longest = max(longest_reduction(model_cfg, batch.tokens.shape[1]), model_cfg.vocab_size, batch.tokens.numel())
+    for d in (1, 2):
+        assert close(got[f"train/mtp_{d}_loss"], want[d - 1], reduction_rtol(longest, 3))
+    g_got, g_want = grads(windowed), grads(whole)
+    for name, g in g_want.items():
+        if g is not None:
+            bound = reduction_rtol(longest, 3 + forward_depth(1)) * g.abs().max().item()
+            assert (g_got[name] - g).abs().max().item() <= bound, name

@@ -230,8 +230,10 @@ def _vime_gpt_model_class():
             logits, _ = self.output_layer(hidden_states, weight=weight, runtime_gather_output=True)
             return logits.transpose(0, 1).float()
 
-        def mtp_logits(self, out, detach_trunk=True, depths=None, reuse_attention="drafter"):
-            """[b, s, V] logits of every MTP depth. detach_trunk: the MTP loss reaches only mtp.*
+        def mtp_logits(self, out, detach_trunk=True, depths=None, reuse_attention="drafter", first=0):
+            """[b, s - first, V] logits of every MTP depth, of positions `first`.. (the layers still read every
+            position; only the projection onto the vocabulary skips the first ones, which a loss that never
+            counts them need not pay for). detach_trunk: the MTP loss reaches only mtp.*
 
             Up to the layer count this is megatron's MTP block forward (its layer loop, run
             here so the last layer can repeat). Depths past it (--mtp-train-depths) reuse the
@@ -269,11 +271,11 @@ def _vime_gpt_model_class():
                 with counting_tokens(routers(layer), [depth_mask]):
                     hidden, input_ids, position_ids = layer(input_ids=input_ids, position_ids=position_ids,
                                                             hidden_states=hidden, embedding=embed, **inputs)
-                logits.append(self._logits(hidden, weight))
+                logits.append(self._logits(hidden[first:], weight))
             if len(layers) > chained:
                 for hidden in self._drafter_reuse_steps(layers[-1], base, hidden, len(layers) - chained, embed,
                                                         out.token_mask):
-                    logits.append(self._logits(hidden, weight))
+                    logits.append(self._logits(hidden[first:], weight))
             return logits
 
         def _drafter_reuse_steps(self, layer, base, output, steps, embed, token_mask=None):

@@ -28,6 +28,14 @@ def resolve_train_depths(requested, num_layers):
     return depths
 
 
+def first_counted_position(loss_mask, depths):
+    """The first position any depth's loss counts in a micro-batch whose rows start at position 0: depth d counts
+    position t only where the token t+d it reads is trained (mtp/loss.py), so nothing before the earliest trained
+    token less `depths` counts (0 when no token is trained)."""
+    trained = loss_mask.sum(0).nonzero()
+    return max(0, int(trained[0]) - depths) if len(trained) else 0
+
+
 class MTPDraftTrainer(DraftTrainer):
     """The MTP layers of the policy's model as the trained draft (see module docstring)."""
 
@@ -64,6 +72,8 @@ class MTPDraftTrainer(DraftTrainer):
         require(self.depths <= num_layers or cfg.mtp_reuse_attention != "drafter" or not cfg.sequence_parallel,
                 "--mtp-reuse-attention drafter runs the reused depths over blocks of whole sequences, and under "
                 "--sequence-parallel a rank holds part of each; use --mtp-reuse-attention megatron")
+        # a rank holding a slice of the sequence (sequence or context parallel) cannot drop positions alone
+        self.projects_from_any_position = not cfg.layout.sp and cfg.layout.cp == 1
         self.named_params = [(n, p) for n, p in model.named_parameters() if is_mtp_param(n)]
         for _, p in self.named_params:
             p.requires_grad_(True)
@@ -88,13 +98,15 @@ class MTPDraftTrainer(DraftTrainer):
         over micro-batches and ranks); the distillation target is the detached policy (mtp/loss.py)."""
         out, mb, counts = inputs
         c = self.cfg
+        first = first_counted_position(mb.loss_mask, self.depths) if self.projects_from_any_position else 0
         logits = self.model.mtp_logits(out, detach_trunk=c.mtp_detach_trunk, depths=self.depths,
-                                       reuse_attention=c.mtp_reuse_attention)
-        policy_logits = out.logits.detach() if out.logits is not None else None
+                                       reuse_attention=c.mtp_reuse_attention, first=first)
+        policy_logits = out.logits.detach()[:, first:] if out.logits is not None else None
+        tokens, loss_mask = mb.tokens[:, first:], mb.loss_mask[:, first:]
         per_depth = []
         for d, lg in enumerate(logits, start=1):
             local = mtp_loss_mask(mb.loss_mask, d).sum()
-            loss = mtp_loss(lg, mb.tokens, mb.loss_mask, d, c.draft_loss_type, policy_logits, c.temperature,
+            loss = mtp_loss(lg, tokens, loss_mask, d, c.draft_loss_type, policy_logits, c.temperature,
                             c.draft_distill_topk)
             per_depth.append(loss * local / counts[d - 1].clamp(min=1))
         return scaled_mtp_loss(per_depth, c.mtp_loss_scaling_factor), [float(x.detach()) for x in per_depth]
