@@ -37,11 +37,12 @@ def destroy_megatron_groups():
         ps.destroy_model_parallel()
     if not _MEGATRON_GROUPS:
         return
-    live = set(_live_groups())
-    for group in [_MEGATRON_GROUPS.pop() for _ in range(len(_MEGATRON_GROUPS))]:
-        if group in live:
+    built, live = list(_MEGATRON_GROUPS), set(_live_groups())
+    _MEGATRON_GROUPS.clear()
+    for group in built:
+        if group in live:  # the default group's destruction may have taken it already
             dist.destroy_process_group(group)
-    live = group = None  # this frame's references go before the collector runs
+    built = live = group = None  # this frame's references go before the collector runs
     release_destroyed_groups()
 
 
