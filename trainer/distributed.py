@@ -2,7 +2,8 @@
 
 `init_distributed` is what a Ray actor calls (it gets rank, world size and the master
 address from the group that spawned it); `init_single_process` serves tests and tools.
-Both are safe to call again in the same process (parallel_state is rebuilt).
+Both are safe to call again in the same process (parallel_state is rebuilt, the previous layout's groups
+destroyed).
 """
 import contextlib
 import gc

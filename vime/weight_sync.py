@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 TIMEOUT = datetime.timedelta(minutes=5)
 ABORT_POLL_S = 1.0  # how often a waiting broadcast asks whether the push was aborted
-_ABANDONED = []  # groups given up on: their threads end at gloo's timeout, and deleting one would wait for it
+_ABANDONED = []  # groups given up on (see `abandon`): never freed, since freeing one waits for gloo's timeout
 
 
 class PushBroken(RuntimeError):
