@@ -75,12 +75,9 @@ SMOLLM2_VLLM = (
     "--input-key messages --rm-type math --rollout-batch-size 8 --n-samples-per-prompt 4 --global-batch-size 32 "
     "--micro-batch-size 8 --rollout-max-response-len 32 --lr 2e-5"
 )
-SMOLLM2_RUN = "runs/smollm2/prompts_chat_arithmetic.jsonl --input-key messages --apply-chat-template --max-new-tokens 48"
-SMOLLM2_METHODS = '"none,mtp k=1,mtp adaptive,dflash k=3,dflash k=3 adaptive,dspark k=3,dspark k=3 sized"'
-SMOLLM2_ADAPTIVE = '"none,mtp k=1,mtp adaptive,dflash k=3 adaptive,dspark k=3 sized"'
-SMOLLM2_TABLE_INPUTS = "--hf-checkpoint runs/smollm2/policy --dflash-drafts runs/smollm2/dflash4 --dspark-drafts " \
-    "runs/smollm2/dspark3 --task-variant chat_arithmetic"
-TINY_MAKER = ("--warmup-steps", "2", "--warmup-samples", "4", "--max-new-tokens", "4")
+SMOLLM2_SPEC = "python scripts/bench/throughput.py spec-decode --hf-checkpoint runs/smollm2/policy --task-variant " \
+    "chat_arithmetic --batch-sizes {} --max-new-tokens 48 --stop-at-eos {} --threads 2"
+SMOLLM2_T1 = '--temperature 1 --rejection-sample-method strict --methods "none,mtp k=1,mtp k=2,mtp adaptive"'
 TINY = {
     "python train_rl.py experiment=smollm2_math --save runs/smollm2/save": Tiny(
         (r"has no MTP layers: adding 1 fresh one",),
@@ -92,21 +89,15 @@ TINY = {
     ),
     "python -m checkpoint_convert.torch_dist_to_hf --input-dir runs/smollm2/save --output-dir runs/smollm2/policy "
     "--origin-hf-dir runs/smollm2/fresh_mtp_checkpoint": Tiny((r"saved HF checkpoint",)),
-    "python scripts/make_dflash_draft.py --target runs/smollm2/policy --out runs/smollm2/dflash4 --block-size 4 "
-    f"--warmup-steps 200 --warmup-samples 512 --prompt-data {SMOLLM2_RUN}": Tiny((r"saved .*dflash4",), TINY_MAKER),
-    "python scripts/make_dspark_draft.py --target runs/smollm2/policy --out runs/smollm2/dspark3 --block-size 3 "
-    f"--warmup-steps 100 --warmup-samples 256 --batch-size 16 --prompt-data {SMOLLM2_RUN}": Tiny(
-        (r"saved .*dspark3",), TINY_MAKER
-    ),
-    f"python scripts/bench/throughput.py spec-decode {SMOLLM2_TABLE_INPUTS} --batch-sizes 1,2,4 --num-prompts 8 "
-    f"--max-new-tokens 32 --repeats 2 --temperature 1 --rejection-sample-method strict --methods {SMOLLM2_METHODS} "
-    "--threads 2": Tiny(SPEC_TABLE + (r"dspark k=3 sized",), spec_decode()),
-    f"python scripts/bench/throughput.py spec-decode {SMOLLM2_TABLE_INPUTS} --batch-sizes 8,16,32,64 --num-prompts 64 "
-    f"--max-new-tokens 48 --repeats 2 --temperature 1 --rejection-sample-method strict --methods {SMOLLM2_ADAPTIVE} "
-    "--threads 2": Tiny(SPEC_TABLE + (r"dspark k=3 sized",), spec_decode()),
-    f"python scripts/bench/throughput.py spec-decode {SMOLLM2_TABLE_INPUTS} --batch-sizes 1 --num-prompts 8 "
-    '--max-new-tokens 32 --repeats 2 --temperature 0 --methods "none,mtp k=1,mtp k=2,dflash k=3,dspark k=3" '
-    "--threads 2": Tiny(SPEC_TABLE + (r"dspark k=3",), spec_decode()),
+    SMOLLM2_SPEC.format("1,2,4 --num-prompts 8", f"--repeats 2 {SMOLLM2_T1}"): Tiny(
+        SPEC_TABLE + (r"mtp adaptive drafted k",), spec_decode()),
+    SMOLLM2_SPEC.format("8,16,32,64 --num-prompts 64", f"--repeats 2 {SMOLLM2_T1}"): Tiny(
+        SPEC_TABLE + (r"mtp adaptive drafted k",), spec_decode()),
+    SMOLLM2_SPEC.format("32 --num-prompts 64", '--repeats 10 --temperature 1 --rejection-sample-method strict '
+                        '--methods "none,mtp k=1,mtp adaptive" --versus "mtp k=1/none,mtp adaptive/none"'): Tiny(
+        SPEC_TABLE + (r"mtp adaptive / none paired [\d.]+x, faster in",), spec_decode()),
+    SMOLLM2_SPEC.format("1 --num-prompts 8", '--repeats 3 --temperature 0 --methods "none,mtp k=1,mtp k=2"'): Tiny(
+        SPEC_TABLE + (r"mtp k=2",), spec_decode()),
     SMOLLM2_VLLM: Tiny((r"arm \(end = last 1 steps\)", r"vllm/none"), RL, SMOLLM2),
     "python scripts/bench/throughput.py vs-hf --hf-checkpoint checkpoints/smollm2-135m-instruct --task-variant "
     "chat_arithmetic --batch-sizes 1,4,16,64 --max-new-tokens 32 --threads 1": Tiny(
