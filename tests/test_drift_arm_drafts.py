@@ -41,7 +41,8 @@ def test_draft_vocab_makes_that_arm_an_eagle3_draft_of_a_reduced_vocabulary_in_i
     arms = "online,frozen:draft_vocab=12"
     args = drift_args(tmp_path, arms, draft="eagle3")
     drift.check_args(args)
-    whole, reduced = (drift.arm_checkpoints("eagle3", args, 3, drift.maker_flags(arm, args))[1] for arm in arms.split(","))
+    whole, reduced = (drift.arm_checkpoints("eagle3", args, 3, drift.maker_flags(arm, args))[1]
+                      for arm in arms.split(","))
     assert whole != reduced and all(p.startswith(str(tmp_path)) for p in (whole, reduced))
     assert saved_config(whole)["draft_vocab_size"] == saved_config(whole)["vocab_size"] == 32  # the maker's default
     assert saved_config(reduced)["draft_vocab_size"] == 12

@@ -177,7 +177,7 @@ def test_a_reduced_draft_saves_and_loads_its_tables_as_vllm_reads_them(reduced_d
     assert all(torch.equal(module.state_dict()[n], t) for n, t in tensors.items())
     EAGLE3.save(str(tmp_path / "again"), cfg, state)  # saved again: the same config and tensors
     assert EAGLE3.load(str(tmp_path / "again"))[0] == cfg
-    # the shipped draft predicts the whole vocabulary: no tables, as before
+    # the shipped draft predicts the whole vocabulary: no tables
     shipped_cfg, shipped = EAGLE3.load(DRAFT)
     assert shipped_cfg.draft_vocab_size is None and "d2t" not in shipped and "t2d" not in shipped
     bad = dict(state, d2t=state["d2t"] - 5)  # draft id 0 would be target id -5
