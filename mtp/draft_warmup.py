@@ -124,20 +124,23 @@ def fit_on_sequences(params, n_sequences, batch_loss, steps, batch_size, lr, see
     return best.step + 1
 
 
-def warm_up_draft(draft, target, sequences, steps, batch_size, lr, seed, loss_of, per_what, log=print, held_out=True):
+def warm_up_draft(draft, target, sequences, steps, batch_size, lr, seed, loss_of, per_what, log=print, held_out=True,
+                  masks=None):
     """Up to `steps` AdamW steps of `draft` on random batches of `sequences` (fit_on_sequences: returns the steps
     kept).
 
     loss_of(tokens, mask, aux): (loss, per-position losses) of the kind, where aux are the target's
-    detached hidden states at the draft's aux layers."""
+    detached hidden states at the draft's aux layers and mask marks the tokens the loss may predict:
+    `masks[i]` of sequence i (e.g. its response), by default all of its tokens."""
     aux_states = states_per_sequence(
         sequences, batch_size, lambda tokens, positions: target.aux_hidden_states(tokens, positions,
                                                                                   draft.cfg.aux_layer_ids))
+    mask_rows = [torch.tensor(m, dtype=torch.float32) for m in masks or [[1] * len(s) for s in sequences]]
 
     def batch_loss(rows):
         tokens = padded_tokens(sequences, rows)
-        mask = (torch.arange(tokens.shape[1]) < torch.tensor([len(sequences[i]) for i in rows])[:, None]).float()
-        return loss_of(tokens, mask, padded_states(aux_states, rows, tokens.shape[1]))
+        return loss_of(tokens, padded_states(mask_rows, rows, tokens.shape[1]),
+                       padded_states(aux_states, rows, tokens.shape[1]))
 
     return fit_on_sequences(list(draft.parameters()), len(sequences), batch_loss, steps, batch_size, lr, seed,
                             per_what, log, held_out)

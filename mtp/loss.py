@@ -63,6 +63,21 @@ MTP_LOSSES = {"ce": _hard_ce, "soft_ce": _soft_ce, "tv": _total_variation}
 DISTILLATION_LOSSES = frozenset({"soft_ce", "tv"})
 
 
+def in_draft_vocabulary(target_ids, vocab_size, loss_type, labels, mask, target_logits=None):
+    """(labels, mask, target logits) of a draft that predicts only the target tokens `target_ids` [N] of the
+    target's `vocab_size`, for its logits over those N (EAGLE-3's reduced vocabulary): labels [B, W] become
+    draft ids and, for a loss that reads them, a position whose label the draft cannot predict leaves the
+    mask [B, W]; the policy's logits [B, W, V] are read at the draft's tokens, so its distribution is
+    renormalised over them."""
+    draft_id = torch.full((vocab_size,), -1, dtype=torch.long, device=labels.device)
+    draft_id[target_ids] = torch.arange(len(target_ids), device=labels.device)
+    mapped = draft_id[labels]
+    if loss_type not in DISTILLATION_LOSSES:
+        mask = mask * (mapped >= 0)
+    gathered = target_logits.index_select(-1, target_ids) if target_logits is not None else None
+    return mapped.clamp(min=0), mask, gathered  # a masked-out label reads draft id 0, counted nowhere
+
+
 def mtp_loss(logits, tokens, loss_mask, depth, loss_type="ce", policy_logits=None, temperature=1.0, topk=0):
     """Token-mean loss of depth-`depth` logits [B, S', V] (S' >= S-depth-1) predicting token t+depth+1.
 

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from make_eagle3_draft import add_sample_args, check_out, target_samples  # noqa: E402
+from make_eagle3_draft import add_sample_args, check_out, response_masks, target_samples  # noqa: E402
 from mtp.fresh_layers import fresh_mtp_state, warm_up_mtp_layers, with_mtp_layers  # noqa: E402
 from rollout.embedded.model import CausalLMWithMTP  # noqa: E402
 from vime.config import MTPSection  # noqa: E402
@@ -47,11 +47,6 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     add_sample_args(p)
     return p.parse_args(argv)
-
-
-def response_masks(sequences, prompt_lengths):
-    """1 on each sequence's response tokens, 0 on its prompt: the MTP loss reads responses, as in RL."""
-    return [[0] * n + [1] * (len(seq) - n) for seq, n in zip(sequences, prompt_lengths)]
 
 
 def make(args, log=print):

@@ -1,12 +1,15 @@
 """What the tests of every external draft kind share: the shipped Qwen2 target and each kind's shipped
-draft (`checkpoints/tiny-qwen2-<kind>`), a random draft of a kind for any target, the 5-token target
-and draft pair of the distribution tests, and each kind's cache-free reference of greedy acceptance.
+draft (`checkpoints/tiny-qwen2-<kind>`), a copy of a draft edited, a random draft of a kind for any target,
+the 5-token target and draft pair of the distribution tests, and each kind's cache-free reference of greedy
+acceptance.
 
 A kind's own test fixtures (its reference computation) stay in `<kind>_fixtures.py`; this file names
 each kind once, in its tables (a new kind adds a line to each).
 """
 import dataclasses
+import json
 import os
+import shutil
 
 import torch
 
@@ -20,6 +23,24 @@ TARGET = os.path.join(REPO, "checkpoints", "tiny-qwen2")
 def shipped_draft(kind):
     """The kind's draft shipped for the tiny Qwen2 target."""
     return os.path.join(REPO, "checkpoints", f"tiny-qwen2-{kind.name}")
+
+
+def edited_draft(tmp_path, kind, config=None, tensors=None, source=None):
+    """A copy of a draft of `kind` (`source`, default its shipped one) with config.json edited by `config(raw)`
+    and model.safetensors by `tensors(state)`, in place."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / f"{kind.name}-edited"
+    shutil.copytree(source or shipped_draft(kind), out)
+    if config:
+        raw = json.loads((out / "config.json").read_text())
+        config(raw)
+        (out / "config.json").write_text(json.dumps(raw))
+    if tensors:
+        state = load_file(out / "model.safetensors")
+        tensors(state)
+        save_file(state, out / "model.safetensors")
+    return out
 
 
 def shipped_k(kind):

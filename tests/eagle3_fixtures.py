@@ -1,5 +1,7 @@
-"""EAGLE-3 fixtures: the shipped tiny Qwen2 target and its draft, and a cache-free reference of greedy
-acceptance per draft position (random drafts of any kind: draft_kind_fixtures.py)."""
+"""EAGLE-3 fixtures: the shipped tiny Qwen2 target and its draft, a draft cut down to a reduced vocabulary,
+and a cache-free reference of greedy acceptance per draft position (random drafts of any kind:
+draft_kind_fixtures.py)."""
+import dataclasses
 import os
 
 import torch
@@ -8,6 +10,41 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(REPO, "checkpoints", "tiny-qwen2")
 DRAFT = os.path.join(REPO, "checkpoints", "tiny-qwen2-eagle3")
+
+
+# the tokens of the tiny Qwen2 target a reduced-vocabulary draft of the shipped one keeps, 16 of its 32: the
+# special tokens, digits 0-5, the operators and separators, three ids no text uses. Its answers also hold
+# digits 6-9: those the draft never drafts, and verification still emits them.
+REDUCED_IDS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 13, 14, 15, 16, 20, 21, 22)
+
+
+def reduced_draft(draft, target_ids):
+    """`draft` (a full-vocabulary Eagle3Draft) cut down to the target tokens `target_ids`: the same weights,
+    its head only the rows of those tokens, and the format's tables written out by hand (target id = draft
+    id + d2t[draft id]; t2d marks the target ids kept)."""
+    from mtp.eagle3 import Eagle3Draft
+
+    ids = torch.tensor(target_ids)
+    state = {n: t.clone() for n, t in draft.state_dict().items()}
+    state["lm_head.weight"] = state["lm_head.weight"][ids]
+    state["d2t"] = ids - torch.arange(len(ids))
+    state["t2d"] = torch.zeros(draft.cfg.vocab_size, dtype=torch.bool)
+    state["t2d"][ids] = True
+    reduced = Eagle3Draft(dataclasses.replace(draft.cfg, draft_vocab_size=len(ids)))
+    reduced.load_state_dict(state, strict=True)
+    return reduced.eval().requires_grad_(False)
+
+
+def save_reduced_shipped_draft(path, target_ids=REDUCED_IDS):
+    """The shipped draft cut down to `target_ids` (reduced_draft), saved in the EAGLE-3 format at `path`."""
+    from vime.models.eagle3 import EAGLE3
+
+    cfg, state = EAGLE3.load(DRAFT)
+    full = EAGLE3.format.model(cfg)
+    full.load_state_dict(state)
+    draft = reduced_draft(full, target_ids)
+    EAGLE3.save(str(path), draft.cfg, draft.state_dict())
+    return str(path)
 
 
 def reference_eagle3_drafts(target, draft, ids, k):

@@ -5,14 +5,14 @@ that names the tensor and the config key behind it (train_rl.py: `error: ...`, e
 starts; the engine, the trainer and the export likewise); what is saved loads back unchanged."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from draft_kind_fixtures import edited_draft
 from tests.bad_input_helpers import refused
 from train_rl import prepare
 from vime.cli_config import load_config
@@ -37,21 +37,6 @@ def spec_of(kind, draft):
 def args_for(out, kind, draft, backend="embedded", target=TARGET):
     return ["--hf-checkpoint", target, "--num-rollout", "2", "--output-dir", str(out), "--rollout-backend", backend,
             "--vllm-speculative-config", json.dumps(spec_of(kind, draft))]
-
-
-def edited_draft(tmp_path, kind, config=None, tensors=None):
-    """A copy of the kind's shipped draft with config.json and model.safetensors edited in place."""
-    out = tmp_path / f"{kind.name}-edited"
-    shutil.copytree(shipped(kind), out)
-    if config:
-        raw = json.loads((out / "config.json").read_text())
-        config(raw)
-        (out / "config.json").write_text(json.dumps(raw))
-    if tensors:
-        state = load_file(out / "model.safetensors")
-        tensors(state)
-        save_file(state, out / "model.safetensors")
-    return out
 
 
 def a_layer_tensor(state):

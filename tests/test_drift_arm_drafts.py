@@ -1,6 +1,7 @@
 """The drift benchmark's draft-shaping arm options: `draft_layers=N` gives that arm a draft made
-by the kind's maker with N decoder layers, in its own directory, while the other arms keep theirs;
-checked on the saved drafts' configs (what vLLM and the engine load), not on the command built."""
+by the kind's maker with N decoder layers, `draft_vocab=N` an EAGLE-3 draft predicting N tokens, each in
+its own directory, while the other arms keep theirs; checked on the saved drafts' configs (what vLLM and
+the engine load), not on the command built."""
 import argparse
 import json
 import os
@@ -10,10 +11,10 @@ import pytest
 from scripts.bench.lib import drift
 
 
-def drift_args(out, arms):
+def drift_args(out, arms, draft="dflash"):
     p = argparse.ArgumentParser()
     drift.add_arguments(p)
-    args = p.parse_args(["--draft", "dflash", "--draft-warmup-steps", "0", "--arms", arms])
+    args = p.parse_args(["--draft", draft, "--draft-warmup-steps", "0", "--arms", arms])
     args.out, args.steps, args.extra, args.reuse = str(out), 1, [], False
     return args
 
@@ -34,6 +35,20 @@ def test_draft_layers_makes_that_arm_a_deeper_draft_in_its_own_directory(tmp_pat
     # both drafts serve blocks of 8 (k = 7): the block size still follows k=
     assert {saved_config(p)["block_size"] for p in (shallow, deep)} == {8}
     assert drift.group_name(arms.split(",")[1], args) != drift.group_name(arms.split(",")[0], args)
+
+
+def test_draft_vocab_makes_that_arm_an_eagle3_draft_of_a_reduced_vocabulary_in_its_own_directory(tmp_path):
+    arms = "online,frozen:draft_vocab=12"
+    args = drift_args(tmp_path, arms, draft="eagle3")
+    drift.check_args(args)
+    whole, reduced = (drift.arm_checkpoints("eagle3", args, 3, drift.maker_flags(arm, args))[1]
+                      for arm in arms.split(","))
+    assert whole != reduced and all(p.startswith(str(tmp_path)) for p in (whole, reduced))
+    assert saved_config(whole)["draft_vocab_size"] == saved_config(whole)["vocab_size"] == 32  # the maker's default
+    assert saved_config(reduced)["draft_vocab_size"] == 12
+    assert drift.group_name(arms.split(",")[1], args) == "eagle3 k=3 draft_vocab=12"
+    with pytest.raises(drift.UserError, match="the dflash draft takes no draft_vocab= option"):
+        drift.check_args(drift_args(tmp_path, "online:draft_vocab=12"))
 
 
 def test_a_run_of_none_arms_needs_no_draft_and_a_drafting_arm_on_the_same_target_is_refused(tmp_path):

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from draft_kind_fixtures import random_draft
+from eagle3_fixtures import REDUCED_IDS, reduced_draft
 from mtp.eagle3 import training_time_test_loss
 from rollout.embedded.model import CausalLMWithMTP
 from vime.spec_config import parse_spec_config
@@ -29,6 +30,16 @@ def pair(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("draft"))
     EAGLE3.save(path, draft.cfg, draft.state_dict())
     return target, path
+
+
+@pytest.fixture(scope="module")
+def reduced_pair(pair, tmp_path_factory):
+    """pair's target and its draft cut down to a reduced vocabulary (eagle3_fixtures.REDUCED_IDS)."""
+    target, path = pair
+    draft = reduced_draft(load_draft_module(path), REDUCED_IDS)
+    reduced = str(tmp_path_factory.mktemp("reduced_draft"))
+    EAGLE3.save(reduced, draft.cfg, draft.state_dict())
+    return target, reduced
 
 
 def config(draft_dir, enable, **kw):
@@ -92,12 +103,14 @@ def load_draft_module(draft_dir):
     return draft
 
 
+@pytest.mark.parametrize("vocab", ["whole", "reduced"])
 @pytest.mark.parametrize("loss_type", ["ce", "soft_ce", "tv"])
-def test_the_draft_trains_on_the_policys_aux_hidden_states(pair, loss_type):
+def test_the_draft_trains_on_the_policys_aux_hidden_states(request, vocab, loss_type):
     """The loss the trainer computes from megatron's hooked states (and, for the distillation
     losses, its logits) equals the same loss computed from the embedded engine's model (its own
-    aux_hidden_states and logits) on one micro-batch."""
-    target, draft_dir = pair
+    aux_hidden_states and logits) on one micro-batch; for a draft of the whole vocabulary and one of a
+    reduced vocabulary."""
+    target, draft_dir = request.getfixturevalue("pair" if vocab == "whole" else "reduced_pair")
     batch = make_batch(n=2)
     trainer = Trainer(config(draft_dir, True, micro_batch_size=0, draft_loss_type=loss_type), target)
     metrics = trainer.backward(batch)

@@ -8,20 +8,26 @@ joint of the first two tokens (transformers) for sampled output, by a chi-square
 temperature 1.3 as the negative control. The online run's sync: new draft tensors, sent as
 `<kind>.<checkpoint name>`, reloaded into vLLM's drafter in place; afterwards vLLM accepts what the
 reference accepts with the NEW draft (which the old one would not), its readable draft parameters read
-back as sent, and the guard's draft checksum covers them.
-Two vLLM starts per kind (20-60 s each on 2 busy cores): the slow run.
+back as sent, and the guard's draft checksum covers them. EAGLE-3 also with the shipped draft cut down to a
+reduced vocabulary (vLLM's `d2t` format: its head's rows at 16 of the 32 tokens): vLLM reads its tables and
+drafts as the reference does, and a reload of its trained tensors leaves them as loaded.
+Two vLLM starts per draft (20-60 s each on 2 busy cores): the slow run.
 """
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-from draft_kind_fixtures import TARGET, acceptance_reference, shipped_draft, shipped_k, shipped_spec  # noqa: E402
+from draft_kind_fixtures import TARGET, acceptance_reference, shipped_draft, shipped_k  # noqa: E402
+from eagle3_fixtures import save_reduced_shipped_draft  # noqa: E402
 from fp32_bounds import reduction_rtol  # noqa: E402
 from rollout.embedded.engine import EngineConfig  # noqa: E402
 from rollout.embedded.engine_builder import build_engine  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from vime.models.draft_kinds import EXTERNAL_KINDS  # noqa: E402
+from vime.models.eagle3 import EAGLE3  # noqa: E402
 from vime.sample import samples_for_prompts  # noqa: E402
 from vllm_spec_fixtures import first_two_p_value, hf_greedy, sample_first_tokens, serve, task_prompts, \
     vllm_greedy  # noqa: E402
@@ -30,12 +36,31 @@ pytestmark = pytest.mark.slow
 MAX_NEW, N, ALPHA = 32, 4000, 1e-3
 
 
+@dataclass(frozen=True)
+class Served:
+    """A draft served: its kind, its directory and the drafts per step it serves."""
+
+    kind: object
+    draft: str
+    k: int
+
+    @property
+    def spec(self):
+        return {"method": self.kind.name, "model": self.draft, "num_speculative_tokens": self.k}
+
+
 # the kinds the CPU build of vLLM drafts (DSpark it drafts only in its GPU runner: tests/test_dspark_vllm.py
-# checks its format against vLLM's model class and its refusal, tests/gpu serves it)
-@pytest.fixture(scope="module", params=[k for k in EXTERNAL_KINDS if not k.vllm_gpu_runner_only],
-                ids=lambda kind: kind.name)
-def kind(request):
-    return request.param
+# checks its format against vLLM's model class and its refusal, tests/gpu serves it), each kind's shipped
+# draft, and EAGLE-3's cut down to a reduced vocabulary
+SERVED = [(k.name, k) for k in EXTERNAL_KINDS if not k.vllm_gpu_runner_only] + [("eagle3-vocab16", EAGLE3)]
+
+
+@pytest.fixture(scope="module", params=SERVED, ids=lambda case: case[0])
+def served(request, tmp_path_factory):
+    name, kind = request.param
+    draft = shipped_draft(kind) if name == kind.name else save_reduced_shipped_draft(
+        tmp_path_factory.mktemp(name) / "draft")
+    return Served(kind, draft, shipped_k(kind))
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +69,19 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def llm(kind):
-    engine = serve(TARGET, shipped_spec(kind))
+def llm(served):
+    engine = serve(TARGET, served.spec)
     yield engine
     engine.llm_engine.engine_core.shutdown()
 
 
-def test_plain_vllm_serves_each_kinds_draft_greedy_equal_to_transformers_accepting_as_the_reference(kind, llm,
+def test_plain_vllm_serves_each_kinds_draft_greedy_equal_to_transformers_accepting_as_the_reference(served, llm,
                                                                                                      prompts):
     from transformers import Qwen2ForCausalLM
 
     hf = Qwen2ForCausalLM.from_pretrained(TARGET, torch_dtype=torch.float32).eval()
-    k, reference = shipped_k(kind), acceptance_reference(kind, shipped_draft(kind))
-    engine = build_engine(TARGET, shipped_spec(kind), EngineConfig(max_batch_size=16))
+    k, reference = served.k, acceptance_reference(served.kind, served.draft)
+    engine = build_engine(TARGET, served.spec, EngineConfig(max_batch_size=16))
     embedded = engine.generate(samples_for_prompts(prompts), SamplingParams(temperature=0, max_new_tokens=MAX_NEW))
     total = [0] * k
     for prompt, s in zip(prompts, embedded):
@@ -73,19 +98,19 @@ def test_plain_vllm_serves_each_kinds_draft_greedy_equal_to_transformers_accepti
 
 # ---------------------------------------------------------------- the vLLM rollout backend
 @pytest.fixture(scope="module")
-def backend(kind):
-    """The vLLM rollout backend drafting with the kind's shipped draft (its repairs of the CPU build, the
-    in-place reload of target and drafter)."""
+def backend(served):
+    """The vLLM rollout backend drafting with the served draft (its repairs of the CPU build, the in-place
+    reload of target and drafter)."""
     from rollout.vllm.backend import VLLMBackend
 
-    b = VLLMBackend(TARGET, shipped_spec(kind), max_batch_size=256)
+    b = VLLMBackend(TARGET, served.spec, max_batch_size=256)
     yield b
     b.close()
 
 
 @pytest.fixture(scope="module")
 def sampled(backend):
-    """N samples of 4 tokens after one prompt with the shipped draft (before any reload)."""
+    """N samples of 4 tokens after one prompt with the served draft (before any reload)."""
     return sample_first_tokens(backend, TARGET, N)
 
 
@@ -109,9 +134,17 @@ def changed_draft(state):
     return changed
 
 
-def test_a_draft_reloaded_in_place_is_the_one_vllm_drafts_with(kind, backend, sampled, prompts):
-    _, state = kind.load(shipped_draft(kind))
-    changed = changed_draft(state)
+def trained(kind, cfg, state):
+    """The tensors of `state` a trainer trains and sends: the draft module's parameters (no fixed tables)."""
+    with torch.device("meta"):
+        names = {n for n, _ in kind.format.model(cfg).named_parameters()}
+    return {n: t for n, t in state.items() if n in names}
+
+
+def test_a_draft_reloaded_in_place_is_the_one_vllm_drafts_with(served, backend, sampled, prompts):
+    kind = served.kind
+    cfg, state = kind.load(served.draft)
+    changed = changed_draft(trained(kind, cfg, state))
     backend.load_weights([(kind.wire_prefix + n, t) for n, t in changed.items()], version=1)
     norm, readback = changed["norm.weight"], backend.weights.readback_stats
     # the worker sums in float64, the reference in fp32: one fp32 reduction over the norm's terms
@@ -119,8 +152,8 @@ def test_a_draft_reloaded_in_place_is_the_one_vllm_drafts_with(kind, backend, sa
                           torch.tensor([float(norm.sum()), float(norm.pow(2).sum())]),
                           rtol=reduction_rtol(norm.numel(), 1), atol=0)
     assert backend.fingerprint()["draft"] is not None
-    k = shipped_k(kind)
-    new, old = acceptance_reference(kind, shipped_draft(kind), changed), acceptance_reference(kind, shipped_draft(kind))
+    k = served.k
+    new, old = acceptance_reference(kind, served.draft, {**state, **changed}), acceptance_reference(kind, served.draft)
     total, differs = [0] * k, False
     for prompt in prompts[:8]:
         samples = samples_for_prompts([prompt])

@@ -34,6 +34,9 @@ KNOWN_NOTICES = (
      "rollout/vllm/worker.py replaces that kernel on purpose (the CPU build's one is broken)"),
     ("RotaryEmbedding: Failed to load weights",
      "an in-place reload carries weights, not the rotary cache vLLM recomputes; the sync guard checks every weight"),
+    ("Eagle3LlamaForCausalLM: Failed to load weights",
+     "a reload of a reduced-vocabulary EAGLE-3 draft carries its trained weights, not its fixed d2t table, which "
+     "vLLM keeps; the sync guard checks every weight"),
     ("Chat template warmup failed", "vime hands vLLM token ids (no tokenizer in the engine)"),
     ("Using None for EOS token id because tokenizer is not initialized",
      "vime sends the model's EOS ids as each request's stop ids"),

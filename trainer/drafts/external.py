@@ -195,11 +195,12 @@ class ExternalDraftTrainer(DraftTrainer):
 
     # ---- sync and checkpoints ----------------------------------------------------------------
     def named_weights(self):
-        """(wire name, tensor) of the draft: `<wire_prefix><checkpoint name>` (the last pipeline stage's,
-        the one that trains)."""
+        """(wire name, tensor) of the draft's parameters: `<wire_prefix><checkpoint name>` (the last pipeline
+        stage's, the one that trains). Its buffers (EAGLE-3's vocabulary tables) never train: the rollout
+        loaded them from the same directory, so only what trains travels, and only that the rollout takes."""
         if not is_last_stage(self.model):
             return
-        for name, p in self.module.state_dict().items():
+        for name, p in self.module.named_parameters():
             yield self.kind.wire_prefix + name, p.detach()
 
     def state(self):

@@ -6,7 +6,8 @@ layers (`DraftShape`: widths, heads, vocabulary, the target width it reads, norm
 fit against the target (its width and vocabulary, the tensors it must not store because it reads the
 target's), and the comparison of the tensors with what the config implies (`tensor_check`: every
 missing, extra or mis-shaped tensor named with the config key behind it), made from the file's
-header before any tensor is read. What differs is each kind's `ExternalFormat`: its architecture
+header before any tensor is read (then the few small tensors a kind's values check reads, e.g. EAGLE-3's
+vocabulary tables). What differs is each kind's `ExternalFormat`: its architecture
 name, its module (built on the meta device, it says which tensors a config implies), its own
 config.json fields, its own fit checks, its vLLM names and the script that makes one.
 """
@@ -49,6 +50,7 @@ class ExternalFormat:
     vllm_names: tuple = ()  # (vLLM drafter module pattern, checkpoint module); {L}: the target's layers
     config_hint: str = ""  # where config.json keeps the kind's own keys, said when one is missing
     tensor_keys: dict = None  # module name -> config keys for tensors SHAPE_KEYS does not cover
+    check_values: Optional[Callable] = None  # (where, cfg, read): the kind's checks of tensor values, read(name)
 
 
 # ---------------------------------------------------------------- config.json
@@ -202,10 +204,21 @@ def for_target(kind, cfg, target_cfg):
 
 def check_directory(kind, path, target_cfg, num_speculative_tokens=None):
     """The draft directory `path` is the kind's and fits the target: its config, then its tensors from the
-    file's header (nothing loaded); returns its config as it drafts for the target."""
+    file's header, then the values the kind checks (only those tensors read); returns its config as it
+    drafts for the target."""
     cfg = for_target(kind, read_config(kind, path), target_cfg)
     check_fits(kind, path, cfg, target_cfg, num_speculative_tokens)
+    if kind.format.check_values is not None:
+        kind.format.check_values(f"{FLAG}: draft {path}", cfg, lambda name: _read_weights(
+            kind, path, lambda file: _read_one(file, name)))
     return cfg
+
+
+def _read_one(file, name):
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as f:
+        return f.get_tensor(name)
 
 
 def load_for_target(kind, path, target_cfg, num_speculative_tokens=None):
@@ -220,8 +233,10 @@ def save(kind, path, cfg, state):
     are checked to be what `cfg` describes (so that what is written loads; nothing is written otherwise)."""
     from safetensors.torch import save_file
 
-    check_tensors(kind, path, cfg, {name: tuple(t.shape) for name, t in state.items()},
-                  where=f"the {kind.title} draft to write to {path} (nothing written)")
+    where = f"the {kind.title} draft to write to {path} (nothing written)"
+    check_tensors(kind, path, cfg, {name: tuple(t.shape) for name, t in state.items()}, where=where)
+    if kind.format.check_values is not None:
+        kind.format.check_values(where, cfg, state.__getitem__)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(to_hf_dict(kind, cfg), f, indent=2)

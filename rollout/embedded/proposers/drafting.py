@@ -55,6 +55,7 @@ class ExternalDraft:
         return self.draft_model.cfg.num_hidden_layers
 
     def loadable_draft_weights(self):
+        # parameters only, as the trainer sends (trainer/drafts/external.py): buffers are fixed by the format
         return {self.kind.wire_prefix + name: p for name, p in self.draft_model.named_parameters()}
 
     def named_draft_weights(self):

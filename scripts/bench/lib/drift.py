@@ -15,11 +15,13 @@ lr_warmup (--draft-lr-warmup-iters), steps (--draft-steps-per-rollout), replay (
 layers (--mtp-num-layers), depths (--mtp-train-depths), reuse (--mtp-reuse-attention), ckpt (--hf-checkpoint),
 sync_draft (--sync-draft-weights: false syncs only the target, the draft goes stale), ce_weight / l1_weight /
 confidence_weight (--draft-<term>-weight); e.g.
-`online:depths=3:steps=16:replay=8`. Two options change the arm's draft instead: draft=KIND (another
-draft kind, for arms of several kinds in one run) and k=N (its speculative tokens; a DFlash draft is
-built for blocks of k + 1, so the arm gets its own draft made with --draft-warmup-steps); draft_layers=N makes that arm's draft with N decoder layers
-(a DFlash draft's --num-layers; needs --draft-warmup-steps). Every arm
-runs on each of --backends, and arms of one draft kind and k are compared among themselves.
+`online:depths=3:steps=16:replay=8`. Other options change the arm's draft instead: draft=KIND (another
+draft kind, for arms of several kinds in one run), k=N (its speculative tokens; a DFlash draft is built
+for blocks of k + 1, so the arm gets its own draft made with --draft-warmup-steps), and two that shape the
+draft its kind's maker makes with --draft-warmup-steps: draft_layers=N (a DFlash or DSpark draft's decoder
+layers, --num-layers) and draft_vocab=N (an EAGLE-3 draft predicting the N tokens most frequent in its
+warm-up's responses, --draft-vocab-size; e.g. `--arms online:draft_vocab=4096,frozen:draft_vocab=4096,none`).
+Every arm runs on each of --backends, and arms of one draft kind and k are compared among themselves.
 An arm set names a list of arms (ARM_SETS): `--arms blocks` is DFlash at blocks of 4 and 8, online
 and frozen, against online EAGLE-3 at k = 3, every draft warmed up alike
 (`rl_arms.py drift --draft dflash --arms blocks --draft-warmup-steps 20`); each kind-and-k group's
@@ -79,7 +81,8 @@ DRIFT_DRAFTS = {
     "mtp": DriftDraft("checkpoints/tiny-mimo-mtp", 2, _mtp_spec, ("--enable-mtp-training", "--mtp-num-layers", "1"),
                       make_draft=("make_mtp_draft.py", lambda k: ["--mtp-num-layers", "1"])),
     "eagle3": DriftDraft("checkpoints/tiny-qwen2", 3, _external_spec("eagle3"), ("--enable-draft-training",),
-                        draft_model="checkpoints/tiny-qwen2-eagle3", make_draft=("make_eagle3_draft.py", lambda k: [])),
+                        draft_model="checkpoints/tiny-qwen2-eagle3", make_draft=("make_eagle3_draft.py", lambda k: []),
+                        maker_options=(("draft_vocab", "--draft-vocab-size"),)),
     # a block draft: k is its block size less the anchor (the shipped one drafts blocks of 4)
     "dflash": DriftDraft("checkpoints/tiny-qwen2", 3, _external_spec("dflash"), ("--enable-draft-training",),
                         draft_model="checkpoints/tiny-qwen2-dflash",
@@ -101,7 +104,8 @@ ARM_OPTIONS = {"loss": "--draft-loss-type", "topk": "--draft-distill-topk", "lr"
                "layers": "--mtp-num-layers", "depths": "--mtp-train-depths", "reuse": "--mtp-reuse-attention",
                "ckpt": "--hf-checkpoint", "sync_draft": "--sync-draft-weights",
                **{f"{term}_weight": f"--draft-{term}-weight" for term in LOSS_TERMS}}
-DRAFT_OPTIONS = ("draft", "k", "draft_layers")  # arm options that choose the arm's draft, not train_rl.py flags
+# arm options that choose the arm's draft, not train_rl.py flags: its kind, its k, what shapes its maker's draft
+DRAFT_OPTIONS = ("draft", "k", *dict.fromkeys(option for d in DRIFT_DRAFTS.values() for option, _ in d.maker_options))
 ARM_SETS = {  # --arms NAME: a question answered by arms whose drafts all start from the same warm-up
     "blocks": "online:draft=eagle3,online,frozen,online:k=7,frozen:k=7",  # the block size
     # DSpark against the other kinds at k = 3, and DSpark trained on cross-entropy alone (DFlash's loss) against
