@@ -62,12 +62,25 @@ SMOLLM2_DRIFT = (
     "--rollout-num-cpus-per-engine 2"
 )
 SMOLLM2 = (("checkpoints/smollm2-135m-instruct", "llama_chat"),)  # a random Llama with a chat template stands in
+SMOLLM2_RECIPE_FLAGS = (
+    "--task-variant chat_arithmetic --apply-chat-template --input-key messages --rm-type math "
+    "--rollout-batch-size 8 --n-samples-per-prompt 4 --global-batch-size 32 --micro-batch-size 8 "
+    "--rollout-max-response-len 32 --lr 2e-5 --actor-num-cpus-per-node 2 --rollout-num-cpus-per-engine 2"
+)
 SMOLLM2_TV = (
     "python scripts/bench/rl_arms.py drift --draft mtp --hf-checkpoint checkpoints/smollm2-135m-instruct "
     "--draft-warmup-steps 200 --arms online:lr=1e-3:lr_warmup=10:loss=tv,frozen --steps 25 --out runs/smollm2_tv "
-    "-- --task-variant chat_arithmetic --apply-chat-template --input-key messages --rm-type math "
-    "--rollout-batch-size 8 --n-samples-per-prompt 4 --global-batch-size 32 --micro-batch-size 8 "
-    "--rollout-max-response-len 32 --lr 2e-5 --actor-num-cpus-per-node 2 --rollout-num-cpus-per-engine 2"
+    f"-- {SMOLLM2_RECIPE_FLAGS}"
+)
+SMOLLM2_DFLASH = (
+    "python scripts/bench/rl_arms.py drift --draft dflash --hf-checkpoint checkpoints/smollm2-135m-instruct "
+    "--draft-warmup-steps 200 --arms online:lr_warmup=10:steps=1:replay=0,frozen --steps 25 --out runs/smollm2_dflash "
+    f"-- {SMOLLM2_RECIPE_FLAGS}"
+)
+SMOLLM2_EAGLE3 = (
+    "python scripts/bench/rl_arms.py drift --draft eagle3 --hf-checkpoint checkpoints/smollm2-135m-instruct "
+    "--draft-warmup-steps 200 --arms online:draft_vocab=4096:lr_warmup=10:steps=1:replay=0,frozen:draft_vocab=4096 "
+    f"--steps 25 --out runs/smollm2_eagle3 -- {SMOLLM2_RECIPE_FLAGS}"
 )
 SMOLLM2_VLLM = (
     "python scripts/bench/rl_arms.py drift --draft mtp --hf-checkpoint checkpoints/smollm2-135m-instruct --arms none "
@@ -113,6 +126,9 @@ TINY = {
         SMOLLM2,
     ),
     SMOLLM2_TV: Tiny(DRIFT, (*RL, "--draft-warmup-steps", "2", "--arms", "online:lr=1e-3:loss=tv"), SMOLLM2),
+    SMOLLM2_DFLASH: Tiny(DRIFT, (*RL, "--draft-warmup-steps", "2", "--arms", "online:steps=1:replay=0"), SMOLLM2),
+    SMOLLM2_EAGLE3: Tiny(DRIFT, (*RL, "--draft-warmup-steps", "2", "--arms", "online:draft_vocab=16:steps=1:replay=0"),
+                         SMOLLM2),
     "python scripts/bench/throughput.py step-limit --hf-checkpoint checkpoints/smollm2-135m-instruct --repeats 5": Tiny(
         (r"copy bandwidth", r"eager\s+[\d.]+\s+[\d.]+%"), ("--repeats", "1", "--steps", "2", "--max-new-tokens", "4"),
         SMOLLM2,
