@@ -66,3 +66,27 @@ def test_a_level_the_user_set_is_left_alone():
     known = KNOWN_NOTICES[0][0]
     out = _vllm_child_output(quiet, [f"WARNING:{known}", "INFO:an info line"])
     assert known in out and "an info line" in out
+
+
+# a process logging on the logger vLLM warns on at `import vllm`, before vLLM reads its logging config
+EARLY_CHILD = """
+import logging, sys
+from rollout.vllm.quiet import quiet_vllm_console
+quiet_vllm_console()
+logging.basicConfig()
+for message in sys.argv[1:]:
+    logging.getLogger("vllm.triton_utils.importing").warning(message)
+"""
+
+
+def test_a_process_inheriting_vimes_own_setup_still_drops_the_early_notices():
+    """A Ray actor of a vime run, or a run started from a process that already set vLLM up quietly, inherits
+    VLLM_LOGGING_CONFIG_PATH pointing at vime's config: that is not the user's choice, and the import-time
+    notices (filtered per process, not through the environment) must still be dropped there."""
+    known = next(start for start, _ in KNOWN_NOTICES if start.startswith("Triton is installed"))
+    inherited = _quiet_env(_base_env())
+    assert "VLLM_LOGGING_CONFIG_PATH" in inherited
+    out = subprocess.run([sys.executable, "-c", EARLY_CHILD, known + ". Disabling Triton.", "an unexpected warning"],
+                         env=inherited, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "an unexpected warning" in out.stderr and known not in out.stderr, out.stderr

@@ -61,10 +61,20 @@ _REDUCE_OP_WARNING = "`torch.distributed.reduce_op` is deprecated"
 _EARLY_LOGGERS = ("vllm.triton_utils.importing",)
 
 
+def _user_chose_vllm_logging():
+    """Whether vLLM's logging switches were set by the user. A process of a vime run (a Ray actor, a run a
+    test or tool starts) inherits the ones `quiet_vllm_console` set, which point at this module's config:
+    that process still needs its own early filters, which no environment variable carries."""
+    path = os.environ.get("VLLM_LOGGING_CONFIG_PATH")
+    if path is not None:
+        return os.path.abspath(path) != LOGGING_CONFIG
+    return "VLLM_LOGGING_LEVEL" in os.environ
+
+
 def quiet_vllm_console():
     """Set up this process (and, through the environment, the ones vLLM starts) for a quiet vLLM:
     nothing changes where the user chose vLLM's logging (VLLM_LOGGING_LEVEL/_CONFIG_PATH)."""
-    if "VLLM_LOGGING_LEVEL" in os.environ or "VLLM_LOGGING_CONFIG_PATH" in os.environ:
+    if _user_chose_vllm_logging():
         return
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = LOGGING_CONFIG
     os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"  # vLLM's other level checks read this one
