@@ -82,6 +82,13 @@ SMOLLM2_EAGLE3 = (
     "--draft-warmup-steps 200 --arms online:draft_vocab=4096:lr_warmup=10:steps=1:replay=0,frozen:draft_vocab=4096 "
     f"--steps 25 --out runs/smollm2_eagle3 -- {SMOLLM2_RECIPE_FLAGS}"
 )
+SMOLLM2_EAGLE3_VLLM = (
+    "python scripts/bench/rl_arms.py drift --draft eagle3 --hf-checkpoint checkpoints/smollm2-135m-instruct "
+    "--draft-model runs/smollm2_eagle3/eagle3_draft-vocab-size4096_draft_warmup200 "
+    "--arms online:lr_warmup=10:steps=1:replay=0,none --backends vllm --steps 5 --out runs/smollm2_eagle3_vllm -- "
+    "--task-variant chat_arithmetic --apply-chat-template --input-key messages --rm-type math --rollout-batch-size 8 "
+    "--n-samples-per-prompt 4 --global-batch-size 32 --micro-batch-size 8 --rollout-max-response-len 32 --lr 2e-5"
+)
 SMOLLM2_VLLM = (
     "python scripts/bench/rl_arms.py drift --draft mtp --hf-checkpoint checkpoints/smollm2-135m-instruct --arms none "
     "--backends vllm --steps 25 --out runs/smollm2_vllm -- --task-variant chat_arithmetic --apply-chat-template "
@@ -111,6 +118,8 @@ TINY = {
         SPEC_TABLE + (r"mtp adaptive / none paired [\d.]+x, faster in",), spec_decode()),
     SMOLLM2_SPEC.format("1 --num-prompts 8", '--repeats 3 --temperature 0 --methods "none,mtp k=1,mtp k=2"'): Tiny(
         SPEC_TABLE + (r"mtp k=2",), spec_decode()),
+    SMOLLM2_EAGLE3_VLLM: Tiny((r"arm \(end = last 1 steps\)", r"vllm/none"), RL, SMOLLM2 + (
+        ("runs/smollm2_eagle3/eagle3_draft-vocab-size4096_draft_warmup200", "llama_chat_eagle3"),)),
     SMOLLM2_VLLM: Tiny((r"arm \(end = last 1 steps\)", r"vllm/none"), RL, SMOLLM2),
     "python scripts/bench/throughput.py vs-hf --hf-checkpoint checkpoints/smollm2-135m-instruct --task-variant "
     "chat_arithmetic --batch-sizes 1,4,16,64 --max-new-tokens 32 --threads 1": Tiny(
@@ -362,6 +371,8 @@ def made_inputs(scratch, name):
         return str(target)
     if name == "llama_chat":
         return str(llama_chat(scratch))
+    if name == "llama_chat_eagle3":
+        return str(llama_chat_eagle3(scratch))
     if name == "dspark_arms":
         return str(scratch / "dspark_arms")
     return name  # a path of the repository itself, or a file name inside the scratch directory
@@ -374,6 +385,21 @@ def llama_chat(scratch):
     target = scratch / "llama-chat"
     if not target.exists():
         make_random_chat_checkpoint(str(target), seed=3, std=0.3, family="llama", num_nextn_predict_layers=0)
+    return target
+
+
+def llama_chat_eagle3(scratch):
+    """A reduced-vocabulary EAGLE-3 draft of `llama_chat` (its 16 lowest ids), not warmed up: what the draft the
+    drift benchmark made (4096 of SmolLM2's tokens) stands for."""
+    target = scratch / "llama-chat-eagle3"
+    if not target.exists():
+        code = ("import sys; sys.path.insert(0, 'scripts'); from make_eagle3_draft import init_draft; "
+                "from vime.models.eagle3 import EAGLE3; from vime.models.hf_format import load_hf_checkpoint; "
+                "cfg, state, _ = load_hf_checkpoint(sys.argv[1], '--target'); "
+                "d = init_draft(cfg, state, 0, draft_vocab_size=16); EAGLE3.save(sys.argv[2], d.cfg, d.state_dict())")
+        out = subprocess.run([sys.executable, "-c", code, str(llama_chat(scratch)), str(target)], cwd=REPO,
+                             capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert out.returncode == 0, out.stderr[-2000:]
     return target
 
 
