@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from draft_kind_fixtures import TARGET, acceptance_reference, shipped_draft, shipped_k  # noqa: E402
+from draft_kind_fixtures import TARGET, acceptance_reference, shipped_draft, shipped_k, shipped_spec  # noqa: E402
 from eagle3_fixtures import save_reduced_shipped_draft  # noqa: E402
 from fp32_bounds import reduction_rtol  # noqa: E402
 from rollout.embedded.engine import EngineConfig  # noqa: E402
@@ -46,7 +46,7 @@ class Served:
 
     @property
     def spec(self):
-        return {"method": self.kind.name, "model": self.draft, "num_speculative_tokens": self.k}
+        return shipped_spec(self.kind, model=self.draft)
 
 
 # the kinds the CPU build of vLLM drafts (DSpark it drafts only in its GPU runner: tests/test_dspark_vllm.py
