@@ -200,3 +200,32 @@ def test_a_run_keeps_its_engines_proposer_unless_it_remembers_earlier_outputs():
             assert first.responses  # the run had filled the one it replaced
         else:
             assert engine.proposer is first
+
+
+def test_spec_decode_refuses_an_eagle3_draft_that_is_not_a_directory_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["spec-decode", "--hf-checkpoint", "checkpoints/tiny-qwen2", "--eagle3-draft", str(tmp_path / "nothing")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "--eagle3-draft" in err
+
+
+def test_an_adaptive_method_is_compared_with_none_and_its_own_draft_at_fixed_k():
+    from scripts.bench.throughput import fixed_k_of
+
+    methods = ["none", "mtp k=1", "mtp k=2", "mtp adaptive", "eagle3 k=1", "eagle3 k=3", "eagle3 adaptive",
+               "dflash k=3", "dflash k=3 adaptive", "dflash k=3 idle", "dflash k=7"]
+    assert fixed_k_of("mtp adaptive", methods) == ["none", "mtp k=1", "mtp k=2"]
+    assert fixed_k_of("eagle3 adaptive", methods) == ["none", "eagle3 k=1", "eagle3 k=3"]
+    assert fixed_k_of("dflash k=3 adaptive", methods) == ["none", "dflash k=3"]
+
+
+def test_spec_decode_times_an_eagle3_draft_at_each_fixed_k_and_adaptive(capsys):
+    """The tiny EAGLE-3 draft, greedy: every method makes the plain responses (the bench refuses otherwise), and
+    each fixed-k row drafts k positions."""
+    main(["spec-decode", "--hf-checkpoint", "checkpoints/tiny-qwen2", "--eagle3-draft", "checkpoints/tiny-qwen2-eagle3",
+          "--batch-sizes", "2", "--num-prompts", "2", "--max-new-tokens", "8", "--repeats", "1",
+          "--methods", "none,eagle3 k=1,eagle3 k=3,eagle3 adaptive"])
+    rows = {line.split("|")[2].strip(): line.split("|")[7].strip() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| 2 |")}
+    assert set(rows) == {"none", "eagle3 k=1", "eagle3 k=3", "eagle3 adaptive"}
+    assert rows["none"] == "-" and rows["eagle3 k=1"].count("/") == 0 and rows["eagle3 k=3"].count("/") == 2

@@ -299,7 +299,21 @@ def block_methods(kind, drafts):
 
 POOL_PER_PROMPT = 64  # --min-response-len picks its prompts from this many times --num-prompts
 ADAPTIVE = {"mtp adaptive"}  # methods run with --spec-adaptive (and every "... adaptive" DFlash method)
-FIXED_K = ("none", "mtp k=1", "mtp k=2", "mtp k=3")  # what adaptive k is compared with
+
+
+EAGLE3_KS = (1, 2, 3, 4)  # an EAGLE-3 draft chains any k: the fixed ks timed, the largest also adaptive
+
+
+def eagle3_methods(path):
+    """'eagle3 k=K' for each of EAGLE3_KS and 'eagle3 adaptive' (--spec-adaptive up to the largest) of one
+    EAGLE-3 draft directory of the checkpoint (None: no methods)."""
+    if path is None:
+        return {}
+    require(os.path.isfile(os.path.join(path, "config.json")),
+            f"--eagle3-draft {path}: not a draft directory (make one with scripts/make_eagle3_draft.py)")
+    spec = {"method": "eagle3", "model": path}
+    table = {f"eagle3 k={k}": dict(spec, num_speculative_tokens=k) for k in EAGLE3_KS}
+    return {**table, "eagle3 adaptive": dict(spec, num_speculative_tokens=max(EAGLE3_KS))}
 
 
 def variant_prompts(checkpoint, variant, n):
@@ -357,7 +371,8 @@ def long_responses(checkpoint, prompts, sampling, n, min_len, device="cpu"):
 
 
 def spec_decode(args):
-    """Per batch size and method (none, mtp k=1..3, mtp adaptive, ngram, suffix, draft_model):
+    """Per batch size and method (none, mtp k=1..3, mtp adaptive, ngram, suffix, draft_model; DFlash, DSpark and
+    EAGLE-3 drafts given by directory):
     tokens/s, speedup against the first method (best against best), tokens per verify, acceptance rate and per
     position, and the paired speedup (`paired_median`);
     the adaptive method against the best fixed k; with --versus, one method head to head with another (`head_to_head`)."""
@@ -376,6 +391,8 @@ def spec_decode(args):
         drafts = getattr(args, f"{kind}_drafts")
         table.update({name: dict(spec, rejection_sample_method=args.rejection_sample_method)
                       for name, spec in block_methods(kind, drafts.split(",") if drafts else []).items()})
+    table.update({name: dict(spec, rejection_sample_method=args.rejection_sample_method)
+                  for name, spec in eagle3_methods(args.eagle3_draft).items()})
     adaptive = ADAPTIVE | {name for name in table if name.endswith(" adaptive")}
     wanted = args.methods.split(",") if args.methods else list(table)
     require(all(name in table for name in wanted), f"--methods {args.methods!r}: choose from {', '.join(table)}")
@@ -424,10 +441,17 @@ def spec_decode(args):
             ratio, wins, n, p = head_to_head(rates, first, second)
             print(f"batch {batch}: {first} / {second} paired {ratio:.2f}x, faster in {wins} of {n} repeats "
                   f"(sign test p = {p:.3g})", flush=True)
-        fixed = [n for n in FIXED_K if n in got]
-        for name in [n for n in wanted if n in adaptive and fixed]:
-            best = max(fixed, key=lambda n: got[n][0])
+        for name in [n for n in wanted if n in adaptive]:
+            best = max(fixed_k_of(name, got), key=lambda n: got[n][0])
             print(f"batch {batch}: {name} / best fixed k ({best}) = {got[name][0] / got[best][0]:.3f}", flush=True)
+
+
+def fixed_k_of(adaptive_name, methods):
+    """The methods an adaptive one is compared with: none and its own draft at each fixed k ('mtp adaptive':
+    'mtp k=1', ...; 'dflash k=3 adaptive': 'dflash k=3')."""
+    kind = adaptive_name.removesuffix(" adaptive")
+    prefix = kind + " k=" if " k=" not in kind else kind
+    return [n for n in methods if n == "none" or n == prefix or (n.startswith(prefix) and n[len(prefix):].isdigit())]
 
 
 def versus_pairs(versus, wanted):
@@ -742,6 +766,9 @@ def add_spec_decode_arguments(p):
                    help="comma-separated DSpark draft directories of the checkpoint: methods 'dspark k=K', "
                         "'dspark k=K adaptive', 'dspark k=K sized' (enable_adaptive_verification) and 'dspark k=K "
                         "idle' (drafting nothing) each (K = the draft's block size)")
+    p.add_argument("--eagle3-draft", default=None,
+                   help="an EAGLE-3 draft directory of the checkpoint: methods %s and 'eagle3 adaptive' "
+                        "(--spec-adaptive, k up to %d)" % (", ".join(f"'eagle3 k={k}'" for k in EAGLE3_KS), max(EAGLE3_KS)))
     p.add_argument("--clock", default="wall", choices=list(CLOCKS),
                    help="time by the wall clock, or by this process's CPU seconds (one thread: what a quiet "
                         "machine's wall clock shows, whatever else the machine runs)")
