@@ -14,6 +14,8 @@
   broadcast into `load_weights` (reload), vLLM's weight transfer engine
   (rollout/vllm/weight_transfer.py, nccl) and the in-place hand-over of an engine on the trainer's
   device (in_place: the trainer's buckets mapped here and shared on into vLLM's worker). `stats()` reports the fraction of tensors read back.
+  A draft head vLLM shares with the target because it loaded equal to it gets a copy of its own
+  (rollout/vllm/worker.py `own_draft_lm_head`), so a push of the trained draft never writes the target.
 - dtype: fp32 by default (CPU and GPU alike, so the guard compares fp32 sums of fp32 weights);
   under --bf16 vLLM runs in bf16 (its default on GPU), the weights go to it as bf16 and every sum
   the guard compares is of bf16 values: the ones sent, the ones vLLM holds.
@@ -344,6 +346,8 @@ class VLLMBackend:
         if device == "cpu" and repair is not None:
             self.llm.collective_rpc(repair)
         has_draft = bool(self.llm.collective_rpc(vllm_worker.has_draft)[0])
+        if has_draft:  # a pushed draft head must not land in a target head vLLM shares with the drafter
+            self.llm.collective_rpc(vllm_worker.own_draft_lm_head)
         self.weights = ServedWeights(self.llm, hf_checkpoint, cfg, dtype, has_draft, method)
         self.codec = codec_or_none(hf_checkpoint)
         self.weight_version, self.paused = 0, False

@@ -11,6 +11,8 @@ vLLM's own parameters wherever vLLM keeps them readable.
 speculative decoding (see its docstring); `contiguous_mla_rope` works around its rotary kernel's
 handling of MLA's rope query. After a reload, experts the CPU build keeps prepacked are prepacked
 again (vLLM does that only at first load), and read back unpermuted into checkpoint layout.
+`own_draft_lm_head` gives the drafter its own copy of a head vLLM shares with the target, so a
+push of the draft's head is not written into the target's.
 """
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
@@ -218,6 +220,50 @@ def digest_back(worker, draft, sent_shapes, layout, num_hidden_layers, num_mtp_l
     if layout and num_mtp_layers:
         found = to_canonical(found, layout, num_hidden_layers, num_mtp_layers)
     return {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in found.items()}
+
+
+def own_draft_lm_head(worker):
+    """Give the drafter its own copy of an LM head vLLM shares with the target, where the draft's checkpoint
+    holds a head (one vime trains and pushes); True if copied.
+
+    vLLM's EAGLE proposer (`_maybe_share_lm_head` in v1/spec_decode/llm_base_proposer.py) swaps a draft head
+    that loaded equal to the target's (a new draft starts as the target's copy) for the target's own module.
+    A push reloads the draft's `lm_head.weight` by name into the drafter, so the trained head would be
+    written into the target's head. The copy is what the drafter's logits read (`compute_logits` applies
+    `self.lm_head`) and what the reload finds under that name. A draft without a head of its own keeps the
+    target's (it follows the target's pushes). Embeddings need no copy: vime's drafts hold none, and read
+    the target's, so no push of a draft reaches a shared `embed_tokens`."""
+    draft, target = _model(worker, True), _model(worker, False)
+    head = getattr(draft, "lm_head", None)
+    if not getattr(draft, "has_own_lm_head", False) or not any(head is m for m in target.modules()):
+        return False
+    draft.lm_head = _own_copy(head)
+    return True
+
+
+def _own_copy(layer):
+    """A copy of vLLM layer `layer` with its own parameters, which vLLM's in-place reload and the CPU
+    build's GEMM treat as the original: the parameters' loader attributes (a deepcopy drops them) with
+    methods bound to the copy, the reload's record of the layer's tensors, and on the CPU build a kernel
+    made from the copy's weight (the copied one computes with the original's)."""
+    import copy
+
+    import torch
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+
+    memo = {}
+    own = copy.deepcopy(layer, memo)
+    for name, param in layer.named_parameters():
+        vars(own.get_parameter(name)).update(copy.deepcopy(vars(param), memo))
+    # the reload restores a layer to what was recorded when it was built; an unquantized head keeps that
+    # layout, so recording it now is what vLLM recorded for the original
+    with torch.device(own.weight.device):
+        record_metadata_for_reloading(own)
+    if hasattr(own, "cpu_linear"):
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(own, remove_weight=False)
+    return own
 
 
 def has_draft(worker):
