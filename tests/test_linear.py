@@ -80,3 +80,28 @@ def test_one_row_of_a_streaming_weight_uses_the_packed_kernel_only_on_several_th
         assert torch.equal(linear(x, w), want)  # the kernel itself, bit for bit
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_linear_computes_its_linear_and_follows_a_written_weight(backend, bias):
+    """pack_linears swaps a network's nn.Linear for PackedLinear: the same parameter names and tensors, an
+    output within the reduction bound of an fp64 x @ W.t() + b, and after an in-place load of a new weight
+    (as a weight sync writes) the new weight's output, not the old packed copy's."""
+    from rollout.embedded.linear import PackedLinear, pack_linears
+
+    needs_onednn(backend)
+    g = torch.Generator().manual_seed(2)
+    net = torch.nn.Sequential(torch.nn.Linear(300, LARGE_OUT, bias=bias), torch.nn.SiLU()).requires_grad_(False)
+    params = dict(net.named_parameters())
+    pack_linears(net, backend)
+    assert isinstance(net[0], PackedLinear) and dict(net.named_parameters()) == params
+    x = torch.randn(2, 300, generator=g)
+    for _ in range(2):
+        w, b = net[0].weight.double(), net[0].bias.double() if bias else 0
+        want = x.double() @ w.t() + b
+        bound = reduction_rtol(300, 1) * (x.abs().double() @ w.abs().t()) + want.abs() * 2.0 ** -23
+        got = net[0](x)
+        assert ((got.double() - want).abs() <= bound).all()
+        with torch.no_grad():
+            net[0].weight.copy_(torch.randn(LARGE_OUT, 300, generator=g))

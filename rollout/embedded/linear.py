@@ -94,3 +94,32 @@ def pack(weight, backend="dense"):
 def linear(x, w):
     """x [..., in] @ w.dense.t() -> [..., out], computed by w's backend."""
     return BACKENDS[w.backend][1](x, w)
+
+
+class PackedLinear(torch.nn.Module):
+    """A module's `nn.Linear`, run forward only through `linear` on a packed copy of its weight. It holds the
+    linear's own weight and bias Parameters (the module's state-dict names and in-place weight loads are
+    unchanged) and packs again whenever the weight was written since it last packed (a weight sync's
+    `copy_`, a move to another tensor)."""
+
+    def __init__(self, lin, backend):
+        super().__init__()
+        self.weight, self.bias, self.backend = lin.weight, lin.bias, backend
+        self.packed, self.packed_from = None, None
+
+    def forward(self, x):
+        w = self.weight
+        if self.packed_from != (w.data_ptr(), w._version):
+            self.packed, self.packed_from = pack(w, self.backend), (w.data_ptr(), w._version)
+        out = linear(x, self.packed)
+        return out if self.bias is None else out + self.bias
+
+
+def pack_linears(module, backend):
+    """Swap every `nn.Linear` inside `module` (an engine's forward-only network) for a `PackedLinear` of
+    `backend`, in place; returns the module."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(parent, name, PackedLinear(child, backend))
+    return module

@@ -441,9 +441,30 @@ def spec_decode(args):
             ratio, wins, n, p = head_to_head(rates, first, second)
             print(f"batch {batch}: {first} / {second} paired {ratio:.2f}x, faster in {wins} of {n} repeats "
                   f"(sign test p = {p:.3g})", flush=True)
+        if args.costs:
+            print_costs(engines, table, batch, round(statistics.mean(len(p) for p in prompts)))
         for name in [n for n in wanted if n in adaptive]:
             best = max(fixed_k_of(name, got), key=lambda n: got[n][0])
             print(f"batch {batch}: {name} / best fixed k ({best}) = {got[name][0] / got[best][0]:.3f}", flush=True)
+
+
+def print_costs(engines, table, batch, prompt_len, repeats=5):
+    """The profile behind the speedups at `batch` rows (best of `repeats`, after the timed runs): a plain
+    step (one token a row), a prefill of a prompt of the mean length, and per drafting method at its k a
+    verify of k + 1 tokens a row and a drafting of k tokens, against the plain step."""
+    first = next(iter(engines.values()))
+    step = first.profile_verify(batch, 1, repeats=repeats)
+    prefill = first.profile_verify(batch, prompt_len, context=0, repeats=repeats)
+    print(f"batch {batch}: a plain step {1e3 * step:.1f} ms; a prefill of {prompt_len} tokens {prefill / step:.2f}x it",
+          flush=True)
+    for name, engine in engines.items():
+        k = (table[name] or {}).get("num_speculative_tokens", 0)
+        if k:
+            verify = engine.profile_verify(batch, k + 1, repeats=repeats)
+            drafting = (f"drafting {k} {engine.profile_draft(batch, k, repeats) / step:.2f}x"
+                        if hasattr(engine.proposer, "profile_draft") else "its drafting not profiled")
+            print(f"batch {batch}: {name}: a verify of {k + 1} tokens {verify / step:.2f}x a plain step, {drafting}",
+                  flush=True)
 
 
 def fixed_k_of(adaptive_name, methods):
@@ -766,6 +787,9 @@ def add_spec_decode_arguments(p):
                    help="comma-separated DSpark draft directories of the checkpoint: methods 'dspark k=K', "
                         "'dspark k=K adaptive', 'dspark k=K sized' (enable_adaptive_verification) and 'dspark k=K "
                         "idle' (drafting nothing) each (K = the draft's block size)")
+    p.add_argument("--costs", action="store_true",
+                   help="after each batch size's timing, the profile behind it: a plain step, a prompt's prefill, "
+                        "and per drafting method a verify of k + 1 tokens and a drafting of k against the step")
     p.add_argument("--eagle3-draft", default=None,
                    help="an EAGLE-3 draft directory of the checkpoint: methods %s and 'eagle3 adaptive' "
                         "(--spec-adaptive, k up to %d)" % (", ".join(f"'eagle3 k={k}'" for k in EAGLE3_KS), max(EAGLE3_KS)))

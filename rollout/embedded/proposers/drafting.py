@@ -18,6 +18,7 @@ import torch
 
 from mtp.sampling import processed_logprobs, sample_with_uniforms
 from rollout.embedded.kv_cache import make_kv_cache
+from rollout.embedded.linear import pack_linears, pick_backend
 
 DRAFT_FAMILY = "draft"  # every proposer step family starts so (the engine drops them with the proposer)
 # a draft's cache is read by the masked attention: flash-attn's in-kernel cache write would need room
@@ -43,6 +44,8 @@ class ExternalDraft:
             shapes = {name: tuple(t.shape) for name, t in self.draft_model.state_dict().items()}
             self.kind.check_fits("(in memory)", self.draft_model.cfg, engine.cfg, k, tensors=shapes)
         self.draft_model = self.draft_model.to(ec.device, ec.dtype).eval().requires_grad_(False)
+        # the engine's GEMMs (oneDNN's packed weights on CPU): a draft's step streams its weights as a trunk's does
+        pack_linears(self.draft_model, pick_backend(ec.device, ec.dtype))
         cfg = self.draft_model.cfg
         self.aux_hidden_layers = tuple(cfg.aux_layer_ids)
         # the draft's attention is grouped-query attention of its own, whatever the target's (MLA too)
