@@ -79,7 +79,8 @@ SMOLLM2_DFLASH = (
 )
 SMOLLM2_EAGLE3 = (
     "python scripts/bench/rl_arms.py drift --draft eagle3 --hf-checkpoint checkpoints/smollm2-135m-instruct "
-    "--draft-warmup-steps 200 --arms online:draft_vocab=4096:lr_warmup=10:steps=1:replay=0,frozen:draft_vocab=4096 "
+    "--draft-warmup-steps 200 --arms online:draft_vocab=4096:lr_warmup=10:steps=1:replay=0,"
+    "online:draft_vocab=4096:lr_warmup=10:steps=4:replay=2,frozen:draft_vocab=4096 "
     f"--steps 25 --out runs/smollm2_eagle3 -- {SMOLLM2_RECIPE_FLAGS}"
 )
 SMOLLM2_EAGLE3_VLLM = (
@@ -95,9 +96,16 @@ SMOLLM2_VLLM = (
     "--input-key messages --rm-type math --rollout-batch-size 8 --n-samples-per-prompt 4 --global-batch-size 32 "
     "--micro-batch-size 8 --rollout-max-response-len 32 --lr 2e-5"
 )
-SMOLLM2_SPEC = "python scripts/bench/throughput.py spec-decode --hf-checkpoint runs/smollm2/policy --task-variant " \
-    "chat_arithmetic --batch-sizes {} --max-new-tokens 48 --stop-at-eos {} --threads 2"
-SMOLLM2_T1 = '--temperature 1 --rejection-sample-method strict --methods "none,mtp k=1,mtp k=2,mtp adaptive"'
+SMOLLM2_POLICY_EAGLE3 = (
+    "python scripts/make_eagle3_draft.py --target runs/smollm2/policy --out runs/smollm2/eagle3_draft --warmup-steps 200 "
+    "--draft-vocab-size 4096 --input-key messages --label-key label --max-new-tokens 32 --prompt-data "
+    "runs/smollm2/prompts_chat_arithmetic.jsonl --apply-chat-template"
+)
+SMOLLM2_SPEC = "python scripts/bench/throughput.py spec-decode --hf-checkpoint runs/smollm2/policy --eagle3-draft " \
+    "runs/smollm2/eagle3_draft --task-variant chat_arithmetic --batch-sizes {} --max-new-tokens 48 --stop-at-eos {} " \
+    "--threads 2"
+SMOLLM2_T1 = ('--temperature 1 --rejection-sample-method strict --methods "none,mtp k=1,mtp adaptive,eagle3 k=2,'
+              'eagle3 k=3,eagle3 adaptive"')
 TINY = {
     "python train_rl.py experiment=smollm2_math --save runs/smollm2/save": Tiny(
         (r"has no MTP layers: adding 1 fresh one",),
@@ -109,15 +117,17 @@ TINY = {
     ),
     "python -m checkpoint_convert.torch_dist_to_hf --input-dir runs/smollm2/save --output-dir runs/smollm2/policy "
     "--origin-hf-dir runs/smollm2/fresh_mtp_checkpoint": Tiny((r"saved HF checkpoint",)),
+    SMOLLM2_POLICY_EAGLE3: Tiny((r"saved runs/smollm2/eagle3_draft",), (
+        "--warmup-steps", "2", "--warmup-samples", "4", "--draft-vocab-size", "16", "--max-new-tokens", "4")),
     SMOLLM2_SPEC.format("1,2,4 --num-prompts 8", f"--repeats 2 {SMOLLM2_T1}"): Tiny(
-        SPEC_TABLE + (r"mtp adaptive drafted k",), spec_decode()),
+        SPEC_TABLE + (r"eagle3 adaptive drafted k",), spec_decode()),
     SMOLLM2_SPEC.format("8,16,32,64 --num-prompts 64", f"--repeats 2 {SMOLLM2_T1}"): Tiny(
-        SPEC_TABLE + (r"mtp adaptive drafted k",), spec_decode()),
+        SPEC_TABLE + (r"eagle3 adaptive drafted k",), spec_decode()),
     SMOLLM2_SPEC.format("32 --num-prompts 64", '--repeats 10 --temperature 1 --rejection-sample-method strict '
-                        '--methods "none,mtp k=1,mtp adaptive" --versus "mtp k=1/none,mtp adaptive/none"'): Tiny(
-        SPEC_TABLE + (r"mtp adaptive / none paired [\d.]+x, faster in",), spec_decode()),
-    SMOLLM2_SPEC.format("1 --num-prompts 8", '--repeats 3 --temperature 0 --methods "none,mtp k=1,mtp k=2"'): Tiny(
-        SPEC_TABLE + (r"mtp k=2",), spec_decode()),
+                        '--methods "none,eagle3 k=2,eagle3 adaptive" --versus "eagle3 k=2/none,eagle3 adaptive/none"'):
+        Tiny(SPEC_TABLE + (r"eagle3 adaptive / none paired [\d.]+x, faster in",), spec_decode()),
+    SMOLLM2_SPEC.format("1 --num-prompts 8", '--repeats 3 --temperature 0 --methods "none,mtp k=1,eagle3 k=2,eagle3 k=3,'
+                        'eagle3 k=4" --costs'): Tiny(SPEC_TABLE + (r"eagle3 k=4: a verify of 5 tokens",), spec_decode()),
     SMOLLM2_EAGLE3_VLLM: Tiny((r"arm \(end = last 1 steps\)", r"vllm/none"), RL, SMOLLM2 + (
         ("runs/smollm2_eagle3/eagle3_draft-vocab-size4096_draft_warmup200", "llama_chat_eagle3"),)),
     SMOLLM2_VLLM: Tiny((r"arm \(end = last 1 steps\)", r"vllm/none"), RL, SMOLLM2),
@@ -196,8 +206,6 @@ TINY = {
     """--vllm-speculative-config '{"method":"mtp","num_speculative_tokens":2}'""": Tiny(
         (r"generated 256 samples", r"spec: accept_rate [\d.]+\s+accept_length"), ("--max-new-tokens", "4")
     ),
-    "python scripts/bench/throughput.py spec-decode --hf-checkpoint DIR --num-prompts 32 --batch-sizes 1,16 "
-    "--max-new-tokens 64 --repeats 3": Tiny(SPEC_TABLE, spec_decode(), (("DIR", "checkpoints/tiny-mimo-mtp"),)),
     "python scripts/bench/spec_ceiling.py --hf-checkpoint runs/lt_online/hf --batches 16": Tiny(
         (r"ceiling: an oracle", r"\| k \| B=1"),
         ("--batches", "1", "--max-new-tokens", "8"),
