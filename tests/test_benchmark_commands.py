@@ -77,6 +77,7 @@ SMOLLM2_DFLASH = (
     "--draft-warmup-steps 200 --arms online:lr_warmup=10:steps=1:replay=0,frozen --steps 25 --out runs/smollm2_dflash "
     f"-- {SMOLLM2_RECIPE_FLAGS}"
 )
+SMOLLM2_DSPARK = SMOLLM2_DFLASH.replace("--draft dflash", "--draft dspark").replace("smollm2_dflash", "smollm2_dspark")
 SMOLLM2_EAGLE3 = (
     "python scripts/bench/rl_arms.py drift --draft eagle3 --hf-checkpoint checkpoints/smollm2-135m-instruct "
     "--draft-warmup-steps 200 --arms online:draft_vocab=4096:lr_warmup=10:steps=1:replay=0,"
@@ -146,6 +147,7 @@ TINY = {
     ),
     SMOLLM2_TV: Tiny(DRIFT, (*RL, "--draft-warmup-steps", "2", "--arms", "online:lr=1e-3:loss=tv"), SMOLLM2),
     SMOLLM2_DFLASH: Tiny(DRIFT, (*RL, "--draft-warmup-steps", "2", "--arms", "online:steps=1:replay=0"), SMOLLM2),
+    SMOLLM2_DSPARK: Tiny(DRIFT, (*RL, "--draft-warmup-steps", "2", "--arms", "online:steps=1:replay=0"), SMOLLM2),
     SMOLLM2_EAGLE3: Tiny(DRIFT, (*RL, "--draft-warmup-steps", "2", "--arms", "online:draft_vocab=16:steps=1:replay=0"),
                          SMOLLM2),
     "python scripts/bench/throughput.py step-limit --hf-checkpoint checkpoints/smollm2-135m-instruct --repeats 5": Tiny(
