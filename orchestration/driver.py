@@ -231,8 +231,11 @@ class WeightSync:
         return stale
 
     def _compare_every_tensor(self, version):
+        """--check-weight-update-equal: every worker's tensors against trainer rank 0's, by digest; the workers
+        are asked as a push's calls are (an engine lost here is EnginesLost, which the run heals)."""
         reference = ray.get([a.digests.remote() for a in self.trainers.actors])[0]
-        for i, got in enumerate(ray.get([w.digests.remote() for w in self.workers])):
+        held = self._wait({i: (w, w.digests.remote()) for i, w in enumerate(self.workers)}, None, version)
+        for i, got in sorted(held.items()):
             bad = sorted(k for k in reference if got.get(k) != reference[k])
             if bad:
                 raise WeightSyncError(f"--check-weight-update-equal: after sync v{version} rollout worker {i} differs "

@@ -167,3 +167,36 @@ def test_a_worker_lost_while_the_engines_release_memory_is_a_lost_engine_for_the
         assert [(i, why.split(" ")[0]) for i, _, why in lost.value.lost] == [(1, "died")]
     finally:
         ray.shutdown()
+
+
+def test_an_engine_lost_while_a_checked_push_compares_every_tensor_is_a_lost_engine_for_the_run_to_heal():
+    """--check-weight-update-equal asks every worker for its tensors' digests after a push: a worker dead by then
+    ends it with EnginesLost naming that worker (which the driver heals, orchestration/rl_run.py), not with the
+    bare actor error that would stop the run. Real Ray actors answering `digests` as workers and ranks do."""
+    import ray
+
+    from orchestration.driver import WeightSync
+    from rollout.health import EngineWatch
+
+    @ray.remote(num_cpus=0)
+    class Holder:
+        def heartbeat(self):
+            return 0
+
+        def digests(self):
+            return {"w": "same"}
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
+    try:
+        rank, live, dead = Holder.remote(), Holder.remote(), Holder.remote()
+        ray.get(dead.heartbeat.remote())
+        ray.kill(dead, no_restart=True)
+        wait_until_dead(dead)
+        sync = object.__new__(WeightSync)  # its ranks, workers and watch: all the comparison reads
+        sync.trainers = type("Trainers", (), {"actors": [rank]})()
+        sync.workers, sync.watch = [live, dead], EngineWatch(timeout_s=60)
+        with pytest.raises(EnginesLost) as lost:
+            sync._compare_every_tensor(3)
+        assert [(i, why.split(" ")[0]) for i, _, why in lost.value.lost] == [(1, "died")] and lost.value.step == 2
+    finally:
+        ray.shutdown()
