@@ -471,8 +471,9 @@ def fixed_k_of(adaptive_name, methods):
     """The methods an adaptive one is compared with: none and its own draft at each fixed k ('mtp adaptive':
     'mtp k=1', ...; 'dflash k=3 adaptive': 'dflash k=3')."""
     kind = adaptive_name.removesuffix(" adaptive")
-    prefix = kind + " k=" if " k=" not in kind else kind
-    return [n for n in methods if n == "none" or n == prefix or (n.startswith(prefix) and n[len(prefix):].isdigit())]
+    if " k=" in kind:  # a block draft's: its k is the block's
+        return [n for n in methods if n in ("none", kind)]
+    return [n for n in methods if n == "none" or (n.startswith(kind + " k=") and n[len(kind) + 3:].isdigit())]
 
 
 def versus_pairs(versus, wanted):
