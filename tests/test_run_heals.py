@@ -12,6 +12,7 @@ Nothing of the run (its Ray processes, the shared memory they mapped) remains af
 import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -93,6 +94,25 @@ class WatchedRun:
             time.sleep(0.5)
         raise AssertionError(f"the run logged fewer than {rows} steps in {timeout} s")
 
+    def fault_at_rows(self, out, rows, fault, timeout=900):
+        """Stop the run's driver (SIGSTOP) as soon as it has logged `rows` steps, apply `fault()` (kill or stop
+        a process of the run), and let the driver go on: the fault lands with at least two of the run's steps
+        still to do however fast they are (a tiny model's take a tenth of a second, less than a poll of
+        `wait_for_rows`, so a fault applied after it could land once the run no longer needs the process)."""
+        log = os.path.join(out, "metrics.jsonl")
+        deadline = time.time() + timeout
+        while not (os.path.exists(log) and open(log).read().count("\n") >= rows):
+            assert self.proc.poll() is None and time.time() < deadline, "\n".join(x for _, x in self.err)[-3000:]
+            time.sleep(0.01)
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        try:
+            self.record_tree()  # the processes the run has (polling recorded none: it would be slower than a step)
+            logged = open(log).read().count("\n")
+            assert logged <= STEPS - 2, f"the driver was stopped only after {logged} of {STEPS} steps"
+            fault()
+        finally:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
     def finish(self, timeout=1500):
         deadline = time.time() + timeout
         while self.proc.poll() is None and time.time() < deadline:
@@ -164,8 +184,7 @@ def assert_nothing_left(run):
 def test_a_killed_rollout_worker_is_replaced_and_the_run_goes_on_with_the_same_prompts(ckpt, unfaulted, tmp_path):  # noqa: F811
     out = str(tmp_path / "out")
     run = WatchedRun(fault_args(ckpt, out))
-    run.wait_for_rows(out, 2)  # steps 0 and 1 logged: step 2 is under way
-    run.process("ray::RolloutWorker").kill()
+    run.fault_at_rows(out, 2, lambda: run.process("ray::RolloutWorker").kill())  # step 2 under way
     assert run.finish() == 0, run.stderr()[-3000:]
     rows = metrics(out)
     assert [r["rollout/step"] for r in rows] == list(range(STEPS))  # every step once
@@ -189,8 +208,8 @@ def test_a_killed_trainer_rank_restarts_the_run_from_its_checkpoint_and_reproduc
         ckpt, unfaulted, tmp_path):  # noqa: F811
     out = str(tmp_path / "out")
     run = WatchedRun(fault_args(ckpt, out))
-    run.wait_for_rows(out, 3)  # steps 0-2 logged, the step-2 checkpoint saved: step 3 is under way
-    run.process("ray::TrainerActor").kill()
+    # steps 0-2 logged, the step-2 checkpoint saved: step 3 is under way
+    run.fault_at_rows(out, 3, lambda: run.process("ray::TrainerActor").kill())
     assert run.finish() == 0, run.stderr()[-3000:]
     lines = [x for x in run.stdout().splitlines() if "restarting the trainers and the rollout engines" in x]
     assert len(lines) == 1 and "from the step-2 checkpoint in --save" in lines[0], run.stdout()[-3000:]
@@ -208,8 +227,7 @@ def test_a_killed_trainer_rank_restarts_the_run_from_its_checkpoint_and_reproduc
 def test_engine_restarts_past_the_bound_stop_the_run_with_one_line(ckpt, tmp_path):  # noqa: F811
     out = str(tmp_path / "out")
     run = WatchedRun(fault_args(ckpt, out, "--max-engine-restarts", 0))
-    run.wait_for_rows(out, 2)
-    run.process("ray::RolloutWorker").kill()
+    run.fault_at_rows(out, 2, lambda: run.process("ray::RolloutWorker").kill())
     assert run.finish() == 1, run.stderr()[-3000:]
     errors = [x for x in run.stderr().splitlines() if x.startswith("error:")]
     assert len(errors) == 1 and re.fullmatch(
@@ -226,9 +244,7 @@ def test_a_stopped_engine_is_found_within_the_health_timeout_replaced_and_the_ru
     timeout = 20
     out = str(tmp_path / "out")
     run = WatchedRun(fault_args(ckpt, out, "--rollout-health-timeout", timeout))
-    run.wait_for_rows(out, 2)
-    stopped = run.process("ray::RolloutWorker")
-    stopped.suspend()  # SIGSTOP
+    run.fault_at_rows(out, 2, lambda: run.process("ray::RolloutWorker").suspend())  # SIGSTOP
     sent = time.monotonic()
     assert run.finish() == 0, run.stderr()[-3000:]
     found = [(t, RESTART_LINE.search(x)) for t, x in run.lines if RESTART_LINE.search(x)]
