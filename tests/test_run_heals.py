@@ -87,7 +87,7 @@ class WatchedRun:
         log = os.path.join(out, "metrics.jsonl")
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if os.path.exists(log) and len(open(log).read().split("\n")) > rows:
+            if logged_rows(log) >= rows:
                 return
             self.record_tree()
             assert self.proc.poll() is None, "\n".join(x for _, x in self.err)[-3000:]
@@ -101,13 +101,13 @@ class WatchedRun:
         `wait_for_rows`, so a fault applied after it could land once the run no longer needs the process)."""
         log = os.path.join(out, "metrics.jsonl")
         deadline = time.time() + timeout
-        while not (os.path.exists(log) and open(log).read().count("\n") >= rows):
+        while logged_rows(log) < rows:
             assert self.proc.poll() is None and time.time() < deadline, "\n".join(x for _, x in self.err)[-3000:]
             time.sleep(0.01)
         os.kill(self.proc.pid, signal.SIGSTOP)
         try:
             self.record_tree()  # the processes the run has (polling recorded none: it would be slower than a step)
-            logged = open(log).read().count("\n")
+            logged = logged_rows(log)
             assert logged <= STEPS - 2, f"the driver was stopped only after {logged} of {STEPS} steps"
             fault()
         finally:
@@ -150,6 +150,14 @@ class WatchedRun:
             except psutil.Error:
                 pass
         return left, sorted(p for p in self.shm if os.path.exists(p))
+
+
+def logged_rows(log):
+    """How many steps' rows the run's metrics.jsonl `log` holds (0 before it exists)."""
+    if not os.path.exists(log):
+        return 0
+    with open(log) as f:
+        return f.read().count("\n")
 
 
 def step_prompts(out):

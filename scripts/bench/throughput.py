@@ -298,9 +298,7 @@ def block_methods(kind, drafts):
 
 
 POOL_PER_PROMPT = 64  # --min-response-len picks its prompts from this many times --num-prompts
-ADAPTIVE = {"mtp adaptive"}  # methods run with --spec-adaptive (and every "... adaptive" DFlash method)
-
-
+ADAPTIVE = {"mtp adaptive"}  # methods run with --spec-adaptive (and every "... adaptive" one of a draft directory)
 EAGLE3_KS = (1, 2, 3, 4)  # an EAGLE-3 draft chains any k: the fixed ks timed, the largest also adaptive
 
 
