@@ -225,7 +225,45 @@ def test_spec_decode_times_an_eagle3_draft_at_each_fixed_k_and_adaptive(capsys):
     main(["spec-decode", "--hf-checkpoint", "checkpoints/tiny-qwen2", "--eagle3-draft", "checkpoints/tiny-qwen2-eagle3",
           "--batch-sizes", "2", "--num-prompts", "2", "--max-new-tokens", "8", "--repeats", "1",
           "--methods", "none,eagle3 k=1,eagle3 k=3,eagle3 adaptive"])
-    rows = {line.split("|")[2].strip(): line.split("|")[7].strip() for line in capsys.readouterr().out.splitlines()
+    rows = {line.split("|")[2].strip(): line.split("|")[8].strip() for line in capsys.readouterr().out.splitlines()
             if line.startswith("| 2 |")}
     assert set(rows) == {"none", "eagle3 k=1", "eagle3 k=3", "eagle3 adaptive"}
     assert rows["none"] == "-" and rows["eagle3 k=1"].count("/") == 0 and rows["eagle3 k=3"].count("/") == 2
+
+
+def test_the_decode_rate_is_the_tokens_after_each_first_over_the_seconds_outside_the_prefills():
+    """decode_rates against the written-out formula: a run of 2 slices timed twice, each generate's
+    (tokens after each response's first, prefill seconds) summed over its repeat's slices."""
+    from types import SimpleNamespace
+
+    from scripts.bench.throughput import decode_rates
+    run = SimpleNamespace(slices=[None, None], prefills=[(10, 0.5), (20, 1.0), (12, 0.25), (6, 0.75)])
+    assert decode_rates(run, [4.0, 3.0]) == [(10 + 20) / (4.0 - 1.5), (12 + 6) / (3.0 - 1.0)]
+
+
+def test_the_engines_prefill_clock_holds_its_prompt_forwards_and_none_of_its_decode_steps(monkeypatch):
+    """Each prompt forward and each decode step made DELAY slower: the generate's `prefill_seconds` holds at
+    least a DELAY per prompt forward, and the seconds outside it at least a DELAY per decode step, so neither
+    clock lends the other its time (bounds of sleeps, far from the scheduler's jitter)."""
+    from rollout.embedded.engine import Engine, EngineConfig
+    from rollout.embedded.engine_builder import build_engine
+    from rollout.sampling_params import SamplingParams
+    from scripts.bench.throughput import indexed_samples, variant_prompts
+
+    delay, counts = 0.05, {"prefill": 0, "step": 0}
+
+    def slowed(name, method):
+        def run(self, *a, **kw):
+            counts[name] += 1
+            time.sleep(delay)
+            return method(self, *a, **kw)
+        return run
+    monkeypatch.setattr(Engine, "_prompt_forward", slowed("prefill", Engine._prompt_forward))
+    monkeypatch.setattr(Engine, "_verify_step", slowed("step", Engine._verify_step))
+    engine = build_engine("checkpoints/tiny-qwen2", None, EngineConfig(max_batch_size=2))
+    engine.generate(indexed_samples(variant_prompts("checkpoints/tiny-qwen2", "add", 3)),
+                    SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True, seed=1))
+    stats = engine.stats()
+    assert counts["prefill"] == 2 and counts["step"] >= 3  # 2 rows: a prefill of 2 prompts, one of the third
+    assert stats["prefill_seconds"] >= counts["prefill"] * delay
+    assert stats["seconds"] - stats["prefill_seconds"] >= counts["step"] * delay

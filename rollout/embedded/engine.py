@@ -155,6 +155,7 @@ class Engine:
         self.paused = False
         self.released_weights = {}  # name -> shape of the weights `release_memory` gave back
         self.last_stats = {}
+        self.prefill_seconds = 0.0  # this generate's seconds in the target's prompt forwards and first tokens
         self.step_k = 0  # drafts the proposer makes this iteration (verified at the next)
         self.may_draft = True  # whether a step of this generate may draft (the k policy says at each generate)
         self.set_proposer(proposer or Proposer())
@@ -212,6 +213,7 @@ class Engine:
         self.k_policy.prepare(self)
         self.k_policy.begin(self.weight_version)
         self.may_draft = self.k_policy.drafts_this_generate(len(requests))
+        self.prefill_seconds = 0.0
         start = time.perf_counter()
         self._run(requests, sampling)
         elapsed = time.perf_counter() - start
@@ -220,7 +222,7 @@ class Engine:
             if self.codec:
                 r.sample.response = self.codec.decode(r.sample.response_ids)
         generated = sum(r.num_generated for r in requests)
-        self.last_stats = {"generated_tokens": generated, "seconds": elapsed,
+        self.last_stats = {"generated_tokens": generated, "seconds": elapsed, "prefill_seconds": self.prefill_seconds,
                            "tokens_per_s": generated / max(elapsed, 1e-9), **self.k_policy.summary()}
         return samples
 
@@ -331,7 +333,9 @@ class Engine:
 
     def _prefill(self, reqs, sampling):
         """One ragged forward over the admitted prompts; a prompt shared by several requests (a
-        GRPO group) is computed once and its KV entries copied into the other requests' slots."""
+        GRPO group) is computed once and its KV entries copied into the other requests' slots. Its clock
+        (`prefill_seconds`) stops before the proposer's pass over the prompts: drafting is speculation's cost."""
+        start = time.perf_counter()
         leaders, source = self._prompt_leaders(reqs)
         hidden, mtp_hidden = self._prompt_forward(leaders)
         lengths = device_tensor([len(r.sample.prompt_ids) for r in leaders], self.config.device)
@@ -345,6 +349,7 @@ class Engine:
         n_new = [len(r.sample.prompt_ids) for r in reqs]
         for r in reqs:
             r.num_cached = len(r.sample.prompt_ids)
+        self.prefill_seconds += time.perf_counter() - start
         self._propose(reqs, mtp_hidden, [0] * len(reqs), n_new)
 
     def _prompt_leaders(self, reqs):

@@ -84,7 +84,7 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 MAX_REPEATS = 50  # --min-seconds stops adding repeats here
 
 
-def time_interleaved(runs, repeats, clock="wall", min_seconds=0.0, rates=None):
+def time_interleaved(runs, repeats, clock="wall", min_seconds=0.0, rates=None, seconds=None):
     """{name: (best tokens/s, samples of the last repeat)}: each run (a callable returning samples)
     once per repeat, runs interleaved so a busy machine slows every one alike, their order rotated at
     each repeat (a DSpark engine timed second, after plain decoding, ran 7-12% below an engine doing the
@@ -94,14 +94,15 @@ def time_interleaved(runs, repeats, clock="wall", min_seconds=0.0, rates=None):
     A run with `slices` (callables, each returning its part of the samples) is timed slice by slice, the runs
     interleaved at every slice and their order rotated at each: a repeat's rate is its slices' tokens over
     their seconds, and runs seconds apart share more of the machine's speed than runs a whole run apart.
-    `rates` (a dict), if given, gets every run's tokens/s of each repeat, in order (for `paired_median`)."""
+    `rates` (a dict), if given, gets every run's tokens/s of each repeat, in order (for `paired_median`), and
+    `seconds` every run's seconds of each repeat."""
     best, last, spent = {}, {}, dict.fromkeys(runs, 0.0)
     now = CLOCKS[clock]
     names, done = list(runs), 0
     slices = {name: getattr(run, "slices", [run]) for name, run in runs.items()}
     rounds = max(len(s) for s in slices.values())
     while done < repeats or (min(spent.values()) < min_seconds and done < MAX_REPEATS):
-        seconds, samples = dict.fromkeys(names, 0.0), {name: [] for name in names}
+        took, samples = dict.fromkeys(names, 0.0), {name: [] for name in names}
         for name in names:
             getattr(runs[name], "prepare", lambda: None)()
         for j in range(rounds):
@@ -110,13 +111,15 @@ def time_interleaved(runs, repeats, clock="wall", min_seconds=0.0, rates=None):
                 if j < len(slices[name]):
                     start = now()
                     samples[name] += slices[name][j]()
-                    seconds[name] += now() - start
+                    took[name] += now() - start
         for name in names:
-            spent[name] += seconds[name]
-            rate = sum(len(s.response_ids) for s in samples[name]) / seconds[name]
+            spent[name] += took[name]
+            rate = sum(len(s.response_ids) for s in samples[name]) / took[name]
             best[name], last[name] = max(best.get(name, 0.0), rate), samples[name]
             if rates is not None:
                 rates.setdefault(name, []).append(rate)
+            if seconds is not None:
+                seconds.setdefault(name, []).append(took[name])
         done += 1
     return {name: (best[name], last[name]) for name in runs}
 
@@ -335,7 +338,9 @@ def proposer_run(engine, spec, prompts, sampling, indices=None, slices=1):
     def part(lo, hi):
         def generate():
             samples = engine.generate(indexed_samples(prompts[lo:hi], indices[lo:hi]), sampling)
-            run.k_means.append(engine.stats().get("spec_k_mean"))
+            stats = engine.stats()
+            run.k_means.append(stats.get("spec_k_mean"))
+            run.prefills.append((stats["generated_tokens"] - len(samples), stats["prefill_seconds"]))
             return samples
         return generate
 
@@ -346,8 +351,19 @@ def proposer_run(engine, spec, prompts, sampling, indices=None, slices=1):
         if engine.proposer.remembers_outputs:
             engine.set_proposer(build_proposer(parse_spec_config(spec) if spec is not None else None), engine.k_policy)
     run.prepare, run.k_means = prepare, []  # k_means: each generate's row-weighted mean k (a k policy that reports it)
+    run.prefills = []  # each generate's (tokens after each response's first, seconds of the target's prefills)
     run.slices = [part(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
     return run
+
+
+def decode_rates(run, seconds):
+    """Per repeat of a `proposer_run` timed for `seconds` (a list, one per repeat), the decode phase's tokens/s:
+    the tokens after each response's first over the seconds outside the target's prompt forwards, as vLLM's
+    time per output token leaves out the time to the first. The prompt forwards are the same work on every
+    side of a ratio; the proposer's pass over a prompt is drafting and stays on the clock."""
+    per_repeat = len(run.slices)
+    parts = [run.prefills[i * per_repeat:(i + 1) * per_repeat] for i in range(len(seconds))]
+    return [sum(t for t, _ in part) / (took - sum(p for _, p in part)) for part, took in zip(parts, seconds)]
 
 
 def indexed_samples(prompts, indices=None):
@@ -371,8 +387,9 @@ def long_responses(checkpoint, prompts, sampling, n, min_len, device="cpu"):
 def spec_decode(args):
     """Per batch size and method (none, mtp k=1..3, mtp adaptive, ngram, suffix, draft_model; DFlash, DSpark and
     EAGLE-3 drafts given by directory):
-    tokens/s, speedup against the first method (best against best), tokens per verify, acceptance rate and per
-    position, and the paired speedup (`paired_median`);
+    tokens/s, speedup against the first method (best against best), the decode phase's speedup (`decode_rates`:
+    the prompts' prefill left out), tokens per verify, acceptance rate and per position, and the paired speedup
+    (`paired_median`);
     the adaptive method against the best fixed k; with --versus, one method head to head with another (`head_to_head`)."""
     require(args.min_seconds >= 0, f"--min-seconds {args.min_seconds}: give 0 (just --repeats) or more")
     require_device(args.device)
@@ -407,8 +424,9 @@ def spec_decode(args):
           f"best of {args.repeats}{f' (or more, {args.min_seconds:g} s a method)' if args.min_seconds else ''} "
           f"(methods interleaved{f' in {args.slices} slices of the prompts' if args.slices > 1 else ''}, their order "
           f"rotated), {args.clock} clock")
-    print("| batch | method | tokens/s | speedup | tokens/verify | accept rate | per position | paired speedup |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| batch | method | tokens/s | speedup | decode speedup | tokens/verify | accept rate | per position "
+          "| paired speedup |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for batch in sizes:
         engines = {name: build_engine(args.hf_checkpoint, table[name],
                                       EngineConfig(max_batch_size=batch, device=args.device,
@@ -416,9 +434,10 @@ def spec_decode(args):
                                       adaptive=name in adaptive) for name in wanted}
         for engine in engines.values():
             engine.generate(samples_for_prompts(prompts[:batch]), sampling)  # warm-up (and the adaptive profile)
-        rates, runs = {}, {name: proposer_run(engines[name], table[name], prompts, sampling, indices, args.slices)
-                           for name in wanted}
-        got = time_interleaved(runs, args.repeats, args.clock, args.min_seconds, rates)
+        rates, seconds = {}, {}
+        runs = {name: proposer_run(engines[name], table[name], prompts, sampling, indices, args.slices) for name in wanted}
+        got = time_interleaved(runs, args.repeats, args.clock, args.min_seconds, rates, seconds)
+        decode = {name: max(decode_rates(runs[name], seconds[name])) for name in wanted}
         paired = paired_median(rates, wanted[0])
         for name in wanted[1:]:
             require_same_work(f"{name} vs {wanted[0]} at batch {batch}", responses(got[name][1]),
@@ -428,7 +447,8 @@ def spec_decode(args):
             rate, samples = got[name]
             st = aggregate_spec_stats(samples)
             pos = " / ".join(f"{st[k]:.2f}" for k in sorted(st) if k.startswith("spec_accept_rate_pos_"))
-            print(f"| {batch} | {name} | {rate:.0f} | {rate / base:.2f}x | {st['spec_accept_length']:.2f} | "
+            print(f"| {batch} | {name} | {rate:.0f} | {rate / base:.2f}x | {decode[name] / decode[wanted[0]]:.2f}x | "
+                  f"{st['spec_accept_length']:.2f} | "
                   f"{st['spec_accept_rate']:.2f} | {pos or '-'} | {paired[name]:.2f}x |", flush=True)
         for name in [n for n in wanted if n in adaptive or n.endswith(" sized")]:
             ks = [k for k in runs[name].k_means if k is not None]
