@@ -77,11 +77,16 @@ SMOLLM2_DFLASH = (
     "--draft-warmup-steps 200 --arms online:lr_warmup=10:steps=1:replay=0,frozen --steps 25 --out runs/smollm2_dflash "
     f"-- {SMOLLM2_RECIPE_FLAGS}"
 )
-SMOLLM2_DSPARK = SMOLLM2_DFLASH.replace("--draft dflash", "--draft dspark").replace("smollm2_dflash", "smollm2_dspark")
+SMOLLM2_DSPARK = (
+    "python scripts/bench/rl_arms.py drift --draft dspark --hf-checkpoint checkpoints/smollm2-135m-instruct "
+    "--draft-warmup-steps 200 --arms online:lr_warmup=10:steps=1:replay=0,online:lr_warmup=10:steps=8:replay=4,frozen "
+    f"--steps 25 --out runs/smollm2_dspark -- {SMOLLM2_RECIPE_FLAGS}"
+)
 SMOLLM2_EAGLE3 = (
     "python scripts/bench/rl_arms.py drift --draft eagle3 --hf-checkpoint checkpoints/smollm2-135m-instruct "
     "--draft-warmup-steps 200 --arms online:draft_vocab=4096:lr_warmup=10:steps=1:replay=0,"
-    "online:draft_vocab=4096:lr_warmup=10:steps=4:replay=2,frozen:draft_vocab=4096 "
+    "online:draft_vocab=4096:lr_warmup=10:steps=4:replay=2,online:draft_vocab=4096:lr_warmup=10:steps=8:replay=4,"
+    "frozen:draft_vocab=4096 "
     f"--steps 25 --out runs/smollm2_eagle3 -- {SMOLLM2_RECIPE_FLAGS}"
 )
 SMOLLM2_EAGLE3_VLLM = (
@@ -120,15 +125,21 @@ TINY = {
     "--origin-hf-dir runs/smollm2/fresh_mtp_checkpoint": Tiny((r"saved HF checkpoint",)),
     SMOLLM2_POLICY_EAGLE3: Tiny((r"saved runs/smollm2/eagle3_draft",), (
         "--warmup-steps", "2", "--warmup-samples", "4", "--draft-vocab-size", "16", "--max-new-tokens", "4")),
-    SMOLLM2_SPEC.format("1,2,4 --num-prompts 8", f"--repeats 2 {SMOLLM2_T1}"): Tiny(
+    SMOLLM2_SPEC.format("1 --num-prompts 32", f"--repeats 3 {SMOLLM2_T1}"): Tiny(
+        SPEC_TABLE + (r"eagle3 adaptive drafted k",), spec_decode()),
+    SMOLLM2_SPEC.format("2,4 --num-prompts 8", f"--repeats 2 {SMOLLM2_T1}"): Tiny(
         SPEC_TABLE + (r"eagle3 adaptive drafted k",), spec_decode()),
     SMOLLM2_SPEC.format("8,16,32,64 --num-prompts 64", f"--repeats 2 {SMOLLM2_T1}"): Tiny(
         SPEC_TABLE + (r"eagle3 adaptive drafted k",), spec_decode()),
     SMOLLM2_SPEC.format("32 --num-prompts 64", '--repeats 10 --temperature 1 --rejection-sample-method strict '
                         '--methods "none,eagle3 k=2,eagle3 adaptive" --versus "eagle3 k=2/none,eagle3 adaptive/none"'):
         Tiny(SPEC_TABLE + (r"eagle3 adaptive / none paired [\d.]+x, faster in",), spec_decode()),
-    SMOLLM2_SPEC.format("1 --num-prompts 8", '--repeats 3 --temperature 0 --methods "none,mtp k=1,eagle3 k=2,eagle3 k=3,'
-                        'eagle3 k=4" --costs'): Tiny(SPEC_TABLE + (r"eagle3 k=4: a verify of 5 tokens",), spec_decode()),
+    SMOLLM2_SPEC.format("1 --num-prompts 32", '--repeats 3 --temperature 0 --methods "none,mtp k=1,eagle3 k=2,eagle3 k=3,'
+                        'eagle3 k=4" --costs'): Tiny(SPEC_TABLE + (r"eagle3 k=4: a verify of 5 tokens.*in the timed runs "
+                                                               r"a drafting step cost [\d.]+x",), spec_decode()),
+    SMOLLM2_SPEC.format("16 --num-prompts 64", '--repeats 10 --temperature 1 --rejection-sample-method strict --methods '
+                        '"none,mtp k=1,mtp adaptive" --versus "mtp adaptive/none,mtp k=1/none"'):
+        Tiny(SPEC_TABLE + (r"mtp adaptive / none paired [\d.]+x, faster in",), spec_decode()),
     SMOLLM2_EAGLE3_VLLM: Tiny((r"arm \(end = last 1 steps\)", r"vllm/none"), RL, SMOLLM2 + (
         ("runs/smollm2_eagle3/eagle3_draft-vocab-size4096_draft_warmup200", "llama_chat_eagle3"),)),
     SMOLLM2_VLLM: Tiny((r"arm \(end = last 1 steps\)", r"vllm/none"), RL, SMOLLM2),
@@ -212,12 +223,6 @@ TINY = {
         (r"ceiling: an oracle", r"\| k \| B=1"),
         ("--batches", "1", "--max-new-tokens", "8"),
         (("runs/lt_online/hf", "checkpoints/tiny-mimo-longtail"),),
-    ),
-    'python scripts/bench/throughput.py spec-decode --hf-checkpoint runs/ceiling_rl/hf --methods "none,mtp k=1,mtp '
-    'k=2,mtp k=3,mtp adaptive" --num-prompts 64 --max-new-tokens 48 --repeats 3 --batch-sizes 1,8,32,64 '
-    "--temperature 1 "
-    "--rejection-sample-method strict": Tiny(
-        SPEC_TABLE + (r"mtp adaptive",), spec_decode(), (("runs/ceiling_rl/hf", "checkpoints/tiny-mimo-mtp"),)
     ),
     "python scripts/bench/throughput.py spec-decode --hf-checkpoint runs/lt/qwen2-longtail --dflash-drafts "
     'runs/lt/dflash-b4,runs/lt/dflash-b8 --methods "none,dflash k=3,dflash k=3 adaptive,dflash k=7,dflash k=7 '

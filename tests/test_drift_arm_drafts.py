@@ -61,3 +61,26 @@ def test_a_run_of_none_arms_needs_no_draft_and_a_drafting_arm_on_the_same_target
     online = p.parse_args(["--draft", "mtp", "--hf-checkpoint", "checkpoints/tiny-qwen2", "--arms", "online,none"])
     with pytest.raises(drift.UserError, match="has no mtp layers: give --draft-warmup-steps"):
         drift.check_args(online)
+
+
+def test_every_online_arm_gets_its_end_ratios_over_the_first_frozen_and_none_arms(capsys):
+    """Two online arms of one draft group (one draft step a rollout, and eight) each get the end ratio of their
+    last-window acceptance length and tokens/s over the frozen and none arms', the written-out means' quotients."""
+    def rows(accept, rate):
+        return [{"step": s, "reward": 0.5, "num_samples": 32, "response_len": 10, "rollout_time": 1.0,
+                 "spec_accept_length": a, "rollout_tokens_per_s": r} for s, (a, r) in enumerate(zip(accept, rate))]
+    arms = {"embedded/online:steps=1": rows([1.0, 1.8, 2.0], [100, 110, 120]),
+            "embedded/online:steps=8": rows([1.0, 2.1, 2.3], [100, 130, 150]),
+            "embedded/frozen": rows([1.0, 1.5, 1.7], [100, 100, 140]),
+            "embedded/none": rows([1.0, 1.0, 1.0], [100, 125, 125])}
+    groups = dict.fromkeys(arms, "dspark k=3")
+    for base, labels in drift.backend_groups(arms, groups).items():
+        drift.print_comparisons("embedded, dspark k=3", labels, arms, 2)
+    out = capsys.readouterr().out
+    end = {label: ((r[1]["spec_accept_length"] + r[2]["spec_accept_length"]) / 2,
+                   (r[1]["rollout_tokens_per_s"] + r[2]["rollout_tokens_per_s"]) / 2) for label, r in arms.items()}
+    for online in ("online:steps=1", "online:steps=8"):
+        for other in ("frozen", "none"):
+            mine, theirs = end[f"embedded/{online}"], end[f"embedded/{other}"]
+            assert (f"end ratio {online} / {other}: rollout tokens/s {mine[1] / theirs[1]:.2f}x, "
+                    f"acceptance length {mine[0] / theirs[0]:.2f}x") in out

@@ -460,16 +460,20 @@ def spec_decode(args):
             print(f"batch {batch}: {first} / {second} paired {ratio:.2f}x, faster in {wins} of {n} repeats "
                   f"(sign test p = {p:.3g})", flush=True)
         if args.costs:
-            print_costs(engines, table, batch, round(statistics.mean(len(p) for p in prompts)))
+            in_run = {name: aggregate_spec_stats(got[name][1])["spec_accept_length"] * decode[wanted[0]] / decode[name]
+                      for name in wanted}
+            print_costs(engines, table, batch, round(statistics.mean(len(p) for p in prompts)), in_run)
         for name in [n for n in wanted if n in adaptive]:
             best = max(fixed_k_of(name, got), key=lambda n: got[n][0])
             print(f"batch {batch}: {name} / best fixed k ({best}) = {got[name][0] / got[best][0]:.3f}", flush=True)
 
 
-def print_costs(engines, table, batch, prompt_len, repeats=5):
+def print_costs(engines, table, batch, prompt_len, in_run, repeats=5):
     """The profile behind the speedups at `batch` rows (best of `repeats`, after the timed runs): a plain
     step (one token a row), a prefill of a prompt of the mean length, and per drafting method at its k a
-    verify of k + 1 tokens a row and a drafting of k tokens, against the plain step."""
+    verify of k + 1 tokens a row and a drafting of k tokens, against the plain step; then what a drafting
+    step cost in the timed runs (`in_run`: tokens per verify over the decode speedup, in plain decode steps),
+    host work and the draft's pass over accepted tokens included, which the probes leave out."""
     first = next(iter(engines.values()))
     step = first.profile_verify(batch, 1, repeats=repeats)
     prefill = first.profile_verify(batch, prompt_len, context=0, repeats=repeats)
@@ -481,8 +485,8 @@ def print_costs(engines, table, batch, prompt_len, repeats=5):
             verify = engine.profile_verify(batch, k + 1, repeats=repeats)
             drafting = (f"drafting {k} {engine.profile_draft(batch, k, repeats) / step:.2f}x"
                         if hasattr(engine.proposer, "profile_draft") else "its drafting not profiled")
-            print(f"batch {batch}: {name}: a verify of {k + 1} tokens {verify / step:.2f}x a plain step, {drafting}",
-                  flush=True)
+            print(f"batch {batch}: {name}: a verify of {k + 1} tokens {verify / step:.2f}x a plain step, {drafting}; "
+                  f"in the timed runs a drafting step cost {in_run[name]:.2f}x a plain one", flush=True)
 
 
 def fixed_k_of(adaptive_name, methods):

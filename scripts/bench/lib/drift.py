@@ -31,7 +31,7 @@ Writes drift.csv and drift.png (reward, acceptance length, rollout tokens/s, res
 step) in --out, and with --curves the per-position acceptance. Prints per arm the end window
 (tokens per verify, acceptance by position, tokens/s, trainer seconds, reward ± SE), start and end
 figures, and per backend whether the step-0 rewards agree (same weights everywhere: exact
-speculation must agree within noise), the end ratios online/frozen and online/none, and at how
+speculation must agree within noise), each online arm's end ratios over frozen and none, and at how
 many steps online rolled out the same responses as none (strict verification reproduces plain
 sampling, so there the arms timed the same work). --time-plain adds the paired speedup against
 plain decoding of the same batch (on the none arm: plain against plain, the noise control).
@@ -491,21 +491,21 @@ def print_start_end(rows_by_arm, w):
 
 
 def backend_groups(rows_by_arm, groups):
-    """{(backend, draft group): {base arm: label}}: the online/frozen/none comparisons are made
-    within one backend and one draft kind and k (the first arm of each base counts); a none arm
-    belongs to every group of its backend."""
+    """{(backend, draft group): {base arm: [labels]}}: the online/frozen/none comparisons are made
+    within one backend and one draft kind and k (the first arm of a base is its reference; every
+    online arm gets its end ratios); a none arm belongs to every group of its backend."""
     out = {}
     for label, group in groups.items():
         backend, arm = label.split("/", 1)
         base = arm.split(":")[0]
         if base != "none":
-            out.setdefault((backend, group), {}).setdefault(base, label)
+            out.setdefault((backend, group), {}).setdefault(base, []).append(label)
     for label in groups:
         backend, arm = label.split("/", 1)
         if arm.split(":")[0] == "none":
             for key, arms in out.items():
                 if key[0] == backend:
-                    arms.setdefault("none", label)
+                    arms.setdefault("none", []).append(label)
     return out
 
 
@@ -527,8 +527,10 @@ def print_group_ratios(rows_by_arm, groups, w):
               f"reward {p:.3f} ± {se:.3f}")
 
 
-def print_comparisons(backend, arms, rows_by_arm, w):
-    """Step-0 reward agreement, online vs none step by step, end ratios online/frozen and online/none."""
+def print_comparisons(backend, groups, rows_by_arm, w):
+    """Step-0 reward agreement, online vs none step by step, and each online arm's end ratios over the
+    first frozen and none arms."""
+    arms = {base: labels[0] for base, labels in groups.items()}
     print(f"-- {backend}: " + ", ".join(f"{base} = {label}" for base, label in arms.items()))
     # only step 0 compares like with like: every arm samples from the same weights there, so exact
     # speculation must give the same reward distribution; later the RL trajectories part
@@ -541,13 +543,17 @@ def print_comparisons(backend, arms, rows_by_arm, w):
         same = sum(o["reward"] == n["reward"] and o["response_len"] == n["response_len"] for o, n in pairs)
         print(f"rollout wall time per step, online <= none at {len(pairs) - len(slower)} of {len(pairs)} steps; "
               f"same rollouts as none (strict verification reproduces plain sampling) at {same} of {len(pairs)}")
-    end = {base: {key: window(rows_by_arm[label], key, False, w) for key in ("rollout_tokens_per_s", "spec_accept_length")}
-           for base, label in arms.items()}
-    for other in ("frozen", "none"):
-        if "online" in end and other in end:
-            print(f"end ratio online/{other}: rollout tokens/s "
-                  f"{end['online']['rollout_tokens_per_s'] / end[other]['rollout_tokens_per_s']:.2f}x, "
-                  f"acceptance length {end['online']['spec_accept_length'] / end[other]['spec_accept_length']:.2f}x")
+    keys = ("rollout_tokens_per_s", "spec_accept_length")
+    end = {label: {key: window(rows_by_arm[label], key, False, w) for key in keys}
+           for label in [*groups.get("online", []), *arms.values()]}
+    for online in groups.get("online", []):
+        name = online.split("/", 1)[1]
+        for other in ("frozen", "none"):
+            if other in arms:
+                mine, theirs = end[online], end[arms[other]]
+                print(f"end ratio {name} / {other}: rollout tokens/s "
+                      f"{mine['rollout_tokens_per_s'] / theirs['rollout_tokens_per_s']:.2f}x, "
+                      f"acceptance length {mine['spec_accept_length'] / theirs['spec_accept_length']:.2f}x")
 
 
 def print_adaptive(label, rows, w):
