@@ -267,3 +267,13 @@ def test_the_engines_prefill_clock_holds_its_prompt_forwards_and_none_of_its_dec
     assert counts["prefill"] == 2 and counts["step"] >= 3  # 2 rows: a prefill of 2 prompts, one of the third
     assert stats["prefill_seconds"] >= counts["prefill"] * delay
     assert stats["seconds"] - stats["prefill_seconds"] >= counts["step"] * delay
+
+
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
+def test_spec_decode_gives_the_decode_phase_on_the_wall_clock_only(clock, capsys):
+    """The engine clocks its prefills on the wall clock: under --clock cpu the decode column is left empty, not a
+    ratio of two clocks."""
+    main(["spec-decode", "--hf-checkpoint", "checkpoints/tiny-qwen2", "--methods", "none", "--num-prompts", "2",
+          "--batch-sizes", "2", "--max-new-tokens", "4", "--repeats", "1", "--clock", clock])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 | none |"))
+    assert row.split("|")[5].strip() == ("1.00x" if clock == "wall" else "-")

@@ -437,7 +437,9 @@ def spec_decode(args):
         rates, seconds = {}, {}
         runs = {name: proposer_run(engines[name], table[name], prompts, sampling, indices, args.slices) for name in wanted}
         got = time_interleaved(runs, args.repeats, args.clock, args.min_seconds, rates, seconds)
-        decode = {name: max(decode_rates(runs[name], seconds[name])) for name in wanted}
+        # the engine clocks its prefills on the wall clock: under --clock cpu the decode phase is not measured
+        decode = {name: max(decode_rates(runs[name], seconds[name])) if args.clock == "wall" else math.nan
+                  for name in wanted}
         paired = paired_median(rates, wanted[0])
         for name in wanted[1:]:
             require_same_work(f"{name} vs {wanted[0]} at batch {batch}", responses(got[name][1]),
@@ -447,7 +449,9 @@ def spec_decode(args):
             rate, samples = got[name]
             st = aggregate_spec_stats(samples)
             pos = " / ".join(f"{st[k]:.2f}" for k in sorted(st) if k.startswith("spec_accept_rate_pos_"))
-            print(f"| {batch} | {name} | {rate:.0f} | {rate / base:.2f}x | {decode[name] / decode[wanted[0]]:.2f}x | "
+            decode_ratio = decode[name] / decode[wanted[0]]
+            print(f"| {batch} | {name} | {rate:.0f} | {rate / base:.2f}x | "
+                  f"{'-' if math.isnan(decode_ratio) else f'{decode_ratio:.2f}x'} | "
                   f"{st['spec_accept_length']:.2f} | "
                   f"{st['spec_accept_rate']:.2f} | {pos or '-'} | {paired[name]:.2f}x |", flush=True)
         for name in [n for n in wanted if n in adaptive or n.endswith(" sized")]:
@@ -485,8 +489,9 @@ def print_costs(engines, table, batch, prompt_len, in_run, repeats=5):
             verify = engine.profile_verify(batch, k + 1, repeats=repeats)
             drafting = (f"drafting {k} {engine.profile_draft(batch, k, repeats) / step:.2f}x"
                         if hasattr(engine.proposer, "profile_draft") else "its drafting not profiled")
-            print(f"batch {batch}: {name}: a verify of {k + 1} tokens {verify / step:.2f}x a plain step, {drafting}; "
-                  f"in the timed runs a drafting step cost {in_run[name]:.2f}x a plain one", flush=True)
+            timed = "" if math.isnan(in_run[name]) else f"; in the timed runs a drafting step cost {in_run[name]:.2f}x a plain one"
+            print(f"batch {batch}: {name}: a verify of {k + 1} tokens {verify / step:.2f}x a plain step, {drafting}{timed}",
+                  flush=True)
 
 
 def fixed_k_of(adaptive_name, methods):
