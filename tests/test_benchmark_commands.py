@@ -134,11 +134,12 @@ TINY = {
     SMOLLM2_SPEC.format("32 --num-prompts 64", '--repeats 10 --temperature 1 --rejection-sample-method strict '
                         '--methods "none,eagle3 k=2,eagle3 adaptive" --versus "eagle3 k=2/none,eagle3 adaptive/none"'):
         Tiny(SPEC_TABLE + (r"eagle3 adaptive / none paired [\d.]+x, faster in",), spec_decode()),
-    SMOLLM2_SPEC.format("1 --num-prompts 32", '--repeats 3 --temperature 0 --methods "none,mtp k=1,eagle3 k=2,eagle3 k=3,'
-                        'eagle3 k=4" --costs'): Tiny(SPEC_TABLE + (r"eagle3 k=4: a verify of 5 tokens.*in the timed runs "
-                                                               r"a drafting step cost [\d.]+x",), spec_decode()),
-    SMOLLM2_SPEC.format("16 --num-prompts 64", '--repeats 10 --temperature 1 --rejection-sample-method strict --methods '
-                        '"none,mtp k=1,mtp adaptive" --versus "mtp adaptive/none,mtp k=1/none"'):
+    SMOLLM2_SPEC.format("1 --num-prompts 32", '--repeats 3 --temperature 0 --methods "none,mtp k=1,eagle3 k=2,'
+                        'eagle3 k=3,eagle3 k=4" --costs'):
+        Tiny(SPEC_TABLE + (r"eagle3 k=4: a verify of 5 tokens.*in the timed runs a drafting step cost [\d.]+x",),
+             spec_decode()),
+    SMOLLM2_SPEC.format("16 --num-prompts 64", '--repeats 10 --temperature 1 --rejection-sample-method strict '
+                        '--methods "none,mtp k=1,mtp adaptive" --versus "mtp adaptive/none,mtp k=1/none"'):
         Tiny(SPEC_TABLE + (r"mtp adaptive / none paired [\d.]+x, faster in",), spec_decode()),
     SMOLLM2_EAGLE3_VLLM: Tiny((r"arm \(end = last 1 steps\)", r"vllm/none"), RL, SMOLLM2 + (
         ("runs/smollm2_eagle3/eagle3_draft-vocab-size4096_draft_warmup200", "llama_chat_eagle3"),)),

@@ -435,7 +435,8 @@ def spec_decode(args):
         for engine in engines.values():
             engine.generate(samples_for_prompts(prompts[:batch]), sampling)  # warm-up (and the adaptive profile)
         rates, seconds = {}, {}
-        runs = {name: proposer_run(engines[name], table[name], prompts, sampling, indices, args.slices) for name in wanted}
+        runs = {name: proposer_run(engines[name], table[name], prompts, sampling, indices, args.slices)
+                for name in wanted}
         got = time_interleaved(runs, args.repeats, args.clock, args.min_seconds, rates, seconds)
         # the engine clocks its prefills on the wall clock: under --clock cpu the decode phase is not measured
         decode = {name: max(decode_rates(runs[name], seconds[name])) if args.clock == "wall" else math.nan
@@ -489,9 +490,10 @@ def print_costs(engines, table, batch, prompt_len, in_run, repeats=5):
             verify = engine.profile_verify(batch, k + 1, repeats=repeats)
             drafting = (f"drafting {k} {engine.profile_draft(batch, k, repeats) / step:.2f}x"
                         if hasattr(engine.proposer, "profile_draft") else "its drafting not profiled")
-            timed = "" if math.isnan(in_run[name]) else f"; in the timed runs a drafting step cost {in_run[name]:.2f}x a plain one"
-            print(f"batch {batch}: {name}: a verify of {k + 1} tokens {verify / step:.2f}x a plain step, {drafting}{timed}",
-                  flush=True)
+            timed = ("" if math.isnan(in_run[name])
+                     else f"; in the timed runs a drafting step cost {in_run[name]:.2f}x a plain one")
+            print(f"batch {batch}: {name}: a verify of {k + 1} tokens {verify / step:.2f}x a plain step, "
+                  f"{drafting}{timed}", flush=True)
 
 
 def fixed_k_of(adaptive_name, methods):
